@@ -1,0 +1,29 @@
+"""nanotrain: Lightning hooks, Megatron parallelism, no global state.
+
+Public API: `Trainer`, `NanoModule`, `TrainState`, `StepOutput`, and the subpackages
+`nanotrain.strategies`, `nanotrain.callbacks`, `nanotrain.data`, `nanotrain.models`.
+"""
+
+from nanotrain import callbacks, strategies
+from nanotrain.callbacks.base import Callback
+from nanotrain.module import NanoModule
+from nanotrain.state import TrainState
+from nanotrain.strategies import DDPStrategy, SingleDeviceStrategy, StepOutput, Strategy
+from nanotrain.trainer import Trainer
+from nanotrain.trainer_config import TrainerConfig
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Callback",
+    "DDPStrategy",
+    "NanoModule",
+    "SingleDeviceStrategy",
+    "StepOutput",
+    "Strategy",
+    "TrainState",
+    "Trainer",
+    "TrainerConfig",
+    "callbacks",
+    "strategies",
+]

@@ -1,0 +1,139 @@
+"""Callback: the hooks the Trainer emits, with what holds when each fires.
+
+Hooks run on every rank, in the order the callbacks were registered; after all callbacks
+the NanoModule's hook of the same name runs (without the `trainer, module` arguments), as in
+Lightning. A callback observes; it changes control flow only through
+`trainer.request_stop()` (end training after the current step) and, inside
+`on_before_optimizer_step`, `trainer.request_skip_step()` (drop this step's update).
+
+Order for one `fit` (N steps, validation every V steps, E epochs):
+
+    setup(stage="fit")
+    on_fit_start
+    on_train_start
+      on_train_epoch_start
+        on_train_batch_start → on_before_optimizer_step → on_train_batch_end     (per step)
+        [every V steps] on_validation_start → on_validation_epoch_start
+                        → (on_validation_batch_end per batch) → on_validation_epoch_end
+                        → on_validation_end
+      on_train_epoch_end                       (only when an epoch ran to completion)
+    [final validation at the last step unless the last step just validated]
+    on_train_end
+    on_fit_end
+    teardown(stage="fit")
+
+On an exception anywhere in between: `on_exception`, then `teardown`, then the exception
+propagates.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
+
+    from nanotrain.module import NanoModule
+    from nanotrain.strategies.base import StepOutput
+    from nanotrain.trainer import Trainer
+
+
+class Callback:
+    """Base class for callbacks; override the hooks you need. Every hook is a no-op here."""
+
+    @property
+    def state_key(self) -> str:
+        """Key of this callback's state in a checkpoint; unique per class by default."""
+        return type(self).__qualname__
+
+    def setup(self, trainer: Trainer, module: NanoModule, stage: str) -> None:
+        """Process groups exist and the model is built on its device; optimizers are not yet
+        created and no checkpoint has been loaded. `stage` is "fit" or "validate"."""
+
+    def teardown(self, trainer: Trainer, module: NanoModule, stage: str) -> None:
+        """Last hook of `fit`/`validate`, also after an exception; loggers are still open."""
+
+    def on_fit_start(self, trainer: Trainer, module: NanoModule) -> None:
+        """Optimizers exist, a resumed checkpoint (if any) is loaded into model, optimizer,
+        train state and callbacks; `trainer.global_step` is the step training resumes from."""
+
+    def on_fit_end(self, trainer: Trainer, module: NanoModule) -> None:
+        """Training and the final validation are done; no more steps will run."""
+
+    def on_train_start(self, trainer: Trainer, module: NanoModule) -> None:
+        """The training data loader is built; the first step has not started."""
+
+    def on_train_end(self, trainer: Trainer, module: NanoModule) -> None:
+        """The last optimizer step and the final validation have run."""
+
+    def on_train_epoch_start(self, trainer: Trainer, module: NanoModule) -> None:
+        """A pass over the training data starts (also when resuming mid-epoch)."""
+
+    def on_train_epoch_end(self, trainer: Trainer, module: NanoModule) -> None:
+        """A pass over the training data completed; `trainer.current_epoch` is still that
+        epoch's index."""
+
+    def on_train_batch_start(
+        self, trainer: Trainer, module: NanoModule, batch: list[Any], batch_idx: int
+    ) -> None:
+        """Before the forward pass of one optimizer step. `batch` is this rank's list of
+        microbatches (already on the device); `batch_idx` is the step index in the epoch.
+        Gradients are zero."""
+
+    def on_before_optimizer_step(
+        self, trainer: Trainer, module: NanoModule, optimizer: torch.optim.Optimizer
+    ) -> None:
+        """Gradients are accumulated over all microbatches, reduced across replicas and
+        clipped; `trainer.step_output` holds the step's global loss and the grad norm measured
+        before clipping. The optimizer has not stepped. `trainer.request_skip_step()` here
+        discards this step's update."""
+
+    def on_train_batch_end(
+        self,
+        trainer: Trainer,
+        module: NanoModule,
+        outputs: StepOutput,
+        batch: list[Any],
+        batch_idx: int,
+    ) -> None:
+        """The optimizer and the step-interval LR scheduler have stepped, gradients are
+        zeroed, `trainer.global_step` counts this step, and the step's metrics are logged if
+        this was a logging step. `outputs` is the step's `StepOutput`."""
+
+    def on_validation_start(self, trainer: Trainer, module: NanoModule) -> None:
+        """The model is in eval mode and gradients are off; no validation batch has run."""
+
+    def on_validation_epoch_start(self, trainer: Trainer, module: NanoModule) -> None:
+        """Right after `on_validation_start`: a full pass over the validation data begins."""
+
+    def on_validation_batch_end(
+        self, trainer: Trainer, module: NanoModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        """One validation batch ran forward; `outputs` is what `validation_step` returned."""
+
+    def on_validation_epoch_end(self, trainer: Trainer, module: NanoModule) -> None:
+        """Every validation batch ran; `trainer.callback_metrics` holds the reduced validation
+        metrics (averaged over all batches and ranks), already written to the loggers."""
+
+    def on_validation_end(self, trainer: Trainer, module: NanoModule) -> None:
+        """Validation is over; the model is back in train mode if it was training."""
+
+    def on_exception(self, trainer: Trainer, module: NanoModule, exception: BaseException) -> None:
+        """An exception escaped the loop; it propagates after every callback has seen it."""
+
+    def on_save_checkpoint(
+        self, trainer: Trainer, module: NanoModule, checkpoint: dict[str, Any]
+    ) -> None:
+        """A checkpoint dict has been assembled and is about to be written; may add keys."""
+
+    def on_load_checkpoint(
+        self, trainer: Trainer, module: NanoModule, checkpoint: dict[str, Any]
+    ) -> None:
+        """A checkpoint was read and loaded into model, optimizer and state."""
+
+    def state_dict(self) -> dict[str, Any]:
+        """State to save in checkpoints (plain Python values and tensors only)."""
+        return {}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore what `state_dict` returned."""

@@ -1,0 +1,59 @@
+"""Re-batch a user's DataLoader into microbatches read in the Trainer's resumable order."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch.utils.data import DataLoader, Dataset, IterableDataset
+
+from nanotrain.strategies.base import DataShard
+
+
+def rebatch(
+    loader_or_dataset: DataLoader | Dataset,
+    *,
+    micro_batch_size: int,
+    global_batch_size: int,
+    shard: DataShard,
+    shuffle: bool,
+    seed: int,
+) -> tuple[DataLoader, Any]:
+    """Return (loader, sampler): the same dataset, collate function and worker settings, read
+    `micro_batch_size` at a time in the order of a `ResumableDistributedSampler`.
+
+    Raises:
+        TypeError: for an `IterableDataset` (its position cannot be saved for an exact resume)
+            or something that is neither a DataLoader nor a map-style Dataset.
+        ValueError: for an empty dataset or one smaller than a global batch.
+    """
+    from nanotrain.data.sampler import ResumableDistributedSampler
+
+    if isinstance(loader_or_dataset, DataLoader):
+        dataset = loader_or_dataset.dataset
+        extra = dict(
+            collate_fn=loader_or_dataset.collate_fn,
+            num_workers=loader_or_dataset.num_workers,
+            pin_memory=loader_or_dataset.pin_memory,
+        )
+    else:
+        dataset, extra = loader_or_dataset, {}
+    if isinstance(dataset, IterableDataset) or not hasattr(dataset, "__len__"):
+        raise TypeError(
+            "nanotrain needs a map-style dataset (with __len__ and __getitem__) so that it can "
+            "shard it across processes and resume at the exact next sample; got "
+            f"{type(dataset).__name__}"
+        )
+    if len(dataset) == 0:
+        raise ValueError(f"the dataset {type(dataset).__name__} is empty; check the data path")
+    sampler = ResumableDistributedSampler(
+        len(dataset),
+        global_batch_size=global_batch_size,
+        shard_index=shard.index,
+        shard_count=shard.count,
+        shuffle=shuffle,
+        seed=seed,
+    )
+    loader = DataLoader(
+        dataset, batch_size=micro_batch_size, sampler=sampler, drop_last=True, **extra
+    )
+    return loader, sampler

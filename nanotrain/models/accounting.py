@@ -1,0 +1,171 @@
+"""Parameter and FLOP accounting as pure functions of a model config (no model is built).
+
+Terms (per token, single tensor-parallel rank = the whole model):
+- *total* parameters: every parameter tensor once (a tied head is not counted twice);
+  the router bias is a buffer, not a parameter.
+- *activated* parameters: what one token touches: all non-expert parameters (embedding and
+  output head included, as in the DeepSeek-V3 paper), the shared experts, and only
+  `num_experts_per_tok` of the routed experts of each MoE layer. The router weight counts in
+  full (every token scores every expert).
+- MTP modules are counted separately (`include_mtp`): DeepSeek-V3's 671B / 37B exclude them;
+  the Hugging Face checkpoint's 685B adds them (~11.5B of our parameters, plus ~1.9B for the
+  copies of embedding and head it stores in layer 61; we share those and do not count them).
+
+Training FLOPs per token (forward + backward = 3 x forward, a matmul of an [in, out] weight
+costing 2 * in * out per token forward):
+
+    flops = 6 * N_matmul + 6 * L_attn * heads * (qk_head_dim + v_head_dim) * S_eff
+
+- N_matmul: activated matrix parameters excluding the input embedding (a lookup, not a matmul)
+  and the norm weights, plus the output head once per prediction head (main + each MTP depth,
+  since the head is shared but applied D + 1 times).
+- the second term is QK^T (qk_head_dim) and attention x V (v_head_dim) for each of
+  L_attn = num_layers (+ mtp_depth) attention layers; S_eff = seq_len / 2 with causal=True
+  (each query sees on average half the keys, which is what causal flash kernels compute)
+  and seq_len with causal=False.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from nanotrain.models.config import DeepSeekConfig, DenseConfig
+
+
+@dataclass(frozen=True)
+class ParamBreakdown:
+    """Parameter counts of one part of a model (main stack or MTP modules), by kind.
+
+    Attributes:
+        embedding: input embedding table. head: output head (0 when tied or shared).
+        norms: RMSNorm weights. dense: other matrices (attention, dense MLPs, shared experts,
+        routers, MTP projections). experts: all routed experts. experts_active: the
+        `num_experts_per_tok` routed experts a token uses.
+    """
+
+    embedding: int = 0
+    head: int = 0
+    norms: int = 0
+    dense: int = 0
+    experts: int = 0
+    experts_active: int = 0
+
+    @property
+    def total(self) -> int:
+        """All parameters of this part."""
+        return self.embedding + self.head + self.norms + self.dense + self.experts
+
+    @property
+    def activated(self) -> int:
+        """Parameters one token uses in this part."""
+        return self.embedding + self.head + self.norms + self.dense + self.experts_active
+
+    def __add__(self, other: ParamBreakdown) -> ParamBreakdown:
+        return ParamBreakdown(
+            *(getattr(self, f) + getattr(other, f) for f in self.__dataclass_fields__)
+        )
+
+
+def _attention(config: DenseConfig | DeepSeekConfig) -> ParamBreakdown:
+    c, h = config, config.hidden_size
+    if isinstance(c, DenseConfig):
+        d = c.head_dim
+        return ParamBreakdown(dense=2 * h * c.num_heads * d + 2 * h * c.num_kv_heads * d)
+    n = c.num_heads
+    if c.q_lora_rank is None:
+        q, q_norm = h * n * c.qk_head_dim, 0
+    else:
+        q, q_norm = h * c.q_lora_rank + c.q_lora_rank * n * c.qk_head_dim, c.q_lora_rank
+    kv = h * (c.kv_lora_rank + c.qk_rope_head_dim) + c.kv_lora_rank * n * (
+        c.qk_nope_head_dim + c.v_head_dim
+    )
+    return ParamBreakdown(norms=q_norm + c.kv_lora_rank, dense=q + kv + n * c.v_head_dim * h)
+
+
+def _mlp(config: DenseConfig | DeepSeekConfig, moe: bool) -> ParamBreakdown:
+    c, h = config, config.hidden_size
+    if not moe:
+        return ParamBreakdown(dense=3 * h * c.intermediate_size)
+    per_expert = 3 * h * c.moe_intermediate_size
+    return ParamBreakdown(
+        dense=c.n_routed_experts * h + c.n_shared_experts * per_expert,  # router + shared
+        experts=c.n_routed_experts * per_expert,
+        experts_active=c.num_experts_per_tok * per_expert,
+    )
+
+
+def _layer(config: DenseConfig | DeepSeekConfig, moe: bool) -> ParamBreakdown:
+    return ParamBreakdown(norms=2 * config.hidden_size) + _attention(config) + _mlp(config, moe)
+
+
+def _is_moe(config: DenseConfig | DeepSeekConfig, layer_idx: int) -> bool:
+    return isinstance(config, DeepSeekConfig) and config.is_moe_layer(layer_idx)
+
+
+def main_params(config: DenseConfig | DeepSeekConfig) -> ParamBreakdown:
+    """Breakdown of the main model: embedding, decoder layers, final norm and head."""
+    c = config
+    vh = c.vocab_size * c.hidden_size
+    out = ParamBreakdown(embedding=vh, head=0 if c.tie_word_embeddings else vh, norms=c.hidden_size)
+    for i in range(c.num_layers):
+        out = out + _layer(c, _is_moe(c, i))
+    return out
+
+
+def mtp_params(config: DenseConfig | DeepSeekConfig) -> ParamBreakdown:
+    """Breakdown of all MTP modules (empty for dense configs); embedding and head are shared."""
+    if not isinstance(config, DeepSeekConfig) or config.mtp_depth == 0:
+        return ParamBreakdown()
+    h = config.hidden_size
+    moe = config.first_k_dense_replace < config.num_layers
+    one = ParamBreakdown(norms=3 * h, dense=2 * h * h) + _layer(config, moe)
+    out = ParamBreakdown()
+    for _ in range(config.mtp_depth):
+        out = out + one
+    return out
+
+
+def total_params(config: DenseConfig | DeepSeekConfig, *, include_mtp: bool = False) -> int:
+    """Parameters of the main model (tp=1); `include_mtp=True` adds the MTP modules, which
+    gives the parameter count of the built model."""
+    extra = mtp_params(config).total if include_mtp else 0
+    return main_params(config).total + extra
+
+
+def active_params(config: DenseConfig | DeepSeekConfig, *, include_mtp: bool = False) -> int:
+    """Parameters activated per token (see the module docstring); MTP excluded by default."""
+    extra = mtp_params(config).activated if include_mtp else 0
+    return main_params(config).activated + extra
+
+
+def flops_per_token(
+    config: DenseConfig | DeepSeekConfig,
+    seq_len: int,
+    *,
+    causal: bool = True,
+    include_mtp: bool = True,
+) -> float:
+    """Training (forward + backward) FLOPs per token at sequence length `seq_len`.
+
+    See the module docstring for the derivation. MTP is included by default because its
+    modules run (and cost compute) in every training step.
+
+    Raises: ValueError if seq_len < 1.
+    """
+    if seq_len < 1:
+        raise ValueError(f"seq_len must be >= 1, got {seq_len}")
+    c = config
+    head = c.vocab_size * c.hidden_size
+    main = main_params(c)
+    matmul = main.dense + main.experts_active + head
+    attn_layers = c.num_layers
+    if include_mtp and isinstance(c, DeepSeekConfig) and c.mtp_depth > 0:
+        mtp = mtp_params(c)
+        matmul += mtp.dense + mtp.experts_active + c.mtp_depth * head
+        attn_layers += c.mtp_depth
+    if isinstance(c, DeepSeekConfig):
+        qk, v = c.qk_head_dim, c.v_head_dim
+    else:
+        qk = v = c.head_dim
+    keys_per_query = seq_len / 2 if causal else seq_len
+    return 6.0 * matmul + 6.0 * attn_layers * c.num_heads * (qk + v) * keys_per_query

@@ -1,0 +1,124 @@
+"""Causal self-attention: `DenseAttention` (MHA/GQA/MQA) and `MLAttention` (DeepSeek MLA).
+
+Both run on `torch.nn.functional.scaled_dot_product_attention` with `is_causal=True` and take
+the rotary tables `(cos, sin)` computed once per forward by the model.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from nanotrain.models.config import DeepSeekConfig, DenseConfig
+from nanotrain.models.layers import RMSNorm, apply_rope, divide_evenly, softmax_scale, tp_size_of
+from nanotrain.parallel.tensor import ColumnParallelLinear, RowParallelLinear
+
+
+class DenseAttention(nn.Module):
+    """Llama-style attention with rotate-half RoPE; MHA, GQA or MQA by `num_kv_heads`.
+
+    Heads are split across the tensor-parallel group (q/k/v column-parallel, o row-parallel).
+
+    Shapes: x [B, T, hidden] -> [B, T, hidden].
+    Raises: ValueError when the tp size does not divide num_heads or num_kv_heads.
+    """
+
+    def __init__(self, config: DenseConfig, *, tp_group: Any = None, device: Any = None):
+        super().__init__()
+        tp = tp_size_of(tp_group)
+        self.head_dim = config.head_dim
+        self.local_heads = divide_evenly(config.num_heads, tp, "num_heads")
+        self.local_kv_heads = divide_evenly(config.num_kv_heads, tp, "num_kv_heads")
+        kw = {"tp_group": tp_group, "device": device}
+        h, d = config.hidden_size, config.head_dim
+        self.q_proj = ColumnParallelLinear(h, config.num_heads * d, **kw)
+        self.k_proj = ColumnParallelLinear(h, config.num_kv_heads * d, **kw)
+        self.v_proj = ColumnParallelLinear(h, config.num_kv_heads * d, **kw)
+        self.o_proj = RowParallelLinear(config.num_heads * d, h, **kw)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        b, t, _ = x.shape
+        q = self.q_proj(x).view(b, t, self.local_heads, self.head_dim)
+        k = self.k_proj(x).view(b, t, self.local_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(b, t, self.local_kv_heads, self.head_dim)
+        q = apply_rope(q, cos, sin, interleaved=False)
+        k = apply_rope(k, cos, sin, interleaved=False)
+        # (B, heads, T, head_dim) for SDPA; enable_gqa shares each kv head across its q group
+        q, k, v = (z.transpose(1, 2) for z in (q, k, v))
+        gqa = self.local_kv_heads != self.local_heads
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+        y = y.transpose(1, 2).reshape(b, t, self.local_heads * self.head_dim)
+        return self.o_proj(y)
+
+
+class MLAttention(nn.Module):
+    """Multi-head Latent Attention (DeepSeek-V2 section 2.1, DeepSeek-V3 section 2.1.1).
+
+    Per token (paper notation): c_Q = W_DQ h (optional, rank `q_lora_rank`), q = W_UQ RMSNorm(c_Q)
+    split per head into [q^C (qk_nope) | q^R (qk_rope)]; [c_KV | k^R] = W_DKV h with c_KV of
+    rank `kv_lora_rank` and one rope key k^R shared by all heads; [k^C | v] = W_UKV RMSNorm(c_KV)
+    per head. RoPE is applied to q^R and k^R only; the score scale is 1/sqrt(qk_head_dim)
+    times the YaRN mscale^2. Training computes the full keys (no latent-cache absorption).
+
+    The latent projections (`q_a_proj`, `kv_a_proj_with_mqa`) are replicated across the
+    tensor-parallel group; the up-projections are column-parallel (heads split) and `o_proj`
+    is row-parallel.
+
+    Shapes: x [B, T, hidden] -> [B, T, hidden].
+    Raises: ValueError when the tp size does not divide num_heads.
+    """
+
+    def __init__(self, config: DeepSeekConfig, *, tp_group: Any = None, device: Any = None):
+        super().__init__()
+        c = config
+        tp = tp_size_of(tp_group)
+        self.local_heads = divide_evenly(c.num_heads, tp, "num_heads")
+        self.nope_dim, self.rope_dim, self.v_dim = c.qk_nope_head_dim, c.qk_rope_head_dim, c.v_head_dim
+        self.kv_lora_rank = c.kv_lora_rank
+        self.interleaved = c.rope_interleave
+        self.scale = softmax_scale(c.qk_head_dim, c.rope_scaling)
+        split = {"tp_group": tp_group, "device": device}
+        replicated = {"tp_group": None, "device": device}
+        q_out = c.num_heads * c.qk_head_dim
+        if c.q_lora_rank is None:
+            self.q_proj = ColumnParallelLinear(c.hidden_size, q_out, **split)
+        else:
+            self.q_a_proj = ColumnParallelLinear(c.hidden_size, c.q_lora_rank, **replicated)
+            self.q_a_layernorm = RMSNorm(c.q_lora_rank, c.rms_norm_eps, device=device)
+            self.q_b_proj = ColumnParallelLinear(c.q_lora_rank, q_out, **split)
+        self.kv_a_proj_with_mqa = ColumnParallelLinear(
+            c.hidden_size, c.kv_lora_rank + c.qk_rope_head_dim, **replicated
+        )
+        self.kv_a_layernorm = RMSNorm(c.kv_lora_rank, c.rms_norm_eps, device=device)
+        self.kv_b_proj = ColumnParallelLinear(
+            c.kv_lora_rank, c.num_heads * (c.qk_nope_head_dim + c.v_head_dim), **split
+        )
+        self.o_proj = RowParallelLinear(c.num_heads * c.v_head_dim, c.hidden_size, **split)
+
+    def _queries(self, x: torch.Tensor) -> torch.Tensor:
+        if hasattr(self, "q_proj"):
+            return self.q_proj(x)
+        return self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        b, t, _ = x.shape
+        n = self.local_heads
+        q = self._queries(x).view(b, t, n, self.nope_dim + self.rope_dim)
+        q_nope, q_rope = q.split([self.nope_dim, self.rope_dim], dim=-1)
+        q_rope = apply_rope(q_rope, cos, sin, interleaved=self.interleaved)
+
+        latent = self.kv_a_proj_with_mqa(x)  # (B, T, kv_lora_rank + rope_dim)
+        c_kv, k_rope = latent.split([self.kv_lora_rank, self.rope_dim], dim=-1)
+        k_rope = apply_rope(k_rope.unsqueeze(2), cos, sin, interleaved=self.interleaved)
+        kv = self.kv_b_proj(self.kv_a_layernorm(c_kv)).view(b, t, n, self.nope_dim + self.v_dim)
+        k_nope, v = kv.split([self.nope_dim, self.v_dim], dim=-1)
+
+        q = torch.cat((q_nope, q_rope), dim=-1)  # (B, T, n, qk_head_dim)
+        k = torch.cat((k_nope, k_rope.expand(b, t, n, self.rope_dim)), dim=-1)
+        q, k, v = (z.transpose(1, 2) for z in (q, k, v))  # (B, n, T, dim)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale)
+        y = y.transpose(1, 2).reshape(b, t, n * self.v_dim)
+        return self.o_proj(y)

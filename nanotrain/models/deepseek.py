@@ -1,0 +1,145 @@
+"""DeepSeek-V3: MLA attention, DeepSeekMoE layers (after the first k dense ones) and MTP.
+
+Multi-token prediction (DeepSeek-V3 section 2.2), depth k = 1..D, position i:
+    h'^k_i = M_k [RMSNorm(Emb(t_{i+k})); RMSNorm(h^{k-1}_i)]     (eh_proj, [H, 2H])
+    h^k    = TRM_k(h'^k)                                          (one decoder layer)
+    P^k_{i+k+1} = OutHead(RMSNorm(h^k_i))                         (shared lm_head)
+h^0 is the main stack's last hidden state (before the final norm). The embedding and output
+head are the main model's own modules (shared, not copied). The paper writes the concatenation
+as [h; Emb]; the released V3 weights (and HF) put the embedding half first, which we follow so
+`eh_proj` loads unchanged.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from nanotrain.models.attention import MLAttention
+from nanotrain.models.config import DeepSeekConfig
+from nanotrain.models.layers import RMSNorm, SwiGLU
+from nanotrain.models.moe import DeepSeekMoE
+from nanotrain.models.transformer import CausalLM, DecoderLayer, ModelOutput, masked_mean_ce
+from nanotrain.parallel.tensor import ColumnParallelLinear
+
+
+def make_deepseek_layer(
+    config: DeepSeekConfig, moe: bool, *, tp_group: Any, device: Any
+) -> DecoderLayer:
+    """One DeepSeek decoder layer: MLA + (DeepSeekMoE if `moe` else dense SwiGLU)."""
+    c = config
+    attn = MLAttention(c, tp_group=tp_group, device=device)
+    if moe:
+        mlp: nn.Module = DeepSeekMoE(c, tp_group=tp_group, device=device)
+    else:
+        mlp = SwiGLU(c.hidden_size, c.intermediate_size, tp_group=tp_group, device=device)
+    return DecoderLayer(attn, mlp, c.hidden_size, c.rms_norm_eps, device)
+
+
+def shift_left(x: torch.Tensor, k: int, fill: int) -> torch.Tensor:
+    """x[:, t + k] at position t, `fill` in the last k positions. x: [B, T] -> [B, T]."""
+    out = x.new_full(x.shape, fill)
+    if k < x.shape[1]:
+        out[:, : x.shape[1] - k] = x[:, k:]
+    return out
+
+
+class MTPModule(nn.Module):
+    """One MTP depth: norms, the [2H -> H] projection and one decoder layer.
+
+    Shapes: forward(h_prev [B, T, H], emb_next [B, T, H], cos, sin) -> (h [B, T, H], aux).
+    The caller applies `norm` and the shared head.
+    """
+
+    def __init__(self, config: DeepSeekConfig, *, tp_group: Any, device: Any):
+        super().__init__()
+        c = config
+        self.enorm = RMSNorm(c.hidden_size, c.rms_norm_eps, device=device)
+        self.hnorm = RMSNorm(c.hidden_size, c.rms_norm_eps, device=device)
+        # replicated over tp: its output feeds the block's (replicated) residual stream
+        self.eh_proj = ColumnParallelLinear(2 * c.hidden_size, c.hidden_size, device=device)
+        # V3's MTP block has the same shape as a main-stack MoE layer
+        moe = c.first_k_dense_replace < c.num_layers
+        self.block = make_deepseek_layer(c, moe, tp_group=tp_group, device=device)
+        self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps, device=device)
+
+    def forward(
+        self, h_prev: torch.Tensor, emb_next: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        x = self.eh_proj(torch.cat((self.enorm(emb_next), self.hnorm(h_prev)), dim=-1))
+        return self.block(x, cos, sin)
+
+
+class DeepSeekV3(CausalLM):
+    """DeepSeek-V3 family model (also covers V2-style configs: softmax routing, no q_lora).
+
+    forward(input_ids, labels) runs the MTP modules only when labels are given and the model
+    is in training mode or `run_mtp=True`; inference skips them.
+    """
+
+    def __init__(self, config: DeepSeekConfig, *, tp_group: Any = None, device: Any = None):
+        if not isinstance(config, DeepSeekConfig):
+            raise TypeError(f"DeepSeekV3 needs a DeepSeekConfig, got {type(config).__name__}")
+        super().__init__(config, tp_group=tp_group, device=device)
+        self.mtp = nn.ModuleList(
+            MTPModule(config, tp_group=tp_group, device=device) for _ in range(config.mtp_depth)
+        )
+
+    @property
+    def rope_dim(self) -> int:
+        return self.config.qk_rope_head_dim
+
+    def make_layer(self, layer_idx: int, device: Any) -> DecoderLayer:
+        moe = self.config.is_moe_layer(layer_idx)
+        return make_deepseek_layer(self.config, moe, tp_group=self.tp_group, device=device)
+
+    def mtp_losses(
+        self, h: torch.Tensor, input_ids: torch.Tensor, labels: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Mean MTP cross-entropy over depths and the MTP blocks' summed aux loss.
+
+        Depth k (1-based) at position t reads token t+k (input_ids shifted left by k) and
+        predicts token t+k+1 (labels shifted left by k); the last k positions have no target.
+
+        Args: h [B, T, H] main-stack output before the final norm; input_ids, labels [B, T].
+        """
+        cos, sin = self.rope(h.shape[1], h.device)
+        losses, aux = [], h.new_zeros((), dtype=torch.float32)
+        for k, module in enumerate(self.mtp, start=1):
+            emb_next = self.embed(shift_left(input_ids, k, 0))
+            h, block_aux = module(h, emb_next, cos, sin)
+            logits = self.lm_head(module.norm(h))
+            target = shift_left(labels, k, -100)
+            loss, _ = masked_mean_ce(logits, target, self.tp_group, self.config.vocab_size)
+            losses.append(loss)
+            aux = aux + block_aux
+        return torch.stack(losses).mean(), aux
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        labels: torch.Tensor | None = None,
+        *,
+        run_mtp: bool | None = None,
+    ) -> ModelOutput:
+        """input_ids, labels: [B, T] int64 (labels already shifted; -100 = ignore).
+
+        run_mtp: None = run the MTP modules when training with labels; False skips them.
+        """
+        self._check_input(input_ids, labels)
+        h, aux = self.run_layers(self.embed(input_ids))
+        logits, loss, count = self.head_and_loss(h, labels)
+        if run_mtp is None:
+            run_mtp = self.training
+        mtp_loss = None
+        if labels is not None and run_mtp and len(self.mtp) > 0:
+            mtp_loss, mtp_aux = self.mtp_losses(h, input_ids, labels)
+            aux = aux + mtp_aux
+        total = None
+        if loss is not None:
+            total = loss + aux
+            if mtp_loss is not None:
+                total = total + self.config.mtp_loss_weight * mtp_loss
+        return ModelOutput(logits, loss, aux, mtp_loss, total, count)

@@ -1,0 +1,172 @@
+"""Building blocks shared by both model families: RMSNorm, rotary embeddings (+ YaRN), SwiGLU.
+
+Rotary tables are computed on the fly from the config (a handful of floats per position), so
+a model built on the meta device has no buffer that must be recomputed after materializing.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from nanotrain.parallel.tensor import ColumnParallelLinear, RowParallelLinear
+
+
+def tp_size_of(tp_group: Any) -> int:
+    """Number of ranks in a tensor-parallel group (1 for None)."""
+    return 1 if tp_group is None else tp_group.size()
+
+
+def divide_evenly(total: int, parts: int, what: str) -> int:
+    """`total // parts`, raising ValueError when `parts` does not divide `total`."""
+    if total % parts != 0:
+        raise ValueError(
+            f"{what}={total} is not divisible by the tensor-parallel size {parts}; "
+            "choose a tp size that divides it"
+        )
+    return total // parts
+
+
+class RMSNorm(nn.Module):
+    """Root-mean-square norm: y = x / sqrt(mean(x^2) + eps) * weight, computed in float32.
+
+    Args:
+        dim: size of the last dimension. eps: added inside the square root.
+    Shapes: x [..., dim] -> [..., dim] in x's dtype.
+    """
+
+    def __init__(self, dim: int, eps: float = 1e-6, *, device: Any = None, dtype: Any = None):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim, device=device, dtype=dtype))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # float32 statistics: bf16 mean-of-squares loses ~3 digits on wide hidden sizes
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+
+def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    """YaRN attention-temperature factor 0.1 * mscale * ln(factor) + 1 (1 when factor <= 1)."""
+    if factor <= 1:
+        return 1.0
+    return 0.1 * mscale * math.log(factor) + 1.0
+
+
+def _yarn_correction_dim(num_rotations: float, dim: int, base: float, max_pos: int) -> float:
+    # the dimension index whose wavelength fits `num_rotations` times into `max_pos`
+    return dim * math.log(max_pos / (num_rotations * 2 * math.pi)) / (2 * math.log(base))
+
+
+def rope_inv_freq(
+    dim: int, theta: float, rope_scaling: dict[str, Any] | None = None, device: Any = None
+) -> torch.Tensor:
+    """Rotary inverse frequencies theta^(-2i/dim), i = 0 .. dim/2-1, optionally YaRN-scaled.
+
+    YaRN (Peng et al. 2023, as configured in DeepSeek-V3): dimensions that rotate more than
+    `beta_fast` times over the original context keep their frequency (extrapolation), those
+    rotating fewer than `beta_slow` times are divided by `factor` (interpolation), with a
+    linear ramp in between.
+
+    Returns: float32 tensor [dim // 2].
+    """
+    exponents = torch.arange(0, dim, 2, dtype=torch.float32, device=device) / dim
+    inv_freq = 1.0 / (theta**exponents)
+    if rope_scaling is None:
+        return inv_freq
+    factor = float(rope_scaling["factor"])
+    original = int(rope_scaling["original_max_position_embeddings"])
+    beta_fast = rope_scaling.get("beta_fast") or 32
+    beta_slow = rope_scaling.get("beta_slow") or 1
+    low = max(math.floor(_yarn_correction_dim(beta_fast, dim, theta, original)), 0)
+    high = min(math.ceil(_yarn_correction_dim(beta_slow, dim, theta, original)), dim - 1)
+    if low == high:
+        high += 0.001  # avoid a zero-width ramp
+    ramp = (torch.arange(dim // 2, dtype=torch.float32, device=device) - low) / (high - low)
+    keep = 1.0 - ramp.clamp(0.0, 1.0)  # 1 = extrapolate (high frequency), 0 = interpolate
+    return inv_freq / factor * (1.0 - keep) + inv_freq * keep
+
+
+def rope_attention_factor(rope_scaling: dict[str, Any] | None) -> float:
+    """Scale applied to cos/sin under YaRN: mscale(factor, mscale) / mscale(factor, mscale_all_dim).
+
+    DeepSeek-V3 sets mscale == mscale_all_dim, so this is 1 there and the temperature moves
+    into the softmax scale instead (see `softmax_scale`).
+    """
+    if rope_scaling is None:
+        return 1.0
+    factor = float(rope_scaling["factor"])
+    mscale, mscale_all_dim = rope_scaling.get("mscale"), rope_scaling.get("mscale_all_dim")
+    if mscale and mscale_all_dim:
+        return yarn_mscale(factor, mscale) / yarn_mscale(factor, mscale_all_dim)
+    return yarn_mscale(factor)
+
+
+def softmax_scale(qk_head_dim: int, rope_scaling: dict[str, Any] | None) -> float:
+    """Attention logit scale: 1/sqrt(qk_head_dim), times mscale(factor, mscale_all_dim)^2 under YaRN."""
+    scale = qk_head_dim**-0.5
+    if rope_scaling is not None and rope_scaling.get("mscale_all_dim"):
+        m = yarn_mscale(float(rope_scaling["factor"]), rope_scaling["mscale_all_dim"])
+        scale = scale * m * m
+    return scale
+
+
+def rope_cos_sin(
+    seq_len: int,
+    dim: int,
+    theta: float,
+    rope_scaling: dict[str, Any] | None,
+    device: Any = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin of position * inv_freq for positions 0..seq_len-1, each float32 [seq_len, dim//2].
+
+    Both are multiplied by `rope_attention_factor(rope_scaling)`.
+    """
+    inv_freq = rope_inv_freq(dim, theta, rope_scaling, device=device)
+    angles = torch.outer(torch.arange(seq_len, dtype=torch.float32, device=device), inv_freq)
+    factor = rope_attention_factor(rope_scaling)
+    return angles.cos() * factor, angles.sin() * factor
+
+
+def apply_rope(
+    x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *, interleaved: bool
+) -> torch.Tensor:
+    """Rotate x by position: each pair (a, b) -> (a cos - b sin, b cos + a sin).
+
+    Args:
+        x: [B, T, heads, dim]. cos, sin: [T, dim // 2] from `rope_cos_sin`.
+        interleaved: True pairs adjacent dims (x0, x1), (x2, x3), ... as DeepSeek's reference
+            code does, and keeps that layout; False pairs dim i with i + dim/2 (Llama's
+            "rotate half").
+    Returns: tensor like x.
+    """
+    cos = cos[:, None, :].to(x.dtype)  # (T, 1, dim/2) broadcasts over heads
+    sin = sin[:, None, :].to(x.dtype)
+    if interleaved:
+        a, b = x[..., 0::2], x[..., 1::2]
+        return torch.stack((a * cos - b * sin, b * cos + a * sin), dim=-1).flatten(-2)
+    a, b = x.chunk(2, dim=-1)
+    return torch.cat((a * cos - b * sin, b * cos + a * sin), dim=-1)
+
+
+class SwiGLU(nn.Module):
+    """SwiGLU MLP: down(silu(gate(x)) * up(x)); gate/up column-parallel, down row-parallel.
+
+    Shapes: x [..., hidden] -> [..., hidden]. Parameter names follow Llama/HF
+    (`gate_proj`, `up_proj`, `down_proj`).
+    """
+
+    def __init__(self, hidden: int, intermediate: int, *, tp_group: Any = None, device: Any = None):
+        super().__init__()
+        kw = {"tp_group": tp_group, "device": device}
+        self.gate_proj = ColumnParallelLinear(hidden, intermediate, **kw)
+        self.up_proj = ColumnParallelLinear(hidden, intermediate, **kw)
+        self.down_proj = RowParallelLinear(intermediate, hidden, **kw)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))

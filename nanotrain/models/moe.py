@@ -1,0 +1,241 @@
+"""DeepSeekMoE (DeepSeek-V3 section 2.1.2): shared experts + fine-grained routed experts.
+
+The routed path is four separate steps with plain tensors in between, so expert parallelism
+only has to change where tokens go (an all-to-all between `dispatch` and `experts`):
+
+    route    (router)  h [N, H]             -> topk_idx [N, K], topk_weight [N, K], scores [N, E]
+    dispatch           h, topk_idx          -> x_sorted [N*K, H] grouped by expert, counts [E]
+    experts            x_sorted, counts     -> y_sorted [N*K, H] (one matmul per expert slice)
+    combine            y_sorted, weights    -> y [N, H] (weighted scatter-add in token order)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from nanotrain.models.config import DeepSeekConfig
+from nanotrain.models.layers import SwiGLU
+
+
+@dataclass
+class Dispatched:
+    """Token copies sorted by expert.
+
+    Attributes:
+        x: [N*K, H] token copies, expert 0's first, then expert 1's, ...
+        counts: [E] int64, how many copies each expert received (sums to N*K).
+        token_index: [N*K] int64, the source token (row of the router input) of each copy.
+        slot: [N*K] int64, flat index `token * K + k` of each copy's routing choice.
+    """
+
+    x: torch.Tensor
+    counts: torch.Tensor
+    token_index: torch.Tensor
+    slot: torch.Tensor
+
+
+class TopKRouter(nn.Module):
+    """Scores tokens against experts and picks the top-K (group-limited) experts per token.
+
+    Scores s = sigmoid(h W^T) or softmax(h W^T) in float32. Selection uses s + b, where b is the
+    aux-loss-free balancing bias (`e_score_correction_bias`, a buffer: never a parameter, no
+    gradient); the gate weights use s alone. With n_group > 1 only the `topk_group` groups with
+    the highest sum of their two best (biased) scores are eligible. Selected weights are
+    normalized to sum to one when `norm_topk_prob`, then multiplied by `routed_scaling_factor`.
+
+    Shapes: h [N, H] -> topk_idx [N, K] int64, topk_weight [N, K] float32, scores [N, E] float32.
+    """
+
+    def __init__(self, config: DeepSeekConfig, *, device: Any = None):
+        super().__init__()
+        self.config = config
+        e = config.n_routed_experts
+        self.weight = nn.Parameter(torch.empty(e, config.hidden_size, device=device))
+        self.register_buffer("e_score_correction_bias", torch.zeros(e, device=device))
+
+    def scores(self, h: torch.Tensor) -> torch.Tensor:
+        """Affinities s [N, E] in float32 (sigmoid or softmax of the router logits)."""
+        logits = F.linear(h.float(), self.weight.float())
+        if self.config.scoring_func == "sigmoid":
+            return logits.sigmoid()
+        return logits.softmax(dim=-1)
+
+    def select(self, choice: torch.Tensor) -> torch.Tensor:
+        """Top-K expert indices [N, K] from selection scores [N, E], limited to the best groups."""
+        c = self.config
+        n = choice.shape[0]
+        if c.n_group > 1:
+            grouped = choice.view(n, c.n_group, -1)  # (N, groups, experts per group)
+            best = min(2, grouped.shape[-1])
+            group_score = grouped.topk(best, dim=-1).values.sum(dim=-1)  # (N, groups)
+            top_groups = group_score.topk(c.topk_group, dim=-1).indices
+            keep = torch.zeros_like(group_score, dtype=torch.bool).scatter_(1, top_groups, True)
+            choice = grouped.masked_fill(~keep[..., None], float("-inf")).view(n, -1)
+        return choice.topk(c.num_experts_per_tok, dim=-1).indices
+
+    def forward(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        c = self.config
+        scores = self.scores(h)
+        # the bias only steers which experts are chosen, never the weights (V3 eq. 16)
+        topk_idx = self.select(scores.detach() + self.e_score_correction_bias.float())
+        weight = scores.gather(1, topk_idx)
+        if c.norm_topk_prob:
+            weight = weight / (weight.sum(dim=-1, keepdim=True) + 1e-20)
+        return topk_idx, weight * c.routed_scaling_factor, scores
+
+
+def dispatch(h: torch.Tensor, topk_idx: torch.Tensor, num_experts: int) -> Dispatched:
+    """Copy each token once per chosen expert and sort the copies by expert (stable).
+
+    Args: h [N, H]; topk_idx [N, K] int64 in [0, num_experts).
+    Returns: `Dispatched` (see its fields).
+    """
+    k = topk_idx.shape[1]
+    flat = topk_idx.reshape(-1)
+    slot = torch.argsort(flat, stable=True)  # stable keeps token order within an expert
+    token_index = slot // k
+    counts = torch.bincount(flat, minlength=num_experts)
+    return Dispatched(h[token_index], counts, token_index, slot)
+
+
+class GroupedExperts(nn.Module):
+    """The routed experts: E SwiGLU MLPs with stacked weights.
+
+    Parameters (HF layout): gate_proj, up_proj [E, moe_inter, H]; down_proj [E, H, moe_inter].
+    Shapes: forward(x [M, H] sorted by expert, counts [E]) -> [M, H].
+    """
+
+    def __init__(self, num_experts: int, hidden: int, inter: int, *, device: Any = None):
+        super().__init__()
+        self.gate_proj = nn.Parameter(torch.empty(num_experts, inter, hidden, device=device))
+        self.up_proj = nn.Parameter(torch.empty(num_experts, inter, hidden, device=device))
+        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden, inter, device=device))
+
+    def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        # One host sync for the slice sizes; a grouped-GEMM kernel taking device offsets
+        # (e.g. torch._grouped_mm on Hopper) would remove it without changing this interface.
+        outputs = []
+        for e, x_e in enumerate(x.split(counts.tolist(), dim=0)):
+            if x_e.shape[0] == 0:
+                continue
+            a = F.silu(x_e @ self.gate_proj[e].T) * (x_e @ self.up_proj[e].T)  # (M_e, inter)
+            outputs.append(a @ self.down_proj[e].T)  # (M_e, H)
+        if not outputs:
+            return x.new_zeros(x.shape)
+        return torch.cat(outputs, dim=0)
+
+
+def combine(
+    y_sorted: torch.Tensor, dispatched: Dispatched, topk_weight: torch.Tensor, num_tokens: int
+) -> torch.Tensor:
+    """Weighted scatter-add of expert outputs back to token order: y_t = sum_k g_{t,k} y_{t,k}.
+
+    Args: y_sorted [N*K, H] in `dispatched` order; topk_weight [N, K]; num_tokens N.
+    Returns: [N, H] in y_sorted's dtype.
+    """
+    w = topk_weight.reshape(-1)[dispatched.slot].to(y_sorted.dtype)
+    out = y_sorted.new_zeros(num_tokens, y_sorted.shape[-1])
+    return out.index_add(0, dispatched.token_index, y_sorted * w[:, None])
+
+
+def sequence_balance_loss(
+    scores: torch.Tensor, topk_idx: torch.Tensor, batch: int, alpha: float
+) -> torch.Tensor:
+    """Sequence-wise balance loss (DeepSeek-V3 eqs. 17-20), averaged over the batch.
+
+    L = alpha * sum_i f_i P_i per sequence, f_i = E / (K T) * #{t : expert i chosen for t},
+    P_i = mean_t s'_{i,t}, s' = scores normalized to sum to one over experts.
+
+    Args: scores [B*T, E] (unbiased affinities); topk_idx [B*T, K]; batch B.
+    Returns: scalar tensor.
+    """
+    n, e = scores.shape
+    k = topk_idx.shape[1]
+    t = n // batch
+    probs = scores / scores.sum(dim=-1, keepdim=True)
+    p = probs.view(batch, t, e).mean(dim=1)  # (B, E)
+    hits = torch.zeros(batch, e, device=scores.device, dtype=scores.dtype)
+    hits.scatter_add_(1, topk_idx.view(batch, t * k), torch.ones_like(hits[:, :1]).expand(-1, t * k))
+    f = hits * (e / (k * t))
+    return alpha * (f * p).sum(dim=-1).mean()
+
+
+class DeepSeekMoE(nn.Module):
+    """Shared experts + routed experts + router; counts expert load for aux-loss-free balancing.
+
+    `expert_load` (a non-persistent int64 buffer [E], so `model.to(bfloat16)` leaves it exact)
+    accumulates how many token copies each
+    expert received in training-mode forwards since `reset_load()`.
+
+    Shapes: forward(x [B, T, H]) -> (y [B, T, H], aux_loss scalar). aux_loss is the
+    sequence-wise balance loss times alpha (0 when alpha is 0 or in eval mode).
+    """
+
+    def __init__(self, config: DeepSeekConfig, *, tp_group: Any = None, device: Any = None):
+        super().__init__()
+        c = config
+        self.config = c
+        self.gate = TopKRouter(c, device=device)
+        self.experts = GroupedExperts(
+            c.n_routed_experts, c.hidden_size, c.moe_intermediate_size, device=device
+        )
+        self.shared_experts = None
+        if c.n_shared_experts > 0:
+            width = c.n_shared_experts * c.moe_intermediate_size
+            self.shared_experts = SwiGLU(c.hidden_size, width, tp_group=tp_group, device=device)
+        self.register_buffer(
+            "expert_load",
+            torch.zeros(c.n_routed_experts, dtype=torch.long, device=device),
+            persistent=False,
+        )
+
+    def reset_load(self) -> None:
+        """Zero the expert load counter."""
+        self.expert_load.zero_()
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        b, t, hidden = x.shape
+        h = x.reshape(b * t, hidden)
+        topk_idx, topk_weight, scores = self.gate(h)
+        d = dispatch(h, topk_idx, self.config.n_routed_experts)
+        y = combine(self.experts(d.x, d.counts), d, topk_weight, b * t).view(b, t, hidden)
+        if self.shared_experts is not None:
+            y = y + self.shared_experts(x)
+        aux = x.new_zeros((), dtype=torch.float32)
+        if self.training:
+            self.expert_load += d.counts
+            if self.config.aux_loss_alpha > 0:
+                aux = sequence_balance_loss(scores, topk_idx, b, self.config.aux_loss_alpha)
+        return y, aux
+
+
+@torch.no_grad()
+def update_bias(moe_layers: list[DeepSeekMoE], speed: float, reduce_fn: Any = None) -> torch.Tensor:
+    """Aux-loss-free balancing step (DeepSeek-V3 section 2.1.2) for every MoE layer at once.
+
+    b_i -= speed if expert i was overloaded (load above the layer's mean), += speed if
+    underloaded; then the load counters are reset.
+
+    Args:
+        moe_layers: the layers whose `expert_load` was accumulated since the last call.
+        speed: gamma. reduce_fn: optional callable summing a tensor across processes (called
+            once, on the stacked loads [L, E]).
+    Returns: the (reduced) loads [L, E] that drove the update, for logging.
+    """
+    if not moe_layers:
+        return torch.zeros(0, 0)
+    loads = torch.stack([m.expert_load for m in moe_layers])  # (L, E)
+    if reduce_fn is not None:
+        loads = reduce_fn(loads)
+    loads = loads.double()
+    direction = torch.sign(loads.mean(dim=-1, keepdim=True) - loads)
+    for layer, step in zip(moe_layers, direction, strict=True):
+        bias = layer.gate.e_score_correction_bias
+        bias += (speed * step).to(bias.dtype)
+        layer.reset_load()
+    return loads

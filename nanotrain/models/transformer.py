@@ -1,0 +1,205 @@
+"""The decoder stack shared by both families, and the Llama-style dense model.
+
+A model is three separable steps so pipeline parallelism can cut it into stages:
+`embed(input_ids)` -> the `layers` ModuleList (each `layer(h, cos, sin) -> (h, aux_loss)`)
+-> `head_and_loss(h, labels)`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from nanotrain.models.attention import DenseAttention
+from nanotrain.models.config import DeepSeekConfig, DenseConfig
+from nanotrain.models.layers import RMSNorm, SwiGLU, rope_cos_sin
+from nanotrain.models.moe import DeepSeekMoE, update_bias
+from nanotrain.parallel.tensor import (
+    ColumnParallelLinear,
+    VocabParallelEmbedding,
+    pad_vocab_size,
+    vocab_parallel_cross_entropy,
+)
+
+
+@dataclass
+class ModelOutput:
+    """What a model forward returns.
+
+    Attributes:
+        logits: [B, T, V / tp] next-token logits.
+        loss: mean next-token cross-entropy over labels != -100 (None without labels).
+        aux_loss: sum over MoE layers of alpha x the sequence-wise balance loss (0 if none).
+        mtp_loss: mean over MTP depths of their cross-entropy, NOT multiplied by lambda
+            (None without labels or without MTP).
+        total_loss: loss + aux_loss + lambda * mtp_loss, the value to backpropagate
+            (None without labels).
+        num_tokens: number of labels != -100 (int64 scalar; None without labels), for
+            token-weighted averaging over microbatches.
+    """
+
+    logits: torch.Tensor | None
+    loss: torch.Tensor | None = None
+    aux_loss: torch.Tensor | None = None
+    mtp_loss: torch.Tensor | None = None
+    total_loss: torch.Tensor | None = None
+    num_tokens: torch.Tensor | None = None
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm residual block: h + attn(norm(h)), then h + mlp(norm(h)).
+
+    `mlp` may be a SwiGLU (returns a tensor) or a DeepSeekMoE (returns (tensor, aux_loss)).
+    Shapes: forward(h [B, T, H], cos, sin) -> (h [B, T, H], aux_loss scalar float32).
+    """
+
+    def __init__(self, attention: nn.Module, mlp: nn.Module, hidden: int, eps: float, device: Any):
+        super().__init__()
+        self.input_layernorm = RMSNorm(hidden, eps, device=device)
+        self.self_attn = attention
+        self.post_attention_layernorm = RMSNorm(hidden, eps, device=device)
+        self.mlp = mlp
+
+    def forward(
+        self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        h = h + self.self_attn(self.input_layernorm(h), cos, sin)
+        out = self.mlp(self.post_attention_layernorm(h))
+        if isinstance(out, tuple):
+            out, aux = out
+        else:
+            aux = h.new_zeros((), dtype=torch.float32)
+        return h + out, aux
+
+
+def masked_mean_ce(
+    logits: torch.Tensor, labels: torch.Tensor, tp_group: Any, vocab_size: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Mean cross-entropy over labels != -100 (0 if there are none) and that token count.
+
+    Args: logits [B, T, V / tp]; labels [B, T] int64.
+    """
+    per_token = vocab_parallel_cross_entropy(logits, labels, tp_group, vocab_size=vocab_size)
+    count = (labels != -100).sum()
+    return per_token.sum() / count.clamp(min=1), count
+
+
+class CausalLM(nn.Module):
+    """Embedding, decoder layers, final norm and LM head; subclasses choose the layers.
+
+    Args:
+        config: the model config. tp_group: tensor-parallel group or None.
+        device: where parameters are created ("meta" builds without allocating).
+    """
+
+    def __init__(self, config: DenseConfig | DeepSeekConfig, *, tp_group: Any, device: Any):
+        super().__init__()
+        self.config = config
+        self.tp_group = tp_group
+        c = config
+        self.embed_tokens = VocabParallelEmbedding(
+            c.vocab_size, c.hidden_size, tp_group=tp_group, device=device
+        )
+        self.layers = nn.ModuleList(self.make_layer(i, device) for i in range(c.num_layers))
+        self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps, device=device)
+        # the head's vocabulary is padded like the embedding's, so tying and sharding agree
+        tp = 1 if tp_group is None else tp_group.size()
+        self.lm_head = ColumnParallelLinear(
+            c.hidden_size, pad_vocab_size(c.vocab_size, tp), tp_group=tp_group, device=device
+        )
+        if c.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+
+    def make_layer(self, layer_idx: int, device: Any) -> DecoderLayer:
+        """Build decoder layer `layer_idx` (overridden per family)."""
+        raise NotImplementedError
+
+    @property
+    def rope_dim(self) -> int:
+        """Width of the rotated part of each query/key head."""
+        raise NotImplementedError
+
+    def rope(self, seq_len: int, device: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rotary tables (cos, sin), each float32 [seq_len, rope_dim // 2]."""
+        c = self.config
+        return rope_cos_sin(seq_len, self.rope_dim, c.rope_theta, c.rope_scaling, device)
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Token embeddings: input_ids [B, T] int64 -> h [B, T, H]."""
+        return self.embed_tokens(input_ids)
+
+    def run_layers(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """All decoder layers: h [B, T, H] -> (h [B, T, H], summed aux loss)."""
+        cos, sin = self.rope(h.shape[1], h.device)
+        aux = h.new_zeros((), dtype=torch.float32)
+        for layer in self.layers:
+            h, layer_aux = layer(h, cos, sin)
+            aux = aux + layer_aux
+        return h, aux
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        """Final norm and LM head: h [B, T, H] -> logits [B, T, V / tp]."""
+        return self.lm_head(self.norm(h))
+
+    def head_and_loss(
+        self, h: torch.Tensor, labels: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """Logits and, with labels [B, T], (mean CE over labels != -100, token count)."""
+        logits = self.logits(h)
+        if labels is None:
+            return logits, None, None
+        loss, count = masked_mean_ce(logits, labels, self.tp_group, self.config.vocab_size)
+        return logits, loss, count
+
+    def _check_input(self, input_ids: torch.Tensor, labels: torch.Tensor | None) -> None:
+        if input_ids.dim() != 2:
+            raise ValueError(f"input_ids must be [batch, seq], got shape {tuple(input_ids.shape)}")
+        if labels is not None and labels.shape != input_ids.shape:
+            raise ValueError(
+                f"labels shape {tuple(labels.shape)} must equal input_ids shape "
+                f"{tuple(input_ids.shape)} (labels[:, t] is the target for position t)"
+            )
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None) -> ModelOutput:
+        """input_ids, labels: [B, T] int64 (labels already shifted; -100 = ignore)."""
+        self._check_input(input_ids, labels)
+        h, aux = self.run_layers(self.embed(input_ids))
+        logits, loss, count = self.head_and_loss(h, labels)
+        total = None if loss is None else loss + aux
+        return ModelOutput(logits, loss, aux, None, total, count)
+
+    def moe_layers(self) -> list[DeepSeekMoE]:
+        """Every DeepSeekMoE module of the model (main stack first, then MTP blocks)."""
+        return [m for m in self.modules() if isinstance(m, DeepSeekMoE)]
+
+    def update_router_biases(self, reduce_fn: Any = None) -> torch.Tensor:
+        """Aux-loss-free balancing step from the expert loads counted since the last call.
+
+        Call once per optimizer step. reduce_fn: optional callable that sums a tensor across
+        processes (data/expert parallel); None counts this process only.
+        Returns: the loads [num_moe_layers, E] that drove the update ([0, 0] for dense).
+        """
+        speed = getattr(self.config, "bias_update_speed", 0.0)
+        return update_bias(self.moe_layers(), speed, reduce_fn)
+
+
+class DenseTransformer(CausalLM):
+    """Llama-style dense decoder (RMSNorm, rotate-half RoPE, GQA, SwiGLU)."""
+
+    def __init__(self, config: DenseConfig, *, tp_group: Any = None, device: Any = None):
+        if not isinstance(config, DenseConfig):
+            raise TypeError(f"DenseTransformer needs a DenseConfig, got {type(config).__name__}")
+        super().__init__(config, tp_group=tp_group, device=device)
+
+    @property
+    def rope_dim(self) -> int:
+        return self.config.head_dim
+
+    def make_layer(self, layer_idx: int, device: Any) -> DecoderLayer:
+        c = self.config
+        attn = DenseAttention(c, tp_group=self.tp_group, device=device)
+        mlp = SwiGLU(c.hidden_size, c.intermediate_size, tp_group=self.tp_group, device=device)
+        return DecoderLayer(attn, mlp, c.hidden_size, c.rms_norm_eps, device)

@@ -1,0 +1,126 @@
+"""NanoModule: a LightningModule that also runs under the nanotrain Trainer."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import lightning.pytorch as pl
+from torch import Tensor
+
+
+def _first_tensor(batch: Any) -> Tensor | None:
+    if isinstance(batch, Tensor):
+        return batch
+    if isinstance(batch, dict):
+        batch = list(batch.values())
+    if isinstance(batch, (list, tuple)):
+        for item in batch:
+            found = _first_tensor(item)
+            if found is not None:
+                return found
+    return None
+
+
+class NanoModule(pl.LightningModule):
+    """Subclass this and implement the Lightning hooks you need.
+
+    - `configure_model()`: build the model (`self.model = ...`). Under nanotrain it runs once
+      per process after the process groups exist, so it can build only this rank's share.
+    - `training_step(batch, batch_idx)`: the loss of ONE microbatch (a scalar tensor, or a
+      dict with "loss"). The Trainer/strategy accumulates microbatches into a step.
+    - `validation_step(batch, batch_idx)`: forward only; log metrics with `self.log`.
+    - `configure_optimizers()`: one optimizer and optionally an LR scheduler, in any form
+      Lightning accepts.
+    - `count_tokens(batch)`: tokens in a microbatch; override for token data so that
+      `max_tokens` and throughput work (the default 0 means "not token data").
+
+    The same class runs unchanged under `lightning.Trainer`.
+    """
+
+    def count_tokens(self, batch: Any) -> int:
+        """Number of tokens in one microbatch; 0 means the data is not token-based."""
+        return 0
+
+    def count_samples(self, batch: Any) -> int:
+        """Number of samples in one microbatch: the leading dim of its first tensor."""
+        tensor = _first_tensor(batch)
+        return int(tensor.shape[0]) if tensor is not None and tensor.dim() > 0 else 1
+
+    @property
+    def _nano_trainer(self) -> Any:
+        trainer = getattr(self, "_trainer", None)
+        return trainer if getattr(trainer, "is_nanotrain", False) else None
+
+    def log(  # noqa: D417 - same arguments as LightningModule.log
+        self,
+        name: str,
+        value: Any,
+        prog_bar: bool = False,
+        logger: bool | None = None,
+        on_step: bool | None = None,
+        on_epoch: bool | None = None,
+        reduce_fx: str = "mean",
+        enable_graph: bool = False,
+        sync_dist: bool = False,
+        sync_dist_group: Any = None,
+        add_dataloader_idx: bool = True,
+        batch_size: int | None = None,
+        metric_attribute: str | None = None,
+        rank_zero_only: bool = False,
+    ) -> None:
+        """Log a scalar, as `LightningModule.log`.
+
+        Under the nanotrain Trainer: values logged in `training_step` are averaged over the
+        step's microbatches and written every `log_every_n_steps`; values logged in
+        `validation_step` are averaged over the whole validation run (weighted by
+        `batch_size` when given). `sync_dist=True` also averages over data-parallel replicas.
+        """
+        trainer = self._nano_trainer
+        if trainer is None:
+            return super().log(
+                name,
+                value,
+                prog_bar=prog_bar,
+                logger=logger,
+                on_step=on_step,
+                on_epoch=on_epoch,
+                reduce_fx=reduce_fx,
+                enable_graph=enable_graph,
+                sync_dist=sync_dist,
+                sync_dist_group=sync_dist_group,
+                add_dataloader_idx=add_dataloader_idx,
+                batch_size=batch_size,
+                metric_attribute=metric_attribute,
+                rank_zero_only=rank_zero_only,
+            )
+        if reduce_fx not in ("mean", "sum", "max", "min"):
+            raise ValueError(f"reduce_fx must be 'mean', 'sum', 'max' or 'min', got {reduce_fx!r}")
+        trainer.metric_book.log(
+            name,
+            value,
+            prog_bar=prog_bar,
+            logger=logger is not False,
+            sync_dist=sync_dist,
+            reduce_fx=reduce_fx,
+            batch_size=batch_size,
+        )
+
+    def log_dict(self, dictionary: dict[str, Any], **kwargs: Any) -> None:
+        """Log every entry of `dictionary` with the same options (see `log`)."""
+        for name, value in dictionary.items():
+            self.log(name, value, **kwargs)
+
+    def optimizers(self, use_pl_optimizer: bool = True) -> Any:
+        """The optimizer (under nanotrain: the raw `torch.optim.Optimizer`)."""
+        trainer = self._nano_trainer
+        if trainer is None:
+            return super().optimizers(use_pl_optimizer)
+        return trainer.strategy.optimizer
+
+    def lr_schedulers(self) -> Any:
+        """The LR scheduler, or None."""
+        trainer = self._nano_trainer
+        if trainer is None:
+            return super().lr_schedulers()
+        setup = trainer.strategy.optimizer_setup
+        return setup.scheduler.scheduler if setup and setup.scheduler else None

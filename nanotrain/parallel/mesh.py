@@ -1,0 +1,417 @@
+"""The parallel mesh: which ranks share which process group, and where this rank sits.
+
+Rank order (as in Megatron-LM): tensor parallel is the fastest-varying axis, then data
+parallel, then pipeline parallel::
+
+    rank = tp_rank + tp * (dp_rank + dp * pp_rank)
+
+so the ranks of one tensor-parallel group are neighbours (one node, the fastest links).
+Expert parallelism is carved out of the data-parallel axis, expert rank fastest::
+
+    dp_rank = ep_rank + ep * expert_dp_rank
+
+Dense weights are replicated over the ``dp`` ranks of a data-parallel group; expert weights
+are split over the ``ep`` ranks of an expert-parallel group and replicated over the ``dp / ep``
+ranks of an expert-data-parallel group.
+
+Worked example, world 8, tp=2, pp=2, dp=2, ep=1::
+
+    rank   0 1 2 3 4 5 6 7
+    tp     0 1 0 1 0 1 0 1
+    dp     0 0 1 1 0 0 1 1
+    pp     0 0 0 0 1 1 1 1
+
+    tp groups: [0,1] [2,3] [4,5] [6,7]
+    dp groups: [0,2] [1,3] [4,6] [5,7]
+    pp groups: [0,4] [1,5] [2,6] [3,7]
+    mp groups (tp x pp: the ranks that together hold one model replica): [0,1,4,5] [2,3,6,7]
+
+With ep=2 on that layout the expert-parallel groups equal the dp groups and each
+expert-data-parallel group is a single rank.
+
+Everything except ``ParallelMesh.build`` is pure and needs no ``torch.distributed``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch.distributed as dist
+from torch.distributed import ProcessGroup
+
+__all__ = ["AXES", "MeshLayout", "MeshCoords", "ParallelMesh", "validate_layout"]
+
+#: Mesh axes, in the order their process groups are created (the same on every rank).
+AXES: tuple[str, ...] = ("tp", "pp", "dp", "ep", "expert_dp", "mp")
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _fmt(values: list[int]) -> str:
+    return ", ".join(str(v) for v in values)
+
+
+def _check_positive_ints(**sizes: int | None) -> None:
+    for name, value in sizes.items():
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
+        if value < 1:
+            raise ValueError(f"{name} must be >= 1, got {value}")
+
+
+def _check_tp(world_size: int, tp: int, num_heads: int | None, num_kv_heads: int | None) -> None:
+    """tp must divide the world and the number of (kv) heads, each rank owning whole heads."""
+    constraints = {"num_heads": num_heads, "num_kv_heads": num_kv_heads, "world_size": world_size}
+    constraints = {k: v for k, v in constraints.items() if v is not None}
+    valid = [t for t in _divisors(world_size) if all(v % t == 0 for v in constraints.values())]
+    for name, value in constraints.items():
+        if value % tp != 0:
+            raise ValueError(
+                f"tp={tp} does not divide {name}={value}; valid tp values: {_fmt(valid)}"
+            )
+
+
+def validate_layout(
+    world_size: int,
+    tp: int = 1,
+    pp: int = 1,
+    ep: int = 1,
+    dp: int | None = None,
+    *,
+    num_heads: int | None = None,
+    num_kv_heads: int | None = None,
+    vocab_size: int | None = None,
+    num_experts: int | None = None,
+    num_layers: int | None = None,
+) -> int:
+    """Check a parallel layout against the world size and the model, before any group exists.
+
+    Args:
+        world_size: total number of ranks.
+        tp, pp, ep: tensor-, pipeline- and expert-parallel sizes.
+        dp: data-parallel size; ``None`` infers ``world_size // (tp * pp)``.
+        num_heads, num_kv_heads: attention heads; tp must divide both (whole heads per rank).
+        vocab_size: vocabulary; any size works because ``VocabParallelEmbedding`` pads it.
+        num_experts: routed experts; ep must divide it (whole experts per rank).
+        num_layers: transformer layers; each pipeline stage needs at least one (pp <= layers).
+
+    Returns:
+        The data-parallel size ``dp`` (inferred or as given).
+
+    Raises:
+        TypeError: if a size is not an int.
+        ValueError: naming the offending numbers and listing valid alternatives.
+    """
+    _check_positive_ints(
+        world_size=world_size, tp=tp, pp=pp, ep=ep, dp=dp, num_heads=num_heads,
+        num_kv_heads=num_kv_heads, vocab_size=vocab_size, num_experts=num_experts,
+        num_layers=num_layers,
+    )  # fmt: skip
+    _check_tp(world_size, tp, num_heads, num_kv_heads)
+    if world_size % (tp * pp) != 0:
+        valid = [p for p in _divisors(world_size // tp)]
+        raise ValueError(
+            f"tp*pp={tp}*{pp}={tp * pp} does not divide world_size={world_size}; "
+            f"with tp={tp}, valid pp values: {_fmt(valid)}"
+        )
+    if dp is None:
+        dp = world_size // (tp * pp)
+    if tp * pp * dp != world_size:
+        raise ValueError(
+            f"tp*pp*dp={tp}*{pp}*{dp}={tp * pp * dp} must equal world_size={world_size}; "
+            f"use dp={world_size // (tp * pp)} (or leave dp unset to infer it)"
+        )
+    if dp % ep != 0:
+        valid = [e for e in _divisors(dp) if num_experts is None or num_experts % e == 0]
+        raise ValueError(
+            f"ep={ep} does not divide dp={dp} (expert parallelism is carved out of data "
+            f"parallelism); valid ep values: {_fmt(valid)}"
+        )
+    if num_experts is not None and num_experts % ep != 0:
+        valid = [e for e in _divisors(dp) if num_experts % e == 0]
+        raise ValueError(
+            f"ep={ep} does not divide num_experts={num_experts}; valid ep values: {_fmt(valid)}"
+        )
+    if num_layers is not None and pp > num_layers:
+        valid = [p for p in _divisors(world_size // tp) if p <= num_layers]
+        raise ValueError(
+            f"pp={pp} exceeds num_layers={num_layers} (every stage needs a layer); "
+            f"valid pp values: {_fmt(valid)}"
+        )
+    return dp
+
+
+@dataclass(frozen=True)
+class MeshCoords:
+    """Where one rank sits on each mesh axis (all 0 for a single process)."""
+
+    rank: int
+    tp_rank: int
+    pp_rank: int
+    dp_rank: int
+    ep_rank: int
+    expert_dp_rank: int
+
+
+@dataclass(frozen=True)
+class MeshLayout:
+    """Axis sizes of a mesh and the pure rank arithmetic on them (no process groups).
+
+    Raises:
+        TypeError, ValueError: as ``validate_layout`` for an inconsistent layout.
+    """
+
+    tp: int = 1
+    pp: int = 1
+    dp: int = 1
+    ep: int = 1
+
+    def __post_init__(self) -> None:
+        validate_layout(self.tp * self.pp * self.dp, self.tp, self.pp, self.ep, self.dp)
+
+    @property
+    def world_size(self) -> int:
+        """``tp * pp * dp``."""
+        return self.tp * self.pp * self.dp
+
+    @property
+    def expert_dp(self) -> int:
+        """Size of an expert-data-parallel group, ``dp // ep``."""
+        return self.dp // self.ep
+
+    def size(self, axis: str) -> int:
+        """Number of ranks in one group of ``axis`` (one of ``AXES``)."""
+        sizes = {"tp": self.tp, "pp": self.pp, "dp": self.dp, "ep": self.ep}
+        sizes.update(expert_dp=self.expert_dp, mp=self.tp * self.pp)
+        if axis not in sizes:
+            raise ValueError(f"unknown mesh axis {axis!r}; choose one of {AXES}")
+        return sizes[axis]
+
+    def rank_of(self, tp_rank: int, dp_rank: int, pp_rank: int) -> int:
+        """Global rank at the given coordinates (tensor fastest, then data, then pipeline)."""
+        return tp_rank + self.tp * (dp_rank + self.dp * pp_rank)
+
+    def coords(self, rank: int) -> MeshCoords:
+        """Coordinates of global ``rank``.
+
+        Raises:
+            ValueError: if ``rank`` is outside ``[0, world_size)``.
+        """
+        if not 0 <= rank < self.world_size:
+            raise ValueError(f"rank={rank} is outside [0, {self.world_size}) for {self}")
+        tp_rank, rest = rank % self.tp, rank // self.tp
+        dp_rank, pp_rank = rest % self.dp, rest // self.dp
+        ep_rank, expert_dp_rank = dp_rank % self.ep, dp_rank // self.ep
+        return MeshCoords(rank, tp_rank, pp_rank, dp_rank, ep_rank, expert_dp_rank)
+
+    def groups(self, axis: str) -> list[list[int]]:
+        """Every group of ``axis`` as sorted global ranks, in creation order; they partition
+        ``range(world_size)``."""
+        tp, pp, dp, ep = self.tp, self.pp, self.dp, self.ep
+        r = self.rank_of
+        if axis == "tp":
+            return [[r(t, d, p) for t in range(tp)] for p in range(pp) for d in range(dp)]
+        if axis == "dp":
+            return [[r(t, d, p) for d in range(dp)] for p in range(pp) for t in range(tp)]
+        if axis == "pp":
+            return [[r(t, d, p) for p in range(pp)] for d in range(dp) for t in range(tp)]
+        if axis == "ep":
+            return [
+                [r(t, e + ep * x, p) for e in range(ep)]
+                for p in range(pp)
+                for x in range(dp // ep)
+                for t in range(tp)
+            ]
+        if axis == "expert_dp":
+            return [
+                [r(t, e + ep * x, p) for x in range(dp // ep)]
+                for p in range(pp)
+                for e in range(ep)
+                for t in range(tp)
+            ]
+        if axis == "mp":
+            return [sorted(r(t, d, p) for p in range(pp) for t in range(tp)) for d in range(dp)]
+        raise ValueError(f"unknown mesh axis {axis!r}; choose one of {AXES}")
+
+    def group_of(self, axis: str, rank: int) -> list[int]:
+        """The global ranks of the ``axis`` group that contains ``rank``."""
+        self.coords(rank)  # validates the rank
+        return next(g for g in self.groups(axis) if rank in g)
+
+
+class ParallelMesh:
+    """Process groups of every mesh axis plus this rank's coordinates; pass it, never a global.
+
+    Build it with ``ParallelMesh.build(...)`` under ``torch.distributed`` or
+    ``ParallelMesh.single()`` for one process. When ``world_size > 1`` every axis has a real
+    process group, even an axis of size 1, so a group is never ``None`` (which
+    ``torch.distributed`` would read as "the whole world"). In ``single()`` all groups are
+    ``None`` and the collectives of ``nanotrain.parallel`` are no-ops.
+
+    Args:
+        layout: the axis sizes.
+        rank: this process's global rank.
+        groups: axis name -> this rank's process group (missing axes are ``None``).
+    """
+
+    def __init__(
+        self,
+        layout: MeshLayout,
+        rank: int,
+        groups: Mapping[str, ProcessGroup | None] | None = None,
+    ) -> None:
+        self.layout = layout
+        self.coords = layout.coords(rank)
+        groups = dict(groups or {})
+        unknown = set(groups) - set(AXES)
+        if unknown:
+            raise ValueError(f"unknown mesh axes {sorted(unknown)}; choose from {AXES}")
+        self._groups = {axis: groups.get(axis) for axis in AXES}
+
+    @classmethod
+    def single(cls) -> ParallelMesh:
+        """The one-process mesh: every size 1, every group ``None``; no ``torch.distributed``."""
+        return cls(MeshLayout(), rank=0)
+
+    @classmethod
+    def build(
+        cls,
+        tp: int = 1,
+        pp: int = 1,
+        ep: int = 1,
+        dp: int | None = None,
+        *,
+        world_size: int | None = None,
+        rank: int | None = None,
+        timeout: timedelta | None = None,
+        backend: str | None = None,
+        **model_dims: int | None,
+    ) -> ParallelMesh:
+        """Validate the layout, then create every group of every axis with ``dist.new_group``.
+
+        Every rank must call this with the same arguments: ``new_group`` is collective over the
+        world and groups are created in one fixed order (``AXES``, then ``MeshLayout.groups``).
+
+        Args:
+            tp, pp, ep, dp: axis sizes (``dp=None``: inferred from the world size).
+            world_size, rank: default to ``dist.get_world_size()`` / ``dist.get_rank()``.
+            timeout: per-group collective timeout (``None``: torch's default for the backend,
+                which does not inherit the timeout given to ``init_process_group``).
+            backend: backend of the new groups (``None``: that of the default group).
+            **model_dims: ``num_heads``, ``num_kv_heads``, ``vocab_size``, ``num_experts``,
+                ``num_layers`` forwarded to ``validate_layout``.
+
+        Raises:
+            ValueError: invalid layout (before any group exists), or the world does not match.
+            RuntimeError: if ``torch.distributed`` is not initialised and ``world_size > 1``.
+        """
+        if world_size is None or rank is None:
+            if not dist.is_initialized():
+                if world_size in (None, 1) and rank in (None, 0):
+                    validate_layout(1, tp, pp, ep, dp, **model_dims)
+                    return cls.single()
+                raise RuntimeError(
+                    "torch.distributed is not initialised; call init_process_group first or "
+                    "use ParallelMesh.single() for one process"
+                )
+            world_size = dist.get_world_size() if world_size is None else world_size
+            rank = dist.get_rank() if rank is None else rank
+        dp = validate_layout(world_size, tp, pp, ep, dp, **model_dims)
+        layout = MeshLayout(tp=tp, pp=pp, dp=dp, ep=ep)
+        if world_size == 1:
+            return cls(layout, rank)
+        if dist.get_world_size() != world_size:
+            raise ValueError(
+                f"world_size={world_size} but torch.distributed has {dist.get_world_size()} "
+                "ranks; pass the real world size (or leave it unset)"
+            )
+        groups: dict[str, ProcessGroup | None] = {}
+        for axis in AXES:
+            for ranks in layout.groups(axis):
+                # Collective over the whole world: every rank creates every group, in order.
+                group = dist.new_group(ranks, timeout=timeout, backend=backend)
+                if rank in ranks:
+                    groups[axis] = group
+        return cls(layout, rank, groups)
+
+    # -- groups, sizes and coordinates -------------------------------------------------------
+
+    def group(self, axis: str) -> ProcessGroup | None:
+        """This rank's process group on ``axis`` (``None`` only in a one-process mesh)."""
+        if axis not in self._groups:
+            raise ValueError(f"unknown mesh axis {axis!r}; choose one of {AXES}")
+        return self._groups[axis]
+
+    def size(self, axis: str) -> int:
+        """Number of ranks in this rank's ``axis`` group."""
+        return self.layout.size(axis)
+
+    def group_ranks(self, axis: str) -> list[int]:
+        """Global ranks of this rank's ``axis`` group, in group-rank order."""
+        return self.layout.group_of(axis, self.coords.rank)
+
+    @property
+    def world_size(self) -> int:
+        """Total number of ranks, ``tp * pp * dp``."""
+        return self.layout.world_size
+
+    @property
+    def rank(self) -> int:
+        """This process's global rank."""
+        return self.coords.rank
+
+    tp_group = property(lambda self: self._groups["tp"], doc="Tensor-parallel group.")
+    pp_group = property(lambda self: self._groups["pp"], doc="Pipeline-parallel group.")
+    dp_group = property(lambda self: self._groups["dp"], doc="Data-parallel group (dense).")
+    ep_group = property(lambda self: self._groups["ep"], doc="Expert-parallel group.")
+    expert_dp_group = property(
+        lambda self: self._groups["expert_dp"], doc="Data-parallel group of expert weights."
+    )
+    mp_group = property(lambda self: self._groups["mp"], doc="Model-parallel group (tp x pp).")
+
+    tp_size = property(lambda self: self.layout.tp, doc="Tensor-parallel size.")
+    pp_size = property(lambda self: self.layout.pp, doc="Pipeline-parallel size.")
+    dp_size = property(lambda self: self.layout.dp, doc="Data-parallel size.")
+    ep_size = property(lambda self: self.layout.ep, doc="Expert-parallel size.")
+    expert_dp_size = property(lambda self: self.layout.expert_dp, doc="dp // ep.")
+
+    tp_rank = property(lambda self: self.coords.tp_rank, doc="Rank in the tp group.")
+    pp_rank = property(lambda self: self.coords.pp_rank, doc="Pipeline stage index.")
+    dp_rank = property(lambda self: self.coords.dp_rank, doc="Rank in the dp group.")
+    ep_rank = property(lambda self: self.coords.ep_rank, doc="Rank in the ep group.")
+    expert_dp_rank = property(
+        lambda self: self.coords.expert_dp_rank, doc="Rank in the expert-dp group."
+    )
+
+    @property
+    def is_first_stage(self) -> bool:
+        """Whether this rank runs the first pipeline stage."""
+        return self.coords.pp_rank == 0
+
+    @property
+    def is_last_stage(self) -> bool:
+        """Whether this rank runs the last pipeline stage."""
+        return self.coords.pp_rank == self.layout.pp - 1
+
+    @property
+    def prev_stage_rank(self) -> int | None:
+        """Global rank of the previous pipeline stage (same tp/dp coords); None on the first."""
+        return None if self.is_first_stage else self.group_ranks("pp")[self.pp_rank - 1]
+
+    @property
+    def next_stage_rank(self) -> int | None:
+        """Global rank of the next pipeline stage (same tp/dp coords); None on the last."""
+        return None if self.is_last_stage else self.group_ranks("pp")[self.pp_rank + 1]
+
+    def __repr__(self) -> str:
+        c, lay = self.coords, self.layout
+        return (
+            f"ParallelMesh(rank={c.rank}/{lay.world_size}, tp={c.tp_rank}/{lay.tp}, "
+            f"pp={c.pp_rank}/{lay.pp}, dp={c.dp_rank}/{lay.dp}, ep={c.ep_rank}/{lay.ep})"
+        )

@@ -1,0 +1,41 @@
+"""Strategies: how one training step is laid out across processes."""
+
+from nanotrain.strategies.base import DataShard, StepOutput, Strategy
+from nanotrain.strategies.ddp import DDPStrategy
+from nanotrain.strategies.optimizers import OptimizerSetup, SchedulerConfig
+from nanotrain.strategies.replicated import ReplicatedStrategy
+from nanotrain.strategies.single_device import SingleDeviceStrategy
+
+
+def resolve_strategy(strategy: "Strategy | str") -> Strategy:
+    """Return a Strategy for an instance or a name: "auto", "single", "ddp".
+
+    "auto" picks DDP when launched by torchrun with more than one process, else one device.
+    """
+    import os
+
+    if isinstance(strategy, Strategy):
+        return strategy
+    name = str(strategy).lower()
+    if name == "auto":
+        name = "ddp" if int(os.environ.get("WORLD_SIZE", "1")) > 1 else "single"
+    if name in ("single", "single_device"):
+        return SingleDeviceStrategy()
+    if name == "ddp":
+        return DDPStrategy()
+    raise ValueError(
+        f"unknown strategy {strategy!r}; use 'auto', 'single', 'ddp' or a Strategy instance"
+    )
+
+
+__all__ = [
+    "DataShard",
+    "DDPStrategy",
+    "OptimizerSetup",
+    "ReplicatedStrategy",
+    "SchedulerConfig",
+    "SingleDeviceStrategy",
+    "StepOutput",
+    "Strategy",
+    "resolve_strategy",
+]

@@ -1,0 +1,226 @@
+"""The Strategy interface: everything that depends on how a job is laid out across processes.
+
+The Trainer calls these methods in a fixed order and never asks what kind of parallelism is in
+use. A strategy owns the process groups, wraps the model, runs the microbatch loop of one
+optimizer step (`forward_backward`), reduces gradients and metrics, clips, steps the optimizer,
+and produces the state that checkpoints hold.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from abc import ABC, abstractmethod
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import Tensor, nn
+
+from nanotrain.strategies.optimizers import OptimizerSetup, parse_optimizer_config
+
+if TYPE_CHECKING:
+    from nanotrain.module import NanoModule
+
+
+@dataclass(frozen=True)
+class DataShard:
+    """Which slice of every global batch this process reads.
+
+    `index` in `[0, count)`; processes that must see the same samples (tensor- or
+    pipeline-parallel peers) share an index. `count` is the number of distinct slices.
+    """
+
+    index: int = 0
+    count: int = 1
+
+
+@dataclass
+class StepOutput:
+    """What one optimizer step produced, identical on every rank.
+
+    Attributes:
+        loss: scalar tensor, the mean training loss over the whole global batch (every
+            microbatch of every data-parallel rank), on every rank.
+        num_tokens: tokens in the global batch, as counted by `NanoModule.count_tokens`.
+        num_samples: samples in the global batch.
+        grad_norm: global L2 norm of the gradients before clipping, set by
+            `Strategy.clip_grad_norm_` (None until then).
+        metrics: extra scalar tensors a strategy reports (e.g. MoE load statistics).
+        skipped: True when a callback asked to skip the optimizer step.
+    """
+
+    loss: Tensor
+    num_tokens: int
+    num_samples: int
+    grad_norm: Tensor | None = None
+    metrics: dict[str, Tensor] = field(default_factory=dict)
+    skipped: bool = False
+
+
+def extract_loss(output: Any) -> Tensor:
+    """Return the loss tensor from what `training_step` returned (a tensor or a dict with "loss").
+
+    Raises:
+        TypeError: when the output is neither.
+    """
+    if isinstance(output, Tensor):
+        return output
+    if isinstance(output, dict) and isinstance(output.get("loss"), Tensor):
+        return output["loss"]
+    raise TypeError(
+        "training_step must return the loss as a scalar tensor or a dict with a 'loss' tensor, "
+        f"got {type(output).__name__}"
+    )
+
+
+class Strategy(ABC):
+    """Base class of every strategy; subclasses implement the layout-specific parts.
+
+    Lifecycle (called by the Trainer, in this order): `setup_environment()`,
+    `setup_module(module)`, `setup_optimizers(module)`, then per step `forward_backward`,
+    `clip_grad_norm_`, `optimizer_step`; `validation_step` during validation; `teardown()`.
+    """
+
+    def __init__(self) -> None:
+        self.module: NanoModule | None = None
+        self.optimizer_setup: OptimizerSetup | None = None
+
+    # -- environment -------------------------------------------------------------------------
+    @abstractmethod
+    def setup_environment(self) -> None:
+        """Initialize process groups and pick the device. Idempotent."""
+
+    @property
+    @abstractmethod
+    def root_device(self) -> torch.device:
+        """The device this process computes on."""
+
+    @property
+    def global_rank(self) -> int:
+        """Rank of this process in the whole job (0 for one process)."""
+        return 0
+
+    @property
+    def local_rank(self) -> int:
+        """Rank of this process on its node (0 for one process)."""
+        return 0
+
+    @property
+    def world_size(self) -> int:
+        """Number of processes in the job."""
+        return 1
+
+    @property
+    def is_global_zero(self) -> bool:
+        """True on the one process that writes logs, configs and pointers."""
+        return self.global_rank == 0
+
+    def data_shard(self) -> DataShard:
+        """Which slice of each global batch this process reads (see `DataShard`)."""
+        return DataShard()
+
+    @property
+    def metric_process_group(self) -> Any:
+        """Process group over which logged metrics with `sync_dist=True` are averaged."""
+        return None
+
+    def barrier(self) -> None:
+        """Wait for every process (no-op for one process)."""
+
+    def broadcast_object(self, obj: Any, src: int = 0) -> Any:
+        """Return rank `src`'s `obj` on every process (identity for one process)."""
+        return obj
+
+    def reduce(self, tensor: Tensor, op: str = "mean") -> Tensor:
+        """Reduce `tensor` over the data-parallel replicas; `op` is "mean", "sum" or "max".
+
+        Returns a new tensor; the input is not modified. Identity for one process.
+        """
+        return tensor.clone()
+
+    # -- model and optimizer -----------------------------------------------------------------
+    def model_init_context(self) -> contextlib.AbstractContextManager:
+        """Context under which `configure_model` runs (device placement, meta init)."""
+        return contextlib.nullcontext()
+
+    def setup_module(self, module: NanoModule) -> None:
+        """Build this rank's share of the model (`module.configure_model()`) and place it."""
+        self.module = module
+        with self.model_init_context():
+            module.configure_model()
+        module.to(self.root_device)
+
+    def setup_optimizers(self, module: NanoModule) -> OptimizerSetup:
+        """Call `configure_optimizers` and parse its result (Lightning's accepted forms)."""
+        self.optimizer_setup = parse_optimizer_config(module.configure_optimizers())
+        return self.optimizer_setup
+
+    @property
+    def optimizer(self) -> torch.optim.Optimizer:
+        """The optimizer returned by `configure_optimizers`."""
+        if self.optimizer_setup is None:
+            raise RuntimeError("setup_optimizers() has not run yet")
+        return self.optimizer_setup.optimizer
+
+    def parameters(self) -> Iterator[nn.Parameter]:
+        """This rank's trainable parameters."""
+        assert self.module is not None
+        return (p for p in self.module.parameters() if p.requires_grad)
+
+    def batch_to_device(self, batch: Any) -> Any:
+        """Move every tensor in a (nested) batch to `root_device`."""
+        from lightning.fabric.utilities.apply_func import move_data_to_device
+
+        return move_data_to_device(batch, self.root_device)
+
+    # -- one optimizer step ------------------------------------------------------------------
+    @abstractmethod
+    def forward_backward(
+        self, module: NanoModule, microbatches: Sequence[Any], batch_idx: int
+    ) -> StepOutput:
+        """Run forward and backward over this rank's microbatches of one optimizer step.
+
+        Gradients are left in `.grad`, reduced across replicas and scaled so that they are the
+        gradient of the global mean loss. Returns the step's `StepOutput` (no grad norm yet).
+        """
+
+    @abstractmethod
+    def clip_grad_norm_(self, max_norm: float | None) -> Tensor:
+        """Return the global grad norm (before clipping); clip to `max_norm` unless None."""
+
+    def optimizer_step(self) -> None:
+        """Apply the optimizer update, then zero the gradients."""
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def zero_grad(self) -> None:
+        """Drop the gradients without stepping (a skipped step)."""
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def validation_step(self, module: NanoModule, batch: Any, batch_idx: int) -> Any:
+        """Run `module.validation_step` forward-only and return its output."""
+        with torch.no_grad():
+            return module.validation_step(batch, batch_idx)
+
+    # -- state -------------------------------------------------------------------------------
+    def model_state_dict(self) -> dict[str, Tensor]:
+        """This rank's model weights (and persistent buffers)."""
+        assert self.module is not None
+        return self.module.state_dict()
+
+    def load_model_state_dict(self, state: dict[str, Tensor]) -> None:
+        """Load weights produced by `model_state_dict` (strict)."""
+        assert self.module is not None
+        self.module.load_state_dict(state, strict=True)
+
+    def optimizer_state_dict(self) -> dict[str, Any]:
+        """This rank's optimizer state."""
+        return self.optimizer.state_dict()
+
+    def load_optimizer_state_dict(self, state: dict[str, Any]) -> None:
+        """Load optimizer state produced by `optimizer_state_dict`."""
+        self.optimizer.load_state_dict(state)
+
+    def teardown(self) -> None:
+        """Release wrappers and process groups created by `setup_environment`."""

@@ -1,0 +1,142 @@
+"""Data parallelism with `torch.nn.parallel.DistributedDataParallel`, launched by torchrun."""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import os
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from nanotrain.strategies.base import DataShard
+from nanotrain.strategies.replicated import ReplicatedStrategy, TrainingStepWrapper
+
+_REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "mean": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}
+
+
+def _env_int(name: str, default: int | None = None) -> int:
+    value = os.environ.get(name)
+    if value is None:
+        if default is None:
+            raise ValueError(
+                f"DDPStrategy needs the environment variable {name}; launch with "
+                "`torchrun --nproc-per-node N ...` (or set RANK, WORLD_SIZE, LOCAL_RANK, "
+                "MASTER_ADDR, MASTER_PORT yourself)"
+            )
+        return default
+    return int(value)
+
+
+class DDPStrategy(ReplicatedStrategy):
+    """One model replica per process; gradients averaged across processes by DDP.
+
+    Reads torchrun's environment (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT), or
+    uses a process group that is already initialized. Uses NCCL on GPU and gloo on CPU.
+    Gradients are synchronized only on the last microbatch of each optimizer step.
+
+    Args:
+        backend: "nccl", "gloo" or None (pick from the device).
+        find_unused_parameters: forwarded to DDP; needed when some parameters get no gradient.
+        bucket_cap_mb: DDP gradient bucket size.
+        timeout_s: process-group timeout in seconds.
+    """
+
+    def __init__(
+        self,
+        backend: str | None = None,
+        find_unused_parameters: bool = False,
+        bucket_cap_mb: float = 25.0,
+        timeout_s: float = 1800.0,
+    ) -> None:
+        super().__init__()
+        self.backend = backend
+        self.find_unused_parameters = find_unused_parameters
+        self.bucket_cap_mb = bucket_cap_mb
+        self.timeout_s = timeout_s
+        self._device: torch.device | None = None
+        self._owns_process_group = False
+
+    def setup_environment(self) -> None:
+        if not dist.is_initialized():
+            rank, world = _env_int("RANK"), _env_int("WORLD_SIZE")
+            backend = self.backend or ("nccl" if torch.cuda.is_available() else "gloo")
+            dist.init_process_group(
+                backend,
+                rank=rank,
+                world_size=world,
+                timeout=datetime.timedelta(seconds=self.timeout_s),
+            )
+            self._owns_process_group = True
+        if dist.get_backend() == "nccl":
+            self._device = torch.device("cuda", self.local_rank)
+            torch.cuda.set_device(self._device)
+        else:
+            self._device = torch.device("cpu")
+
+    @property
+    def root_device(self) -> torch.device:
+        if self._device is None:
+            raise RuntimeError("DDPStrategy.setup_environment() has not run yet")
+        return self._device
+
+    @property
+    def global_rank(self) -> int:
+        return dist.get_rank() if dist.is_initialized() else _env_int("RANK", 0)
+
+    @property
+    def local_rank(self) -> int:
+        return _env_int("LOCAL_RANK", self.global_rank)
+
+    @property
+    def world_size(self) -> int:
+        return dist.get_world_size() if dist.is_initialized() else _env_int("WORLD_SIZE", 1)
+
+    def data_shard(self) -> DataShard:
+        return DataShard(self.global_rank, self.world_size)
+
+    @property
+    def metric_process_group(self) -> Any:
+        return dist.group.WORLD
+
+    def barrier(self) -> None:
+        dist.barrier()
+
+    def broadcast_object(self, obj: Any, src: int = 0) -> Any:
+        holder = [obj]
+        dist.broadcast_object_list(holder, src=src)
+        return holder[0]
+
+    def reduce(self, tensor: Tensor, op: str = "mean") -> Tensor:
+        if op not in _REDUCE_OPS:
+            raise ValueError(f"reduce op must be one of {sorted(_REDUCE_OPS)}, got {op!r}")
+        out = tensor.detach().clone()
+        dist.all_reduce(out, op=_REDUCE_OPS[op])
+        if op == "mean":
+            out = out / self.world_size
+        return out
+
+    def _wrap(self, module: Any) -> nn.Module:
+        device_ids = [self.root_device.index] if self.root_device.type == "cuda" else None
+        return nn.parallel.DistributedDataParallel(
+            TrainingStepWrapper(module),
+            device_ids=device_ids,
+            find_unused_parameters=self.find_unused_parameters,
+            bucket_cap_mb=self.bucket_cap_mb,
+        )
+
+    def _sync_context(self, is_last_microbatch: bool) -> contextlib.AbstractContextManager:
+        assert self._step_runner is not None
+        if is_last_microbatch:
+            return contextlib.nullcontext()
+        return self._step_runner.no_sync()
+
+    def teardown(self) -> None:
+        # Free DDP (and its reducer) before the process group goes away: destroying the group
+        # under a live DDP model can hang (shared/TESTING.md).
+        super().teardown()
+        if self._owns_process_group and dist.is_initialized():
+            dist.destroy_process_group()
+            self._owns_process_group = False

@@ -1,0 +1,81 @@
+"""Parse what `configure_optimizers` returns, in the forms Lightning accepts."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+
+@dataclass
+class SchedulerConfig:
+    """An LR scheduler and when it steps: every optimizer step or every epoch (Lightning's
+    `interval`), every `frequency` of those."""
+
+    scheduler: Any
+    interval: str = "epoch"
+    frequency: int = 1
+
+
+@dataclass
+class OptimizerSetup:
+    """The one optimizer of a run and its (optional) LR scheduler."""
+
+    optimizer: torch.optim.Optimizer
+    scheduler: SchedulerConfig | None = None
+
+
+def _scheduler_config(entry: Any) -> SchedulerConfig:
+    if isinstance(entry, dict):
+        if "scheduler" not in entry:
+            raise ValueError(
+                "an lr_scheduler dict must have a 'scheduler' key, e.g. "
+                "{'scheduler': sched, 'interval': 'step'}"
+            )
+        interval = entry.get("interval", "epoch")
+        if interval not in ("step", "epoch"):
+            raise ValueError(f"lr_scheduler interval must be 'step' or 'epoch', got {interval!r}")
+        frequency = int(entry.get("frequency", 1))
+        if frequency < 1:
+            raise ValueError(f"lr_scheduler frequency must be >= 1, got {frequency}")
+        return SchedulerConfig(entry["scheduler"], interval, frequency)
+    return SchedulerConfig(entry)
+
+
+def parse_optimizer_config(config: Any) -> OptimizerSetup:
+    """Turn a `configure_optimizers` result into an `OptimizerSetup`.
+
+    Accepted: an optimizer; a one-element list/tuple of one; `([optimizer], [scheduler])`;
+    a dict `{"optimizer": opt, "lr_scheduler": sched | {"scheduler": sched, "interval": ...}}`.
+    As in Lightning, a bare scheduler steps once per epoch unless `interval="step"` is given.
+
+    Raises:
+        ValueError: for none or several optimizers, or a malformed scheduler entry.
+    """
+    if isinstance(config, torch.optim.Optimizer):
+        return OptimizerSetup(config)
+    if isinstance(config, dict):
+        if "optimizer" not in config:
+            raise ValueError("configure_optimizers returned a dict without an 'optimizer' key")
+        sched = config.get("lr_scheduler")
+        return OptimizerSetup(config["optimizer"], _scheduler_config(sched) if sched else None)
+    if isinstance(config, (list, tuple)):
+        if len(config) == 2 and isinstance(config[0], (list, tuple)):
+            optimizers, schedulers = list(config[0]), list(config[1])
+        else:
+            optimizers, schedulers = list(config), []
+        if len(optimizers) != 1 or not isinstance(optimizers[0], torch.optim.Optimizer):
+            raise ValueError(
+                f"nanotrain trains with exactly one optimizer; configure_optimizers gave "
+                f"{len(optimizers)}. Put all parameter groups into one optimizer."
+            )
+        if len(schedulers) > 1:
+            raise ValueError("nanotrain supports at most one LR scheduler per run")
+        return OptimizerSetup(
+            optimizers[0], _scheduler_config(schedulers[0]) if schedulers else None
+        )
+    raise ValueError(
+        "configure_optimizers must return an optimizer, ([optimizer], [scheduler]) or "
+        f"{{'optimizer': ..., 'lr_scheduler': ...}}; got {type(config).__name__}"
+    )

@@ -1,0 +1,549 @@
+"""Trainer: one fixed loop for every strategy, emitting Lightning-named hook events.
+
+Per optimizer step:
+
+    on_train_batch_start → out = strategy.forward_backward(microbatches)
+    → strategy.clip_grad_norm_() → on_before_optimizer_step
+    → strategy.optimizer_step(); lr_scheduler.step() → log → on_train_batch_end
+    → validation cadence
+
+The loop never asks how the job is parallelized: the strategy answers every layout question
+(`data_shard`, `reduce`, `clip_grad_norm_`, state dicts).
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.utils.data import DataLoader
+
+from nanotrain.callbacks.base import Callback
+from nanotrain.loaders import rebatch
+from nanotrain.loggers import JSONLinesLogger, LoggerGroup, TensorBoardLogger
+from nanotrain.metric_book import MetricBook
+from nanotrain.module import NanoModule
+from nanotrain.rng import capture_rng_state, restore_rng_state, seed_everything, set_deterministic
+from nanotrain.run_dir import next_version, run_dir_of_checkpoint, write_config
+from nanotrain.state import TrainState
+from nanotrain.strategies import Strategy, resolve_strategy
+from nanotrain.strategies.base import StepOutput
+from nanotrain.trainer_config import TrainerConfig
+
+
+class Trainer:
+    """Runs `fit` and `validate` for a `NanoModule` under any `Strategy`.
+
+    Args: see `TrainerConfig` for every number (steps, batch sizes, cadences, seeding);
+    they are validated at construction. Besides those:
+        strategy: a Strategy instance or "auto" | "single" | "ddp".
+        callbacks: callbacks, run in this order at every hook.
+        config: the resolved config to save as `config.yaml` in the run directory (the CLI
+            passes the whole YAML); by default the trainer's own arguments and the module's
+            and datamodule's hyperparameters.
+    """
+
+    is_nanotrain = True  # lets NanoModule tell this Trainer from lightning's
+
+    def __init__(
+        self,
+        strategy: Strategy | str = "auto",
+        callbacks: list[Callback] | None = None,
+        config: dict[str, Any] | None = None,
+        **settings: Any,
+    ) -> None:
+        self.settings = TrainerConfig(**settings)
+        self.strategy = resolve_strategy(strategy)
+        self.callbacks: list[Callback] = list(callbacks or [])
+        for cb in self.callbacks:
+            if not isinstance(cb, Callback):
+                raise TypeError(f"callbacks must be nanotrain Callbacks, got {type(cb).__name__}")
+        self._user_config = config
+        self.state = TrainState()
+        self.module: NanoModule | None = None
+        self.datamodule: Any = None
+        self.run_dir: Path | None = None
+        self.loggers = LoggerGroup([])
+        self.step_output: StepOutput | None = None
+        self.callback_metrics: dict[str, torch.Tensor] = {}
+        self.progress_bar_metrics: dict[str, torch.Tensor] = {}
+        self.training = False
+        self.validating = False
+        self.should_stop = False
+        self._skip_requested = False
+        self._train_loader: DataLoader | None = None
+        self._train_sampler: Any = None
+        self._val_loader: DataLoader | None = None
+        self._last_val_step = -1
+        self._book: MetricBook | None = None
+
+    # -- properties modules and callbacks read (LightningModule relies on several) -------------
+    @property
+    def global_step(self) -> int:
+        """Optimizer steps taken so far."""
+        return self.state.global_step
+
+    @property
+    def current_epoch(self) -> int:
+        """Index of the current pass over the training data."""
+        return self.state.epoch
+
+    @property
+    def global_rank(self) -> int:
+        return self.strategy.global_rank
+
+    @property
+    def local_rank(self) -> int:
+        return self.strategy.local_rank
+
+    @property
+    def world_size(self) -> int:
+        return self.strategy.world_size
+
+    @property
+    def is_global_zero(self) -> bool:
+        return self.strategy.is_global_zero
+
+    @property
+    def sanity_checking(self) -> bool:
+        return False
+
+    @property
+    def lightning_module(self) -> NanoModule | None:
+        return self.module
+
+    @property
+    def logger(self) -> TensorBoardLogger | None:
+        """The TensorBoard logger on rank 0 (None elsewhere or when disabled)."""
+        return next((lg for lg in self.loggers.loggers if isinstance(lg, TensorBoardLogger)), None)
+
+    @property
+    def log_dir(self) -> Path | None:
+        return self.run_dir
+
+    @property
+    def checkpoint_dir(self) -> Path:
+        """`<run_dir>/checkpoints`, where checkpoints of this run go."""
+        if self.run_dir is None:
+            raise RuntimeError("the run directory exists only once fit/validate has started")
+        return self.run_dir / "checkpoints"
+
+    @property
+    def metric_book(self) -> MetricBook:
+        """Where `self.log` values of the current step or validation run are collected."""
+        if self._book is None:
+            raise RuntimeError("self.log is only available inside fit/validate")
+        return self._book
+
+    @property
+    def num_microbatches(self) -> int:
+        """Microbatches per optimizer step on this process (gradient accumulation)."""
+        s = self.settings
+        return s.global_batch_size // (s.micro_batch_size * self.strategy.data_shard().count)
+
+    @property
+    def train_dataloader(self) -> DataLoader | None:
+        return self._train_loader
+
+    @property
+    def val_dataloader(self) -> DataLoader | None:
+        return self._val_loader
+
+    # -- control requests from callbacks ---------------------------------------------------
+    def request_stop(self) -> None:
+        """End training after the current step (final validation and end hooks still run).
+
+        Every rank must request it at the same step (decide from reduced values).
+        """
+        self.should_stop = True
+
+    def request_skip_step(self) -> None:
+        """Discard this step's update; valid only inside `on_before_optimizer_step`."""
+        self._skip_requested = True
+
+    # -- hook dispatch ---------------------------------------------------------------------
+    def _call(self, hook: str, *args: Any) -> None:
+        module = self.module
+        for cb in self.callbacks:
+            getattr(cb, hook)(self, module, *args)
+        module_hook = getattr(module, hook, None)
+        if callable(module_hook) and hook not in ("on_exception",):
+            module_hook(*args)
+
+    # -- setup shared by fit and validate --------------------------------------------------
+    def _setup(self, module: NanoModule, datamodule: Any, stage: str, ckpt_path: Any) -> None:
+        if not isinstance(module, NanoModule):
+            raise TypeError(f"expected a nanotrain.NanoModule, got {type(module).__name__}")
+        s = self.settings
+        self.strategy.setup_environment()
+        shard = self.strategy.data_shard()
+        if stage == "fit" and s.global_batch_size % (s.micro_batch_size * shard.count):
+            raise ValueError(
+                f"global_batch_size={s.global_batch_size} is not divisible by micro_batch_size="
+                f"{s.micro_batch_size} × data-parallel size {shard.count}; pick a global batch "
+                f"that is a multiple of {s.micro_batch_size * shard.count}"
+            )
+        if stage == "fit" and s.max_tokens is not None:
+            if type(module).count_tokens is NanoModule.count_tokens:
+                raise ValueError(
+                    "max_tokens needs the module to count tokens: override "
+                    f"{type(module).__name__}.count_tokens(batch), or use max_steps/max_epochs"
+                )
+        self.module, self.datamodule = module, datamodule
+        module.trainer = self
+        if datamodule is not None:
+            datamodule.trainer = self
+        self._make_run_dir(ckpt_path)
+        seed_everything(s.seed)
+        set_deterministic(s.deterministic)
+        self._book = MetricBook(lambda: self.strategy.root_device, self.strategy.metric_process_group)
+        if datamodule is not None:
+            if self.strategy.local_rank == 0:
+                datamodule.prepare_data()
+            self.strategy.barrier()
+            datamodule.setup(stage)
+        self.strategy.setup_module(module)
+        self._call("setup", stage)
+
+    def _make_run_dir(self, ckpt_path: Any) -> None:
+        s = self.settings
+        resumed = None
+        if ckpt_path not in (None, "last"):
+            resumed = run_dir_of_checkpoint(Path(ckpt_path))
+        if resumed is None and ckpt_path == "last":
+            resumed = self._latest_run_dir()
+        if resumed is not None:
+            run_dir = resumed
+        else:
+            experiment = Path(s.default_root_dir) / s.name
+            version = s.version if s.version is not None else next_version(experiment)
+            run_dir = experiment / f"version_{version}"
+        self.run_dir = Path(self.strategy.broadcast_object(str(run_dir)))
+        if self.is_global_zero:
+            (self.run_dir / "checkpoints").mkdir(parents=True, exist_ok=True)
+            write_config(self.run_dir, self._resolved_config())
+            loggers: list[Any] = []
+            if "tensorboard" in s.loggers:
+                loggers.append(TensorBoardLogger(self.run_dir / "tensorboard"))
+            if "jsonl" in s.loggers:
+                loggers.append(JSONLinesLogger(self.run_dir / "metrics.jsonl"))
+            self.loggers = LoggerGroup(loggers)
+        self.strategy.barrier()
+
+    def _latest_run_dir(self) -> Path | None:
+        experiment = Path(self.settings.default_root_dir) / self.settings.name
+        version = next_version(experiment) - 1
+        return experiment / f"version_{version}" if version >= 0 else None
+
+    def _resolved_config(self) -> dict[str, Any]:
+        if self._user_config is not None:
+            return self._user_config
+        config: dict[str, Any] = {"trainer": self.settings.to_dict()}
+        config["trainer"]["strategy"] = type(self.strategy).__name__
+        for key, obj in (("model", self.module), ("data", self.datamodule)):
+            hparams = getattr(obj, "hparams", None)
+            if hparams:
+                config[key] = {k: v for k, v in dict(hparams).items() if _is_plain(v)}
+        return config
+
+    def _build_loaders(self, stage: str, train_loader: Any, val_loader: Any) -> None:
+        s, shard = self.settings, self.strategy.data_shard()
+        dm = self.datamodule
+        if stage == "fit":
+            source = train_loader if train_loader is not None else (dm and dm.train_dataloader())
+            if source is None:
+                raise ValueError("fit needs training data: pass a datamodule or train_dataloaders")
+            self._train_loader, self._train_sampler = rebatch(
+                source,
+                micro_batch_size=s.micro_batch_size,
+                global_batch_size=s.global_batch_size,
+                shard=shard,
+                shuffle=s.shuffle,
+                seed=s.seed,
+            )
+            steps = len(self._train_sampler) // (s.micro_batch_size * self.num_microbatches)
+            self.state.steps_per_epoch = steps
+        source = val_loader
+        if source is None and dm is not None and _overrides(dm, "val_dataloader"):
+            source = dm.val_dataloader()
+        if source is not None and s.limit_val_batches != 0:
+            self._val_loader, _ = rebatch(
+                source,
+                micro_batch_size=s.micro_batch_size,
+                global_batch_size=s.micro_batch_size * shard.count,
+                shard=shard,
+                shuffle=False,
+                seed=s.seed,
+            )
+
+    # -- fit -----------------------------------------------------------------------------------
+    def fit(
+        self,
+        module: NanoModule,
+        datamodule: Any = None,
+        train_dataloaders: Any = None,
+        val_dataloaders: Any = None,
+        ckpt_path: str | Path | None = None,
+    ) -> None:
+        """Train `module` until max_steps, max_epochs or max_tokens (whichever comes first).
+
+        Args:
+            module: the NanoModule to train.
+            datamodule: a LightningDataModule; its map-style datasets are re-batched into
+                micro_batch_size microbatches in a resumable, sharded order.
+            train_dataloaders / val_dataloaders: a DataLoader or Dataset instead of a datamodule.
+            ckpt_path: resume from this checkpoint, or "last" for the newest of this experiment.
+        """
+        try:
+            self._setup(module, datamodule, "fit", ckpt_path)
+            self._build_loaders("fit", train_dataloaders, val_dataloaders)
+            self.strategy.setup_optimizers(module)
+            if ckpt_path is not None:
+                self._resume(ckpt_path)
+            self._call("on_fit_start")
+            self.training = True
+            module.train()
+            self._call("on_train_start")
+            self._train_loop()
+            if self._val_loader is not None and self._last_val_step != self.state.global_step:
+                self._run_validation()
+            self.training = False
+            self._call("on_train_end")
+            self._call("on_fit_end")
+        except BaseException as exc:
+            if self.module is not None:
+                self._call("on_exception", exc)
+            raise
+        finally:
+            self._teardown("fit")
+
+    def _done(self) -> bool:
+        s, st = self.settings, self.state
+        return (
+            self.should_stop
+            or (s.max_steps is not None and st.global_step >= s.max_steps)
+            or (s.max_tokens is not None and st.consumed_tokens >= s.max_tokens)
+            or (s.max_epochs is not None and st.epoch >= s.max_epochs)
+        )
+
+    def _train_loop(self) -> None:
+        st = self.state
+        if st.steps_per_epoch == 0:
+            raise ValueError("the training data does not fill one global batch")
+        while not self._done():
+            if st.steps_in_epoch < st.steps_per_epoch:
+                if st.steps_in_epoch == 0:
+                    self._train_sampler.set_epoch(st.epoch)
+                self._call("on_train_epoch_start")
+                batches = iter(self._train_loader)
+                while st.steps_in_epoch < st.steps_per_epoch and not self._done():
+                    micro = [self.strategy.batch_to_device(next(batches)) for _ in range(self.num_microbatches)]
+                    self._train_step(micro)
+                if st.steps_in_epoch < st.steps_per_epoch:
+                    break  # stopped mid-epoch
+            self._call("on_train_epoch_end")
+            self._step_scheduler("epoch")
+            st.epoch += 1
+            st.steps_in_epoch = 0
+
+    def _train_step(self, microbatches: list[Any]) -> None:
+        st, s = self.state, self.settings
+        batch_idx = st.steps_in_epoch
+        self._call("on_train_batch_start", microbatches, batch_idx)
+        out = self.strategy.forward_backward(self.module, microbatches, batch_idx)
+        out.grad_norm = self.strategy.clip_grad_norm_(s.gradient_clip_val)
+        self.step_output = out
+        self._skip_requested = False
+        self._call("on_before_optimizer_step", self.strategy.optimizer)
+        if self._skip_requested:
+            self.strategy.zero_grad()
+            out.skipped = True
+            st.skipped_steps += 1
+        else:
+            self.strategy.optimizer_step()
+            self._step_scheduler("step")
+        self._skip_requested = False
+        st.global_step += 1
+        st.steps_in_epoch += 1
+        st.consumed_samples += out.num_samples
+        st.consumed_tokens += out.num_tokens
+        self._train_sampler.advance(s.micro_batch_size * len(microbatches))
+        if st.global_step % s.log_every_n_steps == 0 or self._done():
+            self._log_train(out)
+        else:
+            self.metric_book.clear()
+        self._call("on_train_batch_end", out, microbatches, batch_idx)
+        vci = s.val_check_interval
+        if self._val_loader is not None and vci and st.global_step % vci == 0:
+            self._run_validation()
+
+    def _step_scheduler(self, interval: str) -> None:
+        setup = self.strategy.optimizer_setup
+        if setup is None or setup.scheduler is None or setup.scheduler.interval != interval:
+            return
+        count = self.state.global_step if interval == "step" else self.state.epoch
+        if (count + (1 if interval == "step" else 0)) % setup.scheduler.frequency == 0:
+            setup.scheduler.scheduler.step()
+
+    def _log_train(self, out: StepOutput) -> None:
+        st = self.state
+        logged, prog = self.metric_book.close()
+        metrics = {
+            "train/loss": out.loss,
+            "train/grad_norm": out.grad_norm,
+            "trainer/epoch": st.fractional_epoch,
+            "trainer/consumed_samples": st.consumed_samples,
+        }
+        if st.consumed_tokens:
+            metrics["trainer/consumed_tokens"] = st.consumed_tokens
+        metrics.update(out.metrics)
+        metrics.update(logged)
+        self.log_metrics(metrics)
+        self.progress_bar_metrics.update({"loss": out.loss, **prog})
+
+    def log_metrics(self, metrics: dict[str, Any], step: int | None = None) -> None:
+        """Write scalars to the loggers (rank 0) at `step` (default: the current global step)
+        and remember them in `callback_metrics`. Call on every rank; only rank 0 writes."""
+        values = {k: _to_float(v) for k, v in metrics.items() if v is not None}
+        self.callback_metrics.update({k: torch.tensor(v) for k, v in values.items()})
+        self.loggers.log_metrics(values, self.state.global_step if step is None else step)
+
+    # -- validation -----------------------------------------------------------------------------
+    def _run_validation(self) -> dict[str, float]:
+        module = self.module
+        was_training = module.training
+        train_book, self._book = self._book, MetricBook(
+            lambda: self.strategy.root_device, self.strategy.metric_process_group
+        )
+        self.validating = True
+        module.eval()
+        self._call("on_validation_start")
+        self._call("on_validation_epoch_start")
+        limit = _val_batch_limit(self.settings.limit_val_batches, len(self._val_loader))
+        for batch_idx, batch in enumerate(self._val_loader):
+            if batch_idx >= limit:
+                break
+            batch = self.strategy.batch_to_device(batch)
+            output = self.strategy.validation_step(module, batch, batch_idx)
+            self._call("on_validation_batch_end", output, batch, batch_idx)
+        logged, prog = self._book.close()
+        self._book = train_book
+        self.log_metrics(logged)
+        self.progress_bar_metrics.update(prog)
+        self._last_val_step = self.state.global_step
+        self._call("on_validation_epoch_end")
+        module.train(was_training)
+        self.validating = False
+        self._call("on_validation_end")
+        return {k: _to_float(v) for k, v in logged.items()}
+
+    def validate(
+        self,
+        module: NanoModule,
+        datamodule: Any = None,
+        dataloaders: Any = None,
+        ckpt_path: str | Path | None = None,
+    ) -> dict[str, float]:
+        """Run one pass over the validation data and return the reduced metrics."""
+        try:
+            self._setup(module, datamodule, "validate", ckpt_path)
+            self._build_loaders("validate", None, dataloaders)
+            if self._val_loader is None:
+                raise ValueError("validate needs validation data: a datamodule with "
+                                 "val_dataloader() or dataloaders=...")
+            if ckpt_path is not None:
+                self._resume(ckpt_path, weights_only=True)
+            return self._run_validation()
+        except BaseException as exc:
+            if self.module is not None:
+                self._call("on_exception", exc)
+            raise
+        finally:
+            self._teardown("validate")
+
+    # -- checkpoint payload (storage lives in nanotrain.checkpoint) ------------------------------
+    def checkpoint_payload(self) -> dict[str, Any]:
+        """Everything this rank needs for an exact resume, as tensors and plain values."""
+        setup = self.strategy.optimizer_setup
+        payload: dict[str, Any] = {
+            "model": self.strategy.model_state_dict(),
+            "optimizer": self.strategy.optimizer_state_dict() if setup else None,
+            "lr_scheduler": setup.scheduler.scheduler.state_dict() if setup and setup.scheduler else None,
+            "train_state": self.state.state_dict(),
+            "data": self._train_sampler.state_dict() if self._train_sampler else None,
+            "rng": capture_rng_state(),
+            "callbacks": {cb.state_key: cb.state_dict() for cb in self.callbacks},
+            "config": self._resolved_config(),
+        }
+        self._call("on_save_checkpoint", payload)
+        return payload
+
+    def load_checkpoint_payload(self, payload: dict[str, Any], weights_only: bool = False) -> None:
+        """Restore a payload made by `checkpoint_payload` (only the model when weights_only)."""
+        self.strategy.load_model_state_dict(payload["model"])
+        if not weights_only:
+            setup = self.strategy.optimizer_setup
+            if payload.get("optimizer") is not None and setup is not None:
+                self.strategy.load_optimizer_state_dict(payload["optimizer"])
+            if payload.get("lr_scheduler") is not None and setup and setup.scheduler:
+                setup.scheduler.scheduler.load_state_dict(payload["lr_scheduler"])
+            self.state.load_state_dict(payload["train_state"])
+            if payload.get("data") is not None and self._train_sampler is not None:
+                self._train_sampler.load_state_dict(payload["data"])
+            for cb in self.callbacks:
+                if cb.state_key in payload.get("callbacks", {}):
+                    cb.load_state_dict(payload["callbacks"][cb.state_key])
+            restore_rng_state(payload["rng"])
+        self._call("on_load_checkpoint", payload)
+
+    def save_checkpoint(self, path: str | Path) -> Path:
+        """Write a checkpoint of the current state to `path` (call on every rank)."""
+        from nanotrain.checkpoint import save_checkpoint
+
+        return save_checkpoint(self, Path(path))
+
+    def _resume(self, ckpt_path: str | Path, weights_only: bool = False) -> None:
+        from nanotrain.checkpoint import load_checkpoint, resolve_checkpoint_path
+
+        path = resolve_checkpoint_path(self, ckpt_path)
+        self.load_checkpoint_payload(load_checkpoint(self, path), weights_only=weights_only)
+
+    def _teardown(self, stage: str) -> None:
+        if self.module is not None:
+            self._call("teardown", stage)
+        self.loggers.finalize()
+        self.loggers = LoggerGroup([])
+        self._train_loader = self._val_loader = None
+        self.strategy.teardown()
+
+
+def _overrides(obj: Any, name: str) -> bool:
+    import lightning.pytorch as pl
+
+    return getattr(type(obj), name, None) is not getattr(pl.LightningDataModule, name, None)
+
+
+def _val_batch_limit(limit: int | float | None, available: int) -> int:
+    if limit is None:
+        return available
+    if isinstance(limit, float) and limit <= 1.0:
+        return max(1, int(available * limit)) if limit > 0 else 0
+    return min(int(limit), available)
+
+
+def _to_float(value: Any) -> float:
+    if isinstance(value, torch.Tensor):
+        return float(value.detach().float().item())
+    return float(value)
+
+
+def _is_plain(value: Any) -> bool:
+    if isinstance(value, (str, int, float, bool)) or value is None:
+        return not (isinstance(value, float) and not math.isfinite(value))
+    if isinstance(value, (list, tuple)):
+        return all(_is_plain(v) for v in value)
+    if isinstance(value, dict):
+        return all(isinstance(k, str) and _is_plain(v) for k, v in value.items())
+    return False

@@ -1,0 +1,160 @@
+"""Run a function on a small gloo world of forked processes and collect each rank's result.
+
+Used by every multi-process test::
+
+    def check(rank, world_size, scale):
+        ...  # torch.distributed is initialised (gloo) here
+        return some_picklable_value
+
+    results = run_world(check, 2, 3.0)  # [rank 0's value, rank 1's value]
+
+Why fork: a forked rank is ready in well under 0.2 s, a spawned one takes seconds to re-import
+torch. Fork's two known traps are handled here: every rank sets one intra-op thread before
+touching torch (a forked child with a thread pool can deadlock), and garbage is collected
+before ``destroy_process_group`` (a live DDP model can hang it). Results travel back as plain
+pickles over one pipe per rank (never through shared memory, which dies with the child).
+"""
+
+from __future__ import annotations
+
+import gc
+import multiprocessing as mp
+import pickle
+import socket
+import time
+import traceback
+from collections.abc import Callable
+from datetime import timedelta
+from multiprocessing.connection import Connection, wait
+from typing import Any
+
+import torch
+import torch._dynamo  # noqa: F401  (pre-imported once here: saves each forked rank ~1 s)
+import torch.distributed as dist
+import torch.nn.parallel.distributed  # noqa: F401  (same reason)
+
+__all__ = ["RankError", "run_world", "free_port"]
+
+
+class RankError(AssertionError):
+    """A rank raised, died or timed out; the message holds that rank's traceback."""
+
+
+def free_port() -> int:
+    """A TCP port that was free a moment ago on localhost (for the rendezvous store)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _rank_main(
+    fn: Callable[..., Any],
+    rank: int,
+    world_size: int,
+    port: int,
+    pg_timeout: float,
+    conn: Connection,
+    args: tuple,
+) -> None:
+    torch.set_num_threads(1)  # first, before any torch op in the forked child
+    try:
+        dist.init_process_group(
+            "gloo",
+            init_method=f"tcp://127.0.0.1:{port}",
+            rank=rank,
+            world_size=world_size,
+            timeout=timedelta(seconds=pg_timeout),
+        )
+        result = fn(rank, world_size, *args)
+        payload = pickle.dumps(("ok", result))
+    except BaseException:  # noqa: BLE001 - everything must reach the parent
+        payload = pickle.dumps(("error", traceback.format_exc()))
+    # Report before tearing down, so a hang in teardown can never hide the result.
+    conn.send_bytes(payload)
+    conn.close()
+    gc.collect()  # free models before the group goes away (DDP hang, TESTING.md)
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def _kill_all(procs: list[mp.Process]) -> None:
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+    for p in procs:
+        p.join(timeout=5)
+
+
+def run_world(
+    fn: Callable[..., Any],
+    world_size: int,
+    *args: Any,
+    timeout: float = 60.0,
+    pg_timeout: float = 20.0,
+) -> list[Any]:
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` forked gloo ranks.
+
+    Each rank sets ``torch.set_num_threads(1)``, joins a gloo process group (localhost, a free
+    port, collective timeout ``pg_timeout`` seconds), calls ``fn`` and sends its return value
+    (must be picklable) back. The process group is destroyed after ``fn`` returns.
+
+    Returns:
+        The ranks' return values, indexed by rank.
+
+    Raises:
+        RankError: as soon as any rank raises (with that rank's traceback), dies without a
+            result, or when ``timeout`` seconds pass; every remaining rank is killed first.
+    """
+    ctx = mp.get_context("fork")
+    port = free_port()
+    procs, readers = [], {}
+    for rank in range(world_size):
+        reader, writer = ctx.Pipe(duplex=False)
+        proc = ctx.Process(
+            target=_rank_main,
+            args=(fn, rank, world_size, port, pg_timeout, writer, args),
+            name=f"nanotrain-rank{rank}",
+            daemon=True,  # if the test process itself dies, the ranks die with it
+        )
+        proc.start()
+        writer.close()  # only the child writes; EOF on the reader then means "child gone"
+        procs.append(proc)
+        readers[reader] = rank
+    try:
+        return _collect(procs, readers, world_size, timeout)
+    finally:
+        _kill_all(procs)
+        for reader in readers:
+            reader.close()
+
+
+def _collect(
+    procs: list[mp.Process], readers: dict[Connection, int], world_size: int, timeout: float
+) -> list[Any]:
+    results: dict[int, Any] = {}
+    deadline = _now() + timeout
+    pending = dict(readers)
+    while pending:
+        remaining = deadline - _now()
+        if remaining <= 0:
+            missing = sorted(pending.values())
+            raise RankError(f"ranks {missing} of {world_size} gave no result within {timeout}s")
+        for reader in wait(list(pending), timeout=remaining):
+            rank = pending.pop(reader)
+            try:
+                status, value = pickle.loads(reader.recv_bytes())
+            except EOFError:
+                procs[rank].join(timeout=1)
+                code = procs[rank].exitcode
+                raise RankError(f"rank {rank} died without a result (exit code {code})") from None
+            if status == "error":
+                raise RankError(f"rank {rank} of {world_size} raised:\n{value}")
+            results[rank] = value
+    # Let the ranks finish tearing down cleanly; run_world kills any that lingers.
+    for proc in procs:
+        proc.join(timeout=max(0.0, min(2.0, deadline - _now())))
+    return [results[r] for r in range(world_size)]
+
+
+def _now() -> float:
+    return time.monotonic()

@@ -1,0 +1,93 @@
+"""Small NanoModules and data for Trainer tests (the project's BoringModel)."""
+
+from __future__ import annotations
+
+import lightning.pytorch as pl
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+import nanotrain as nt
+
+
+def blobs(num_samples: int, num_features: int = 8, num_classes: int = 3, seed: int = 0):
+    """Gaussian blobs: class c is centred at 2·e_c; returns (x [N, F], y [N])."""
+    g = torch.Generator().manual_seed(seed)
+    y = torch.randint(0, num_classes, (num_samples,), generator=g)
+    centres = torch.zeros(num_classes, num_features)
+    centres[torch.arange(num_classes), torch.arange(num_classes)] = 2.0
+    x = centres[y] + 0.5 * torch.randn(num_samples, num_features, generator=g)
+    return x, y
+
+
+class BlobsData(pl.LightningDataModule):
+    """Train/val split of `blobs`, served as TensorDatasets of (x, y)."""
+
+    def __init__(self, num_train: int = 256, num_val: int = 64, batch_size: int = 8) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        x, y = blobs(num_train + num_val)
+        self.train_set = TensorDataset(x[:num_train], y[:num_train])
+        self.val_set = TensorDataset(x[num_train:], y[num_train:])
+
+    def train_dataloader(self) -> DataLoader:
+        return DataLoader(self.train_set, batch_size=self.hparams.batch_size, shuffle=True)
+
+    def val_dataloader(self) -> DataLoader:
+        return DataLoader(self.val_set, batch_size=self.hparams.batch_size)
+
+
+class Classifier(nt.NanoModule):
+    """A two-layer MLP classifier: nothing about it is a language model."""
+
+    def __init__(self, lr: float = 0.05, hidden: int = 16, scheduler: bool = False) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        self.net: nn.Module | None = None
+
+    def configure_model(self) -> None:
+        if self.net is None:
+            self.net = nn.Sequential(nn.Linear(8, self.hparams.hidden), nn.Tanh(), nn.Linear(self.hparams.hidden, 3))
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        loss = F.cross_entropy(self.net(x), y)
+        self.log("train/ce", loss)
+        return loss
+
+    def validation_step(self, batch, batch_idx):
+        x, y = batch
+        logits = self.net(x)
+        self.log("val/loss", F.cross_entropy(logits, y), sync_dist=True, batch_size=len(y))
+        self.log("val/acc", (logits.argmax(-1) == y).float().mean(), sync_dist=True, batch_size=len(y))
+
+    def configure_optimizers(self):
+        opt = torch.optim.SGD(self.parameters(), lr=self.hparams.lr)
+        if not self.hparams.scheduler:
+            return opt
+        sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+
+class HookRecorder(nt.Callback):
+    """Records every hook call by name."""
+
+    HOOKS = [
+        "setup", "on_fit_start", "on_train_start", "on_train_epoch_start", "on_train_batch_start",
+        "on_before_optimizer_step", "on_train_batch_end", "on_validation_start",
+        "on_validation_epoch_start", "on_validation_batch_end", "on_validation_epoch_end",
+        "on_validation_end", "on_train_epoch_end", "on_train_end", "on_fit_end", "teardown",
+        "on_exception",
+    ]
+
+    def __init__(self) -> None:
+        self.calls: list[str] = []
+        for hook in self.HOOKS:
+            setattr(self, hook, self._recorder(hook))
+
+    def _recorder(self, hook: str):
+        def record(*args, **kwargs):
+            self.calls.append(hook)
+
+        return record

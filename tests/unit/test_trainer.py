@@ -1,0 +1,217 @@
+"""The Trainer loop on one process: accumulation, hooks, stopping rules, logging, errors."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from torch.utils.data import IterableDataset, TensorDataset
+
+import nanotrain as nt
+from tests.toy import BlobsData, Classifier, HookRecorder
+
+
+def make_trainer(tmp_path, **kwargs) -> nt.Trainer:
+    defaults = dict(
+        strategy=nt.SingleDeviceStrategy("cpu"),
+        default_root_dir=str(tmp_path),
+        max_steps=4,
+        micro_batch_size=8,
+        log_every_n_steps=1,
+    )
+    defaults.update(kwargs)
+    return nt.Trainer(**defaults)
+
+
+class LossRecorder(nt.Callback):
+    def __init__(self) -> None:
+        self.losses: list[float] = []
+        self.grad_norms: list[float] = []
+
+    def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
+        self.losses.append(outputs.loss.item())
+        self.grad_norms.append(outputs.grad_norm.item())
+
+
+def fit_and_record(tmp_path, **kwargs):
+    torch.manual_seed(0)
+    recorder = LossRecorder()
+    module = Classifier()
+    trainer = make_trainer(tmp_path, callbacks=[recorder], **kwargs)
+    trainer.fit(module, BlobsData())
+    return recorder, module
+
+
+def test_gradient_accumulation_equals_one_big_microbatch(tmp_path):
+    big, big_module = fit_and_record(tmp_path / "a", micro_batch_size=8, global_batch_size=8)
+    acc, acc_module = fit_and_record(tmp_path / "b", micro_batch_size=4, global_batch_size=8)
+    torch.testing.assert_close(acc.losses, big.losses, rtol=1e-6, atol=0)
+    torch.testing.assert_close(acc.grad_norms, big.grad_norms, rtol=1e-5, atol=0)
+    for p_acc, p_big in zip(acc_module.parameters(), big_module.parameters(), strict=True):
+        torch.testing.assert_close(p_acc, p_big, rtol=1e-5, atol=1e-7)
+
+
+def test_hook_order_matches_the_documented_sequence(tmp_path):
+    recorder = HookRecorder()
+    # 256 samples / 64 per step = 4 steps per epoch; 6 steps = 1.5 epochs; val every 3 steps.
+    trainer = make_trainer(
+        tmp_path, callbacks=[recorder], max_steps=6, micro_batch_size=32, global_batch_size=64,
+        val_check_interval=3, limit_val_batches=1,
+    )
+    trainer.fit(Classifier(), BlobsData())
+    step = ["on_train_batch_start", "on_before_optimizer_step", "on_train_batch_end"]
+    val = ["on_validation_start", "on_validation_epoch_start", "on_validation_batch_end",
+           "on_validation_epoch_end", "on_validation_end"]
+    expected = (
+        ["setup", "on_fit_start", "on_train_start", "on_train_epoch_start"]
+        + step * 3 + val + step + ["on_train_epoch_end", "on_train_epoch_start"]
+        + step * 2 + val + ["on_train_end", "on_fit_end", "teardown"]
+    )
+    assert recorder.calls == expected
+
+
+def test_classifier_learns_and_logs_to_run_directory(tmp_path):
+    module = Classifier(lr=0.2)
+    trainer = make_trainer(tmp_path, max_epochs=3, max_steps=None, val_check_interval=10,
+                           name="blobs")
+    trainer.fit(module, BlobsData())
+    assert trainer.run_dir == tmp_path / "blobs" / "version_0"
+    assert (trainer.run_dir / "config.yaml").is_file()
+    lines = [json.loads(x) for x in (trainer.run_dir / "metrics.jsonl").read_text().splitlines()]
+    train_lines = [x for x in lines if "train/loss" in x]
+    assert train_lines[-1]["train/loss"] < 0.5 * train_lines[0]["train/loss"]
+    # 256 samples / 8 per step = 32 steps per epoch: step 40 is 1.25 epochs in
+    step40 = next(x for x in train_lines if x["step"] == 40)
+    assert step40["trainer/epoch"] == pytest.approx(1.25)
+    val_acc = [x["val/acc"] for x in lines if "val/acc" in x]
+    assert val_acc[-1] > 0.9
+    assert trainer.global_step == 96 and trainer.current_epoch == 3
+    # a second run gets the next version
+    trainer2 = make_trainer(tmp_path, max_steps=1, name="blobs")
+    trainer2.fit(Classifier(), BlobsData())
+    assert trainer2.run_dir.name == "version_1"
+
+
+def test_tensorboard_scalars_are_readable(tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    trainer = make_trainer(tmp_path, max_steps=3)
+    trainer.fit(Classifier(), BlobsData())
+    acc = EventAccumulator(str(trainer.run_dir / "tensorboard"))
+    acc.Reload()
+    steps = [e.step for e in acc.Scalars("train/loss")]
+    assert steps == [1, 2, 3]
+    assert "train/ce" in acc.Tags()["scalars"]
+
+
+def test_step_interval_lr_scheduler_steps_every_optimizer_step(tmp_path):
+    module = Classifier(lr=0.08, scheduler=True)
+    make_trainer(tmp_path, max_steps=5).fit(module, BlobsData())
+    # StepLR(step_size=2, gamma=0.5) after 5 scheduler steps: 0.08 * 0.5**2
+    assert module.optimizers().param_groups[0]["lr"] == pytest.approx(0.02)
+
+
+def test_max_tokens_stops_training(tmp_path):
+    class Counting(Classifier):
+        def count_tokens(self, batch):
+            return 10 * len(batch[0])  # pretend every sample holds 10 tokens
+
+    trainer = make_trainer(tmp_path, max_steps=None, max_tokens=250)
+    trainer.fit(Counting(), BlobsData())
+    assert trainer.global_step == 4  # 80 tokens per step: 3 steps = 240 < 250, 4 steps = 320
+    assert trainer.state.consumed_tokens == 320
+
+
+def test_request_stop_ends_after_the_current_step(tmp_path):
+    class StopAt(nt.Callback):
+        def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
+            if trainer.global_step == 2:
+                trainer.request_stop()
+
+    trainer = make_trainer(tmp_path, max_steps=10, callbacks=[StopAt()])
+    trainer.fit(Classifier(), BlobsData())
+    assert trainer.global_step == 2
+
+
+def test_grad_norm_is_measured_before_clipping(tmp_path):
+    torch.manual_seed(0)
+    module = Classifier()
+    data = BlobsData()
+    seen = {}
+
+    class Check(nt.Callback):
+        def on_before_optimizer_step(self, trainer, module, optimizer):
+            grads = [p.grad for p in module.parameters()]
+            seen["norm"] = trainer.step_output.grad_norm.item()
+            seen["clipped"] = torch.linalg.vector_norm(torch.stack([g.norm() for g in grads])).item()
+
+    make_trainer(tmp_path, max_steps=1, gradient_clip_val=1e-3, callbacks=[Check()]).fit(module, data)
+    assert seen["norm"] > 1e-2
+    assert seen["clipped"] == pytest.approx(1e-3, rel=1e-4)
+
+
+def test_exception_reaches_on_exception_and_teardown(tmp_path):
+    class Boom(Classifier):
+        def training_step(self, batch, batch_idx):
+            raise RuntimeError("boom")
+
+    recorder = HookRecorder()
+    with pytest.raises(RuntimeError, match="boom"):
+        make_trainer(tmp_path, callbacks=[recorder]).fit(Boom(), BlobsData())
+    assert recorder.calls[-2:] == ["on_exception", "teardown"]
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(max_steps=None), "stopping rule"),
+        (dict(global_batch_size=12, micro_batch_size=8), "not a multiple of micro_batch_size"),
+        (dict(max_steps=0), "max_steps must be a positive integer"),
+        (dict(loggers=["wandb"]), "unknown loggers"),
+    ],
+)
+def test_invalid_trainer_settings_raise_at_construction(tmp_path, kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        make_trainer(tmp_path, **kwargs)
+
+
+def test_max_tokens_without_token_counting_is_rejected_before_work(tmp_path):
+    trainer = make_trainer(tmp_path, max_steps=None, max_tokens=100)
+    with pytest.raises(ValueError, match="count_tokens"):
+        trainer.fit(Classifier(), BlobsData())
+
+
+def test_empty_and_iterable_datasets_are_rejected(tmp_path):
+    empty = TensorDataset(torch.zeros(0, 8), torch.zeros(0, dtype=torch.long))
+    with pytest.raises(ValueError, match="empty"):
+        make_trainer(tmp_path).fit(Classifier(), train_dataloaders=empty)
+
+    class Stream(IterableDataset):
+        def __iter__(self):
+            yield torch.zeros(8), torch.tensor(0)
+
+    with pytest.raises(TypeError, match="map-style"):
+        make_trainer(tmp_path).fit(Classifier(), train_dataloaders=Stream())
+
+
+def test_validate_returns_reduced_metrics(tmp_path):
+    module = Classifier()
+    metrics = make_trainer(tmp_path).validate(module, BlobsData())
+    x, y = BlobsData().val_set.tensors
+    with torch.no_grad():
+        expected = (module.net(x).argmax(-1) == y).float().mean().item()
+    assert metrics["val/acc"] == pytest.approx(expected, abs=1e-6)
+
+
+def test_same_module_runs_under_lightning_trainer(tmp_path):
+    import lightning.pytorch as pl
+
+    module = Classifier(lr=0.2)
+    trainer = pl.Trainer(
+        max_steps=20, val_check_interval=10, accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False, default_root_dir=str(tmp_path),
+    )
+    trainer.fit(module, BlobsData())
+    assert trainer.global_step == 20
+    assert trainer.callback_metrics["val/acc"] > 0.8
