@@ -47,6 +47,17 @@ class NanoModule(pl.LightningModule):
         return int(tensor.shape[0]) if tensor is not None and tensor.dim() > 0 else 1
 
     @property
+    def mesh(self) -> Any:
+        """The strategy's `ParallelMesh`, for building a sharded model in `configure_model`;
+        None for one process, for DDP and outside the nanotrain Trainer."""
+        trainer = self._nano_trainer
+        return None if trainer is None else trainer.strategy.mesh
+
+    def flops_per_token(self) -> float | None:
+        """Training FLOPs (forward + backward) per token, for MFU; None when unknown."""
+        return None
+
+    @property
     def _nano_trainer(self) -> Any:
         trainer = getattr(self, "_trainer", None)
         return trainer if getattr(trainer, "is_nanotrain", False) else None

@@ -139,6 +139,12 @@ class Strategy(ABC):
         """
         return tensor.clone()
 
+    @property
+    def mesh(self) -> Any:
+        """The `ParallelMesh` (process groups) models are built against; None when every rank
+        holds the whole model (one process, DDP)."""
+        return None
+
     # -- model and optimizer -----------------------------------------------------------------
     def model_init_context(self) -> contextlib.AbstractContextManager:
         """Context under which `configure_model` runs (device placement, meta init)."""
@@ -202,6 +208,28 @@ class Strategy(ABC):
         """Run `module.validation_step` forward-only and return its output."""
         with torch.no_grad():
             return module.validation_step(batch, batch_idx)
+
+    # -- inspection (for callbacks: numbers that need a cross-rank view) ---------------------
+    def named_grad_norms(self) -> dict[str, Tensor]:
+        """L2 norm of each trainable parameter's full gradient, by parameter name.
+
+        Norms are those of the whole (unsharded) gradient after the cross-replica reduction,
+        identical on every rank; parameters without a gradient are left out. Replicated
+        layouts hold every gradient whole, so the local norm is the global one.
+        """
+        assert self.module is not None
+        return {
+            name: p.grad.detach().float().norm(2)
+            for name, p in self.module.named_parameters()
+            if p.requires_grad and p.grad is not None
+        }
+
+    def full_tensor(self, name: str, tensor: Tensor) -> Tensor:
+        """The whole value of parameter `name` (or of its gradient) given this rank's `tensor`.
+
+        Layouts that shard parameters gather the pieces; replicated layouts return `tensor`.
+        """
+        return tensor
 
     # -- state -------------------------------------------------------------------------------
     def model_state_dict(self) -> dict[str, Tensor]:

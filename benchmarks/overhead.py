@@ -1,0 +1,167 @@
+"""Per-step overhead of the nanotrain Trainer vs a plain PyTorch loop vs lightning.Trainer.
+
+The same NanoModule (an MLP regressor on synthetic data), the same batch size, optimizer and
+number of steps run three ways in one process, interleaved over several rounds; the median
+time per step after a warm-up is compared. Run:
+
+    python benchmarks/overhead.py --steps 300 --rounds 3
+
+Prints a table with each runner's ms/step and its ratio to the plain loop.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import tempfile
+import time
+
+import lightning.pytorch as pl
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+import nanotrain as nt
+
+
+class Regressor(nt.NanoModule):
+    """A 4-layer MLP with MSE loss: enough compute per step to be a realistic small model."""
+
+    def __init__(self, width: int = 512, depth: int = 4, lr: float = 1e-3) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        layers: list[nn.Module] = []
+        for _ in range(depth):
+            layers += [nn.Linear(width, width), nn.GELU()]
+        self.net = nn.Sequential(*layers, nn.Linear(width, 1))
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return nn.functional.mse_loss(self.net(x).squeeze(-1), y)
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=self.hparams.lr)
+
+
+def make_data(num_samples: int, width: int) -> TensorDataset:
+    """Random inputs [N, width] and targets [N] from a fixed seed."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(num_samples, width, generator=g)
+    return TensorDataset(x, x[:, :8].sum(-1))
+
+
+class _StepClock:
+    """Timestamps the start of step `warmup` and the end of training (shared by all runners)."""
+
+    def __init__(self, warmup: int) -> None:
+        self.warmup, self.start, self.end = warmup, None, None
+
+    def at_batch_start(self, batch_idx: int) -> None:
+        if batch_idx == self.warmup:
+            self.start = time.perf_counter()
+
+    def at_train_end(self) -> None:
+        self.end = time.perf_counter()
+
+    def ms_per_step(self, steps: int) -> float:
+        return 1e3 * (self.end - self.start) / (steps - self.warmup)
+
+
+def run_plain(data: TensorDataset, batch: int, steps: int, warmup: int, width: int) -> float:
+    """A hand-written loop: next batch, forward, backward, clip, step, zero_grad."""
+    torch.manual_seed(0)
+    module = Regressor(width)
+    opt = module.configure_optimizers()
+    loader = DataLoader(data, batch_size=batch, shuffle=True, drop_last=True)
+    clock, step = _StepClock(warmup), 0
+    while step < steps:
+        for x, y in loader:
+            clock.at_batch_start(step)
+            loss = module.training_step((x, y), step)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(module.parameters(), 1.0)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            step += 1
+            if step == steps:
+                break
+    clock.at_train_end()
+    return clock.ms_per_step(steps)
+
+
+def run_nanotrain(data: TensorDataset, batch: int, steps: int, warmup: int, width: int) -> float:
+    """The nanotrain Trainer, single device, no loggers or callbacks besides the clock."""
+    clock = _StepClock(warmup)
+
+    class Clock(nt.Callback):
+        def on_train_batch_start(self, trainer, module, b, batch_idx):
+            clock.at_batch_start(trainer.global_step)
+
+        def on_train_end(self, trainer, module):
+            clock.at_train_end()
+
+    torch.manual_seed(0)
+    with tempfile.TemporaryDirectory() as root:
+        trainer = nt.Trainer(
+            strategy=nt.SingleDeviceStrategy("cpu"), max_steps=steps, global_batch_size=batch,
+            micro_batch_size=batch, gradient_clip_val=1.0, callbacks=[Clock()], loggers=[],
+            default_root_dir=root, log_every_n_steps=50,
+        )
+        trainer.fit(Regressor(width), train_dataloaders=data)
+    return clock.ms_per_step(steps)
+
+
+def run_lightning(data: TensorDataset, batch: int, steps: int, warmup: int, width: int) -> float:
+    """lightning.Trainer on the same module, with its extras (logger, progress, ckpt) off."""
+    clock = _StepClock(warmup)
+
+    class Clock(pl.Callback):
+        def on_train_batch_start(self, trainer, module, b, batch_idx):
+            clock.at_batch_start(trainer.global_step)
+
+        def on_train_end(self, trainer, module):
+            clock.at_train_end()
+
+    torch.manual_seed(0)
+    loader = DataLoader(data, batch_size=batch, shuffle=True, drop_last=True)
+    with tempfile.TemporaryDirectory() as root:
+        trainer = pl.Trainer(
+            max_steps=steps, accelerator="cpu", devices=1, logger=False, callbacks=[Clock()],
+            enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+            gradient_clip_val=1.0, default_root_dir=root, log_every_n_steps=50,
+        )
+        trainer.fit(Regressor(width), loader)
+    return clock.ms_per_step(steps)
+
+
+RUNNERS = {"plain loop": run_plain, "nanotrain": run_nanotrain, "lightning": run_lightning}
+
+
+def main() -> None:
+    """Run every runner `--rounds` times, interleaved, and print median ms/step and ratios."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument("--warmup", type=int, default=20)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--batch", type=int, default=64)
+    parser.add_argument("--width", type=int, default=512)
+    parser.add_argument("--threads", type=int, default=1)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    data = make_data(args.batch * 64, args.width)
+    times: dict[str, list[float]] = {name: [] for name in RUNNERS}
+    for _ in range(args.rounds):
+        for name, runner in RUNNERS.items():
+            times[name].append(runner(data, args.batch, args.steps, args.warmup, args.width))
+    base = statistics.median(times["plain loop"])
+    print(f"steps={args.steps} warmup={args.warmup} rounds={args.rounds} batch={args.batch} "
+          f"width={args.width} threads={args.threads} torch={torch.__version__}")
+    print(f"{'runner':<12} {'ms/step (median)':>17} {'vs plain':>9}   all rounds (ms/step)")
+    for name, values in times.items():
+        med = statistics.median(values)
+        rounds = " ".join(f"{v:.3f}" for v in values)
+        print(f"{name:<12} {med:>17.3f} {med / base:>9.3f}   {rounds}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,238 @@
+"""LanguageModelModule: next-token training of the model stack; what `nanotrain fit` trains."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import torch
+
+from nanotrain.module import NanoModule
+
+IGNORE_INDEX = -100
+
+
+class LanguageModelModule(NanoModule):
+    """Train a DeepSeek-V3-style or dense model (`nanotrain.models`) on token batches.
+
+    Batches are dicts with "input_ids" and "labels" ([micro_batch, seq_len] int64, labels
+    already shifted; -100 = ignore), as `nanotrain.data.TokenDataModule` produces.
+
+    The loss backpropagated is `loss + aux_loss + mtp_loss_weight · mtp_loss`; each term is
+    logged on its own (`train/lm_loss`, `train/aux_loss`, `train/mtp_loss`) next to the
+    Trainer's `train/loss` (the total). Validation logs `val/loss` (next-token cross-entropy,
+    nats/token), `val/ppl` and, when the data knows its bytes per token, `val/bpb`
+    (bits per byte, comparable across tokenizers).
+
+    Args:
+        model: a preset name (`nanotrain.models.presets.names()`), or a DeepSeekConfig /
+            DenseConfig.
+        model_overrides: config fields to change on the preset, e.g. {"num_layers": 4}.
+        vocab_size: the model's vocabulary; None takes the datamodule's `vocab_size` (the
+            preset's when there is no datamodule).
+        lr, min_lr, warmup_steps, decay_steps: linear warmup to `lr`, then cosine decay to
+            `min_lr` over `decay_steps` (None: the Trainer's max_steps; without one, constant).
+        weight_decay, betas, eps: AdamW settings; weight decay applies to matrices only
+            (not norms, biases or the router's correction bias).
+    """
+
+    def __init__(
+        self,
+        model: str | Any = "tiny",
+        model_overrides: dict[str, Any] | None = None,
+        vocab_size: int | None = None,
+        lr: float = 3e-3,
+        min_lr: float = 3e-4,
+        warmup_steps: int = 20,
+        decay_steps: int | None = None,
+        weight_decay: float = 0.1,
+        betas: tuple[float, float] = (0.9, 0.95),
+        eps: float = 1e-8,
+    ) -> None:
+        super().__init__()
+        if lr <= 0 or min_lr < 0 or min_lr > lr:
+            raise ValueError(f"need 0 <= min_lr <= lr and lr > 0, got lr={lr}, min_lr={min_lr}")
+        if warmup_steps < 0:
+            raise ValueError(f"warmup_steps must be >= 0, got {warmup_steps}")
+        self.save_hyperparameters(ignore=["model"] if not isinstance(model, str) else None)
+        self._model_spec = model
+        self.config = self._resolve_config(vocab_size) if vocab_size is not None else None
+        self.model: torch.nn.Module | None = None
+        self._seq_len: int | None = None
+
+    # -- model -------------------------------------------------------------------------------
+    def _resolve_config(self, vocab_size: int | None) -> Any:
+        from nanotrain.models import presets
+
+        overrides = dict(self.hparams.get("model_overrides") or {})
+        if vocab_size is not None:
+            overrides["vocab_size"] = vocab_size
+        if isinstance(self._model_spec, str):
+            return presets.get(self._model_spec, **overrides)
+        return dataclasses.replace(self._model_spec, **overrides)
+
+    def _datamodule(self) -> Any:
+        trainer = getattr(self, "_trainer", None)
+        return getattr(trainer, "datamodule", None) if trainer is not None else None
+
+    def configure_model(self) -> None:
+        """Build this rank's share of the model (on the strategy's mesh) once."""
+        if self.model is not None:
+            return
+        data = self._datamodule()
+        data_vocab = getattr(data, "vocab_size", None)
+        if self.config is None:
+            self.config = self._resolve_config(data_vocab)
+        if data_vocab is not None and data_vocab > self.config.vocab_size:
+            raise ValueError(
+                f"the data's tokenizer has {data_vocab} token ids but the model's vocab_size is "
+                f"{self.config.vocab_size}; set vocab_size >= {data_vocab} (or leave it unset "
+                "to take the data's)"
+            )
+        self._seq_len = getattr(data, "seq_len", None)
+        from nanotrain.models import build_model
+
+        self.model = build_model(self.config, mesh=self.mesh, device="cpu")
+
+    # -- steps -------------------------------------------------------------------------------
+    def _check_ids(self, input_ids: torch.Tensor) -> None:
+        vocab = self.config.vocab_size
+        if input_ids.numel() and (int(input_ids.min()) < 0 or int(input_ids.max()) >= vocab):
+            raise ValueError(
+                f"token ids must lie in [0, {vocab}) but the batch has ids in "
+                f"[{int(input_ids.min())}, {int(input_ids.max())}]; the data was tokenized with "
+                "a larger vocabulary than the model's vocab_size"
+            )
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None) -> Any:
+        """input_ids/labels [B, T] → the model's output (logits, loss, aux_loss, mtp_loss...)."""
+        self._check_ids(input_ids)
+        return self.model(input_ids, labels)
+
+    def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        """One microbatch: returns loss + aux_loss + λ·mtp_loss and logs each term."""
+        out = self(batch["input_ids"], batch["labels"])
+        self.log("train/lm_loss", out.loss.detach())
+        self.log("train/aux_loss", out.aux_loss.detach())
+        if out.mtp_loss is not None:
+            self.log("train/mtp_loss", out.mtp_loss.detach())
+        return out.total_loss
+
+    def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        """Logs val/loss (token-weighted over the whole validation set), val/ppl, val/bpb."""
+        out = self(batch["input_ids"], batch["labels"])
+        tokens = int(self.count_tokens(batch))
+        self.log("val/loss", out.loss, sync_dist=True, batch_size=tokens, prog_bar=True)
+        bytes_per_token = getattr(self._datamodule(), "bytes_per_token", None)
+        if bytes_per_token:
+            bpb = out.loss / math.log(2) / bytes_per_token
+            self.log("val/bpb", bpb, sync_dist=True, batch_size=tokens)
+        return out.loss
+
+    def on_validation_epoch_end(self) -> None:
+        """Perplexity from the averaged loss (a mean of per-batch perplexities would be wrong)."""
+        trainer = self._nano_trainer
+        if trainer is not None and "val/loss" in trainer.callback_metrics:
+            trainer.log_metrics({"val/ppl": torch.exp(trainer.callback_metrics["val/loss"])})
+
+    def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
+        """Aux-loss-free balancing: move router biases by the step's expert loads over all
+        ranks (the strategy sums them), then log how unbalanced the loads were."""
+        trainer = self._nano_trainer
+        reduce_fn = None if trainer is None else (lambda t: trainer.strategy.reduce(t, "sum"))
+        loads = self.model.update_router_biases(reduce_fn)
+        if loads.numel() and trainer is not None and _logs_now(trainer):
+            ratio = (loads.max(dim=-1).values / loads.mean(dim=-1).clamp_min(1e-9)).mean()
+            trainer.log_metrics({"moe/max_over_mean_load": ratio})
+
+    def count_tokens(self, batch: dict[str, torch.Tensor]) -> int:
+        """Tokens that carry a loss in one microbatch (labels != -100)."""
+        return int((batch["labels"] != IGNORE_INDEX).sum())
+
+    # -- accounting --------------------------------------------------------------------------
+    def flops_per_token(self) -> float | None:
+        """Training FLOPs per token (6·active matmul params + attention), at the data's
+        sequence length."""
+        if self.config is None or self._seq_len is None:
+            return None
+        from nanotrain.models.accounting import flops_per_token
+
+        return flops_per_token(self.config, self._seq_len)
+
+    def active_parameter_count(self) -> int:
+        """Parameters one token passes through (routed experts: only the top-k)."""
+        from nanotrain.models.accounting import active_params
+
+        return active_params(self.config, include_mtp=True)
+
+    # -- optimization ------------------------------------------------------------------------
+    def configure_optimizers(self) -> dict[str, Any]:
+        """AdamW (decay on matrices only) + warmup/cosine LR stepped every optimizer step."""
+        hp = self.hparams
+        decay = [p for p in self.parameters() if p.requires_grad and p.ndim >= 2]
+        no_decay = [p for p in self.parameters() if p.requires_grad and p.ndim < 2]
+        groups = [
+            {"params": decay, "weight_decay": hp.weight_decay},
+            {"params": no_decay, "weight_decay": 0.0},
+        ]
+        optimizer = torch.optim.AdamW(groups, lr=hp.lr, betas=tuple(hp.betas), eps=hp.eps)
+        decay_steps = hp.decay_steps
+        trainer = self._nano_trainer
+        if decay_steps is None and trainer is not None:
+            decay_steps = trainer.settings.max_steps
+        schedule = warmup_cosine(hp.warmup_steps, decay_steps, hp.min_lr / hp.lr)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+    # -- generation --------------------------------------------------------------------------
+    @torch.no_grad()
+    def generate(
+        self,
+        input_ids: torch.Tensor,
+        max_new_tokens: int,
+        temperature: float = 0.0,
+        generator: torch.Generator | None = None,
+    ) -> torch.Tensor:
+        """Extend `input_ids` [B, T] by `max_new_tokens` tokens → [B, T + n].
+
+        temperature 0 is greedy decoding; otherwise samples from softmax(logits / temperature).
+        Recomputes the whole prefix each token (no KV cache): meant for short samples while
+        training, not for serving.
+        """
+        was_training = self.training
+        self.eval()
+        ids = input_ids
+        window = getattr(self.config, "max_seq_len", None)
+        for _ in range(max_new_tokens):
+            context = ids if window is None else ids[:, -window:]
+            logits = self.model(context).logits[:, -1, : self.config.vocab_size].float()
+            if temperature <= 0:
+                next_id = logits.argmax(dim=-1, keepdim=True)
+            else:
+                probs = torch.softmax(logits / temperature, dim=-1)
+                next_id = torch.multinomial(probs, 1, generator=generator)
+            ids = torch.cat([ids, next_id], dim=1)
+        self.train(was_training)
+        return ids
+
+
+def warmup_cosine(warmup_steps: int, decay_steps: int | None, min_ratio: float):
+    """LR multiplier for LambdaLR: linear warmup over `warmup_steps` (from 1/warmup), then
+    cosine from 1 to `min_ratio` until `decay_steps`, `min_ratio` after; constant 1 after
+    warmup when decay_steps is None."""
+
+    def multiplier(step: int) -> float:
+        if step < warmup_steps:
+            return (step + 1) / warmup_steps
+        if decay_steps is None:
+            return 1.0
+        span = max(1, decay_steps - warmup_steps)
+        progress = min(1.0, (step - warmup_steps) / span)
+        return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+    return multiplier
+
+
+def _logs_now(trainer: Any) -> bool:
+    return trainer.global_step % trainer.settings.log_every_n_steps == 0
