@@ -13,6 +13,7 @@ from nanotrain.parallel.collectives import (
     scatter_to_sequence_parallel_region,
     scatter_to_tensor_parallel_region,
 )
+from nanotrain.parallel.cross_entropy import vocab_parallel_cross_entropy
 from nanotrain.parallel.mesh import AXES, MeshCoords, MeshLayout, ParallelMesh, validate_layout
 from nanotrain.parallel.tensor import (
     ColumnParallelLinear,
@@ -20,7 +21,6 @@ from nanotrain.parallel.tensor import (
     VocabParallelEmbedding,
     pad_vocab_size,
     shard_tensor,
-    vocab_parallel_cross_entropy,
 )
 
 __all__ = [

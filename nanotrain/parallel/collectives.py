@@ -14,8 +14,8 @@ Tensor-parallel splits act on the **last** dim (the hidden/feature dim). Sequenc
 functions take ``seq_dim``, which defaults to ``1`` because nanotrain activations are laid
 out ``[batch, seq, hidden]`` (Megatron itself uses ``[seq, batch, hidden]``, i.e. dim 0).
 
-Only the tensor forms of the collectives are used (``all_reduce``,
-``all_gather_into_tensor``, ``reduce_scatter_tensor``), which gloo, NCCL and others support.
+Only the tensor forms of the collectives are used (``all_reduce``, the single-tensor
+all-gather and reduce-scatter), which gloo, NCCL and others support.
 """
 
 from __future__ import annotations
@@ -24,6 +24,10 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 from torch.distributed import ProcessGroup
+
+# torch 2.13 renamed the single-tensor forms (the old names warn); older torch has only those.
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 __all__ = [
     "group_size",
@@ -85,7 +89,7 @@ def all_gather_along_dim(x: Tensor, dim: int, group: ProcessGroup | None) -> Ten
         return x
     # The tensor form gathers along dim 0, so gather a flat buffer and re-stack.
     flat = torch.empty(size * x.numel(), dtype=x.dtype, device=x.device)
-    dist.all_gather_into_tensor(flat, x.contiguous().view(-1), group=group)
+    _all_gather_single(flat, x.contiguous().view(-1), group=group)
     pieces = flat.view(size, *x.shape).unbind(0)
     return torch.cat(pieces, dim=dim)
 
@@ -110,7 +114,7 @@ def reduce_scatter_along_dim(x: Tensor, dim: int, group: ProcessGroup | None) ->
     stacked = torch.stack(x.chunk(size, dim=dim), dim=0).contiguous()
     chunk_shape = stacked.shape[1:]
     out = torch.empty(chunk_shape.numel(), dtype=x.dtype, device=x.device)
-    dist.reduce_scatter_tensor(out, stacked.view(-1), group=group)
+    _reduce_scatter_single(out, stacked.view(-1), group=group)
     return out.view(chunk_shape)
 
 

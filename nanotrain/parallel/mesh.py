@@ -34,7 +34,8 @@ Everything except ``ParallelMesh.build`` is pure and needs no ``torch.distribute
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import functools
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -291,12 +292,14 @@ class ParallelMesh:
         rank: int | None = None,
         timeout: timedelta | None = None,
         backend: str | None = None,
+        new_group: Callable[[list[int]], ProcessGroup] | None = None,
         **model_dims: int | None,
     ) -> ParallelMesh:
-        """Validate the layout, then create every group of every axis with ``dist.new_group``.
+        """Validate the layout, then create every group of every axis.
 
-        Every rank must call this with the same arguments: ``new_group`` is collective over the
-        world and groups are created in one fixed order (``AXES``, then ``MeshLayout.groups``).
+        Every rank must call this with the same arguments: creating a group is collective over
+        the world, so groups are created in one fixed order (``AXES``, then
+        ``MeshLayout.groups``) and each rank keeps the ones that contain it.
 
         Args:
             tp, pp, ep, dp: axis sizes (``dp=None``: inferred from the world size).
@@ -304,39 +307,53 @@ class ParallelMesh:
             timeout: per-group collective timeout (``None``: torch's default for the backend,
                 which does not inherit the timeout given to ``init_process_group``).
             backend: backend of the new groups (``None``: that of the default group).
+            new_group: ``ranks -> group`` factory called once per group, in creation order;
+                ``None`` uses ``torch.distributed.new_group`` (with ``timeout``/``backend``).
+                Pass your own to build a mesh on another group API, or to inspect the order.
             **model_dims: ``num_heads``, ``num_kv_heads``, ``vocab_size``, ``num_experts``,
                 ``num_layers`` forwarded to ``validate_layout``.
 
         Raises:
             ValueError: invalid layout (before any group exists), or the world does not match.
-            RuntimeError: if ``torch.distributed`` is not initialised and ``world_size > 1``.
+            RuntimeError: if ``torch.distributed`` is not initialised, ``world_size > 1`` and
+                no ``new_group`` factory is given.
         """
+        initialized = dist.is_available() and dist.is_initialized()
         if world_size is None or rank is None:
-            if not dist.is_initialized():
+            if not initialized:
                 if world_size in (None, 1) and rank in (None, 0):
                     validate_layout(1, tp, pp, ep, dp, **model_dims)
                     return cls.single()
                 raise RuntimeError(
-                    "torch.distributed is not initialised; call init_process_group first or "
-                    "use ParallelMesh.single() for one process"
+                    "torch.distributed is not initialised; call init_process_group first, "
+                    "pass world_size, rank and new_group, or use ParallelMesh.single()"
                 )
             world_size = dist.get_world_size() if world_size is None else world_size
             rank = dist.get_rank() if rank is None else rank
         dp = validate_layout(world_size, tp, pp, ep, dp, **model_dims)
         layout = MeshLayout(tp=tp, pp=pp, dp=dp, ep=ep)
+        coords = layout.coords(rank)  # rejects a rank outside the world before any group
         if world_size == 1:
             return cls(layout, rank)
-        if dist.get_world_size() != world_size:
-            raise ValueError(
-                f"world_size={world_size} but torch.distributed has {dist.get_world_size()} "
-                "ranks; pass the real world size (or leave it unset)"
-            )
+        if new_group is None:
+            if not initialized:
+                raise RuntimeError(
+                    f"world_size={world_size} but torch.distributed is not initialised; call "
+                    "init_process_group first or pass a new_group factory"
+                )
+            if dist.get_world_size() != world_size:
+                raise ValueError(
+                    f"world_size={world_size} but torch.distributed has "
+                    f"{dist.get_world_size()} ranks; pass the real world size (or leave it unset)"
+                )
+            new_group = functools.partial(dist.new_group, timeout=timeout, backend=backend)
         groups: dict[str, ProcessGroup | None] = {}
         for axis in AXES:
             for ranks in layout.groups(axis):
-                # Collective over the whole world: every rank creates every group, in order.
-                group = dist.new_group(ranks, timeout=timeout, backend=backend)
-                if rank in ranks:
+                # Collective over the whole world: every rank creates every group, in order,
+                # even the groups it is not part of.
+                group = new_group(ranks)
+                if coords.rank in ranks:
                     groups[axis] = group
         return cls(layout, rank, groups)
 

@@ -102,8 +102,9 @@ def run_world(
         The ranks' return values, indexed by rank.
 
     Raises:
-        RankError: as soon as any rank raises (with that rank's traceback), dies without a
-            result, or when ``timeout`` seconds pass; every remaining rank is killed first.
+        RankError: as soon as any rank raises (with that rank's traceback, and those of ranks
+            failing within a second after it), dies without a result, or when ``timeout``
+            seconds pass; every remaining rank is killed first.
     """
     ctx = mp.get_context("fork")
     port = free_port()
@@ -128,6 +129,15 @@ def run_world(
             reader.close()
 
 
+def _receive(procs: list[mp.Process], reader: Connection, rank: int) -> tuple[str, Any]:
+    """One rank's ("ok", result) or ("error", message); a closed pipe means the rank died."""
+    try:
+        return pickle.loads(reader.recv_bytes())
+    except EOFError:
+        procs[rank].join(timeout=1)
+        return "error", f"died without a result (exit code {procs[rank].exitcode})"
+
+
 def _collect(
     procs: list[mp.Process], readers: dict[Connection, int], world_size: int, timeout: float
 ) -> list[Any]:
@@ -141,19 +151,37 @@ def _collect(
             raise RankError(f"ranks {missing} of {world_size} gave no result within {timeout}s")
         for reader in wait(list(pending), timeout=remaining):
             rank = pending.pop(reader)
-            try:
-                status, value = pickle.loads(reader.recv_bytes())
-            except EOFError:
-                procs[rank].join(timeout=1)
-                code = procs[rank].exitcode
-                raise RankError(f"rank {rank} died without a result (exit code {code})") from None
+            status, value = _receive(procs, reader, rank)
             if status == "error":
-                raise RankError(f"rank {rank} of {world_size} raised:\n{value}")
+                errors = [(rank, value), *_late_errors(procs, pending)]
+                report = "\n".join(f"rank {r} of {world_size}: {msg}" for r, msg in errors)
+                raise RankError(f"{len(errors)} rank(s) failed, first to report first:\n{report}")
             results[rank] = value
     # Let the ranks finish tearing down cleanly; run_world kills any that lingers.
     for proc in procs:
         proc.join(timeout=max(0.0, min(2.0, deadline - _now())))
     return [results[r] for r in range(world_size)]
+
+
+def _late_errors(
+    procs: list[mp.Process], pending: dict[Connection, int], grace: float = 1.0
+) -> list[tuple[int, str]]:
+    """Errors other ranks report within ``grace`` seconds of the first one.
+
+    The rank that failed first is not always the first to report: its peers' collectives
+    fail as soon as it dies, so a short grace collects the root cause as well.
+    """
+    errors, deadline = [], _now() + grace
+    while pending and (remaining := deadline - _now()) > 0:
+        ready = wait(list(pending), timeout=remaining)
+        if not ready:
+            break
+        for reader in ready:
+            rank = pending.pop(reader)
+            status, value = _receive(procs, reader, rank)
+            if status == "error":
+                errors.append((rank, value))
+    return errors
 
 
 def _now() -> float:
