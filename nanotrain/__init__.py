@@ -4,8 +4,9 @@ Public API: `Trainer`, `NanoModule`, `TrainState`, `StepOutput`, and the subpack
 `nanotrain.strategies`, `nanotrain.callbacks`, `nanotrain.data`, `nanotrain.models`.
 """
 
-from nanotrain import callbacks, strategies
+from nanotrain import callbacks, data, strategies
 from nanotrain.callbacks.base import Callback
+from nanotrain.language_model import LanguageModelModule
 from nanotrain.module import NanoModule
 from nanotrain.state import TrainState
 from nanotrain.strategies import DDPStrategy, SingleDeviceStrategy, StepOutput, Strategy
@@ -17,6 +18,7 @@ __version__ = "0.1.0"
 __all__ = [
     "Callback",
     "DDPStrategy",
+    "LanguageModelModule",
     "NanoModule",
     "SingleDeviceStrategy",
     "StepOutput",
@@ -25,5 +27,6 @@ __all__ = [
     "Trainer",
     "TrainerConfig",
     "callbacks",
+    "data",
     "strategies",
 ]

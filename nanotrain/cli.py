@@ -102,20 +102,26 @@ def run_fit_or_validate(stage: str, argv: list[str]) -> Any:
 
 
 def run_prepare(argv: list[str]) -> None:
-    """`nanotrain prepare --inputs A [B ...] --out DIR [--tokenizer byte|tok.json]`."""
-    from nanotrain.data.prepare import prepare
+    """`nanotrain prepare --inputs A [B ...] --out DIR [--tokenizer byte|tok.json]`: text (files,
+    folders, globs, .jsonl) → memory-mapped token shards + metadata.json."""
+    from nanotrain.data.metadata import read_metadata
+    from nanotrain.data.prepare import format_summary, prepare
 
     parser = ArgumentParser(prog="nanotrain prepare", description=run_prepare.__doc__)
-    parser.add_argument("--config", action=ActionConfigFile)
-    parser.add_function_arguments(prepare, skip={"inputs", "out_dir"})
-    parser.add_argument("--inputs", type=list[str], required=True,
+    parser.add_argument("--config", action=ActionConfigFile, help="YAML config file")
+    parser.add_argument("--inputs", type=str, nargs="+", required=True,
                         help="files, folders or globs of text / .jsonl")
     parser.add_argument("--out", type=str, required=True, help="output folder for the shards")
+    parser.add_argument("--tokenizer", type=str, default="byte",
+                        help="'byte' or the path of a Hugging Face tokenizer.json")
+    parser.add_argument("--text_field", type=str, default="text", help="JSONL field with the text")
+    parser.add_argument("--shard_tokens", type=int, default=2**24, help="tokens per shard file")
+    parser.add_argument("--val_fraction", type=float, default=0.05,
+                        help="fraction of documents held out for validation")
     cfg = parser.parse_args(argv)
-    kwargs = {k: v for k, v in vars(cfg).items() if k not in ("config", "inputs", "out", "__path__")}
-    kwargs.pop("print_config", None)
-    metadata = prepare(cfg.inputs, cfg.out, **kwargs)
-    print(f"prepared {cfg.out}: {metadata}")
+    out = prepare(cfg.inputs, cfg.out, cfg.tokenizer, cfg.text_field, cfg.shard_tokens,
+                  cfg.val_fraction)
+    print(format_summary(read_metadata(out), out))
 
 
 def run_export(argv: list[str]) -> None:

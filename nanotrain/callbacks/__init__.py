@@ -1,5 +1,41 @@
-"""Callbacks: everything around the training loop."""
+"""Callbacks: everything around the training loop (see docs/callbacks.md)."""
 
 from nanotrain.callbacks.base import Callback
+from nanotrain.callbacks.checkpoint import ModelCheckpoint
+from nanotrain.callbacks.early_stopping import EarlyStopping
+from nanotrain.callbacks.grad_norm import GradNormMonitor
+from nanotrain.callbacks.lr_monitor import LearningRateMonitor
+from nanotrain.callbacks.memory import MemoryMonitor
+from nanotrain.callbacks.model_dump import ModelDump
+from nanotrain.callbacks.nan_guard import NaNGuard
+from nanotrain.callbacks.progress import ProgressBar
+from nanotrain.callbacks.text_sampler import TextSampler
+from nanotrain.callbacks.throughput import ThroughputMonitor
 
-__all__ = ["Callback"]
+
+def default_callbacks() -> list[Callback]:
+    """What `nanotrain fit` uses when the config lists no callbacks: a checkpoint every 100
+    steps and at the end (the last 3 kept), a progress bar, LR, throughput and grad-norm monitors."""
+    return [
+        ModelCheckpoint(every_n_steps=100, save_top_k=3),
+        ProgressBar(),
+        LearningRateMonitor(),
+        ThroughputMonitor(),
+        GradNormMonitor(),
+    ]
+
+
+__all__ = [
+    "Callback",
+    "EarlyStopping",
+    "GradNormMonitor",
+    "LearningRateMonitor",
+    "MemoryMonitor",
+    "ModelCheckpoint",
+    "ModelDump",
+    "NaNGuard",
+    "ProgressBar",
+    "TextSampler",
+    "ThroughputMonitor",
+    "default_callbacks",
+]

@@ -15,13 +15,25 @@ from .metadata import SPLITS, read_metadata
 _HINT = "run `nanotrain prepare` first"
 
 
+def check_vocab(metadata: dict[str, Any], model_vocab_size: int) -> None:
+    """Raise ValueError if a corpus (its metadata) holds a token id >= ``model_vocab_size``."""
+    max_id = int(metadata["max_token_id"])
+    if max_id >= model_vocab_size:
+        raise ValueError(
+            f"the data holds token id {max_id} (tokenizer vocab_size "
+            f"{metadata['vocab_size']}) but the model's vocab_size is {model_vocab_size}; set "
+            f"the model's vocab_size to at least {max_id + 1} or prepare the data with a "
+            "matching tokenizer"
+        )
+
+
 class TokenShardDataset(Dataset):
     """Map-style dataset of next-token-prediction windows over one split of a prepared corpus.
 
     The split's shards are read as one token stream ``t``. Item ``i`` is the window
     ``t[i*seq_len : i*seq_len + seq_len + 1]``: ``input_ids`` are its first ``seq_len``
     tokens and ``labels`` its last ``seq_len`` (the inputs shifted by one). Windows do not
-    overlap in their inputs, so every token after the first is a label exactly once per epoch;
+    overlap in their inputs, so no token is a label twice in an epoch;
     there are ``(num_tokens - 1) // seq_len`` of them and a tail shorter than a window is unused.
     Windows may span shard files and document boundaries (documents are separated by EOS).
 
@@ -72,7 +84,7 @@ class TokenShardDataset(Dataset):
         self._mmaps: list[np.memmap] | None = None
 
     def _check_files(self, counts: list[int]) -> None:
-        for file, count in zip(self._files, counts):
+        for file, count in zip(self._files, counts, strict=True):
             if not file.is_file():
                 raise ValueError(f"shard '{file}' is missing; {_HINT} again")
             if file.stat().st_size != count * self.dtype.itemsize:
@@ -92,14 +104,7 @@ class TokenShardDataset(Dataset):
         Raises:
             ValueError: the corpus's largest token id is >= ``model_vocab_size``.
         """
-        max_id = int(self.metadata["max_token_id"])
-        if max_id >= model_vocab_size:
-            raise ValueError(
-                f"the data holds token id {max_id} (tokenizer vocab_size "
-                f"{self.vocab_size}) but the model's vocab_size is {model_vocab_size}; set the "
-                f"model's vocab_size to at least {max_id + 1} or prepare the data with a "
-                "matching tokenizer"
-            )
+        check_vocab(self.metadata, model_vocab_size)
 
     def __len__(self) -> int:
         return (self.num_tokens - 1) // self.seq_len

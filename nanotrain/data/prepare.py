@@ -139,7 +139,12 @@ class _ShardWriter:
     """Buffers one split's tokens and writes them as ``{split}-NNNNN.bin`` files."""
 
     def __init__(self, out_dir: Path, split: str, dtype: np.dtype, shard_tokens: int) -> None:
-        self.out_dir, self.split, self.dtype, self.shard_tokens = out_dir, split, dtype, shard_tokens
+        self.out_dir, self.split, self.dtype, self.shard_tokens = (
+            out_dir,
+            split,
+            dtype,
+            shard_tokens,
+        )
         self.buffer: list[np.ndarray] = []
         self.buffered = 0
         self.shards: list[dict[str, Any]] = []
@@ -165,7 +170,12 @@ class _ShardWriter:
     def finish(self) -> dict[str, Any]:
         if self.buffered:
             self._flush(self.buffered)
-        return {"tokens": self.tokens, "bytes": self.bytes, "chunks": self.chunks, "shards": self.shards}
+        return {
+            "tokens": self.tokens,
+            "bytes": self.bytes,
+            "chunks": self.chunks,
+            "shards": self.shards,
+        }
 
 
 def _write_shards(
@@ -173,7 +183,9 @@ def _write_shards(
 ) -> dict[str, Any]:
     """Tokenize every document into train/val shard writers; return the metadata dict."""
     dtype = np.dtype(shard_dtype_name(tok.vocab_size))
-    writers = {s: _ShardWriter(tmp_dir, s, dtype, settings["shard_tokens"]) for s in ("train", "val")}
+    writers = {
+        s: _ShardWriter(tmp_dir, s, dtype, settings["shard_tokens"]) for s in ("train", "val")
+    }
     val_fraction = settings["val_fraction"]
     digest = hashlib.sha256()
     num_documents = total_bytes = max_id = 0
@@ -279,6 +291,11 @@ def build_in_temp(
         raise ValueError(f"split_chunk_chars must be >= 1, got {settings['split_chunk_chars']}")
     files = resolve_inputs(inputs)
     tok = load_tokenizer(tokenizer)
+    if out_dir.is_dir() and any(out_dir.iterdir()) and not (out_dir / METADATA_FILE).is_file():
+        # Checked before tokenizing so the user does not wait for a run that cannot commit.
+        raise ValueError(
+            f"'{out_dir}' exists and is not prepared data; pass an empty or new output folder"
+        )
     given = [inputs] if isinstance(inputs, (str, os.PathLike)) else inputs
     settings = {"inputs": [str(spec) for spec in given], **settings}
     out_dir.parent.mkdir(parents=True, exist_ok=True)

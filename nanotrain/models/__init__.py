@@ -1,1 +1,33 @@
-"""nanotrain.models"""
+"""The model stack: DeepSeek-V3 (MLA, DeepSeekMoE, MTP) and a Llama-style dense transformer.
+
+    from nanotrain.models import build_model, presets
+    model = build_model(presets.get("tiny"))          # or device="meta" for instant shapes
+    out = model(input_ids, labels=labels)             # ModelOutput: logits, loss, total_loss, ...
+    out.total_loss.backward(); optimizer.step()
+    model.update_router_biases()                      # aux-loss-free balancing, once per step
+
+See docs/models.md for the architecture, the presets and the FLOPs formula.
+"""
+
+from nanotrain.models import presets
+from nanotrain.models.accounting import active_params, flops_per_token, total_params
+from nanotrain.models.build import build_model, init_weights
+from nanotrain.models.config import DeepSeekConfig, DenseConfig, ModelConfig
+from nanotrain.models.deepseek import DeepSeekV3
+from nanotrain.models.transformer import CausalLM, DenseTransformer, ModelOutput
+
+__all__ = [
+    "CausalLM",
+    "DeepSeekConfig",
+    "DeepSeekV3",
+    "DenseConfig",
+    "DenseTransformer",
+    "ModelConfig",
+    "ModelOutput",
+    "active_params",
+    "build_model",
+    "flops_per_token",
+    "init_weights",
+    "presets",
+    "total_params",
+]

@@ -3,13 +3,19 @@
 Terms (per token, single tensor-parallel rank = the whole model):
 - *total* parameters: every parameter tensor once (a tied head is not counted twice);
   the router bias is a buffer, not a parameter.
-- *activated* parameters: what one token touches: all non-expert parameters (embedding and
-  output head included, as in the DeepSeek-V3 paper), the shared experts, and only
-  `num_experts_per_tok` of the routed experts of each MoE layer. The router weight counts in
-  full (every token scores every expert).
+- *activated* parameters: what one token computes with: every parameter except the input
+  embedding table (a token reads one row of it; with tied embeddings the matrix counts once,
+  as the head) and except the routed experts it is not sent to, i.e. attention, norms,
+  dense MLPs, routers (every token scores every expert), shared experts, `num_experts_per_tok`
+  routed experts per MoE layer, and the output head. This is the definition under which the
+  papers' rounded figures all agree: DeepSeek-V3 671.0B total / 36.6B activated ("37B"),
+  DeepSeek-V2-Lite 15.7B / 2.45B ("2.4B"), DeepSeek-V2 235.7B / 20.9B ("21B"); counting the
+  embedding too would give V2-Lite 2.66B, which contradicts its paper.
 - MTP modules are counted separately (`include_mtp`): DeepSeek-V3's 671B / 37B exclude them;
-  the Hugging Face checkpoint's 685B adds them (~11.5B of our parameters, plus ~1.9B for the
-  copies of embedding and head it stores in layer 61; we share those and do not count them).
+  the Hugging Face checkpoint's 685B adds them: 11.6B of MTP parameters in our model plus
+  0.93B + 0.93B for the copies of embedding and head that checkpoint stores in layer 61 (we
+  share those with the main model and do not count them again) = 684.49B, plus 0.04B of FP8
+  block scales (one float per 128 x 128 weight block) = 684.53B, shown as "685B".
 
 Training FLOPs per token (forward + backward = 3 x forward, a matmul of an [in, out] weight
 costing 2 * in * out per token forward):
@@ -37,7 +43,8 @@ class ParamBreakdown:
     """Parameter counts of one part of a model (main stack or MTP modules), by kind.
 
     Attributes:
-        embedding: input embedding table. head: output head (0 when tied or shared).
+        embedding: input embedding table (0 when tied: the shared matrix counts as `head`).
+        head: output head (0 in MTP breakdowns: the head is shared with the main model).
         norms: RMSNorm weights. dense: other matrices (attention, dense MLPs, shared experts,
         routers, MTP projections). experts: all routed experts. experts_active: the
         `num_experts_per_tok` routed experts a token uses.
@@ -57,8 +64,8 @@ class ParamBreakdown:
 
     @property
     def activated(self) -> int:
-        """Parameters one token uses in this part."""
-        return self.embedding + self.head + self.norms + self.dense + self.experts_active
+        """Parameters one token computes with in this part (input embedding excluded)."""
+        return self.head + self.norms + self.dense + self.experts_active
 
     def __add__(self, other: ParamBreakdown) -> ParamBreakdown:
         return ParamBreakdown(
@@ -106,7 +113,8 @@ def main_params(config: DenseConfig | DeepSeekConfig) -> ParamBreakdown:
     """Breakdown of the main model: embedding, decoder layers, final norm and head."""
     c = config
     vh = c.vocab_size * c.hidden_size
-    out = ParamBreakdown(embedding=vh, head=0 if c.tie_word_embeddings else vh, norms=c.hidden_size)
+    embedding = 0 if c.tie_word_embeddings else vh
+    out = ParamBreakdown(embedding=embedding, head=vh, norms=c.hidden_size)
     for i in range(c.num_layers):
         out = out + _layer(c, _is_moe(c, i))
     return out

@@ -76,7 +76,11 @@ class MLAttention(nn.Module):
         c = config
         tp = tp_size_of(tp_group)
         self.local_heads = divide_evenly(c.num_heads, tp, "num_heads")
-        self.nope_dim, self.rope_dim, self.v_dim = c.qk_nope_head_dim, c.qk_rope_head_dim, c.v_head_dim
+        self.nope_dim, self.rope_dim, self.v_dim = (
+            c.qk_nope_head_dim,
+            c.qk_rope_head_dim,
+            c.v_head_dim,
+        )
         self.kv_lora_rank = c.kv_lora_rank
         self.interleaved = c.rope_interleave
         self.scale = softmax_scale(c.qk_head_dim, c.rope_scaling)

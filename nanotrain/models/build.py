@@ -9,7 +9,9 @@ from torch import nn
 
 from nanotrain.models.config import DeepSeekConfig, DenseConfig
 from nanotrain.models.deepseek import DeepSeekV3
+from nanotrain.models.layers import RMSNorm
 from nanotrain.models.transformer import CausalLM, DenseTransformer
+from nanotrain.parallel.tensor import VocabParallelEmbedding, _TensorParallelModule
 
 
 def build_model(
@@ -49,6 +51,7 @@ def build_model(
     device = torch.device("cpu" if device is None else device)
     if device.type != "meta":
         model.to_empty(device=device)
+        model.tie_weights()  # to_empty makes a new tensor per module, breaking the tie
         init_weights(model, generator)
     return model
 
@@ -58,8 +61,10 @@ def init_weights(model: nn.Module, generator: torch.Generator | None = None) -> 
     """Initialize every parameter and buffer in module-definition order.
 
     Matrices and expert stacks (ndim >= 2, embedding included): normal(0, config.init_std);
-    norm weights (ndim 1): ones; buffers (router bias, load counters): zeros.
-    Tied weights are initialized once.
+    RMSNorm weights: ones; other vectors (biases, none in the presets): zeros; buffers
+    (router bias, load counters): zeros. Tied weights are initialized once. A tensor-parallel layer draws its *full* unsharded weight and keeps its
+    own shard, so every tp size gets the same weights from the same generator state (this
+    costs one full-size temporary per layer).
 
     Args:
         model: a built model with a `config` attribute.
@@ -67,10 +72,48 @@ def init_weights(model: nn.Module, generator: torch.Generator | None = None) -> 
             None uses the global RNG.
     """
     std = model.config.init_std
-    for _, param in model.named_parameters():  # named_parameters skips tied duplicates
-        if param.ndim >= 2:
-            param.normal_(0.0, std, generator=generator)
-        else:
-            param.fill_(1.0)
-    for _, buf in model.named_buffers():
+    seen: set[int] = set()
+    for module in model.modules():
+        fresh = [(n, p) for n, p in module.named_parameters(recurse=False) if id(p) not in seen]
+        seen.update(id(p) for _, p in fresh)
+        if not fresh:
+            continue
+        full = {
+            name: _draw(
+                param, _full_shape(module, name, param), std, isinstance(module, RMSNorm), generator
+            )
+            for name, param in fresh
+        }
+        if isinstance(module, _TensorParallelModule) and module.tp_size > 1:
+            full = module.shard_full_state_dict(full)
+        for name, param in fresh:
+            param.copy_(full[name])
+    for buf in model.buffers():
         buf.zero_()
+
+
+def _full_shape(module: nn.Module, name: str, param: torch.Tensor) -> tuple[int, ...]:
+    """Unsharded shape of `module.<name>` (its own shape outside tensor parallelism)."""
+    if not isinstance(module, _TensorParallelModule) or module.tp_size == 1:
+        return tuple(param.shape)
+    if isinstance(module, VocabParallelEmbedding):
+        return (module.num_embeddings, module.embedding_dim)  # unpadded; sharding pads
+    dim = module.tp_partition_dims[name]
+    shape = list(param.shape)
+    if dim is not None:
+        shape[dim] *= module.tp_size
+    return tuple(shape)
+
+
+def _draw(
+    like: torch.Tensor,
+    shape: tuple[int, ...],
+    std: float,
+    is_norm: bool,
+    generator: torch.Generator | None,
+) -> torch.Tensor:
+    """normal(0, std) for matrices, ones for norm weights, zeros for other vectors."""
+    out = torch.empty(shape, device=like.device, dtype=like.dtype)
+    if len(shape) >= 2:
+        return out.normal_(0.0, std, generator=generator)
+    return out.fill_(1.0 if is_norm else 0.0)

@@ -26,7 +26,9 @@ def _require_positive(cfg: Any, *names: str) -> None:
     for name in names:
         value = getattr(cfg, name)
         if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-            raise ValueError(f"{name} must be a positive integer, got {value!r}; set it to a value >= 1")
+            raise ValueError(
+                f"{name} must be a positive integer, got {value!r}; set it to a value >= 1"
+            )
 
 
 def _require_non_negative(cfg: Any, *names: str) -> None:
@@ -48,7 +50,9 @@ def _validate_rope_scaling(rope_scaling: dict[str, Any] | None) -> None:
         )
     unknown = set(rope_scaling) - _YARN_KEYS
     if unknown:
-        raise ValueError(f"unknown rope_scaling keys {sorted(unknown)}; allowed: {sorted(_YARN_KEYS)}")
+        raise ValueError(
+            f"unknown rope_scaling keys {sorted(unknown)}; allowed: {sorted(_YARN_KEYS)}"
+        )
     for key in ("factor", "original_max_position_embeddings"):
         if key not in rope_scaling:
             raise ValueError(f"rope_scaling of type 'yarn' needs the key {key!r}")
@@ -218,9 +222,7 @@ class DeepSeekConfig(_BaseConfig):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         if self.routed_scaling_factor <= 0:
-            raise ValueError(
-                f"routed_scaling_factor must be > 0, got {self.routed_scaling_factor}"
-            )
+            raise ValueError(f"routed_scaling_factor must be > 0, got {self.routed_scaling_factor}")
 
     def _validate_routing(self) -> None:
         e, k = self.n_routed_experts, self.num_experts_per_tok

@@ -45,7 +45,8 @@ class TopKRouter(nn.Module):
     Scores s = sigmoid(h W^T) or softmax(h W^T) in float32. Selection uses s + b, where b is the
     aux-loss-free balancing bias (`e_score_correction_bias`, a buffer: never a parameter, no
     gradient); the gate weights use s alone. With n_group > 1 only the `topk_group` groups with
-    the highest sum of their two best (biased) scores are eligible. Selected weights are
+    the highest group score are eligible: the sum of a group's two best (biased) scores for
+    sigmoid (V3), its best score for softmax (V2). Selected weights are
     normalized to sum to one when `norm_topk_prob`, then multiplied by `routed_scaling_factor`.
 
     Shapes: h [N, H] -> topk_idx [N, K] int64, topk_weight [N, K] float32, scores [N, E] float32.
@@ -71,8 +72,13 @@ class TopKRouter(nn.Module):
         n = choice.shape[0]
         if c.n_group > 1:
             grouped = choice.view(n, c.n_group, -1)  # (N, groups, experts per group)
-            best = min(2, grouped.shape[-1])
-            group_score = grouped.topk(best, dim=-1).values.sum(dim=-1)  # (N, groups)
+            if c.scoring_func == "sigmoid":
+                # V3: a group's score is the sum of its two best (biased) affinities
+                best = min(2, grouped.shape[-1])
+                group_score = grouped.topk(best, dim=-1).values.sum(dim=-1)  # (N, groups)
+            else:
+                # V2 (softmax): a group's score is its best affinity
+                group_score = grouped.amax(dim=-1)
             top_groups = group_score.topk(c.topk_group, dim=-1).indices
             keep = torch.zeros_like(group_score, dtype=torch.bool).scatter_(1, top_groups, True)
             choice = grouped.masked_fill(~keep[..., None], float("-inf")).view(n, -1)
@@ -160,7 +166,9 @@ def sequence_balance_loss(
     probs = scores / scores.sum(dim=-1, keepdim=True)
     p = probs.view(batch, t, e).mean(dim=1)  # (B, E)
     hits = torch.zeros(batch, e, device=scores.device, dtype=scores.dtype)
-    hits.scatter_add_(1, topk_idx.view(batch, t * k), torch.ones_like(hits[:, :1]).expand(-1, t * k))
+    hits.scatter_add_(
+        1, topk_idx.view(batch, t * k), torch.ones_like(hits[:, :1]).expand(-1, t * k)
+    )
     f = hits * (e / (k * t))
     return alpha * (f * p).sum(dim=-1).mean()
 

@@ -17,12 +17,8 @@ from nanotrain.models.attention import DenseAttention
 from nanotrain.models.config import DeepSeekConfig, DenseConfig
 from nanotrain.models.layers import RMSNorm, SwiGLU, rope_cos_sin
 from nanotrain.models.moe import DeepSeekMoE, update_bias
-from nanotrain.parallel.tensor import (
-    ColumnParallelLinear,
-    VocabParallelEmbedding,
-    pad_vocab_size,
-    vocab_parallel_cross_entropy,
-)
+from nanotrain.parallel.cross_entropy import vocab_parallel_cross_entropy
+from nanotrain.parallel.tensor import ColumnParallelLinear, VocabParallelEmbedding, pad_vocab_size
 
 
 @dataclass
@@ -110,7 +106,14 @@ class CausalLM(nn.Module):
         self.lm_head = ColumnParallelLinear(
             c.hidden_size, pad_vocab_size(c.vocab_size, tp), tp_group=tp_group, device=device
         )
-        if c.tie_word_embeddings:
+        self.tie_weights()
+
+    def tie_weights(self) -> None:
+        """Make `lm_head.weight` the embedding's tensor when `config.tie_word_embeddings`.
+
+        Call again after anything that replaces parameter objects (`to_empty` from meta does).
+        """
+        if self.config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
 
     def make_layer(self, layer_idx: int, device: Any) -> DecoderLayer:

@@ -1,0 +1,70 @@
+"""LearningRateMonitor: the learning rate of every optimizer parameter group."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from nanotrain.callbacks.base import Callback
+
+if TYPE_CHECKING:
+    import torch
+
+    from nanotrain.module import NanoModule
+    from nanotrain.trainer import Trainer
+
+
+def param_group_names(optimizer: torch.optim.Optimizer) -> list[str]:
+    """A name per parameter group: its "name" entry when it has one, else "group<i>"."""
+    return [str(g.get("name", f"group{i}")) for i, g in enumerate(optimizer.param_groups)]
+
+
+class LearningRateMonitor(Callback):
+    """Logs `lr/<group>` for each optimizer parameter group: the rate the step used.
+
+    The rate is read at `on_train_batch_start`, before the scheduler moves it, and logged
+    under the number the step gets when it completes, so `lr/group0` at step N is the rate
+    that produced the weights of step N. Groups are named by a "name" key in the param group
+    (e.g. `{"params": ..., "name": "decay"}`) or "group<i>".
+
+    Args:
+        log_every_n_steps: cadence; None uses the Trainer's.
+        log_momentum: also log `momentum/<group>` (SGD momentum or Adam's beta1).
+        log_weight_decay: also log `weight_decay/<group>`.
+
+    Raises:
+        ValueError: for a non-positive cadence.
+    """
+
+    def __init__(
+        self,
+        log_every_n_steps: int | None = None,
+        log_momentum: bool = False,
+        log_weight_decay: bool = False,
+    ) -> None:
+        if log_every_n_steps is not None and log_every_n_steps <= 0:
+            raise ValueError(f"log_every_n_steps must be positive or None, got {log_every_n_steps}")
+        self.log_every_n_steps = log_every_n_steps
+        self.log_momentum = log_momentum
+        self.log_weight_decay = log_weight_decay
+
+    def on_train_batch_start(
+        self, trainer: Trainer, module: NanoModule, batch: list[Any], batch_idx: int
+    ) -> None:
+        """Log the rates this step will use, on log steps."""
+        step = trainer.global_step + 1
+        every = self.log_every_n_steps or trainer.settings.log_every_n_steps
+        if step % every == 0:
+            trainer.log_metrics(self.read(trainer.strategy.optimizer), step=step)
+
+    def read(self, optimizer: torch.optim.Optimizer) -> dict[str, float]:
+        """The current `lr/<group>` (and momentum / weight decay if asked) of `optimizer`."""
+        metrics: dict[str, float] = {}
+        for name, group in zip(param_group_names(optimizer), optimizer.param_groups, strict=True):
+            metrics[f"lr/{name}"] = float(group["lr"])
+            if self.log_momentum:
+                momentum = group.get("momentum", group.get("betas", (None,))[0])
+                if momentum is not None:
+                    metrics[f"momentum/{name}"] = float(momentum)
+            if self.log_weight_decay and "weight_decay" in group:
+                metrics[f"weight_decay/{name}"] = float(group["weight_decay"])
+        return metrics

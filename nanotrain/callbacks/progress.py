@@ -1,0 +1,197 @@
+"""ProgressBar: step, loss, learning rate, tokens/s and ETA on the console of rank 0."""
+
+from __future__ import annotations
+
+import datetime
+import math
+import sys
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, TextIO
+
+from nanotrain.callbacks.base import Callback
+
+if TYPE_CHECKING:
+    from nanotrain.module import NanoModule
+    from nanotrain.strategies.base import StepOutput
+    from nanotrain.trainer import Trainer
+
+_MODES = ("auto", "rich", "plain", "off")
+
+
+def total_steps(trainer: Trainer) -> int | None:
+    """The step training will end at, as far as it can be known now (None: unknown).
+
+    The smallest of max_steps, max_epochs × steps per epoch and, once tokens were counted,
+    max_tokens ÷ tokens per step so far (rounded up).
+    """
+    s, st = trainer.settings, trainer.state
+    candidates = []
+    if s.max_steps is not None:
+        candidates.append(s.max_steps)
+    if s.max_epochs is not None and st.steps_per_epoch:
+        candidates.append(s.max_epochs * st.steps_per_epoch)
+    if s.max_tokens is not None and st.consumed_tokens and st.global_step:
+        candidates.append(math.ceil(s.max_tokens * st.global_step / st.consumed_tokens))
+    return min(candidates) if candidates else None
+
+
+def _format_duration(seconds: float) -> str:
+    return str(datetime.timedelta(seconds=round(seconds)))
+
+
+class ProgressBar(Callback):
+    """Shows training progress on rank 0; silent on every other rank.
+
+    In a terminal (mode "auto" with a TTY, or "rich") a rich progress bar updates every step
+    with the step count, loss, learning rate, tokens/s and the time left. When the output is
+    not a terminal (a log file, a batch job) it prints one plain line every
+    `log_every_n_steps` instead, e.g.
+
+        step 20/100 (20%) | loss 2.3456 | lr 3.00e-03 | 12,345 tok/s | 0.150 s/step | ETA 0:00:12
+
+    plus one line per validation run and one when training ends. The loss shown is the one
+    the Trainer logged at the last log step (reading it every step would sync the device);
+    tokens/s and ETA come from the bar's own clock since training (re)started.
+
+    Args:
+        mode: "auto", "rich", "plain" or "off".
+        stream: where to write (default: sys.stdout).
+        clock: seconds as a float; tests inject a fake one.
+
+    Raises:
+        ValueError: for an unknown mode.
+    """
+
+    def __init__(
+        self,
+        mode: str = "auto",
+        stream: TextIO | None = None,
+        clock: Callable[[], float] = time.perf_counter,
+    ) -> None:
+        if mode not in _MODES:
+            raise ValueError(f"mode must be one of {_MODES}, got {mode!r}")
+        self.mode = mode
+        self.stream = stream
+        self.clock = clock
+        self._active = "off"
+        self._progress: Any = None
+        self._task: Any = None
+        self._start_time = 0.0
+        self._start_step = self._start_tokens = 0
+        self._shown: dict[str, float] = {}
+
+    def _resolve_mode(self, trainer: Trainer) -> str:
+        if not trainer.is_global_zero or self.mode == "off":
+            return "off"
+        if self.mode != "auto":
+            return self.mode
+        stream = self.stream or sys.stdout
+        return "rich" if getattr(stream, "isatty", lambda: False)() else "plain"
+
+    def _write(self, line: str) -> None:
+        stream = self.stream or sys.stdout
+        stream.write(line + "\n")
+        stream.flush()
+
+    def on_train_start(self, trainer: Trainer, module: NanoModule) -> None:
+        """Pick the display for this rank and start the clock."""
+        self._active = self._resolve_mode(trainer)
+        self._start_time = self.clock()
+        self._start_step = trainer.global_step
+        self._start_tokens = trainer.state.consumed_tokens
+        if self._active == "rich":
+            from rich.console import Console
+            from rich.progress import (
+                BarColumn,
+                MofNCompleteColumn,
+                Progress,
+                TextColumn,
+                TimeElapsedColumn,
+                TimeRemainingColumn,
+            )
+
+            console = Console(file=self.stream, force_terminal=True) if self.stream else None
+            self._progress = Progress(
+                TextColumn("[bold]train"),
+                BarColumn(),
+                MofNCompleteColumn(),
+                TimeElapsedColumn(),
+                TimeRemainingColumn(),
+                TextColumn("{task.fields[metrics]}"),
+                console=console,
+            )
+            self._progress.start()
+            self._task = self._progress.add_task(
+                "train", total=total_steps(trainer), completed=trainer.global_step, metrics=""
+            )
+
+    def on_train_batch_end(
+        self,
+        trainer: Trainer,
+        module: NanoModule,
+        outputs: StepOutput,
+        batch: list[Any],
+        batch_idx: int,
+    ) -> None:
+        """Refresh the bar (rich) or print a line on log steps (plain)."""
+        if self._active == "off":
+            return
+        is_log_step = trainer.global_step % trainer.settings.log_every_n_steps == 0
+        if is_log_step:
+            self._shown = {k: float(v) for k, v in trainer.progress_bar_metrics.items()}
+        if self._active == "rich":
+            self._progress.update(
+                self._task,
+                completed=trainer.global_step,
+                total=total_steps(trainer),
+                metrics=self._metrics_text(trainer, with_eta=False),
+            )
+        elif is_log_step:
+            self._write(self._metrics_text(trainer, with_eta=True))
+
+    def on_validation_end(self, trainer: Trainer, module: NanoModule) -> None:
+        """Print the validation metrics shown in the progress bar (plain mode)."""
+        if self._active != "plain":
+            return
+        shown = {k: float(v) for k, v in trainer.progress_bar_metrics.items() if k != "loss"}
+        values = " | ".join(f"{k} {v:.4f}" for k, v in shown.items())
+        self._write(
+            f"validation at step {trainer.global_step}" + (f" | {values}" if values else "")
+        )
+
+    def _metrics_text(self, trainer: Trainer, with_eta: bool) -> str:
+        step = trainer.global_step
+        total = total_steps(trainer)
+        parts = [f"step {step}/{total} ({100 * step / total:.0f}%)" if total else f"step {step}"]
+        parts += [f"{k} {v:.4f}" for k, v in self._shown.items()]
+        optimizer = trainer.strategy.optimizer
+        parts.append(f"lr {float(optimizer.param_groups[0]['lr']):.2e}")
+        elapsed = self.clock() - self._start_time
+        steps_done = step - self._start_step
+        if elapsed > 0 and steps_done > 0:
+            tokens = trainer.state.consumed_tokens - self._start_tokens
+            if tokens:
+                parts.append(f"{tokens / elapsed:,.0f} tok/s")
+            parts.append(f"{elapsed / steps_done:.3f} s/step")
+            if with_eta and total:
+                parts.append(f"ETA {_format_duration((total - step) * elapsed / steps_done)}")
+        return " | ".join(parts)
+
+    def on_train_end(self, trainer: Trainer, module: NanoModule) -> None:
+        """Close the bar, or print a closing line."""
+        if self._active == "plain":
+            elapsed = self.clock() - self._start_time
+            steps = trainer.global_step - self._start_step
+            self._write(f"done: {steps} steps in {_format_duration(elapsed)}")
+        self._close()
+
+    def teardown(self, trainer: Trainer, module: NanoModule, stage: str) -> None:
+        """Make sure a rich bar stops even after an exception."""
+        self._close()
+
+    def _close(self) -> None:
+        if self._progress is not None:
+            self._progress.stop()
+            self._progress = None
+        self._active = "off"

@@ -1,0 +1,157 @@
+"""ThroughputMonitor: tokens/s, samples/s, step time, TFLOP/s and MFU."""
+
+from __future__ import annotations
+
+import time
+import warnings
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from nanotrain.callbacks.base import Callback
+from nanotrain.callbacks.flops import (
+    device_peak_flops,
+    model_flops_utilization,
+    normalize_precision,
+)
+
+if TYPE_CHECKING:
+    from nanotrain.module import NanoModule
+    from nanotrain.strategies.base import StepOutput
+    from nanotrain.trainer import Trainer
+
+
+class ThroughputMonitor(Callback):
+    """Measures how fast training runs, averaged over the steps between two log steps.
+
+    The clock runs from the end of one logged step to the end of the next, so data loading
+    and every callback count; validation time is taken out. On CUDA the device is
+    synchronized on log steps only (the timing must include queued kernels; other steps stay
+    free of host-device syncs).
+
+    Logged (every `log_every_n_steps`):
+        throughput/step_time (s), throughput/samples_per_sec (whole job); with token data
+        (`NanoModule.count_tokens`) also throughput/tokens_per_sec (whole job) and
+        throughput/tokens_per_sec_per_device; with FLOPs per token known also
+        throughput/tflops (whole job) and throughput/tflops_per_device; with the peak known
+        also throughput/mfu (fraction of peak, the same per device and for the job).
+
+    Args:
+        peak_flops_per_device: dense peak FLOP/s of one device. None looks the device up in
+            `nanotrain.callbacks.flops.PEAK_TFLOPS` (GPUs only); on CPU or an unlisted GPU, MFU
+            is not logged unless you pass it.
+        precision: which column of the peak table applies ("bf16", "fp16", "fp8", "tf32",
+            "fp32" or a torch dtype): the precision the matmuls run in.
+        flops_per_token: training FLOPs (forward + backward) per token; None asks the module
+            (`NanoModule.flops_per_token()`), which the language model answers with
+            6 × active non-embedding parameters + the attention term.
+        log_every_n_steps: cadence; None uses the Trainer's.
+        clock: seconds as a float (monotonic); tests inject a fake one.
+
+    Raises:
+        ValueError: for a non-positive peak, FLOPs or cadence, or an unknown precision.
+    """
+
+    def __init__(
+        self,
+        peak_flops_per_device: float | None = None,
+        precision: str | torch.dtype = "bf16",
+        flops_per_token: float | None = None,
+        log_every_n_steps: int | None = None,
+        clock: Callable[[], float] = time.perf_counter,
+    ) -> None:
+        for name, value in (
+            ("peak_flops_per_device", peak_flops_per_device),
+            ("flops_per_token", flops_per_token),
+            ("log_every_n_steps", log_every_n_steps),
+        ):
+            if value is not None and not value > 0:
+                raise ValueError(f"{name} must be positive or None, got {value!r}")
+        self.precision = normalize_precision(precision)
+        self.peak_flops_per_device = peak_flops_per_device
+        self.flops_per_token = flops_per_token
+        self.log_every_n_steps = log_every_n_steps
+        self.clock = clock
+        self._peak: float | None = None
+        self._flops: float | None = None
+        self._reset_window(None)
+        self._validation_started: float | None = None
+
+    def _reset_window(self, start: float | None) -> None:
+        self._window_start = start
+        self._paused = 0.0  # seconds of validation inside the window
+        self._steps = self._samples = self._tokens = 0
+
+    def on_fit_start(self, trainer: Trainer, module: NanoModule) -> None:
+        """Resolve FLOPs per token and the peak FLOP/s once the model exists."""
+        self._flops = self.flops_per_token or module.flops_per_token()
+        self._peak = self.peak_flops_per_device or device_peak_flops(
+            trainer.strategy.root_device, self.precision
+        )
+        if self._peak is None and trainer.is_global_zero:
+            warnings.warn(
+                f"ThroughputMonitor: no peak FLOP/s known for {trainer.strategy.root_device} at "
+                f"{self.precision}, so throughput/mfu is not logged; pass "
+                "ThroughputMonitor(peak_flops_per_device=...) to get it",
+                stacklevel=2,
+            )
+
+    def on_train_start(self, trainer: Trainer, module: NanoModule) -> None:
+        """Start the first window."""
+        self._reset_window(self.clock())
+
+    def on_validation_start(self, trainer: Trainer, module: NanoModule) -> None:
+        """Stop counting time while validation runs."""
+        if trainer.training:
+            self._validation_started = self.clock()
+
+    def on_validation_end(self, trainer: Trainer, module: NanoModule) -> None:
+        """Resume counting time."""
+        if self._validation_started is not None:
+            self._paused += self.clock() - self._validation_started
+            self._validation_started = None
+
+    def on_train_batch_end(
+        self,
+        trainer: Trainer,
+        module: NanoModule,
+        outputs: StepOutput,
+        batch: list[Any],
+        batch_idx: int,
+    ) -> None:
+        """Count the step; on log steps compute and log the window's rates."""
+        self._steps += 1
+        self._samples += outputs.num_samples
+        self._tokens += outputs.num_tokens
+        every = self.log_every_n_steps or trainer.settings.log_every_n_steps
+        if trainer.global_step % every or self._window_start is None:
+            return
+        device = trainer.strategy.root_device
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        now = self.clock()
+        elapsed = now - self._window_start - self._paused
+        if elapsed > 0:
+            trainer.log_metrics(self.compute(elapsed, trainer.world_size))
+        self._reset_window(now)
+
+    def compute(self, elapsed: float, num_devices: int) -> dict[str, float]:
+        """The metrics of the current window, `elapsed` seconds long, over `num_devices`."""
+        metrics = {
+            "throughput/step_time": elapsed / self._steps,
+            "throughput/samples_per_sec": self._samples / elapsed,
+        }
+        if self._tokens:
+            tokens_per_sec = self._tokens / elapsed
+            metrics["throughput/tokens_per_sec"] = tokens_per_sec
+            metrics["throughput/tokens_per_sec_per_device"] = tokens_per_sec / num_devices
+            if self._flops:
+                flops_per_sec = self._flops * tokens_per_sec
+                metrics["throughput/tflops"] = flops_per_sec / 1e12
+                metrics["throughput/tflops_per_device"] = flops_per_sec / num_devices / 1e12
+                if self._peak:
+                    metrics["throughput/mfu"] = model_flops_utilization(
+                        self._flops, tokens_per_sec, self._peak, num_devices
+                    )
+        return metrics

@@ -1,0 +1,165 @@
+"""`TokenDataModule`: prepared token shards (or the built-in demo corpus) as a LightningDataModule."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+from torch.utils.data import DataLoader
+
+from .dataset import TokenShardDataset, check_vocab
+from .demo import DEFAULT_DEMO_BYTES, default_cache_dir, prepare_demo
+from .metadata import read_metadata
+from .tokenizers import Tokenizer, load_tokenizer
+
+
+class TokenDataModule(pl.LightningDataModule):
+    """Next-token windows of a prepared corpus for the nanotrain Trainer or `lightning.Trainer`.
+
+    Batches are ``{"input_ids": LongTensor[B, seq_len], "labels": LongTensor[B, seq_len]}``
+    (labels are the inputs shifted by one token; see `TokenShardDataset`).
+
+    Under the nanotrain Trainer the loaders' datasets are re-batched with a
+    `ResumableDistributedSampler`, so ``micro_batch_size`` here is ignored (the Trainer's own
+    applies). Under ``lightning.Trainer`` the loaders are used as they are.
+
+    Args:
+        data_path: a folder written by `nanotrain prepare`; None uses the demo corpus (the
+            Python standard library's source), prepared once into
+            ``$NANOTRAIN_CACHE/demo-<tokenizer>-<demo_max_bytes>`` (default cache
+            ``~/.cache/nanotrain``).
+        tokenizer: ``"byte"`` or a ``tokenizer.json`` path, for the demo corpus. A prepared
+            ``data_path`` carries its own tokenizer in its metadata, which wins.
+        seq_len: tokens per example.
+        micro_batch_size: batch size of the returned DataLoaders.
+        num_workers: DataLoader worker processes.
+        demo_max_bytes: size of the demo corpus in bytes of source text.
+
+    Raises:
+        ValueError: an argument out of range (at construction); a missing or unprepared
+            ``data_path`` (in `prepare_data`/`setup`, with a hint to run `nanotrain prepare`);
+            a split shorter than one example (in `setup`).
+    """
+
+    def __init__(
+        self,
+        data_path: str | None = None,
+        tokenizer: str = "byte",
+        seq_len: int = 128,
+        micro_batch_size: int = 8,
+        num_workers: int = 0,
+        demo_max_bytes: int = DEFAULT_DEMO_BYTES,
+    ) -> None:
+        super().__init__()
+        for name, value, low in (
+            ("seq_len", seq_len, 1),
+            ("micro_batch_size", micro_batch_size, 1),
+            ("num_workers", num_workers, 0),
+            ("demo_max_bytes", demo_max_bytes, 1),
+        ):
+            if not isinstance(value, int) or value < low:
+                raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
+        self.save_hyperparameters()
+        self.data_path = data_path
+        self.tokenizer_spec = tokenizer
+        self.seq_len, self.micro_batch_size = seq_len, micro_batch_size
+        self.num_workers, self.demo_max_bytes = num_workers, demo_max_bytes
+        self._metadata: dict[str, Any] | None = None
+        self._tokenizer: Tokenizer | None = None
+        self.train_dataset: TokenShardDataset | None = None
+        self.val_dataset: TokenShardDataset | None = None
+
+    # -- where the data lives ------------------------------------------------------------------
+    def _demo_dir(self) -> Path:
+        name = load_tokenizer(self.tokenizer_spec).name
+        return default_cache_dir() / f"demo-{name}-{self.demo_max_bytes}"
+
+    @property
+    def path(self) -> Path:
+        """The prepared folder this module reads (the demo cache folder when no data_path)."""
+        if self.data_path is None:
+            return self._demo_dir()
+        return Path(os.fspath(self.data_path)).expanduser()
+
+    def _ensure_prepared(self) -> dict[str, Any]:
+        if self.data_path is None:
+            # Idempotent and safe under races, so every rank may call it: the ranks that
+            # come after local rank 0's `prepare_data` find the cache and return at once.
+            prepare_demo(self.path, self.tokenizer_spec, self.demo_max_bytes)
+        self._metadata = read_metadata(self.path)
+        return self._metadata
+
+    @property
+    def metadata(self) -> dict[str, Any]:
+        """The corpus's ``metadata.json`` (prepares the demo corpus on first use)."""
+        return self._metadata if self._metadata is not None else self._ensure_prepared()
+
+    # -- LightningDataModule hooks -------------------------------------------------------------
+    def prepare_data(self) -> None:
+        """Prepare the demo corpus if needed, or check that ``data_path`` is prepared data."""
+        self._ensure_prepared()
+
+    def setup(self, stage: str | None = None) -> None:
+        """Open the splits ``stage`` needs: train (and val) for "fit", val for "validate".
+
+        A val split with no tokens at all (``val_fraction=0``) leaves ``val_dataset`` None.
+        """
+        meta = self._ensure_prepared()
+        if stage in (None, "fit"):
+            self.train_dataset = TokenShardDataset(meta, "train", self.seq_len)
+        if stage in (None, "fit", "validate") and meta["splits"]["val"]["tokens"] > 0:
+            self.val_dataset = TokenShardDataset(meta, "val", self.seq_len)
+
+    def train_dataloader(self) -> DataLoader:
+        """Shuffled training windows, ``micro_batch_size`` per batch, last partial one dropped."""
+        if self.train_dataset is None:
+            self.setup("fit")
+        return DataLoader(
+            self.train_dataset,
+            batch_size=self.micro_batch_size,
+            shuffle=True,
+            drop_last=True,
+            num_workers=self.num_workers,
+            persistent_workers=self.num_workers > 0,
+        )
+
+    def val_dataloader(self) -> DataLoader | None:
+        """Validation windows in order; None when the corpus has no validation tokens."""
+        if self.val_dataset is None:
+            self.setup("validate")
+        if self.val_dataset is None:
+            return None
+        return DataLoader(
+            self.val_dataset,
+            batch_size=self.micro_batch_size,
+            shuffle=False,
+            num_workers=self.num_workers,
+            persistent_workers=self.num_workers > 0,
+        )
+
+    # -- what the model needs to know ----------------------------------------------------------
+    @property
+    def tokenizer(self) -> Tokenizer:
+        """The tokenizer the corpus was prepared with (rebuilt from its metadata)."""
+        if self._tokenizer is None:
+            self._tokenizer = load_tokenizer(self.metadata["tokenizer"])
+        return self._tokenizer
+
+    @property
+    def vocab_size(self) -> int:
+        """Vocabulary size of the corpus's tokenizer (every token id is below it)."""
+        return int(self.metadata["vocab_size"])
+
+    @property
+    def bytes_per_token(self) -> float:
+        """UTF-8 bytes of text per token in the val split (train if val is empty).
+
+        Validation bits per byte = loss in nats / ln 2 / bytes_per_token.
+        """
+        return float(self.metadata["bytes_per_token"])
+
+    def validate_vocab(self, model_vocab_size: int) -> None:
+        """Raise ValueError if the corpus holds a token id >= ``model_vocab_size``."""
+        check_vocab(self.metadata, model_vocab_size)

@@ -1,0 +1,249 @@
+"""Named model configurations, from CPU-test sized to the real DeepSeek-V3 671B.
+
+    from nanotrain.models import presets
+    config = presets.get("tiny", vocab_size=300)   # any config field can be overridden
+    presets.names()                                # every preset name
+
+| name               | family   | what it is for                                            |
+|--------------------|----------|-----------------------------------------------------------|
+| `tiny`             | DeepSeek | CPU tests: MLA, 8 routed experts in 4 groups, MTP on      |
+| `tiny-dense`       | dense    | CPU tests: Llama-style with GQA                           |
+| `deepseek-100m`    | DeepSeek | benchmarks: ~100M-class MoE model                         |
+| `dense-100m`       | dense    | benchmarks: ~100M-class Llama-style model                 |
+| `deepseek-v2-lite` | DeepSeek | DeepSeek-V2-Lite (15.7B total, 2.4B activated)            |
+| `deepseek-v3-671b` | DeepSeek | DeepSeek-V3 (671B total, 37B activated, MTP depth 1)      |
+
+`markdown_table()` renders the parameter counts of every preset (used by docs/models.md).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from nanotrain.models.config import DeepSeekConfig, DenseConfig
+
+# DeepSeek-V3 extends its context with YaRN (paper section 4.3); V2-Lite ships the same keys
+# with mscale 0.707.
+_V3_YARN = {
+    "type": "yarn",
+    "factor": 40,
+    "original_max_position_embeddings": 4096,
+    "beta_fast": 32,
+    "beta_slow": 1,
+    "mscale": 1.0,
+    "mscale_all_dim": 1.0,
+}
+
+_PRESETS: dict[str, tuple[type[DenseConfig] | type[DeepSeekConfig], dict[str, Any]]] = {
+    "tiny": (
+        DeepSeekConfig,
+        dict(
+            vocab_size=257,
+            hidden_size=64,
+            num_layers=2,
+            num_heads=4,
+            intermediate_size=128,
+            max_seq_len=256,
+            q_lora_rank=32,
+            kv_lora_rank=32,
+            qk_nope_head_dim=16,
+            qk_rope_head_dim=8,
+            v_head_dim=16,
+            n_routed_experts=8,
+            n_shared_experts=1,
+            moe_intermediate_size=32,
+            num_experts_per_tok=2,
+            n_group=4,
+            topk_group=2,
+            routed_scaling_factor=2.5,
+            first_k_dense_replace=1,
+            mtp_depth=1,
+            mtp_loss_weight=0.3,
+            aux_loss_alpha=0.0001,
+            bias_update_speed=0.001,
+        ),
+    ),
+    "tiny-dense": (
+        DenseConfig,
+        dict(
+            vocab_size=257,
+            hidden_size=64,
+            num_layers=2,
+            num_heads=4,
+            num_kv_heads=2,
+            intermediate_size=160,
+            max_seq_len=256,
+        ),
+    ),
+    "deepseek-100m": (
+        DeepSeekConfig,
+        dict(
+            vocab_size=32000,
+            hidden_size=512,
+            num_layers=8,
+            num_heads=8,
+            intermediate_size=1536,
+            max_seq_len=2048,
+            q_lora_rank=192,
+            kv_lora_rank=128,
+            qk_nope_head_dim=64,
+            qk_rope_head_dim=32,
+            v_head_dim=64,
+            n_routed_experts=16,
+            n_shared_experts=1,
+            moe_intermediate_size=384,
+            num_experts_per_tok=2,
+            n_group=4,
+            topk_group=2,
+            routed_scaling_factor=2.5,
+            first_k_dense_replace=1,
+            mtp_depth=1,
+            mtp_loss_weight=0.3,
+            aux_loss_alpha=0.0001,
+            bias_update_speed=0.001,
+        ),
+    ),
+    "dense-100m": (
+        DenseConfig,
+        dict(
+            vocab_size=32000,
+            hidden_size=768,
+            num_layers=12,
+            num_heads=12,
+            num_kv_heads=4,
+            intermediate_size=2048,
+            max_seq_len=2048,
+            rope_theta=500000.0,
+        ),
+    ),
+    # DeepSeek-V2-Lite config.json: no query compression, softmax routing with aux loss, no
+    # bias balancing and no MTP.
+    "deepseek-v2-lite": (
+        DeepSeekConfig,
+        dict(
+            vocab_size=102400,
+            hidden_size=2048,
+            num_layers=27,
+            num_heads=16,
+            intermediate_size=10944,
+            max_seq_len=163840,
+            rope_scaling={**_V3_YARN, "mscale": 0.707, "mscale_all_dim": 0.707},
+            q_lora_rank=None,
+            kv_lora_rank=512,
+            qk_nope_head_dim=128,
+            qk_rope_head_dim=64,
+            v_head_dim=128,
+            n_routed_experts=64,
+            n_shared_experts=2,
+            moe_intermediate_size=1408,
+            num_experts_per_tok=6,
+            n_group=1,
+            topk_group=1,
+            routed_scaling_factor=1.0,
+            scoring_func="softmax",
+            norm_topk_prob=False,
+            first_k_dense_replace=1,
+            mtp_depth=0,
+            aux_loss_alpha=0.001,
+            bias_update_speed=0.0,
+        ),
+    ),
+    # DeepSeek-V3 config.json plus the paper's training hyper-parameters (section 4.2):
+    # alpha = 1e-4, gamma = 0.001, lambda = 0.3 (for the first 10T tokens).
+    "deepseek-v3-671b": (
+        DeepSeekConfig,
+        dict(
+            vocab_size=129280,
+            hidden_size=7168,
+            num_layers=61,
+            num_heads=128,
+            intermediate_size=18432,
+            max_seq_len=163840,
+            rope_scaling=dict(_V3_YARN),
+            q_lora_rank=1536,
+            kv_lora_rank=512,
+            qk_nope_head_dim=128,
+            qk_rope_head_dim=64,
+            v_head_dim=128,
+            n_routed_experts=256,
+            n_shared_experts=1,
+            moe_intermediate_size=2048,
+            num_experts_per_tok=8,
+            n_group=8,
+            topk_group=4,
+            routed_scaling_factor=2.5,
+            scoring_func="sigmoid",
+            norm_topk_prob=True,
+            first_k_dense_replace=3,
+            mtp_depth=1,
+            mtp_loss_weight=0.3,
+            aux_loss_alpha=0.0001,
+            bias_update_speed=0.001,
+        ),
+    ),
+}
+
+
+def names() -> list[str]:
+    """Every preset name, smallest first."""
+    return list(_PRESETS)
+
+
+def get(name: str, **overrides: Any) -> DenseConfig | DeepSeekConfig:
+    """A fresh config for preset `name`, with any field replaced by `overrides`.
+
+    Example: `get("tiny", vocab_size=300, mtp_depth=0)`.
+
+    Raises:
+        ValueError: for an unknown preset name or an override that is not a field of the
+            preset's config class (the message lists the valid choices), or when the
+            overridden config is inconsistent (from the config's own validation).
+    """
+    if name not in _PRESETS:
+        raise ValueError(f"unknown model preset {name!r}; choose one of {names()}")
+    cls, values = _PRESETS[name]
+    valid = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(overrides) - valid)
+    if unknown:
+        raise ValueError(
+            f"{unknown} are not fields of {cls.__name__} (preset {name!r}); valid fields: "
+            f"{sorted(valid)}"
+        )
+    # copy nested dicts so a caller mutating rope_scaling cannot change the preset
+    merged = {k: (dict(v) if isinstance(v, dict) else v) for k, v in values.items()}
+    merged.update(overrides)
+    return cls(**merged)
+
+
+def _human(n: float) -> str:
+    for unit, size in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if n >= size:
+            return f"{n / size:.3g}{unit}"
+    return str(int(n))
+
+
+def markdown_table(seq_len: int = 4096) -> str:
+    """A Markdown table of every preset's parameter counts and training FLOPs per token.
+
+    Columns: total (main model, MTP excluded), activated per token (MTP excluded), MTP
+    modules' own parameters, and `flops_per_token(config, seq_len)` (MTP included).
+    """
+    # imported here: accounting imports nothing from presets, but keep presets importable alone
+    from nanotrain.models import accounting
+
+    rows = [
+        "| preset | family | layers | hidden | total params | activated / token | MTP params "
+        f"| train FLOPs / token (seq {seq_len}) |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for name in names():
+        c = get(name)
+        family = "DeepSeek" if isinstance(c, DeepSeekConfig) else "dense"
+        rows.append(
+            f"| `{name}` | {family} | {c.num_layers} | {c.hidden_size} "
+            f"| {_human(accounting.total_params(c))} | {_human(accounting.active_params(c))} "
+            f"| {_human(accounting.mtp_params(c).total)} "
+            f"| {accounting.flops_per_token(c, seq_len) / 1e9:.3g} G |"
+        )
+    return "\n".join(rows)

@@ -1,0 +1,229 @@
+"""GradNormMonitor, ThroughputMonitor, LearningRateMonitor, MemoryMonitor and the peak table."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import TensorDataset
+
+import nanotrain as nt
+from nanotrain.callbacks.flops import normalize_precision, peak_flops_for
+from nanotrain.callbacks.grad_norm import GradNormMonitor, group_name
+from nanotrain.callbacks.lr_monitor import LearningRateMonitor
+from nanotrain.callbacks.memory import MemoryMonitor, process_memory_bytes
+from nanotrain.callbacks.throughput import ThroughputMonitor
+from tests.toy import BlobsData, Classifier, blobs
+
+
+def make_trainer(tmp_path, **kwargs) -> nt.Trainer:
+    defaults = dict(
+        strategy=nt.SingleDeviceStrategy("cpu"),
+        default_root_dir=str(tmp_path),
+        max_steps=4,
+        micro_batch_size=8,
+        log_every_n_steps=1,
+        loggers=["jsonl"],
+    )
+    defaults.update(kwargs)
+    return nt.Trainer(**defaults)
+
+
+def metrics_by_step(trainer: nt.Trainer) -> dict[int, dict]:
+    """Merge every metrics.jsonl line of a step into one dict per step."""
+    merged: dict[int, dict] = {}
+    for line in (trainer.run_dir / "metrics.jsonl").read_text().splitlines():
+        record = json.loads(line)
+        merged.setdefault(record["step"], {}).update(record)
+    return merged
+
+
+class FakeClock:
+    """A clock that moves only when told to."""
+
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class AdvanceClock(nt.Callback):
+    """Makes every training step take `step_time` and every validation `val_time` fake seconds."""
+
+    def __init__(self, clock: FakeClock, step_time: float, val_time: float = 0.0) -> None:
+        self.clock, self.step_time, self.val_time = clock, step_time, val_time
+
+    def on_train_batch_start(self, trainer, module, batch, batch_idx):
+        self.clock.now += self.step_time
+
+    def on_validation_end(self, trainer, module):
+        self.clock.now += self.val_time
+
+
+class TokenClassifier(Classifier):
+    """Pretends every sample holds 10 tokens and costs a known number of FLOPs per token."""
+
+    def count_tokens(self, batch):
+        return 10 * len(batch[0])
+
+    def flops_per_token(self):
+        return 1234.0
+
+
+# -- grad norm -------------------------------------------------------------------------------
+def test_logged_grad_norms_match_clip_grad_norm_on_a_reference_model(tmp_path):
+    x, y = blobs(64)
+    monitor = GradNormMonitor(detail_every_n_steps=1, group_by="parameter")
+    # a tiny clip threshold shows the logged norm is the one before clipping
+    trainer = make_trainer(
+        tmp_path, max_steps=1, shuffle=False, gradient_clip_val=1e-3, callbacks=[monitor]
+    )
+    trainer.fit(Classifier(), train_dataloaders=TensorDataset(x, y))
+    logged = metrics_by_step(trainer)[1]
+
+    torch.manual_seed(0)  # the Trainer seeds with seed=0 right before building the model
+    reference = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 3))
+    F.cross_entropy(reference(x[:8]), y[:8]).backward()  # first batch, no shuffling
+    expected = torch.nn.utils.clip_grad_norm_(reference.parameters(), max_norm=float("inf"))
+    assert logged["grad_norm/global"] == pytest.approx(expected.item(), rel=1e-5)
+    for i in (0, 2):
+        for kind in ("weight", "bias"):
+            grad = getattr(reference[i], kind).grad
+            assert logged[f"grad_norm/net.{i}.{kind}"] == pytest.approx(
+                grad.norm().item(), rel=1e-5
+            )
+
+
+def test_group_norm_pools_parameters_as_root_sum_of_squares():
+    monitor = GradNormMonitor(group_by="layer")
+    norms = {
+        "net.0.weight": torch.tensor(3.0),
+        "net.0.bias": torch.tensor(4.0),
+        "head.weight": torch.tensor(2.0),
+    }
+    pooled = monitor.group_norms(norms)
+    assert pooled["grad_norm/net.0"].item() == pytest.approx(5.0)
+    assert pooled["grad_norm/head"].item() == pytest.approx(2.0)
+
+
+def test_group_names():
+    name = "model.layers.3.attn.wq.weight"
+    assert group_name(name, "parameter") == name
+    assert group_name(name, "module") == "model.layers.3.attn.wq"
+    assert group_name(name, "layer") == "model.layers.3"
+    assert group_name("model.embed.weight", "layer") == "model.embed"
+
+
+def test_a_grad_norm_far_above_the_running_median_is_flagged(tmp_path):
+    class SpikeAt5(Classifier):
+        def training_step(self, batch, batch_idx):
+            loss = super().training_step(batch, batch_idx)
+            return loss * 1e3 if self.trainer.global_step == 4 else loss
+
+    monitor = GradNormMonitor(min_history=3, spike_factor=5.0)
+    # clipping keeps the spiked step from wrecking the weights (and the steps after it)
+    trainer = make_trainer(tmp_path, max_steps=6, gradient_clip_val=1.0, callbacks=[monitor])
+    with pytest.warns(UserWarning, match="grad-norm spike at step 5"):
+        trainer.fit(SpikeAt5(), BlobsData())
+    logged = metrics_by_step(trainer)
+    assert [logged[s]["grad_norm/spikes"] for s in range(1, 7)] == [0, 0, 0, 0, 1, 1]
+    assert monitor.num_spikes == 1
+
+
+def test_grad_norm_monitor_rejects_unknown_grouping():
+    with pytest.raises(ValueError, match="group_by must be one of"):
+        GradNormMonitor(group_by="tp_rank")
+
+
+# -- throughput and MFU ----------------------------------------------------------------------
+def test_mfu_and_rates_match_the_formula_with_a_fake_clock(tmp_path):
+    clock = FakeClock()
+    peak = 1e6  # FLOP/s per device, tiny so that the MFU is a readable number
+    monitor = ThroughputMonitor(peak_flops_per_device=peak, log_every_n_steps=2, clock=clock)
+    # each step takes 0.5 s; validation after step 2 takes 7 s and must not count
+    trainer = make_trainer(
+        tmp_path,
+        callbacks=[AdvanceClock(clock, 0.5, val_time=7.0), monitor],
+        val_check_interval=2,
+        limit_val_batches=1,
+    )
+    trainer.fit(TokenClassifier(), BlobsData())
+    logged = metrics_by_step(trainer)
+    tokens_per_sec = 8 * 10 / 0.5  # 8 samples × 10 tokens per 0.5 s step
+    for step in (2, 4):
+        m = logged[step]
+        assert m["throughput/step_time"] == pytest.approx(0.5)
+        assert m["throughput/samples_per_sec"] == pytest.approx(16.0)
+        assert m["throughput/tokens_per_sec"] == pytest.approx(tokens_per_sec)
+        assert m["throughput/tokens_per_sec_per_device"] == pytest.approx(tokens_per_sec)
+        assert m["throughput/tflops_per_device"] == pytest.approx(1234.0 * tokens_per_sec / 1e12)
+        assert m["throughput/mfu"] == pytest.approx(1234.0 * tokens_per_sec / peak)
+    assert "throughput/mfu" not in logged[1]
+
+
+def test_mfu_is_not_logged_on_cpu_without_a_peak(tmp_path):
+    trainer = make_trainer(tmp_path, max_steps=1, callbacks=[ThroughputMonitor()])
+    with pytest.warns(UserWarning, match="peak_flops_per_device"):
+        trainer.fit(TokenClassifier(), BlobsData())
+    logged = metrics_by_step(trainer)[1]
+    assert "throughput/tokens_per_sec" in logged and "throughput/mfu" not in logged
+
+
+def test_peak_table_lookup():
+    assert peak_flops_for("NVIDIA H100 80GB HBM3", "bf16") == pytest.approx(989.4e12)
+    assert peak_flops_for("NVIDIA H100 PCIe", torch.bfloat16) == pytest.approx(756.5e12)
+    assert peak_flops_for("NVIDIA H200", "fp8") == pytest.approx(1978.9e12)
+    assert peak_flops_for("NVIDIA A100-SXM4-80GB", "fp8") is None  # no fp8 on A100
+    assert peak_flops_for("NVIDIA L40S", "bf16") == pytest.approx(362.05e12)
+    assert peak_flops_for("Some Future GPU", "bf16") is None
+    assert normalize_precision(torch.float8_e4m3fn) == "fp8"
+    with pytest.raises(ValueError, match="unknown precision"):
+        normalize_precision("int4")
+
+
+# -- learning rate and memory ----------------------------------------------------------------
+def test_learning_rate_logged_is_the_rate_each_step_used(tmp_path):
+    trainer = make_trainer(
+        tmp_path, max_steps=5, callbacks=[LearningRateMonitor(log_momentum=True)]
+    )
+    trainer.fit(Classifier(lr=0.08, scheduler=True), BlobsData())
+    logged = metrics_by_step(trainer)
+    # StepLR(step_size=2, gamma=0.5) steps after every update: step n runs at 0.08·0.5^((n-1)//2)
+    assert [logged[n]["lr/group0"] for n in range(1, 6)] == pytest.approx(
+        [0.08, 0.08, 0.04, 0.04, 0.02]
+    )
+    assert logged[1]["momentum/group0"] == 0.0  # SGD's default momentum
+
+
+def test_cpu_memory_reads_the_process_resident_set(tmp_path):
+    # statm counts resident pages: an independent view of the same number
+    resident_pages = int(open("/proc/self/statm").read().split()[1])
+    rss, peak = process_memory_bytes()
+    assert rss == pytest.approx(resident_pages * os.sysconf("SC_PAGE_SIZE"), rel=0.05)
+    assert peak >= rss
+    trainer = make_trainer(tmp_path, max_steps=2, callbacks=[MemoryMonitor()])
+    trainer.fit(Classifier(), BlobsData())
+    logged = metrics_by_step(trainer)[2]
+    assert 0 < logged["memory/rss_gib"] <= logged["memory/peak_rss_gib"]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_peak_covers_a_large_temporary_of_the_step(tmp_path):
+    class Hungry(Classifier):
+        def training_step(self, batch, batch_idx):
+            scratch = torch.ones(64 * 2**20 // 4, device=batch[0].device)  # 64 MiB, freed at once
+            return super().training_step(batch, batch_idx) + 0 * scratch[0]
+
+    trainer = make_trainer(
+        tmp_path, max_steps=1, strategy=nt.SingleDeviceStrategy("cuda"), callbacks=[MemoryMonitor()]
+    )
+    trainer.fit(Hungry(), BlobsData())
+    logged = metrics_by_step(trainer)[1]
+    assert logged["memory/peak_allocated_gib"] >= 64 / 1024
+    assert logged["memory/peak_reserved_gib"] >= logged["memory/peak_allocated_gib"]

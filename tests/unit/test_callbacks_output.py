@@ -1,0 +1,143 @@
+"""ProgressBar and TextSampler: what they write, and where."""
+
+from __future__ import annotations
+
+import io
+import json
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+import nanotrain as nt
+from nanotrain.callbacks.progress import ProgressBar
+from nanotrain.callbacks.text_sampler import TextSampler
+from tests.toy import BlobsData, Classifier
+
+
+def make_trainer(tmp_path, **kwargs) -> nt.Trainer:
+    defaults = dict(
+        strategy=nt.SingleDeviceStrategy("cpu"),
+        default_root_dir=str(tmp_path),
+        max_steps=4,
+        micro_batch_size=8,
+        log_every_n_steps=2,
+        loggers=["jsonl"],
+    )
+    defaults.update(kwargs)
+    return nt.Trainer(**defaults)
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class HalfSecondSteps(nt.Callback):
+    def __init__(self, clock: FakeClock) -> None:
+        self.clock = clock
+
+    def on_train_batch_start(self, trainer, module, batch, batch_idx):
+        self.clock.now += 0.5
+
+
+class Tokens(Classifier):
+    def count_tokens(self, batch):
+        return 10 * len(batch[0])
+
+
+# -- progress bar ----------------------------------------------------------------------------
+def test_plain_lines_show_step_loss_lr_rate_and_eta(tmp_path):
+    clock, stream = FakeClock(), io.StringIO()
+    bar = ProgressBar(stream=stream, clock=clock)  # "auto" + a non-terminal stream = plain lines
+    trainer = make_trainer(tmp_path, callbacks=[HalfSecondSteps(clock), bar])
+    trainer.fit(Tokens(lr=0.05), BlobsData())
+    lines = stream.getvalue().splitlines()
+    records = [json.loads(x) for x in (trainer.run_dir / "metrics.jsonl").read_text().splitlines()]
+    loss = {r["step"]: r["train/loss"] for r in records if "train/loss" in r}
+    # 80 tokens per 0.5 s step = 160 tok/s; at step 2, two steps of 0.5 s are left
+    assert (
+        lines[0]
+        == f"step 2/4 (50%) | loss {loss[2]:.4f} | lr 5.00e-02 | 160 tok/s | 0.500 s/step | ETA 0:00:01"
+    )
+    assert lines[1].startswith(f"step 4/4 (100%) | loss {loss[4]:.4f} |")
+    assert lines[2].startswith("validation at step 4")
+    assert lines[3] == "done: 4 steps in 0:00:02"
+
+
+def test_bar_is_silent_on_other_ranks_and_plain_off_a_terminal():
+    assert ProgressBar()._resolve_mode(SimpleNamespace(is_global_zero=False)) == "off"
+    assert (
+        ProgressBar(stream=io.StringIO())._resolve_mode(SimpleNamespace(is_global_zero=True))
+        == "plain"
+    )
+
+
+def test_rich_bar_runs_to_the_last_step(tmp_path):
+    stream = io.StringIO()
+    trainer = make_trainer(tmp_path, callbacks=[ProgressBar(mode="rich", stream=stream)])
+    trainer.fit(Classifier(), BlobsData())
+    assert "4/4" in stream.getvalue()
+
+
+def test_progress_bar_rejects_unknown_mode():
+    with pytest.raises(ValueError, match="mode must be one of"):
+        ProgressBar(mode="tqdm")
+
+
+# -- text sampler ----------------------------------------------------------------------------
+class CharTokenizer:
+    def encode(self, text):
+        return [ord(c) for c in text]
+
+    def decode(self, ids):
+        return "".join(chr(i) for i in ids)
+
+
+class Counter(Classifier):
+    """`generate` continues with the next character codes: "ab" → "abcde"; records its calls."""
+
+    calls: list
+
+    def generate(self, input_ids, max_new_tokens, temperature=0.0, generator=None):
+        self.calls = getattr(self, "calls", []) + [(temperature, generator.initial_seed())]
+        last = int(input_ids[0, -1])
+        new = torch.arange(last + 1, last + 1 + max_new_tokens).unsqueeze(0)  # [1, n]
+        return torch.cat([input_ids, new], dim=1)
+
+
+def test_samples_are_written_to_samples_jsonl_and_the_loggers(tmp_path):
+    sampler = TextSampler(
+        ["ab", "x"],
+        every_n_steps=2,
+        max_new_tokens=3,
+        temperature=0.7,
+        tokenizer=CharTokenizer(),
+        seed=10,
+    )
+    trainer = make_trainer(tmp_path, callbacks=[sampler])
+    module = Counter()
+    trainer.fit(module, BlobsData())
+    samples = [json.loads(x) for x in (trainer.run_dir / "samples.jsonl").read_text().splitlines()]
+    assert samples == [
+        {"step": 2, "prompt": "ab", "completion": "cde", "temperature": 0.7},
+        {"step": 2, "prompt": "x", "completion": "yz{", "temperature": 0.7},
+        {"step": 4, "prompt": "ab", "completion": "cde", "temperature": 0.7},
+        {"step": 4, "prompt": "x", "completion": "yz{", "temperature": 0.7},
+    ]
+    # one generator per sampling round, seeded with seed + step
+    assert module.calls == [(0.7, 12), (0.7, 12), (0.7, 14), (0.7, 14)]
+    records = [json.loads(x) for x in (trainer.run_dir / "metrics.jsonl").read_text().splitlines()]
+    texts = [(r["step"], r["text"]) for r in records if "text" in r]
+    assert (4, {"samples/1": "x ‖ yz{"}) in texts
+
+
+def test_sampler_without_tokenizer_or_generate_fails_before_training(tmp_path):
+    with pytest.raises(ValueError, match="no tokenizer"):
+        make_trainer(tmp_path, callbacks=[TextSampler(["a"])]).fit(Counter(), BlobsData())
+    with pytest.raises(TypeError, match="generate"):
+        sampler = TextSampler(["a"], tokenizer=CharTokenizer())
+        make_trainer(tmp_path, callbacks=[sampler]).fit(Classifier(), BlobsData())
