@@ -81,11 +81,11 @@ def run_fit_or_validate(stage: str, argv: list[str]) -> Any:
 
     parser = _run_parser(stage)
     config = parser.parse_args(_expand_strategy_alias(argv))
-    resolved = parser.dump(config, format="yaml", skip_none=False)
+    resolved = parser.dump(config, format="yaml")
     import yaml
 
     resolved_dict = yaml.safe_load(resolved)
-    objects = parser.instantiate_classes(config)
+    objects = parser.instantiate(config)
     settings = vars(config.trainer) if not isinstance(config.trainer, dict) else config.trainer
     settings = {k: v for k, v in dict(settings).items() if not k.startswith("__")}
     callbacks = objects.callbacks if objects.callbacks is not None else default_callbacks()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
 from torch.utils.data import DataLoader, Dataset, IterableDataset
 
 from nanotrain.strategies.base import DataShard
@@ -53,7 +54,15 @@ def rebatch(
         shuffle=shuffle,
         seed=seed,
     )
+    # A generator of its own: otherwise every iter(loader) draws the workers' base seed from
+    # the global torch RNG, so re-creating the iterator (on resume, or for each validation)
+    # would shift the dropout masks of the following steps and break an exact resume.
     loader = DataLoader(
-        dataset, batch_size=micro_batch_size, sampler=sampler, drop_last=True, **extra
+        dataset,
+        batch_size=micro_batch_size,
+        sampler=sampler,
+        drop_last=True,
+        generator=torch.Generator().manual_seed(seed),
+        **extra,
     )
     return loader, sampler

@@ -62,7 +62,8 @@ class ModelCheckpoint(Callback):
         keep_best_k: int | None = None,
     ) -> None:
         _check_options(every_n_steps, every_n_minutes, save_top_k, mode, keep_best_k, monitor)
-        self.dirpath = Path(dirpath) if dirpath is not None else None
+        self._user_dirpath = Path(dirpath) if dirpath is not None else None
+        self.dirpath = self._user_dirpath  # resolved per run in `setup`
         self.every_n_steps = every_n_steps
         self.every_n_minutes = every_n_minutes
         self.save_last = save_last
@@ -100,8 +101,7 @@ class ModelCheckpoint(Callback):
 
     # -- hooks ------------------------------------------------------------------------------------
     def setup(self, trainer: Trainer, module: NanoModule, stage: str) -> None:
-        if self.dirpath is None:
-            self.dirpath = trainer.checkpoint_dir
+        self.dirpath = self._user_dirpath or trainer.checkpoint_dir
         self._last_save_time = self._clock()
 
     def on_train_batch_end(
@@ -144,7 +144,7 @@ class ModelCheckpoint(Callback):
             The checkpoint directory.
         """
         if self.dirpath is None:
-            self.dirpath = trainer.checkpoint_dir
+            self.dirpath = self._user_dirpath or trainer.checkpoint_dir
         step = trainer.global_step
         name = f"step-{step:08d}" + (f"-{tag}" if tag else "")
         path = self.dirpath / name
@@ -174,10 +174,9 @@ class ModelCheckpoint(Callback):
 
     def _ranked(self, entries: list[dict[str, Any]] | None = None) -> list[dict[str, Any]]:
         scored = [e for e in (self._saved if entries is None else entries) if _finite(e["score"])]
-        # Ties go to the newer checkpoint.
-        order = sorted(enumerate(scored), key=lambda ie: (ie[1]["score"], -ie[0]))
-        if self.mode == "max":
-            order = sorted(enumerate(scored), key=lambda ie: (-ie[1]["score"], -ie[0]))
+        sign = 1.0 if self.mode == "min" else -1.0
+        # Best first; among equal scores the newer checkpoint wins.
+        order = sorted(enumerate(scored), key=lambda ie: (sign * ie[1]["score"], -ie[0]))
         return [e for _, e in order]
 
     def _score(self, trainer: Trainer) -> float | None:

@@ -24,21 +24,15 @@ Nothing here imports `transformers`; it is only needed to run the exported model
 
 from __future__ import annotations
 
-import json
 import re
 import warnings
-from dataclasses import replace
-from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import safe_open
-from safetensors.torch import save_file
-from torch import Tensor, nn
+from torch import Tensor
 
 from nanotrain.models.build import build_model
 from nanotrain.models.config import DeepSeekConfig, DenseConfig
-from nanotrain.models.transformer import CausalLM
 
 ModelConfig = DenseConfig | DeepSeekConfig
 
@@ -355,152 +349,3 @@ def state_dict_from_hf(config: ModelConfig, hf_state_dict: dict[str, Tensor]) ->
     for key, tensor in out.items():
         _check_shape(key, tensor, expected)
     return out
-
-
-# ------------------------------------------------------------------------------------ files
-
-
-def _dtype_name(tensors: dict[str, Tensor]) -> str:
-    """The weights' dtype name for config.json ("float32", "bfloat16", ...)."""
-    dtypes = {t.dtype for t in tensors.values() if t.is_floating_point()}
-    if len(dtypes) > 1:  # the router bias stays fp32 in a bf16 model; report the weights'
-        dtypes.discard(torch.float32)
-    return str(next(iter(dtypes), torch.float32)).removeprefix("torch.")
-
-
-def export_hf(
-    model_or_state_dict: nn.Module | dict[str, Tensor],
-    config: ModelConfig,
-    out_dir: str | Path,
-    *,
-    max_shard_bytes: int | None = None,
-) -> Path:
-    """Write `config.json` + safetensors that `transformers.AutoModelForCausalLM` loads.
-
-    Args:
-        model_or_state_dict: our single-process model, or its full (gathered) state_dict.
-        config: the model's config. out_dir: created if needed; existing files are overwritten.
-        max_shard_bytes: None writes one `model.safetensors`; otherwise shards of at most
-            about this size plus `model.safetensors.index.json`, as `save_pretrained` does.
-    Returns: the output folder.
-    Raises: ValueError/TypeError from `config_to_hf` and `state_dict_to_hf`.
-    """
-    state = model_or_state_dict
-    if isinstance(state, nn.Module):
-        state = state.state_dict()
-    hf_config = config_to_hf(config)
-    # safetensors refuses views that share storage (unbound expert slices), so copy each
-    tensors = {
-        k: v.detach().to("cpu").contiguous().clone()
-        for k, v in state_dict_to_hf(config, state).items()
-    }
-    hf_config["torch_dtype"] = hf_config["dtype"] = _dtype_name(tensors)
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "config.json").write_text(json.dumps(hf_config, indent=2, sort_keys=True) + "\n")
-    shards = _split_shards(tensors, max_shard_bytes)
-    if len(shards) == 1:
-        save_file(shards[0], str(out / "model.safetensors"), metadata={"format": "pt"})
-        return out
-    weight_map, total = {}, 0
-    for i, shard in enumerate(shards, start=1):
-        name = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
-        save_file(shard, str(out / name), metadata={"format": "pt"})
-        weight_map.update(dict.fromkeys(shard, name))
-        total += sum(t.numel() * t.element_size() for t in shard.values())
-    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-    (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
-    return out
-
-
-def _split_shards(tensors: dict[str, Tensor], max_bytes: int | None) -> list[dict[str, Tensor]]:
-    if max_bytes is None:
-        return [tensors]
-    if max_bytes <= 0:
-        raise ValueError(f"max_shard_bytes must be > 0 (or None for one file), got {max_bytes}")
-    shards: list[dict[str, Tensor]] = [{}]
-    size = 0
-    for key, t in tensors.items():
-        nbytes = t.numel() * t.element_size()
-        if shards[-1] and size + nbytes > max_bytes:
-            shards.append({})
-            size = 0
-        shards[-1][key] = t
-        size += nbytes
-    return shards
-
-
-def read_hf_checkpoint(path: str | Path) -> tuple[dict[str, Any], dict[str, Tensor]]:
-    """Read a transformers checkpoint folder: (config.json dict, all tensors on CPU).
-
-    Reads `model.safetensors`, or the shards listed in `model.safetensors.index.json`, or
-    else every `*.safetensors` file in the folder. Never unpickles (.bin files are refused).
-
-    Raises:
-        FileNotFoundError: without config.json or any safetensors file.
-    """
-    folder = Path(path)
-    if not (folder / "config.json").is_file():
-        raise FileNotFoundError(
-            f"{folder / 'config.json'} not found; pass a transformers checkpoint folder"
-        )
-    hf_config = json.loads((folder / "config.json").read_text())
-    index = folder / "model.safetensors.index.json"
-    if index.is_file():
-        files = sorted(
-            {folder / name for name in json.loads(index.read_text())["weight_map"].values()}
-        )
-    elif (folder / "model.safetensors").is_file():
-        files = [folder / "model.safetensors"]
-    else:
-        files = sorted(folder.glob("*.safetensors"))
-    if not files:
-        raise FileNotFoundError(
-            f"no safetensors weights in {folder}; convert .bin checkpoints with transformers' "
-            "save_pretrained(safe_serialization=True) first (pickles are never loaded)"
-        )
-    tensors: dict[str, Tensor] = {}
-    for file in files:
-        with safe_open(str(file), framework="pt", device="cpu") as f:
-            tensors.update({key: f.get_tensor(key) for key in f.keys()})
-    return hf_config, tensors
-
-
-def _mtp_layers_present(config: DeepSeekConfig, hf_tensors: dict[str, Tensor]) -> int:
-    k = 0
-    while f"model.layers.{config.num_layers + k}.eh_proj.weight" in hf_tensors:
-        k += 1
-    return k
-
-
-def import_hf(
-    path: str | Path, device: torch.device | str | None = None
-) -> tuple[ModelConfig, CausalLM]:
-    """Load a transformers checkpoint folder as our config and single-process model (fp32).
-
-    When config.json announces more MTP layers than the weights hold (transformers'
-    `save_pretrained` writes `num_nextn_predict_layers=1` without any MTP weights), the
-    config's `mtp_depth` is lowered to what is present, with a warning.
-
-    Raises: FileNotFoundError / ValueError from `read_hf_checkpoint` and `config_from_hf`.
-    """
-    hf_config, hf_tensors = read_hf_checkpoint(path)
-    config = config_from_hf(hf_config)
-    if isinstance(config, DeepSeekConfig):
-        present = _mtp_layers_present(config, hf_tensors)
-        if present < config.mtp_depth:
-            warnings.warn(
-                f"config.json announces {config.mtp_depth} MTP layer(s) but the weights hold "
-                f"{present}; importing with mtp_depth={present}",
-                stacklevel=2,
-            )
-            config = replace(config, mtp_depth=present)
-    state = state_dict_from_hf(config, hf_tensors)
-    model = build_model(config, device="meta")
-    model.to_empty(device=torch.device("cpu" if device is None else device))
-    if config.tie_word_embeddings:  # to_empty may give the tied pair separate storage
-        model.lm_head.weight = model.embed_tokens.weight
-    for buf in model.buffers():  # non-persistent counters are not in the checkpoint
-        buf.zero_()
-    model.load_state_dict(state, strict=True)
-    return config, model

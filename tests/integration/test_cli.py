@@ -109,7 +109,7 @@ def test_prepare_then_fit_and_validate_on_prepared_data(tmp_path):
     for i in range(4):
         (corpus / f"doc{i}.txt").write_text(f"document {i}: " + "the quick brown fox. " * 400)
     out = tmp_path / "shards"
-    assert main(["prepare", "--inputs", str(corpus), "--out", str(out)]) == 0
+    assert main(["prepare", "--inputs", str(corpus), "--out", str(out), "--val_fraction", "0.25"]) == 0
     common = ["--data.init_args.data_path", str(out), "--data.init_args.seq_len", "32",
               "--trainer.default_root_dir", str(tmp_path / "runs"), "--callbacks", "[]"]
     fit = run_cli(["fit", "--config", "examples/configs/tiny_deepseek.yaml", *common,

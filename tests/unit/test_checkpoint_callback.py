@@ -9,7 +9,7 @@ import nanotrain as nt
 from nanotrain.callbacks.checkpoint import ModelCheckpoint
 from nanotrain.checkpoint import load_checkpoint
 from tests.toy import Classifier
-from tests.unit.test_checkpoint import data, make_trainer
+from tests.unit.test_checkpoint import LossRecorder, data, make_trainer
 
 
 class ScriptedMetric(nt.Callback):
@@ -129,6 +129,15 @@ def test_save_now_lets_another_callback_stop_with_a_checkpoint(tmp_path):
     weights = load_checkpoint(trainer, trainer.checkpoint_dir / "step-00000003")["model"]
     for name, value in module.state_dict().items():
         assert torch.equal(weights[name], value)
+
+
+def test_custom_dirpath_is_resumed_by_passing_the_folder(tmp_path):
+    elsewhere = tmp_path / "elsewhere"
+    run(tmp_path / "runs", 2, ModelCheckpoint(dirpath=elsewhere))
+    assert (elsewhere / "last").read_text().strip() == "step-00000002"
+    recorder = LossRecorder()
+    run(tmp_path / "runs", 3, recorder, ckpt_path=elsewhere)  # the folder: `last` is followed
+    assert sorted(recorder.losses) == [3]  # only step 3 ran: steps 1-2 came from the checkpoint
 
 
 @pytest.mark.parametrize(

@@ -12,12 +12,10 @@ from nanotrain.models.config import DeepSeekConfig, DenseConfig
 from nanotrain.models.hf import (
     config_from_hf,
     config_to_hf,
-    export_hf,
-    import_hf,
-    read_hf_checkpoint,
     state_dict_from_hf,
     state_dict_to_hf,
 )
+from nanotrain.models.hf_io import export_hf, import_hf, read_hf_checkpoint
 
 VOCAB = 50
 
