@@ -103,9 +103,15 @@ def run_nanotrain(data: TensorDataset, batch: int, steps: int, warmup: int, widt
     torch.manual_seed(0)
     with tempfile.TemporaryDirectory() as root:
         trainer = nt.Trainer(
-            strategy=nt.SingleDeviceStrategy("cpu"), max_steps=steps, global_batch_size=batch,
-            micro_batch_size=batch, gradient_clip_val=1.0, callbacks=[Clock()], loggers=[],
-            default_root_dir=root, log_every_n_steps=50,
+            strategy=nt.SingleDeviceStrategy("cpu"),
+            max_steps=steps,
+            global_batch_size=batch,
+            micro_batch_size=batch,
+            gradient_clip_val=1.0,
+            callbacks=[Clock()],
+            loggers=[],
+            default_root_dir=root,
+            log_every_n_steps=50,
         )
         trainer.fit(Regressor(width), train_dataloaders=data)
     return clock.ms_per_step(steps)
@@ -126,9 +132,17 @@ def run_lightning(data: TensorDataset, batch: int, steps: int, warmup: int, widt
     loader = DataLoader(data, batch_size=batch, shuffle=True, drop_last=True)
     with tempfile.TemporaryDirectory() as root:
         trainer = pl.Trainer(
-            max_steps=steps, accelerator="cpu", devices=1, logger=False, callbacks=[Clock()],
-            enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-            gradient_clip_val=1.0, default_root_dir=root, log_every_n_steps=50,
+            max_steps=steps,
+            accelerator="cpu",
+            devices=1,
+            logger=False,
+            callbacks=[Clock()],
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            gradient_clip_val=1.0,
+            default_root_dir=root,
+            log_every_n_steps=50,
         )
         trainer.fit(Regressor(width), loader)
     return clock.ms_per_step(steps)
@@ -154,8 +168,10 @@ def main() -> None:
         for name, runner in RUNNERS.items():
             times[name].append(runner(data, args.batch, args.steps, args.warmup, args.width))
     base = statistics.median(times["plain loop"])
-    print(f"steps={args.steps} warmup={args.warmup} rounds={args.rounds} batch={args.batch} "
-          f"width={args.width} threads={args.threads} torch={torch.__version__}")
+    print(
+        f"steps={args.steps} warmup={args.warmup} rounds={args.rounds} batch={args.batch} "
+        f"width={args.width} threads={args.threads} torch={torch.__version__}"
+    )
     print(f"{'runner':<12} {'ms/step (median)':>17} {'vs plain':>9}   all rounds (ms/step)")
     for name, values in times.items():
         med = statistics.median(values)

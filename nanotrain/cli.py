@@ -55,23 +55,33 @@ def _run_parser(stage: str) -> ArgumentParser:
     parser.add_argument("--config", action=ActionConfigFile, help="YAML config file")
     parser.add_class_arguments(TrainerConfig, "trainer")
     parser.add_subclass_arguments(
-        Strategy, "strategy", required=False, default=None,
+        Strategy,
+        "strategy",
+        required=False,
+        default=None,
         help="strategy class (or alias auto|single|ddp|megatron); default: auto",
     )
     parser.add_subclass_arguments(
-        NanoModule, "model", default=lazy_instance(LanguageModelModule),
+        NanoModule,
+        "model",
+        default=lazy_instance(LanguageModelModule),
         help="the NanoModule to train (default: LanguageModelModule)",
     )
     parser.add_subclass_arguments(
-        pl.LightningDataModule, "data", default=lazy_instance(TokenDataModule),
+        pl.LightningDataModule,
+        "data",
+        default=lazy_instance(TokenDataModule),
         help="the data (default: TokenDataModule on the built-in demo corpus)",
     )
     parser.add_argument(
-        "--callbacks", type=list[Callback] | None, default=None,
+        "--callbacks",
+        type=list[Callback] | None,
+        default=None,
         help="callbacks; default: checkpoint, progress bar, LR, throughput, grad norm",
     )
-    parser.add_argument("--ckpt_path", type=str | None, default=None,
-                        help="checkpoint to resume from, or 'last'")
+    parser.add_argument(
+        "--ckpt_path", type=str | None, default=None, help="checkpoint to resume from, or 'last'"
+    )
     return parser
 
 
@@ -109,18 +119,32 @@ def run_prepare(argv: list[str]) -> None:
 
     parser = ArgumentParser(prog="nanotrain prepare", description=run_prepare.__doc__)
     parser.add_argument("--config", action=ActionConfigFile, help="YAML config file")
-    parser.add_argument("--inputs", type=str, nargs="+", required=True,
-                        help="files, folders or globs of text / .jsonl")
+    parser.add_argument(
+        "--inputs",
+        type=str,
+        nargs="+",
+        required=True,
+        help="files, folders or globs of text / .jsonl",
+    )
     parser.add_argument("--out", type=str, required=True, help="output folder for the shards")
-    parser.add_argument("--tokenizer", type=str, default="byte",
-                        help="'byte' or the path of a Hugging Face tokenizer.json")
+    parser.add_argument(
+        "--tokenizer",
+        type=str,
+        default="byte",
+        help="'byte' or the path of a Hugging Face tokenizer.json",
+    )
     parser.add_argument("--text_field", type=str, default="text", help="JSONL field with the text")
     parser.add_argument("--shard_tokens", type=int, default=2**24, help="tokens per shard file")
-    parser.add_argument("--val_fraction", type=float, default=0.05,
-                        help="fraction of documents held out for validation")
+    parser.add_argument(
+        "--val_fraction",
+        type=float,
+        default=0.05,
+        help="fraction of documents held out for validation",
+    )
     cfg = parser.parse_args(argv)
-    out = prepare(cfg.inputs, cfg.out, cfg.tokenizer, cfg.text_field, cfg.shard_tokens,
-                  cfg.val_fraction)
+    out = prepare(
+        cfg.inputs, cfg.out, cfg.tokenizer, cfg.text_field, cfg.shard_tokens, cfg.val_fraction
+    )
     print(format_summary(read_metadata(out), out))
 
 
@@ -138,12 +162,15 @@ def run_export(argv: list[str]) -> None:
 
 
 def run_import(argv: list[str]) -> None:
-    """`nanotrain import --hf DIR --out FILE`: a transformers model as nanotrain weights."""
+    """`nanotrain import --hf DIR --out DIR`: a transformers model as a nanotrain weights folder
+    (model_config.json + model.safetensors) to train from with `--model.init_args.model DIR`."""
     from nanotrain.model_io import import_checkpoint
 
     parser = ArgumentParser(prog="nanotrain import", description=run_import.__doc__)
-    parser.add_argument("--hf", type=str, required=True, help="folder with config.json + safetensors")
-    parser.add_argument("--out", type=str, required=True, help="output .safetensors file")
+    parser.add_argument(
+        "--hf", type=str, required=True, help="folder with config.json + safetensors"
+    )
+    parser.add_argument("--out", type=str, required=True, help="output folder")
     cfg = parser.parse_args(argv)
     import_checkpoint(cfg.hf, cfg.out)
     print(f"imported {cfg.hf} to {cfg.out}")

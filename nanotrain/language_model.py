@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 
+from nanotrain import model_io
 from nanotrain.module import NanoModule
 
 IGNORE_INDEX = -100
@@ -26,8 +27,9 @@ class LanguageModelModule(NanoModule):
     (bits per byte, comparable across tokenizers).
 
     Args:
-        model: a preset name (`nanotrain.models.presets.names()`), or a DeepSeekConfig /
-            DenseConfig.
+        model: a preset name (`nanotrain.models.presets.names()`), a DeepSeekConfig /
+            DenseConfig, or the path of a pretrained folder to start from (a transformers
+            checkpoint folder, or what `nanotrain import` writes).
         model_overrides: config fields to change on the preset, e.g. {"num_layers": 4}.
         vocab_size: the model's vocabulary; None takes the datamodule's `vocab_size` (the
             preset's when there is no datamodule).
@@ -57,20 +59,29 @@ class LanguageModelModule(NanoModule):
             raise ValueError(f"warmup_steps must be >= 0, got {warmup_steps}")
         self.save_hyperparameters(ignore=["model"] if not isinstance(model, str) else None)
         self._model_spec = model
+        self._pretrained: dict[str, torch.Tensor] | None = None
         self.config = self._resolve_config(vocab_size) if vocab_size is not None else None
         self.model: torch.nn.Module | None = None
         self._seq_len: int | None = None
 
     # -- model -------------------------------------------------------------------------------
-    def _resolve_config(self, vocab_size: int | None) -> Any:
+    def _resolve_config(self, vocab_size: int | None, from_data: bool = False) -> Any:
+        """The model config: preset, given config or pretrained folder, plus overrides. A
+        vocabulary taken from the data yields to one set explicitly or by pretrained weights."""
         from nanotrain.models import presets
 
         overrides = dict(self.hparams.get("model_overrides") or {})
-        if vocab_size is not None:
+        spec = self._model_spec
+        pretrained = isinstance(spec, str) and model_io.is_pretrained_folder(spec)
+        explicit_vocab = "vocab_size" in overrides or pretrained
+        if vocab_size is not None and not (from_data and explicit_vocab):
             overrides["vocab_size"] = vocab_size
-        if isinstance(self._model_spec, str):
-            return presets.get(self._model_spec, **overrides)
-        return dataclasses.replace(self._model_spec, **overrides)
+        if pretrained:
+            config, self._pretrained = model_io.load_pretrained(spec)
+            return dataclasses.replace(config, **overrides)
+        if isinstance(spec, str):
+            return presets.get(spec, **overrides)
+        return dataclasses.replace(spec, **overrides)
 
     def _datamodule(self) -> Any:
         trainer = getattr(self, "_trainer", None)
@@ -83,7 +94,7 @@ class LanguageModelModule(NanoModule):
         data = self._datamodule()
         data_vocab = getattr(data, "vocab_size", None)
         if self.config is None:
-            self.config = self._resolve_config(data_vocab)
+            self.config = self._resolve_config(data_vocab, from_data=True)
         if data_vocab is not None and data_vocab > self.config.vocab_size:
             raise ValueError(
                 f"the data's tokenizer has {data_vocab} token ids but the model's vocab_size is "
@@ -94,6 +105,28 @@ class LanguageModelModule(NanoModule):
         from nanotrain.models import build_model
 
         self.model = build_model(self.config, mesh=self.mesh, device="cpu")
+        if self._pretrained is not None:
+            self._load_pretrained()
+
+    def _load_pretrained(self) -> None:
+        if self.mesh is not None:
+            raise NotImplementedError(
+                "starting from pretrained weights under a sharded layout is not supported yet; "
+                "use a single-device or DDP strategy, or resume from a nanotrain checkpoint"
+            )
+        result = self.model.load_state_dict(self._pretrained, strict=False)
+        params = {n for n, _ in self.model.named_parameters()}
+        missing = [k for k in result.missing_keys if k in params]  # counters are not saved
+        if missing or result.unexpected_keys:
+            raise ValueError(
+                f"the pretrained weights do not fit the model: missing {missing[:5]}, "
+                f"unexpected {result.unexpected_keys[:5]}"
+            )
+        self._pretrained = None
+
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        """Record the model config so that `nanotrain export` can rebuild the model."""
+        checkpoint["model_config"] = model_io.config_to_dict(self.config)
 
     # -- steps -------------------------------------------------------------------------------
     def _check_ids(self, input_ids: torch.Tensor) -> None:
@@ -183,7 +216,10 @@ class LanguageModelModule(NanoModule):
             decay_steps = trainer.settings.max_steps
         schedule = warmup_cosine(hp.warmup_steps, decay_steps, hp.min_lr / hp.lr)
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
-        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+        return {
+            "optimizer": optimizer,
+            "lr_scheduler": {"scheduler": scheduler, "interval": "step"},
+        }
 
     # -- generation --------------------------------------------------------------------------
     @torch.no_grad()

@@ -66,3 +66,50 @@ def rebatch(
         **extra,
     )
     return loader, sampler
+
+
+def build_loaders(
+    settings: Any, shard: DataShard, datamodule: Any, stage: str, train_source: Any, val_source: Any
+) -> tuple[DataLoader | None, Any, DataLoader | None]:
+    """(train loader, train sampler, val loader) for `stage` ("fit" or "validate").
+
+    Sources default to the datamodule's `train_dataloader()` / `val_dataloader()`. Validation
+    reads each rank's share in order, `micro_batch_size` at a time; it is skipped when
+    `limit_val_batches` is 0 or there is no validation data.
+
+    Raises:
+        ValueError: `fit` without training data (and everything `rebatch` raises).
+    """
+    train_loader = train_sampler = val_loader = None
+    if stage == "fit":
+        if train_source is None and datamodule is not None:
+            train_source = datamodule.train_dataloader()
+        if train_source is None:
+            raise ValueError("fit needs training data: pass a datamodule or train_dataloaders")
+        train_loader, train_sampler = rebatch(
+            train_source,
+            micro_batch_size=settings.micro_batch_size,
+            global_batch_size=settings.global_batch_size,
+            shard=shard,
+            shuffle=settings.shuffle,
+            seed=settings.seed,
+        )
+    if val_source is None and datamodule is not None and _overrides(datamodule, "val_dataloader"):
+        val_source = datamodule.val_dataloader()
+    if val_source is not None and settings.limit_val_batches != 0:
+        val_loader, _ = rebatch(
+            val_source,
+            micro_batch_size=settings.micro_batch_size,
+            global_batch_size=settings.micro_batch_size * shard.count,
+            shard=shard,
+            shuffle=False,
+            seed=settings.seed,
+        )
+    return train_loader, train_sampler, val_loader
+
+
+def _overrides(obj: Any, name: str) -> bool:
+    """Whether a LightningDataModule subclass defines hook `name` itself."""
+    import lightning.pytorch as pl
+
+    return getattr(type(obj), name, None) is not getattr(pl.LightningDataModule, name, None)

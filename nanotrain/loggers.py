@@ -105,3 +105,14 @@ class LoggerGroup:
         """Close every logger."""
         for logger in self.loggers:
             logger.finalize()
+
+
+def make_loggers(run_dir: Path, names: list[str]) -> LoggerGroup:
+    """The loggers named in `names` ("tensorboard" → `run_dir/tensorboard/`, "jsonl" →
+    `run_dir/metrics.jsonl`), grouped; call on rank 0 only."""
+    loggers: list[Any] = []
+    if "tensorboard" in names:
+        loggers.append(TensorBoardLogger(run_dir / "tensorboard"))
+    if "jsonl" in names:
+        loggers.append(JSONLinesLogger(run_dir / "metrics.jsonl"))
+    return LoggerGroup(loggers)

@@ -13,7 +13,6 @@ The loop never asks how the job is parallelized: the strategy answers every layo
 
 from __future__ import annotations
 
-import math
 from pathlib import Path
 from typing import Any
 
@@ -21,16 +20,17 @@ import torch
 from torch.utils.data import DataLoader
 
 from nanotrain.callbacks.base import Callback
-from nanotrain.loaders import rebatch
-from nanotrain.loggers import JSONLinesLogger, LoggerGroup, TensorBoardLogger
+from nanotrain.loaders import build_loaders
+from nanotrain.loggers import LoggerGroup, TensorBoardLogger, make_loggers
 from nanotrain.metric_book import MetricBook
 from nanotrain.module import NanoModule
-from nanotrain.rng import capture_rng_state, restore_rng_state, seed_everything, set_deterministic
-from nanotrain.run_dir import next_version, run_dir_of_checkpoint, write_config
+from nanotrain.rng import seed_everything, set_deterministic
+from nanotrain.run_dir import choose_run_dir, default_config, write_config
 from nanotrain.state import TrainState
 from nanotrain.strategies import Strategy, resolve_strategy
 from nanotrain.strategies.base import StepOutput
 from nanotrain.trainer_config import TrainerConfig
+from nanotrain.validation import run_validation, to_float
 
 
 class Trainer:
@@ -198,7 +198,9 @@ class Trainer:
         self._make_run_dir(ckpt_path)
         seed_everything(s.seed)
         set_deterministic(s.deterministic)
-        self._book = MetricBook(lambda: self.strategy.root_device, self.strategy.metric_process_group)
+        self._book = MetricBook(
+            lambda: self.strategy.root_device, self.strategy.metric_process_group
+        )
         if datamodule is not None:
             if self.strategy.local_rank == 0:
                 datamodule.prepare_data()
@@ -209,74 +211,34 @@ class Trainer:
 
     def _make_run_dir(self, ckpt_path: Any) -> None:
         s = self.settings
-        resumed = None
-        if ckpt_path not in (None, "last"):
-            resumed = run_dir_of_checkpoint(Path(ckpt_path))
-        if resumed is None and ckpt_path == "last":
-            resumed = self._latest_run_dir()
-        if resumed is not None:
-            run_dir = resumed
-        else:
-            experiment = Path(s.default_root_dir) / s.name
-            version = s.version if s.version is not None else next_version(experiment)
-            run_dir = experiment / f"version_{version}"
+        run_dir = choose_run_dir(Path(s.default_root_dir) / s.name, s.version, ckpt_path)
         self.run_dir = Path(self.strategy.broadcast_object(str(run_dir)))
         if self.is_global_zero:
             (self.run_dir / "checkpoints").mkdir(parents=True, exist_ok=True)
-            write_config(self.run_dir, self._resolved_config())
-            loggers: list[Any] = []
-            if "tensorboard" in s.loggers:
-                loggers.append(TensorBoardLogger(self.run_dir / "tensorboard"))
-            if "jsonl" in s.loggers:
-                loggers.append(JSONLinesLogger(self.run_dir / "metrics.jsonl"))
-            self.loggers = LoggerGroup(loggers)
+            write_config(self.run_dir, self.resolved_config())
+            self.loggers = make_loggers(self.run_dir, s.loggers)
         self.strategy.barrier()
 
-    def _latest_run_dir(self) -> Path | None:
-        experiment = Path(self.settings.default_root_dir) / self.settings.name
-        version = next_version(experiment) - 1
-        return experiment / f"version_{version}" if version >= 0 else None
-
-    def _resolved_config(self) -> dict[str, Any]:
+    def resolved_config(self) -> dict[str, Any]:
+        """The config recorded in `config.yaml` and in checkpoints: what was passed as `config`,
+        else the trainer settings and the module's and datamodule's plain hyperparameters."""
         if self._user_config is not None:
             return self._user_config
-        config: dict[str, Any] = {"trainer": self.settings.to_dict()}
-        config["trainer"]["strategy"] = type(self.strategy).__name__
-        for key, obj in (("model", self.module), ("data", self.datamodule)):
-            hparams = getattr(obj, "hparams", None)
-            if hparams:
-                config[key] = {k: v for k, v in dict(hparams).items() if _is_plain(v)}
-        return config
+        return default_config(self.settings.to_dict(), self.strategy, self.module, self.datamodule)
 
     def _build_loaders(self, stage: str, train_loader: Any, val_loader: Any) -> None:
-        s, shard = self.settings, self.strategy.data_shard()
-        dm = self.datamodule
+        loaders = build_loaders(
+            self.settings,
+            self.strategy.data_shard(),
+            self.datamodule,
+            stage,
+            train_loader,
+            val_loader,
+        )
+        self._train_loader, self._train_sampler, self._val_loader = loaders
         if stage == "fit":
-            source = train_loader if train_loader is not None else (dm and dm.train_dataloader())
-            if source is None:
-                raise ValueError("fit needs training data: pass a datamodule or train_dataloaders")
-            self._train_loader, self._train_sampler = rebatch(
-                source,
-                micro_batch_size=s.micro_batch_size,
-                global_batch_size=s.global_batch_size,
-                shard=shard,
-                shuffle=s.shuffle,
-                seed=s.seed,
-            )
-            steps = len(self._train_sampler) // (s.micro_batch_size * self.num_microbatches)
-            self.state.steps_per_epoch = steps
-        source = val_loader
-        if source is None and dm is not None and _overrides(dm, "val_dataloader"):
-            source = dm.val_dataloader()
-        if source is not None and s.limit_val_batches != 0:
-            self._val_loader, _ = rebatch(
-                source,
-                micro_batch_size=s.micro_batch_size,
-                global_batch_size=s.micro_batch_size * shard.count,
-                shard=shard,
-                shuffle=False,
-                seed=s.seed,
-            )
+            samples_per_step = self.settings.micro_batch_size * self.num_microbatches
+            self.state.steps_per_epoch = len(self._train_sampler) // samples_per_step
 
     # -- fit -----------------------------------------------------------------------------------
     def fit(
@@ -339,7 +301,10 @@ class Trainer:
                 self._call("on_train_epoch_start")
                 batches = iter(self._train_loader)
                 while st.steps_in_epoch < st.steps_per_epoch and not self._done():
-                    micro = [self.strategy.batch_to_device(next(batches)) for _ in range(self.num_microbatches)]
+                    micro = [
+                        self.strategy.batch_to_device(next(batches))
+                        for _ in range(self.num_microbatches)
+                    ]
                     self._train_step(micro)
                 if st.steps_in_epoch < st.steps_per_epoch:
                     break  # stopped mid-epoch
@@ -406,38 +371,13 @@ class Trainer:
     def log_metrics(self, metrics: dict[str, Any], step: int | None = None) -> None:
         """Write scalars to the loggers (rank 0) at `step` (default: the current global step)
         and remember them in `callback_metrics`. Call on every rank; only rank 0 writes."""
-        values = {k: _to_float(v) for k, v in metrics.items() if v is not None}
+        values = {k: to_float(v) for k, v in metrics.items() if v is not None}
         self.callback_metrics.update({k: torch.tensor(v) for k, v in values.items()})
         self.loggers.log_metrics(values, self.state.global_step if step is None else step)
 
     # -- validation -----------------------------------------------------------------------------
     def _run_validation(self) -> dict[str, float]:
-        module = self.module
-        was_training = module.training
-        train_book, self._book = self._book, MetricBook(
-            lambda: self.strategy.root_device, self.strategy.metric_process_group
-        )
-        self.validating = True
-        module.eval()
-        self._call("on_validation_start")
-        self._call("on_validation_epoch_start")
-        limit = _val_batch_limit(self.settings.limit_val_batches, len(self._val_loader))
-        for batch_idx, batch in enumerate(self._val_loader):
-            if batch_idx >= limit:
-                break
-            batch = self.strategy.batch_to_device(batch)
-            output = self.strategy.validation_step(module, batch, batch_idx)
-            self._call("on_validation_batch_end", output, batch, batch_idx)
-        logged, prog = self._book.close()
-        self._book = train_book
-        self.log_metrics(logged)
-        self.progress_bar_metrics.update(prog)
-        self._last_val_step = self.state.global_step
-        self._call("on_validation_epoch_end")
-        module.train(was_training)
-        self.validating = False
-        self._call("on_validation_end")
-        return {k: _to_float(v) for k, v in logged.items()}
+        return run_validation(self)
 
     def validate(
         self,
@@ -451,8 +391,10 @@ class Trainer:
             self._setup(module, datamodule, "validate", ckpt_path)
             self._build_loaders("validate", None, dataloaders)
             if self._val_loader is None:
-                raise ValueError("validate needs validation data: a datamodule with "
-                                 "val_dataloader() or dataloaders=...")
+                raise ValueError(
+                    "validate needs validation data: a datamodule with "
+                    "val_dataloader() or dataloaders=..."
+                )
             if ckpt_path is not None:
                 self._resume(ckpt_path, weights_only=True)
             return self._run_validation()
@@ -463,40 +405,18 @@ class Trainer:
         finally:
             self._teardown("validate")
 
-    # -- checkpoint payload (storage lives in nanotrain.checkpoint) ------------------------------
+    # -- checkpoints (contents in nanotrain.checkpoint.payload, storage in nanotrain.checkpoint)
     def checkpoint_payload(self) -> dict[str, Any]:
         """Everything this rank needs for an exact resume, as tensors and plain values."""
-        setup = self.strategy.optimizer_setup
-        payload: dict[str, Any] = {
-            "model": self.strategy.model_state_dict(),
-            "optimizer": self.strategy.optimizer_state_dict() if setup else None,
-            "lr_scheduler": setup.scheduler.scheduler.state_dict() if setup and setup.scheduler else None,
-            "train_state": self.state.state_dict(),
-            "data": self._train_sampler.state_dict() if self._train_sampler else None,
-            "rng": capture_rng_state(),
-            "callbacks": {cb.state_key: cb.state_dict() for cb in self.callbacks},
-            "config": self._resolved_config(),
-        }
-        self._call("on_save_checkpoint", payload)
-        return payload
+        from nanotrain.checkpoint.payload import make_payload
+
+        return make_payload(self)
 
     def load_checkpoint_payload(self, payload: dict[str, Any], weights_only: bool = False) -> None:
         """Restore a payload made by `checkpoint_payload` (only the model when weights_only)."""
-        self.strategy.load_model_state_dict(payload["model"])
-        if not weights_only:
-            setup = self.strategy.optimizer_setup
-            if payload.get("optimizer") is not None and setup is not None:
-                self.strategy.load_optimizer_state_dict(payload["optimizer"])
-            if payload.get("lr_scheduler") is not None and setup and setup.scheduler:
-                setup.scheduler.scheduler.load_state_dict(payload["lr_scheduler"])
-            self.state.load_state_dict(payload["train_state"])
-            if payload.get("data") is not None and self._train_sampler is not None:
-                self._train_sampler.load_state_dict(payload["data"])
-            for cb in self.callbacks:
-                if cb.state_key in payload.get("callbacks", {}):
-                    cb.load_state_dict(payload["callbacks"][cb.state_key])
-            restore_rng_state(payload["rng"])
-        self._call("on_load_checkpoint", payload)
+        from nanotrain.checkpoint.payload import restore_payload
+
+        restore_payload(self, payload, weights_only)
 
     def save_checkpoint(self, path: str | Path) -> Path:
         """Write a checkpoint of the current state to `path` (call on every rank)."""
@@ -517,33 +437,3 @@ class Trainer:
         self.loggers = LoggerGroup([])
         self._train_loader = self._val_loader = None
         self.strategy.teardown()
-
-
-def _overrides(obj: Any, name: str) -> bool:
-    import lightning.pytorch as pl
-
-    return getattr(type(obj), name, None) is not getattr(pl.LightningDataModule, name, None)
-
-
-def _val_batch_limit(limit: int | float | None, available: int) -> int:
-    if limit is None:
-        return available
-    if isinstance(limit, float) and limit <= 1.0:
-        return max(1, int(available * limit)) if limit > 0 else 0
-    return min(int(limit), available)
-
-
-def _to_float(value: Any) -> float:
-    if isinstance(value, torch.Tensor):
-        return float(value.detach().float().item())
-    return float(value)
-
-
-def _is_plain(value: Any) -> bool:
-    if isinstance(value, (str, int, float, bool)) or value is None:
-        return not (isinstance(value, float) and not math.isfinite(value))
-    if isinstance(value, (list, tuple)):
-        return all(_is_plain(v) for v in value)
-    if isinstance(value, dict):
-        return all(isinstance(k, str) and _is_plain(v) for k, v in value.items())
-    return False

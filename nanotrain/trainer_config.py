@@ -57,7 +57,9 @@ class TrainerConfig:
             if value is not None and (not isinstance(value, int) or value <= 0):
                 raise ValueError(f"{name} must be a positive integer or None, got {value!r}")
         if not isinstance(self.micro_batch_size, int) or self.micro_batch_size <= 0:
-            raise ValueError(f"micro_batch_size must be a positive integer, got {self.micro_batch_size!r}")
+            raise ValueError(
+                f"micro_batch_size must be a positive integer, got {self.micro_batch_size!r}"
+            )
         if self.global_batch_size is None:
             self.global_batch_size = self.micro_batch_size
         if not isinstance(self.global_batch_size, int) or self.global_batch_size <= 0:
@@ -78,7 +80,9 @@ class TrainerConfig:
             raise ValueError(f"limit_val_batches must be >= 0, got {self.limit_val_batches}")
         unknown = set(self.loggers) - {"tensorboard", "jsonl"}
         if unknown:
-            raise ValueError(f"unknown loggers {sorted(unknown)}; choose from 'tensorboard', 'jsonl'")
+            raise ValueError(
+                f"unknown loggers {sorted(unknown)}; choose from 'tensorboard', 'jsonl'"
+            )
 
     def to_dict(self) -> dict:
         """The settings as a plain dict (for config.yaml)."""

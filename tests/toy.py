@@ -48,7 +48,9 @@ class Classifier(nt.NanoModule):
 
     def configure_model(self) -> None:
         if self.net is None:
-            self.net = nn.Sequential(nn.Linear(8, self.hparams.hidden), nn.Tanh(), nn.Linear(self.hparams.hidden, 3))
+            self.net = nn.Sequential(
+                nn.Linear(8, self.hparams.hidden), nn.Tanh(), nn.Linear(self.hparams.hidden, 3)
+            )
 
     def training_step(self, batch, batch_idx):
         x, y = batch
@@ -60,7 +62,9 @@ class Classifier(nt.NanoModule):
         x, y = batch
         logits = self.net(x)
         self.log("val/loss", F.cross_entropy(logits, y), sync_dist=True, batch_size=len(y))
-        self.log("val/acc", (logits.argmax(-1) == y).float().mean(), sync_dist=True, batch_size=len(y))
+        self.log(
+            "val/acc", (logits.argmax(-1) == y).float().mean(), sync_dist=True, batch_size=len(y)
+        )
 
     def configure_optimizers(self):
         opt = torch.optim.SGD(self.parameters(), lr=self.hparams.lr)
@@ -74,10 +78,22 @@ class HookRecorder(nt.Callback):
     """Records every hook call by name."""
 
     HOOKS = [
-        "setup", "on_fit_start", "on_train_start", "on_train_epoch_start", "on_train_batch_start",
-        "on_before_optimizer_step", "on_train_batch_end", "on_validation_start",
-        "on_validation_epoch_start", "on_validation_batch_end", "on_validation_epoch_end",
-        "on_validation_end", "on_train_epoch_end", "on_train_end", "on_fit_end", "teardown",
+        "setup",
+        "on_fit_start",
+        "on_train_start",
+        "on_train_epoch_start",
+        "on_train_batch_start",
+        "on_before_optimizer_step",
+        "on_train_batch_end",
+        "on_validation_start",
+        "on_validation_epoch_start",
+        "on_validation_batch_end",
+        "on_validation_epoch_end",
+        "on_validation_end",
+        "on_train_epoch_end",
+        "on_train_end",
+        "on_fit_end",
+        "teardown",
         "on_exception",
     ]
 

@@ -25,7 +25,7 @@ def readme_fit_command() -> list[str]:
     text = (REPO / "README.md").read_text()
     for line in text.splitlines():
         if "nanotrain fit" in line and "pip install" in line:
-            command = line[line.index("nanotrain fit"):].strip().strip("`")
+            command = line[line.index("nanotrain fit") :].strip().strip("`")
             return shlex.split(command)
     raise AssertionError("README.md has no set-up line that installs and runs `nanotrain fit`")
 
@@ -34,8 +34,12 @@ def run_cli(args: list[str], tmp_path: Path, **env: str) -> subprocess.Completed
     environment = {**os.environ, "NANOTRAIN_CACHE": str(tmp_path / "cache"), **env}
     environment.setdefault("OMP_NUM_THREADS", "1")
     return subprocess.run(
-        [sys.executable, "-m", "nanotrain", *args], cwd=REPO, env=environment,
-        capture_output=True, text=True, timeout=300,
+        [sys.executable, "-m", "nanotrain", *args],
+        cwd=REPO,
+        env=environment,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
 
 
@@ -50,10 +54,19 @@ def test_readme_main_command_trains_and_writes_tensorboard(tmp_path):
     command = readme_fit_command()
     assert command[:2] == ["nanotrain", "fit"]
     result = run_cli(
-        command[1:] + [
-            "--trainer.max_steps", "12", "--trainer.log_every_n_steps", "4",
-            "--trainer.val_check_interval", "12", "--trainer.limit_val_batches", "2",
-            "--trainer.default_root_dir", str(tmp_path / "runs"), *SMALL_DEMO,
+        command[1:]
+        + [
+            "--trainer.max_steps",
+            "12",
+            "--trainer.log_every_n_steps",
+            "4",
+            "--trainer.val_check_interval",
+            "12",
+            "--trainer.limit_val_batches",
+            "2",
+            "--trainer.default_root_dir",
+            str(tmp_path / "runs"),
+            *SMALL_DEMO,
         ],
         tmp_path,
     )
@@ -64,7 +77,7 @@ def test_readme_main_command_trains_and_writes_tensorboard(tmp_path):
     losses = scalars(run_dir, "train/loss")
     assert [step for step, _ in losses] == [4, 8, 12]
     assert all(0 < value < 10 for _, value in losses)
-    (val_step, val_bpb), = scalars(run_dir, "val/bpb")
+    ((val_step, val_bpb),) = scalars(run_dir, "val/bpb")
     assert val_step == 12 and 0 < val_bpb < 12
     assert (run_dir / "config.yaml").is_file()
 
@@ -80,7 +93,9 @@ def test_unknown_config_key_is_rejected(tmp_path, capsys):
 
 def test_print_config_shows_resolved_defaults(capsys):
     with pytest.raises(SystemExit) as exc:
-        main(["fit", "--config", str(REPO / "examples/configs/tiny_deepseek.yaml"), "--print_config"])
+        main(
+            ["fit", "--config", str(REPO / "examples/configs/tiny_deepseek.yaml"), "--print_config"]
+        )
     assert exc.value.code == 0
     printed = capsys.readouterr().out
     assert re.search(r"max_steps: \d+", printed)
@@ -89,8 +104,17 @@ def test_print_config_shows_resolved_defaults(capsys):
 
 def test_missing_data_path_is_a_clear_error(tmp_path):
     result = run_cli(
-        ["fit", "--trainer.max_steps", "2", "--data.init_args.data_path", str(tmp_path / "nope"),
-         "--trainer.default_root_dir", str(tmp_path / "runs"), "--callbacks", "[]"],
+        [
+            "fit",
+            "--trainer.max_steps",
+            "2",
+            "--data.init_args.data_path",
+            str(tmp_path / "nope"),
+            "--trainer.default_root_dir",
+            str(tmp_path / "runs"),
+            "--callbacks",
+            "[]",
+        ],
         tmp_path,
     )
     assert result.returncode != 0
@@ -98,9 +122,22 @@ def test_missing_data_path_is_a_clear_error(tmp_path):
 
 
 def test_indivisible_batch_sizes_fail_before_training(tmp_path, capsys):
-    with pytest.raises(ValueError, match="global_batch_size=10 is not a multiple of micro_batch_size=4"):
-        main(["fit", "--trainer.max_steps", "2", "--trainer.global_batch_size", "10",
-              "--trainer.micro_batch_size", "4", "--trainer.default_root_dir", str(tmp_path)])
+    with pytest.raises(
+        ValueError, match="global_batch_size=10 is not a multiple of micro_batch_size=4"
+    ):
+        main(
+            [
+                "fit",
+                "--trainer.max_steps",
+                "2",
+                "--trainer.global_batch_size",
+                "10",
+                "--trainer.micro_batch_size",
+                "4",
+                "--trainer.default_root_dir",
+                str(tmp_path),
+            ]
+        )
 
 
 def test_prepare_then_fit_and_validate_on_prepared_data(tmp_path):
@@ -109,13 +146,43 @@ def test_prepare_then_fit_and_validate_on_prepared_data(tmp_path):
     for i in range(4):
         (corpus / f"doc{i}.txt").write_text(f"document {i}: " + "the quick brown fox. " * 400)
     out = tmp_path / "shards"
-    assert main(["prepare", "--inputs", str(corpus), "--out", str(out), "--val_fraction", "0.25"]) == 0
-    common = ["--data.init_args.data_path", str(out), "--data.init_args.seq_len", "32",
-              "--trainer.default_root_dir", str(tmp_path / "runs"), "--callbacks", "[]"]
-    fit = run_cli(["fit", "--config", "examples/configs/tiny_deepseek.yaml", *common,
-                   "--trainer.max_steps", "3", "--trainer.limit_val_batches", "1"], tmp_path)
+    assert (
+        main(["prepare", "--inputs", str(corpus), "--out", str(out), "--val_fraction", "0.25"]) == 0
+    )
+    common = [
+        "--data.init_args.data_path",
+        str(out),
+        "--data.init_args.seq_len",
+        "32",
+        "--trainer.default_root_dir",
+        str(tmp_path / "runs"),
+        "--callbacks",
+        "[]",
+    ]
+    fit = run_cli(
+        [
+            "fit",
+            "--config",
+            "examples/configs/tiny_deepseek.yaml",
+            *common,
+            "--trainer.max_steps",
+            "3",
+            "--trainer.limit_val_batches",
+            "1",
+        ],
+        tmp_path,
+    )
     assert fit.returncode == 0, fit.stderr[-3000:]
-    validate = run_cli(["validate", "--config", "examples/configs/tiny_deepseek.yaml", *common,
-                        "--trainer.limit_val_batches", "1"], tmp_path)
+    validate = run_cli(
+        [
+            "validate",
+            "--config",
+            "examples/configs/tiny_deepseek.yaml",
+            *common,
+            "--trainer.limit_val_batches",
+            "1",
+        ],
+        tmp_path,
+    )
     assert validate.returncode == 0, validate.stderr[-3000:]
     assert re.search(r"val/loss: \d", validate.stdout)

@@ -56,25 +56,41 @@ def test_hook_order_matches_the_documented_sequence(tmp_path):
     recorder = HookRecorder()
     # 256 samples / 64 per step = 4 steps per epoch; 6 steps = 1.5 epochs; val every 3 steps.
     trainer = make_trainer(
-        tmp_path, callbacks=[recorder], max_steps=6, micro_batch_size=32, global_batch_size=64,
-        val_check_interval=3, limit_val_batches=1,
+        tmp_path,
+        callbacks=[recorder],
+        max_steps=6,
+        micro_batch_size=32,
+        global_batch_size=64,
+        val_check_interval=3,
+        limit_val_batches=1,
     )
     trainer.fit(Classifier(), BlobsData())
     step = ["on_train_batch_start", "on_before_optimizer_step", "on_train_batch_end"]
-    val = ["on_validation_start", "on_validation_epoch_start", "on_validation_batch_end",
-           "on_validation_epoch_end", "on_validation_end"]
+    val = [
+        "on_validation_start",
+        "on_validation_epoch_start",
+        "on_validation_batch_end",
+        "on_validation_epoch_end",
+        "on_validation_end",
+    ]
     expected = (
         ["setup", "on_fit_start", "on_train_start", "on_train_epoch_start"]
-        + step * 3 + val + step + ["on_train_epoch_end", "on_train_epoch_start"]
-        + step * 2 + val + ["on_train_end", "on_fit_end", "teardown"]
+        + step * 3
+        + val
+        + step
+        + ["on_train_epoch_end", "on_train_epoch_start"]
+        + step * 2
+        + val
+        + ["on_train_end", "on_fit_end", "teardown"]
     )
     assert recorder.calls == expected
 
 
 def test_classifier_learns_and_logs_to_run_directory(tmp_path):
     module = Classifier(lr=0.2)
-    trainer = make_trainer(tmp_path, max_epochs=3, max_steps=None, val_check_interval=10,
-                           name="blobs")
+    trainer = make_trainer(
+        tmp_path, max_epochs=3, max_steps=None, val_check_interval=10, name="blobs"
+    )
     trainer.fit(module, BlobsData())
     assert trainer.run_dir == tmp_path / "blobs" / "version_0"
     assert (trainer.run_dir / "config.yaml").is_file()
@@ -144,9 +160,13 @@ def test_grad_norm_is_measured_before_clipping(tmp_path):
         def on_before_optimizer_step(self, trainer, module, optimizer):
             grads = [p.grad for p in module.parameters()]
             seen["norm"] = trainer.step_output.grad_norm.item()
-            seen["clipped"] = torch.linalg.vector_norm(torch.stack([g.norm() for g in grads])).item()
+            seen["clipped"] = torch.linalg.vector_norm(
+                torch.stack([g.norm() for g in grads])
+            ).item()
 
-    make_trainer(tmp_path, max_steps=1, gradient_clip_val=1e-3, callbacks=[Check()]).fit(module, data)
+    make_trainer(tmp_path, max_steps=1, gradient_clip_val=1e-3, callbacks=[Check()]).fit(
+        module, data
+    )
     assert seen["norm"] > 1e-2
     assert seen["clipped"] == pytest.approx(1e-3, rel=1e-4)
 
@@ -209,8 +229,15 @@ def test_same_module_runs_under_lightning_trainer(tmp_path):
 
     module = Classifier(lr=0.2)
     trainer = pl.Trainer(
-        max_steps=20, val_check_interval=10, accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
-        enable_progress_bar=False, enable_model_summary=False, default_root_dir=str(tmp_path),
+        max_steps=20,
+        val_check_interval=10,
+        accelerator="cpu",
+        devices=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=str(tmp_path),
     )
     trainer.fit(module, BlobsData())
     assert trainer.global_step == 20

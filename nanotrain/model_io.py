@@ -1,0 +1,126 @@
+"""Model weights in and out of nanotrain: `nanotrain export` / `nanotrain import` and the
+pretrained folders `LanguageModelModule(model=<folder>)` starts from.
+
+A *weights folder* holds `model_config.json` ({"family": "DeepSeekConfig" | "DenseConfig",
+"config": {...fields}}) and `model.safetensors` (our parameter names, e.g.
+`layers.0.self_attn.o_proj.weight`). A transformers folder (config.json + safetensors) is
+accepted wherever a weights folder is.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Any
+
+from safetensors.torch import load_file, save_file
+from torch import Tensor
+
+from nanotrain.models.config import DeepSeekConfig, DenseConfig
+
+CONFIG_FILE = "model_config.json"
+WEIGHTS_FILE = "model.safetensors"
+# LanguageModelModule keeps the model under this attribute, so its state_dict keys carry it.
+MODULE_PREFIX = "model."
+_FAMILIES = {"DeepSeekConfig": DeepSeekConfig, "DenseConfig": DenseConfig}
+
+
+def config_to_dict(config: DeepSeekConfig | DenseConfig) -> dict[str, Any]:
+    """A model config as plain JSON values: {"family": class name, "config": fields}."""
+    return {"family": type(config).__name__, "config": dataclasses.asdict(config)}
+
+
+def config_from_dict(data: dict[str, Any]) -> DeepSeekConfig | DenseConfig:
+    """Inverse of `config_to_dict`; raises ValueError for an unknown family or fields."""
+    family = _FAMILIES.get(data.get("family", ""))
+    if family is None:
+        raise ValueError(
+            f"unknown model family {data.get('family')!r}; expected one of {sorted(_FAMILIES)}"
+        )
+    try:
+        return family(**data["config"])
+    except TypeError as exc:
+        raise ValueError(f"model config does not match {family.__name__}: {exc}") from exc
+
+
+def save_weights(
+    config: DeepSeekConfig | DenseConfig, state: dict[str, Tensor], out: str | Path
+) -> Path:
+    """Write a weights folder: `model_config.json` + `model.safetensors` (contiguous CPU copies)."""
+    folder = Path(out)
+    folder.mkdir(parents=True, exist_ok=True)
+    tensors = {k: v.detach().to("cpu").contiguous().clone() for k, v in state.items()}
+    save_file(tensors, str(folder / WEIGHTS_FILE), metadata={"format": "pt"})
+    (folder / CONFIG_FILE).write_text(json.dumps(config_to_dict(config), indent=2) + "\n")
+    return folder
+
+
+def is_pretrained_folder(path: str | Path) -> bool:
+    """True for a weights folder or a transformers folder (a directory with a config file)."""
+    folder = Path(path)
+    return folder.is_dir() and (
+        (folder / CONFIG_FILE).is_file() or (folder / "config.json").is_file()
+    )
+
+
+def load_pretrained(path: str | Path) -> tuple[DeepSeekConfig | DenseConfig, dict[str, Tensor]]:
+    """(config, state dict with our names) from a weights folder or a transformers folder.
+
+    Raises:
+        FileNotFoundError: the folder has neither `model_config.json` nor `config.json`.
+        ValueError: the config or the tensors do not match a supported model.
+    """
+    folder = Path(path)
+    if (folder / CONFIG_FILE).is_file():
+        config = config_from_dict(json.loads((folder / CONFIG_FILE).read_text()))
+        if not (folder / WEIGHTS_FILE).is_file():
+            raise FileNotFoundError(f"{folder / WEIGHTS_FILE} not found next to {CONFIG_FILE}")
+        return config, load_file(str(folder / WEIGHTS_FILE))
+    if (folder / "config.json").is_file():
+        from nanotrain.models.hf import config_from_hf, state_dict_from_hf
+        from nanotrain.models.hf_io import read_hf_checkpoint
+
+        hf_config, tensors = read_hf_checkpoint(folder)
+        config = config_from_hf(hf_config)
+        return config, state_dict_from_hf(config, tensors)
+    raise FileNotFoundError(
+        f"{folder} is not a model folder: expected {CONFIG_FILE} (from `nanotrain import`) or "
+        "a transformers config.json"
+    )
+
+
+def checkpoint_model(ckpt: str | Path) -> tuple[DeepSeekConfig | DenseConfig, dict[str, Tensor]]:
+    """(config, state dict with our names) of a LanguageModelModule training checkpoint.
+
+    Raises:
+        FileNotFoundError / ValueError: a missing or corrupt checkpoint, or one not written by a
+            LanguageModelModule (no model config inside).
+    """
+    from nanotrain.checkpoint import files, load_model_weights
+
+    folder = Path(ckpt)
+    state = load_model_weights(folder)
+    shared = files.read_torch(folder / files.TRAINER_STATE_FILE)
+    if "model_config" not in shared:
+        raise ValueError(
+            f"{folder} holds no model config; only checkpoints of a LanguageModelModule can be "
+            "exported"
+        )
+    config = config_from_dict(shared["model_config"])
+    weights = {k[len(MODULE_PREFIX) :]: v for k, v in state.items() if k.startswith(MODULE_PREFIX)}
+    return config, weights
+
+
+def export_checkpoint(ckpt: str | Path, out: str | Path) -> Path:
+    """`nanotrain export --to hf`: a training checkpoint → a transformers folder."""
+    from nanotrain.models.hf_io import export_hf
+
+    config, weights = checkpoint_model(ckpt)
+    return export_hf(weights, config, out)
+
+
+def import_checkpoint(hf_folder: str | Path, out: str | Path) -> Path:
+    """`nanotrain import`: a transformers folder → a nanotrain weights folder."""
+    config, weights = load_pretrained(hf_folder)
+    return save_weights(config, weights, out)
