@@ -107,3 +107,18 @@ class HookRecorder(nt.Callback):
             self.calls.append(hook)
 
         return record
+
+
+def make_trainer(tmp_path, **settings) -> nt.Trainer:
+    """A single-CPU Trainer for callback tests: 4 steps of micro-batches of 8, logging every
+    step to metrics.jsonl under `tmp_path`; `settings` override any of these."""
+    defaults = dict(
+        strategy=nt.SingleDeviceStrategy("cpu"),
+        default_root_dir=str(tmp_path),
+        max_steps=4,
+        micro_batch_size=8,
+        log_every_n_steps=1,
+        loggers=["jsonl"],
+    )
+    defaults.update(settings)
+    return nt.Trainer(**defaults)

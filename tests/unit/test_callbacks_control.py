@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 from types import SimpleNamespace
@@ -12,20 +13,10 @@ import torch
 import nanotrain as nt
 from nanotrain.callbacks.early_stopping import EarlyStopping
 from nanotrain.callbacks.nan_guard import NaNGuard
+from tests import toy
 from tests.toy import BlobsData, Classifier
 
-
-def make_trainer(tmp_path, **kwargs) -> nt.Trainer:
-    defaults = dict(
-        strategy=nt.SingleDeviceStrategy("cpu"),
-        default_root_dir=str(tmp_path),
-        max_steps=5,
-        micro_batch_size=8,
-        log_every_n_steps=1,
-        loggers=["jsonl"],
-    )
-    defaults.update(kwargs)
-    return nt.Trainer(**defaults)
+make_trainer = functools.partial(toy.make_trainer, max_steps=5)
 
 
 class NaNLossAt(Classifier):

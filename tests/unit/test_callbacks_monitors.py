@@ -17,20 +17,7 @@ from nanotrain.callbacks.grad_norm import GradNormMonitor, group_name
 from nanotrain.callbacks.lr_monitor import LearningRateMonitor
 from nanotrain.callbacks.memory import MemoryMonitor, process_memory_bytes
 from nanotrain.callbacks.throughput import ThroughputMonitor
-from tests.toy import BlobsData, Classifier, blobs
-
-
-def make_trainer(tmp_path, **kwargs) -> nt.Trainer:
-    defaults = dict(
-        strategy=nt.SingleDeviceStrategy("cpu"),
-        default_root_dir=str(tmp_path),
-        max_steps=4,
-        micro_batch_size=8,
-        log_every_n_steps=1,
-        loggers=["jsonl"],
-    )
-    defaults.update(kwargs)
-    return nt.Trainer(**defaults)
+from tests.toy import BlobsData, Classifier, blobs, make_trainer
 
 
 def metrics_by_step(trainer: nt.Trainer) -> dict[int, dict]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import io
 import json
 from types import SimpleNamespace
@@ -12,20 +13,11 @@ import torch
 import nanotrain as nt
 from nanotrain.callbacks.progress import ProgressBar
 from nanotrain.callbacks.text_sampler import TextSampler
+from tests import toy
 from tests.toy import BlobsData, Classifier
 
-
-def make_trainer(tmp_path, **kwargs) -> nt.Trainer:
-    defaults = dict(
-        strategy=nt.SingleDeviceStrategy("cpu"),
-        default_root_dir=str(tmp_path),
-        max_steps=4,
-        micro_batch_size=8,
-        log_every_n_steps=2,
-        loggers=["jsonl"],
-    )
-    defaults.update(kwargs)
-    return nt.Trainer(**defaults)
+# progress lines are checked at every second step
+make_trainer = functools.partial(toy.make_trainer, log_every_n_steps=2)
 
 
 class FakeClock:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 
 import pytest
@@ -9,19 +10,11 @@ import torch
 from torch.utils.data import IterableDataset, TensorDataset
 
 import nanotrain as nt
+from tests import toy
 from tests.toy import BlobsData, Classifier, HookRecorder
 
-
-def make_trainer(tmp_path, **kwargs) -> nt.Trainer:
-    defaults = dict(
-        strategy=nt.SingleDeviceStrategy("cpu"),
-        default_root_dir=str(tmp_path),
-        max_steps=4,
-        micro_batch_size=8,
-        log_every_n_steps=1,
-    )
-    defaults.update(kwargs)
-    return nt.Trainer(**defaults)
+# these tests read TensorBoard too
+make_trainer = functools.partial(toy.make_trainer, loggers=["tensorboard", "jsonl"])
 
 
 class LossRecorder(nt.Callback):
