@@ -9,7 +9,13 @@ from nanotrain.callbacks.base import Callback
 from nanotrain.language_model import LanguageModelModule
 from nanotrain.module import NanoModule
 from nanotrain.state import TrainState
-from nanotrain.strategies import DDPStrategy, SingleDeviceStrategy, StepOutput, Strategy
+from nanotrain.strategies import (
+    DDPStrategy,
+    MegatronStrategy,
+    SingleDeviceStrategy,
+    StepOutput,
+    Strategy,
+)
 from nanotrain.trainer import Trainer
 from nanotrain.trainer_config import TrainerConfig
 
@@ -19,6 +25,7 @@ __all__ = [
     "Callback",
     "DDPStrategy",
     "LanguageModelModule",
+    "MegatronStrategy",
     "NanoModule",
     "SingleDeviceStrategy",
     "StepOutput",

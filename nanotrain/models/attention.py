@@ -14,6 +14,7 @@ from torch import nn
 
 from nanotrain.models.config import DeepSeekConfig, DenseConfig
 from nanotrain.models.layers import RMSNorm, apply_rope, divide_evenly, softmax_scale, tp_size_of
+from nanotrain.parallel.collectives import copy_to_tensor_parallel_region
 from nanotrain.parallel.tensor import ColumnParallelLinear, RowParallelLinear
 
 
@@ -84,6 +85,7 @@ class MLAttention(nn.Module):
         self.kv_lora_rank = c.kv_lora_rank
         self.interleaved = c.rope_interleave
         self.scale = softmax_scale(c.qk_head_dim, c.rope_scaling)
+        self.tp_group = tp_group
         split = {"tp_group": tp_group, "device": device}
         replicated = {"tp_group": None, "device": device}
         q_out = c.num_heads * c.qk_head_dim
@@ -116,6 +118,9 @@ class MLAttention(nn.Module):
 
         latent = self.kv_a_proj_with_mqa(x)  # (B, T, kv_lora_rank + rope_dim)
         c_kv, k_rope = latent.split([self.kv_lora_rank, self.rope_dim], dim=-1)
+        # The rope key is shared by every head but each tp rank uses it for its own heads only:
+        # its gradient must be summed over the tp group (c_kv's is, inside kv_b_proj).
+        k_rope = copy_to_tensor_parallel_region(k_rope, self.tp_group)
         k_rope = apply_rope(k_rope.unsqueeze(2), cos, sin, interleaved=self.interleaved)
         kv = self.kv_b_proj(self.kv_a_layernorm(c_kv)).view(b, t, n, self.nope_dim + self.v_dim)
         k_nope, v = kv.split([self.nope_dim, self.v_dim], dim=-1)

@@ -78,12 +78,19 @@ def init_weights(model: nn.Module, generator: torch.Generator | None = None) -> 
         seen.update(id(p) for _, p in fresh)
         if not fresh:
             continue
-        full = {
-            name: _draw(
-                param, _full_shape(module, name, param), std, isinstance(module, RMSNorm), generator
-            )
-            for name, param in fresh
-        }
+        is_head = module is getattr(model, "lm_head", None)
+        full = {}
+        for name, param in fresh:
+            shape = _full_shape(module, name, param)
+            if is_head and name == "weight":
+                # The head is padded to a multiple of tp: draw only the real vocabulary rows,
+                # so the generator state after it (every later weight) is the same for any tp.
+                full[name] = _pad_rows(
+                    _draw(param, (model.config.vocab_size, *shape[1:]), std, False, generator),
+                    shape[0],
+                )
+            else:
+                full[name] = _draw(param, shape, std, isinstance(module, RMSNorm), generator)
         if isinstance(module, _TensorParallelModule) and module.tp_size > 1:
             full = module.shard_full_state_dict(full)
         for name, param in fresh:
@@ -103,6 +110,13 @@ def _full_shape(module: nn.Module, name: str, param: torch.Tensor) -> tuple[int,
     if dim is not None:
         shape[dim] *= module.tp_size
     return tuple(shape)
+
+
+def _pad_rows(weight: torch.Tensor, rows: int) -> torch.Tensor:
+    """`weight` with zero rows appended up to `rows`."""
+    if weight.shape[0] == rows:
+        return weight
+    return torch.cat([weight, weight.new_zeros(rows - weight.shape[0], *weight.shape[1:])])
 
 
 def _draw(

@@ -2,13 +2,15 @@
 
 from nanotrain.strategies.base import DataShard, StepOutput, Strategy
 from nanotrain.strategies.ddp import DDPStrategy
+from nanotrain.strategies.megatron import MegatronStrategy
 from nanotrain.strategies.optimizers import OptimizerSetup, SchedulerConfig
 from nanotrain.strategies.replicated import ReplicatedStrategy
 from nanotrain.strategies.single_device import SingleDeviceStrategy
 
 
 def resolve_strategy(strategy: "Strategy | str") -> Strategy:
-    """Return a Strategy for an instance or a name: "auto", "single", "ddp".
+    """Return a Strategy for an instance or a name: "auto", "single", "ddp", "megatron"
+    (the last with its defaults: tp=pp=ep=1, i.e. data parallel over every process).
 
     "auto" picks DDP when launched by torchrun with more than one process, else one device.
     """
@@ -23,14 +25,17 @@ def resolve_strategy(strategy: "Strategy | str") -> Strategy:
         return SingleDeviceStrategy()
     if name == "ddp":
         return DDPStrategy()
+    if name == "megatron":
+        return MegatronStrategy()
     raise ValueError(
-        f"unknown strategy {strategy!r}; use 'auto', 'single', 'ddp' or a Strategy instance"
+        f"unknown strategy {strategy!r}; use 'auto', 'single', 'ddp', 'megatron' or a Strategy instance"
     )
 
 
 __all__ = [
     "DataShard",
     "DDPStrategy",
+    "MegatronStrategy",
     "OptimizerSetup",
     "ReplicatedStrategy",
     "SchedulerConfig",

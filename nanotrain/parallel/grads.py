@@ -1,0 +1,154 @@
+"""Gradient bookkeeping across shards: which parameters are split over tensor parallelism,
+sequence-parallel gradient sync, the global grad norm (each element counted once) and clipping.
+
+Counting rule of the global norm. A parameter is either *tp-sharded* (each tensor-parallel rank
+holds a different slice: its squared norm is summed over the tp group) or *tp-replicated* (every
+tp rank holds the same tensor: counted once, on tp rank 0). Under ZeRO-2 each data-parallel rank
+holds a different slice of every gradient, so the squares are summed over the dp group as well.
+Pipeline stages (a later issue) will add the pp group to the same sum.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+from torch.distributed import ProcessGroup
+
+from nanotrain.parallel.collectives import all_gather_along_dim, group_size
+from nanotrain.parallel.tensor import VocabParallelEmbedding, _TensorParallelModule
+
+__all__ = [
+    "all_reduce_coalesced",
+    "clip_grads_",
+    "gather_tp_shards",
+    "reduced_square_norms",
+    "param_owners",
+    "sequence_parallel_params",
+    "tp_partition_dim",
+]
+
+
+def param_owners(module: nn.Module) -> dict[str, tuple[nn.Module, str]]:
+    """Map each parameter's full name (as ``module.named_parameters()`` gives it) to the
+    module that registers it and its local name there."""
+    owners: dict[str, tuple[nn.Module, str]] = {}
+    for prefix, sub in module.named_modules():
+        for local, _ in sub.named_parameters(recurse=False):
+            owners.setdefault(f"{prefix}.{local}" if prefix else local, (sub, local))
+    return owners
+
+
+def tp_partition_dim(owner: nn.Module, local_name: str) -> int | None:
+    """The dim along which ``owner.<local_name>`` is split over tensor parallelism, or None
+    when every tp rank holds the whole tensor (replicated, or a group of one)."""
+    if isinstance(owner, _TensorParallelModule) and owner.tp_size > 1:
+        return owner.tp_partition_dims.get(local_name)
+    return None
+
+
+def is_tp_sharded(module: nn.Module) -> dict[int, bool]:
+    """``id(param) -> True`` when that parameter is split over tensor parallelism."""
+    out: dict[int, bool] = {}
+    for owner, local in param_owners(module).values():
+        p = getattr(owner, local)
+        out[id(p)] = out.get(id(p), False) or tp_partition_dim(owner, local) is not None
+    return out
+
+
+def sequence_parallel_params(module: nn.Module) -> list[nn.Parameter]:
+    """Trainable parameters whose grads are partial sums over the tp group under sequence
+    parallelism, so they must be all-reduced over it.
+
+    These are the tp-replicated parameters (norm weights, routers, latent projections, and the
+    bias of a sequence-parallel ``RowParallelLinear``, see its ``partial_grad_names``): they
+    only see this rank's slice of the sequence. A model whose replicated parameter sees the
+    whole sequence (after an explicit gather) marks it ``param.sequence_parallel = False``
+    to be left out (Megatron marks the opposite way; here the safe default is to reduce).
+    """
+    sharded = is_tp_sharded(module)
+    out, seen = [], set()
+    for p in module.parameters():
+        if not p.requires_grad or id(p) in seen or sharded.get(id(p), False):
+            continue
+        seen.add(id(p))
+        if getattr(p, "sequence_parallel", True):
+            out.append(p)
+    return out
+
+
+def all_reduce_coalesced(tensors: Sequence[Tensor], group: ProcessGroup | None) -> None:
+    """Sum ``tensors`` in place over ``group`` with one collective (flatten, reduce, copy back).
+
+    No-op for an empty list, ``None`` or a group of one.
+    """
+    if not tensors or group_size(group) == 1:
+        return
+    flat = torch.cat([t.reshape(-1) for t in tensors])
+    dist.all_reduce(flat, group=group)
+    offset = 0
+    for t in tensors:
+        t.copy_(flat[offset : offset + t.numel()].view_as(t))
+        offset += t.numel()
+
+
+def reduced_square_norms(
+    owned: Sequence[tuple[int, Tensor]],
+    num_params: int,
+    tp_sharded: Sequence[bool],
+    *,
+    count_replicated: bool,
+    groups: Sequence[ProcessGroup | None],
+    device: torch.device,
+) -> Tensor:
+    """Squared L2 norm of each parameter's whole gradient, spread over processes.
+
+    Args:
+        owned: ``(param_index, grad or grad piece)`` this process holds; several pieces of one
+            parameter add up.
+        num_params: length of the result.
+        tp_sharded: per parameter, True when each tp rank holds a different slice.
+        count_replicated: True on exactly one holder of the tp-replicated grads (tp rank 0).
+        groups: the groups over which the squares are summed (tp, and dp under ZeRO-2).
+        device: where the result lives.
+
+    Returns: float64 ``[num_params]``, identical on every process of ``groups``. The global
+    grad norm is ``result.sum().sqrt()``.
+    """
+    sq = torch.zeros(num_params, dtype=torch.float64, device=device)
+    for i, g in owned:
+        sq[i] += g.detach().double().pow(2).sum()
+    if not count_replicated:
+        sq = sq * torch.tensor(list(tp_sharded), dtype=sq.dtype, device=device)
+    for group in groups:
+        if group_size(group) > 1:
+            dist.all_reduce(sq, group=group)
+    return sq
+
+
+@torch.no_grad()
+def clip_grads_(grads: Sequence[Tensor], total_norm: Tensor, max_norm: float) -> None:
+    """Scale ``grads`` in place by ``min(1, max_norm / (total_norm + 1e-6))`` (torch's rule)."""
+    if not grads:
+        return
+    coef = (max_norm / (total_norm.double() + 1e-6)).clamp(max=1.0)
+    for g in grads:
+        g.mul_(coef.to(g.dtype))
+
+
+@torch.no_grad()
+def gather_tp_shards(owner: nn.Module, local_name: str, tensor: Tensor) -> Tensor:
+    """The whole tensor of ``owner.<local_name>`` (or its grad) from this rank's tp slice.
+
+    A collective over the owner's tp group when the parameter is sharded; a vocabulary-parallel
+    embedding drops its padding rows. Replicated parameters are returned as they are.
+    """
+    dim = tp_partition_dim(owner, local_name)
+    if dim is None:
+        return tensor
+    full = all_gather_along_dim(tensor.contiguous(), dim, owner.tp_group)
+    if isinstance(owner, VocabParallelEmbedding):
+        full = full[: owner.num_embeddings]
+    return full

@@ -1,0 +1,195 @@
+"""ZeRO-1 and ZeRO-2 (the distributed optimizer): optimizer state sharded over data parallelism.
+
+Parameters are moved into one flat buffer with the layout of the gradient buckets
+(`nanotrain.parallel.data_parallel.FlatLayout`): ``param.data`` becomes a view of it. Each
+data-parallel rank owns one equal slice of every bucket. The optimizer the module configured
+(`configure_optimizers`) is kept, but its parameter groups are rewritten in place to hold only
+this rank's *pieces*: 1-D views of the flat buffer covering the owned slices, each in the group
+its parameter was in, so per-group hyperparameters (weight decay, lr) are kept.
+
+Why rewrite the module's optimizer instead of building a new one: the LR scheduler the module
+created is bound to that optimizer object and writes ``lr`` into its ``param_groups``; callbacks
+read the lr from the same place. Keeping the object keeps all of that working unchanged. The
+price: ``optimizer.param_groups[i]["params"]`` lists flat pieces, not the model's parameters,
+and ``optimizer.state_dict()`` is this rank's shard.
+
+One step::
+
+    ZeRO-1: grads all-reduced (every rank has them whole); each rank updates its own pieces
+    ZeRO-2: grads reduce-scattered (each rank receives only its own slices); same update
+    then:   all-gather every bucket's slices, so every rank again holds all parameters
+
+Optimizer state (e.g. AdamW's two moments) exists only for the pieces: ``full / dp`` per rank.
+The update is exact for optimizers whose update is elementwise (`ELEMENTWISE_OPTIMIZERS`): the
+same numbers come out whether a tensor is updated whole or in flat pieces. Master weights for
+low-precision training belong to the precision plugins (a later issue); here parameters are
+updated in their own dtype.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+from torch.distributed import ProcessGroup
+
+from nanotrain.parallel.collectives import group_rank, group_size
+from nanotrain.parallel.data_parallel import FlatLayout, GradBuckets, ShardPiece
+
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+__all__ = ["ELEMENTWISE_OPTIMIZERS", "ZeroOptimizer", "flatten_parameters", "state_bytes"]
+
+#: torch.optim optimizers whose update of one element reads only that element's state.
+ELEMENTWISE_OPTIMIZERS: tuple[type[torch.optim.Optimizer], ...] = (
+    torch.optim.SGD,
+    torch.optim.Adam,
+    torch.optim.AdamW,
+    torch.optim.Adamax,
+    torch.optim.NAdam,
+    torch.optim.RAdam,
+    torch.optim.Adagrad,
+    torch.optim.Adadelta,
+    torch.optim.RMSprop,
+    torch.optim.ASGD,
+    torch.optim.Rprop,
+)
+
+
+@torch.no_grad()
+def flatten_parameters(layout: FlatLayout) -> Tensor:
+    """Copy the layout's parameters into one flat buffer and make each ``param.data`` a view.
+
+    Returns: the flat buffer ``[layout.numel]`` (padding is zero). The parameter objects stay
+    the same, so optimizers and hooks that hold them keep working.
+    """
+    first = layout.params[0]
+    flat = torch.zeros(layout.numel, dtype=first.dtype, device=first.device)
+    for i, p in enumerate(layout.params):
+        view = layout.view(flat, i)
+        view.copy_(p.data)
+        p.data = view
+    return flat
+
+
+def state_bytes(optimizer: torch.optim.Optimizer) -> int:
+    """Bytes of every tensor in ``optimizer.state`` (moments, step counters, ...)."""
+    return sum(
+        v.numel() * v.element_size()
+        for state in optimizer.state.values()
+        for v in state.values()
+        if isinstance(v, Tensor)
+    )
+
+
+def _check_optimizer(optimizer: torch.optim.Optimizer, layout: FlatLayout) -> dict[int, int]:
+    """Validate that ``optimizer`` can be sharded; return ``id(param) -> group index``."""
+    if not isinstance(optimizer, ELEMENTWISE_OPTIMIZERS):
+        names = ", ".join(c.__name__ for c in ELEMENTWISE_OPTIMIZERS)
+        raise TypeError(
+            f"ZeRO shards parameters into flat slices, which is exact only for optimizers "
+            f"whose update is elementwise; {type(optimizer).__name__} is not one of: {names}. "
+            "Use zero_stage=0 for it"
+        )
+    if optimizer.state:
+        raise ValueError(
+            "ZeRO must shard the optimizer before its first step, but it already has state; "
+            "load optimizer checkpoints after the strategy's setup_optimizers"
+        )
+    known = {id(p) for p in layout.params}
+    group_of = {}
+    for gi, group in enumerate(optimizer.param_groups):
+        for p in group["params"]:
+            if id(p) not in known:
+                raise ValueError(
+                    f"optimizer group {gi} holds a tensor of shape {tuple(p.shape)} that is not "
+                    "a trainable parameter of the module; ZeRO can only shard the module's "
+                    "own parameters"
+                )
+            group_of[id(p)] = gi
+    return group_of
+
+
+class ZeroOptimizer:
+    """Shards ``optimizer`` (in place) over the data-parallel group and runs its step.
+
+    Args:
+        optimizer: the module's optimizer over the layout's parameters, not yet stepped.
+        layout: the flat layout the gradient buckets use (same parameters, same order).
+        grads: the gradient buckets: ZeRO-1 reads its full buffer, ZeRO-2 its `shard_grad`.
+        group: the data-parallel group.
+        stage: 1 or 2.
+
+    Raises:
+        TypeError: for an optimizer whose update is not elementwise.
+        ValueError: for a stage other than 1 or 2, an optimizer that already has state, or
+            one holding tensors that are not the layout's parameters.
+    """
+
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        layout: FlatLayout,
+        grads: GradBuckets,
+        group: ProcessGroup | None,
+        stage: int,
+    ) -> None:
+        if stage not in (1, 2):
+            raise ValueError(f"ZeRO stage must be 1 or 2, got {stage}")
+        group_of = _check_optimizer(optimizer, layout)
+        self.optimizer, self.layout, self.grads = optimizer, layout, grads
+        self.group, self.stage = group, stage
+        self.dp_size, self.dp_rank = group_size(group), group_rank(group)
+        self.flat_params = flatten_parameters(layout)
+        self.pieces: list[tuple[ShardPiece, nn.Parameter]] = []
+        new_groups: list[list[nn.Parameter]] = [[] for _ in optimizer.param_groups]
+        for piece in layout.pieces(self.dp_rank):
+            gi = group_of.get(id(layout.params[piece.param_index]))
+            if gi is None:
+                continue  # trainable but not optimized: reduced, never updated
+            shard = nn.Parameter(self.flat_params[piece.flat_start : piece.flat_end])
+            new_groups[gi].append(shard)
+            self.pieces.append((piece, shard))
+        for group_dict, params in zip(optimizer.param_groups, new_groups, strict=True):
+            group_dict["params"] = params
+
+    def grad_of(self, piece: ShardPiece) -> Tensor:
+        """This rank's reduced gradient for ``piece`` (a view: scaling it scales the update)."""
+        if self.stage == 2:
+            assert self.grads.shard_grad is not None
+            return self.grads.shard_grad[piece.shard_start : piece.shard_start + piece.numel]
+        assert self.grads.buffer is not None
+        return self.grads.buffer[piece.flat_start : piece.flat_end]
+
+    def owned_grads(self) -> list[tuple[int, Tensor]]:
+        """``(param_index, grad piece)`` for every piece this rank owns, optimized or not."""
+        return [(pc.param_index, self.grad_of(pc)) for pc in self.layout.pieces(self.dp_rank)]
+
+    @torch.no_grad()
+    def step(self) -> None:
+        """Update this rank's pieces with the module's optimizer, then all-gather parameters."""
+        for piece, shard in self.pieces:
+            shard.grad = self.grad_of(piece)
+        self.optimizer.step()
+        for _, shard in self.pieces:
+            shard.grad = None
+        self.all_gather_parameters()
+
+    @torch.no_grad()
+    def all_gather_parameters(self) -> None:
+        """Give every rank every bucket's updated slices (one async all-gather per bucket)."""
+        if self.dp_size == 1:
+            return
+        works = []
+        for bucket in self.layout.buckets:
+            lo, hi = bucket.owned(self.dp_rank, self.dp_size)
+            # a copy: the gather writes into the same buffer the input slice lives in
+            mine = self.flat_params[lo:hi].clone()
+            out = self.flat_params[bucket.start : bucket.end]
+            works.append(_all_gather_single(out, mine, group=self.group, async_op=True))
+        for work in works:
+            work.wait()
+
+    def state_bytes(self) -> int:
+        """Bytes of optimizer state on this rank (about the unsharded amount / dp)."""
+        return state_bytes(self.optimizer)

@@ -1,0 +1,431 @@
+"""MegatronStrategy: tensor (+ sequence) parallelism, data parallelism and ZeRO-1/2.
+
+It composes the pieces of `nanotrain.parallel`: a `ParallelMesh` of process groups (the model
+is built against ``mesh.tp_group`` in ``configure_model``), flat gradient buckets reduced over
+the data-parallel group while backward runs (`data_parallel.GradBuckets`), the sharded
+optimizer (`zero.ZeroOptimizer`) and the cross-shard grad norm (`grads`). Pipeline and expert
+parallelism arrive in later issues and plug into the same mesh.
+
+Per optimizer step (the loop the Trainer drives):
+
+1. every microbatch: ``training_step`` forward, ``(loss / num_microbatches).backward()``; on
+   the last one the gradient buckets are reduced over dp as soon as they are complete;
+2. under sequence parallelism the grads of tp-replicated parameters (which saw only this
+   rank's part of the sequence) are summed over tp;
+3. the global grad norm counts tp-replicated parameters once and sums tp shards (and, under
+   ZeRO-2, dp shards); clipping scales what the optimizer will read;
+4. the update: the module's optimizer on whole parameters, or under ZeRO on this rank's flat
+   slices followed by an all-gather of the parameters.
+
+Loss averaging: the gradient is that of the mean over data-parallel replicas of the mean over
+microbatches of each microbatch's mean loss. That equals the mean over all tokens of the
+global batch when every microbatch carries the same number of tokens (fixed-length token
+data, as nanotrain's datasets produce). `StepOutput.loss` is that same global mean.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from nanotrain.parallel.data_parallel import FlatLayout, GradBuckets, backward_order
+from nanotrain.parallel.grads import (
+    all_reduce_coalesced,
+    clip_grads_,
+    gather_tp_shards,
+    is_tp_sharded,
+    param_owners,
+    reduced_square_norms,
+    sequence_parallel_params,
+)
+from nanotrain.parallel.mesh import ParallelMesh, validate_layout
+from nanotrain.parallel.tensor import _TensorParallelModule
+from nanotrain.parallel.zero import ZeroOptimizer
+from nanotrain.strategies.base import DataShard, StepOutput, Strategy, extract_loss
+from nanotrain.strategies.optimizers import OptimizerSetup
+
+if TYPE_CHECKING:
+    from nanotrain.module import NanoModule
+
+_REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "mean": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}
+
+
+def _env_int(name: str) -> int | None:
+    value = os.environ.get(name)
+    return None if value is None else int(value)
+
+
+def model_dims(config: Any) -> dict[str, int | None]:
+    """The sizes of a model config that a parallel layout must divide (None when absent)."""
+    return {
+        "num_heads": getattr(config, "num_heads", None),
+        "num_kv_heads": getattr(config, "num_kv_heads", None),
+        "num_experts": getattr(config, "n_routed_experts", None),
+        "num_layers": getattr(config, "num_layers", None),
+    }
+
+
+def _check_sizes(**sizes: int | None) -> None:
+    for name, value in sizes.items():
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
+        if value < 1:
+            raise ValueError(f"{name} must be >= 1, got {value}")
+
+
+class MegatronStrategy(Strategy):
+    """Tensor, sequence and data parallelism with optional ZeRO-1/2, on an explicit mesh.
+
+    Launch with torchrun (reads RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT) or
+    inside an already initialized process group (which is then left alone at teardown).
+    Ranks are laid out tensor-fastest (see `nanotrain.parallel.mesh`); the ``tp`` ranks of one
+    data-parallel replica read the same data.
+
+    Args:
+        tp: tensor-parallel size (must divide the world and the attention heads).
+        pp: pipeline-parallel size; only 1 for now (issue 6).
+        ep: expert-parallel size; only 1 for now.
+        dp: data-parallel size; None infers ``world_size // (tp * pp)``.
+        zero_stage: 0 (replicated optimizer), 1 (optimizer state sharded over dp) or 2 (also
+            gradients reduce-scattered, each rank keeping its shard).
+        sequence_parallel: shard norm/residual activations along the sequence over tp; the
+            model must build its tensor-parallel layers with ``sequence_parallel=True``.
+        bucket_size_mb: size of one gradient bucket (one collective) in MiB.
+        backend: "nccl", "gloo" or None (NCCL when CUDA is available).
+        timeout_s: collective timeout in seconds for the groups this strategy creates.
+
+    Raises:
+        TypeError, ValueError: for invalid sizes or options, at construction.
+        NotImplementedError: for pp > 1 or ep > 1.
+    """
+
+    def __init__(
+        self,
+        tp: int = 1,
+        pp: int = 1,
+        ep: int = 1,
+        dp: int | None = None,
+        zero_stage: int = 0,
+        sequence_parallel: bool = False,
+        bucket_size_mb: float = 25.0,
+        backend: str | None = None,
+        timeout_s: float = 1800.0,
+    ) -> None:
+        super().__init__()
+        _check_sizes(tp=tp, pp=pp, ep=ep, dp=dp)
+        if pp > 1:
+            raise NotImplementedError("pipeline parallel arrives in issue 6; use pp=1 for now")
+        if ep > 1:
+            raise NotImplementedError("expert parallel arrives in a later issue; use ep=1 for now")
+        if zero_stage not in (0, 1, 2):
+            raise ValueError(f"zero_stage must be 0, 1 or 2, got {zero_stage!r}")
+        if not bucket_size_mb > 0:
+            raise ValueError(f"bucket_size_mb must be > 0, got {bucket_size_mb}")
+        self.tp, self.pp, self.ep, self.dp = tp, pp, ep, dp
+        self.zero_stage = zero_stage
+        self.sequence_parallel = bool(sequence_parallel)
+        self.bucket_size_mb = bucket_size_mb
+        self.backend = backend
+        self.timeout_s = timeout_s
+        self._mesh: ParallelMesh | None = None
+        self._device: torch.device | None = None
+        self._owns_process_group = False
+        self._grads: GradBuckets | None = None
+        self._zero: ZeroOptimizer | None = None
+        self._sharded: dict[int, bool] = {}
+        self._sp_params: list[torch.nn.Parameter] = []
+
+    # -- environment -----------------------------------------------------------------------------
+    def validate_world(self, world_size: int) -> int:
+        """Check the layout against ``world_size`` (no process needed); return the dp size.
+
+        Raises:
+            ValueError: naming the numbers and a valid alternative.
+        """
+        return validate_layout(world_size, self.tp, self.pp, self.ep, self.dp)
+
+    def validate_model(self, config: Any, world_size: int | None = None) -> None:
+        """Check the layout against a model config's heads, experts and layers.
+
+        Raises:
+            ValueError: naming the numbers and a valid alternative.
+        """
+        world = self.world_size if world_size is None else world_size
+        validate_layout(world, self.tp, self.pp, self.ep, self.dp, **model_dims(config))
+
+    def setup_environment(self) -> None:
+        if self._mesh is not None:
+            return
+        if dist.is_initialized():
+            world = dist.get_world_size()
+        else:
+            world = _env_int("WORLD_SIZE") or 1
+        self.validate_world(world)  # before any process group exists
+        if not dist.is_initialized() and world > 1:
+            rank = _env_int("RANK")
+            if rank is None:
+                raise ValueError(
+                    "MegatronStrategy needs RANK with WORLD_SIZE > 1; launch with "
+                    "`torchrun --nproc-per-node N ...`"
+                )
+            backend = self.backend or ("nccl" if torch.cuda.is_available() else "gloo")
+            dist.init_process_group(
+                backend,
+                rank=rank,
+                world_size=world,
+                timeout=datetime.timedelta(seconds=self.timeout_s),
+            )
+            self._owns_process_group = True
+        use_cuda = (dist.get_backend() == "nccl") if dist.is_initialized() else False
+        if use_cuda:
+            self._device = torch.device("cuda", self.local_rank)
+            torch.cuda.set_device(self._device)
+        else:
+            self._device = torch.device("cpu")
+        timeout = datetime.timedelta(seconds=self.timeout_s)
+        self._mesh = ParallelMesh.build(self.tp, self.pp, self.ep, self.dp, timeout=timeout)
+
+    @property
+    def root_device(self) -> torch.device:
+        if self._device is None:
+            raise RuntimeError("MegatronStrategy.setup_environment() has not run yet")
+        return self._device
+
+    @property
+    def mesh(self) -> ParallelMesh:
+        """The `ParallelMesh` the model is built against (after `setup_environment`)."""
+        if self._mesh is None:
+            raise RuntimeError("MegatronStrategy.setup_environment() has not run yet")
+        return self._mesh
+
+    @property
+    def global_rank(self) -> int:
+        return dist.get_rank() if dist.is_initialized() else (_env_int("RANK") or 0)
+
+    @property
+    def local_rank(self) -> int:
+        local = _env_int("LOCAL_RANK")
+        return self.global_rank if local is None else local
+
+    @property
+    def world_size(self) -> int:
+        return dist.get_world_size() if dist.is_initialized() else (_env_int("WORLD_SIZE") or 1)
+
+    def data_shard(self) -> DataShard:
+        """``(dp_rank, dp_size)``: tensor-parallel peers read the same samples."""
+        return DataShard(self.mesh.dp_rank, self.mesh.dp_size)
+
+    @property
+    def metric_process_group(self) -> Any:
+        return self.mesh.dp_group
+
+    def barrier(self) -> None:
+        if dist.is_initialized():
+            dist.barrier()
+
+    def broadcast_object(self, obj: Any, src: int = 0) -> Any:
+        if not dist.is_initialized():
+            return obj
+        holder = [obj]
+        dist.broadcast_object_list(holder, src=src)
+        return holder[0]
+
+    def reduce(self, tensor: Tensor, op: str = "mean") -> Tensor:
+        """Reduce over the data-parallel group (tp peers already hold the same values)."""
+        if op not in _REDUCE_OPS:
+            raise ValueError(f"reduce op must be one of {sorted(_REDUCE_OPS)}, got {op!r}")
+        out = tensor.detach().clone()
+        if self.mesh.dp_size > 1:
+            dist.all_reduce(out, op=_REDUCE_OPS[op], group=self.mesh.dp_group)
+        if op == "mean":
+            out = out / self.mesh.dp_size
+        return out
+
+    # -- model and optimizer ----------------------------------------------------------------------
+    def setup_module(self, module: NanoModule) -> None:
+        """Validate the layout against ``module.config`` (if any), build the model, then set up
+        gradient buckets (and, under ZeRO, flat parameters)."""
+        config = getattr(module, "config", None)
+        if config is not None:
+            self.validate_model(config)
+        super().setup_module(module)
+        self._check_sequence_parallel(module)
+        params = backward_order(module)
+        if not params:
+            raise ValueError("MegatronStrategy found no trainable parameters after configure_model")
+        element = params[0].element_size()
+        bucket_numel = max(1, int(self.bucket_size_mb * 2**20) // element)
+        layout = FlatLayout(params, self.mesh.dp_size, bucket_numel)
+        self._grads = GradBuckets(layout, self.mesh.dp_group, reduce_scatter=self.zero_stage == 2)
+        self._sharded = is_tp_sharded(module)
+        if self.sequence_parallel and self.mesh.tp_size > 1:
+            self._sp_params = sequence_parallel_params(module)
+
+    def _check_sequence_parallel(self, module: NanoModule) -> None:
+        if not self.sequence_parallel or self.mesh.tp_size == 1:
+            return
+        layers = [m for m in module.modules() if isinstance(m, _TensorParallelModule)]
+        if not any(getattr(m, "sequence_parallel", False) for m in layers if m.tp_size > 1):
+            raise ValueError(
+                "sequence_parallel=True but the model has no sequence-parallel tensor-parallel "
+                "layer; build its layers with sequence_parallel=True (from the strategy's "
+                "`sequence_parallel`) or use sequence_parallel=False"
+            )
+
+    def setup_optimizers(self, module: NanoModule) -> OptimizerSetup:
+        """Parse `configure_optimizers`; under ZeRO shard that optimizer in place (its LR
+        scheduler keeps driving it: see `nanotrain.parallel.zero`)."""
+        setup = super().setup_optimizers(module)
+        if self.zero_stage > 0:
+            assert self._grads is not None, "setup_module() must run before setup_optimizers()"
+            self._zero = ZeroOptimizer(
+                setup.optimizer,
+                self._grads.layout,
+                self._grads,
+                self.mesh.dp_group,
+                self.zero_stage,
+            )
+        return setup
+
+    # -- one optimizer step ------------------------------------------------------------------------
+    def forward_backward(
+        self, module: NanoModule, microbatches: Sequence[Any], batch_idx: int
+    ) -> StepOutput:
+        """Accumulate the gradient of the mean loss; reduce it over dp (and tp under SP)."""
+        grads = self._grads
+        assert grads is not None, "setup_module() must run before forward_backward()"
+        if not microbatches:
+            raise ValueError("forward_backward needs at least one microbatch")
+        num_micro = len(microbatches)
+        loss_sum = torch.zeros((), device=self.root_device, dtype=torch.float64)
+        tokens = samples = 0
+        grads.attach()
+        for i, microbatch in enumerate(microbatches):
+            grads.set_sync(i == num_micro - 1)
+            loss = extract_loss(module.training_step(microbatch, batch_idx))
+            (loss / num_micro).backward()
+            loss_sum += loss.detach().double()
+            tokens += module.count_tokens(microbatch)
+            samples += module.count_samples(microbatch)
+        grads.finish()
+        self._reduce_sequence_parallel_grads()
+        if self.zero_stage == 2:
+            grads.release()
+        # One collective over dp carries the loss and both counts; tp peers hold the same.
+        totals = torch.stack(
+            [loss_sum / num_micro, loss_sum.new_tensor(tokens), loss_sum.new_tensor(samples)]
+        )
+        totals = self.reduce(totals, op="sum")
+        return StepOutput(
+            loss=(totals[0] / self.mesh.dp_size).float(),
+            num_tokens=int(totals[1].item()),
+            num_samples=int(totals[2].item()),
+        )
+
+    def _reduce_sequence_parallel_grads(self) -> None:
+        """Sum over tp the grads of replicated params that saw only this rank's tokens."""
+        if not self._sp_params:
+            return
+        if self.zero_stage == 2:
+            assert self._zero is not None
+            wanted = {id(p) for p in self._sp_params}
+            params = self._grads.layout.params
+            pieces = [g for i, g in self._zero.owned_grads() if id(params[i]) in wanted]
+        else:
+            pieces = [p.grad for p in self._sp_params if p.grad is not None]
+        all_reduce_coalesced(pieces, self.mesh.tp_group)
+
+    def _owned_grads(self) -> tuple[list[tuple[int, Tensor]], list[Any]]:
+        """``(param_index, grad)`` as the optimizer reads them (whole grads, or under ZeRO-2
+        this rank's pieces) and the groups over which their squares add up."""
+        assert self._grads is not None
+        if self.zero_stage == 2:
+            assert self._zero is not None
+            return self._zero.owned_grads(), [self.mesh.tp_group, self.mesh.dp_group]
+        params = self._grads.layout.params
+        owned = [(i, p.grad) for i, p in enumerate(params) if p.grad is not None]
+        return owned, [self.mesh.tp_group]
+
+    def _square_norms(self, owned: list[tuple[int, Tensor]], groups: list[Any]) -> Tensor:
+        assert self._grads is not None
+        params = self._grads.layout.params
+        return reduced_square_norms(
+            owned,
+            len(params),
+            [self._sharded.get(id(p), False) for p in params],
+            count_replicated=self.mesh.tp_rank == 0,  # replicated grads count once
+            groups=groups,
+            device=self.root_device,
+        )
+
+    def clip_grad_norm_(self, max_norm: float | None) -> Tensor:
+        """Global L2 grad norm over every shard (replicated params once); clip if asked."""
+        owned, groups = self._owned_grads()
+        norm = self._square_norms(owned, groups).sum().sqrt().float()
+        if max_norm is not None:
+            clip_grads_([g for _, g in owned], norm, max_norm)
+        return norm
+
+    def optimizer_step(self) -> None:
+        """Update (sharded under ZeRO, then parameters all-gathered) and zero the gradients."""
+        if self._zero is not None:
+            self._zero.step()
+        else:
+            self.optimizer.step()
+        self.zero_grad()
+
+    def zero_grad(self) -> None:
+        """Zero the gradient buffers (the grads stay views of them)."""
+        assert self._grads is not None
+        self._grads.zero_()
+
+    # -- inspection ------------------------------------------------------------------------------
+    def named_grad_norms(self) -> dict[str, Tensor]:
+        """Norm of each parameter's whole gradient (gathered over tp and, under ZeRO-2, dp)."""
+        assert self.module is not None and self._grads is not None
+        names = {id(p): n for n, p in self.module.named_parameters()}
+        norms = self._square_norms(*self._owned_grads()).sqrt().float()
+        return {names[id(p)]: norms[i] for i, p in enumerate(self._grads.layout.params)}
+
+    def full_tensor(self, name: str, tensor: Tensor) -> Tensor:
+        """Gather parameter ``name``'s tp slices (a collective over its tp group)."""
+        assert self.module is not None
+        owners = param_owners(self.module)
+        if name not in owners:
+            raise ValueError(f"{name!r} is not a parameter of the module; see named_parameters()")
+        owner, local = owners[name]
+        return gather_tp_shards(owner, local, tensor)
+
+    def grad_buffer_bytes(self) -> int:
+        """Bytes of gradient this rank keeps between steps: the whole flat buffer, or under
+        ZeRO-2 only its shard (the whole buffer exists only from backward to the reduction)."""
+        assert self._grads is not None, "setup_module() must run first"
+        layout = self._grads.layout
+        numel = layout.shard_numel if self.zero_stage == 2 else layout.numel
+        return numel * layout.params[0].element_size()
+
+    def optimizer_state_bytes(self) -> int:
+        """Bytes of optimizer state on this rank (full / dp under ZeRO)."""
+        from nanotrain.parallel.zero import state_bytes
+
+        return state_bytes(self.optimizer)
+
+    # -- teardown --------------------------------------------------------------------------------
+    def teardown(self) -> None:
+        """Drop hooks and buffers; destroy the groups this strategy created."""
+        if self._grads is not None:
+            self._grads.remove_hooks()
+        self._grads = self._zero = None
+        self._sp_params = []
+        if self._owns_process_group and dist.is_initialized():
+            dist.destroy_process_group()
+            self._owns_process_group = False
+            self._mesh = None  # its groups died with the process group

@@ -1,0 +1,77 @@
+"""Every invalid MegatronStrategy layout errors before any process group or model exists.
+
+No processes are started: the world size comes from the torchrun environment variables.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch.distributed as dist
+
+import nanotrain as nt
+from nanotrain.models import presets
+from nanotrain.strategies.megatron import MegatronStrategy
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "message"),
+    [
+        (dict(tp=0), ValueError, "tp must be >= 1"),
+        (dict(tp="2"), TypeError, "tp must be an int"),
+        (dict(dp=0), ValueError, "dp must be >= 1"),
+        (dict(zero_stage=3), ValueError, "zero_stage must be 0, 1 or 2"),
+        (dict(bucket_size_mb=0), ValueError, "bucket_size_mb must be > 0"),
+        (dict(pp=2), NotImplementedError, "pipeline parallel arrives in issue 6"),
+        (dict(ep=2), NotImplementedError, "expert parallel"),
+    ],
+)
+def test_bad_option_fails_at_construction(kwargs, error, message):
+    with pytest.raises(error, match=message):
+        MegatronStrategy(**kwargs)
+
+
+@pytest.mark.parametrize(
+    ("world", "kwargs", "message"),
+    [
+        (3, dict(tp=2), r"tp=2 does not divide world_size=3; valid tp values: 1, 3"),
+        (4, dict(tp=2, dp=4), r"must equal world_size=4; use dp=2"),
+        (6, dict(tp=4), r"tp=4 does not divide world_size=6"),
+    ],
+)
+def test_layout_not_fitting_the_world_fails_before_any_process_group(
+    monkeypatch, world, kwargs, message
+):
+    monkeypatch.setenv("WORLD_SIZE", str(world))
+    monkeypatch.setenv("RANK", "0")
+    strategy = MegatronStrategy(**kwargs)
+    with pytest.raises(ValueError, match=message):
+        strategy.setup_environment()
+    assert not dist.is_initialized()
+
+
+@pytest.mark.parametrize(
+    ("preset", "world", "tp", "message"),
+    [
+        # tiny-dense: 4 query heads, 2 key/value heads
+        ("tiny-dense", 4, 4, r"tp=4 does not divide num_kv_heads=2; valid tp values: 1, 2"),
+        # tiny (DeepSeek): 4 heads
+        ("tiny", 8, 8, r"tp=8 does not divide num_heads=4; valid tp values: 1, 2, 4"),
+    ],
+)
+def test_layout_not_fitting_the_model_fails_before_the_model_is_built(
+    monkeypatch, preset, world, tp, message
+):
+    monkeypatch.setenv("WORLD_SIZE", str(world))
+    module = nt.LanguageModelModule(preset, vocab_size=256)
+    strategy = MegatronStrategy(tp=tp)
+    with pytest.raises(ValueError, match=message):
+        strategy.setup_module(module)
+    assert module.model is None  # configure_model never ran
+
+
+def test_validate_model_names_the_layers():
+    config = presets.get("tiny-dense", vocab_size=256)
+    strategy = MegatronStrategy(tp=2)
+    strategy.validate_model(config, world_size=4)  # tp=2 x dp=2 fits
+    with pytest.raises(ValueError, match="tp=3 does not divide num_heads=4"):
+        MegatronStrategy(tp=3).validate_model(config, world_size=3)
