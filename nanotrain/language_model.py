@@ -169,15 +169,21 @@ class LanguageModelModule(NanoModule):
         if trainer is not None and "val/loss" in trainer.callback_metrics:
             trainer.log_metrics({"val/ppl": torch.exp(trainer.callback_metrics["val/loss"])})
 
-    def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
+    def on_before_optimizer_step(self, optimizer: Any) -> None:
         """Aux-loss-free balancing: move router biases by the step's expert loads over all
-        ranks (the strategy sums them), then log how unbalanced the loads were."""
+        ranks (the strategy sums them), then log how unbalanced the loads were.
+
+        Done here rather than at batch end so that a checkpoint saved at the end of this step
+        (callbacks run before the module's hooks) already holds the updated biases. The bias
+        only steers the next forward's routing, so updating it before the optimizer step
+        changes nothing else."""
         trainer = self._nano_trainer
         reduce_fn = None if trainer is None else (lambda t: trainer.strategy.reduce(t, "sum"))
         loads = self.model.update_router_biases(reduce_fn)
-        if loads.numel() and trainer is not None and _logs_now(trainer):
+        step = None if trainer is None else trainer.global_step + 1  # the step being finished
+        if loads.numel() and step is not None and step % trainer.settings.log_every_n_steps == 0:
             ratio = (loads.max(dim=-1).values / loads.mean(dim=-1).clamp_min(1e-9)).mean()
-            trainer.log_metrics({"moe/max_over_mean_load": ratio})
+            trainer.log_metrics({"moe/max_over_mean_load": ratio}, step=step)
 
     def count_tokens(self, batch: dict[str, torch.Tensor]) -> int:
         """Tokens that carry a loss in one microbatch (labels != -100)."""
@@ -268,7 +274,3 @@ def warmup_cosine(warmup_steps: int, decay_steps: int | None, min_ratio: float):
         return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
 
     return multiplier
-
-
-def _logs_now(trainer: Any) -> bool:
-    return trainer.global_step % trainer.settings.log_every_n_steps == 0

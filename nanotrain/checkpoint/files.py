@@ -8,6 +8,12 @@ A checkpoint directory (format version 1) holds:
     trainer_state.pt     LR scheduler, TrainState, data position, callbacks, config (rank 0)
     rank-00000.pt ...    what differs per rank: its RNG states (every rank writes its own)
 
+Under a strategy that shards the model (a mesh: tensor/pipeline/expert parallel, ZeRO), the
+model and optimizer are written by every rank as its own shard instead:
+
+    model-rank-00000.safetensors ...   this rank's model shard, by full-model parameter name
+    optimizer-rank-00000.pt ...        this rank's optimizer shard
+
 Every `.pt` file is read with `torch.load(weights_only=True)`, so a checkpoint can only hold
 tensors and plain Python values; a file that would need arbitrary unpickling is rejected.
 """
@@ -34,6 +40,16 @@ TRAINER_STATE_FILE = "trainer_state.pt"
 def rank_file(rank: int) -> str:
     """Name of the per-rank file of `rank`, e.g. `rank-00003.pt`."""
     return f"rank-{rank:05d}.pt"
+
+
+def model_shard_file(rank: int) -> str:
+    """Name of `rank`'s model shard under a sharded layout."""
+    return f"model-rank-{rank:05d}.safetensors"
+
+
+def optimizer_shard_file(rank: int) -> str:
+    """Name of `rank`'s optimizer shard under a sharded layout."""
+    return f"optimizer-rank-{rank:05d}.pt"
 
 
 def fsync_path(path: Path) -> None:

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
+import torch.distributed as dist
 
 from nanotrain.checkpoint import commit as _commit
 from nanotrain.checkpoint import files
@@ -36,13 +37,13 @@ def save_checkpoint(trainer: Trainer, path: Path) -> Path:
     Returns:
         `path`.
 
+    Under a strategy that shards the model (it has a mesh), every rank writes its own model
+    and optimizer shard, and the checkpoint records the layout it was saved under.
+
     Raises:
-        NotImplementedError: the strategy shards the model (has a mesh); sharded saving is
-            not implemented yet.
         RuntimeError: writing failed on some rank (on every rank, so none hangs).
     """
     strategy = trainer.strategy
-    _check_replicated(strategy)
     final = Path(path)
     payload = trainer.checkpoint_payload()
     tmp_name, error = None, None
@@ -75,6 +76,9 @@ def load_checkpoint(trainer: Trainer, path: Path) -> dict[str, Any]:
     ckpt = Path(path)
     meta = files.read_meta(ckpt)
     files.check_files(ckpt, meta)
+    saved_layout, layout = meta.get("layout"), sharded_layout(trainer.strategy)
+    if saved_layout is not None or layout is not None:
+        return _load_sharded(trainer, ckpt, meta, saved_layout, layout)
     saved_world = int(meta["world_size"])
     source_rank = trainer.global_rank
     if saved_world != trainer.world_size:
@@ -100,6 +104,12 @@ def load_model_weights(path: str | Path) -> dict[str, Any]:
     ckpt = Path(path)
     meta = files.read_meta(ckpt)
     files.check_files(ckpt, meta)
+    if meta.get("layout") is not None:
+        raise ValueError(
+            f"{ckpt} was saved sharded under {_describe_layout(meta['layout'])}; reading its "
+            "whole model without that layout (e.g. for export) is not supported yet: resume it "
+            "under the same layout and save it again with a single-device or DDP strategy"
+        )
     state: dict[str, Any] = files.read_model(ckpt / files.MODEL_FILE)
     state.update(files.read_torch(ckpt / files.TRAINER_STATE_FILE).get("model_extra", {}))
     return state
@@ -159,34 +169,83 @@ def _saved_step(ckpt: Path) -> int:
         return -1
 
 
-def _check_replicated(strategy: Strategy) -> None:
-    # Rank 0 writes the model and optimizer for everyone: right only when every rank holds
-    # the whole model. Mesh strategies (tp/pp/ep, ZeRO) need per-rank shards.
-    if strategy.mesh is not None:
-        raise NotImplementedError(
-            f"{type(strategy).__name__} shards the model; nanotrain's checkpoints support "
-            "replicated strategies (single device, DDP) so far"
+def sharded_layout(strategy: Strategy) -> dict[str, Any] | None:
+    """The parallel layout of a strategy that shards the model, or None when every rank holds
+    the whole model (then rank 0 writes one copy for all)."""
+    mesh = strategy.mesh
+    if mesh is None:
+        return None
+    return {
+        "strategy": type(strategy).__name__,
+        "world_size": strategy.world_size,
+        **{axis: int(getattr(mesh, f"{axis}_size", 1)) for axis in ("tp", "pp", "ep", "dp")},
+        "zero_stage": int(getattr(strategy, "zero_stage", 0)),
+    }
+
+
+def _describe_layout(layout: dict[str, Any] | None) -> str:
+    if layout is None:
+        return "a replicated strategy (single device or DDP)"
+    sizes = ", ".join(f"{k}={v}" for k, v in layout.items() if k != "strategy")
+    return f"{layout.get('strategy', '?')}({sizes})"
+
+
+def _load_sharded(
+    trainer: Trainer,
+    ckpt: Path,
+    meta: dict[str, Any],
+    saved: dict[str, Any] | None,
+    current: dict[str, Any] | None,
+) -> dict[str, Any]:
+    if saved != current:
+        raise ValueError(
+            f"checkpoint {ckpt} was saved under {_describe_layout(saved)} and cannot be loaded "
+            f"under {_describe_layout(current)}: resharding across layouts is not implemented "
+            "yet; resume with the layout it was saved under"
         )
+    rank = trainer.global_rank
+    payload = files.read_torch(ckpt / files.TRAINER_STATE_FILE)
+    model: dict[str, Any] = files.read_model(ckpt / files.model_shard_file(rank))
+    rank_state = files.read_torch(ckpt / files.rank_file(rank))
+    model.update(rank_state.pop("model_extra", {}))
+    payload["model"] = model
+    shard = files.optimizer_shard_file(rank)
+    has_optimizer = shard in meta.get("files", {})
+    payload["optimizer"] = files.read_torch(ckpt / shard) if has_optimizer else None
+    payload.update(rank_state)
+    return payload
 
 
 def _write_files(trainer: Trainer, payload: dict[str, Any], tmp: Path) -> None:
+    rank = trainer.global_rank
     rank_state = {k: payload[k] for k in PER_RANK_KEYS if k in payload}
-    files.write_torch(rank_state, tmp / files.rank_file(trainer.global_rank))
-    if not trainer.is_global_zero:
-        return
     shared = {k: v for k, v in payload.items() if k not in _SEPARATE_KEYS}
-    shared["model_extra"] = files.write_model(payload["model"], tmp / files.MODEL_FILE)
-    if payload.get("optimizer") is not None:
-        files.write_torch(payload["optimizer"], tmp / files.OPTIMIZER_FILE)
-    files.write_torch(shared, tmp / files.TRAINER_STATE_FILE)
+    if sharded_layout(trainer.strategy) is not None:
+        rank_state["model_extra"] = files.write_model(
+            payload["model"], tmp / files.model_shard_file(rank)
+        )
+        if payload.get("optimizer") is not None:
+            files.write_torch(payload["optimizer"], tmp / files.optimizer_shard_file(rank))
+    elif trainer.is_global_zero:
+        shared["model_extra"] = files.write_model(payload["model"], tmp / files.MODEL_FILE)
+        if payload.get("optimizer") is not None:
+            files.write_torch(payload["optimizer"], tmp / files.OPTIMIZER_FILE)
+    files.write_torch(rank_state, tmp / files.rank_file(rank))
+    if trainer.is_global_zero:
+        files.write_torch(shared, tmp / files.TRAINER_STATE_FILE)
 
 
 def _finish(trainer: Trainer, payload: dict[str, Any], tmp: Path, final: Path) -> None:
     """Rank 0, after every rank wrote its files: meta.json, commit, cleanup."""
-    names = [files.MODEL_FILE, files.TRAINER_STATE_FILE]
-    if payload.get("optimizer") is not None:
-        names.append(files.OPTIMIZER_FILE)
-    names += [files.rank_file(r) for r in range(trainer.world_size)]
+    layout = sharded_layout(trainer.strategy)
+    ranks = range(trainer.world_size)
+    names = [files.TRAINER_STATE_FILE] + [files.rank_file(r) for r in ranks]
+    with_optimizer = payload.get("optimizer") is not None
+    if layout is None:
+        names += [files.MODEL_FILE] + ([files.OPTIMIZER_FILE] if with_optimizer else [])
+    else:
+        names += [files.model_shard_file(r) for r in ranks]
+        names += [files.optimizer_shard_file(r) for r in ranks] if with_optimizer else []
     meta = {
         "format": files.FORMAT_NAME,
         "version": files.FORMAT_VERSION,
@@ -197,6 +256,7 @@ def _finish(trainer: Trainer, payload: dict[str, Any], tmp: Path, final: Path) -
         "torch_version": torch.__version__,
         "files": {name: (tmp / name).stat().st_size for name in names},
         "optimizer_param_names": _optimizer_param_names(trainer),
+        "layout": layout,
     }
     files.write_meta(meta, tmp / files.META_FILE)
     _commit.commit(tmp, final)
@@ -238,7 +298,11 @@ def _describe(error: Exception | None) -> str | None:
 def _agree_no_error(strategy: Strategy, error: Exception | None, what: str) -> None:
     # A max-reduce of "did I fail" doubles as the barrier: every rank learns of a failure
     # anywhere instead of hanging at a barrier the failed rank never reaches.
+    # Over every rank (the default group), not only data-parallel replicas: under a sharded
+    # layout each rank writes files of its own.
     flag = torch.tensor(0.0 if error is None else 1.0, device=strategy.root_device)
-    if float(strategy.reduce(flag, op="max")) > 0:
+    if dist.is_available() and dist.is_initialized():
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    if float(flag) > 0:
         detail = _describe(error) or "it failed on another rank (see that rank's error)"
         raise RuntimeError(f"{what} failed: {detail}") from error
