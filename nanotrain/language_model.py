@@ -104,7 +104,26 @@ class LanguageModelModule(NanoModule):
         self._seq_len = getattr(data, "seq_len", None)
         from nanotrain.models import build_model
 
-        self.model = build_model(self.config, mesh=self.mesh, device="cpu")
+        # Megatron sequence parallelism is the strategy's choice (None outside nanotrain's Trainer)
+        strategy = getattr(self._nano_trainer, "strategy", None)
+        sequence_parallel = bool(getattr(strategy, "sequence_parallel", False))
+        mesh = self.mesh
+        if mesh is not None and mesh.pp_size > 1:
+            from nanotrain.models.stages import build_pipeline_stage
+
+            # only this rank's pipeline stage; the strategy runs the schedule over the stages
+            self.model = build_pipeline_stage(
+                self.config,
+                mesh,
+                virtual_pp=getattr(strategy, "virtual_pp", 1),
+                layout=getattr(strategy, "pipeline_layout", None),
+                device="cpu",
+                sequence_parallel=sequence_parallel,
+            )
+        else:
+            self.model = build_model(
+                self.config, mesh=mesh, device="cpu", sequence_parallel=sequence_parallel
+            )
         if self._pretrained is not None:
             self._load_pretrained()
 
@@ -143,9 +162,16 @@ class LanguageModelModule(NanoModule):
         self._check_ids(input_ids)
         return self.model(input_ids, labels)
 
-    def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
-        """One microbatch: returns loss + aux_loss + λ·mtp_loss and logs each term."""
+    def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> Any:
+        """One microbatch: returns loss + aux_loss + λ·mtp_loss and logs each term.
+
+        Under pipeline parallelism the schedule first runs it once per model chunk: the stage
+        model then returns a partial `StageOutput` (this chunk's activation and loss terms),
+        handed back as ``{"loss": its loss term, "stage_output": ...}`` without logging; the
+        strategy then replays it with the global terms, which are logged here as usual."""
         out = self(batch["input_ids"], batch["labels"])
+        if getattr(out, "partial", False):
+            return {"loss": out.total_loss, "stage_output": out}
         self.log("train/lm_loss", out.loss.detach())
         self.log("train/aux_loss", out.aux_loss.detach())
         if out.mtp_loss is not None:
@@ -153,8 +179,11 @@ class LanguageModelModule(NanoModule):
         return out.total_loss
 
     def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
-        """Logs val/loss (token-weighted over the whole validation set), val/ppl, val/bpb."""
+        """Logs val/loss (token-weighted over the whole validation set), val/ppl, val/bpb.
+        A pipeline chunk's partial output is handed back unlogged, as in `training_step`."""
         out = self(batch["input_ids"], batch["labels"])
+        if getattr(out, "partial", False):
+            return {"loss": out.total_loss, "stage_output": out}
         tokens = int(self.count_tokens(batch))
         self.log("val/loss", out.loss, sync_dist=True, batch_size=tokens, prog_bar=True)
         bytes_per_token = getattr(self._datamodule(), "bytes_per_token", None)
@@ -242,6 +271,11 @@ class LanguageModelModule(NanoModule):
         Recomputes the whole prefix each token (no KV cache): meant for short samples while
         training, not for serving.
         """
+        if self.mesh is not None and self.mesh.pp_size > 1:
+            raise NotImplementedError(
+                "generate() runs the whole model in one process; under pipeline parallelism "
+                "export the checkpoint and sample with a single-device strategy"
+            )
         was_training = self.training
         self.eval()
         ids = input_ids

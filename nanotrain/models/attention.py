@@ -14,7 +14,7 @@ from torch import nn
 
 from nanotrain.models.config import DeepSeekConfig, DenseConfig
 from nanotrain.models.layers import RMSNorm, apply_rope, divide_evenly, softmax_scale, tp_size_of
-from nanotrain.parallel.collectives import copy_to_tensor_parallel_region
+from nanotrain.parallel.collectives import enter_tensor_parallel_region
 from nanotrain.parallel.tensor import ColumnParallelLinear, RowParallelLinear
 
 
@@ -22,26 +22,39 @@ class DenseAttention(nn.Module):
     """Llama-style attention with rotate-half RoPE; MHA, GQA or MQA by `num_kv_heads`.
 
     Heads are split across the tensor-parallel group (q/k/v column-parallel, o row-parallel).
+    q, k and v share one input collective, so a layer communicates once forward (after o) and
+    once backward (before q/k/v). With `sequence_parallel`, x and the output are
+    [B, T / tp, hidden] (this rank's part of the sequence): x is all-gathered along the
+    sequence before the projections and o's partial sums are reduce-scattered.
 
-    Shapes: x [B, T, hidden] -> [B, T, hidden].
+    Shapes: x [B, T, hidden] -> [B, T, hidden] (T / tp under sequence parallelism).
     Raises: ValueError when the tp size does not divide num_heads or num_kv_heads.
     """
 
-    def __init__(self, config: DenseConfig, *, tp_group: Any = None, device: Any = None):
+    def __init__(
+        self,
+        config: DenseConfig,
+        *,
+        tp_group: Any = None,
+        device: Any = None,
+        sequence_parallel: bool = False,
+    ):
         super().__init__()
         tp = tp_size_of(tp_group)
         self.head_dim = config.head_dim
         self.local_heads = divide_evenly(config.num_heads, tp, "num_heads")
         self.local_kv_heads = divide_evenly(config.num_kv_heads, tp, "num_kv_heads")
-        kw = {"tp_group": tp_group, "device": device}
+        self.tp_group, self.sequence_parallel = tp_group, sequence_parallel
+        kw = {"tp_group": tp_group, "device": device, "sequence_parallel": sequence_parallel}
         h, d = config.hidden_size, config.head_dim
-        self.q_proj = ColumnParallelLinear(h, config.num_heads * d, **kw)
-        self.k_proj = ColumnParallelLinear(h, config.num_kv_heads * d, **kw)
-        self.v_proj = ColumnParallelLinear(h, config.num_kv_heads * d, **kw)
+        self.q_proj = ColumnParallelLinear(h, config.num_heads * d, shared_input=True, **kw)
+        self.k_proj = ColumnParallelLinear(h, config.num_kv_heads * d, shared_input=True, **kw)
+        self.v_proj = ColumnParallelLinear(h, config.num_kv_heads * d, shared_input=True, **kw)
         self.o_proj = RowParallelLinear(config.num_heads * d, h, **kw)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        b, t, _ = x.shape
+        x = enter_tensor_parallel_region(x, self.tp_group, sequence_parallel=self.sequence_parallel)
+        b, t, _ = x.shape  # the whole sequence from here to o_proj
         q = self.q_proj(x).view(b, t, self.local_heads, self.head_dim)
         k = self.k_proj(x).view(b, t, self.local_kv_heads, self.head_dim)
         v = self.v_proj(x).view(b, t, self.local_kv_heads, self.head_dim)
@@ -64,15 +77,29 @@ class MLAttention(nn.Module):
     per head. RoPE is applied to q^R and k^R only; the score scale is 1/sqrt(qk_head_dim)
     times the YaRN mscale^2. Training computes the full keys (no latent-cache absorption).
 
-    The latent projections (`q_a_proj`, `kv_a_proj_with_mqa`) are replicated across the
-    tensor-parallel group; the up-projections are column-parallel (heads split) and `o_proj`
-    is row-parallel.
+    Tensor parallelism: the down-projections (`q_a_proj`, `kv_a_proj_with_mqa`) and their norms
+    are replicated and run on the tokens this rank holds; the up-projections are column-parallel
+    (heads split) and `o_proj` is row-parallel. The latents [RMSNorm(c_Q) | RMSNorm(c_KV) | k^R]
+    enter the tensor-parallel region in ONE collective: an all-gather along the sequence under
+    sequence parallelism (they are q_lora_rank + kv_lora_rank + rope_dim wide, narrower than
+    the hidden state: 2112 vs 7168 for V3, so cheaper to gather than x, and the replicated
+    down-projections run on T / tp tokens instead of all T), a grad all-reduce without it. The
+    down-projection and norm weights then get grads from this rank's tokens only, which the
+    strategy sums over tp (they are tp-replicated). Without `q_lora_rank`, `q_proj` reads the
+    hidden state and gathers it itself.
 
-    Shapes: x [B, T, hidden] -> [B, T, hidden].
+    Shapes: x [B, T, hidden] -> [B, T, hidden] (T / tp under sequence parallelism).
     Raises: ValueError when the tp size does not divide num_heads.
     """
 
-    def __init__(self, config: DeepSeekConfig, *, tp_group: Any = None, device: Any = None):
+    def __init__(
+        self,
+        config: DeepSeekConfig,
+        *,
+        tp_group: Any = None,
+        device: Any = None,
+        sequence_parallel: bool = False,
+    ):
         super().__init__()
         c = config
         tp = tp_size_of(tp_group)
@@ -82,11 +109,12 @@ class MLAttention(nn.Module):
             c.qk_rope_head_dim,
             c.v_head_dim,
         )
-        self.kv_lora_rank = c.kv_lora_rank
+        self.q_lora_rank, self.kv_lora_rank = c.q_lora_rank, c.kv_lora_rank
         self.interleaved = c.rope_interleave
         self.scale = softmax_scale(c.qk_head_dim, c.rope_scaling)
-        self.tp_group = tp_group
-        split = {"tp_group": tp_group, "device": device}
+        self.tp_group, self.sequence_parallel = tp_group, sequence_parallel
+        split = {"tp_group": tp_group, "device": device, "sequence_parallel": sequence_parallel}
+        latent_in = {**split, "shared_input": True}  # reads the latents entered once in forward
         replicated = {"tp_group": None, "device": device}
         q_out = c.num_heads * c.qk_head_dim
         if c.q_lora_rank is None:
@@ -94,35 +122,45 @@ class MLAttention(nn.Module):
         else:
             self.q_a_proj = ColumnParallelLinear(c.hidden_size, c.q_lora_rank, **replicated)
             self.q_a_layernorm = RMSNorm(c.q_lora_rank, c.rms_norm_eps, device=device)
-            self.q_b_proj = ColumnParallelLinear(c.q_lora_rank, q_out, **split)
+            self.q_b_proj = ColumnParallelLinear(c.q_lora_rank, q_out, **latent_in)
         self.kv_a_proj_with_mqa = ColumnParallelLinear(
             c.hidden_size, c.kv_lora_rank + c.qk_rope_head_dim, **replicated
         )
         self.kv_a_layernorm = RMSNorm(c.kv_lora_rank, c.rms_norm_eps, device=device)
         self.kv_b_proj = ColumnParallelLinear(
-            c.kv_lora_rank, c.num_heads * (c.qk_nope_head_dim + c.v_head_dim), **split
+            c.kv_lora_rank, c.num_heads * (c.qk_nope_head_dim + c.v_head_dim), **latent_in
         )
         self.o_proj = RowParallelLinear(c.num_heads * c.v_head_dim, c.hidden_size, **split)
 
-    def _queries(self, x: torch.Tensor) -> torch.Tensor:
-        if hasattr(self, "q_proj"):
-            return self.q_proj(x)
-        return self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+    def _latents(self, x: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor]:
+        """(RMSNorm(c_Q) or None, RMSNorm(c_KV), k^R), each [B, T, width] for the whole sequence.
+
+        One collective for the three: the rope key is shared by every head but each tp rank
+        uses it (like the latents) for its own heads only, so its grad is summed over tp there.
+        """
+        c_kv, k_rope = self.kv_a_proj_with_mqa(x).split([self.kv_lora_rank, self.rope_dim], -1)
+        parts = [self.kv_a_layernorm(c_kv), k_rope]  # (B, T_local, kv_lora_rank), (.., rope)
+        if self.q_lora_rank is not None:
+            parts.insert(0, self.q_a_layernorm(self.q_a_proj(x)))  # (B, T_local, q_lora_rank)
+        latents = enter_tensor_parallel_region(
+            torch.cat(parts, dim=-1), self.tp_group, sequence_parallel=self.sequence_parallel
+        )  # (B, T, [q_lora_rank +] kv_lora_rank + rope_dim)
+        widths = [p.shape[-1] for p in parts]
+        pieces = latents.split(widths, dim=-1)
+        if self.q_lora_rank is None:
+            return None, *pieces
+        return pieces[0], pieces[1], pieces[2]
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        b, t, _ = x.shape
         n = self.local_heads
-        q = self._queries(x).view(b, t, n, self.nope_dim + self.rope_dim)
+        q_latent, c_kv, k_rope = self._latents(x)
+        b, t, _ = c_kv.shape  # the whole sequence from here to o_proj
+        q = self.q_proj(x) if q_latent is None else self.q_b_proj(q_latent)
+        q = q.view(b, t, n, self.nope_dim + self.rope_dim)
         q_nope, q_rope = q.split([self.nope_dim, self.rope_dim], dim=-1)
         q_rope = apply_rope(q_rope, cos, sin, interleaved=self.interleaved)
-
-        latent = self.kv_a_proj_with_mqa(x)  # (B, T, kv_lora_rank + rope_dim)
-        c_kv, k_rope = latent.split([self.kv_lora_rank, self.rope_dim], dim=-1)
-        # The rope key is shared by every head but each tp rank uses it for its own heads only:
-        # its gradient must be summed over the tp group (c_kv's is, inside kv_b_proj).
-        k_rope = copy_to_tensor_parallel_region(k_rope, self.tp_group)
         k_rope = apply_rope(k_rope.unsqueeze(2), cos, sin, interleaved=self.interleaved)
-        kv = self.kv_b_proj(self.kv_a_layernorm(c_kv)).view(b, t, n, self.nope_dim + self.v_dim)
+        kv = self.kv_b_proj(c_kv).view(b, t, n, self.nope_dim + self.v_dim)
         k_nope, v = kv.split([self.nope_dim, self.v_dim], dim=-1)
 
         q = torch.cat((q_nope, q_rope), dim=-1)  # (B, T, n, qk_head_dim)

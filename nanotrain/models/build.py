@@ -20,6 +20,7 @@ def build_model(
     device: torch.device | str | None = None,
     *,
     generator: torch.Generator | None = None,
+    sequence_parallel: bool = False,
 ) -> CausalLM:
     """Build the model for `config`: `DeepSeekV3` or `DenseTransformer`.
 
@@ -33,6 +34,9 @@ def build_model(
         mesh: a ParallelMesh or None (one process); its `tp_group` splits heads and widths.
         device: "meta", "cpu", "cuda", ... (None = "cpu").
         generator: optional torch.Generator on `device` for the initialization.
+        sequence_parallel: shard activations outside the tensor-parallel matmuls along the
+            sequence over the mesh's tp group (Megatron sequence parallelism; see
+            docs/parallelism.md). No effect without a tp group of 2 or more ranks.
     Raises:
         TypeError: for any other config type.
     """
@@ -47,7 +51,7 @@ def build_model(
             "use nanotrain.models.presets.get(name) to make one"
         )
     with torch.device("meta"):
-        model = cls(config, tp_group=tp_group, device="meta")
+        model = cls(config, tp_group=tp_group, device="meta", sequence_parallel=sequence_parallel)
     device = torch.device("cpu" if device is None else device)
     if device.type != "meta":
         model.to_empty(device=device)
@@ -66,6 +70,10 @@ def init_weights(model: nn.Module, generator: torch.Generator | None = None) -> 
     own shard, so every tp size gets the same weights from the same generator state (this
     costs one full-size temporary per layer).
 
+    Parameters still on the meta device (the parts of the model another pipeline stage
+    builds) are skipped but their draws are made and dropped, so a stage that materializes
+    only its own modules gets the same values as the whole model.
+
     Args:
         model: a built model with a `config` attribute.
         generator: optional torch.Generator (must live on the parameters' device);
@@ -77,6 +85,11 @@ def init_weights(model: nn.Module, generator: torch.Generator | None = None) -> 
         fresh = [(n, p) for n, p in module.named_parameters(recurse=False) if id(p) not in seen]
         seen.update(id(p) for _, p in fresh)
         if not fresh:
+            continue
+        if all(p.is_meta for _, p in fresh):
+            # Not built on this rank (another pipeline stage owns it): draw and drop what the
+            # whole model would draw here, so later weights get the same values.
+            _skip_draws(module, fresh, model, std, generator)
             continue
         is_head = module is getattr(model, "lm_head", None)
         full = {}
@@ -97,6 +110,28 @@ def init_weights(model: nn.Module, generator: torch.Generator | None = None) -> 
             param.copy_(full[name])
     for buf in model.buffers():
         buf.zero_()
+
+
+def _skip_draws(
+    module: nn.Module,
+    fresh: list[tuple[str, nn.Parameter]],
+    model: nn.Module,
+    std: float,
+    generator: torch.Generator | None,
+) -> None:
+    """Advance the RNG exactly as initializing `module`'s meta parameters would (one
+    full-size scratch tensor at a time, freed at once)."""
+    # the device whose RNG the real draws use: the generator's, or that of the built params
+    real = (p.device for p in model.parameters() if not p.is_meta)
+    device = generator.device if generator is not None else next(real, torch.device("cpu"))
+    for name, param in fresh:
+        shape = _full_shape(module, name, param)
+        if module is getattr(model, "lm_head", None) and name == "weight":
+            shape = (model.config.vocab_size, *shape[1:])
+        if len(shape) >= 2:
+            torch.empty(shape, device=device, dtype=param.dtype).normal_(
+                0.0, std, generator=generator
+            )
 
 
 def _full_shape(module: nn.Module, name: str, param: torch.Tensor) -> tuple[int, ...]:

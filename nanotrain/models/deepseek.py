@@ -26,15 +26,21 @@ from nanotrain.parallel.tensor import ColumnParallelLinear
 
 
 def make_deepseek_layer(
-    config: DeepSeekConfig, moe: bool, *, tp_group: Any, device: Any
+    config: DeepSeekConfig,
+    moe: bool,
+    *,
+    tp_group: Any,
+    device: Any,
+    sequence_parallel: bool = False,
 ) -> DecoderLayer:
     """One DeepSeek decoder layer: MLA + (DeepSeekMoE if `moe` else dense SwiGLU)."""
     c = config
-    attn = MLAttention(c, tp_group=tp_group, device=device)
+    kw = {"tp_group": tp_group, "device": device, "sequence_parallel": sequence_parallel}
+    attn = MLAttention(c, **kw)
     if moe:
-        mlp: nn.Module = DeepSeekMoE(c, tp_group=tp_group, device=device)
+        mlp: nn.Module = DeepSeekMoE(c, **kw)
     else:
-        mlp = SwiGLU(c.hidden_size, c.intermediate_size, tp_group=tp_group, device=device)
+        mlp = SwiGLU(c.hidden_size, c.intermediate_size, **kw)
     return DecoderLayer(attn, mlp, c.hidden_size, c.rms_norm_eps, device)
 
 
@@ -50,10 +56,18 @@ class MTPModule(nn.Module):
     """One MTP depth: norms, the [2H -> H] projection and one decoder layer.
 
     Shapes: forward(h_prev [B, T, H], emb_next [B, T, H], cos, sin) -> (h [B, T, H], aux).
-    The caller applies `norm` and the shared head.
+    The caller applies `norm` and the shared head. Under sequence parallelism every tensor is
+    [B, T / tp, H]; the norms and `eh_proj` (replicated) run on this rank's tokens.
     """
 
-    def __init__(self, config: DeepSeekConfig, *, tp_group: Any, device: Any):
+    def __init__(
+        self,
+        config: DeepSeekConfig,
+        *,
+        tp_group: Any,
+        device: Any,
+        sequence_parallel: bool = False,
+    ):
         super().__init__()
         c = config
         self.enorm = RMSNorm(c.hidden_size, c.rms_norm_eps, device=device)
@@ -62,7 +76,9 @@ class MTPModule(nn.Module):
         self.eh_proj = ColumnParallelLinear(2 * c.hidden_size, c.hidden_size, device=device)
         # V3's MTP block has the same shape as a main-stack MoE layer
         moe = c.first_k_dense_replace < c.num_layers
-        self.block = make_deepseek_layer(c, moe, tp_group=tp_group, device=device)
+        self.block = make_deepseek_layer(
+            c, moe, tp_group=tp_group, device=device, sequence_parallel=sequence_parallel
+        )
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps, device=device)
 
     def forward(
@@ -79,13 +95,19 @@ class DeepSeekV3(CausalLM):
     is in training mode or `run_mtp=True`; inference skips them.
     """
 
-    def __init__(self, config: DeepSeekConfig, *, tp_group: Any = None, device: Any = None):
+    def __init__(
+        self,
+        config: DeepSeekConfig,
+        *,
+        tp_group: Any = None,
+        device: Any = None,
+        sequence_parallel: bool = False,
+    ):
         if not isinstance(config, DeepSeekConfig):
             raise TypeError(f"DeepSeekV3 needs a DeepSeekConfig, got {type(config).__name__}")
-        super().__init__(config, tp_group=tp_group, device=device)
-        self.mtp = nn.ModuleList(
-            MTPModule(config, tp_group=tp_group, device=device) for _ in range(config.mtp_depth)
-        )
+        kw = {"tp_group": tp_group, "device": device, "sequence_parallel": sequence_parallel}
+        super().__init__(config, **kw)
+        self.mtp = nn.ModuleList(MTPModule(config, **kw) for _ in range(config.mtp_depth))
 
     @property
     def rope_dim(self) -> int:
@@ -93,7 +115,13 @@ class DeepSeekV3(CausalLM):
 
     def make_layer(self, layer_idx: int, device: Any) -> DecoderLayer:
         moe = self.config.is_moe_layer(layer_idx)
-        return make_deepseek_layer(self.config, moe, tp_group=self.tp_group, device=device)
+        return make_deepseek_layer(
+            self.config,
+            moe,
+            tp_group=self.tp_group,
+            device=device,
+            sequence_parallel=self.sequence_parallel,
+        )
 
     def mtp_losses(
         self, h: torch.Tensor, input_ids: torch.Tensor, labels: torch.Tensor
@@ -103,9 +131,10 @@ class DeepSeekV3(CausalLM):
         Depth k (1-based) at position t reads token t+k (input_ids shifted left by k) and
         predicts token t+k+1 (labels shifted left by k); the last k positions have no target.
 
-        Args: h [B, T, H] main-stack output before the final norm; input_ids, labels [B, T].
+        Args: h [B, T, H] ([B, T / tp, H] under sequence parallelism) main-stack output before
+        the final norm; input_ids, labels [B, T].
         """
-        cos, sin = self.rope(h.shape[1], h.device)
+        cos, sin = self.rope(self.full_seq_len(h), h.device)
         losses, aux = [], h.new_zeros((), dtype=torch.float32)
         for k, module in enumerate(self.mtp, start=1):
             emb_next = self.embed(shift_left(input_ids, k, 0))

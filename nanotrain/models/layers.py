@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from nanotrain.parallel.collectives import enter_tensor_parallel_region
 from nanotrain.parallel.tensor import ColumnParallelLinear, RowParallelLinear
 
 
@@ -157,16 +158,33 @@ def apply_rope(
 class SwiGLU(nn.Module):
     """SwiGLU MLP: down(silu(gate(x)) * up(x)); gate/up column-parallel, down row-parallel.
 
+    Under tensor parallelism gate and up share one input collective (`shared_input`), so the
+    MLP communicates once forward (after down) and once backward (before gate/up). With
+    `sequence_parallel` x and the output are [B, T / tp, hidden]: x is all-gathered along the
+    sequence and the output reduce-scattered.
+
     Shapes: x [..., hidden] -> [..., hidden]. Parameter names follow Llama/HF
     (`gate_proj`, `up_proj`, `down_proj`).
     """
 
-    def __init__(self, hidden: int, intermediate: int, *, tp_group: Any = None, device: Any = None):
+    def __init__(
+        self,
+        hidden: int,
+        intermediate: int,
+        *,
+        tp_group: Any = None,
+        device: Any = None,
+        sequence_parallel: bool = False,
+    ):
         super().__init__()
-        kw = {"tp_group": tp_group, "device": device}
-        self.gate_proj = ColumnParallelLinear(hidden, intermediate, **kw)
-        self.up_proj = ColumnParallelLinear(hidden, intermediate, **kw)
+        self.tp_group, self.sequence_parallel = tp_group, sequence_parallel
+        kw = {"tp_group": tp_group, "device": device, "sequence_parallel": sequence_parallel}
+        self.gate_proj = ColumnParallelLinear(hidden, intermediate, shared_input=True, **kw)
+        self.up_proj = ColumnParallelLinear(hidden, intermediate, shared_input=True, **kw)
         self.down_proj = RowParallelLinear(intermediate, hidden, **kw)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = enter_tensor_parallel_region(
+            x, self.tp_group, sequence_parallel=self.sequence_parallel
+        )  # (B, T, hidden): the whole sequence under sequence parallelism
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))

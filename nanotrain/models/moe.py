@@ -20,6 +20,7 @@ from torch import nn
 
 from nanotrain.models.config import DeepSeekConfig
 from nanotrain.models.layers import SwiGLU
+from nanotrain.parallel.collectives import group_size, reduce_from_tensor_parallel_region
 
 
 @dataclass
@@ -150,27 +151,45 @@ def combine(
 
 
 def sequence_balance_loss(
-    scores: torch.Tensor, topk_idx: torch.Tensor, batch: int, alpha: float
+    scores: torch.Tensor,
+    topk_idx: torch.Tensor,
+    batch: int,
+    alpha: float,
+    sequence_group: Any = None,
 ) -> torch.Tensor:
     """Sequence-wise balance loss (DeepSeek-V3 eqs. 17-20), averaged over the batch.
 
     L = alpha * sum_i f_i P_i per sequence, f_i = E / (K T) * #{t : expert i chosen for t},
     P_i = mean_t s'_{i,t}, s' = scores normalized to sum to one over experts.
 
-    Args: scores [B*T, E] (unbiased affinities); topk_idx [B*T, K]; batch B.
-    Returns: scalar tensor.
+    Args:
+        scores: [B*T_local, E] unbiased affinities; topk_idx: [B*T_local, K]; batch: B.
+        alpha: the loss weight.
+        sequence_group: under sequence parallelism, the tensor-parallel group whose ranks hold
+            the other T_local-long parts of the same B sequences (T = T_local * group size);
+            None when this rank holds whole sequences.
+    Returns: scalar tensor, the same on every rank of `sequence_group`.
     """
     n, e = scores.shape
     k = topk_idx.shape[1]
-    t = n // batch
+    t_local = n // batch
     probs = scores / scores.sum(dim=-1, keepdim=True)
-    p = probs.view(batch, t, e).mean(dim=1)  # (B, E)
+    prob_sum = probs.view(batch, t_local, e).sum(dim=1)  # (B, E)
     hits = torch.zeros(batch, e, device=scores.device, dtype=scores.dtype)
     hits.scatter_add_(
-        1, topk_idx.view(batch, t * k), torch.ones_like(hits[:, :1]).expand(-1, t * k)
+        1,
+        topk_idx.view(batch, t_local * k),
+        torch.ones_like(hits[:, :1]).expand(-1, t_local * k),
     )
+    # Whole-sequence statistics: sum both per-sequence sums over the ranks holding the other
+    # parts of each sequence (one all-reduce). Its backward is the identity, which is exact:
+    # the loss is linear in each rank's prob_sum, so every rank backpropagates d L / d P into
+    # its own tokens, and the router's grad is then summed over tp like any replicated grad.
+    stats = reduce_from_tensor_parallel_region(torch.stack([hits, prob_sum]), sequence_group)
+    hits, prob_sum = stats.unbind(0)
+    t = t_local * group_size(sequence_group)
     f = hits * (e / (k * t))
-    return alpha * (f * p).sum(dim=-1).mean()
+    return alpha * (f * (prob_sum / t)).sum(dim=-1).mean()
 
 
 class DeepSeekMoE(nn.Module):
@@ -180,14 +199,30 @@ class DeepSeekMoE(nn.Module):
     accumulates how many token copies each
     expert received in training-mode forwards since `reset_load()`.
 
+    Tensor parallelism splits the shared experts' width; the router and the routed experts are
+    replicated. With `sequence_parallel` every part runs on this rank's tokens
+    [B, T / tp, H] (the routed ones without any communication), `expert_load` counts only
+    those tokens (sum it over tp: `CausalLM.update_router_biases` does), the balance loss sums
+    its per-sequence statistics over tp, and the router's and routed experts' grads are partial
+    sums over tp (the strategy sums the grads of tp-replicated parameters).
+
     Shapes: forward(x [B, T, H]) -> (y [B, T, H], aux_loss scalar). aux_loss is the
     sequence-wise balance loss times alpha (0 when alpha is 0 or in eval mode).
     """
 
-    def __init__(self, config: DeepSeekConfig, *, tp_group: Any = None, device: Any = None):
+    def __init__(
+        self,
+        config: DeepSeekConfig,
+        *,
+        tp_group: Any = None,
+        device: Any = None,
+        sequence_parallel: bool = False,
+    ):
         super().__init__()
         c = config
         self.config = c
+        # the group holding the rest of each sequence (None: this rank holds whole sequences)
+        self.sequence_group = tp_group if sequence_parallel else None
         self.gate = TopKRouter(c, device=device)
         self.experts = GroupedExperts(
             c.n_routed_experts, c.hidden_size, c.moe_intermediate_size, device=device
@@ -195,7 +230,13 @@ class DeepSeekMoE(nn.Module):
         self.shared_experts = None
         if c.n_shared_experts > 0:
             width = c.n_shared_experts * c.moe_intermediate_size
-            self.shared_experts = SwiGLU(c.hidden_size, width, tp_group=tp_group, device=device)
+            self.shared_experts = SwiGLU(
+                c.hidden_size,
+                width,
+                tp_group=tp_group,
+                device=device,
+                sequence_parallel=sequence_parallel,
+            )
         self.register_buffer(
             "expert_load",
             torch.zeros(c.n_routed_experts, dtype=torch.long, device=device),
@@ -218,7 +259,8 @@ class DeepSeekMoE(nn.Module):
         if self.training:
             self.expert_load += d.counts
             if self.config.aux_loss_alpha > 0:
-                aux = sequence_balance_loss(scores, topk_idx, b, self.config.aux_loss_alpha)
+                alpha = self.config.aux_loss_alpha
+                aux = sequence_balance_loss(scores, topk_idx, b, alpha, self.sequence_group)
         return y, aux
 
 

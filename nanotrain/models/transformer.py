@@ -15,8 +15,9 @@ from torch import nn
 
 from nanotrain.models.attention import DenseAttention
 from nanotrain.models.config import DeepSeekConfig, DenseConfig
-from nanotrain.models.layers import RMSNorm, SwiGLU, rope_cos_sin
+from nanotrain.models.layers import RMSNorm, SwiGLU, rope_cos_sin, tp_size_of
 from nanotrain.models.moe import DeepSeekMoE, update_bias
+from nanotrain.parallel.collectives import reduce_from_tensor_parallel_region
 from nanotrain.parallel.cross_entropy import vocab_parallel_cross_entropy
 from nanotrain.parallel.tensor import ColumnParallelLinear, VocabParallelEmbedding, pad_vocab_size
 
@@ -49,7 +50,9 @@ class DecoderLayer(nn.Module):
     """Pre-norm residual block: h + attn(norm(h)), then h + mlp(norm(h)).
 
     `mlp` may be a SwiGLU (returns a tensor) or a DeepSeekMoE (returns (tensor, aux_loss)).
-    Shapes: forward(h [B, T, H], cos, sin) -> (h [B, T, H], aux_loss scalar float32).
+    Shapes: forward(h [B, T, H], cos, sin) -> (h [B, T, H], aux_loss scalar float32); under
+    sequence parallelism h is [B, T / tp, H] (the norms and residual adds run on this rank's
+    tokens) while cos, sin cover all T positions.
     """
 
     def __init__(self, attention: nn.Module, mlp: nn.Module, hidden: int, eps: float, device: Any):
@@ -89,22 +92,35 @@ class CausalLM(nn.Module):
     Args:
         config: the model config. tp_group: tensor-parallel group or None.
         device: where parameters are created ("meta" builds without allocating).
+        sequence_parallel: shard the activations between the tensor-parallel matmuls (embedding
+            output, norms, residual stream) along the sequence over `tp_group`: hidden states
+            are [B, T / tp, H] from the embedding to the head, which gathers them before the
+            vocab-parallel cross-entropy. T must be divisible by tp.
     """
 
-    def __init__(self, config: DenseConfig | DeepSeekConfig, *, tp_group: Any, device: Any):
+    def __init__(
+        self,
+        config: DenseConfig | DeepSeekConfig,
+        *,
+        tp_group: Any,
+        device: Any,
+        sequence_parallel: bool = False,
+    ):
         super().__init__()
         self.config = config
         self.tp_group = tp_group
+        self.sequence_parallel = sequence_parallel
         c = config
+        sp = {"sequence_parallel": sequence_parallel}
         self.embed_tokens = VocabParallelEmbedding(
-            c.vocab_size, c.hidden_size, tp_group=tp_group, device=device
+            c.vocab_size, c.hidden_size, tp_group=tp_group, device=device, **sp
         )
         self.layers = nn.ModuleList(self.make_layer(i, device) for i in range(c.num_layers))
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps, device=device)
         # the head's vocabulary is padded like the embedding's, so tying and sharding agree
         tp = 1 if tp_group is None else tp_group.size()
         self.lm_head = ColumnParallelLinear(
-            c.hidden_size, pad_vocab_size(c.vocab_size, tp), tp_group=tp_group, device=device
+            c.hidden_size, pad_vocab_size(c.vocab_size, tp), tp_group=tp_group, device=device, **sp
         )
         self.tie_weights()
 
@@ -130,13 +146,18 @@ class CausalLM(nn.Module):
         c = self.config
         return rope_cos_sin(seq_len, self.rope_dim, c.rope_theta, c.rope_scaling, device)
 
+    def full_seq_len(self, h: torch.Tensor) -> int:
+        """Length T of the whole sequence of hidden states h [B, T_local, H]: T_local * tp under
+        sequence parallelism (attention sees every position, so rope tables need all T)."""
+        return h.shape[1] * (tp_size_of(self.tp_group) if self.sequence_parallel else 1)
+
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """Token embeddings: input_ids [B, T] int64 -> h [B, T, H]."""
+        """Token embeddings: input_ids [B, T] int64 -> h [B, T, H] ([B, T / tp, H] under SP)."""
         return self.embed_tokens(input_ids)
 
     def run_layers(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """All decoder layers: h [B, T, H] -> (h [B, T, H], summed aux loss)."""
-        cos, sin = self.rope(h.shape[1], h.device)
+        cos, sin = self.rope(self.full_seq_len(h), h.device)
         aux = h.new_zeros((), dtype=torch.float32)
         for layer in self.layers:
             h, layer_aux = layer(h, cos, sin)
@@ -165,6 +186,13 @@ class CausalLM(nn.Module):
                 f"labels shape {tuple(labels.shape)} must equal input_ids shape "
                 f"{tuple(input_ids.shape)} (labels[:, t] is the target for position t)"
             )
+        tp = tp_size_of(self.tp_group)
+        if self.sequence_parallel and input_ids.shape[1] % tp != 0:
+            raise ValueError(
+                f"sequence parallelism splits the sequence over tp={tp} ranks, but its length "
+                f"{input_ids.shape[1]} is not divisible by {tp}; use a seq_len that is a "
+                "multiple of tp or turn sequence_parallel off"
+            )
 
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None) -> ModelOutput:
         """input_ids, labels: [B, T] int64 (labels already shifted; -100 = ignore)."""
@@ -182,20 +210,38 @@ class CausalLM(nn.Module):
         """Aux-loss-free balancing step from the expert loads counted since the last call.
 
         Call once per optimizer step. reduce_fn: optional callable that sums a tensor across
-        processes (data/expert parallel); None counts this process only.
+        the processes holding other samples (data/expert parallel); None counts this process
+        only. Under sequence parallelism the tensor-parallel ranks hold different tokens of the
+        same samples: their loads are summed over `tp_group` here, before `reduce_fn`.
         Returns: the loads [num_moe_layers, E] that drove the update ([0, 0] for dense).
         """
         speed = getattr(self.config, "bias_update_speed", 0.0)
-        return update_bias(self.moe_layers(), speed, reduce_fn)
+        if not self.sequence_parallel or tp_size_of(self.tp_group) == 1:
+            return update_bias(self.moe_layers(), speed, reduce_fn)
+
+        def reduce_over_tp_then(loads: torch.Tensor) -> torch.Tensor:
+            loads = reduce_from_tensor_parallel_region(loads, self.tp_group)
+            return loads if reduce_fn is None else reduce_fn(loads)
+
+        return update_bias(self.moe_layers(), speed, reduce_over_tp_then)
 
 
 class DenseTransformer(CausalLM):
     """Llama-style dense decoder (RMSNorm, rotate-half RoPE, GQA, SwiGLU)."""
 
-    def __init__(self, config: DenseConfig, *, tp_group: Any = None, device: Any = None):
+    def __init__(
+        self,
+        config: DenseConfig,
+        *,
+        tp_group: Any = None,
+        device: Any = None,
+        sequence_parallel: bool = False,
+    ):
         if not isinstance(config, DenseConfig):
             raise TypeError(f"DenseTransformer needs a DenseConfig, got {type(config).__name__}")
-        super().__init__(config, tp_group=tp_group, device=device)
+        super().__init__(
+            config, tp_group=tp_group, device=device, sequence_parallel=sequence_parallel
+        )
 
     @property
     def rope_dim(self) -> int:
@@ -203,6 +249,11 @@ class DenseTransformer(CausalLM):
 
     def make_layer(self, layer_idx: int, device: Any) -> DecoderLayer:
         c = self.config
-        attn = DenseAttention(c, tp_group=self.tp_group, device=device)
-        mlp = SwiGLU(c.hidden_size, c.intermediate_size, tp_group=self.tp_group, device=device)
+        kw = {
+            "tp_group": self.tp_group,
+            "device": device,
+            "sequence_parallel": self.sequence_parallel,
+        }
+        attn = DenseAttention(c, **kw)
+        mlp = SwiGLU(c.hidden_size, c.intermediate_size, **kw)
         return DecoderLayer(attn, mlp, c.hidden_size, c.rms_norm_eps, device)

@@ -39,6 +39,7 @@ __all__ = [
     "scatter_to_sequence_parallel_region",
     "gather_from_sequence_parallel_region",
     "reduce_scatter_to_sequence_parallel_region",
+    "enter_tensor_parallel_region",
     "all_gather_along_dim",
     "reduce_scatter_along_dim",
     "split_along_dim",
@@ -255,3 +256,19 @@ def reduce_scatter_to_sequence_parallel_region(
     if group_size(group) == 1:
         return x
     return _ReduceScatterAlongDim.apply(x, seq_dim, group)
+
+
+def enter_tensor_parallel_region(
+    x: Tensor, group: ProcessGroup | None, *, sequence_parallel: bool = False, seq_dim: int = 1
+) -> Tensor:
+    """forward: identity (all-gather along ``seq_dim`` if ``sequence_parallel``); backward:
+    all-reduce (reduce-scatter along ``seq_dim``).
+
+    What a ``ColumnParallelLinear`` does to its input, done once so that several column-parallel
+    layers reading the same activation (q/k/v, gate/up) share one collective instead of one each
+    (build them with ``shared_input=True``). Shapes: ``[batch, seq, ...]`` in and out, or
+    ``[batch, seq / tp, ...] -> [batch, seq, ...]`` under sequence parallelism.
+    """
+    if sequence_parallel:
+        return gather_from_sequence_parallel_region(x, group, seq_dim)
+    return copy_to_tensor_parallel_region(x, group)

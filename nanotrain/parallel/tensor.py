@@ -35,8 +35,7 @@ from torch.distributed import ProcessGroup
 
 from nanotrain.parallel.collectives import (
     all_gather_along_dim,
-    copy_to_tensor_parallel_region,
-    gather_from_sequence_parallel_region,
+    enter_tensor_parallel_region,
     gather_from_tensor_parallel_region,
     group_rank,
     group_size,
@@ -172,6 +171,10 @@ class ColumnParallelLinear(_TensorParallelModule):
     *f* (identity forward, all-reduce of its grad in backward). With ``sequence_parallel=True``
     the input is ``[batch, seq // tp, in_features]`` (sequence dim ``seq_dim``) and is
     all-gathered along the sequence in forward; its grad is reduce-scattered in backward.
+    With ``shared_input=True`` the layer does no input collective at all: the caller has
+    passed the input through ``enter_tensor_parallel_region`` once for every column-parallel
+    layer that reads it (q/k/v, gate/up), so the backward sums their grads in one collective
+    instead of one per layer (Megatron gets the same from its fused qkv / gate-up weights).
 
     Raises:
         ValueError: if ``out_features`` is not divisible by the group size.
@@ -189,6 +192,7 @@ class ColumnParallelLinear(_TensorParallelModule):
         gather_output: bool = False,
         sequence_parallel: bool = False,
         seq_dim: int = 1,
+        shared_input: bool = False,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
     ) -> None:
@@ -201,6 +205,7 @@ class ColumnParallelLinear(_TensorParallelModule):
             sequence_parallel,
             seq_dim,
         )
+        self.shared_input = shared_input
         factory = {"device": device, "dtype": dtype}
         local_out = out_features // self.tp_size
         self.weight = nn.Parameter(torch.empty(local_out, in_features, **factory))
@@ -213,11 +218,14 @@ class ColumnParallelLinear(_TensorParallelModule):
         _init_linear_like_torch(self, self.in_features, self.out_features)
 
     def forward(self, x: Tensor) -> Tensor:
-        """``x [..., in] -> [..., out // tp]`` (``[..., out]`` with ``gather_output``)."""
-        if self.sequence_parallel:
-            x = gather_from_sequence_parallel_region(x, self.tp_group, self.seq_dim)
-        else:
-            x = copy_to_tensor_parallel_region(x, self.tp_group)
+        """``x [..., in] -> [..., out // tp]`` (``[..., out]`` with ``gather_output``).
+
+        With ``shared_input`` the input must already be the whole (entered) activation.
+        """
+        if not self.shared_input:
+            x = enter_tensor_parallel_region(
+                x, self.tp_group, sequence_parallel=self.sequence_parallel, seq_dim=self.seq_dim
+            )
         y = F.linear(x, self.weight, self.bias)  # [..., out // tp]
         if self.gather_output:
             y = gather_from_tensor_parallel_region(y, self.tp_group)  # [..., out]
@@ -227,7 +235,8 @@ class ColumnParallelLinear(_TensorParallelModule):
         return (
             f"in_features={self.in_features}, out_features={self.out_features}, "
             f"bias={self.bias is not None}, tp={self.tp_size}, "
-            f"gather_output={self.gather_output}, sequence_parallel={self.sequence_parallel}"
+            f"gather_output={self.gather_output}, sequence_parallel={self.sequence_parallel}, "
+            f"shared_input={self.shared_input}"
         )
 
 

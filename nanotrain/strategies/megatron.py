@@ -1,10 +1,12 @@
-"""MegatronStrategy: tensor (+ sequence) parallelism, data parallelism and ZeRO-1/2.
+"""MegatronStrategy: tensor (+ sequence), pipeline and data parallelism, ZeRO-1/2.
 
 It composes the pieces of `nanotrain.parallel`: a `ParallelMesh` of process groups (the model
 is built against ``mesh.tp_group`` in ``configure_model``), flat gradient buckets reduced over
 the data-parallel group while backward runs (`data_parallel.GradBuckets`), the sharded
-optimizer (`zero.ZeroOptimizer`) and the cross-shard grad norm (`grads`). Pipeline and expert
-parallelism arrive in later issues and plug into the same mesh.
+optimizer (`zero.ZeroOptimizer`) and the cross-shard grad norm (`grads`). With ``pp > 1`` the
+microbatch loop is a pipeline schedule (`megatron_pipeline.PipelineEngine`, GPipe, 1F1B or
+interleaved 1F1B) and the grad norm also sums over the pipeline group. Expert parallelism
+arrives in a later issue and plugs into the same mesh.
 
 Per optimizer step (the loop the Trainer drives):
 
@@ -37,17 +39,16 @@ from torch import Tensor
 from nanotrain.parallel.data_parallel import FlatLayout, GradBuckets, backward_order
 from nanotrain.parallel.grads import (
     all_reduce_coalesced,
-    clip_grads_,
-    gather_tp_shards,
     is_tp_sharded,
-    param_owners,
-    reduced_square_norms,
     sequence_parallel_params,
 )
 from nanotrain.parallel.mesh import ParallelMesh, validate_layout
+from nanotrain.parallel.pipeline import partition_layers
 from nanotrain.parallel.tensor import _TensorParallelModule
 from nanotrain.parallel.zero import ZeroOptimizer
 from nanotrain.strategies.base import DataShard, StepOutput, Strategy, extract_loss
+from nanotrain.strategies.megatron_grads import MegatronGradNorms
+from nanotrain.strategies.megatron_pipeline import PipelineEngine, embedding_groups, pick_schedule
 from nanotrain.strategies.optimizers import OptimizerSetup
 
 if TYPE_CHECKING:
@@ -81,7 +82,7 @@ def _check_sizes(**sizes: int | None) -> None:
             raise ValueError(f"{name} must be >= 1, got {value}")
 
 
-class MegatronStrategy(Strategy):
+class MegatronStrategy(MegatronGradNorms, Strategy):
     """Tensor, sequence and data parallelism with optional ZeRO-1/2, on an explicit mesh.
 
     Launch with torchrun (reads RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT) or
@@ -91,7 +92,7 @@ class MegatronStrategy(Strategy):
 
     Args:
         tp: tensor-parallel size (must divide the world and the attention heads).
-        pp: pipeline-parallel size; only 1 for now (issue 6).
+        pp: pipeline-parallel size (stages; the layers are split over pp × virtual_pp chunks).
         ep: expert-parallel size; only 1 for now.
         dp: data-parallel size; None infers ``world_size // (tp * pp)``.
         zero_stage: 0 (replicated optimizer), 1 (optimizer state sharded over dp) or 2 (also
@@ -101,10 +102,16 @@ class MegatronStrategy(Strategy):
         bucket_size_mb: size of one gradient bucket (one collective) in MiB.
         backend: "nccl", "gloo" or None (NCCL when CUDA is available).
         timeout_s: collective timeout in seconds for the groups this strategy creates.
+        virtual_pp: model chunks per pipeline rank (interleaved 1F1B when > 1).
+        schedule: "gpipe", "1f1b" or "interleaved_1f1b"; None picks 1F1B (interleaved when
+            virtual_pp > 1). See `nanotrain.parallel.schedules`.
+        pipeline_layout: layers per virtual stage (pp × virtual_pp numbers summing to the
+            model's layers), e.g. fewer on the first and last stage; None splits evenly.
 
     Raises:
-        TypeError, ValueError: for invalid sizes or options, at construction.
-        NotImplementedError: for pp > 1 or ep > 1.
+        TypeError, ValueError: for invalid sizes or options, at construction (layouts that do
+            not fit the model: when the model is set up, before any work).
+        NotImplementedError: for ep > 1.
     """
 
     def __init__(
@@ -118,11 +125,22 @@ class MegatronStrategy(Strategy):
         bucket_size_mb: float = 25.0,
         backend: str | None = None,
         timeout_s: float = 1800.0,
+        virtual_pp: int = 1,
+        schedule: str | None = None,
+        pipeline_layout: Sequence[int] | None = None,
     ) -> None:
         super().__init__()
-        _check_sizes(tp=tp, pp=pp, ep=ep, dp=dp)
-        if pp > 1:
-            raise NotImplementedError("pipeline parallel arrives in issue 6; use pp=1 for now")
+        _check_sizes(tp=tp, pp=pp, ep=ep, dp=dp, virtual_pp=virtual_pp)
+        if virtual_pp > 1 and pp == 1:
+            raise ValueError(f"virtual_pp={virtual_pp} needs pp > 1; use virtual_pp=1")
+        if pipeline_layout is not None and len(pipeline_layout) != pp * virtual_pp:
+            raise ValueError(
+                f"pipeline_layout has {len(pipeline_layout)} entries; pp*virtual_pp="
+                f"{pp}*{virtual_pp}={pp * virtual_pp} chunks need one each"
+            )
+        self.virtual_pp = virtual_pp
+        self.schedule = pick_schedule(schedule, virtual_pp)
+        self.pipeline_layout = None if pipeline_layout is None else list(pipeline_layout)
         if ep > 1:
             raise NotImplementedError("expert parallel arrives in a later issue; use ep=1 for now")
         if zero_stage not in (0, 1, 2):
@@ -142,6 +160,7 @@ class MegatronStrategy(Strategy):
         self._zero: ZeroOptimizer | None = None
         self._sharded: dict[int, bool] = {}
         self._sp_params: list[torch.nn.Parameter] = []
+        self._pipeline: PipelineEngine | None = None
 
     # -- environment -----------------------------------------------------------------------------
     def validate_world(self, world_size: int) -> int:
@@ -160,6 +179,9 @@ class MegatronStrategy(Strategy):
         """
         world = self.world_size if world_size is None else world_size
         validate_layout(world, self.tp, self.pp, self.ep, self.dp, **model_dims(config))
+        layers = getattr(config, "num_layers", None)
+        if self.pp > 1 and layers is not None:
+            partition_layers(layers, self.pp, self.virtual_pp, self.pipeline_layout)
 
     def setup_environment(self) -> None:
         if self._mesh is not None:
@@ -192,6 +214,11 @@ class MegatronStrategy(Strategy):
             self._device = torch.device("cpu")
         timeout = datetime.timedelta(seconds=self.timeout_s)
         self._mesh = ParallelMesh.build(self.tp, self.pp, self.ep, self.dp, timeout=timeout)
+        if self._mesh.pp_size > 1:
+            group = embedding_groups(self._mesh, timeout)
+            self._pipeline = PipelineEngine(
+                self._mesh, self.schedule, self.virtual_pp, self._device, group
+            )
 
     @property
     def root_device(self) -> torch.device:
@@ -305,17 +332,13 @@ class MegatronStrategy(Strategy):
         if not microbatches:
             raise ValueError("forward_backward needs at least one microbatch")
         num_micro = len(microbatches)
-        loss_sum = torch.zeros((), device=self.root_device, dtype=torch.float64)
-        tokens = samples = 0
         grads.attach()
-        for i, microbatch in enumerate(microbatches):
-            grads.set_sync(i == num_micro - 1)
-            loss = extract_loss(module.training_step(microbatch, batch_idx))
-            (loss / num_micro).backward()
-            loss_sum += loss.detach().double()
-            tokens += module.count_tokens(microbatch)
-            samples += module.count_samples(microbatch)
-        grads.finish()
+        if self._pipeline is not None:
+            loss_sum = self._pipeline.train_step(module, microbatches, batch_idx, grads)
+        else:
+            loss_sum = self._accumulate(module, microbatches, batch_idx, grads)
+        tokens = sum(module.count_tokens(mb) for mb in microbatches)
+        samples = sum(module.count_samples(mb) for mb in microbatches)
         self._reduce_sequence_parallel_grads()
         if self.zero_stage == 2:
             grads.release()
@@ -330,6 +353,28 @@ class MegatronStrategy(Strategy):
             num_samples=int(totals[2].item()),
         )
 
+    def _accumulate(
+        self, module: NanoModule, microbatches: Sequence[Any], batch_idx: int, grads: GradBuckets
+    ) -> Tensor:
+        """Forward and backward of each microbatch in turn; dp reduction on the last one.
+        Returns the sum of the microbatch losses."""
+        num_micro = len(microbatches)
+        loss_sum = torch.zeros((), device=self.root_device, dtype=torch.float64)
+        for i, microbatch in enumerate(microbatches):
+            grads.set_sync(i == num_micro - 1)
+            loss = extract_loss(module.training_step(microbatch, batch_idx))
+            (loss / num_micro).backward()
+            loss_sum += loss.detach().double()
+        grads.finish()
+        return loss_sum
+
+    def validation_step(self, module: NanoModule, batch: Any, batch_idx: int) -> Any:
+        """Forward only: through the pipeline stages under pp > 1 (every stage logs the
+        global values), else `module.validation_step`."""
+        if self._pipeline is not None:
+            return self._pipeline.validation_step(module, batch, batch_idx)
+        return super().validation_step(module, batch, batch_idx)
+
     def _reduce_sequence_parallel_grads(self) -> None:
         """Sum over tp the grads of replicated params that saw only this rank's tokens."""
         if not self._sp_params:
@@ -342,37 +387,6 @@ class MegatronStrategy(Strategy):
         else:
             pieces = [p.grad for p in self._sp_params if p.grad is not None]
         all_reduce_coalesced(pieces, self.mesh.tp_group)
-
-    def _owned_grads(self) -> tuple[list[tuple[int, Tensor]], list[Any]]:
-        """``(param_index, grad)`` as the optimizer reads them (whole grads, or under ZeRO-2
-        this rank's pieces) and the groups over which their squares add up."""
-        assert self._grads is not None
-        if self.zero_stage == 2:
-            assert self._zero is not None
-            return self._zero.owned_grads(), [self.mesh.tp_group, self.mesh.dp_group]
-        params = self._grads.layout.params
-        owned = [(i, p.grad) for i, p in enumerate(params) if p.grad is not None]
-        return owned, [self.mesh.tp_group]
-
-    def _square_norms(self, owned: list[tuple[int, Tensor]], groups: list[Any]) -> Tensor:
-        assert self._grads is not None
-        params = self._grads.layout.params
-        return reduced_square_norms(
-            owned,
-            len(params),
-            [self._sharded.get(id(p), False) for p in params],
-            count_replicated=self.mesh.tp_rank == 0,  # replicated grads count once
-            groups=groups,
-            device=self.root_device,
-        )
-
-    def clip_grad_norm_(self, max_norm: float | None) -> Tensor:
-        """Global L2 grad norm over every shard (replicated params once); clip if asked."""
-        owned, groups = self._owned_grads()
-        norm = self._square_norms(owned, groups).sum().sqrt().float()
-        if max_norm is not None:
-            clip_grads_([g for _, g in owned], norm, max_norm)
-        return norm
 
     def optimizer_step(self) -> None:
         """Update (sharded under ZeRO, then parameters all-gathered) and zero the gradients."""
@@ -387,37 +401,6 @@ class MegatronStrategy(Strategy):
         assert self._grads is not None
         self._grads.zero_()
 
-    # -- inspection ------------------------------------------------------------------------------
-    def named_grad_norms(self) -> dict[str, Tensor]:
-        """Norm of each parameter's whole gradient (gathered over tp and, under ZeRO-2, dp)."""
-        assert self.module is not None and self._grads is not None
-        names = {id(p): n for n, p in self.module.named_parameters()}
-        norms = self._square_norms(*self._owned_grads()).sqrt().float()
-        return {names[id(p)]: norms[i] for i, p in enumerate(self._grads.layout.params)}
-
-    def full_tensor(self, name: str, tensor: Tensor) -> Tensor:
-        """Gather parameter ``name``'s tp slices (a collective over its tp group)."""
-        assert self.module is not None
-        owners = param_owners(self.module)
-        if name not in owners:
-            raise ValueError(f"{name!r} is not a parameter of the module; see named_parameters()")
-        owner, local = owners[name]
-        return gather_tp_shards(owner, local, tensor)
-
-    def grad_buffer_bytes(self) -> int:
-        """Bytes of gradient this rank keeps between steps: the whole flat buffer, or under
-        ZeRO-2 only its shard (the whole buffer exists only from backward to the reduction)."""
-        assert self._grads is not None, "setup_module() must run first"
-        layout = self._grads.layout
-        numel = layout.shard_numel if self.zero_stage == 2 else layout.numel
-        return numel * layout.params[0].element_size()
-
-    def optimizer_state_bytes(self) -> int:
-        """Bytes of optimizer state on this rank (full / dp under ZeRO)."""
-        from nanotrain.parallel.zero import state_bytes
-
-        return state_bytes(self.optimizer)
-
     # -- teardown --------------------------------------------------------------------------------
     def teardown(self) -> None:
         """Drop hooks and buffers; destroy the groups this strategy created."""
@@ -429,3 +412,4 @@ class MegatronStrategy(Strategy):
             dist.destroy_process_group()
             self._owns_process_group = False
             self._mesh = None  # its groups died with the process group
+            self._pipeline = None

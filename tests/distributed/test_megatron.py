@@ -52,12 +52,19 @@ class RandomTokens(Dataset):
 class SequenceParallelLM(nt.NanoModule):
     """embed -> norm -> Column -> gelu -> Row(+bias) residual -> norm -> head, built with the
     strategy's `sequence_parallel`: a model whose replicated params (norm weights, the Row bias)
-    see only this rank's part of the sequence, which the strategy must sum over tp."""
+    see only this rank's part of the sequence, which the strategy must sum over tp.
+    `follow_strategy=False` builds the layers without sequence parallelism whatever the strategy
+    asks, to check that such a mismatch is refused."""
+
+    def __init__(self, follow_strategy: bool = True) -> None:
+        super().__init__()
+        self.follow_strategy = follow_strategy
 
     def configure_model(self) -> None:
         mesh = self.mesh
         tp_group = None if mesh is None else mesh.tp_group
-        sp = bool(getattr(self._nano_trainer.strategy, "sequence_parallel", False))
+        asked = bool(getattr(self._nano_trainer.strategy, "sequence_parallel", False))
+        sp = asked and self.follow_strategy
         kw = {"tp_group": tp_group, "sequence_parallel": sp}
         self.embed = VocabParallelEmbedding(VOCAB, 32, **kw)
         self.norm1 = RMSNorm(32)
@@ -120,9 +127,12 @@ def roundtrip_state(strategy: Any, module: Any) -> None:
 
 
 def make_module(kind: str) -> nt.NanoModule:
-    """ "tiny" / "tiny-dense": LanguageModelModule on the preset; "sp": SequenceParallelLM."""
+    """ "tiny" / "tiny-dense": LanguageModelModule on the preset; "sp": SequenceParallelLM;
+    "sp-ignored": SequenceParallelLM that never builds sequence-parallel layers."""
     if kind == "sp":
         return SequenceParallelLM()
+    if kind == "sp-ignored":
+        return SequenceParallelLM(follow_strategy=False)
     return nt.LanguageModelModule(kind, vocab_size=LM_VOCAB, lr=1e-2, warmup_steps=2)
 
 
@@ -223,7 +233,7 @@ def _run_layouts(rank: int, world_size: int, root: str, layouts: dict) -> dict:
     # sequence_parallel=True on a model without sequence-parallel layers must refuse to train
     # (its replicated grads would be summed over tp twice over).
     try:
-        fit("tiny-dense", MegatronStrategy(tp=2, sequence_parallel=True), f"{root}/sp-refused")
+        fit("sp-ignored", MegatronStrategy(tp=2, sequence_parallel=True), f"{root}/sp-refused")
     except ValueError as err:
         results["sp refused"] = str(err)
     return results

@@ -21,7 +21,9 @@ from nanotrain.strategies.megatron import MegatronStrategy
         (dict(dp=0), ValueError, "dp must be >= 1"),
         (dict(zero_stage=3), ValueError, "zero_stage must be 0, 1 or 2"),
         (dict(bucket_size_mb=0), ValueError, "bucket_size_mb must be > 0"),
-        (dict(pp=2), NotImplementedError, "pipeline parallel arrives in issue 6"),
+        (dict(virtual_pp=2), ValueError, "virtual_pp=2 needs pp > 1"),
+        (dict(pp=2, schedule="zigzag"), ValueError, "schedule must be one of"),
+        (dict(pp=2, pipeline_layout=[1, 1, 1]), ValueError, "pipeline_layout has 3 entries"),
         (dict(ep=2), NotImplementedError, "expert parallel"),
     ],
 )

@@ -26,8 +26,13 @@ class StepLosses(nt.Callback):
 def _fit(root: str, layout: dict, max_steps: int, ckpt_path=None) -> dict[int, float]:
     recorder = StepLosses()
     trainer = nt.Trainer(
-        strategy=nt.MegatronStrategy(**layout), max_steps=max_steps, global_batch_size=4,
-        micro_batch_size=2, default_root_dir=root, loggers=[], seed=3,
+        strategy=nt.MegatronStrategy(**layout),
+        max_steps=max_steps,
+        global_batch_size=4,
+        micro_batch_size=2,
+        default_root_dir=root,
+        loggers=[],
+        seed=3,
         callbacks=[recorder, ModelCheckpoint(every_n_steps=2)],
     )
     # decay_steps fixed: by default the schedule spans max_steps, which differs between runs

@@ -22,7 +22,7 @@ from nanotrain.parallel import (
     pad_vocab_size,
     vocab_parallel_cross_entropy,
 )
-from nanotrain.parallel.collectives import all_gather_along_dim
+from nanotrain.parallel.collectives import all_gather_along_dim, enter_tensor_parallel_region
 from tests.distributed.spawn import run_world
 
 TOL = dict(rtol=1e-5, atol=1e-6)
@@ -146,6 +146,34 @@ def _check_mlp(group: dist.ProcessGroup, sequence_parallel: bool) -> None:
             torch.testing.assert_close(full, param.grad, **TOL, msg=f"{layer} {name}")
 
 
+def _check_shared_input(group: dist.ProcessGroup, sequence_parallel: bool) -> None:
+    """Two column layers reading one entered input (gate/up style) equal two nn.Linear's:
+    output, input grad (summed over both branches by the single collective), weight grads."""
+    tp, rank = dist.get_world_size(group), dist.get_rank(group)
+    torch.manual_seed(17)
+    gate, up, down = nn.Linear(H, FFN), nn.Linear(H, FFN), nn.Linear(FFN, H)
+    x = torch.randn(B, S, H, generator=torch.Generator().manual_seed(3), requires_grad=True)
+    down(F.silu(gate(x)) * up(x)).pow(2).sum().backward()
+
+    kw = dict(bias=True, tp_group=group, sequence_parallel=sequence_parallel)
+    cols = [ColumnParallelLinear(H, FFN, shared_input=True, **kw) for _ in range(2)]
+    row = RowParallelLinear(FFN, H, **kw)
+    for layer, ref in ((cols[0], gate), (cols[1], up), (row, down)):
+        layer.load_full_state_dict(dict(ref.named_parameters()))
+    split = (lambda t: t.chunk(tp, 1)[rank]) if sequence_parallel else (lambda t: t)
+    x_local = split(x.detach()).clone().requires_grad_()
+    entered = enter_tensor_parallel_region(x_local, group, sequence_parallel=sequence_parallel)
+    assert entered.shape == (B, S, H)  # the whole sequence inside the region
+    y = row(F.silu(cols[0](entered)) * cols[1](entered))
+    # Under sequence parallelism each rank's loss covers its own tokens; together, the reference's.
+    y.pow(2).sum().backward()
+    torch.testing.assert_close(x_local.grad, split(x.grad), **TOL)
+    for layer, ref in ((cols[0], gate), (cols[1], up)):
+        for name in ("weight", "bias"):
+            grad = all_gather_along_dim(getattr(layer, name).grad, 0, group)
+            torch.testing.assert_close(grad, getattr(ref, name).grad, **TOL)
+
+
 def _check_gather_output_and_unsplit_input(group: dist.ProcessGroup) -> None:
     fc1, fc2 = _reference_mlp(seed=9)
     col = ColumnParallelLinear(H, FFN, bias=True, tp_group=group, gather_output=True)
@@ -216,6 +244,8 @@ def _world_of_two(rank: int, world_size: int) -> str:
     _check_init_is_layout_independent(group)
     _check_mlp(group, sequence_parallel=False)
     _check_mlp(group, sequence_parallel=True)
+    _check_shared_input(group, sequence_parallel=False)
+    _check_shared_input(group, sequence_parallel=True)
     _check_gather_output_and_unsplit_input(group)
     _check_embedding(group, vocab=11, sequence_parallel=False)  # padded to 12
     _check_embedding(group, vocab=12, sequence_parallel=True)

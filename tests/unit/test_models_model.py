@@ -168,3 +168,17 @@ def test_bad_inputs_raise():
         m(torch.zeros(1, 3, dtype=torch.long), labels=torch.zeros(1, 2, dtype=torch.long))
     with pytest.raises(TypeError, match="DenseConfig or DeepSeekConfig"):
         build_model({"hidden_size": 8})
+
+
+@pytest.mark.parametrize("name", ["tiny", "tiny-dense"])
+def test_sequence_parallel_on_one_process_changes_nothing(name):
+    # without a tensor-parallel group there is no sequence to split: same model, same outputs
+    ids, labels, _ = _batch(t=7)  # any length: nothing is divided by tp
+    models = [
+        build_model(presets.get(name), generator=torch.Generator().manual_seed(1), **kw).train()
+        for kw in ({}, {"sequence_parallel": True})
+    ]
+    outs = [m(ids, labels=labels) for m in models]
+    assert torch.equal(outs[0].logits, outs[1].logits)
+    assert torch.equal(outs[0].total_loss, outs[1].total_loss)
+    assert models[1].full_seq_len(torch.zeros(2, 7, 4)) == 7

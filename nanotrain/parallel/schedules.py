@@ -1,0 +1,153 @@
+"""Pipeline schedules as plain lists of actions: which microbatch goes forward or backward
+through which local model chunk, in what order, on one pipeline rank.
+
+Every schedule has the same signature ``(num_microbatches, pp_size, pp_rank, num_chunks) ->
+list[Action]``, so the executor (`nanotrain.parallel.pipeline.run_schedule`) and the strategy
+never branch on which one is in use. Timelines for pp=4, m=8 (F = forward, B = backward,
+numbers = microbatch) are drawn in docs/parallelism.md.
+
+- GPipe (Huang et al. 2019): every forward, then every backward. Simple; holds the
+  activations of all m microbatches at once.
+- 1F1B (PipeDream-Flush, Narayanan et al. 2021): ``pp - rank - 1`` warm-up forwards, then
+  alternate one forward and one backward, then the cool-down backwards. Same bubble as GPipe,
+  (p - 1) / (m + p - 1), but at most ``pp - rank`` microbatches in flight.
+- Interleaved 1F1B (Megatron-LM, Narayanan et al. 2021 section 2.2): each rank holds
+  ``num_chunks`` (v) non-consecutive chunks of layers; the bubble shrinks by v, to
+  (p - 1) / (v·m + p - 1) of the step, for v times more point-to-point traffic.
+
+Pure functions: no process group, no tensors.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+__all__ = [
+    "SCHEDULES",
+    "Action",
+    "check_schedule_args",
+    "forward_only",
+    "gpipe",
+    "interleaved_1f1b",
+    "max_in_flight",
+    "one_f_one_b",
+]
+
+
+@dataclass(frozen=True)
+class Action:
+    """One step of a schedule: ``kind`` "F" (forward) or "B" (backward) of ``microbatch``
+    through local ``chunk`` (0 .. num_chunks-1; chunk c of pp rank r is virtual stage
+    ``c * pp + r``)."""
+
+    kind: str
+    microbatch: int
+    chunk: int = 0
+
+
+def check_schedule_args(
+    num_microbatches: int, pp_size: int, pp_rank: int, num_chunks: int = 1
+) -> None:
+    """Raise ValueError for sizes no schedule can run (naming the numbers and the fix)."""
+    if num_microbatches < 1 or pp_size < 1 or num_chunks < 1:
+        raise ValueError(
+            f"need num_microbatches, pp and virtual_pp >= 1, got {num_microbatches}, "
+            f"{pp_size}, {num_chunks}"
+        )
+    if not 0 <= pp_rank < pp_size:
+        raise ValueError(f"pp_rank={pp_rank} is outside [0, {pp_size})")
+
+
+def gpipe(num_microbatches: int, pp_size: int, pp_rank: int, num_chunks: int = 1) -> list[Action]:
+    """All forwards, then all backwards (each chunk in pipeline order)."""
+    check_schedule_args(num_microbatches, pp_size, pp_rank, num_chunks)
+    chunks = range(num_chunks)
+    forwards = [Action("F", m, c) for c in chunks for m in range(num_microbatches)]
+    backwards = [Action("B", m, c) for c in reversed(chunks) for m in range(num_microbatches)]
+    return forwards + backwards
+
+
+def one_f_one_b(
+    num_microbatches: int, pp_size: int, pp_rank: int, num_chunks: int = 1
+) -> list[Action]:
+    """Warm-up forwards, one-forward-one-backward steady state, cool-down backwards.
+
+    Raises:
+        ValueError: for num_chunks != 1 (use `interleaved_1f1b`).
+    """
+    check_schedule_args(num_microbatches, pp_size, pp_rank, num_chunks)
+    if num_chunks != 1:
+        raise ValueError(f"1F1B runs one chunk per rank, got virtual_pp={num_chunks}")
+    m = num_microbatches
+    warmup = min(pp_size - pp_rank - 1, m)
+    actions = [Action("F", i) for i in range(warmup)]
+    for i in range(m - warmup):
+        actions += [Action("F", warmup + i), Action("B", i)]
+    actions += [Action("B", i) for i in range(m - warmup, m)]
+    return actions
+
+
+def interleaved_1f1b(
+    num_microbatches: int, pp_size: int, pp_rank: int, num_chunks: int = 2
+) -> list[Action]:
+    """Megatron's interleaved 1F1B over ``num_chunks`` virtual stages per rank.
+
+    Microbatches go through the chunks in groups of ``pp``: forward k (0 .. m·v-1) is
+    microbatch ``(k // (pp·v))·pp + k % pp`` on chunk ``(k // pp) % v``; backward k the same
+    microbatch on chunk ``v - 1 - (k // pp) % v``.
+
+    Raises:
+        ValueError: when num_microbatches is not a multiple of pp (the groups must be whole).
+    """
+    check_schedule_args(num_microbatches, pp_size, pp_rank, num_chunks)
+    p, v, m = pp_size, num_chunks, num_microbatches
+    if m % p != 0:
+        raise ValueError(
+            f"interleaved 1F1B needs the number of microbatches ({m}) to be a multiple of "
+            f"pp={p}; use global_batch_size / micro_batch_size / dp = {max(p, m // p * p)} "
+            "or virtual_pp=1"
+        )
+
+    def microbatch(k: int) -> int:
+        return (k // (p * v)) * p + k % p
+
+    def fwd(k: int) -> Action:
+        return Action("F", microbatch(k), (k // p) % v)
+
+    def bwd(k: int) -> Action:
+        return Action("B", microbatch(k), v - 1 - (k // p) % v)
+
+    total = m * v
+    # as Megatron: with m == p the steady state has nothing to alternate
+    warmup = total if m == p else min(total, (p - pp_rank - 1) * 2 + (v - 1) * p)
+    actions = [fwd(k) for k in range(warmup)]
+    for k in range(total - warmup):
+        actions += [fwd(warmup + k), bwd(k)]
+    actions += [bwd(k) for k in range(total - warmup, total)]
+    return actions
+
+
+def forward_only(
+    num_microbatches: int, pp_size: int, pp_rank: int, num_chunks: int = 1
+) -> list[Action]:
+    """Forwards only (validation): each microbatch through every local chunk in order."""
+    check_schedule_args(num_microbatches, pp_size, pp_rank, num_chunks)
+    return [Action("F", m, c) for m in range(num_microbatches) for c in range(num_chunks)]
+
+
+def max_in_flight(actions: list[Action]) -> int:
+    """Most (microbatch, chunk) forwards whose backward has not run yet, at any point."""
+    live = peak = 0
+    for action in actions:
+        live += 1 if action.kind == "F" else -1
+        peak = max(peak, live)
+    return peak
+
+
+#: name -> schedule function (the strategy's ``schedule`` argument).
+SCHEDULES: dict[str, Callable[..., list[Action]]] = {
+    "gpipe": gpipe,
+    "1f1b": one_f_one_b,
+    "interleaved_1f1b": interleaved_1f1b,
+}

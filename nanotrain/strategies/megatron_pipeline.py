@@ -1,0 +1,264 @@
+"""The pipeline-parallel half of MegatronStrategy: one optimizer step's schedule, forward-only
+validation through the stages, and the cross-stage sums (loss terms, shared embedding grads,
+grad norms).
+
+How losses travel. Every chunk's forward returns its own loss term: the MoE sequence-wise
+balance losses of its layers, and on the last stage also the LM loss and
+``mtp_loss_weight · mtp_loss``. Each term is backpropagated on the stage that computed it
+(scaled by 1 / num_microbatches), so the gradients are those of the total loss. The terms'
+values (total, lm, aux, mtp, tokens per microbatch) are summed over the pipeline group in one
+small all-reduce after the schedule; the module's ``training_step`` is then *replayed* on
+every stage with those global values (`PipelineStage.replay`), so ``self.log`` sees the same
+numbers on every rank and `StepOutput.loss` is global too. Validation does the same with a
+forward-only schedule.
+"""
+
+from __future__ import annotations
+
+import datetime
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from nanotrain.models.stages import PipelineStage
+from nanotrain.models.transformer import ModelOutput
+from nanotrain.parallel.grads import all_reduce_coalesced
+from nanotrain.parallel.pipeline import PipelineComm, ScheduleStats, run_schedule
+from nanotrain.parallel.schedules import SCHEDULES, forward_only
+
+if TYPE_CHECKING:
+    from nanotrain.module import NanoModule
+    from nanotrain.parallel.data_parallel import GradBuckets
+    from nanotrain.parallel.mesh import ParallelMesh
+
+__all__ = ["PipelineEngine", "embedding_groups", "pick_schedule"]
+
+# columns of the per-microbatch loss-term table
+_TOTAL, _LM, _AUX, _MTP, _HAS_MTP, _COUNT = range(6)
+
+
+def pick_schedule(schedule: str | None, virtual_pp: int) -> str:
+    """The schedule name to use: ``schedule`` checked, or 1F1B / interleaved 1F1B by default.
+
+    Raises:
+        ValueError: for an unknown name or 1F1B with virtual_pp > 1.
+    """
+    if schedule is None:
+        return "interleaved_1f1b" if virtual_pp > 1 else "1f1b"
+    if schedule not in SCHEDULES:
+        raise ValueError(f"schedule must be one of {sorted(SCHEDULES)}, got {schedule!r}")
+    if schedule == "1f1b" and virtual_pp > 1:
+        raise ValueError(
+            f"schedule='1f1b' runs one chunk per rank but virtual_pp={virtual_pp}; use "
+            "schedule='interleaved_1f1b' (or virtual_pp=1)"
+        )
+    return schedule
+
+
+def embedding_groups(mesh: ParallelMesh, timeout: datetime.timedelta | None) -> Any:
+    """Create the {first stage, last stage} group of every pipeline (collective over the world:
+    every rank creates every group in the same order) and return this rank's, or None."""
+    mine = None
+    for ranks in mesh.layout.groups("pp"):
+        pair = sorted({ranks[0], ranks[-1]})
+        group = dist.new_group(pair, timeout=timeout)
+        if mesh.rank in pair:
+            mine = group
+    return mine
+
+
+def _input_ids(batch: Any) -> Tensor:
+    if isinstance(batch, dict) and "input_ids" in batch:
+        return batch["input_ids"]
+    if isinstance(batch, (list, tuple)) and batch and isinstance(batch[0], Tensor):
+        return batch[0]
+    if isinstance(batch, Tensor):
+        return batch
+    raise TypeError(
+        "pipeline parallelism needs token batches (a dict with 'input_ids' or a tensor first), "
+        f"got {type(batch).__name__}"
+    )
+
+
+class PipelineEngine:
+    """Runs schedules for one rank of a pipeline.
+
+    Args:
+        mesh: the strategy's mesh (pp group and coordinates).
+        schedule: a name from `nanotrain.parallel.schedules.SCHEDULES`.
+        virtual_pp: chunks per rank.
+        device: the rank's device.
+        embedding_group: this rank's {first, last} stage group (or None).
+    """
+
+    def __init__(
+        self,
+        mesh: ParallelMesh,
+        schedule: str,
+        virtual_pp: int,
+        device: torch.device,
+        embedding_group: Any,
+    ) -> None:
+        self.mesh, self.schedule, self.virtual_pp = mesh, schedule, virtual_pp
+        self.device, self.embedding_group = device, embedding_group
+        self.last_stats: ScheduleStats | None = None
+
+    @staticmethod
+    def stage_of(module: NanoModule) -> PipelineStage:
+        """The module's `PipelineStage` (built by its ``configure_model`` on a pp mesh).
+
+        Raises:
+            TypeError: when the module built no pipeline stage.
+        """
+        for sub in module.modules():
+            if isinstance(sub, PipelineStage):
+                return sub
+        raise TypeError(
+            "pp > 1 needs a module whose configure_model builds a PipelineStage "
+            "(nanotrain.models.stages.build_pipeline_stage), as LanguageModelModule does"
+        )
+
+    def shared_params(self, module: NanoModule) -> list[torch.nn.Parameter]:
+        """Parameters this stage shares with another (the embedding copy), each once."""
+        stage = self.stage_of(module)
+        named = dict(stage.named_parameters())
+        return [named[n] for n in stage.shared_parameter_names() if named[n].requires_grad]
+
+    def _comm(self, stage: PipelineStage, batch: Any, dtype: torch.dtype) -> PipelineComm:
+        shape = stage.activation_shape(_input_ids(batch).shape)
+        ranks = self.mesh.group_ranks("pp")
+        return PipelineComm(ranks, self.mesh.pp_rank, self.virtual_pp, shape, dtype, self.device)
+
+    def _forward_step(self, stage, step_fn, batches, terms: Tensor):
+        def forward_step(m: int, chunk: int, inp: Tensor | None):
+            stage.select(chunk, inp)
+            result = step_fn(batches[m])
+            out = result.get("stage_output") if isinstance(result, dict) else None
+            if out is None:
+                raise TypeError(
+                    "under pp > 1 the step must return {'loss': ..., 'stage_output': "
+                    "StageOutput} for a pipeline chunk (see LanguageModelModule.training_step)"
+                )
+            row = terms[m]
+            for col, value in ((_TOTAL, out.total_loss), (_LM, out.loss), (_AUX, out.aux_loss)):
+                if value is not None:
+                    row[col] += value.detach().double()
+            if out.mtp_loss is not None:
+                row[_MTP] += out.mtp_loss.detach().double()
+                row[_HAS_MTP] = 1.0
+            if out.num_tokens is not None:
+                row[_COUNT] += out.num_tokens.double()
+            return out.hidden, out.total_loss
+
+        return forward_step
+
+    def _global_terms(self, terms: Tensor, over_dp: bool) -> Tensor:
+        """Sum each microbatch's terms over the stages; with ``over_dp`` also average them over
+        data-parallel replicas (training logs are then global; validation syncs its own)."""
+        if self.mesh.pp_size > 1:
+            dist.all_reduce(terms, group=self.mesh.pp_group)
+        if over_dp and self.mesh.dp_size > 1:
+            dist.all_reduce(terms, group=self.mesh.dp_group)
+            terms /= self.mesh.dp_size
+        return terms
+
+    @staticmethod
+    def _replayed(row: Tensor) -> ModelOutput:
+        def f(col: int) -> Tensor:
+            return row[col].float()
+
+        mtp = f(_MTP) if row[_HAS_MTP] > 0 else None
+        count = row[_COUNT].long()
+        return ModelOutput(None, f(_LM), f(_AUX), mtp, f(_TOTAL), count)
+
+    def train_step(
+        self,
+        module: NanoModule,
+        microbatches: Sequence[Any],
+        batch_idx: int,
+        grads: GradBuckets,
+    ) -> Tensor:
+        """Run the schedule (forward and backward of every microbatch), sum the shared
+        embedding grads, reduce every grad over dp, and replay ``training_step`` with the
+        global loss terms. Returns the sum over microbatches of the total loss of this
+        data-parallel replica (summed over stages; the strategy averages it over dp)."""
+        stage = self.stage_of(module)
+        num_micro = len(microbatches)
+        actions = SCHEDULES[self.schedule](
+            num_micro, self.mesh.pp_size, self.mesh.pp_rank, self.virtual_pp
+        )
+        dtype = next(p.dtype for p in stage.parameters())
+        terms = torch.zeros(num_micro, 6, dtype=torch.float64, device=self.device)
+        step = self._forward_step(
+            stage, lambda b: module.training_step(b, batch_idx), microbatches, terms
+        )
+        shared = self.shared_params(module)
+        # With a shared embedding the dp reduction must wait for the cross-stage sum below;
+        # otherwise it overlaps the last backward as without pipelining.
+        before_last = None if shared else (lambda: grads.set_sync(True))
+        grads.set_sync(False)
+        self.last_stats = run_schedule(
+            actions,
+            self._comm(stage, microbatches[0], dtype),
+            step,
+            loss_scale=1.0 / num_micro,
+            before_last_backward=before_last,
+        )
+        if shared:
+            all_reduce_coalesced([p.grad for p in shared], self.embedding_group)
+        grads.finish()
+        local_total = terms[:, _TOTAL].sum()
+        terms = self._global_terms(terms, over_dp=True)
+        with torch.no_grad():
+            for m, batch in enumerate(microbatches):
+                stage.replay(self._replayed(terms[m]))
+                module.training_step(batch, batch_idx)
+        return self.sum_over_stages(local_total)
+
+    def validation_step(self, module: NanoModule, batch: Any, batch_idx: int) -> Any:
+        """Forward-only through the stages, then ``validation_step`` replayed with the global
+        loss terms on every stage; returns what that replay returns."""
+        stage = self.stage_of(module)
+        dtype = next(p.dtype for p in stage.parameters())
+        terms = torch.zeros(1, 6, dtype=torch.float64, device=self.device)
+        step = self._forward_step(
+            stage, lambda b: module.validation_step(b, batch_idx), [batch], terms
+        )
+        actions = forward_only(1, self.mesh.pp_size, self.mesh.pp_rank, self.virtual_pp)
+        run_schedule(actions, self._comm(stage, batch, dtype), step, forward_only=True)
+        terms = self._global_terms(terms, over_dp=False)
+        stage.replay(self._replayed(terms[0]))
+        with torch.no_grad():
+            return module.validation_step(batch, batch_idx)
+
+    def square_norm_mask(self, module: NanoModule, params: Sequence[Tensor]) -> Tensor:
+        """Per parameter, 1 where this stage counts it in the global norm, 0 for an embedding
+        copy counted on the first stage instead."""
+        shared = {id(p) for p in self.shared_params(module)}
+        skip = not self.mesh.is_first_stage
+        return torch.tensor(
+            [0.0 if skip and id(p) in shared else 1.0 for p in params],
+            dtype=torch.float64,
+            device=self.device,
+        )
+
+    def sum_over_stages(self, value: Tensor) -> Tensor:
+        """All-reduce (sum) ``value`` over the pipeline group, in place; returns it."""
+        if self.mesh.pp_size > 1:
+            dist.all_reduce(value, group=self.mesh.pp_group)
+        return value
+
+    def gather_over_stages(self, named: dict[str, float]) -> dict[str, float]:
+        """Merge every stage's ``{name: value}`` (names of one stage's parameters)."""
+        if self.mesh.pp_size == 1:
+            return named
+        parts: list[dict[str, float]] = [{} for _ in range(self.mesh.pp_size)]
+        dist.all_gather_object(parts, named, group=self.mesh.pp_group)
+        merged: dict[str, float] = {}
+        for part in parts:
+            for name, value in part.items():
+                merged.setdefault(name, value)
+        return merged
