@@ -7,7 +7,8 @@ between steps) and optimizer state, and the bytes each rank sends per step on th
 groups, measured by counting every collective, next to the textbook value:
 
 * tp (Megatron-LM, Shoeybi et al. 2019): 4 all-reduces of the ``[b, s, h]`` activations per
-  layer and microbatch (2 forward, 2 backward);
+  layer and microbatch (2 forward, 2 backward); with sequence parallelism (Korthikanti et al.
+  2022) each all-reduce becomes an all-gather plus a reduce-scatter: the same bytes;
 * dp: one all-reduce of the local gradient (DDP); ZeRO-2 = reduce-scatter of the gradient +
   all-gather of the parameters, the same bytes as DDP; ZeRO-1 here all-reduces the gradient
   (every rank keeps it whole) and then all-gathers parameters, 1.5x DDP.
@@ -48,6 +49,7 @@ LAYOUTS: list[dict[str, Any]] = [
     dict(tp=1, zero_stage=2),
     dict(tp=2),
     dict(tp=2, zero_stage=2),
+    dict(tp=2, sequence_parallel=True),
     dict(tp=4),
 ]
 MODEL = dict(hidden_size=256, intermediate_size=768, num_layers=4, num_heads=8, num_kv_heads=4)
@@ -238,6 +240,7 @@ def main() -> None:
     for layout, r in results:
         book = textbook(r, layout)
         name = f"tp={r['tp']} dp={r['dp']} zero={layout.get('zero_stage', 0)}"
+        name += " sp" if layout.get("sequence_parallel") else ""
         tp_sent, dp_sent = r["comm"].get("tp", 0.0), r["comm"].get("dp", 0.0)
         print(
             f"| {name} | {r['step_s']:.3f} | {_mib(r['param_bytes'])} | {_mib(r['grad_bytes'])} "
