@@ -81,7 +81,12 @@ WORLD2 = {
 WORLD4 = {
     "dense pp=4 gpipe": ("tiny-dense", dict(pp=4, schedule="gpipe")),
     "dense pp=4 1f1b": ("tiny-dense", dict(pp=4, schedule="1f1b")),
-    "deepseek pp=4 interleaved layout": (
+    # 8 virtual stages for 4 layers: every rank holds one layer and one pass-through chunk
+    "dense pp=4 x virtual 2 interleaved": (
+        "tiny-dense",
+        dict(pp=4, virtual_pp=2, pipeline_layout=[1, 0, 1, 0, 0, 1, 0, 1]),
+    ),
+    "deepseek pp=2 x virtual 2 x dp=2 layout 0,2,1,1": (
         "tiny",
         dict(pp=2, virtual_pp=2, dp=2, pipeline_layout=[0, 2, 1, 1]),
     ),
