@@ -62,6 +62,8 @@ class LanguageModelModule(NanoModule):
         self._pretrained: dict[str, torch.Tensor] | None = None
         self.config = self._resolve_config(vocab_size) if vocab_size is not None else None
         self.model: torch.nn.Module | None = None
+        # the last optimizer step's routing statistics (a MoEStats; None for dense models)
+        self.last_moe_stats: Any = None
         self._seq_len: int | None = None
 
     # -- model -------------------------------------------------------------------------------
@@ -200,17 +202,25 @@ class LanguageModelModule(NanoModule):
 
     def on_before_optimizer_step(self, optimizer: Any) -> None:
         """Aux-loss-free balancing: move router biases by the step's expert loads over all
-        ranks (the strategy sums them), then log how unbalanced the loads were.
+        ranks (the strategy sums them), keep the step's `MoEStats` as `last_moe_stats` (None
+        for dense models) for callbacks such as MoELoadMonitor, then log how unbalanced the
+        loads were.
 
         Done here rather than at batch end so that a checkpoint saved at the end of this step
         (callbacks run before the module's hooks) already holds the updated biases. The bias
         only steers the next forward's routing, so updating it before the optimizer step
-        changes nothing else."""
+        changes nothing else. Loads and dropped copies are summed in one collective."""
         trainer = self._nano_trainer
         reduce_fn = None if trainer is None else (lambda t: trainer.strategy.reduce(t, "sum"))
-        loads = self.model.update_router_biases(reduce_fn)
+        stats = self.model.balance_experts(reduce_fn)
+        self.last_moe_stats = stats
         step = None if trainer is None else trainer.global_step + 1  # the step being finished
-        if loads.numel() and step is not None and step % trainer.settings.log_every_n_steps == 0:
+        if (
+            stats is not None
+            and step is not None
+            and step % trainer.settings.log_every_n_steps == 0
+        ):
+            loads = stats.loads
             ratio = (loads.max(dim=-1).values / loads.mean(dim=-1).clamp_min(1e-9)).mean()
             trainer.log_metrics({"moe/max_over_mean_load": ratio}, step=step)
 

@@ -7,6 +7,7 @@ from nanotrain.callbacks.grad_norm import GradNormMonitor
 from nanotrain.callbacks.lr_monitor import LearningRateMonitor
 from nanotrain.callbacks.memory import MemoryMonitor
 from nanotrain.callbacks.model_dump import ModelDump
+from nanotrain.callbacks.moe_load import MoELoadMonitor
 from nanotrain.callbacks.nan_guard import NaNGuard
 from nanotrain.callbacks.progress import ProgressBar
 from nanotrain.callbacks.text_sampler import TextSampler
@@ -33,6 +34,7 @@ __all__ = [
     "MemoryMonitor",
     "ModelCheckpoint",
     "ModelDump",
+    "MoELoadMonitor",
     "NaNGuard",
     "ProgressBar",
     "TextSampler",

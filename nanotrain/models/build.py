@@ -10,6 +10,7 @@ from torch import nn
 from nanotrain.models.config import DeepSeekConfig, DenseConfig
 from nanotrain.models.deepseek import DeepSeekV3
 from nanotrain.models.layers import RMSNorm
+from nanotrain.models.moe import GroupedExperts
 from nanotrain.models.transformer import CausalLM, DenseTransformer
 from nanotrain.parallel.tensor import VocabParallelEmbedding, _TensorParallelModule
 
@@ -31,7 +32,8 @@ def build_model(
 
     Args:
         config: DenseConfig or DeepSeekConfig.
-        mesh: a ParallelMesh or None (one process); its `tp_group` splits heads and widths.
+        mesh: a ParallelMesh or None (one process); its `tp_group` splits heads and widths,
+            its `ep_group` the routed experts of every MoE layer (MTP blocks included).
         device: "meta", "cpu", "cuda", ... (None = "cpu").
         generator: optional torch.Generator on `device` for the initialization.
         sequence_parallel: shard activations outside the tensor-parallel matmuls along the
@@ -41,6 +43,7 @@ def build_model(
         TypeError: for any other config type.
     """
     tp_group = getattr(mesh, "tp_group", None) if mesh is not None else None
+    ep_group = getattr(mesh, "ep_group", None) if mesh is not None else None
     if isinstance(config, DeepSeekConfig):
         cls: type[CausalLM] = DeepSeekV3
     elif isinstance(config, DenseConfig):
@@ -51,7 +54,13 @@ def build_model(
             "use nanotrain.models.presets.get(name) to make one"
         )
     with torch.device("meta"):
-        model = cls(config, tp_group=tp_group, device="meta", sequence_parallel=sequence_parallel)
+        model = cls(
+            config,
+            tp_group=tp_group,
+            device="meta",
+            sequence_parallel=sequence_parallel,
+            ep_group=ep_group,
+        )
     device = torch.device("cpu" if device is None else device)
     if device.type != "meta":
         model.to_empty(device=device)
@@ -66,9 +75,11 @@ def init_weights(model: nn.Module, generator: torch.Generator | None = None) -> 
 
     Matrices and expert stacks (ndim >= 2, embedding included): normal(0, config.init_std);
     RMSNorm weights: ones; other vectors (biases, none in the presets): zeros; buffers
-    (router bias, load counters): zeros. Tied weights are initialized once. A tensor-parallel layer draws its *full* unsharded weight and keeps its
-    own shard, so every tp size gets the same weights from the same generator state (this
-    costs one full-size temporary per layer).
+    (router bias, load counters): zeros. Tied weights are initialized once. A tensor-parallel
+    layer draws its *full* unsharded weight and keeps its own shard, and an expert-parallel
+    `GroupedExperts` draws all E experts and keeps its own, so every tp and ep size gets the
+    same weights from the same generator state (this costs one full-size temporary per
+    layer).
 
     Parameters still on the meta device (the parts of the model another pipeline stage
     builds) are skipped but their draws are made and dropped, so a stage that materializes
@@ -106,6 +117,8 @@ def init_weights(model: nn.Module, generator: torch.Generator | None = None) -> 
                 full[name] = _draw(param, shape, std, isinstance(module, RMSNorm), generator)
         if isinstance(module, _TensorParallelModule) and module.tp_size > 1:
             full = module.shard_full_state_dict(full)
+        if isinstance(module, GroupedExperts) and module.ep_size > 1:
+            full = module.shard_full_state_dict(full)
         for name, param in fresh:
             param.copy_(full[name])
     for buf in model.buffers():
@@ -135,7 +148,9 @@ def _skip_draws(
 
 
 def _full_shape(module: nn.Module, name: str, param: torch.Tensor) -> tuple[int, ...]:
-    """Unsharded shape of `module.<name>` (its own shape outside tensor parallelism)."""
+    """Unsharded shape of `module.<name>` (its own shape outside tensor/expert parallelism)."""
+    if isinstance(module, GroupedExperts):
+        return module.full_shape(name)
     if not isinstance(module, _TensorParallelModule) or module.tp_size == 1:
         return tuple(param.shape)
     if isinstance(module, VocabParallelEmbedding):

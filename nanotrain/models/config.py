@@ -163,6 +163,9 @@ class DeepSeekConfig(_BaseConfig):
         mtp_loss_weight: lambda, the weight of the MTP loss in `total_loss`.
         aux_loss_alpha: alpha of the sequence-wise balance loss (0 = off).
         bias_update_speed: gamma of the aux-loss-free bias update (0 = off).
+        capacity_factor: None = dropless (every routed copy is computed). A number f > 0 caps
+            each expert at ceil(f * N * K / E) copies of a rank's N tokens per MoE forward;
+            copies over the cap are dropped, lowest routing weight first (DeepSeekMoE).
 
     Raises:
         ValueError: on any inconsistent or out-of-range value, with the fix in the message.
@@ -188,6 +191,7 @@ class DeepSeekConfig(_BaseConfig):
     mtp_loss_weight: float = 0.3
     aux_loss_alpha: float = 0.0
     bias_update_speed: float = 0.001
+    capacity_factor: float | None = None
 
     def __post_init__(self) -> None:
         self._validate_common()
@@ -223,6 +227,19 @@ class DeepSeekConfig(_BaseConfig):
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         if self.routed_scaling_factor <= 0:
             raise ValueError(f"routed_scaling_factor must be > 0, got {self.routed_scaling_factor}")
+        self._validate_capacity()
+
+    def _validate_capacity(self) -> None:
+        f = self.capacity_factor
+        if f is None:
+            return
+        if isinstance(f, bool) or not isinstance(f, (int, float)):
+            raise TypeError(f"capacity_factor must be a number or None, got {type(f).__name__}")
+        if not (f > 0 and math.isfinite(f)):
+            raise ValueError(
+                f"capacity_factor must be > 0 and finite, got {f}; use e.g. 1.25 (each expert "
+                "takes up to 1.25x its balanced share of token copies) or None for dropless"
+            )
 
     def _validate_routing(self) -> None:
         e, k = self.n_routed_experts, self.num_experts_per_tok

@@ -32,13 +32,15 @@ def make_deepseek_layer(
     tp_group: Any,
     device: Any,
     sequence_parallel: bool = False,
+    ep_group: Any = None,
 ) -> DecoderLayer:
-    """One DeepSeek decoder layer: MLA + (DeepSeekMoE if `moe` else dense SwiGLU)."""
+    """One DeepSeek decoder layer: MLA + (DeepSeekMoE if `moe` else dense SwiGLU); `ep_group`
+    splits the routed experts of a MoE layer (None: this rank holds them all)."""
     c = config
     kw = {"tp_group": tp_group, "device": device, "sequence_parallel": sequence_parallel}
     attn = MLAttention(c, **kw)
     if moe:
-        mlp: nn.Module = DeepSeekMoE(c, **kw)
+        mlp: nn.Module = DeepSeekMoE(c, ep_group=ep_group, **kw)
     else:
         mlp = SwiGLU(c.hidden_size, c.intermediate_size, **kw)
     return DecoderLayer(attn, mlp, c.hidden_size, c.rms_norm_eps, device)
@@ -67,6 +69,7 @@ class MTPModule(nn.Module):
         tp_group: Any,
         device: Any,
         sequence_parallel: bool = False,
+        ep_group: Any = None,
     ):
         super().__init__()
         c = config
@@ -77,7 +80,12 @@ class MTPModule(nn.Module):
         # V3's MTP block has the same shape as a main-stack MoE layer
         moe = c.first_k_dense_replace < c.num_layers
         self.block = make_deepseek_layer(
-            c, moe, tp_group=tp_group, device=device, sequence_parallel=sequence_parallel
+            c,
+            moe,
+            tp_group=tp_group,
+            device=device,
+            sequence_parallel=sequence_parallel,
+            ep_group=ep_group,
         )
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps, device=device)
 
@@ -92,7 +100,8 @@ class DeepSeekV3(CausalLM):
     """DeepSeek-V3 family model (also covers V2-style configs: softmax routing, no q_lora).
 
     forward(input_ids, labels) runs the MTP modules only when labels are given and the model
-    is in training mode or `run_mtp=True`; inference skips them.
+    is in training mode or `run_mtp=True`; inference skips them. `ep_group` splits the routed
+    experts of every MoE layer, MTP blocks included (see `DeepSeekMoE`).
     """
 
     def __init__(
@@ -102,10 +111,16 @@ class DeepSeekV3(CausalLM):
         tp_group: Any = None,
         device: Any = None,
         sequence_parallel: bool = False,
+        ep_group: Any = None,
     ):
         if not isinstance(config, DeepSeekConfig):
             raise TypeError(f"DeepSeekV3 needs a DeepSeekConfig, got {type(config).__name__}")
-        kw = {"tp_group": tp_group, "device": device, "sequence_parallel": sequence_parallel}
+        kw = {
+            "tp_group": tp_group,
+            "device": device,
+            "sequence_parallel": sequence_parallel,
+            "ep_group": ep_group,
+        }
         super().__init__(config, **kw)
         self.mtp = nn.ModuleList(MTPModule(config, **kw) for _ in range(config.mtp_depth))
 
@@ -121,6 +136,7 @@ class DeepSeekV3(CausalLM):
             tp_group=self.tp_group,
             device=device,
             sequence_parallel=self.sequence_parallel,
+            ep_group=self.ep_group,
         )
 
     def mtp_losses(

@@ -7,10 +7,16 @@ only has to change where tokens go (an all-to-all between `dispatch` and `expert
     dispatch           h, topk_idx          -> x_sorted [N*K, H] grouped by expert, counts [E]
     experts            x_sorted, counts     -> y_sorted [N*K, H] (one matmul per expert slice)
     combine            y_sorted, weights    -> y [N, H] (weighted scatter-add in token order)
+
+With an expert-parallel group, `experts` becomes `run_experts_parallel` (all-to-all to the
+ranks owning the experts and back, `nanotrain.parallel.expert`); with a capacity factor,
+`dispatch` leaves out the copies over each expert's capacity.
 """
 
 from __future__ import annotations
 
+import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -20,24 +26,53 @@ from torch import nn
 
 from nanotrain.models.config import DeepSeekConfig
 from nanotrain.models.layers import SwiGLU
-from nanotrain.parallel.collectives import group_size, reduce_from_tensor_parallel_region
+from nanotrain.parallel.collectives import (
+    group_rank,
+    group_size,
+    reduce_from_tensor_parallel_region,
+)
+from nanotrain.parallel.expert import (
+    capacity_keep_mask,
+    expert_range,
+    mark_expert_params,
+    run_experts_parallel,
+)
 
 
 @dataclass
 class Dispatched:
-    """Token copies sorted by expert.
+    """Token copies sorted by expert (M = N*K copies, fewer when a capacity drops some).
 
     Attributes:
-        x: [N*K, H] token copies, expert 0's first, then expert 1's, ...
-        counts: [E] int64, how many copies each expert received (sums to N*K).
-        token_index: [N*K] int64, the source token (row of the router input) of each copy.
-        slot: [N*K] int64, flat index `token * K + k` of each copy's routing choice.
+        x: [M, H] token copies, expert 0's first, then expert 1's, ...
+        counts: [E] int64, how many copies each expert received (sums to M).
+        token_index: [M] int64, the source token (row of the router input) of each copy.
+        slot: [M] int64, flat index `token * K + k` of each copy's routing choice.
     """
 
     x: torch.Tensor
     counts: torch.Tensor
     token_index: torch.Tensor
     slot: torch.Tensor
+
+
+@dataclass
+class MoEStats:
+    """One optimizer step's routing statistics for the MoE layers of this pipeline stage,
+    summed over every rank that saw part of the global batch.
+
+    Attributes:
+        layers: [L] global decoder-layer indices of the MoE layers (MTP layers after the main
+            ones: index ``num_layers + d`` for MTP module d, counted from 0 as HF numbers it).
+        loads: [L, E] float64, token copies routed to each expert during the step.
+        dropped: [L] float64, token copies dropped by the capacity limit (0 when dropless).
+        biases: [L, E] float32, the aux-loss-free routing biases after this step's update.
+    """
+
+    layers: list[int]
+    loads: torch.Tensor
+    dropped: torch.Tensor
+    biases: torch.Tensor
 
 
 class TopKRouter(nn.Module):
@@ -96,44 +131,87 @@ class TopKRouter(nn.Module):
         return topk_idx, weight * c.routed_scaling_factor, scores
 
 
-def dispatch(h: torch.Tensor, topk_idx: torch.Tensor, num_experts: int) -> Dispatched:
+def dispatch(
+    h: torch.Tensor, topk_idx: torch.Tensor, num_experts: int, keep: torch.Tensor | None = None
+) -> Dispatched:
     """Copy each token once per chosen expert and sort the copies by expert (stable).
 
-    Args: h [N, H]; topk_idx [N, K] int64 in [0, num_experts).
-    Returns: `Dispatched` (see its fields).
+    Args: h [N, H]; topk_idx [N, K] int64 in [0, num_experts); keep: optional [N*K] bool from
+        `capacity_keep_mask` (dropped copies are left out; selecting them costs a host sync).
+    Returns: `Dispatched` (see its fields; with `keep`, M = kept copies instead of N*K).
     """
     k = topk_idx.shape[1]
     flat = topk_idx.reshape(-1)
     slot = torch.argsort(flat, stable=True)  # stable keeps token order within an expert
+    if keep is not None:
+        slot = slot[keep[slot]]
     token_index = slot // k
-    counts = torch.bincount(flat, minlength=num_experts)
+    counts = torch.bincount(flat[slot], minlength=num_experts)
     return Dispatched(h[token_index], counts, token_index, slot)
 
 
 class GroupedExperts(nn.Module):
-    """The routed experts: E SwiGLU MLPs with stacked weights.
+    """The routed experts this rank holds: SwiGLU MLPs with stacked weights.
 
-    Parameters (HF layout): gate_proj, up_proj [E, moe_inter, H]; down_proj [E, H, moe_inter].
-    Shapes: forward(x [M, H] sorted by expert, counts [E]) -> [M, H].
+    Under expert parallelism (`ep_size` > 1) this is the slice of global experts
+    ``[expert_offset, expert_offset + num_local_experts)`` of all `num_experts`; the stacked
+    weights' dim 0 is that slice (`ep_partition_dims`), so initialization and checkpoints
+    can map it to and from the full stack.
+
+    Parameters (HF layout): gate_proj, up_proj [E_local, moe_inter, H];
+    down_proj [E_local, H, moe_inter].
+    Shapes: forward(x [M, H] sorted by local expert, counts [E_local] tensor or ints) -> [M, H].
     """
 
-    def __init__(self, num_experts: int, hidden: int, inter: int, *, device: Any = None):
-        super().__init__()
-        self.gate_proj = nn.Parameter(torch.empty(num_experts, inter, hidden, device=device))
-        self.up_proj = nn.Parameter(torch.empty(num_experts, inter, hidden, device=device))
-        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden, inter, device=device))
+    ep_partition_dims = {"gate_proj": 0, "up_proj": 0, "down_proj": 0}
 
-    def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        # One host sync for the slice sizes; a grouped-GEMM kernel taking device offsets
-        # (e.g. torch._grouped_mm on Hopper) would remove it without changing this interface.
+    def __init__(
+        self,
+        num_experts: int,
+        hidden: int,
+        inter: int,
+        *,
+        ep_size: int = 1,
+        ep_rank: int = 0,
+        device: Any = None,
+    ):
+        super().__init__()
+        start, stop = expert_range(num_experts, ep_size, ep_rank)
+        self.num_experts, self.ep_size, self.ep_rank = num_experts, ep_size, ep_rank
+        self.expert_offset, self.num_local_experts = start, stop - start
+        e = self.num_local_experts
+        self.gate_proj = nn.Parameter(torch.empty(e, inter, hidden, device=device))
+        self.up_proj = nn.Parameter(torch.empty(e, inter, hidden, device=device))
+        self.down_proj = nn.Parameter(torch.empty(e, hidden, inter, device=device))
+
+    def _apply(self, fn: Any, recurse: bool = True) -> GroupedExperts:
+        # Materializing from meta (`to_empty`) or converting may replace the Parameter
+        # objects, which drops the expert tag the strategy looks for: put it back.
+        out = super()._apply(fn, recurse)
+        mark_expert_params(self)
+        return out
+
+    def full_shape(self, name: str) -> tuple[int, ...]:
+        """Shape of parameter `name` stacked over all `num_experts` experts."""
+        return (self.num_experts, *getattr(self, name).shape[1:])
+
+    def shard_full_state_dict(self, full: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """This rank's experts (rows [expert_offset, + num_local_experts)) of full stacks."""
+        stop = self.expert_offset + self.num_local_experts
+        return {name: t[self.expert_offset : stop] for name, t in full.items()}
+
+    def forward(self, x: torch.Tensor, counts: torch.Tensor | Sequence[int]) -> torch.Tensor:
+        # One host sync for the slice sizes (none when the caller already has them as ints);
+        # a grouped-GEMM kernel taking device offsets (e.g. torch._grouped_mm on Hopper) would
+        # remove it without changing this interface.
+        sizes = counts.tolist() if isinstance(counts, torch.Tensor) else list(counts)
         outputs = []
-        for e, x_e in enumerate(x.split(counts.tolist(), dim=0)):
-            if x_e.shape[0] == 0:
-                continue
+        for e, x_e in enumerate(x.split(sizes, dim=0)):
+            # an expert with no copies still runs (on 0 rows): its weights then get a zero
+            # gradient instead of none, so every rank's graph, and hence its backward
+            # collectives, has the same shape whatever the routing
             a = F.silu(x_e @ self.gate_proj[e].T) * (x_e @ self.up_proj[e].T)  # (M_e, inter)
             outputs.append(a @ self.down_proj[e].T)  # (M_e, H)
-        if not outputs:
-            return x.new_zeros(x.shape)
         return torch.cat(outputs, dim=0)
 
 
@@ -196,18 +274,31 @@ class DeepSeekMoE(nn.Module):
     """Shared experts + routed experts + router; counts expert load for aux-loss-free balancing.
 
     `expert_load` (a non-persistent int64 buffer [E], so `model.to(bfloat16)` leaves it exact)
-    accumulates how many token copies each
-    expert received in training-mode forwards since `reset_load()`.
+    accumulates how many token copies the router sent to each of ALL E experts in
+    training-mode forwards since `reset_load()`, before any capacity drop; `dropped_tokens`
+    (int64 scalar, same rules) counts the copies a capacity limit dropped.
 
-    Tensor parallelism splits the shared experts' width; the router and the routed experts are
-    replicated. With `sequence_parallel` every part runs on this rank's tokens
-    [B, T / tp, H] (the routed ones without any communication), `expert_load` counts only
-    those tokens (sum it over tp: `CausalLM.update_router_biases` does), the balance loss sums
-    its per-sequence statistics over tp, and the router's and routed experts' grads are partial
-    sums over tp (the strategy sums the grads of tp-replicated parameters).
+    Tensor parallelism splits the shared experts' width; the router is replicated. With
+    `sequence_parallel` every part runs on this rank's tokens [B, T / tp, H],
+    `expert_load` counts only those tokens (sum it over tp: `moe_balance_step` does), the
+    balance loss sums its per-sequence statistics over tp, and the router's and routed
+    experts' grads are partial sums over tp (the strategy sums the grads of tp-replicated
+    parameters).
+
+    Expert parallelism (`ep_group` of P ranks) gives this rank only the routed experts
+    [ep_rank * E / P, (ep_rank + 1) * E / P); the router still scores all E, and token copies
+    travel to their experts' ranks and back by all-to-all (`nanotrain.parallel.expert`).
+    The routed experts' parameters are always tagged with `mark_expert_params`.
+
+    `config.capacity_factor` f (None = dropless) caps each expert at
+    C = ceil(f * N * K / E) copies of this rank's N tokens, dropping the rest before dispatch
+    (policy: `capacity_keep_mask`), in training and evaluation alike.
 
     Shapes: forward(x [B, T, H]) -> (y [B, T, H], aux_loss scalar). aux_loss is the
     sequence-wise balance loss times alpha (0 when alpha is 0 or in eval mode).
+
+    Raises:
+        ValueError: if the ep group's size does not divide n_routed_experts.
     """
 
     def __init__(
@@ -215,6 +306,7 @@ class DeepSeekMoE(nn.Module):
         config: DeepSeekConfig,
         *,
         tp_group: Any = None,
+        ep_group: Any = None,
         device: Any = None,
         sequence_parallel: bool = False,
     ):
@@ -223,10 +315,17 @@ class DeepSeekMoE(nn.Module):
         self.config = c
         # the group holding the rest of each sequence (None: this rank holds whole sequences)
         self.sequence_group = tp_group if sequence_parallel else None
+        self.ep_group = ep_group
         self.gate = TopKRouter(c, device=device)
         self.experts = GroupedExperts(
-            c.n_routed_experts, c.hidden_size, c.moe_intermediate_size, device=device
+            c.n_routed_experts,
+            c.hidden_size,
+            c.moe_intermediate_size,
+            ep_size=group_size(ep_group),
+            ep_rank=group_rank(ep_group),
+            device=device,
         )
+        mark_expert_params(self.experts)  # (GroupedExperts re-tags after to_empty / .to())
         self.shared_experts = None
         if c.n_shared_experts > 0:
             width = c.n_shared_experts * c.moe_intermediate_size
@@ -237,31 +336,65 @@ class DeepSeekMoE(nn.Module):
                 device=device,
                 sequence_parallel=sequence_parallel,
             )
-        self.register_buffer(
-            "expert_load",
-            torch.zeros(c.n_routed_experts, dtype=torch.long, device=device),
-            persistent=False,
-        )
+        e = c.n_routed_experts
+        for name, shape in (("expert_load", (e,)), ("dropped_tokens", ())):
+            self.register_buffer(
+                name, torch.zeros(shape, dtype=torch.long, device=device), persistent=False
+            )
 
     def reset_load(self) -> None:
-        """Zero the expert load counter."""
+        """Zero the expert load and dropped-copy counters."""
         self.expert_load.zero_()
+        self.dropped_tokens.zero_()
+
+    def capacity(self, num_tokens: int) -> int | None:
+        """Copies each expert accepts from `num_tokens` tokens (None: dropless)."""
+        c = self.config
+        if c.capacity_factor is None:
+            return None
+        return math.ceil(
+            c.capacity_factor * num_tokens * c.num_experts_per_tok / c.n_routed_experts
+        )
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         b, t, hidden = x.shape
+        e = self.config.n_routed_experts
         h = x.reshape(b * t, hidden)
         topk_idx, topk_weight, scores = self.gate(h)
-        d = dispatch(h, topk_idx, self.config.n_routed_experts)
-        y = combine(self.experts(d.x, d.counts), d, topk_weight, b * t).view(b, t, hidden)
+        capacity = self.capacity(b * t)
+        keep = None if capacity is None else capacity_keep_mask(topk_idx, topk_weight, e, capacity)
+        d = dispatch(h, topk_idx, e, keep)
+        y_sorted = run_experts_parallel(d.x, d.counts, self.experts, self.ep_group)
+        y = combine(y_sorted, d, topk_weight, b * t).view(b, t, hidden)
         if self.shared_experts is not None:
             y = y + self.shared_experts(x)
         aux = x.new_zeros((), dtype=torch.float32)
         if self.training:
-            self.expert_load += d.counts
+            # routing demand over all E experts (the router is replicated), drops or not
+            self.expert_load += torch.bincount(topk_idx.reshape(-1), minlength=e)
+            if keep is not None:
+                self.dropped_tokens += keep.numel() - keep.sum()
             if self.config.aux_loss_alpha > 0:
                 alpha = self.config.aux_loss_alpha
                 aux = sequence_balance_loss(scores, topk_idx, b, alpha, self.sequence_group)
         return y, aux
+
+
+def reduce_load(
+    moe_layers: list[DeepSeekMoE], reduce_fn: Any = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The layers' expert loads and dropped copies, summed by ONE call of `reduce_fn`.
+
+    Args: moe_layers (L of them); reduce_fn: optional callable summing a tensor across
+        processes, called once on the int64 stack [L, E + 1] (dropped copies in the last
+        column).
+    Returns: loads [L, E] float64, dropped [L] float64.
+    """
+    stacked = torch.stack([torch.cat([m.expert_load, m.dropped_tokens[None]]) for m in moe_layers])
+    if reduce_fn is not None:
+        stacked = reduce_fn(stacked)
+    stacked = stacked.double()
+    return stacked[:, :-1], stacked[:, -1]
 
 
 @torch.no_grad()
@@ -269,23 +402,49 @@ def update_bias(moe_layers: list[DeepSeekMoE], speed: float, reduce_fn: Any = No
     """Aux-loss-free balancing step (DeepSeek-V3 section 2.1.2) for every MoE layer at once.
 
     b_i -= speed if expert i was overloaded (load above the layer's mean), += speed if
-    underloaded; then the load counters are reset.
+    underloaded; then the load counters are reset. See `moe_balance_step` for the version
+    that also reports drops and biases.
 
-    Args:
-        moe_layers: the layers whose `expert_load` was accumulated since the last call.
-        speed: gamma. reduce_fn: optional callable summing a tensor across processes (called
-            once, on the stacked loads [L, E]).
+    Args: moe_layers, speed (gamma), reduce_fn: as `moe_balance_step`.
     Returns: the (reduced) loads [L, E] that drove the update, for logging.
     """
     if not moe_layers:
         return torch.zeros(0, 0)
-    loads = torch.stack([m.expert_load for m in moe_layers])  # (L, E)
-    if reduce_fn is not None:
-        loads = reduce_fn(loads)
-    loads = loads.double()
+    return moe_balance_step(moe_layers, list(range(len(moe_layers))), speed, reduce_fn).loads
+
+
+@torch.no_grad()
+def moe_balance_step(
+    moe_layers: list[DeepSeekMoE],
+    layer_ids: list[int],
+    speed: float,
+    reduce_fn: Any = None,
+    sequence_group: Any = None,
+) -> MoEStats | None:
+    """Reduce the step's routing statistics once, move the router biases, reset the counters.
+
+    Args:
+        moe_layers: the layers whose counters were accumulated since the last call.
+        layer_ids: their global decoder-layer indices (`MoEStats.layers`).
+        speed: gamma of the bias update (0 = biases stay).
+        reduce_fn: optional callable summing a tensor across the processes holding other
+            samples (data/expert parallel); called once, on the stack of `reduce_load`.
+        sequence_group: under sequence parallelism, the tensor-parallel group whose ranks
+            counted other tokens of the same samples (summed first); None otherwise.
+    Returns: `MoEStats` (biases after the update), or None without MoE layers.
+    """
+    if not moe_layers:
+        return None
+
+    def reduce_all(stacked: torch.Tensor) -> torch.Tensor:
+        stacked = reduce_from_tensor_parallel_region(stacked, sequence_group)
+        return stacked if reduce_fn is None else reduce_fn(stacked)
+
+    loads, dropped = reduce_load(moe_layers, reduce_all)
     direction = torch.sign(loads.mean(dim=-1, keepdim=True) - loads)
     for layer, step in zip(moe_layers, direction, strict=True):
         bias = layer.gate.e_score_correction_bias
         bias += (speed * step).to(bias.dtype)
         layer.reset_load()
-    return loads
+    biases = torch.stack([m.gate.e_score_correction_bias.float() for m in moe_layers])
+    return MoEStats(list(layer_ids), loads, dropped, biases)

@@ -33,9 +33,8 @@ from torch import nn
 
 from nanotrain.models.build import build_model, init_weights
 from nanotrain.models.layers import tp_size_of
-from nanotrain.models.moe import DeepSeekMoE, update_bias
+from nanotrain.models.moe import DeepSeekMoE, MoEStats, moe_balance_step
 from nanotrain.models.transformer import CausalLM, ModelOutput
-from nanotrain.parallel.collectives import reduce_from_tensor_parallel_region
 from nanotrain.parallel.pipeline import stage_layers
 
 __all__ = ["PipelineStage", "StageOutput", "build_pipeline_stage"]
@@ -169,23 +168,37 @@ class PipelineStage(nn.Module):
         return StageOutput(logits, loss, aux, mtp_loss, total, count)
 
     # -- MoE bias balancing --------------------------------------------------------------------
+    def indexed_moe_layers(self) -> list[tuple[int, DeepSeekMoE]]:
+        """(global layer index, module) of this stage's DeepSeekMoE layers: its decoder layers
+        in index order, then MTP module d as ``num_layers + d`` (last stage only)."""
+        found = [(int(i), layer.mlp) for i, layer in self.layers.items()]
+        found += [
+            (self.config.num_layers + d, m.block.mlp)
+            for d, m in enumerate(getattr(self, "mtp", ()))
+        ]
+        return sorted((i, m) for i, m in found if isinstance(m, DeepSeekMoE))
+
     def moe_layers(self) -> list[DeepSeekMoE]:
         """The DeepSeekMoE modules of this stage (its layers first, then MTP blocks)."""
-        return [m for m in self.modules() if isinstance(m, DeepSeekMoE)]
+        return [m for _, m in self.indexed_moe_layers()]
+
+    def balance_experts(self, reduce_fn: Any = None) -> MoEStats | None:
+        """Aux-loss-free balancing of this stage's MoE layers (see
+        `CausalLM.balance_experts`; each layer lives on one stage only, so summing its
+        counts over data parallelism gives the global batch's)."""
+        indexed = self.indexed_moe_layers()
+        return moe_balance_step(
+            [m for _, m in indexed],
+            [i for i, _ in indexed],
+            getattr(self.config, "bias_update_speed", 0.0),
+            reduce_fn,
+            self.tp_group if self.sequence_parallel else None,
+        )
 
     def update_router_biases(self, reduce_fn: Any = None) -> torch.Tensor:
-        """Aux-loss-free balancing of this stage's MoE layers (see
-        `CausalLM.update_router_biases`; each layer lives on one stage only, so summing its
-        loads over data parallelism gives the global batch's)."""
-        speed = getattr(self.config, "bias_update_speed", 0.0)
-        if not self.sequence_parallel or tp_size_of(self.tp_group) == 1:
-            return update_bias(self.moe_layers(), speed, reduce_fn)
-
-        def reduce_over_tp_then(loads: torch.Tensor) -> torch.Tensor:
-            loads = reduce_from_tensor_parallel_region(loads, self.tp_group)
-            return loads if reduce_fn is None else reduce_fn(loads)
-
-        return update_bias(self.moe_layers(), speed, reduce_over_tp_then)
+        """`balance_experts`, returning only the loads [L, E] ([0, 0] without MoE layers)."""
+        stats = self.balance_experts(reduce_fn)
+        return torch.zeros(0, 0) if stats is None else stats.loads
 
 
 def build_pipeline_stage(
@@ -202,7 +215,8 @@ def build_pipeline_stage(
 
     Args:
         config: DenseConfig or DeepSeekConfig.
-        mesh: a ParallelMesh (its pp size and rank pick the chunks, its tp group splits them).
+        mesh: a ParallelMesh (its pp size and rank pick the chunks, its tp group splits them,
+            its ep group splits the routed experts of the stage's MoE layers).
         virtual_pp: chunks per rank (interleaved schedule).
         layout: layers per virtual stage (see `nanotrain.parallel.pipeline.partition_layers`).
         device: where the owned modules live (None = "cpu").

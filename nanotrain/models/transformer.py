@@ -16,8 +16,7 @@ from torch import nn
 from nanotrain.models.attention import DenseAttention
 from nanotrain.models.config import DeepSeekConfig, DenseConfig
 from nanotrain.models.layers import RMSNorm, SwiGLU, rope_cos_sin, tp_size_of
-from nanotrain.models.moe import DeepSeekMoE, update_bias
-from nanotrain.parallel.collectives import reduce_from_tensor_parallel_region
+from nanotrain.models.moe import DeepSeekMoE, MoEStats, moe_balance_step
 from nanotrain.parallel.cross_entropy import vocab_parallel_cross_entropy
 from nanotrain.parallel.tensor import ColumnParallelLinear, VocabParallelEmbedding, pad_vocab_size
 
@@ -96,6 +95,8 @@ class CausalLM(nn.Module):
             output, norms, residual stream) along the sequence over `tp_group`: hidden states
             are [B, T / tp, H] from the embedding to the head, which gathers them before the
             vocab-parallel cross-entropy. T must be divisible by tp.
+        ep_group: expert-parallel group splitting the routed experts of MoE layers (None: one
+            rank holds them all; dense models ignore it).
     """
 
     def __init__(
@@ -105,10 +106,12 @@ class CausalLM(nn.Module):
         tp_group: Any,
         device: Any,
         sequence_parallel: bool = False,
+        ep_group: Any = None,
     ):
         super().__init__()
         self.config = config
         self.tp_group = tp_group
+        self.ep_group = ep_group
         self.sequence_parallel = sequence_parallel
         c = config
         sp = {"sequence_parallel": sequence_parallel}
@@ -202,28 +205,44 @@ class CausalLM(nn.Module):
         total = None if loss is None else loss + aux
         return ModelOutput(logits, loss, aux, None, total, count)
 
+    def indexed_moe_layers(self) -> list[tuple[int, DeepSeekMoE]]:
+        """(global layer index, module) of every DeepSeekMoE: the main stack's layers, then
+        MTP module d as index ``num_layers + d`` (d from 0)."""
+        found = [(i, layer.mlp) for i, layer in enumerate(self.layers)]
+        found += [
+            (self.config.num_layers + d, m.block.mlp)
+            for d, m in enumerate(getattr(self, "mtp", ()))
+        ]
+        return [(i, m) for i, m in found if isinstance(m, DeepSeekMoE)]
+
     def moe_layers(self) -> list[DeepSeekMoE]:
         """Every DeepSeekMoE module of the model (main stack first, then MTP blocks)."""
-        return [m for m in self.modules() if isinstance(m, DeepSeekMoE)]
+        return [m for _, m in self.indexed_moe_layers()]
 
-    def update_router_biases(self, reduce_fn: Any = None) -> torch.Tensor:
-        """Aux-loss-free balancing step from the expert loads counted since the last call.
+    def balance_experts(self, reduce_fn: Any = None) -> MoEStats | None:
+        """Aux-loss-free balancing step from the routing counted since the last call.
 
         Call once per optimizer step. reduce_fn: optional callable that sums a tensor across
         the processes holding other samples (data/expert parallel); None counts this process
         only. Under sequence parallelism the tensor-parallel ranks hold different tokens of the
-        same samples: their loads are summed over `tp_group` here, before `reduce_fn`.
-        Returns: the loads [num_moe_layers, E] that drove the update ([0, 0] for dense).
+        same samples: their counts are summed over `tp_group` first.
+        Returns: the step's `MoEStats` (None for a dense model).
         """
-        speed = getattr(self.config, "bias_update_speed", 0.0)
-        if not self.sequence_parallel or tp_size_of(self.tp_group) == 1:
-            return update_bias(self.moe_layers(), speed, reduce_fn)
+        indexed = self.indexed_moe_layers()
+        sequence_group = self.tp_group if self.sequence_parallel else None
+        return moe_balance_step(
+            [m for _, m in indexed],
+            [i for i, _ in indexed],
+            getattr(self.config, "bias_update_speed", 0.0),
+            reduce_fn,
+            sequence_group,
+        )
 
-        def reduce_over_tp_then(loads: torch.Tensor) -> torch.Tensor:
-            loads = reduce_from_tensor_parallel_region(loads, self.tp_group)
-            return loads if reduce_fn is None else reduce_fn(loads)
-
-        return update_bias(self.moe_layers(), speed, reduce_over_tp_then)
+    def update_router_biases(self, reduce_fn: Any = None) -> torch.Tensor:
+        """`balance_experts`, returning only the loads [num_moe_layers, E] that drove the
+        update ([0, 0] for dense)."""
+        stats = self.balance_experts(reduce_fn)
+        return torch.zeros(0, 0) if stats is None else stats.loads
 
 
 class DenseTransformer(CausalLM):
@@ -236,11 +255,16 @@ class DenseTransformer(CausalLM):
         tp_group: Any = None,
         device: Any = None,
         sequence_parallel: bool = False,
+        ep_group: Any = None,
     ):
         if not isinstance(config, DenseConfig):
             raise TypeError(f"DenseTransformer needs a DenseConfig, got {type(config).__name__}")
         super().__init__(
-            config, tp_group=tp_group, device=device, sequence_parallel=sequence_parallel
+            config,
+            tp_group=tp_group,
+            device=device,
+            sequence_parallel=sequence_parallel,
+            ep_group=ep_group,
         )
 
     @property

@@ -20,6 +20,12 @@ Together with the strategy's ``loss / num_microbatches`` this is the gradient of
 microbatch means, which equals the token-averaged gradient when every microbatch carries the
 same number of tokens.
 
+Expert parallelism needs two such buffers (`GradBucketSets`): dense weights reduced over the
+data-parallel group, expert weights over the smaller expert-data-parallel group. The expert
+buffer still divides by the full ``dp`` (its ``divisor``): each expert's local gradient already
+sums the token gradients of every rank of its expert-parallel group (the all-to-all brought
+them), so summing over the ``dp / ep`` expert-data ranks adds up all ``dp`` replicas' terms.
+
 This module knows nothing of the Trainer; it needs only a process group.
 """
 
@@ -38,7 +44,7 @@ from nanotrain.parallel.collectives import group_rank, group_size
 # torch 2.13 renamed the single-tensor forms (the old names warn); older torch has only those.
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
-__all__ = ["Bucket", "FlatLayout", "GradBuckets", "ShardPiece", "backward_order"]
+__all__ = ["Bucket", "FlatLayout", "GradBucketSets", "GradBuckets", "ShardPiece", "backward_order"]
 
 
 @dataclass(frozen=True)
@@ -160,13 +166,21 @@ class GradBuckets:
         reduce_scatter: False: all-reduce, every rank ends with the whole averaged gradient.
             True (ZeRO-2): each rank receives only its owned slices, in `shard_grad`
             ``[numel / dp]``; call `release()` afterwards to drop the full buffer.
+        divisor: what each gradient is divided by before the sum; None: the group's size
+            (the mean over replicas). Expert weights pass the full dp size (module docstring).
 
     Raises:
         TypeError: when the parameters do not all share one dtype and device.
+        ValueError: when the layout was padded for another group size, or ``divisor < 1``.
     """
 
     def __init__(
-        self, layout: FlatLayout, group: ProcessGroup | None, *, reduce_scatter: bool = False
+        self,
+        layout: FlatLayout,
+        group: ProcessGroup | None,
+        *,
+        reduce_scatter: bool = False,
+        divisor: int | None = None,
     ) -> None:
         params = layout.params
         kinds = {(p.dtype, p.device) for p in params}
@@ -180,6 +194,14 @@ class GradBuckets:
         self.group = group
         self.dp_size = group_size(group)
         self.dp_rank = group_rank(group)
+        if layout.dp_size != self.dp_size:
+            raise ValueError(
+                f"the flat layout is padded for {layout.dp_size} ranks but the group has "
+                f"{self.dp_size}; build FlatLayout with dp_size={self.dp_size}"
+            )
+        self.divisor = self.dp_size if divisor is None else divisor
+        if self.divisor < 1:
+            raise ValueError(f"divisor must be >= 1, got {self.divisor}")
         self.reduce_scatter = reduce_scatter
         self._dtype, self._device = params[0].dtype, params[0].device
         self.buffer: Tensor | None = None
@@ -241,14 +263,13 @@ class GradBuckets:
         assert self.buffer is not None, "attach() must run before backward"
         bucket = self.layout.buckets[b]
         self._next_bucket = b + 1
+        view = self.buffer[bucket.start : bucket.end]
+        if self.divisor != 1:
+            view.div_(self.divisor)  # sum of grads / dp = the mean over replicas
         if self.dp_size == 1:
             if self.shard_grad is not None:
-                self.shard_grad[bucket.start : bucket.end].copy_(
-                    self.buffer[bucket.start : bucket.end]
-                )
+                self.shard_grad[bucket.start : bucket.end].copy_(view)
             return
-        view = self.buffer[bucket.start : bucket.end]
-        view.div_(self.dp_size)  # sum of grads / dp = the mean over replicas
         if self.reduce_scatter:
             assert self.shard_grad is not None
             lo = bucket.start // self.dp_size
@@ -258,20 +279,91 @@ class GradBuckets:
             work = dist.all_reduce(view, group=self.group, async_op=True)
         self._handles.append(work)
 
-    def finish(self) -> None:
-        """Launch the buckets not yet launched (params without a grad), wait for all of them."""
+    def launch_remaining(self) -> None:
+        """Launch the buckets not yet launched (e.g. holding params that got no grad)."""
         while self._next_bucket < len(self.layout.buckets):
             self._launch(self._next_bucket)
+
+    def wait(self) -> None:
+        """Wait for every launched collective; the gradients are then reduced."""
         for work in self._handles:
             work.wait()
         self._reset_counts()
         self._sync = False
+
+    def finish(self) -> None:
+        """Launch the buckets not yet launched, wait for all of them."""
+        self.launch_remaining()
+        self.wait()
 
     def remove_hooks(self) -> None:
         """Unregister the gradient hooks (call when the strategy is torn down)."""
         for hook in self._hooks:
             hook.remove()
         self._hooks = []
+
+
+class GradBucketSets:
+    """Several `GradBuckets` (each over its own group) driven as one, e.g. dense weights over
+    the data-parallel group and expert weights over the expert-data-parallel group.
+
+    Offers the per-step interface of `GradBuckets` (`attach`, `set_sync`, `finish`, `release`,
+    `zero_`, `remove_hooks`) and numbers the parameters of all sets one after another:
+    `params` is set 0's parameters, then set 1's, ...; `offset(k)` is where set ``k`` starts.
+
+    Args:
+        sets: at least one `GradBuckets`, over disjoint parameters.
+
+    Raises:
+        ValueError: for no set, or a parameter in two sets.
+    """
+
+    def __init__(self, sets: Sequence[GradBuckets]) -> None:
+        self.sets = list(sets)
+        if not self.sets:
+            raise ValueError("GradBucketSets needs at least one GradBuckets")
+        self.params = [p for s in self.sets for p in s.layout.params]
+        if len({id(p) for p in self.params}) != len(self.params):
+            raise ValueError("a parameter appears in two gradient bucket sets; split them apart")
+        self._offsets = [0]
+        for s in self.sets[:-1]:
+            self._offsets.append(self._offsets[-1] + len(s.layout.params))
+
+    def offset(self, k: int) -> int:
+        """Index in `params` of set ``k``'s first parameter."""
+        return self._offsets[k]
+
+    def attach(self) -> None:
+        """`GradBuckets.attach` on every set."""
+        for s in self.sets:
+            s.attach()
+
+    def set_sync(self, sync: bool) -> None:
+        """`GradBuckets.set_sync` on every set."""
+        for s in self.sets:
+            s.set_sync(sync)
+
+    def finish(self) -> None:
+        """Launch what is left in every set, then wait for all (sets overlap each other)."""
+        for s in self.sets:
+            s.launch_remaining()
+        for s in self.sets:
+            s.wait()
+
+    def release(self) -> None:
+        """`GradBuckets.release` on every set (ZeRO-2)."""
+        for s in self.sets:
+            s.release()
+
+    def zero_(self) -> None:
+        """`GradBuckets.zero_` on every set."""
+        for s in self.sets:
+            s.zero_()
+
+    def remove_hooks(self) -> None:
+        """`GradBuckets.remove_hooks` on every set."""
+        for s in self.sets:
+            s.remove_hooks()
 
 
 def backward_order(module: nn.Module) -> list[nn.Parameter]:

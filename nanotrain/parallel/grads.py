@@ -5,7 +5,9 @@ Counting rule of the global norm. A parameter is either *tp-sharded* (each tenso
 holds a different slice: its squared norm is summed over the tp group) or *tp-replicated* (every
 tp rank holds the same tensor: counted once, on tp rank 0). Under ZeRO-2 each data-parallel rank
 holds a different slice of every gradient, so the squares are summed over the dp group as well.
-Pipeline stages (a later issue) will add the pp group to the same sum.
+The caller passes the groups per parameter set: routed experts, split over expert parallelism,
+add the ep group (and under ZeRO-2 their expert-dp group instead of dp); pipeline stages are
+summed afterwards over the pp group.
 """
 
 from __future__ import annotations

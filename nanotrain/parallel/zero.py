@@ -20,6 +20,9 @@ One step::
     then:   all-gather every bucket's slices, so every rank again holds all parameters
 
 Optimizer state (e.g. AdamW's two moments) exists only for the pieces: ``full / dp`` per rank.
+Under expert parallelism the expert weights form a second flat buffer, sharded over the
+expert-data-parallel group (``dp / ep`` ranks) instead; since each rank holds only ``1 / ep``
+of the experts, its share of their state is again ``full / dp``.
 The update is exact for optimizers whose update is elementwise (`ELEMENTWISE_OPTIMIZERS`): the
 same numbers come out whether a tensor is updated whole or in flat pieces. Master weights for
 low-precision training belong to the precision plugins (a later issue); here parameters are
@@ -31,10 +34,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
-from torch.distributed import ProcessGroup
 
-from nanotrain.parallel.collectives import group_rank, group_size
-from nanotrain.parallel.data_parallel import FlatLayout, GradBuckets, ShardPiece
+from nanotrain.parallel.data_parallel import FlatLayout, GradBuckets, GradBucketSets, ShardPiece
 
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
@@ -82,7 +83,9 @@ def state_bytes(optimizer: torch.optim.Optimizer) -> int:
     )
 
 
-def _check_optimizer(optimizer: torch.optim.Optimizer, layout: FlatLayout) -> dict[int, int]:
+def _check_optimizer(
+    optimizer: torch.optim.Optimizer, params: list[nn.Parameter]
+) -> dict[int, int]:
     """Validate that ``optimizer`` can be sharded; return ``id(param) -> group index``."""
     if not isinstance(optimizer, ELEMENTWISE_OPTIMIZERS):
         names = ", ".join(c.__name__ for c in ELEMENTWISE_OPTIMIZERS)
@@ -96,7 +99,7 @@ def _check_optimizer(optimizer: torch.optim.Optimizer, layout: FlatLayout) -> di
             "ZeRO must shard the optimizer before its first step, but it already has state; "
             "load optimizer checkpoints after the strategy's setup_optimizers"
         )
-    known = {id(p) for p in layout.params}
+    known = {id(p) for p in params}
     group_of = {}
     for gi, group in enumerate(optimizer.param_groups):
         for p in group["params"]:
@@ -111,82 +114,99 @@ def _check_optimizer(optimizer: torch.optim.Optimizer, layout: FlatLayout) -> di
 
 
 class ZeroOptimizer:
-    """Shards ``optimizer`` (in place) over the data-parallel group and runs its step.
+    """Shards ``optimizer`` (in place) over data-parallel groups and runs its step.
+
+    Each gradient bucket set is sharded over its own group: with expert parallelism, dense
+    weights over the data-parallel group and expert weights over the expert-data-parallel
+    group (`nanotrain.parallel.data_parallel.GradBucketSets`). Parameter indices are those of
+    `GradBucketSets.params` (set 0's parameters first, then set 1's, ...).
 
     Args:
-        optimizer: the module's optimizer over the layout's parameters, not yet stepped.
-        layout: the flat layout the gradient buckets use (same parameters, same order).
-        grads: the gradient buckets: ZeRO-1 reads its full buffer, ZeRO-2 its `shard_grad`.
-        group: the data-parallel group.
+        optimizer: the module's optimizer over the sets' parameters, not yet stepped.
+        grads: the gradient buckets (one `GradBuckets` or a `GradBucketSets`): ZeRO-1 reads
+            each set's full buffer, ZeRO-2 its `shard_grad`; the group of each set is the
+            group its parameters and optimizer state are sharded over.
         stage: 1 or 2.
 
     Raises:
         TypeError: for an optimizer whose update is not elementwise.
         ValueError: for a stage other than 1 or 2, an optimizer that already has state, or
-            one holding tensors that are not the layout's parameters.
+            one holding tensors that are not the sets' parameters.
     """
 
     def __init__(
         self,
         optimizer: torch.optim.Optimizer,
-        layout: FlatLayout,
-        grads: GradBuckets,
-        group: ProcessGroup | None,
+        grads: GradBuckets | GradBucketSets,
         stage: int,
     ) -> None:
         if stage not in (1, 2):
             raise ValueError(f"ZeRO stage must be 1 or 2, got {stage}")
-        group_of = _check_optimizer(optimizer, layout)
-        self.optimizer, self.layout, self.grads = optimizer, layout, grads
-        self.group, self.stage = group, stage
-        self.dp_size, self.dp_rank = group_size(group), group_rank(group)
-        self.flat_params = flatten_parameters(layout)
-        self.pieces: list[tuple[ShardPiece, nn.Parameter]] = []
+        sets = grads if isinstance(grads, GradBucketSets) else GradBucketSets([grads])
+        group_of = _check_optimizer(optimizer, sets.params)
+        self.optimizer, self.sets, self.stage = optimizer, sets, stage
+        #: per set, the flat parameter buffer its parameters are views of
+        self.flat_params = [flatten_parameters(s.layout) for s in sets.sets]
+        #: (set index, piece, the optimizer's 1-D parameter over that piece)
+        self.pieces: list[tuple[int, ShardPiece, nn.Parameter]] = []
         new_groups: list[list[nn.Parameter]] = [[] for _ in optimizer.param_groups]
-        for piece in layout.pieces(self.dp_rank):
-            gi = group_of.get(id(layout.params[piece.param_index]))
-            if gi is None:
-                continue  # trainable but not optimized: reduced, never updated
-            shard = nn.Parameter(self.flat_params[piece.flat_start : piece.flat_end])
-            new_groups[gi].append(shard)
-            self.pieces.append((piece, shard))
+        for k, buckets in enumerate(sets.sets):
+            for piece in buckets.layout.pieces(buckets.dp_rank):
+                gi = group_of.get(id(buckets.layout.params[piece.param_index]))
+                if gi is None:
+                    continue  # trainable but not optimized: reduced, never updated
+                shard = nn.Parameter(self.flat_params[k][piece.flat_start : piece.flat_end])
+                new_groups[gi].append(shard)
+                self.pieces.append((k, piece, shard))
         for group_dict, params in zip(optimizer.param_groups, new_groups, strict=True):
             group_dict["params"] = params
 
-    def grad_of(self, piece: ShardPiece) -> Tensor:
-        """This rank's reduced gradient for ``piece`` (a view: scaling it scales the update)."""
+    def grad_of(self, k: int, piece: ShardPiece) -> Tensor:
+        """This rank's reduced gradient for ``piece`` of set ``k`` (a view: scaling it scales
+        the update)."""
+        buckets = self.sets.sets[k]
         if self.stage == 2:
-            assert self.grads.shard_grad is not None
-            return self.grads.shard_grad[piece.shard_start : piece.shard_start + piece.numel]
-        assert self.grads.buffer is not None
-        return self.grads.buffer[piece.flat_start : piece.flat_end]
+            assert buckets.shard_grad is not None
+            return buckets.shard_grad[piece.shard_start : piece.shard_start + piece.numel]
+        assert buckets.buffer is not None
+        return buckets.buffer[piece.flat_start : piece.flat_end]
 
-    def owned_grads(self) -> list[tuple[int, Tensor]]:
-        """``(param_index, grad piece)`` for every piece this rank owns, optimized or not."""
-        return [(pc.param_index, self.grad_of(pc)) for pc in self.layout.pieces(self.dp_rank)]
+    def owned_grads(self, k: int | None = None) -> list[tuple[int, Tensor]]:
+        """``(param_index, grad piece)`` for every piece this rank owns, optimized or not, of
+        set ``k`` (None: of every set). ``param_index`` indexes `GradBucketSets.params`."""
+        out = []
+        for j, buckets in enumerate(self.sets.sets):
+            if k is not None and j != k:
+                continue
+            base = self.sets.offset(j)
+            for pc in buckets.layout.pieces(buckets.dp_rank):
+                out.append((base + pc.param_index, self.grad_of(j, pc)))
+        return out
 
     @torch.no_grad()
     def step(self) -> None:
         """Update this rank's pieces with the module's optimizer, then all-gather parameters."""
-        for piece, shard in self.pieces:
-            shard.grad = self.grad_of(piece)
+        for k, piece, shard in self.pieces:
+            shard.grad = self.grad_of(k, piece)
         self.optimizer.step()
-        for _, shard in self.pieces:
+        for _, _, shard in self.pieces:
             shard.grad = None
         self.all_gather_parameters()
 
     @torch.no_grad()
     def all_gather_parameters(self) -> None:
-        """Give every rank every bucket's updated slices (one async all-gather per bucket)."""
-        if self.dp_size == 1:
-            return
+        """Give every rank of each set's group every bucket's updated slices (one async
+        all-gather per bucket)."""
         works = []
-        for bucket in self.layout.buckets:
-            lo, hi = bucket.owned(self.dp_rank, self.dp_size)
-            # a copy: the gather writes into the same buffer the input slice lives in
-            mine = self.flat_params[lo:hi].clone()
-            out = self.flat_params[bucket.start : bucket.end]
-            works.append(_all_gather_single(out, mine, group=self.group, async_op=True))
+        for buckets, flat in zip(self.sets.sets, self.flat_params, strict=True):
+            if buckets.dp_size == 1:
+                continue
+            for bucket in buckets.layout.buckets:
+                lo, hi = bucket.owned(buckets.dp_rank, buckets.dp_size)
+                # a copy: the gather writes into the same buffer the input slice lives in
+                mine = flat[lo:hi].clone()
+                out = flat[bucket.start : bucket.end]
+                works.append(_all_gather_single(out, mine, group=buckets.group, async_op=True))
         for work in works:
             work.wait()
 

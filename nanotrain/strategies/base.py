@@ -132,6 +132,12 @@ class Strategy(ABC):
         """Return rank `src`'s `obj` on every process (identity for one process)."""
         return obj
 
+    def gather_from_stages(self, obj: Any) -> list[Any]:
+        """Every pipeline stage's `obj` (a small picklable value, e.g. per-layer statistics of
+        the layers that stage holds), in stage order, on every rank: ``[obj]`` when this rank
+        holds every layer. A collective: every rank must call it at the same points."""
+        return [obj]
+
     def reduce(self, tensor: Tensor, op: str = "mean") -> Tensor:
         """Reduce `tensor` over the data-parallel replicas; `op` is "mean", "sum" or "max".
 

@@ -1,21 +1,23 @@
-"""MegatronStrategy: tensor (+ sequence), pipeline and data parallelism, ZeRO-1/2.
+"""MegatronStrategy: tensor (+ sequence), pipeline, expert and data parallelism, ZeRO-1/2.
 
 It composes the pieces of `nanotrain.parallel`: a `ParallelMesh` of process groups (the model
-is built against ``mesh.tp_group`` in ``configure_model``), flat gradient buckets reduced over
-the data-parallel group while backward runs (`data_parallel.GradBuckets`), the sharded
-optimizer (`zero.ZeroOptimizer`) and the cross-shard grad norm (`grads`). With ``pp > 1`` the
-microbatch loop is a pipeline schedule (`megatron_pipeline.PipelineEngine`, GPipe, 1F1B or
-interleaved 1F1B) and the grad norm also sums over the pipeline group. Expert parallelism
-arrives in a later issue and plugs into the same mesh.
+is built against it in ``configure_model``), flat gradient buckets reduced while backward runs
+(`data_parallel.GradBuckets`: dense weights over the data-parallel group, routed-expert weights
+over the expert-data-parallel group), the sharded optimizer (`zero.ZeroOptimizer`) and the
+cross-shard grad norm (`grads`). With ``pp > 1`` the microbatch loop is a pipeline schedule
+(`megatron_pipeline.PipelineEngine`, GPipe, 1F1B or interleaved 1F1B) and the grad norm also
+sums over the pipeline group. With ``ep > 1`` each MoE layer holds ``1 / ep`` of the routed
+experts and moves token copies to them with all-to-all (`nanotrain.parallel.expert`).
 
 Per optimizer step (the loop the Trainer drives):
 
 1. every microbatch: ``training_step`` forward, ``(loss / num_microbatches).backward()``; on
-   the last one the gradient buckets are reduced over dp as soon as they are complete;
+   the last one the gradient buckets are reduced as soon as they are complete (dense over dp,
+   experts over expert-dp; both divided by dp);
 2. under sequence parallelism the grads of tp-replicated parameters (which saw only this
    rank's part of the sequence) are summed over tp;
-3. the global grad norm counts tp-replicated parameters once and sums tp shards (and, under
-   ZeRO-2, dp shards); clipping scales what the optimizer will read;
+3. the global grad norm counts tp-replicated parameters once and sums tp shards, experts over
+   ep (and, under ZeRO-2, dp / expert-dp shards); clipping scales what the optimizer reads;
 4. the update: the module's optimizer on whole parameters, or under ZeRO on this rank's flat
    slices followed by an all-gather of the parameters.
 
@@ -36,18 +38,18 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from nanotrain.parallel.data_parallel import FlatLayout, GradBuckets, backward_order
-from nanotrain.parallel.grads import (
-    all_reduce_coalesced,
-    is_tp_sharded,
-    sequence_parallel_params,
-)
+from nanotrain.parallel.data_parallel import GradBucketSets, backward_order
+from nanotrain.parallel.grads import is_tp_sharded, sequence_parallel_params
 from nanotrain.parallel.mesh import ParallelMesh, validate_layout
 from nanotrain.parallel.pipeline import partition_layers
-from nanotrain.parallel.tensor import _TensorParallelModule
 from nanotrain.parallel.zero import ZeroOptimizer
 from nanotrain.strategies.base import DataShard, StepOutput, Strategy, extract_loss
-from nanotrain.strategies.megatron_grads import MegatronGradNorms
+from nanotrain.strategies.megatron_grads import (
+    MegatronGradNorms,
+    build_grad_buckets,
+    check_built_model,
+    expert_param_ids,
+)
 from nanotrain.strategies.megatron_pipeline import PipelineEngine, embedding_groups, pick_schedule
 from nanotrain.strategies.optimizers import OptimizerSetup
 
@@ -83,20 +85,25 @@ def _check_sizes(**sizes: int | None) -> None:
 
 
 class MegatronStrategy(MegatronGradNorms, Strategy):
-    """Tensor, sequence and data parallelism with optional ZeRO-1/2, on an explicit mesh.
+    """Tensor, sequence, pipeline, expert and data parallelism with optional ZeRO-1/2, on an
+    explicit mesh.
 
     Launch with torchrun (reads RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT) or
     inside an already initialized process group (which is then left alone at teardown).
     Ranks are laid out tensor-fastest (see `nanotrain.parallel.mesh`); the ``tp`` ranks of one
-    data-parallel replica read the same data.
+    data-parallel replica read the same data. Expert parallelism is carved out of the
+    data-parallel axis: the ``ep`` ranks of an expert-parallel group read different data and
+    hold different routed experts (``dp_rank = ep_rank + ep * expert_dp_rank``).
 
     Args:
         tp: tensor-parallel size (must divide the world and the attention heads).
         pp: pipeline-parallel size (stages; the layers are split over pp × virtual_pp chunks).
-        ep: expert-parallel size; only 1 for now.
+        ep: expert-parallel size: the routed experts of every MoE layer are split over ``ep``
+            ranks (must divide dp and the model's number of routed experts).
         dp: data-parallel size; None infers ``world_size // (tp * pp)``.
-        zero_stage: 0 (replicated optimizer), 1 (optimizer state sharded over dp) or 2 (also
-            gradients reduce-scattered, each rank keeping its shard).
+        zero_stage: 0 (replicated optimizer), 1 (optimizer state sharded over dp; expert
+            state over expert-dp) or 2 (also gradients reduce-scattered, each rank keeping
+            its shard).
         sequence_parallel: shard norm/residual activations along the sequence over tp; the
             model must build its tensor-parallel layers with ``sequence_parallel=True``.
         bucket_size_mb: size of one gradient bucket (one collective) in MiB.
@@ -110,8 +117,9 @@ class MegatronStrategy(MegatronGradNorms, Strategy):
 
     Raises:
         TypeError, ValueError: for invalid sizes or options, at construction (layouts that do
-            not fit the model: when the model is set up, before any work).
-        NotImplementedError: for ep > 1.
+            not fit the world: in `setup_environment`, before any process group; layouts that
+            do not fit the model, e.g. ep not dividing its experts: in `setup_module`, before
+            the model is built).
     """
 
     def __init__(
@@ -141,8 +149,11 @@ class MegatronStrategy(MegatronGradNorms, Strategy):
         self.virtual_pp = virtual_pp
         self.schedule = pick_schedule(schedule, virtual_pp)
         self.pipeline_layout = None if pipeline_layout is None else list(pipeline_layout)
-        if ep > 1:
-            raise NotImplementedError("expert parallel arrives in a later issue; use ep=1 for now")
+        if dp is not None and dp % ep != 0:
+            raise ValueError(
+                f"ep={ep} does not divide dp={dp} (expert parallelism is carved out of data "
+                f"parallelism); pick ep among the divisors of {dp}, or a dp that ep divides"
+            )
         if zero_stage not in (0, 1, 2):
             raise ValueError(f"zero_stage must be 0, 1 or 2, got {zero_stage!r}")
         if not bucket_size_mb > 0:
@@ -156,7 +167,8 @@ class MegatronStrategy(MegatronGradNorms, Strategy):
         self._mesh: ParallelMesh | None = None
         self._device: torch.device | None = None
         self._owns_process_group = False
-        self._grads: GradBuckets | None = None
+        self._grads: GradBucketSets | None = None
+        self._expert_sets: list[bool] = []  # per bucket set: holds routed-expert weights
         self._zero: ZeroOptimizer | None = None
         self._sharded: dict[int, bool] = {}
         self._sp_params: list[torch.nn.Parameter] = []
@@ -178,7 +190,13 @@ class MegatronStrategy(MegatronGradNorms, Strategy):
             ValueError: naming the numbers and a valid alternative.
         """
         world = self.world_size if world_size is None else world_size
-        validate_layout(world, self.tp, self.pp, self.ep, self.dp, **model_dims(config))
+        dims = model_dims(config)
+        if self.ep > 1 and not dims["num_experts"]:
+            raise ValueError(
+                f"ep={self.ep} splits routed experts, but the model ({type(config).__name__}) "
+                "has none; use ep=1 (its ranks then stay plain data parallel)"
+            )
+        validate_layout(world, self.tp, self.pp, self.ep, self.dp, **dims)
         layers = getattr(config, "num_layers", None)
         if self.pp > 1 and layers is not None:
             partition_layers(layers, self.pp, self.virtual_pp, self.pipeline_layout)
@@ -265,6 +283,15 @@ class MegatronStrategy(MegatronGradNorms, Strategy):
         dist.broadcast_object_list(holder, src=src)
         return holder[0]
 
+    def gather_from_stages(self, obj: Any) -> list[Any]:
+        """Every pipeline stage's ``obj`` in stage order (an object all-gather over this
+        rank's pipeline group); ``[obj]`` without pipelining."""
+        if self.mesh.pp_size == 1:
+            return [obj]
+        parts: list[Any] = [None] * self.mesh.pp_size
+        dist.all_gather_object(parts, obj, group=self.mesh.pp_group)
+        return parts
+
     def reduce(self, tensor: Tensor, op: str = "mean") -> Tensor:
         """Reduce over the data-parallel group (tp peers already hold the same values)."""
         if op not in _REDUCE_OPS:
@@ -284,28 +311,14 @@ class MegatronStrategy(MegatronGradNorms, Strategy):
         if config is not None:
             self.validate_model(config)
         super().setup_module(module)
-        self._check_sequence_parallel(module)
         params = backward_order(module)
-        if not params:
-            raise ValueError("MegatronStrategy found no trainable parameters after configure_model")
-        element = params[0].element_size()
-        bucket_numel = max(1, int(self.bucket_size_mb * 2**20) // element)
-        layout = FlatLayout(params, self.mesh.dp_size, bucket_numel)
-        self._grads = GradBuckets(layout, self.mesh.dp_group, reduce_scatter=self.zero_stage == 2)
+        check_built_model(module, params, self.mesh, self.sequence_parallel)
+        self._grads, self._expert_sets = build_grad_buckets(
+            params, expert_param_ids(module), self.mesh, self.bucket_size_mb, self.zero_stage
+        )
         self._sharded = is_tp_sharded(module)
         if self.sequence_parallel and self.mesh.tp_size > 1:
             self._sp_params = sequence_parallel_params(module)
-
-    def _check_sequence_parallel(self, module: NanoModule) -> None:
-        if not self.sequence_parallel or self.mesh.tp_size == 1:
-            return
-        layers = [m for m in module.modules() if isinstance(m, _TensorParallelModule)]
-        if not any(getattr(m, "sequence_parallel", False) for m in layers if m.tp_size > 1):
-            raise ValueError(
-                "sequence_parallel=True but the model has no sequence-parallel tensor-parallel "
-                "layer; build its layers with sequence_parallel=True (from the strategy's "
-                "`sequence_parallel`) or use sequence_parallel=False"
-            )
 
     def setup_optimizers(self, module: NanoModule) -> OptimizerSetup:
         """Parse `configure_optimizers`; under ZeRO shard that optimizer in place (its LR
@@ -313,13 +326,7 @@ class MegatronStrategy(MegatronGradNorms, Strategy):
         setup = super().setup_optimizers(module)
         if self.zero_stage > 0:
             assert self._grads is not None, "setup_module() must run before setup_optimizers()"
-            self._zero = ZeroOptimizer(
-                setup.optimizer,
-                self._grads.layout,
-                self._grads,
-                self.mesh.dp_group,
-                self.zero_stage,
-            )
+            self._zero = ZeroOptimizer(setup.optimizer, self._grads, self.zero_stage)
         return setup
 
     # -- one optimizer step ------------------------------------------------------------------------
@@ -354,7 +361,11 @@ class MegatronStrategy(MegatronGradNorms, Strategy):
         )
 
     def _accumulate(
-        self, module: NanoModule, microbatches: Sequence[Any], batch_idx: int, grads: GradBuckets
+        self,
+        module: NanoModule,
+        microbatches: Sequence[Any],
+        batch_idx: int,
+        grads: GradBucketSets,
     ) -> Tensor:
         """Forward and backward of each microbatch in turn; dp reduction on the last one.
         Returns the sum of the microbatch losses."""
@@ -375,19 +386,6 @@ class MegatronStrategy(MegatronGradNorms, Strategy):
             return self._pipeline.validation_step(module, batch, batch_idx)
         return super().validation_step(module, batch, batch_idx)
 
-    def _reduce_sequence_parallel_grads(self) -> None:
-        """Sum over tp the grads of replicated params that saw only this rank's tokens."""
-        if not self._sp_params:
-            return
-        if self.zero_stage == 2:
-            assert self._zero is not None
-            wanted = {id(p) for p in self._sp_params}
-            params = self._grads.layout.params
-            pieces = [g for i, g in self._zero.owned_grads() if id(params[i]) in wanted]
-        else:
-            pieces = [p.grad for p in self._sp_params if p.grad is not None]
-        all_reduce_coalesced(pieces, self.mesh.tp_group)
-
     def optimizer_step(self) -> None:
         """Update (sharded under ZeRO, then parameters all-gathered) and zero the gradients."""
         if self._zero is not None:
@@ -407,7 +405,7 @@ class MegatronStrategy(MegatronGradNorms, Strategy):
         if self._grads is not None:
             self._grads.remove_hooks()
         self._grads = self._zero = None
-        self._sp_params = []
+        self._expert_sets, self._sp_params = [], []
         if self._owns_process_group and dist.is_initialized():
             dist.destroy_process_group()
             self._owns_process_group = False

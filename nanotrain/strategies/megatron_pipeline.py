@@ -31,7 +31,7 @@ from nanotrain.parallel.schedules import SCHEDULES, forward_only
 
 if TYPE_CHECKING:
     from nanotrain.module import NanoModule
-    from nanotrain.parallel.data_parallel import GradBuckets
+    from nanotrain.parallel.data_parallel import GradBucketSets
     from nanotrain.parallel.mesh import ParallelMesh
 
 __all__ = ["PipelineEngine", "embedding_groups", "pick_schedule"]
@@ -179,7 +179,7 @@ class PipelineEngine:
         module: NanoModule,
         microbatches: Sequence[Any],
         batch_idx: int,
-        grads: GradBuckets,
+        grads: GradBucketSets,
     ) -> Tensor:
         """Run the schedule (forward and backward of every microbatch), sum the shared
         embedding grads, reduce every grad over dp, and replay ``training_step`` with the

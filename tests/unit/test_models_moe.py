@@ -135,7 +135,8 @@ def test_expert_load_counts_training_forwards_and_bias_update_resets_it():
     loads = moe.expert_load.clone()
     seen = []
     update_bias([moe], speed=0.01, reduce_fn=lambda t: seen.append(t.clone()) or t * 2)
-    torch.testing.assert_close(seen[0], loads[None])
+    # one reduction of [layers, E + 1]: the loads, then the dropped copies (none: dropless)
+    torch.testing.assert_close(seen[0], torch.cat([loads, torch.zeros(1, dtype=torch.long)])[None])
     mean = loads.double().mean()
     expected = torch.where(loads > mean, -0.01, torch.where(loads < mean, 0.01, 0.0))
     torch.testing.assert_close(moe.gate.e_score_correction_bias, expected.float())
@@ -163,3 +164,53 @@ def test_aux_loss_free_balancing_lowers_max_over_mean_load():
     assert imbalance[0] > 3.0  # nearly all copies on 2 of 8 experts (4.0 would be all)
     # the bias moves by +-speed per step, so the load ends up oscillating near balance
     assert sum(imbalance[-10:]) / 10 < 1.3
+
+
+def test_language_model_keeps_the_steps_moe_stats_for_callbacks():
+    import nanotrain as nt
+
+    module = nt.LanguageModelModule(model="tiny", vocab_size=257)
+    module.configure_model()
+    module.model.train()
+    ids = torch.randint(0, 257, (2, 8), generator=torch.Generator().manual_seed(0))
+    module(ids, ids).total_loss.backward()
+    expected_loads = torch.stack([m.expert_load for m in module.model.moe_layers()]).double()
+    module.on_before_optimizer_step(None)
+    stats = module.last_moe_stats
+    assert stats.layers == [1, 2]  # decoder layer 1, then MTP module 0 after the 2 layers
+    torch.testing.assert_close(stats.loads, expected_loads)
+    assert stats.dropped.tolist() == [0.0, 0.0]  # dropless
+    speed = module.config.bias_update_speed
+    for bias, load, layer in zip(stats.biases, stats.loads, module.model.moe_layers(), strict=True):
+        torch.testing.assert_close(bias, (torch.sign(load.mean() - load) * speed).float())
+        torch.testing.assert_close(bias, layer.gate.e_score_correction_bias)
+
+    dense = nt.LanguageModelModule(model="tiny-dense", vocab_size=257)
+    dense.configure_model()
+    dense.on_before_optimizer_step(None)
+    assert dense.last_moe_stats is None
+
+
+def test_expert_slices_need_ep_to_divide_the_experts():
+    from nanotrain.models.moe import GroupedExperts
+
+    experts = GroupedExperts(8, 16, 8, ep_size=4, ep_rank=3, device="meta")
+    assert (experts.expert_offset, experts.num_local_experts) == (6, 2)
+    assert experts.gate_proj.shape == (2, 8, 16) and experts.full_shape("down_proj") == (8, 16, 8)
+    with pytest.raises(ValueError, match=r"n_routed_experts=8 over ep=3 ranks"):
+        GroupedExperts(8, 16, 8, ep_size=3, ep_rank=0, device="meta")
+
+
+def test_routed_expert_params_stay_tagged_through_materialization_and_casts():
+    from nanotrain.models import build_model, presets
+    from nanotrain.parallel.expert import is_expert_param
+
+    model = build_model(presets.get("tiny"))  # built on meta, then to_empty + init
+    tagged = {n for n, p in model.named_parameters() if is_expert_param(p)}
+    assert tagged == {
+        f"{prefix}.mlp.experts.{w}_proj"
+        for prefix in ("layers.1", "mtp.0.block")
+        for w in ("gate", "up", "down")
+    }
+    model.to(torch.bfloat16)
+    assert {n for n, p in model.named_parameters() if is_expert_param(p)} == tagged

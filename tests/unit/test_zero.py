@@ -8,7 +8,12 @@ import pytest
 import torch
 from torch import nn
 
-from nanotrain.parallel.data_parallel import FlatLayout, GradBuckets, backward_order
+from nanotrain.parallel.data_parallel import (
+    FlatLayout,
+    GradBuckets,
+    GradBucketSets,
+    backward_order,
+)
 from nanotrain.parallel.grads import clip_grads_, reduced_square_norms
 from nanotrain.parallel.zero import ZeroOptimizer, state_bytes
 
@@ -76,7 +81,7 @@ def _zero_step(opt_cls, **kw) -> tuple[nn.Module, nn.Module, ZeroOptimizer]:
         {"params": [p for p in m.parameters() if p.ndim == 2], "weight_decay": 0.1},
         {"params": [p for p in m.parameters() if p.ndim == 1], "weight_decay": 0.0},
     ]
-    zero = ZeroOptimizer(opt_cls(groups(model), **kw), layout, grads, None, stage=1)
+    zero = ZeroOptimizer(opt_cls(groups(model), **kw), grads, stage=1)
     ref_opt = opt_cls(groups(reference), **kw)
     for _ in range(3):
         x = torch.randn(4, 5)
@@ -101,7 +106,7 @@ def test_sharded_optimizer_updates_like_the_whole_one(opt_cls, kw):
         torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-7)
     # parameters stay views of the flat buffer the optimizer updates
     for p in model.parameters():
-        assert p.untyped_storage().data_ptr() == zero.flat_params.untyped_storage().data_ptr()
+        assert p.untyped_storage().data_ptr() == zero.flat_params[0].untyped_storage().data_ptr()
 
 
 def test_sharded_optimizer_state_is_as_large_as_the_whole_ones_at_dp1():
@@ -118,7 +123,7 @@ def test_non_elementwise_optimizer_is_refused():
     layout = FlatLayout(backward_order(model), dp_size=1, bucket_numel=8)
     grads = GradBuckets(layout, group=None)
     with pytest.raises(TypeError, match="elementwise.*LBFGS.*zero_stage=0"):
-        ZeroOptimizer(torch.optim.LBFGS(model.parameters()), layout, grads, None, stage=1)
+        ZeroOptimizer(torch.optim.LBFGS(model.parameters()), grads, stage=1)
 
 
 def test_optimizer_over_foreign_tensors_is_refused():
@@ -127,7 +132,7 @@ def test_optimizer_over_foreign_tensors_is_refused():
     grads = GradBuckets(layout, group=None)
     stray = nn.Parameter(torch.zeros(2))
     with pytest.raises(ValueError, match="not a trainable parameter"):
-        ZeroOptimizer(torch.optim.SGD([stray], lr=0.1), layout, grads, None, stage=2)
+        ZeroOptimizer(torch.optim.SGD([stray], lr=0.1), grads, stage=2)
 
 
 def test_mixed_dtypes_are_refused_with_the_fix():
@@ -165,3 +170,60 @@ def test_grad_norm_and_clipping_match_torch():
     clip_grads_(grads, norm, 0.5)
     for g, p in zip(grads, params, strict=True):
         torch.testing.assert_close(g, p.grad)
+
+
+def test_divisor_scales_the_reduced_gradient_even_without_a_group():
+    # expert weights: summed over a group of one but divided by the whole dp size (here 4)
+    model = nn.Linear(3, 2)
+    grads = GradBuckets(FlatLayout(backward_order(model), 1, 8), group=None, divisor=4)
+    x = torch.randn(5, 3)
+    grads.set_sync(True)
+    model(x).sum().backward()
+    grads.finish()
+    expected = copy.deepcopy(model)
+    for p in expected.parameters():
+        p.grad = None
+    expected(x).sum().backward()
+    for p, q in zip(model.parameters(), expected.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, q.grad / 4)
+
+
+def test_layout_padded_for_another_group_size_is_refused():
+    with pytest.raises(ValueError, match="padded for 2 ranks but the group has 1"):
+        GradBuckets(FlatLayout(_params((4,)), 2, 8), group=None)
+
+
+def test_two_bucket_sets_number_params_in_order_and_shard_the_optimizer_as_one():
+    # "dense" = the first Linear, "expert" = the second, as MegatronStrategy splits them
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(5, 7), nn.Tanh(), nn.Linear(7, 3))
+    reference = copy.deepcopy(model)
+    dense, expert = (
+        GradBuckets(FlatLayout(backward_order(m), 1, 16), group=None, reduce_scatter=True)
+        for m in (model[0], model[2])
+    )
+    sets = GradBucketSets([dense, expert])
+    assert sets.offset(1) == 2 and len(sets.params) == 4
+    assert sets.params[2] is model[2].bias  # backward order within each set
+    zero = ZeroOptimizer(torch.optim.AdamW(model.parameters(), lr=0.01), sets, stage=2)
+    ref_opt = torch.optim.AdamW(reference.parameters(), lr=0.01)
+    for _ in range(3):
+        x = torch.randn(4, 5)
+        sets.attach()
+        sets.set_sync(True)
+        model(x).pow(2).sum().backward()
+        sets.finish()
+        sets.release()
+        # every piece of set 1 is numbered after set 0's parameters
+        assert {i for i, _ in zero.owned_grads(1)} == {2, 3}
+        assert {i for i, _ in zero.owned_grads()} == {0, 1, 2, 3}
+        zero.step()
+        sets.zero_()
+        reference(x).pow(2).sum().backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+    for p, q in zip(model.parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-7)
+    assert len(zero.flat_params) == 2
+    with pytest.raises(ValueError, match="appears in two"):
+        GradBucketSets([dense, dense])

@@ -1,0 +1,197 @@
+"""Expert parallelism: token dispatch/combine cost by ep size, and load balance over training.
+
+Run (about a minute on 2 CPU cores):
+
+    python benchmarks/expert.py
+
+(a) Dispatch + combine. On a forked gloo world of P = 1, 2, 4 ranks (CPU, one thread each)
+every rank routes N tokens of width H to K of E experts uniformly at random and runs
+`nanotrain.parallel.expert.run_experts_parallel` with identity experts, forward and backward
+(so the time is that of sorting, the count exchange, the two all-to-alls, the regrouping and
+their reverses). The bytes a rank sends per forward are measured from the split sizes
+(copies whose expert lives on the same rank do not cross the network) and printed next to
+the formula for uniform routing:
+
+    bytes per rank per forward = 2 directions x N K H elem x (P - 1) / P
+
+The backward sends the same amount again. Four ranks on two cores share the cores, so the
+P=4 times include waiting for a core; the bytes are exact.
+
+(b) Load balance. The tiny DeepSeek preset trains on bytes of real text (the Python standard
+library's source, vocabulary 257) for a few dozen steps, once with the aux-loss-free bias
+update (DeepSeek-V3's gamma, and a faster one) and once without (bias_update_speed=0). The
+table shows the max/mean expert load (1.0 = perfectly balanced), averaged over the MoE
+layers, early and late in the run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing as mp
+import socket
+import statistics
+import time
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+import nanotrain.parallel.expert as expert
+from nanotrain.models import build_model, presets
+from nanotrain.models.moe import combine, dispatch
+from nanotrain.parallel import ParallelMesh
+
+N, H, E, K = 4096, 256, 8, 2  # tokens per rank, hidden, experts, top-k
+ELEM = 4  # fp32
+
+
+def _uniform_routing(n: int, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """K distinct experts per token, uniformly at random, with random gate weights."""
+    idx = torch.rand(n, E, generator=generator).argsort(dim=1)[:, :K]
+    return idx, torch.rand(n, K, generator=generator)
+
+
+def _dispatch_combine(rank: int, world: int, iters: int) -> dict[str, float]:
+    """Median fwd+bwd time and bytes sent per forward on this rank."""
+    mesh = ParallelMesh.build(ep=world)
+    g = torch.Generator().manual_seed(rank)
+    h = torch.randn(N, H, generator=g, requires_grad=True)
+    sent: list[int] = []
+    exchange = expert.exchange_splits
+
+    def recording(counts: torch.Tensor, group: Any) -> expert.ExpertSplits:
+        splits = exchange(counts, group)
+        remote_in = sum(splits.input_splits) - splits.input_splits[mesh.ep_rank]
+        remote_out = sum(splits.output_splits) - splits.output_splits[mesh.ep_rank]
+        sent.append((remote_in + remote_out) * H * ELEM)  # dispatch + combine
+        return splits
+
+    expert.exchange_splits = recording  # count the bytes of every dispatch
+    times = []
+    try:
+        for i in range(iters + 2):
+            idx, weight = _uniform_routing(N, g)
+            if world > 1:
+                dist.barrier(group=mesh.ep_group)
+            start = time.perf_counter()
+            d = dispatch(h, idx, E)
+            y_sorted = expert.run_experts_parallel(d.x, d.counts, lambda x, c: x, mesh.ep_group)
+            combine(y_sorted, d, weight, N).sum().backward()
+            if i >= 2:  # the first two warm up the allocator and the gloo pairs
+                times.append(time.perf_counter() - start)
+    finally:
+        expert.exchange_splits = exchange
+    return {"seconds": statistics.median(times), "bytes": statistics.mean(sent or [0])}
+
+
+def _rank_main(rank: int, world: int, port: int, iters: int, conn: Any) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+        timeout=timedelta(seconds=120),
+    )  # fmt: skip
+    result = _dispatch_combine(rank, world, iters)
+    conn.send(result)
+    conn.close()
+    dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_world(world: int, iters: int) -> list[dict[str, float]]:
+    """Results of `_dispatch_combine` on every rank of a forked world of `world` ranks."""
+    if world == 1:
+        torch.set_num_threads(1)
+        return [_dispatch_combine(0, 1, iters)]
+    ctx = mp.get_context("fork")
+    port = _free_port()
+    pipes = [ctx.Pipe(duplex=False) for _ in range(world)]
+    procs = [
+        ctx.Process(target=_rank_main, args=(r, world, port, iters, pipes[r][1]))
+        for r in range(world)
+    ]
+    for p in procs:
+        p.start()
+    results = [reader.recv() for reader, _ in pipes]
+    for p in procs:
+        p.join()
+    return results
+
+
+def dispatch_table(iters: int) -> None:
+    print(f"(a) dispatch + combine, N={N} tokens/rank, H={H}, E={E}, K={K}, fp32, gloo on CPU")
+    print("| ep | fwd+bwd ms (median, slowest rank) | MiB sent/rank/fwd | formula MiB |")
+    print("|---|---|---|---|")
+    for world in (1, 2, 4):
+        results = run_world(world, iters)
+        ms = max(r["seconds"] for r in results) * 1e3
+        sent = statistics.mean(r["bytes"] for r in results) / 2**20
+        formula = 2 * N * K * H * ELEM * (world - 1) / world / 2**20
+        print(f"| {world} | {ms:.1f} | {sent:.2f} | {formula:.2f} |")
+
+
+def _text_batches(steps: int, batch: int, seq: int) -> torch.Tensor:
+    """[steps, batch, seq + 1] byte tokens of real text (the stdlib's own source)."""
+    from nanotrain.data.demo import demo_corpus_files
+
+    need = steps * batch * (seq + 1)
+    data = b""
+    for path in demo_corpus_files(max_bytes=max(need, 200_000)):
+        data += path.read_bytes()
+        if len(data) >= need:
+            break
+    tokens = torch.frombuffer(bytearray(data[:need]), dtype=torch.uint8).long()
+    return tokens.view(steps, batch, seq + 1)
+
+
+def imbalance_run(speed: float, steps: int, batch: int = 8, seq: int = 64) -> dict[str, float]:
+    """Train tiny DeepSeek for `steps` steps; mean max/mean load early, late and the loss."""
+    torch.manual_seed(0)
+    config = presets.get("tiny", vocab_size=257, bias_update_speed=speed)
+    model = build_model(config, generator=torch.Generator().manual_seed(0)).train()
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.0)
+    ratios, losses = [], []
+    for tokens in _text_batches(steps, batch, seq):
+        out = model(tokens[:, :-1], labels=tokens[:, 1:])
+        out.total_loss.backward()
+        stats = model.balance_experts()  # before the step, as LanguageModelModule does
+        opt.step()
+        opt.zero_grad()
+        ratios.append(float((stats.loads.max(-1).values / stats.loads.mean(-1)).mean()))
+        losses.append(float(out.loss.detach()))
+    tail = max(1, steps // 3)
+    return {
+        "first": statistics.mean(ratios[:10]),
+        "last": statistics.mean(ratios[-tail:]),
+        "loss": statistics.mean(losses[-tail:]),
+        "tail": tail,
+    }
+
+
+def imbalance_table(steps: int) -> None:
+    torch.set_num_threads(1)
+    print(f"\n(b) max/mean expert load, tiny DeepSeek (8 experts, top-2), {steps} steps of 8x64")
+    print("| bias update | steps 1-10 | last third | lm loss, last third |")
+    print("|---|---|---|---|")
+    for speed in (0.0, 0.001, 0.01):
+        r = imbalance_run(speed, steps)
+        name = "off (gamma=0)" if speed == 0 else f"on, gamma={speed}"
+        print(f"| {name} | {r['first']:.3f} | {r['last']:.3f} | {r['loss']:.3f} |")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--iters", type=int, default=10, help="timed dispatches per ep size")
+    parser.add_argument("--steps", type=int, default=200, help="training steps per run in (b)")
+    args = parser.parse_args()
+    dispatch_table(args.iters)
+    imbalance_table(args.steps)
+
+
+if __name__ == "__main__":
+    main()
