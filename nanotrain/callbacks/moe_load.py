@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from nanotrain.callbacks.base import Callback
-from nanotrain.models.moe import MoEStats
+from nanotrain.models.balance import MoEStats
 
 if TYPE_CHECKING:
     from nanotrain.module import NanoModule

@@ -31,9 +31,10 @@ from typing import Any
 import torch
 from torch import nn
 
+from nanotrain.models.balance import MoEStats, moe_balance_step
 from nanotrain.models.build import build_model, init_weights
 from nanotrain.models.layers import tp_size_of
-from nanotrain.models.moe import DeepSeekMoE, MoEStats, moe_balance_step
+from nanotrain.models.moe import DeepSeekMoE
 from nanotrain.models.transformer import CausalLM, ModelOutput
 from nanotrain.parallel.pipeline import stage_layers
 

@@ -14,9 +14,10 @@ import torch
 from torch import nn
 
 from nanotrain.models.attention import DenseAttention
+from nanotrain.models.balance import MoEStats, moe_balance_step
 from nanotrain.models.config import DeepSeekConfig, DenseConfig
 from nanotrain.models.layers import RMSNorm, SwiGLU, rope_cos_sin, tp_size_of
-from nanotrain.models.moe import DeepSeekMoE, MoEStats, moe_balance_step
+from nanotrain.models.moe import DeepSeekMoE
 from nanotrain.parallel.cross_entropy import vocab_parallel_cross_entropy
 from nanotrain.parallel.tensor import ColumnParallelLinear, VocabParallelEmbedding, pad_vocab_size
 

@@ -24,8 +24,9 @@ import torch
 import torch.distributed as dist
 
 from nanotrain.models import build_model, presets
+from nanotrain.models.balance import moe_balance_step
 from nanotrain.models.build import init_weights
-from nanotrain.models.moe import DeepSeekMoE, moe_balance_step
+from nanotrain.models.moe import DeepSeekMoE
 from nanotrain.parallel import ParallelMesh
 from nanotrain.parallel.collectives import all_gather_along_dim
 from nanotrain.parallel.expert import is_expert_param

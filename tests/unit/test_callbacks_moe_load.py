@@ -20,7 +20,7 @@ from nanotrain.callbacks.moe_load import (
     merge_stage_stats,
     moe_load_metrics,
 )
-from nanotrain.models.moe import MoEStats
+from nanotrain.models.balance import MoEStats
 from tests.distributed.spawn import run_world
 from tests.toy import Classifier, blobs, make_trainer
 

@@ -4,8 +4,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from nanotrain.models.balance import update_bias
 from nanotrain.models.config import DeepSeekConfig
-from nanotrain.models.moe import DeepSeekMoE, TopKRouter, sequence_balance_loss, update_bias
+from nanotrain.models.moe import DeepSeekMoE, TopKRouter, sequence_balance_loss
 
 
 def _config(**kw):
