@@ -83,7 +83,7 @@ def _bench(rank: int, world: int, schedule: str, m: int, v: int) -> dict:
         dist.barrier()
         start = time.perf_counter()
         with torch.autograd.graph.saved_tensors_hooks(saved.pack, saved.unpack):
-            run_schedule(actions, comm, forward_step, loss_scale=1.0 / m)
+            run_schedule(actions, comm, forward_step, loss_scales=[1.0 / m] * m)
         dist.barrier()
         times.append(time.perf_counter() - start)
         peaks.append(saved.peak)

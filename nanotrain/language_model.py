@@ -174,10 +174,12 @@ class LanguageModelModule(NanoModule):
         out = self(batch["input_ids"], batch["labels"])
         if getattr(out, "partial", False):
             return {"loss": out.total_loss, "stage_output": out}
-        self.log("train/lm_loss", out.loss.detach())
-        self.log("train/aux_loss", out.aux_loss.detach())
+        # weighed by tokens over the step's microbatches, as the strategy weighs the loss
+        tokens = self.count_tokens(batch)
+        self.log("train/lm_loss", out.loss.detach(), batch_size=tokens)
+        self.log("train/aux_loss", out.aux_loss.detach(), batch_size=tokens)
         if out.mtp_loss is not None:
-            self.log("train/mtp_loss", out.mtp_loss.detach())
+            self.log("train/mtp_loss", out.mtp_loss.detach(), batch_size=tokens)
         return out.total_loss
 
     def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:

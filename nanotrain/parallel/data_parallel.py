@@ -16,9 +16,9 @@ routing) can finish gradients in a different order, and collectives on one group
 issued in the same order everywhere.
 
 Gradients are divided by ``dp`` before the sum, so the result is the mean over replicas.
-Together with the strategy's ``loss / num_microbatches`` this is the gradient of the mean of
-microbatch means, which equals the token-averaged gradient when every microbatch carries the
-same number of tokens.
+Together with the strategy's per-microbatch weights (``tokens_i * dp / global_tokens``, see
+`nanotrain.strategies.base.weigh_microbatches`) this is the gradient of the mean loss over
+every token of the global batch.
 
 Expert parallelism needs two such buffers (`GradBucketSets`): dense weights reduced over the
 data-parallel group, expert weights over the smaller expert-data-parallel group. The expert

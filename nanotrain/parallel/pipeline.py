@@ -219,7 +219,7 @@ def run_schedule(
     comm: PipelineComm,
     forward_step: ForwardStep,
     *,
-    loss_scale: float = 1.0,
+    loss_scales: Sequence[float] | None = None,
     forward_only: bool = False,
     before_last_backward: Callable[[], None] | None = None,
 ) -> ScheduleStats:
@@ -231,7 +231,8 @@ def run_schedule(
         forward_step: runs one chunk on one microbatch, given the received input activation
             (None on the first virtual stage); returns the output activation (None on the
             last virtual stage) and this chunk's loss term (None or a scalar).
-        loss_scale: multiplies every loss term in backward (1 / num_microbatches).
+        loss_scales: per microbatch, what its loss terms are multiplied by in backward (its
+            weight in the step's loss); None: 1.0 each.
         forward_only: no autograd graph, no backward (validation); B actions are refused.
         before_last_backward: called right before the rank's final backward (e.g. to turn
             on overlapped gradient reduction).
@@ -268,7 +269,7 @@ def run_schedule(
         inp, out, loss = held.pop((m, c))
         if i == last_b and before_last_backward is not None:
             before_last_backward()
-        _backward(out, grad, loss, loss_scale)
+        _backward(out, grad, loss, 1.0 if loss_scales is None else loss_scales[m])
         if inp is not None:
             g = inp.grad if inp.grad is not None else torch.zeros_like(inp)
             sender.pending.append(comm.send_backward(m, c, g))

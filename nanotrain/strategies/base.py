@@ -58,6 +58,47 @@ class StepOutput:
     skipped: bool = False
 
 
+@dataclass
+class MicrobatchWeights:
+    """How much each local microbatch's mean loss counts in the step's loss.
+
+    Attributes:
+        weights: one per local microbatch: ``tokens_i * replicas / global_tokens``, so that
+            the gradient of ``sum_i weights[i] * loss_i``, averaged over the data-parallel
+            replicas, is the gradient of the mean loss over every token of the global batch.
+            ``1 / num_microbatches`` each when the data is not token-based (0 tokens).
+        num_tokens, num_samples: totals over the global batch.
+    """
+
+    weights: list[float]
+    num_tokens: int
+    num_samples: int
+
+
+def weigh_microbatches(
+    strategy: Strategy, module: NanoModule, microbatches: Sequence[Any]
+) -> MicrobatchWeights:
+    """Count tokens and samples of the global batch (one small collective over the
+    data-parallel replicas, before any backward) and weigh each local microbatch by its
+    tokens, so the step averages over the global batch's tokens, not over microbatches.
+
+    Raises:
+        ValueError: for an empty list of microbatches.
+    """
+    if not microbatches:
+        raise ValueError("forward_backward needs at least one microbatch")
+    tokens = [module.count_tokens(mb) for mb in microbatches]
+    samples = sum(module.count_samples(mb) for mb in microbatches)
+    local = torch.tensor([sum(tokens), samples], dtype=torch.float64, device=strategy.root_device)
+    total_tokens, total_samples = (int(v) for v in strategy.reduce(local, op="sum").tolist())
+    if total_tokens > 0:
+        replicas = strategy.data_shard().count
+        weights = [t * replicas / total_tokens for t in tokens]
+    else:
+        weights = [1.0 / len(microbatches)] * len(microbatches)
+    return MicrobatchWeights(weights, total_tokens, total_samples)
+
+
 def extract_loss(output: Any) -> Tensor:
     """Return the loss tensor from what `training_step` returned (a tensor or a dict with "loss").
 

@@ -11,7 +11,7 @@ experts and moves token copies to them with all-to-all (`nanotrain.parallel.expe
 
 Per optimizer step (the loop the Trainer drives):
 
-1. every microbatch: ``training_step`` forward, ``(loss / num_microbatches).backward()``; on
+1. every microbatch: ``training_step`` forward, ``(loss * weight).backward()``; on
    the last one the gradient buckets are reduced as soon as they are complete (dense over dp,
    experts over expert-dp; both divided by dp);
 2. under sequence parallelism the grads of tp-replicated parameters (which saw only this
@@ -21,10 +21,11 @@ Per optimizer step (the loop the Trainer drives):
 4. the update: the module's optimizer on whole parameters, or under ZeRO on this rank's flat
    slices followed by an all-gather of the parameters.
 
-Loss averaging: the gradient is that of the mean over data-parallel replicas of the mean over
-microbatches of each microbatch's mean loss. That equals the mean over all tokens of the
-global batch when every microbatch carries the same number of tokens (fixed-length token
-data, as nanotrain's datasets produce). `StepOutput.loss` is that same global mean.
+Loss averaging: the gradient is that of the mean loss over every token of the global batch.
+The tokens of every microbatch are counted (one small all-reduce over dp before any backward)
+and each microbatch's mean loss is weighed by ``tokens * dp / global_tokens`` (see
+`base.weigh_microbatches`), so microbatches with more loss-bearing tokens count more.
+`StepOutput.loss` is that same global mean.
 """
 
 from __future__ import annotations
@@ -43,7 +44,13 @@ from nanotrain.parallel.grads import is_tp_sharded, sequence_parallel_params
 from nanotrain.parallel.mesh import ParallelMesh, validate_layout
 from nanotrain.parallel.pipeline import partition_layers
 from nanotrain.parallel.zero import ZeroOptimizer
-from nanotrain.strategies.base import DataShard, StepOutput, Strategy, extract_loss
+from nanotrain.strategies.base import (
+    DataShard,
+    StepOutput,
+    Strategy,
+    extract_loss,
+    weigh_microbatches,
+)
 from nanotrain.strategies.megatron_grads import (
     MegatronGradNorms,
     build_grad_buckets,
@@ -333,49 +340,44 @@ class MegatronStrategy(MegatronGradNorms, Strategy):
     def forward_backward(
         self, module: NanoModule, microbatches: Sequence[Any], batch_idx: int
     ) -> StepOutput:
-        """Accumulate the gradient of the mean loss; reduce it over dp (and tp under SP)."""
+        """Accumulate the gradient of the mean loss over the global batch's tokens; reduce it
+        over dp (and tp under SP)."""
         grads = self._grads
         assert grads is not None, "setup_module() must run before forward_backward()"
-        if not microbatches:
-            raise ValueError("forward_backward needs at least one microbatch")
-        num_micro = len(microbatches)
+        weighed = weigh_microbatches(self, module, microbatches)
         grads.attach()
         if self._pipeline is not None:
-            loss_sum = self._pipeline.train_step(module, microbatches, batch_idx, grads)
+            loss_sum = self._pipeline.train_step(
+                module, microbatches, weighed.weights, batch_idx, grads
+            )
         else:
-            loss_sum = self._accumulate(module, microbatches, batch_idx, grads)
-        tokens = sum(module.count_tokens(mb) for mb in microbatches)
-        samples = sum(module.count_samples(mb) for mb in microbatches)
+            loss_sum = self._accumulate(module, microbatches, weighed.weights, batch_idx, grads)
         self._reduce_sequence_parallel_grads()
         if self.zero_stage == 2:
             grads.release()
-        # One collective over dp carries the loss and both counts; tp peers hold the same.
-        totals = torch.stack(
-            [loss_sum / num_micro, loss_sum.new_tensor(tokens), loss_sum.new_tensor(samples)]
-        )
-        totals = self.reduce(totals, op="sum")
         return StepOutput(
-            loss=(totals[0] / self.mesh.dp_size).float(),
-            num_tokens=int(totals[1].item()),
-            num_samples=int(totals[2].item()),
+            loss=(self.reduce(loss_sum, op="sum") / self.mesh.dp_size).float(),
+            num_tokens=weighed.num_tokens,
+            num_samples=weighed.num_samples,
         )
 
     def _accumulate(
         self,
         module: NanoModule,
         microbatches: Sequence[Any],
+        weights: Sequence[float],
         batch_idx: int,
         grads: GradBucketSets,
     ) -> Tensor:
         """Forward and backward of each microbatch in turn; dp reduction on the last one.
-        Returns the sum of the microbatch losses."""
+        Returns the weighted sum of the microbatch losses."""
         num_micro = len(microbatches)
         loss_sum = torch.zeros((), device=self.root_device, dtype=torch.float64)
-        for i, microbatch in enumerate(microbatches):
+        for i, (microbatch, weight) in enumerate(zip(microbatches, weights, strict=True)):
             grads.set_sync(i == num_micro - 1)
             loss = extract_loss(module.training_step(microbatch, batch_idx))
-            (loss / num_micro).backward()
-            loss_sum += loss.detach().double()
+            (loss * weight).backward()
+            loss_sum += loss.detach().double() * weight
         grads.finish()
         return loss_sum
 

@@ -5,7 +5,7 @@ grad norms).
 How losses travel. Every chunk's forward returns its own loss term: the MoE sequence-wise
 balance losses of its layers, and on the last stage also the LM loss and
 ``mtp_loss_weight · mtp_loss``. Each term is backpropagated on the stage that computed it
-(scaled by 1 / num_microbatches), so the gradients are those of the total loss. The terms'
+(scaled by the microbatch's weight), so the gradients are those of the total loss. The terms'
 values (total, lm, aux, mtp, tokens per microbatch) are summed over the pipeline group in one
 small all-reduce after the schedule; the module's ``training_step`` is then *replayed* on
 every stage with those global values (`PipelineStage.replay`), so ``self.log`` sees the same
@@ -178,13 +178,15 @@ class PipelineEngine:
         self,
         module: NanoModule,
         microbatches: Sequence[Any],
+        weights: Sequence[float],
         batch_idx: int,
         grads: GradBucketSets,
     ) -> Tensor:
-        """Run the schedule (forward and backward of every microbatch), sum the shared
-        embedding grads, reduce every grad over dp, and replay ``training_step`` with the
-        global loss terms. Returns the sum over microbatches of the total loss of this
-        data-parallel replica (summed over stages; the strategy averages it over dp)."""
+        """Run the schedule (forward and backward of every microbatch, its loss terms
+        weighed by ``weights``), sum the shared embedding grads, reduce every grad over dp,
+        and replay ``training_step`` with the global loss terms. Returns the weighted sum over
+        microbatches of the total loss of this data-parallel replica (summed over stages; the
+        strategy averages it over dp)."""
         stage = self.stage_of(module)
         num_micro = len(microbatches)
         actions = SCHEDULES[self.schedule](
@@ -204,13 +206,13 @@ class PipelineEngine:
             actions,
             self._comm(stage, microbatches[0], dtype),
             step,
-            loss_scale=1.0 / num_micro,
+            loss_scales=weights,
             before_last_backward=before_last,
         )
         if shared:
             all_reduce_coalesced([p.grad for p in shared], self.embedding_group)
         grads.finish()
-        local_total = terms[:, _TOTAL].sum()
+        local_total = (terms[:, _TOTAL] * terms.new_tensor(list(weights))).sum()
         terms = self._global_terms(terms, over_dp=True)
         with torch.no_grad():
             for m, batch in enumerate(microbatches):

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor, nn
 
-from nanotrain.strategies.base import StepOutput, Strategy, extract_loss
+from nanotrain.strategies.base import StepOutput, Strategy, extract_loss, weigh_microbatches
 
 if TYPE_CHECKING:
     from nanotrain.module import NanoModule
@@ -56,32 +56,23 @@ class ReplicatedStrategy(Strategy):
     def forward_backward(
         self, module: NanoModule, microbatches: Sequence[Any], batch_idx: int
     ) -> StepOutput:
-        """Accumulate gradients of the mean loss over the microbatches; reduce loss and counts."""
+        """Accumulate gradients of the mean loss over the global batch's tokens; reduce it."""
         assert self._step_runner is not None, "setup_module() must run before forward_backward()"
-        if not microbatches:
-            raise ValueError("forward_backward needs at least one microbatch")
+        weighed = weigh_microbatches(self, module, microbatches)
         num_micro = len(microbatches)
         loss_sum = torch.zeros((), device=self.root_device, dtype=torch.float64)
-        tokens = samples = 0
-        for i, microbatch in enumerate(microbatches):
+        for i, (microbatch, weight) in enumerate(zip(microbatches, weighed.weights, strict=True)):
             with self._sync_context(i == num_micro - 1):
                 loss = extract_loss(self._step_runner(microbatch, batch_idx))
-                # Dividing by the microbatch count makes the accumulated gradient that of the
-                # mean over microbatches; DDP then averages over replicas.
-                (loss / num_micro).backward()
-            loss_sum += loss.detach().double()
-            tokens += module.count_tokens(microbatch)
-            samples += module.count_samples(microbatch)
-        # One collective carries the loss and both counts (sum over replicas).
-        totals = torch.stack(
-            [loss_sum / num_micro, loss_sum.new_tensor(tokens), loss_sum.new_tensor(samples)]
-        )
-        totals = self.reduce(totals, op="sum")
+                # Each microbatch's mean loss weighed by its share of the global batch's
+                # tokens (times the replicas, which DDP's average divides out again).
+                (loss * weight).backward()
+            loss_sum += loss.detach().double() * weight
         replicas = self.data_shard().count
         return StepOutput(
-            loss=(totals[0] / replicas).float(),
-            num_tokens=int(totals[1].item()),
-            num_samples=int(totals[2].item()),
+            loss=(self.reduce(loss_sum, op="sum") / replicas).float(),
+            num_tokens=weighed.num_tokens,
+            num_samples=weighed.num_samples,
         )
 
     def clip_grad_norm_(self, max_norm: float | None) -> Tensor:
