@@ -21,7 +21,13 @@ from nanotrain.models.attention import MLAttention
 from nanotrain.models.config import DeepSeekConfig
 from nanotrain.models.layers import RMSNorm, SwiGLU
 from nanotrain.models.moe import DeepSeekMoE
-from nanotrain.models.transformer import CausalLM, DecoderLayer, ModelOutput, masked_mean_ce
+from nanotrain.models.transformer import (
+    CausalLM,
+    DecoderLayer,
+    ModelOutput,
+    masked_mean_ce,
+    total_loss,
+)
 from nanotrain.parallel.tensor import ColumnParallelLinear
 
 
@@ -182,9 +188,5 @@ class DeepSeekV3(CausalLM):
         if labels is not None and run_mtp and len(self.mtp) > 0:
             mtp_loss, mtp_aux = self.mtp_losses(h, input_ids, labels)
             aux = aux + mtp_aux
-        total = None
-        if loss is not None:
-            total = loss + aux
-            if mtp_loss is not None:
-                total = total + self.config.mtp_loss_weight * mtp_loss
+        total = total_loss(loss, aux, mtp_loss, self.config.mtp_loss_weight)
         return ModelOutput(logits, loss, aux, mtp_loss, total, count)

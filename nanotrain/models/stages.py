@@ -35,7 +35,7 @@ from nanotrain.models.balance import MoEStats, moe_balance_step
 from nanotrain.models.build import build_model, init_weights
 from nanotrain.models.layers import tp_size_of
 from nanotrain.models.moe import DeepSeekMoE
-from nanotrain.models.transformer import CausalLM, ModelOutput
+from nanotrain.models.transformer import CausalLM, ModelOutput, total_loss
 from nanotrain.parallel.pipeline import stage_layers
 
 __all__ = ["PipelineStage", "StageOutput", "build_pipeline_stage"]
@@ -161,11 +161,7 @@ class PipelineStage(nn.Module):
         if labels is not None and self.training and hasattr(self, "mtp"):
             mtp_loss, mtp_aux = full.mtp_losses(h, input_ids, labels)
             aux = aux + mtp_aux
-        total = None
-        if loss is not None:
-            total = loss + aux
-            if mtp_loss is not None:
-                total = total + self.config.mtp_loss_weight * mtp_loss
+        total = total_loss(loss, aux, mtp_loss, getattr(self.config, "mtp_loss_weight", 0.0))
         return StageOutput(logits, loss, aux, mtp_loss, total, count)
 
     # -- MoE bias balancing --------------------------------------------------------------------

@@ -74,6 +74,19 @@ class DecoderLayer(nn.Module):
         return h + out, aux
 
 
+def total_loss(
+    loss: torch.Tensor | None,
+    aux: torch.Tensor,
+    mtp_loss: torch.Tensor | None = None,
+    mtp_weight: float = 0.0,
+) -> torch.Tensor | None:
+    """What to backpropagate: loss + aux + mtp_weight * mtp_loss (None without a loss)."""
+    if loss is None:
+        return None
+    total = loss + aux
+    return total if mtp_loss is None else total + mtp_weight * mtp_loss
+
+
 def masked_mean_ce(
     logits: torch.Tensor, labels: torch.Tensor, tp_group: Any, vocab_size: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -203,8 +216,7 @@ class CausalLM(nn.Module):
         self._check_input(input_ids, labels)
         h, aux = self.run_layers(self.embed(input_ids))
         logits, loss, count = self.head_and_loss(h, labels)
-        total = None if loss is None else loss + aux
-        return ModelOutput(logits, loss, aux, None, total, count)
+        return ModelOutput(logits, loss, aux, None, total_loss(loss, aux), count)
 
     def indexed_moe_layers(self) -> list[tuple[int, DeepSeekMoE]]:
         """(global layer index, module) of every DeepSeekMoE: the main stack's layers, then
