@@ -20,14 +20,14 @@ from typing import Any
 
 import pytest
 import torch
-import torch.distributed as dist
 from safetensors.torch import load_file
 
 import nanotrain as nt
 from nanotrain.callbacks.checkpoint import ModelCheckpoint
 from nanotrain.strategies.megatron import MegatronStrategy
 from tests.distributed.spawn import run_world
-from tests.distributed.test_megatron import LM_VOCAB, STEPS, RandomTokens, Recorder, assert_matches
+from tests.distributed.test_megatron import LM_VOCAB, RandomTokens, assert_matches
+from tests.distributed.test_pipeline import fit_module, gather_over_stages
 
 pytestmark = pytest.mark.distributed
 
@@ -48,48 +48,20 @@ def _module(lr: float = 3e-3, decay_steps: int | None = None) -> nt.LanguageMode
     )
 
 
-def _gather_over_stages(strategy: Any, named: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Every pipeline stage's entries on every rank (identity without pipelining)."""
-    mesh = strategy.mesh
-    if not dist.is_initialized() or mesh is None or mesh.pp_size == 1:
-        return named
-    parts: list[dict] = [{} for _ in range(mesh.pp_size)]
-    dist.all_gather_object(parts, named, group=mesh.pp_group)
-    return {k: v for part in parts for k, v in part.items()}
-
-
 def fit(strategy: Any, root: str) -> dict:
-    """Train `STEPS` steps (global batch 8, microbatch 2, clip 0.5), validate once at the end;
-    gather parameters (over tp, ep and pp) and router biases."""
-    recorder = Recorder()
+    """`test_pipeline.fit_module` on `_module()`, plus the router biases (over pp), the
+    validation loss and how many experts of layer 0 this rank holds (0 on a pipeline stage
+    without layer 0)."""
     module = _module()
-    trainer = nt.Trainer(
-        strategy=strategy,
-        max_steps=STEPS,
-        global_batch_size=8,
-        micro_batch_size=2,
-        gradient_clip_val=0.5,
-        val_check_interval=STEPS,
-        callbacks=[recorder],
-        default_root_dir=root,
-        loggers=[],
-        seed=3,
-    )
-    trainer.fit(module, train_dataloaders=RandomTokens(), val_dataloaders=RandomTokens(8, seed=1))
-    params = {n: strategy.full_tensor(n, p.detach()).clone() for n, p in module.named_parameters()}
+    result = fit_module(module, strategy, root)
     biases = {n: b.clone() for n, b in module.named_buffers() if n.endswith(BIAS)}
-    # experts of layer 0 held here (0 on a pipeline stage without layer 0)
     held = dict(module.named_parameters())
-    local_experts = held[EXPERT].shape[0] if EXPERT in held else 0
-    return {
-        "losses": recorder.losses,
-        "grad_norms": recorder.grad_norms,
-        "named": recorder.named,
-        "params": _gather_over_stages(strategy, params),
-        "biases": _gather_over_stages(strategy, biases),
-        "val_loss": float(trainer.callback_metrics["val/loss"]),
-        "local_experts": local_experts,
-    }
+    result.update(
+        biases=gather_over_stages(strategy, biases),
+        val_loss=result["logged"]["val/loss"],
+        local_experts=held[EXPERT].shape[0] if EXPERT in held else 0,
+    )
+    return result
 
 
 # name -> MegatronStrategy kwargs

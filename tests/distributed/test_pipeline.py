@@ -26,16 +26,20 @@ LAYERS = 4
 TERMS = ("train/loss", "train/lm_loss", "train/aux_loss", "train/mtp_loss", "val/loss")
 
 
-def fit(kind: str, strategy: Any, root: str) -> dict:
-    """Train `STEPS` steps (global batch 8, microbatch 2, clip 0.5), validate once at the end;
-    gather the parameters of every stage and shard."""
+def gather_over_stages(strategy: Any, named: dict[str, Any]) -> dict[str, Any]:
+    """Every pipeline stage's entries on every rank (identity without pipelining)."""
+    mesh = strategy.mesh
+    if not dist.is_initialized() or mesh is None or mesh.pp_size == 1:
+        return named
+    parts: list[dict] = [{} for _ in range(mesh.pp_size)]
+    dist.all_gather_object(parts, named, group=mesh.pp_group)
+    return {k: v for part in parts for k, v in part.items()}
+
+
+def fit_module(module: nt.NanoModule, strategy: Any, root: str) -> dict:
+    """Train `STEPS` steps (global batch 8, microbatch 2, clip 0.5, seed 3), validate once at
+    the end; gather the parameters of every stage and shard, and the logged loss terms."""
     recorder = Recorder()
-    # lr 3e-3, not test_megatron's 1e-2: with 4 layers, AdamW turns reduction-order noise in
-    # near-zero grads into visible steps at 1e-2 (tp=2 alone, no pipeline, then drifts to 2e-4
-    # relative in the step-5 grad norm); at 3e-3 every layout stays within 1e-6.
-    module = nt.LanguageModelModule(
-        kind, vocab_size=257, lr=3e-3, warmup_steps=2, model_overrides={"num_layers": LAYERS}
-    )
     trainer = nt.Trainer(
         strategy=strategy,
         max_steps=STEPS,
@@ -50,21 +54,26 @@ def fit(kind: str, strategy: Any, root: str) -> dict:
     )
     trainer.fit(module, train_dataloaders=RandomTokens(), val_dataloaders=RandomTokens(8, seed=1))
     params = {n: strategy.full_tensor(n, p.detach()).clone() for n, p in module.named_parameters()}
-    mesh = strategy.mesh
-    if dist.is_initialized() and mesh is not None and mesh.pp_size > 1:
-        parts: list[dict] = [{} for _ in range(mesh.pp_size)]
-        dist.all_gather_object(parts, params, group=mesh.pp_group)
-        params = {k: v for part in parts for k, v in part.items()}
     stats = getattr(getattr(strategy, "_pipeline", None), "last_stats", None)
-    logged = {k: float(v) for k, v in trainer.callback_metrics.items() if k in TERMS}
     return {
         "losses": recorder.losses,
         "grad_norms": recorder.grad_norms,
         "named": recorder.named,
-        "params": params,
-        "logged": logged,
+        "params": gather_over_stages(strategy, params),
+        "logged": {k: float(v) for k, v in trainer.callback_metrics.items() if k in TERMS},
         "peak_in_flight": None if stats is None else stats.peak_in_flight,
     }
+
+
+def fit(kind: str, strategy: Any, root: str) -> dict:
+    """`fit_module` on the `kind` preset with `LAYERS` layers."""
+    # lr 3e-3, not test_megatron's 1e-2: with 4 layers, AdamW turns reduction-order noise in
+    # near-zero grads into visible steps at 1e-2 (tp=2 alone, no pipeline, then drifts to 2e-4
+    # relative in the step-5 grad norm); at 3e-3 every layout stays within 1e-6.
+    module = nt.LanguageModelModule(
+        kind, vocab_size=257, lr=3e-3, warmup_steps=2, model_overrides={"num_layers": LAYERS}
+    )
+    return fit_module(module, strategy, root)
 
 
 # name -> (model kind, MegatronStrategy kwargs)
