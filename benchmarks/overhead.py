@@ -4,7 +4,7 @@ The same NanoModule (an MLP regressor on synthetic data), the same batch size, o
 number of steps run three ways in one process, interleaved over several rounds; the median
 time per step after a warm-up is compared. Run:
 
-    python benchmarks/overhead.py --steps 300 --rounds 3
+    python benchmarks/overhead.py --steps 500 --rounds 5
 
 Prints a table with each runner's ms/step and its ratio to the plain loop.
 """
