@@ -42,7 +42,9 @@ class ThroughputMonitor(Callback):
             `nanotrain.callbacks.flops.PEAK_TFLOPS` (GPUs only); on CPU or an unlisted GPU, MFU
             is not logged unless you pass it.
         precision: which column of the peak table applies ("bf16", "fp16", "fp8", "tf32",
-            "fp32" or a torch dtype): the precision the matmuls run in.
+            "fp32" or a torch dtype): the precision the matmuls run in. None (default) takes
+            the dtype of the module's parameters at fit start (fp32 counts as "tf32" when
+            CUDA's TF32 matmuls are enabled).
         flops_per_token: training FLOPs (forward + backward) per token; None asks the module
             (`NanoModule.flops_per_token()`), which the language model answers with
             6 × active non-embedding parameters + the attention term.
@@ -56,7 +58,7 @@ class ThroughputMonitor(Callback):
     def __init__(
         self,
         peak_flops_per_device: float | None = None,
-        precision: str | torch.dtype = "bf16",
+        precision: str | torch.dtype | None = None,
         flops_per_token: float | None = None,
         log_every_n_steps: int | None = None,
         clock: Callable[[], float] = time.perf_counter,
@@ -68,7 +70,7 @@ class ThroughputMonitor(Callback):
         ):
             if value is not None and not value > 0:
                 raise ValueError(f"{name} must be positive or None, got {value!r}")
-        self.precision = normalize_precision(precision)
+        self.precision = None if precision is None else normalize_precision(precision)
         self.peak_flops_per_device = peak_flops_per_device
         self.flops_per_token = flops_per_token
         self.log_every_n_steps = log_every_n_steps
@@ -86,6 +88,8 @@ class ThroughputMonitor(Callback):
     def on_fit_start(self, trainer: Trainer, module: NanoModule) -> None:
         """Resolve FLOPs per token and the peak FLOP/s once the model exists."""
         self._flops = self.flops_per_token or module.flops_per_token()
+        if self.precision is None:
+            self.precision = _matmul_precision(module)
         self._peak = self.peak_flops_per_device or device_peak_flops(
             trainer.strategy.root_device, self.precision
         )
@@ -155,3 +159,11 @@ class ThroughputMonitor(Callback):
                         self._flops, tokens_per_sec, self._peak, num_devices
                     )
         return metrics
+
+
+def _matmul_precision(module: NanoModule) -> str:
+    """The peak-table column for the dtype the module's parameters hold."""
+    dtype = next((p.dtype for p in module.parameters() if p.is_floating_point()), torch.float32)
+    if dtype == torch.float32 and torch.backends.cuda.matmul.allow_tf32:
+        return "tf32"
+    return normalize_precision(dtype)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -171,6 +172,22 @@ def test_peak_table_lookup():
     assert normalize_precision(torch.float8_e4m3fn) == "fp8"
     with pytest.raises(ValueError, match="unknown precision"):
         normalize_precision("int4")
+
+
+def test_default_precision_follows_the_parameters_dtype():
+    fp32, bf16 = Classifier(), Classifier()
+    fp32.configure_model()
+    bf16.configure_model()
+    bf16.to(torch.bfloat16)
+    trainer = SimpleNamespace(strategy=SimpleNamespace(root_device=torch.device("cpu")))
+    trainer.is_global_zero = False  # no warning about the (unknown) CPU peak
+    monitors = {}
+    for name, module in (("fp32", fp32), ("bf16", bf16)):
+        monitors[name] = ThroughputMonitor(peak_flops_per_device=1e12)
+        monitors[name].on_fit_start(trainer, module)
+    assert monitors["fp32"].precision == "fp32"
+    assert monitors["bf16"].precision == "bf16"
+    assert ThroughputMonitor(precision="fp8").precision == "fp8"  # given: kept
 
 
 # -- learning rate and memory ----------------------------------------------------------------
