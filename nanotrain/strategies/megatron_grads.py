@@ -29,20 +29,10 @@ GradSet = tuple[list[tuple[int, Tensor]], list[Any]]
 
 
 def expert_param_ids(module: nn.Module) -> set[int]:
-    """``id`` of every routed-expert parameter of ``module``: tagged by `is_expert_param`, or
-    declared split over ep by its owner's ``ep_partition_dims`` (as `GroupedExperts` does).
-
-    Why both: the tag is an attribute of the Parameter object, which a re-materialization
-    (``module.to_empty``, as meta-device init does) replaces by a new, untagged one; the owning
-    module's declaration survives it.
-    """
-    ids = {id(p) for p in module.parameters() if is_expert_param(p)}
-    for sub in module.modules():
-        for name in getattr(sub, "ep_partition_dims", {}):
-            param = getattr(sub, name, None)
-            if isinstance(param, nn.Parameter):
-                ids.add(id(param))
-    return ids
+    """``id`` of every routed-expert parameter of ``module`` (tagged by
+    `nanotrain.parallel.expert.mark_expert_params`; `GroupedExperts` keeps the tag through
+    meta-device materialization and dtype casts)."""
+    return {id(p) for p in module.parameters() if is_expert_param(p)}
 
 
 def check_built_model(
