@@ -130,20 +130,13 @@ class LanguageModelModule(NanoModule):
             self._load_pretrained()
 
     def _load_pretrained(self) -> None:
-        if self.mesh is not None:
-            raise NotImplementedError(
-                "starting from pretrained weights under a sharded layout is not supported yet; "
-                "use a single-device or DDP strategy, or resume from a nanotrain checkpoint"
-            )
-        result = self.model.load_state_dict(self._pretrained, strict=False)
-        params = {n for n, _ in self.model.named_parameters()}
-        missing = [k for k in result.missing_keys if k in params]  # counters are not saved
-        if missing or result.unexpected_keys:
-            raise ValueError(
-                f"the pretrained weights do not fit the model: missing {missing[:5]}, "
-                f"unexpected {result.unexpected_keys[:5]}"
-            )
-        self._pretrained = None
+        """Copy the pretrained folder's full tensors into the model just built: under a
+        sharded layout (tp, ep, sequence parallel, pipeline stages) each rank takes only its
+        own slice of the parameters it holds (`nanotrain.models.sharding`)."""
+        from nanotrain.models.sharding import load_full_state_dict
+
+        load_full_state_dict(self.model, self._pretrained, strict=True)
+        self._pretrained = None  # the full copy is not needed any more
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         """Record the model config so that `nanotrain export` can rebuild the model."""
