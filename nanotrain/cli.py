@@ -149,15 +149,17 @@ def run_prepare(argv: list[str]) -> None:
 
 
 def run_export(argv: list[str]) -> None:
-    """`nanotrain export --to hf --ckpt PATH --out DIR`: a checkpoint as a transformers model."""
-    from nanotrain.model_io import export_checkpoint
+    """`nanotrain export --to {hf,nanotrain} --ckpt PATH --out DIR`: a training checkpoint (any
+    strategy, sharded MegatronStrategy ones included) as a transformers folder or a nanotrain
+    weights folder."""
+    from nanotrain.model_io import EXPORT_FORMATS, export_checkpoint
 
     parser = ArgumentParser(prog="nanotrain export", description=run_export.__doc__)
-    parser.add_argument("--to", type=str, default="hf", choices=["hf"])
+    parser.add_argument("--to", type=str, default="hf", choices=list(EXPORT_FORMATS))
     parser.add_argument("--ckpt", type=str, required=True, help="a nanotrain checkpoint")
     parser.add_argument("--out", type=str, required=True, help="output folder")
     cfg = parser.parse_args(argv)
-    export_checkpoint(cfg.ckpt, cfg.out)
+    export_checkpoint(cfg.ckpt, cfg.out, to=cfg.to)
     print(f"exported {cfg.ckpt} to {cfg.out} ({cfg.to})")
 
 

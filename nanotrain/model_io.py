@@ -90,34 +90,80 @@ def load_pretrained(path: str | Path) -> tuple[DeepSeekConfig | DenseConfig, dic
     )
 
 
-def checkpoint_model(ckpt: str | Path) -> tuple[DeepSeekConfig | DenseConfig, dict[str, Tensor]]:
-    """(config, state dict with our names) of a LanguageModelModule training checkpoint.
+def checkpoint_config(ckpt: str | Path) -> DeepSeekConfig | DenseConfig:
+    """The model config a LanguageModelModule recorded in its training checkpoint `ckpt`.
 
     Raises:
         FileNotFoundError / ValueError: a missing or corrupt checkpoint, or one not written by a
             LanguageModelModule (no model config inside).
     """
-    from nanotrain.checkpoint import files, load_model_weights
+    from nanotrain.checkpoint import files
 
     folder = Path(ckpt)
-    state = load_model_weights(folder)
+    files.read_meta(folder)  # a clear error for a folder that is no (complete) checkpoint
     shared = files.read_torch(folder / files.TRAINER_STATE_FILE)
     if "model_config" not in shared:
         raise ValueError(
             f"{folder} holds no model config; only checkpoints of a LanguageModelModule can be "
             "exported"
         )
-    config = config_from_dict(shared["model_config"])
+    return config_from_dict(shared["model_config"])
+
+
+def checkpoint_model(ckpt: str | Path) -> tuple[DeepSeekConfig | DenseConfig, dict[str, Tensor]]:
+    """(config, whole-model state dict with our names) of a LanguageModelModule checkpoint.
+
+    Works for every strategy's checkpoints: one saved under a sharded `MegatronStrategy`
+    layout (tp / pp / ep, ZeRO) is merged from its per-rank shards in this process
+    (`nanotrain.checkpoint.merge.merge_model_shards`), giving the same tensors a one-process
+    model with those weights holds.
+
+    Raises:
+        FileNotFoundError / ValueError: a missing or corrupt checkpoint (or shard), one not
+            written by a LanguageModelModule (no model config inside), or shards that do not
+            fit the recorded layout and config.
+    """
+    from nanotrain.checkpoint import files, load_model_weights
+    from nanotrain.checkpoint.merge import merge_model_shards
+
+    folder = Path(ckpt)
+    config = checkpoint_config(folder)
+    if files.read_meta(folder).get("layout") is None:
+        state = load_model_weights(folder)
+    else:
+        state = merge_model_shards(folder)
     weights = {k[len(MODULE_PREFIX) :]: v for k, v in state.items() if k.startswith(MODULE_PREFIX)}
     return config, weights
 
 
-def export_checkpoint(ckpt: str | Path, out: str | Path) -> Path:
-    """`nanotrain export --to hf`: a training checkpoint → a transformers folder."""
+EXPORT_FORMATS = ("hf", "nanotrain")
+
+
+def export_checkpoint(ckpt: str | Path, out: str | Path, to: str = "hf") -> Path:
+    """`nanotrain export`: a training checkpoint (any strategy, sharded ones included) as a
+    model folder.
+
+    Args:
+        ckpt: a checkpoint directory of a LanguageModelModule.
+        out: the folder to write (created if needed).
+        to: "hf" for a transformers folder (config.json + safetensors), "nanotrain" for a
+            weights folder (model_config.json + model.safetensors); both are accepted by
+            `LanguageModelModule(model=<folder>)` under any strategy and layout.
+
+    Returns:
+        `out` as a Path.
+
+    Raises:
+        ValueError: an unknown `to`, or as `checkpoint_model`.
+    """
+    if to not in EXPORT_FORMATS:
+        raise ValueError(f"unknown export format to={to!r}; choose one of {EXPORT_FORMATS}")
+    config, weights = checkpoint_model(ckpt)
+    if to == "nanotrain":
+        return save_weights(config, weights, out)
     from nanotrain.models.hf_io import export_hf
 
-    config, weights = checkpoint_model(ckpt)
-    return export_hf(weights, config, out)
+    return Path(export_hf(weights, config, out))
 
 
 def import_checkpoint(hf_folder: str | Path, out: str | Path) -> Path:

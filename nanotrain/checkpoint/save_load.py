@@ -106,9 +106,9 @@ def load_model_weights(path: str | Path) -> dict[str, Any]:
     files.check_files(ckpt, meta)
     if meta.get("layout") is not None:
         raise ValueError(
-            f"{ckpt} was saved sharded under {_describe_layout(meta['layout'])}; reading its "
-            "whole model without that layout (e.g. for export) is not supported yet: resume it "
-            "under the same layout and save it again with a single-device or DDP strategy"
+            f"{ckpt} was saved sharded under {_describe_layout(meta['layout'])}; merge its "
+            "shards into whole tensors with nanotrain.checkpoint.merge.merge_model_shards(path) "
+            "or `nanotrain export --to nanotrain`"
         )
     state: dict[str, Any] = files.read_model(ckpt / files.MODEL_FILE)
     state.update(files.read_torch(ckpt / files.TRAINER_STATE_FILE).get("model_extra", {}))
