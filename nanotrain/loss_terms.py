@@ -57,8 +57,8 @@ class LossTerms:
             )
 
     def weight_tensor(self, device: torch.device) -> Tensor:
-        """The weights as a float64 tensor [K] on `device`."""
-        return torch.tensor(list(self.weights), dtype=torch.float64, device=device)
+        """The weights as a float64 tensor [K] on `device` (copied without a host sync)."""
+        return host_to_device(list(self.weights), device)
 
     def named_means(self, global_values: Tensor) -> dict[str, Tensor]:
         """``{name: mean of the global values of the terms with that name}``, in order.
@@ -68,4 +68,17 @@ class LossTerms:
         groups: dict[str, list[int]] = {}
         for k, name in enumerate(self.names):
             groups.setdefault(name, []).append(k)
-        return {name: global_values[idx].mean() for name, idx in groups.items()}
+        # integer indexing is a view: no index tensor copied to the device
+        return {
+            name: torch.stack([global_values[k] for k in idx]).mean()
+            for name, idx in groups.items()
+        }
+
+
+def host_to_device(values: list[float], device: torch.device) -> Tensor:
+    """A float64 tensor of `values` on `device`. To a GPU it is copied from pinned memory
+    without blocking, so the host does not wait for the device (a plain copy would)."""
+    tensor = torch.tensor(values, dtype=torch.float64)
+    if device.type != "cuda":
+        return tensor.to(device)
+    return tensor.pin_memory().to(device, non_blocking=True)

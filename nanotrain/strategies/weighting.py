@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor
 
-from nanotrain.loss_terms import LossTerms
+from nanotrain.loss_terms import LossTerms, host_to_device
 
 if TYPE_CHECKING:
     from nanotrain.module import NanoModule
@@ -67,7 +67,11 @@ class MicrobatchWeights:
 
 
 def _as_counts(value: Any, device: torch.device) -> Tensor:
-    return torch.as_tensor(value).to(device=device, dtype=torch.float64).reshape(-1)
+    """A count (Python number or tensor, any device) as float64 [n] on `device`, with no
+    host sync."""
+    if isinstance(value, Tensor) and value.device.type != "cpu":
+        return value.to(device=device, dtype=torch.float64).reshape(-1)
+    return host_to_device([float(v) for v in torch.as_tensor(value).reshape(-1).tolist()], device)
 
 
 def weigh_microbatches(
@@ -103,7 +107,7 @@ def weigh_microbatches(
         counts_mk = torch.stack(counts)
     else:
         counts_mk = tokens[:, None]
-    samples_t = torch.tensor([samples], dtype=torch.float64).to(device)
+    samples_t = host_to_device([samples], device)
     local = torch.cat([counts_mk.sum(0), tokens.sum().reshape(1), samples_t])
     total = strategy.reduce(local, op="sum")
     k = counts_mk.shape[1]

@@ -73,7 +73,7 @@ class _TwoTerms(nt.NanoModule):
     """Term 0 averages over the labels, term 1 over the samples."""
 
     def loss_counts(self, batch):
-        return torch.stack([(batch != 0).sum(), torch.tensor(len(batch))])
+        return torch.stack([(batch != 0).sum(), torch.full((), len(batch), device=batch.device)])
 
 
 def test_each_term_is_weighed_by_its_own_global_count():
@@ -115,3 +115,25 @@ def test_language_model_names_its_optimizer_groups():
     module.configure_model()
     optimizer = module.configure_optimizers()["optimizer"]
     assert sorted(LearningRateMonitor().read(optimizer)) == ["lr/decay", "lr/no_decay"]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_weighing_a_step_never_waits_for_the_gpu():
+    module = _TwoTerms()
+    strategy = nt.SingleDeviceStrategy("cuda")
+    batches = [torch.tensor([[1, 0], [1, 1]], device="cuda"), torch.tensor([[1, 0]], device="cuda")]
+    v = torch.tensor([2.0, 10.0], device="cuda", requires_grad=True)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        weighed = weigh_microbatches(strategy, module, batches)
+        acc = LossAccumulator(weighed)
+        for m in range(2):
+            terms = nt.LossTerms(v * (m + 1), [1.0, 0.1], ["x", "y"])
+            acc.objective(m, {"loss": terms.values.sum(), "loss_terms": terms}).backward()
+        loss, named = acc.finish(strategy)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    # term x: (2·3 + 4·1) / 4 = 2.5; term y: (10·2 + 20·1) / 3; loss = x + 0.1·y
+    assert float(named["x"]) == pytest.approx(2.5)
+    assert float(loss) == pytest.approx(2.5 + 0.1 * 40 / 3)
