@@ -4,8 +4,8 @@ Data that can tell: samples keep different numbers of labels (the rest -100), on
 DeepSeek preset with MTP and a sizeable sequence-wise balance loss, so the LM, MTP and balance
 terms each average over a different count (tokens, MTP targets, sequences). One process with
 micro batch 2 is the reference; one process with micro batch 8, and dp=2 (DDP and Megatron),
-tp=2, pp=2 (stage 0 holds no MoE layer), ep=2 (world 2), ep=2 × expert-dp=2 and pp=2 × dp=2
-(world 4) must give the same per-step loss and grad norm, the same logged `train/*` and `moe/*`
+tp=2 (with and without sequence parallelism), pp=2 (stage 0 holds no MoE layer), ep=2 (world
+2), ep=2 × expert-dp=2 with ZeRO-1 and interleaved pp=2 × virtual 2 × dp=2 (world 4) must give the same per-step loss and grad norm, the same logged `train/*` and `moe/*`
 scalars at every step, the same weights after the run, and the same `val/loss` on a validation
 set of 13 samples read whole, with `limit_val_batches=1` (global batches) and with a fraction.
 """
@@ -27,6 +27,9 @@ from tests.distributed.spawn import run_world
 pytestmark = pytest.mark.distributed
 
 VOCAB, SEQ, STEPS = 257, 16, 4
+# 1e-3, not 3e-3: with 4 MoE-heavy layers AdamW turns reduction-order noise (mb 2 vs 8, one
+# thread) into 2e-5 relative grad-norm drift by step 4 at 3e-3; at 1e-3 it stays below 3e-6
+LR = 1e-3
 VAL_LIMITS = (None, 1, 0.5)  # whole set (13), one global batch (8), half the set (6)
 
 
@@ -83,10 +86,11 @@ def fit(strategy: Any, root: str, micro_batch_size: int = 2) -> dict[str, Any]:
     module = nt.LanguageModelModule(
         "tiny",
         vocab_size=VOCAB,
-        lr=3e-3,
+        lr=LR,
         warmup_steps=1,
-        # a balance loss large enough that weighing it by tokens instead of sequences shows
-        model_overrides={"aux_loss_alpha": 0.05},
+        # 4 layers (layer 0 dense, 1-3 MoE); a balance loss large enough that weighing it by
+        # tokens instead of sequences shows
+        model_overrides={"num_layers": 4, "aux_loss_alpha": 0.05},
     )
     trainer = nt.Trainer(
         strategy=strategy,
@@ -115,9 +119,13 @@ def fit(strategy: Any, root: str, micro_batch_size: int = 2) -> dict[str, Any]:
 
 
 def assert_same(got: dict, ref: dict, what: str) -> None:
-    """Losses, grad norms, every logged scalar and val/loss at rtol 1e-5; weights within 1e-4
-    (AdamW turns reduction-order noise of near-zero grads into steps up to lr; a wrongly
-    weighed term moves them by ~1e-2, see the issue)."""
+    """Losses, grad norms, every logged scalar and val/loss at rtol 1e-5; the weights: all but
+    one in a thousand elements (at least 2 allowed) within 1e-5 + 1e-4 relative, none further
+    than AdamW can move two runs apart (2 · lr · steps). Why a few elements may differ: AdamW
+    divides each element's gradient by its own RMS, so an element whose gradient is ~0 (e.g.
+    an embedding entry of a token seen once) turns reduction-order noise into a step of up to
+    lr (measured: one element of the embedding at tp=2, by 4e-4). A wrongly weighed loss term
+    changes the direction of the whole gradient and moves most elements."""
     torch.testing.assert_close(got["losses"], ref["losses"], rtol=1e-5, atol=0, msg=what)
     torch.testing.assert_close(got["grad_norms"], ref["grad_norms"], rtol=1e-5, atol=0, msg=what)
     for step, (mine, theirs) in enumerate(zip(got["scalars"], ref["scalars"], strict=True)):
@@ -131,13 +139,12 @@ def assert_same(got: dict, ref: dict, what: str) -> None:
     torch.testing.assert_close(got["val"], ref["val"], rtol=1e-5, atol=0, msg=what)
     assert got["params"].keys() == ref["params"].keys(), what
     for name, value in ref["params"].items():
-        torch.testing.assert_close(
-            got["params"][name][: value.shape[0]],
-            value,
-            rtol=1e-4,
-            atol=1e-4,
-            msg=f"{what}: {name}",
-        )
+        mine = got["params"][name][: value.shape[0]]
+        assert mine.shape == value.shape, f"{what}: {name} {mine.shape} vs {value.shape}"
+        diff = (mine - value).abs()
+        off = int((diff > 1e-5 + 1e-4 * value.abs()).sum())
+        assert off <= max(2, value.numel() // 1000), f"{what}: {name}: {off} elements off"
+        assert float(diff.max()) <= 2 * LR * STEPS, f"{what}: {name} by {float(diff.max())}"
 
 
 def _world2(rank: int, world_size: int, root: str) -> dict[str, dict]:
@@ -145,7 +152,9 @@ def _world2(rank: int, world_size: int, root: str) -> dict[str, dict]:
         "ddp dp=2": nt.strategies.DDPStrategy,
         "megatron dp=2": MegatronStrategy,
         "tp=2": lambda: MegatronStrategy(tp=2),
-        "pp=2": lambda: MegatronStrategy(pp=2),
+        "tp=2 sp": lambda: MegatronStrategy(tp=2, sequence_parallel=True),
+        # stage 0 holds only the dense layer 0: MoE statistics come from stage 1 alone
+        "pp=2": lambda: MegatronStrategy(pp=2, pipeline_layout=[1, 3]),
         "ep=2": lambda: MegatronStrategy(ep=2),
     }
     return {name: fit(make(), f"{root}/{i}") for i, (name, make) in enumerate(layouts.items())}
@@ -154,7 +163,7 @@ def _world2(rank: int, world_size: int, root: str) -> dict[str, dict]:
 def _world4(rank: int, world_size: int, root: str) -> dict[str, dict]:
     layouts = {
         "ep=2 x dp=4": lambda: MegatronStrategy(ep=2, zero_stage=1),
-        "pp=2 x dp=2": lambda: MegatronStrategy(pp=2),
+        "pp=2 x vpp=2 x dp=2": lambda: MegatronStrategy(pp=2, virtual_pp=2),
     }
     return {name: fit(make(), f"{root}/{i}") for i, (name, make) in enumerate(layouts.items())}
 
@@ -169,11 +178,11 @@ def test_every_logged_number_is_layout_independent(tmp_path):
         assert step["train/aux_loss"] > 1e-3  # the balance term is really on
     assert "moe/max_over_mean" in reference["scalars"][0]
     assert "moe/layer1/max_over_mean" in reference["scalars"][0]
-    assert "moe/layer2/max_over_mean" in reference["scalars"][0]  # the MTP block's MoE
+    assert "moe/layer4/max_over_mean" in reference["scalars"][0]  # the MTP block's MoE
     assert_same(fit(nt.SingleDeviceStrategy("cpu"), str(tmp_path / "m8"), 8), reference, "mb=8")
     for world, fn in ((2, _world2), (4, _world4)):
         results = run_world(fn, world, str(tmp_path / f"w{world}"), timeout=400)
         for rank, result in enumerate(results):
-            assert len(result) == (5 if world == 2 else 2)
+            assert len(result) == (6 if world == 2 else 2)
             for layout, got in result.items():
                 assert_same(got, reference, f"{layout}, rank {rank}")

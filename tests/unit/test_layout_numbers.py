@@ -11,6 +11,7 @@ import nanotrain as nt
 from nanotrain.callbacks import LearningRateMonitor
 from nanotrain.callbacks.progress import shown_metrics
 from nanotrain.data.sampler import ValidationBatchSampler, validation_sample_count
+from nanotrain.strategies.base import DataShard
 from nanotrain.strategies.weighting import LossAccumulator, weigh_microbatches
 from tests.toy import Classifier, blobs, make_trainer
 
@@ -42,7 +43,7 @@ def test_validation_shards_read_every_sample_once_with_equal_batch_counts():
         ValidationBatchSampler(13, 2, 3, 3)
 
 
-def test_padding_batches_are_run_but_not_recorded(tmp_path):
+def test_validation_reads_the_remainder_batch(tmp_path):
     x, y = blobs(16)
     seen: list[int] = []
 
@@ -54,9 +55,46 @@ def test_padding_batches_are_run_but_not_recorded(tmp_path):
     # 10 validation samples in batches of 4: 4, 4, 2 on one process, nothing dropped
     metrics = trainer.validate(Classifier(), dataloaders=TensorDataset(x[:10], y[:10]))
     assert seen == [4, 4, 2]
-    module = trainer.module
     with torch.no_grad():
-        expected = torch.nn.functional.cross_entropy(module.net(x[:10]), y[:10])
+        expected = torch.nn.functional.cross_entropy(trainer.module.net(x[:10]), y[:10])
+    assert metrics["val/loss"] == pytest.approx(expected.item(), rel=1e-6)
+
+
+class SecondOfTwoShards(nt.SingleDeviceStrategy):
+    """One process reading data-parallel shard 1 of 2 (reductions stay local)."""
+
+    def data_shard(self) -> DataShard:
+        return DataShard(1, 2)
+
+
+class CountingClassifier(Classifier):
+    def __init__(self) -> None:
+        super().__init__()
+        self.forwards = 0
+
+    def validation_step(self, batch, batch_idx):
+        self.forwards += 1
+        return super().validation_step(batch, batch_idx)
+
+
+def test_padding_batches_run_the_forward_but_record_nothing(tmp_path):
+    x, y = blobs(16)
+    seen: list[int] = []
+
+    class Count(nt.Callback):
+        def on_validation_batch_end(self, trainer, module, outputs, batch, batch_idx):
+            seen.append(len(batch[0]))
+
+    trainer = make_trainer(
+        tmp_path, strategy=SecondOfTwoShards("cpu"), micro_batch_size=2, callbacks=[Count()]
+    )
+    module = CountingClassifier()
+    # 5 samples over 2 shards: shard 0 reads 0, 2, 4 (2 batches), shard 1 reads 1, 3 (1 batch)
+    # and then one padding batch (copies of sample 0) so both run 2 forwards
+    metrics = trainer.validate(module, dataloaders=TensorDataset(x[:5], y[:5]))
+    assert module.forwards == 2 and seen == [2]
+    with torch.no_grad():
+        expected = torch.nn.functional.cross_entropy(module.net(x[[1, 3]]), y[[1, 3]])
     assert metrics["val/loss"] == pytest.approx(expected.item(), rel=1e-6)
 
 
