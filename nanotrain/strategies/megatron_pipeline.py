@@ -2,15 +2,16 @@
 validation through the stages, and the cross-stage sums (loss terms, shared embedding grads,
 grad norms).
 
-How losses travel. Every chunk's forward returns its own loss term: the MoE sequence-wise
-balance losses of its layers, and on the last stage also the LM loss and
-``mtp_loss_weight · mtp_loss``. Each term is backpropagated on the stage that computed it
-(scaled by the microbatch's weight), so the gradients are those of the total loss. The terms'
-values (total, lm, aux, mtp, tokens per microbatch) are summed over the pipeline group in one
-small all-reduce after the schedule; the module's ``training_step`` is then *replayed* on
-every stage with those global values (`PipelineStage.replay`), so ``self.log`` sees the same
-numbers on every rank and `StepOutput.loss` is global too. Validation does the same with a
-forward-only schedule.
+How losses travel. Every chunk's forward returns its own share of the loss terms: the MoE
+sequence-wise balance losses of its layers, and on the last stage also the LM loss and the MTP
+losses. Each term is backpropagated on the stage that computed it, weighed by the strategy's
+`LossAccumulator` (the microbatch's share of each term's global count), so the gradients are
+those of the whole objective; the weighed sums are added over the pipeline group after the
+schedule (then over dp by the strategy), which makes `StepOutput.loss` and the logged term
+means global on every rank. For modules that log inside ``training_step``, the terms' values
+(total, lm, aux, mtp, tokens per microbatch) are also summed over the pipeline group and
+``training_step`` is *replayed* on every stage with them (`PipelineStage.replay`).
+Validation replays ``validation_step`` the same way after a forward-only schedule.
 """
 
 from __future__ import annotations

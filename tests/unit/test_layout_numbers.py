@@ -3,6 +3,8 @@ selection, loss-term weighing and its errors, the progress bar's names, named LR
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from torch.utils.data import TensorDataset
@@ -175,3 +177,15 @@ def test_weighing_a_step_never_waits_for_the_gpu():
     # term x: (2·3 + 4·1) / 4 = 2.5; term y: (10·2 + 20·1) / 3; loss = x + 0.1·y
     assert float(named["x"]) == pytest.approx(2.5)
     assert float(loss) == pytest.approx(2.5 + 0.1 * 40 / 3)
+
+
+def test_train_bpb_is_the_global_lm_loss_in_bits_per_byte(tmp_path, monkeypatch):
+    from nanotrain.data import TokenDataModule
+
+    monkeypatch.setenv("NANOTRAIN_CACHE", str(tmp_path / "cache"))
+    data = TokenDataModule(seq_len=32, micro_batch_size=4, demo_max_bytes=30_000)
+    trainer = make_trainer(tmp_path, max_steps=1, micro_batch_size=4, limit_val_batches=0)
+    trainer.fit(nt.LanguageModelModule("tiny-dense", warmup_steps=1), datamodule=data)
+    m = trainer.callback_metrics
+    expected = float(m["train/lm_loss"]) / math.log(2) / data.bytes_per_token
+    assert float(m["train/bpb"]) == pytest.approx(expected, rel=1e-6)
