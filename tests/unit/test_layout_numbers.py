@@ -11,6 +11,7 @@ from torch.utils.data import TensorDataset
 
 import nanotrain as nt
 from nanotrain.callbacks import LearningRateMonitor
+from nanotrain.callbacks.lr_monitor import param_group_names
 from nanotrain.callbacks.progress import shown_metrics
 from nanotrain.data.sampler import ValidationBatchSampler, validation_sample_count
 from nanotrain.strategies.base import DataShard
@@ -189,3 +190,16 @@ def test_train_bpb_is_the_global_lm_loss_in_bits_per_byte(tmp_path, monkeypatch)
     m = trainer.callback_metrics
     expected = float(m["train/lm_loss"]) / math.log(2) / data.bytes_per_token
     assert float(m["train/bpb"]) == pytest.approx(expected, rel=1e-6)
+
+
+def test_unnamed_groups_are_named_by_what_sets_them_apart():
+    a, b, c = (torch.nn.Parameter(torch.zeros(1)) for _ in range(3))
+    decay = torch.optim.AdamW(
+        [{"params": [a], "weight_decay": 0.1}, {"params": [b], "weight_decay": 0.0}]
+    )
+    assert param_group_names(decay) == ["weight_decay=0.1", "weight_decay=0.0"]
+    mixed = torch.optim.SGD(
+        [{"params": [a], "name": "head"}, {"params": [b]}, {"params": [c]}], lr=0.1
+    )
+    assert param_group_names(mixed) == ["head", "group1", "group2"]  # nothing sets 1, 2 apart
+    assert param_group_names(torch.optim.SGD([a], lr=0.1)) == ["group0"]
