@@ -1,12 +1,13 @@
 """nanotrain: Lightning hooks, Megatron parallelism, no global state.
 
-Public API: `Trainer`, `NanoModule`, `TrainState`, `StepOutput`, and the subpackages
+Public API: `Trainer`, `NanoModule`, `LossTerms`, `TrainState`, `StepOutput`, and the subpackages
 `nanotrain.strategies`, `nanotrain.callbacks`, `nanotrain.data`, `nanotrain.models`.
 """
 
 from nanotrain import callbacks, data, strategies
 from nanotrain.callbacks.base import Callback
 from nanotrain.language_model import LanguageModelModule
+from nanotrain.loss_terms import LossTerms
 from nanotrain.module import NanoModule
 from nanotrain.state import TrainState
 from nanotrain.strategies import (
@@ -25,6 +26,7 @@ __all__ = [
     "Callback",
     "DDPStrategy",
     "LanguageModelModule",
+    "LossTerms",
     "MegatronStrategy",
     "NanoModule",
     "SingleDeviceStrategy",

@@ -9,6 +9,7 @@ from typing import Any
 import torch
 
 from nanotrain import model_io
+from nanotrain.loss_terms import LossTerms
 from nanotrain.module import NanoModule
 
 IGNORE_INDEX = -100
@@ -20,11 +21,15 @@ class LanguageModelModule(NanoModule):
     Batches are dicts with "input_ids" and "labels" ([micro_batch, seq_len] int64, labels
     already shifted; -100 = ignore), as `nanotrain.data.TokenDataModule` produces.
 
-    The loss backpropagated is `loss + aux_loss + mtp_loss_weight · mtp_loss`; each term is
-    logged on its own (`train/lm_loss`, `train/aux_loss`, `train/mtp_loss`) next to the
-    Trainer's `train/loss` (the total). Validation logs `val/loss` (next-token cross-entropy,
-    nats/token), `val/ppl` and, when the data knows its bytes per token, `val/bpb`
-    (bits per byte, comparable across tokenizers).
+    The objective is `lm_loss + aux_loss + mtp_loss_weight · mtp_loss`, each term a mean over
+    its own count in the global batch (`loss_counts`): the LM loss over tokens with a label,
+    the balance loss over sequences, each MTP depth over its own targets; so the gradient and
+    every number logged are the same under any layout. Under the nanotrain Trainer the terms'
+    global means are logged as `train/lm_loss`, `train/aux_loss`, `train/mtp_loss` (and
+    `train/bpb`, the LM loss in bits per byte when the data knows its bytes per token) next to
+    the Trainer's `train/loss` (the total objective). Validation logs `val/loss` (next-token
+    cross-entropy, nats/token), `val/ppl` and `val/bpb` (bits per byte, comparable across
+    tokenizers).
 
     Args:
         model: a preset name (`nanotrain.models.presets.names()`), a DeepSeekConfig /
@@ -158,22 +163,59 @@ class LanguageModelModule(NanoModule):
         return self.model(input_ids, labels)
 
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> Any:
-        """One microbatch: returns loss + aux_loss + λ·mtp_loss and logs each term.
+        """One microbatch: under the nanotrain Trainer ``{"loss": loss + aux_loss +
+        λ·mtp_loss, "loss_terms": LossTerms}`` (the strategy averages each term over its own
+        global count and logs the global means, see `loss_counts`); elsewhere (Lightning) the
+        total loss, with each term logged.
 
         Under pipeline parallelism the schedule first runs it once per model chunk: the stage
-        model then returns a partial `StageOutput` (this chunk's activation and loss terms),
-        handed back as ``{"loss": its loss term, "stage_output": ...}`` without logging; the
-        strategy then replays it with the global terms, which are logged here as usual."""
+        model then returns a partial `StageOutput` (this chunk's activation and its share of
+        the loss terms), handed back with ``"stage_output"`` as well."""
         out = self(batch["input_ids"], batch["labels"])
-        if getattr(out, "partial", False):
+        partial = getattr(out, "partial", False)
+        if self._nano_trainer is not None:
+            result = {"loss": out.total_loss, "loss_terms": self._loss_terms(out)}
+            if partial:
+                result["stage_output"] = out
+            return result
+        if partial:
             return {"loss": out.total_loss, "stage_output": out}
-        # weighed by tokens over the step's microbatches, as the strategy weighs the loss
         tokens = self.count_tokens(batch)
         self.log("train/lm_loss", out.loss.detach(), batch_size=tokens)
         self.log("train/aux_loss", out.aux_loss.detach(), batch_size=tokens)
         if out.mtp_loss is not None:
             self.log("train/mtp_loss", out.mtp_loss.detach(), batch_size=tokens)
         return out.total_loss
+
+    def _mtp_depth(self) -> int:
+        return int(getattr(self.config, "mtp_depth", 0) or 0)
+
+    def loss_counts(self, batch: dict[str, torch.Tensor]) -> torch.Tensor | None:
+        """What each loss term of one microbatch averages over, [2 + D] int64 on the
+        labels' device: tokens with a label (LM loss), sequences (the sequence-wise balance
+        loss of every MoE layer), then per MTP depth k = 1..D its targets (labels k positions
+        further on). None outside the nanotrain Trainer (the whole loss is then weighed by
+        tokens)."""
+        if self._nano_trainer is None:
+            return None
+        live = batch["labels"] != IGNORE_INDEX
+        sequences = torch.full((), live.shape[0], dtype=torch.long, device=live.device)
+        counts = [live.sum(), sequences]
+        counts += [live[:, k:].sum() for k in range(1, self._mtp_depth() + 1)]
+        return torch.stack(counts)
+
+    def _loss_terms(self, out: Any) -> LossTerms:
+        """The [2 + D] terms of `loss_counts` from a model (or pipeline stage) output: this
+        microbatch's means, 0 for terms another pipeline stage computes."""
+        depth = self._mtp_depth()
+        zero = out.aux_loss.new_zeros(())
+        lm = out.loss if out.loss is not None else zero
+        mtp = out.mtp_losses if out.mtp_losses is not None else zero.expand(depth)
+        values = torch.cat([torch.stack([lm.float(), out.aux_loss.float()]), mtp.float()])
+        weight = getattr(self.config, "mtp_loss_weight", 0.0)
+        weights = [1.0, 1.0] + [weight / max(depth, 1)] * depth
+        names = ["train/lm_loss", "train/aux_loss"] + ["train/mtp_loss"] * depth
+        return LossTerms(values, weights, names)
 
     def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
         """Logs val/loss (token-weighted over the whole validation set), val/ppl, val/bpb.
@@ -197,9 +239,10 @@ class LanguageModelModule(NanoModule):
 
     def on_before_optimizer_step(self, optimizer: Any) -> None:
         """Aux-loss-free balancing: move router biases by the step's expert loads over all
-        ranks (the strategy sums them), keep the step's `MoEStats` as `last_moe_stats` (None
-        for dense models) for callbacks such as MoELoadMonitor, then log how unbalanced the
-        loads were.
+        ranks (the strategy sums them) and keep the step's `MoEStats` as `last_moe_stats`
+        (None for dense models) for `MoELoadMonitor`, which logs the load statistics of every
+        MoE layer (all pipeline stages). Also adds `train/bpb` (the step's global LM loss in
+        bits per byte) to the step's metrics when the data knows its bytes per token.
 
         Done here rather than at batch end so that a checkpoint saved at the end of this step
         (callbacks run before the module's hooks) already holds the updated biases. The bias
@@ -207,21 +250,16 @@ class LanguageModelModule(NanoModule):
         changes nothing else. Loads and dropped copies are summed in one collective."""
         trainer = self._nano_trainer
         reduce_fn = None if trainer is None else (lambda t: trainer.strategy.reduce(t, "sum"))
-        stats = self.model.balance_experts(reduce_fn)
-        self.last_moe_stats = stats
-        step = None if trainer is None else trainer.global_step + 1  # the step being finished
-        if (
-            stats is not None
-            and step is not None
-            and step % trainer.settings.log_every_n_steps == 0
-        ):
-            loads = stats.loads
-            ratio = (loads.max(dim=-1).values / loads.mean(dim=-1).clamp_min(1e-9)).mean()
-            trainer.log_metrics({"moe/max_over_mean_load": ratio}, step=step)
+        self.last_moe_stats = self.model.balance_experts(reduce_fn)
+        out = None if trainer is None else getattr(trainer, "step_output", None)
+        bytes_per_token = getattr(self._datamodule(), "bytes_per_token", None)
+        if out is not None and bytes_per_token and "train/lm_loss" in out.metrics:
+            out.metrics["train/bpb"] = out.metrics["train/lm_loss"] / math.log(2) / bytes_per_token
 
-    def count_tokens(self, batch: dict[str, torch.Tensor]) -> int:
-        """Tokens that carry a loss in one microbatch (labels != -100)."""
-        return int((batch["labels"] != IGNORE_INDEX).sum())
+    def count_tokens(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        """Tokens that carry a loss in one microbatch (labels != -100), as a 0-dim int64
+        tensor on the labels' device (counting reads nothing back to the host)."""
+        return (batch["labels"] != IGNORE_INDEX).sum()
 
     # -- accounting --------------------------------------------------------------------------
     def flops_per_token(self) -> float | None:
@@ -245,9 +283,10 @@ class LanguageModelModule(NanoModule):
         hp = self.hparams
         decay = [p for p in self.parameters() if p.requires_grad and p.ndim >= 2]
         no_decay = [p for p in self.parameters() if p.requires_grad and p.ndim < 2]
+        # named: LearningRateMonitor logs lr/decay and lr/no_decay
         groups = [
-            {"params": decay, "weight_decay": hp.weight_decay},
-            {"params": no_decay, "weight_decay": 0.0},
+            {"params": decay, "weight_decay": hp.weight_decay, "name": "decay"},
+            {"params": no_decay, "weight_decay": 0.0, "name": "no_decay"},
         ]
         optimizer = torch.optim.AdamW(groups, lr=hp.lr, betas=tuple(hp.betas), eps=hp.eps)
         decay_steps = hp.decay_steps

@@ -29,23 +29,7 @@ def rebatch(
     """
     from nanotrain.data.sampler import ResumableDistributedSampler
 
-    if isinstance(loader_or_dataset, DataLoader):
-        dataset = loader_or_dataset.dataset
-        extra = dict(
-            collate_fn=loader_or_dataset.collate_fn,
-            num_workers=loader_or_dataset.num_workers,
-            pin_memory=loader_or_dataset.pin_memory,
-        )
-    else:
-        dataset, extra = loader_or_dataset, {}
-    if isinstance(dataset, IterableDataset) or not hasattr(dataset, "__len__"):
-        raise TypeError(
-            "nanotrain needs a map-style dataset (with __len__ and __getitem__) so that it can "
-            "shard it across processes and resume at the exact next sample; got "
-            f"{type(dataset).__name__}"
-        )
-    if len(dataset) == 0:
-        raise ValueError(f"the dataset {type(dataset).__name__} is empty; check the data path")
+    dataset, extra = _unwrap(loader_or_dataset)
     sampler = ResumableDistributedSampler(
         len(dataset),
         global_batch_size=global_batch_size,
@@ -74,7 +58,7 @@ def build_loaders(
     """(train loader, train sampler, val loader) for `stage` ("fit" or "validate").
 
     Sources default to the datamodule's `train_dataloader()` / `val_dataloader()`. Validation
-    reads each rank's share in order, `micro_batch_size` at a time; it is skipped when
+    reads the same samples under any layout (`validation_loader`); it is skipped when
     `limit_val_batches` is 0 or there is no validation data.
 
     Raises:
@@ -97,15 +81,56 @@ def build_loaders(
     if val_source is None and datamodule is not None and _overrides(datamodule, "val_dataloader"):
         val_source = datamodule.val_dataloader()
     if val_source is not None and settings.limit_val_batches != 0:
-        val_loader, _ = rebatch(
-            val_source,
-            micro_batch_size=settings.micro_batch_size,
-            global_batch_size=settings.micro_batch_size * shard.count,
-            shard=shard,
-            shuffle=False,
-            seed=settings.seed,
-        )
+        val_loader = validation_loader(val_source, settings, shard)
     return train_loader, train_sampler, val_loader
+
+
+def validation_loader(source: DataLoader | Dataset, settings: Any, shard: DataShard) -> DataLoader:
+    """The validation loader of this data-parallel shard: the first samples of the set
+    (`limit_val_batches` counted in global batches of `global_batch_size`, or a fraction of
+    the set: `validation_sample_count`) dealt over the shards, `micro_batch_size` at a time,
+    none dropped; every shard yields the same number of batches (padding batches from
+    `loader.batch_sampler.num_real_batches` on; see `ValidationBatchSampler`).
+
+    Raises:
+        TypeError, ValueError: as `rebatch`.
+    """
+    from nanotrain.data.sampler import ValidationBatchSampler, validation_sample_count
+
+    dataset, extra = _unwrap(source)
+    count = validation_sample_count(
+        settings.limit_val_batches, len(dataset), settings.global_batch_size
+    )
+    sampler = ValidationBatchSampler(count, settings.micro_batch_size, shard.index, shard.count)
+    # its own generator, as in `rebatch`: iterating must not draw from the global RNG
+    generator = torch.Generator().manual_seed(settings.seed)
+    return DataLoader(dataset, batch_sampler=sampler, generator=generator, **extra)
+
+
+def _unwrap(loader_or_dataset: DataLoader | Dataset) -> tuple[Dataset, dict[str, Any]]:
+    """(dataset, DataLoader settings to keep) of a DataLoader or map-style Dataset.
+
+    Raises:
+        TypeError: for an iterable-style dataset; ValueError: for an empty one.
+    """
+    if isinstance(loader_or_dataset, DataLoader):
+        dataset = loader_or_dataset.dataset
+        extra = dict(
+            collate_fn=loader_or_dataset.collate_fn,
+            num_workers=loader_or_dataset.num_workers,
+            pin_memory=loader_or_dataset.pin_memory,
+        )
+    else:
+        dataset, extra = loader_or_dataset, {}
+    if isinstance(dataset, IterableDataset) or not hasattr(dataset, "__len__"):
+        raise TypeError(
+            "nanotrain needs a map-style dataset (with __len__ and __getitem__) so that it can "
+            "shard it across processes and resume at the exact next sample; got "
+            f"{type(dataset).__name__}"
+        )
+    if len(dataset) == 0:
+        raise ValueError(f"the dataset {type(dataset).__name__} is empty; check the data path")
+    return dataset, extra
 
 
 def _overrides(obj: Any, name: str) -> bool:

@@ -33,13 +33,28 @@ class NanoModule(pl.LightningModule):
       Lightning accepts.
     - `count_tokens(batch)`: tokens in a microbatch; override for token data so that
       `max_tokens` and throughput work (the default 0 means "not token data").
+    - `loss_counts(batch)`: optional; when the objective is several means over different
+      counts (tokens, MTP targets, sequences), the count of each term, so that every term is
+      averaged over the global batch whatever the layout (see `nanotrain.loss_terms`).
 
     The same class runs unchanged under `lightning.Trainer`.
     """
 
-    def count_tokens(self, batch: Any) -> int:
-        """Number of tokens in one microbatch; 0 means the data is not token-based."""
+    def count_tokens(self, batch: Any) -> int | Tensor:
+        """Number of tokens in one microbatch (an int, or a 0-dim integer tensor so that
+        counting needs no host sync); 0 means the data is not token-based."""
         return 0
+
+    def loss_counts(self, batch: Any) -> Tensor | None:
+        """Per loss term, how many items of one microbatch its mean runs over: [K] (an int
+        or float tensor, may live on the device; read without a host sync).
+
+        Return None (the default) to have the step weigh `training_step`'s whole loss by
+        `count_tokens`. Otherwise `training_step` must return ``{"loss": ..., "loss_terms":
+        LossTerms(...)}`` with K terms, term k the mean over this microbatch's count k; the
+        strategy then averages each term over its global count (`nanotrain.loss_terms`).
+        """
+        return None
 
     def count_samples(self, batch: Any) -> int:
         """Number of samples in one microbatch: the leading dim of its first tensor."""

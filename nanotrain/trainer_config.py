@@ -19,8 +19,9 @@ class TrainerConfig:
             accumulation = global_batch_size / (micro_batch_size × data-parallel size).
         gradient_clip_val: clip the global grad norm to this (None: measure, don't clip).
         val_check_interval: validate every this many optimizer steps (None: only at the end).
-        limit_val_batches: validation batches per run: an int count, a float fraction,
-            None for all, 0 to disable validation.
+        limit_val_batches: how much validation data a run reads, the same samples under any
+            layout: an int n = the first n global batches (n × global_batch_size samples),
+            a float in (0, 1] = that fraction of the set, None for all, 0 to disable.
         log_every_n_steps: write training scalars every this many steps.
         default_root_dir / name / version: the run directory `<root>/<name>/version_N`
             (version None: the next free number).

@@ -13,24 +13,38 @@ if TYPE_CHECKING:
 
 
 def run_validation(trainer: Trainer) -> dict[str, float]:
-    """Run `validation_step` over (at most `limit_val_batches` of) the validation loader with
-    the model in eval mode, emitting the validation hooks; log the reduced metrics at the
-    current step and return them. Training-step metrics logged so far are kept aside."""
+    """Run `validation_step` over the validation loader with the model in eval mode, emitting
+    the validation hooks; log the reduced metrics at the current step and return them.
+    Training-step metrics logged so far are kept aside.
+
+    The loader reads the same samples under any layout (`nanotrain.loaders.validation_loader`,
+    which also applies `limit_val_batches`). Its padding batches (a shard with fewer samples
+    than another, from `batch_sampler.num_real_batches` on) run the forward, which can be a
+    collective, but what they log is discarded and no batch hook sees them."""
     module = trainer.module
     was_training = module.training
-    train_book, trainer._book = (
-        trainer._book,
-        MetricBook(lambda: trainer.strategy.root_device, trainer.strategy.metric_process_group),
+    new_book = lambda: MetricBook(  # noqa: E731
+        lambda: trainer.strategy.root_device, trainer.strategy.metric_process_group
     )
+    train_book, trainer._book = trainer._book, new_book()
     trainer.validating = True
     module.eval()
     trainer._call("on_validation_start")
     trainer._call("on_validation_epoch_start")
-    limit = val_batch_limit(trainer.settings.limit_val_batches, len(trainer._val_loader))
-    for batch_idx, batch in enumerate(trainer._val_loader):
-        if batch_idx >= limit:
+    loader = trainer._val_loader
+    real = getattr(loader.batch_sampler, "num_real_batches", None)
+    limit = (
+        val_batch_limit(trainer.settings.limit_val_batches, len(loader)) if real is None else None
+    )
+    for batch_idx, batch in enumerate(loader):
+        if limit is not None and batch_idx >= limit:
             break
         batch = trainer.strategy.batch_to_device(batch)
+        if real is not None and batch_idx >= real:
+            kept, trainer._book = trainer._book, new_book()  # a padding batch: log nowhere
+            trainer.strategy.validation_step(module, batch, batch_idx)
+            trainer._book = kept
+            continue
         output = trainer.strategy.validation_step(module, batch, batch_idx)
         trainer._call("on_validation_batch_end", output, batch, batch_idx)
     logged, prog = trainer._book.close()
@@ -46,7 +60,8 @@ def run_validation(trainer: Trainer) -> dict[str, float]:
 
 
 def val_batch_limit(limit: int | float | None, available: int) -> int:
-    """Batches to run: all (None), a fraction (float <= 1) or a count (int), at most `available`."""
+    """Batches to run of a loader that is not nanotrain's own validation loader: all (None),
+    a fraction (float <= 1) or a count (int), at most `available`."""
     if limit is None:
         return available
     if isinstance(limit, float) and limit <= 1.0:

@@ -16,13 +16,15 @@ from nanotrain.callbacks.throughput import ThroughputMonitor
 
 def default_callbacks() -> list[Callback]:
     """What `nanotrain fit` uses when the config lists no callbacks: a checkpoint every 100
-    steps and at the end (the last 3 kept), a progress bar, LR, throughput and grad-norm monitors."""
+    steps and at the end (the last 3 kept), a progress bar, LR, throughput, grad-norm and MoE
+    load monitors (the last logs nothing for a dense model)."""
     return [
         ModelCheckpoint(every_n_steps=100, save_top_k=3),
         ProgressBar(),
         LearningRateMonitor(),
         ThroughputMonitor(),
         GradNormMonitor(),
+        MoELoadMonitor(),
     ]
 
 

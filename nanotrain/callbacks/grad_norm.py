@@ -42,10 +42,11 @@ class GradNormMonitor(Callback):
     norms and histograms at lower cadences, and flags spikes.
 
     Logged, at the step being taken (the number `trainer.global_step` has once it ends):
-        grad_norm/global every `log_every_n_steps`;
+        grad_norm/spikes (running count) every `log_every_n_steps` (the global norm itself
+            is the Trainer's `train/grad_norm`, logged once under that name);
         grad_norm/<group> every `detail_every_n_steps` (L2 norm of the full gradients in the
             group, before clipping: the root of the sum of the squared per-parameter norms);
-        grad_norm/spikes (running count) and a warning whenever a step's norm exceeds
+        a warning whenever a step's norm exceeds
         `spike_factor` × the median of the previous `spike_window` finite norms;
         histograms `grad_hist/<parameter>` (TensorBoard) every `histogram_every_n_steps`.
 
@@ -55,7 +56,7 @@ class GradNormMonitor(Callback):
     steps since the last one, so spike detection adds no per-step device sync.
 
     Args:
-        log_every_n_steps: cadence of the global norm; None uses the Trainer's.
+        log_every_n_steps: cadence of the spike count; None uses the Trainer's.
         detail_every_n_steps: cadence of per-group norms; None = 10 × the global cadence,
             0 = never.
         group_by: "parameter", "module" or "layer" (see `group_name`).
@@ -153,7 +154,7 @@ class GradNormMonitor(Callback):
         self._pending = []
         for step, norm in zip(steps, norms, strict=True):
             self._check_spike(trainer, step, norm)
-        return {"grad_norm/global": norms[-1], "grad_norm/spikes": self.num_spikes}
+        return {"grad_norm/spikes": self.num_spikes}
 
     def _check_spike(self, trainer: Trainer, step: int, norm: float) -> None:
         if not math.isfinite(norm):

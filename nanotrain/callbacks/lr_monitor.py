@@ -13,9 +13,32 @@ if TYPE_CHECKING:
     from nanotrain.trainer import Trainer
 
 
+# group entries that are not a distinguishing setting (the rate itself moves with the schedule)
+_NOT_SETTINGS = {"params", "param_names", "name", "lr", "initial_lr"}
+
+
 def param_group_names(optimizer: torch.optim.Optimizer) -> list[str]:
-    """A name per parameter group: its "name" entry when it has one, else "group<i>"."""
-    return [str(g.get("name", f"group{i}")) for i, g in enumerate(optimizer.param_groups)]
+    """A name per parameter group: its "name" entry when it has one; otherwise, among several
+    groups, the settings that set it apart from the others (e.g. "weight_decay=0.0" for the
+    usual no-decay group), else "group<i>" (its position in `configure_optimizers`).
+    Names are unique: a clash falls back to "group<i>"."""
+    groups = optimizer.param_groups
+    differing = sorted(
+        key
+        for key in {k for g in groups for k in g} - _NOT_SETTINGS
+        if len({repr(g.get(key)) for g in groups}) > 1
+    )
+    names = []
+    for i, group in enumerate(groups):
+        if "name" in group:
+            names.append(str(group["name"]))
+        elif len(groups) > 1 and differing:
+            names.append(",".join(f"{key}={group.get(key)}" for key in differing))
+        else:
+            names.append(f"group{i}")
+    if len(set(names)) < len(names):
+        names = [name if names.count(name) == 1 else f"group{i}" for i, name in enumerate(names)]
+    return names
 
 
 class LearningRateMonitor(Callback):
@@ -24,7 +47,8 @@ class LearningRateMonitor(Callback):
     The rate is read at `on_train_batch_start`, before the scheduler moves it, and logged
     under the number the step gets when it completes, so `lr/group0` at step N is the rate
     that produced the weights of step N. Groups are named by a "name" key in the param group
-    (e.g. `{"params": ..., "name": "decay"}`) or "group<i>".
+    (e.g. `{"params": ..., "name": "decay"}`), else by the settings that set them apart
+    (`lr/weight_decay=0.0`), else "group<i>" (see `param_group_names`).
 
     Args:
         log_every_n_steps: cadence; None uses the Trainer's.

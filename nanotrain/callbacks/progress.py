@@ -36,6 +36,27 @@ def total_steps(trainer: Trainer) -> int | None:
     return min(candidates) if candidates else None
 
 
+def shown_metrics(trainer: Trainer) -> dict[str, float]:
+    """What the bar shows after a log step, by display name.
+
+    When the module logs its LM loss (`train/lm_loss`), that comes first as `lm_loss` (the
+    number comparable with `val/loss`), then `bpb` (`train/bpb`, bits per byte) when known,
+    then the Trainer's total objective as `total_loss`; otherwise the total is shown as
+    `loss`. The progress-bar metrics of the module and validation follow.
+    """
+    bar = {k: float(v) for k, v in trainer.progress_bar_metrics.items()}
+    logged = trainer.callback_metrics
+    if "train/lm_loss" not in logged:
+        return bar
+    shown = {"lm_loss": float(logged["train/lm_loss"])}
+    if "train/bpb" in logged:
+        shown["bpb"] = float(logged["train/bpb"])
+    if "loss" in bar:
+        shown["total_loss"] = bar.pop("loss")
+    shown.update(bar)
+    return shown
+
+
 def _format_duration(seconds: float) -> str:
     return str(datetime.timedelta(seconds=round(seconds)))
 
@@ -48,10 +69,14 @@ class ProgressBar(Callback):
     not a terminal (a log file, a batch job) it prints one plain line every
     `log_every_n_steps` instead, e.g.
 
-        step 20/100 (20%) | loss 2.3456 | lr 3.00e-03 | 12,345 tok/s | 0.150 s/step | ETA 0:00:12
+        step 20/100 (20%) | lm_loss 2.3456 | bpb 3.1234 | total_loss 2.4012 | lr 3.00e-03 | ...
 
-    plus one line per validation run and one when training ends. The loss shown is the one
-    the Trainer logged at the last log step (reading it every step would sync the device);
+    plus one line per validation run and one when training ends. For a module that logs its
+    LM loss (`LanguageModelModule`) the bar shows that (`lm_loss`, comparable with
+    `val/loss`) and its bits per byte, and names the objective with its auxiliary terms
+    `total_loss`; other modules show their objective as `loss` (see `shown_metrics`). The
+    values shown are those the Trainer logged at the last log step (reading them every step
+    would sync the device);
     tokens/s and ETA come from the bar's own clock since training (re)started.
 
     Args:
@@ -139,7 +164,7 @@ class ProgressBar(Callback):
             return
         is_log_step = trainer.global_step % trainer.settings.log_every_n_steps == 0
         if is_log_step:
-            self._shown = {k: float(v) for k, v in trainer.progress_bar_metrics.items()}
+            self._shown = shown_metrics(trainer)
         if self._active == "rich":
             self._progress.update(
                 self._task,

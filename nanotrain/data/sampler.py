@@ -159,3 +159,65 @@ class ResumableDistributedSampler(torch.utils.data.Sampler[int]):
         if position > len(self):
             raise ValueError(f"saved position {position} is past the epoch's end {len(self)}")
         self.epoch, self.position = int(state["epoch"]), position
+
+
+def validation_sample_count(limit: int | float | None, dataset_len: int, global_batch: int) -> int:
+    """How many validation samples (the first ones, in order) a validation run reads.
+
+    None: all of them; a float in (0, 1]: that fraction of the set (rounded down, at least
+    one sample); an int n (or a float above 1, taken as an int): n global batches of
+    ``global_batch`` samples, at most the whole set; 0: none. The count depends only on the
+    data and the global batch, never on how many processes read it.
+    """
+    if limit is None:
+        return dataset_len
+    if isinstance(limit, float) and limit <= 1.0:
+        return max(1, int(dataset_len * limit)) if limit > 0 else 0
+    return min(int(limit) * global_batch, dataset_len)
+
+
+class ValidationBatchSampler(torch.utils.data.Sampler[list[int]]):
+    """Batches of one data-parallel shard's validation samples; every shard yields the same
+    number of batches.
+
+    The first ``num_samples`` samples (in order) are dealt to ``shard_count`` shards like
+    cards (shard ``r`` reads ``r, r + n, r + 2n, ...``), so their union is the same set for
+    any ``n``, none dropped, and read ``batch_size`` at a time (the last batch may be
+    smaller). A shard with fewer batches than the others then yields padding batches
+    (copies of sample 0, ``batch_size`` of them) until every shard has yielded
+    `num_batches`: under expert parallelism a forward is a collective that every rank must
+    enter. The batches from index `num_real_batches` on are padding: the validation loop
+    runs them without recording anything.
+
+    Args:
+        num_samples: samples of the validation run (see `validation_sample_count`), >= 1.
+        batch_size: samples per batch (the micro batch size), >= 1.
+        shard_index, shard_count: this shard ``r`` and the number ``n`` of shards.
+
+    Raises:
+        ValueError: for an argument out of range.
+    """
+
+    def __init__(
+        self, num_samples: int, batch_size: int, shard_index: int = 0, shard_count: int = 1
+    ) -> None:
+        if num_samples < 1 or batch_size < 1 or not 0 <= shard_index < shard_count:
+            raise ValueError(
+                f"need num_samples >= 1, batch_size >= 1 and 0 <= shard_index < shard_count; "
+                f"got {num_samples}, {batch_size}, {shard_index}, {shard_count}"
+            )
+        self.indices = list(range(shard_index, num_samples, shard_count))
+        self.batch_size = batch_size
+        self.num_real_batches = -(-len(self.indices) // batch_size)
+        most = -(-num_samples // shard_count)  # shard 0 holds the most samples
+        self.num_batches = -(-most // batch_size)
+
+    def __iter__(self) -> Iterator[list[int]]:
+        b = self.batch_size
+        for start in range(0, len(self.indices), b):
+            yield self.indices[start : start + b]
+        for _ in range(self.num_batches - self.num_real_batches):
+            yield [0] * b
+
+    def __len__(self) -> int:
+        return self.num_batches

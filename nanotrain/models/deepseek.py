@@ -148,7 +148,8 @@ class DeepSeekV3(CausalLM):
     def mtp_losses(
         self, h: torch.Tensor, input_ids: torch.Tensor, labels: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Mean MTP cross-entropy over depths and the MTP blocks' summed aux loss.
+        """Each MTP depth's cross-entropy [D] (a mean over that depth's targets) and the MTP
+        blocks' summed aux loss.
 
         Depth k (1-based) at position t reads token t+k (input_ids shifted left by k) and
         predicts token t+k+1 (labels shifted left by k); the last k positions have no target.
@@ -166,7 +167,7 @@ class DeepSeekV3(CausalLM):
             loss, _ = masked_mean_ce(logits, target, self.tp_group, self.config.vocab_size)
             losses.append(loss)
             aux = aux + block_aux
-        return torch.stack(losses).mean(), aux
+        return torch.stack(losses), aux
 
     def forward(
         self,
@@ -184,9 +185,10 @@ class DeepSeekV3(CausalLM):
         logits, loss, count = self.head_and_loss(h, labels)
         if run_mtp is None:
             run_mtp = self.training
-        mtp_loss = None
+        mtp_loss = per_depth = None
         if labels is not None and run_mtp and len(self.mtp) > 0:
-            mtp_loss, mtp_aux = self.mtp_losses(h, input_ids, labels)
+            per_depth, mtp_aux = self.mtp_losses(h, input_ids, labels)
+            mtp_loss = per_depth.mean()
             aux = aux + mtp_aux
         total = total_loss(loss, aux, mtp_loss, self.config.mtp_loss_weight)
-        return ModelOutput(logits, loss, aux, mtp_loss, total, count)
+        return ModelOutput(logits, loss, aux, mtp_loss, total, count, per_depth)

@@ -157,12 +157,13 @@ class PipelineStage(nn.Module):
     ) -> StageOutput:
         full = self.full
         logits, loss, count = full.head_and_loss(h, labels)
-        mtp_loss = None
+        mtp_loss = per_depth = None
         if labels is not None and self.training and hasattr(self, "mtp"):
-            mtp_loss, mtp_aux = full.mtp_losses(h, input_ids, labels)
+            per_depth, mtp_aux = full.mtp_losses(h, input_ids, labels)
+            mtp_loss = per_depth.mean()
             aux = aux + mtp_aux
         total = total_loss(loss, aux, mtp_loss, getattr(self.config, "mtp_loss_weight", 0.0))
-        return StageOutput(logits, loss, aux, mtp_loss, total, count)
+        return StageOutput(logits, loss, aux, mtp_loss, total, count, per_depth)
 
     # -- MoE bias balancing --------------------------------------------------------------------
     def indexed_moe_layers(self) -> list[tuple[int, DeepSeekMoE]]:

@@ -36,6 +36,8 @@ class ModelOutput:
             (None without labels).
         num_tokens: number of labels != -100 (int64 scalar; None without labels), for
             token-weighted averaging over microbatches.
+        mtp_losses: [D] each MTP depth's cross-entropy, a mean over that depth's own targets
+            (`mtp_loss` is their mean); None when `mtp_loss` is.
     """
 
     logits: torch.Tensor | None
@@ -44,6 +46,7 @@ class ModelOutput:
     mtp_loss: torch.Tensor | None = None
     total_loss: torch.Tensor | None = None
     num_tokens: torch.Tensor | None = None
+    mtp_losses: torch.Tensor | None = None
 
 
 class DecoderLayer(nn.Module):

@@ -18,6 +18,12 @@ import torch
 from torch import Tensor, nn
 
 from nanotrain.strategies.optimizers import OptimizerSetup, parse_optimizer_config
+from nanotrain.strategies.weighting import (  # noqa: F401  (re-exported: strategies use them)
+    LossAccumulator,
+    MicrobatchWeights,
+    extract_loss,
+    weigh_microbatches,
+)
 
 if TYPE_CHECKING:
     from nanotrain.module import NanoModule
@@ -40,13 +46,16 @@ class StepOutput:
     """What one optimizer step produced, identical on every rank.
 
     Attributes:
-        loss: scalar tensor, the mean training loss over the whole global batch (every
-            microbatch of every data-parallel rank), on every rank.
+        loss: scalar tensor, the training objective over the whole global batch (every
+            microbatch of every data-parallel rank; with loss terms, the weighted sum of each
+            term's global mean), on every rank.
         num_tokens: tokens in the global batch, as counted by `NanoModule.count_tokens`.
         num_samples: samples in the global batch.
         grad_norm: global L2 norm of the gradients before clipping, set by
             `Strategy.clip_grad_norm_` (None until then).
-        metrics: extra scalar tensors a strategy reports (e.g. MoE load statistics).
+        metrics: extra scalar tensors a strategy reports, logged by the Trainer: the global
+            mean of each loss term under its name (e.g. "train/lm_loss"; see
+            `nanotrain.loss_terms`).
         skipped: True when a callback asked to skip the optimizer step.
     """
 
@@ -56,63 +65,6 @@ class StepOutput:
     grad_norm: Tensor | None = None
     metrics: dict[str, Tensor] = field(default_factory=dict)
     skipped: bool = False
-
-
-@dataclass
-class MicrobatchWeights:
-    """How much each local microbatch's mean loss counts in the step's loss.
-
-    Attributes:
-        weights: one per local microbatch: ``tokens_i * replicas / global_tokens``, so that
-            the gradient of ``sum_i weights[i] * loss_i``, averaged over the data-parallel
-            replicas, is the gradient of the mean loss over every token of the global batch.
-            ``1 / num_microbatches`` each when the data is not token-based (0 tokens).
-        num_tokens, num_samples: totals over the global batch.
-    """
-
-    weights: list[float]
-    num_tokens: int
-    num_samples: int
-
-
-def weigh_microbatches(
-    strategy: Strategy, module: NanoModule, microbatches: Sequence[Any]
-) -> MicrobatchWeights:
-    """Count tokens and samples of the global batch (one small collective over the
-    data-parallel replicas, before any backward) and weigh each local microbatch by its
-    tokens, so the step averages over the global batch's tokens, not over microbatches.
-
-    Raises:
-        ValueError: for an empty list of microbatches.
-    """
-    if not microbatches:
-        raise ValueError("forward_backward needs at least one microbatch")
-    tokens = [module.count_tokens(mb) for mb in microbatches]
-    samples = sum(module.count_samples(mb) for mb in microbatches)
-    local = torch.tensor([sum(tokens), samples], dtype=torch.float64, device=strategy.root_device)
-    total_tokens, total_samples = (int(v) for v in strategy.reduce(local, op="sum").tolist())
-    if total_tokens > 0:
-        replicas = strategy.data_shard().count
-        weights = [t * replicas / total_tokens for t in tokens]
-    else:
-        weights = [1.0 / len(microbatches)] * len(microbatches)
-    return MicrobatchWeights(weights, total_tokens, total_samples)
-
-
-def extract_loss(output: Any) -> Tensor:
-    """Return the loss tensor from what `training_step` returned (a tensor or a dict with "loss").
-
-    Raises:
-        TypeError: when the output is neither.
-    """
-    if isinstance(output, Tensor):
-        return output
-    if isinstance(output, dict) and isinstance(output.get("loss"), Tensor):
-        return output["loss"]
-    raise TypeError(
-        "training_step must return the loss as a scalar tensor or a dict with a 'loss' tensor, "
-        f"got {type(output).__name__}"
-    )
 
 
 class Strategy(ABC):

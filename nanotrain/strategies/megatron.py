@@ -21,11 +21,12 @@ Per optimizer step (the loop the Trainer drives):
 4. the update: the module's optimizer on whole parameters, or under ZeRO on this rank's flat
    slices followed by an all-gather of the parameters.
 
-Loss averaging: the gradient is that of the mean loss over every token of the global batch.
-The tokens of every microbatch are counted (one small all-reduce over dp before any backward)
-and each microbatch's mean loss is weighed by ``tokens * dp / global_tokens`` (see
-`base.weigh_microbatches`), so microbatches with more loss-bearing tokens count more.
-`StepOutput.loss` is that same global mean.
+Loss averaging: the gradient is that of the objective over the whole global batch. Each loss
+term's count (LM tokens, MTP targets, sequences; or just the tokens of a module that reports
+one loss) is summed over every microbatch of every dp rank (one small all-reduce before any
+backward) and each microbatch's term is weighed by ``count * dp / global_count`` (see
+`weighting.weigh_microbatches`). `StepOutput.loss` is that same global objective and
+`StepOutput.metrics` holds each term's global mean.
 """
 
 from __future__ import annotations
@@ -48,8 +49,6 @@ from nanotrain.strategies.base import (
     DataShard,
     StepOutput,
     Strategy,
-    extract_loss,
-    weigh_microbatches,
 )
 from nanotrain.strategies.megatron_grads import (
     MegatronGradNorms,
@@ -59,6 +58,7 @@ from nanotrain.strategies.megatron_grads import (
 )
 from nanotrain.strategies.megatron_pipeline import PipelineEngine, embedding_groups, pick_schedule
 from nanotrain.strategies.optimizers import OptimizerSetup
+from nanotrain.strategies.weighting import LossAccumulator, weigh_microbatches
 
 if TYPE_CHECKING:
     from nanotrain.module import NanoModule
@@ -345,41 +345,36 @@ class MegatronStrategy(MegatronGradNorms, Strategy):
         grads = self._grads
         assert grads is not None, "setup_module() must run before forward_backward()"
         weighed = weigh_microbatches(self, module, microbatches)
+        accumulator = LossAccumulator(weighed)
         grads.attach()
         if self._pipeline is not None:
-            loss_sum = self._pipeline.train_step(
-                module, microbatches, weighed.weights, batch_idx, grads
-            )
+            sums = self._pipeline.train_step(module, microbatches, accumulator, batch_idx, grads)
         else:
-            loss_sum = self._accumulate(module, microbatches, weighed.weights, batch_idx, grads)
+            sums = self._accumulate(module, microbatches, accumulator, batch_idx, grads)
         self._reduce_sequence_parallel_grads()
         if self.zero_stage == 2:
             grads.release()
-        return StepOutput(
-            loss=(self.reduce(loss_sum, op="sum") / self.mesh.dp_size).float(),
-            num_tokens=weighed.num_tokens,
-            num_samples=weighed.num_samples,
-        )
+        loss, terms = accumulator.finish(self, sums)
+        num_tokens, num_samples = weighed.host_totals()
+        return StepOutput(loss=loss, num_tokens=num_tokens, num_samples=num_samples, metrics=terms)
 
     def _accumulate(
         self,
         module: NanoModule,
         microbatches: Sequence[Any],
-        weights: Sequence[float],
+        accumulator: LossAccumulator,
         batch_idx: int,
         grads: GradBucketSets,
     ) -> Tensor:
         """Forward and backward of each microbatch in turn; dp reduction on the last one.
-        Returns the weighted sum of the microbatch losses."""
+        Returns the accumulator's local sums of the (weighed) loss terms."""
         num_micro = len(microbatches)
-        loss_sum = torch.zeros((), device=self.root_device, dtype=torch.float64)
-        for i, (microbatch, weight) in enumerate(zip(microbatches, weights, strict=True)):
+        for i, microbatch in enumerate(microbatches):
             grads.set_sync(i == num_micro - 1)
-            loss = extract_loss(module.training_step(microbatch, batch_idx))
-            (loss * weight).backward()
-            loss_sum += loss.detach().double() * weight
+            output = module.training_step(microbatch, batch_idx)
+            accumulator.objective(i, output).backward()
         grads.finish()
-        return loss_sum
+        return accumulator.sums
 
     def validation_step(self, module: NanoModule, batch: Any, batch_idx: int) -> Any:
         """Forward only: through the pipeline stages under pp > 1 (every stage logs the

@@ -2,15 +2,16 @@
 validation through the stages, and the cross-stage sums (loss terms, shared embedding grads,
 grad norms).
 
-How losses travel. Every chunk's forward returns its own loss term: the MoE sequence-wise
-balance losses of its layers, and on the last stage also the LM loss and
-``mtp_loss_weight · mtp_loss``. Each term is backpropagated on the stage that computed it
-(scaled by the microbatch's weight), so the gradients are those of the total loss. The terms'
-values (total, lm, aux, mtp, tokens per microbatch) are summed over the pipeline group in one
-small all-reduce after the schedule; the module's ``training_step`` is then *replayed* on
-every stage with those global values (`PipelineStage.replay`), so ``self.log`` sees the same
-numbers on every rank and `StepOutput.loss` is global too. Validation does the same with a
-forward-only schedule.
+How losses travel. Every chunk's forward returns its own share of the loss terms: the MoE
+sequence-wise balance losses of its layers, and on the last stage also the LM loss and the MTP
+losses. Each term is backpropagated on the stage that computed it, weighed by the strategy's
+`LossAccumulator` (the microbatch's share of each term's global count), so the gradients are
+those of the whole objective; the weighed sums are added over the pipeline group after the
+schedule (then over dp by the strategy), which makes `StepOutput.loss` and the logged term
+means global on every rank. For modules that log inside ``training_step``, the terms' values
+(total, lm, aux, mtp, tokens per microbatch) are also summed over the pipeline group and
+``training_step`` is *replayed* on every stage with them (`PipelineStage.replay`).
+Validation replays ``validation_step`` the same way after a forward-only schedule.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ if TYPE_CHECKING:
     from nanotrain.module import NanoModule
     from nanotrain.parallel.data_parallel import GradBucketSets
     from nanotrain.parallel.mesh import ParallelMesh
+    from nanotrain.strategies.weighting import LossAccumulator
 
 __all__ = ["PipelineEngine", "embedding_groups", "pick_schedule"]
 
@@ -132,7 +134,7 @@ class PipelineEngine:
         ranks = self.mesh.group_ranks("pp")
         return PipelineComm(ranks, self.mesh.pp_rank, self.virtual_pp, shape, dtype, self.device)
 
-    def _forward_step(self, stage, step_fn, batches, terms: Tensor):
+    def _forward_step(self, stage, step_fn, batches, terms: Tensor, objective=None):
         def forward_step(m: int, chunk: int, inp: Tensor | None):
             stage.select(chunk, inp)
             result = step_fn(batches[m])
@@ -151,7 +153,8 @@ class PipelineEngine:
                 row[_HAS_MTP] = 1.0
             if out.num_tokens is not None:
                 row[_COUNT] += out.num_tokens.double()
-            return out.hidden, out.total_loss
+            loss = out.total_loss if objective is None else objective(m, result)
+            return out.hidden, loss
 
         return forward_step
 
@@ -178,15 +181,15 @@ class PipelineEngine:
         self,
         module: NanoModule,
         microbatches: Sequence[Any],
-        weights: Sequence[float],
+        accumulator: LossAccumulator,
         batch_idx: int,
         grads: GradBucketSets,
     ) -> Tensor:
-        """Run the schedule (forward and backward of every microbatch, its loss terms
-        weighed by ``weights``), sum the shared embedding grads, reduce every grad over dp,
-        and replay ``training_step`` with the global loss terms. Returns the weighted sum over
-        microbatches of the total loss of this data-parallel replica (summed over stages; the
-        strategy averages it over dp)."""
+        """Run the schedule (forward and backward of every microbatch, each chunk's loss
+        terms weighed by ``accumulator.objective``), sum the shared embedding grads, reduce
+        every grad over dp, and replay ``training_step`` with the global loss terms. Returns
+        the accumulator's weighed term sums of this data-parallel replica, summed over stages
+        (the strategy reduces them over dp)."""
         stage = self.stage_of(module)
         num_micro = len(microbatches)
         actions = SCHEDULES[self.schedule](
@@ -195,7 +198,11 @@ class PipelineEngine:
         dtype = next(p.dtype for p in stage.parameters())
         terms = torch.zeros(num_micro, 6, dtype=torch.float64, device=self.device)
         step = self._forward_step(
-            stage, lambda b: module.training_step(b, batch_idx), microbatches, terms
+            stage,
+            lambda b: module.training_step(b, batch_idx),
+            microbatches,
+            terms,
+            accumulator.objective,
         )
         shared = self.shared_params(module)
         # With a shared embedding the dp reduction must wait for the cross-stage sum below;
@@ -206,19 +213,17 @@ class PipelineEngine:
             actions,
             self._comm(stage, microbatches[0], dtype),
             step,
-            loss_scales=weights,
             before_last_backward=before_last,
         )
         if shared:
             all_reduce_coalesced([p.grad for p in shared], self.embedding_group)
         grads.finish()
-        local_total = (terms[:, _TOTAL] * terms.new_tensor(list(weights))).sum()
         terms = self._global_terms(terms, over_dp=True)
         with torch.no_grad():
             for m, batch in enumerate(microbatches):
                 stage.replay(self._replayed(terms[m]))
                 module.training_step(batch, batch_idx)
-        return self.sum_over_stages(local_total)
+        return self.sum_over_stages(accumulator.sums)
 
     def validation_step(self, module: NanoModule, batch: Any, batch_idx: int) -> Any:
         """Forward-only through the stages, then ``validation_step`` replayed with the global

@@ -9,7 +9,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor, nn
 
-from nanotrain.strategies.base import StepOutput, Strategy, extract_loss, weigh_microbatches
+from nanotrain.strategies.base import StepOutput, Strategy
+from nanotrain.strategies.weighting import LossAccumulator, weigh_microbatches
 
 if TYPE_CHECKING:
     from nanotrain.module import NanoModule
@@ -56,24 +57,21 @@ class ReplicatedStrategy(Strategy):
     def forward_backward(
         self, module: NanoModule, microbatches: Sequence[Any], batch_idx: int
     ) -> StepOutput:
-        """Accumulate gradients of the mean loss over the global batch's tokens; reduce it."""
+        """Accumulate gradients of the objective over the global batch (each loss term, or the
+        whole loss, averaged over its global count: `weighting`); reduce its value."""
         assert self._step_runner is not None, "setup_module() must run before forward_backward()"
         weighed = weigh_microbatches(self, module, microbatches)
+        accumulator = LossAccumulator(weighed)
         num_micro = len(microbatches)
-        loss_sum = torch.zeros((), device=self.root_device, dtype=torch.float64)
-        for i, (microbatch, weight) in enumerate(zip(microbatches, weighed.weights, strict=True)):
+        for i, microbatch in enumerate(microbatches):
             with self._sync_context(i == num_micro - 1):
-                loss = extract_loss(self._step_runner(microbatch, batch_idx))
-                # Each microbatch's mean loss weighed by its share of the global batch's
-                # tokens (times the replicas, which DDP's average divides out again).
-                (loss * weight).backward()
-            loss_sum += loss.detach().double() * weight
-        replicas = self.data_shard().count
-        return StepOutput(
-            loss=(self.reduce(loss_sum, op="sum") / replicas).float(),
-            num_tokens=weighed.num_tokens,
-            num_samples=weighed.num_samples,
-        )
+                output = self._step_runner(microbatch, batch_idx)
+                # scaled by the microbatch's share of each global count (times the replicas,
+                # which DDP's average divides out again)
+                accumulator.objective(i, output).backward()
+        loss, terms = accumulator.finish(self)
+        num_tokens, num_samples = weighed.host_totals()
+        return StepOutput(loss=loss, num_tokens=num_tokens, num_samples=num_samples, metrics=terms)
 
     def clip_grad_norm_(self, max_norm: float | None) -> Tensor:
         """Global L2 grad norm over this (already synchronized) replica's gradients; clip if asked."""

@@ -59,9 +59,11 @@ def test_hook_order_matches_the_documented_sequence(tmp_path):
     )
     trainer.fit(Classifier(), BlobsData())
     step = ["on_train_batch_start", "on_before_optimizer_step", "on_train_batch_end"]
+    # limit_val_batches=1 is one *global* batch (64 samples): two microbatches of 32
     val = [
         "on_validation_start",
         "on_validation_epoch_start",
+        "on_validation_batch_end",
         "on_validation_batch_end",
         "on_validation_epoch_end",
         "on_validation_end",

@@ -1,0 +1,201 @@
+"""How one optimizer step's microbatches are weighed, so that its gradient is that of the
+objective over the whole global batch, whatever cut of it this rank and microbatch hold.
+
+Two modes, picked by the module:
+
+- **Loss terms** (the module implements `NanoModule.loss_counts` and its `training_step`
+  returns ``"loss_terms"``, a `nanotrain.loss_terms.LossTerms`): term k of microbatch m is a
+  mean over its own count ``c[m, k]``; the counts of every microbatch of every data-parallel
+  rank are summed into ``C[k]`` (one all-reduce before any backward) and microbatch m
+  backpropagates ``sum_k w[k] * value[m, k] * c[m, k] * R / C[k]`` (R = data-parallel
+  replicas, whose average the gradient reduction takes). Summed over microbatches and averaged
+  over replicas this is ``sum_k w[k] * global mean of term k``: any cut gives the same gradient.
+- **One loss** (any other module): the whole loss of microbatch m is weighed by its tokens
+  (`NanoModule.count_tokens`) as ``t[m] * R / T``; ``1 / M`` each when the data has no tokens.
+
+Every count stays a device tensor: weighing adds no host-device synchronization; the totals
+become Python ints only in `MicrobatchWeights.host_totals`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import Tensor
+
+from nanotrain.loss_terms import LossTerms, host_to_device
+
+if TYPE_CHECKING:
+    from nanotrain.module import NanoModule
+    from nanotrain.strategies.base import Strategy
+
+__all__ = ["LossAccumulator", "MicrobatchWeights", "weigh_microbatches"]
+
+
+@dataclass
+class MicrobatchWeights:
+    """How much each local microbatch's terms count in the step's objective.
+
+    Attributes:
+        scales: [M, K] float64: what term k of microbatch m is multiplied by in backward
+            (``c[m, k] * R / C[k]``, 0 where ``C[k]`` is 0); K = 1 in one-loss mode.
+        global_counts: [K] float64, each term's count over the global batch.
+        tokens, samples: 0-dim float64 tensors, totals over the global batch.
+        uses_terms: True in loss-terms mode.
+        replicas: R, the number of data-parallel replicas.
+    """
+
+    scales: Tensor
+    global_counts: Tensor
+    tokens: Tensor
+    samples: Tensor
+    uses_terms: bool
+    replicas: int
+
+    @property
+    def weights(self) -> list[float]:
+        """One-loss mode's per-microbatch weights as floats (reads the device: tests only)."""
+        return self.scales[:, 0].tolist()
+
+    def host_totals(self) -> tuple[int, int]:
+        """(tokens, samples) of the global batch as Python ints: one device read."""
+        tokens, samples = torch.stack([self.tokens, self.samples]).round().long().tolist()
+        return int(tokens), int(samples)
+
+
+def _as_counts(value: Any, device: torch.device) -> Tensor:
+    """A count (Python number or tensor, any device) as float64 [n] on `device`, with no
+    host sync."""
+    if isinstance(value, Tensor) and value.device.type != "cpu":
+        return value.to(device=device, dtype=torch.float64).reshape(-1)
+    return host_to_device([float(v) for v in torch.as_tensor(value).reshape(-1).tolist()], device)
+
+
+def weigh_microbatches(
+    strategy: Strategy, module: NanoModule, microbatches: Sequence[Any]
+) -> MicrobatchWeights:
+    """Count every term's denominators (or the tokens) of the global batch with one small
+    all-reduce over the data-parallel replicas, before any backward, and derive each local
+    microbatch's scales (see the module docstring).
+
+    Raises:
+        ValueError: for an empty list of microbatches, or `loss_counts` giving counts of
+            different lengths for the microbatches of one step.
+    """
+    if not microbatches:
+        raise ValueError("forward_backward needs at least one microbatch")
+    device = strategy.root_device
+    raw = [module.loss_counts(mb) for mb in microbatches]
+    uses_terms = raw[0] is not None
+    tokens = torch.cat([_as_counts(module.count_tokens(mb), device) for mb in microbatches])
+    samples = float(sum(module.count_samples(mb) for mb in microbatches))
+    if uses_terms:
+        if any(c is None for c in raw):
+            raise ValueError(
+                f"{type(module).__name__}.loss_counts returned None for some microbatches of "
+                "a step and counts for others; return counts for every microbatch"
+            )
+        counts = [_as_counts(c, device) for c in raw]
+        if len({c.numel() for c in counts}) != 1:
+            raise ValueError(
+                f"{type(module).__name__}.loss_counts must return a tensor of the same length "
+                "for every microbatch (one count per loss term)"
+            )
+        counts_mk = torch.stack(counts)
+    else:
+        counts_mk = tokens[:, None]
+    samples_t = host_to_device([samples], device)
+    local = torch.cat([counts_mk.sum(0), tokens.sum().reshape(1), samples_t])
+    total = strategy.reduce(local, op="sum")
+    k = counts_mk.shape[1]
+    global_counts, total_tokens, total_samples = total[:k], total[k], total[k + 1]
+    replicas = strategy.data_shard().count
+    scales = counts_mk * replicas / global_counts.clamp(min=1.0)
+    scales = torch.where(global_counts > 0, scales, torch.zeros_like(scales))
+    if not uses_terms:
+        # data without tokens: the plain mean over microbatches (and over replicas)
+        even = torch.full_like(scales, 1.0 / len(microbatches))
+        scales = torch.where(global_counts > 0, scales, even)
+    return MicrobatchWeights(
+        scales, global_counts, total_tokens, total_samples, uses_terms, replicas
+    )
+
+
+def extract_loss(output: Any) -> Tensor:
+    """Return the loss tensor from what `training_step` returned (a tensor or a dict with "loss").
+
+    Raises:
+        TypeError: when the output is neither.
+    """
+    if isinstance(output, Tensor):
+        return output
+    if isinstance(output, dict) and isinstance(output.get("loss"), Tensor):
+        return output["loss"]
+    raise TypeError(
+        "training_step must return the loss as a scalar tensor or a dict with a 'loss' tensor, "
+        f"got {type(output).__name__}"
+    )
+
+
+class LossAccumulator:
+    """Turns each microbatch's `training_step` output into what to backpropagate, and sums
+    the detached terms for the step's global values.
+
+    Args:
+        weighed: the step's `MicrobatchWeights`.
+    """
+
+    def __init__(self, weighed: MicrobatchWeights) -> None:
+        self.weighed = weighed
+        self.sums: Tensor = torch.zeros_like(weighed.global_counts)
+        self.terms: LossTerms | None = None
+
+    def objective(self, m: int, output: Any) -> Tensor:
+        """The scalar microbatch `m` backpropagates, given its `training_step` output.
+
+        Raises:
+            TypeError: in loss-terms mode, when the output carries no `LossTerms`.
+        """
+        scale = self.weighed.scales[m]
+        if not self.weighed.uses_terms:
+            loss = extract_loss(output)
+            self.sums += loss.detach().double() * scale
+            return loss * scale[0].to(loss.dtype)
+        terms = output.get("loss_terms") if isinstance(output, dict) else None
+        if not isinstance(terms, LossTerms):
+            raise TypeError(
+                "the module's loss_counts() reports loss terms, so training_step must return "
+                "{'loss': ..., 'loss_terms': LossTerms(...)} (see nanotrain.loss_terms)"
+            )
+        if terms.values.numel() != scale.numel():
+            raise ValueError(
+                f"training_step returned {terms.values.numel()} loss terms but loss_counts "
+                f"gave {scale.numel()} counts; they must match term by term"
+            )
+        self.terms = terms
+        values = terms.values
+        self.sums += values.detach().double() * scale
+        factor = terms.weight_tensor(scale.device) * scale
+        return (values * factor.to(values.dtype)).sum()
+
+    def finish(self, strategy: Strategy, sums: Tensor | None = None) -> tuple[Tensor, dict]:
+        """The step's global loss and the global value of each named term.
+
+        Args:
+            strategy: reduces the sums over data-parallel replicas (one all-reduce).
+            sums: the local sums to use instead of `self.sums` (e.g. already summed over
+                pipeline stages).
+        Returns:
+            (loss: 0-dim float32, identical on every rank; {metric name: 0-dim tensor}).
+        """
+        local = self.sums if sums is None else sums
+        global_values = strategy.reduce(local, op="sum") / self.weighed.replicas
+        if self.terms is None:
+            return global_values.sum().float(), {}
+        weights = self.terms.weight_tensor(global_values.device)
+        loss = (global_values * weights).sum().float()
+        named = self.terms.named_means(global_values)
+        return loss, {name: value.float() for name, value in named.items()}
