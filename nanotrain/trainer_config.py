@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
+LOGGER_NAMES = ("tensorboard", "csv", "jsonl")
+
 
 @dataclass
 class TrainerConfig:
@@ -19,15 +21,19 @@ class TrainerConfig:
             accumulation = global_batch_size / (micro_batch_size × data-parallel size).
         gradient_clip_val: clip the global grad norm to this (None: measure, don't clip).
         val_check_interval: validate every this many optimizer steps (None: only at the end).
-        limit_val_batches: validation batches per run: an int count, a float fraction,
-            None for all, 0 to disable validation.
+        limit_val_batches: validation batches per run: an int count, a float fraction in
+            (0, 1], None for all, 0 to disable validation.
         log_every_n_steps: write training scalars every this many steps.
         default_root_dir / name / version: the run directory `<root>/<name>/version_N`
             (version None: the next free number).
-        loggers: which loggers rank 0 writes: "tensorboard" and/or "jsonl".
+        loggers: which built-in loggers rank 0 writes into the run directory: any of
+            "tensorboard", "csv", "jsonl" (Lightning `Logger` objects: `Trainer(logger=...)`).
         seed: seeds Python, NumPy and torch before the model is built and the data shuffled.
         deterministic: use only deterministic kernels (slower; errors on ops without one).
         shuffle: shuffle the training data every epoch.
+        enable_checkpointing: add the default `ModelCheckpoint` (unless one is passed).
+        enable_progress_bar: add the default `ProgressBar` (unless one is passed).
+        enable_monitors: add the default LR, throughput and grad-norm monitors.
     """
 
     max_steps: int | None = None
@@ -46,6 +52,9 @@ class TrainerConfig:
     seed: int = 0
     deterministic: bool = False
     shuffle: bool = True
+    enable_checkpointing: bool = True
+    enable_progress_bar: bool = True
+    enable_monitors: bool = True
 
     def __post_init__(self) -> None:
         if self.max_steps is None and self.max_epochs is None and self.max_tokens is None:
@@ -76,14 +85,37 @@ class TrainerConfig:
             raise ValueError(f"log_every_n_steps must be positive, got {self.log_every_n_steps}")
         if self.gradient_clip_val is not None and self.gradient_clip_val <= 0:
             raise ValueError(f"gradient_clip_val must be positive, got {self.gradient_clip_val}")
-        if self.limit_val_batches is not None and self.limit_val_batches < 0:
-            raise ValueError(f"limit_val_batches must be >= 0, got {self.limit_val_batches}")
-        unknown = set(self.loggers) - {"tensorboard", "jsonl"}
+        _check_limit_val_batches(self.limit_val_batches)
+        unknown = set(self.loggers) - set(LOGGER_NAMES)
         if unknown:
             raise ValueError(
-                f"unknown loggers {sorted(unknown)}; choose from 'tensorboard', 'jsonl'"
+                f"unknown loggers {sorted(unknown)}; choose from {', '.join(LOGGER_NAMES)} (for "
+                "other Lightning loggers pass the object: Trainer(logger=...) or --trainer.logger)"
             )
 
     def to_dict(self) -> dict:
         """The settings as a plain dict (for config.yaml)."""
         return asdict(self)
+
+
+def _check_limit_val_batches(limit: int | float | None) -> None:
+    """An int >= 0 (a count), a float in (0, 1] (a fraction; 0.0 disables too) or None.
+
+    Raises:
+        ValueError: a negative count or a fraction outside (0, 1], with the fix.
+    """
+    if limit is None:
+        return
+    if isinstance(limit, float):
+        if not 0.0 <= limit <= 1.0:
+            raise ValueError(
+                f"limit_val_batches={limit!r}: a float is a fraction of the validation batches and "
+                "must lie in (0, 1] (1.0 = all); for a number of batches pass an int"
+                + (f", e.g. {int(limit)}" if limit > 1 and limit == int(limit) else "")
+            )
+        return
+    if not isinstance(limit, int) or limit < 0:
+        raise ValueError(
+            f"limit_val_batches must be an int >= 0 (a count), a float in (0, 1] (a fraction) "
+            f"or None (all), got {limit!r}"
+        )
