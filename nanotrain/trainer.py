@@ -359,6 +359,10 @@ class Trainer(LightningTrainerProperties):
                     self._train_step(micro)
                 if st.steps_in_epoch < st.steps_per_epoch:
                     break  # stopped mid-epoch
+            n_val = self.settings.check_val_every_n_epoch
+            if self._val_loader is not None and n_val and (st.epoch + 1) % n_val == 0:
+                if self._last_val_step != st.global_step:  # as Lightning: before the hook
+                    self._run_validation()
             finish_epoch(self, "on_train_epoch_end")
             self._step_scheduler("epoch")
             st.epoch += 1

@@ -21,6 +21,8 @@ class TrainerConfig:
             accumulation = global_batch_size / (micro_batch_size × data-parallel size).
         gradient_clip_val: clip the global grad norm to this (None: measure, don't clip).
         val_check_interval: validate every this many optimizer steps (None: only at the end).
+        check_val_every_n_epoch: also validate at the end of every this many completed
+            epochs, as Lightning does (None: not at epoch ends).
         limit_val_batches: validation batches per run: an int count, a float fraction in
             (0, 1], None for all, 0 to disable validation.
         log_every_n_steps: write training scalars every this many steps.
@@ -43,6 +45,7 @@ class TrainerConfig:
     micro_batch_size: int = 1
     gradient_clip_val: float | None = None
     val_check_interval: int | None = None
+    check_val_every_n_epoch: int | None = 1
     limit_val_batches: int | float | None = None
     log_every_n_steps: int = 10
     default_root_dir: str = "runs"
@@ -61,7 +64,8 @@ class TrainerConfig:
             raise ValueError(
                 "the Trainer needs a stopping rule: set max_steps, max_epochs or max_tokens"
             )
-        for name in ("max_steps", "max_epochs", "max_tokens", "val_check_interval"):
+        names = ("max_steps", "max_epochs", "max_tokens", "val_check_interval")
+        for name in (*names, "check_val_every_n_epoch"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value <= 0):
                 raise ValueError(f"{name} must be a positive integer or None, got {value!r}")
