@@ -48,9 +48,7 @@ def test_metric_objects_and_sync_dist_reduce_over_ranks_and_rank_zero_logs(tmp_p
     for result in ranks:
         # val_acc: a MulticlassAccuracy over each rank's half of the validation set, synced
         # over both ranks on compute(): the accuracy of the whole set, as on one process
-        assert result["metrics"]["val_acc"] == pytest.approx(
-            single["metrics"]["val_acc"], rel=1e-6
-        )
+        assert result["metrics"]["val_acc"] == pytest.approx(single["metrics"]["val_acc"], rel=1e-6)
     # val_loss is logged without sync_dist: each rank's own mean over its 2 batches, whose
     # average is the one-process mean over all 4
     mean_of_ranks = (ranks[0]["metrics"]["val_loss"] + ranks[1]["metrics"]["val_loss"]) / 2

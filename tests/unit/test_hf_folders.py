@@ -26,7 +26,9 @@ def saved_deepseek(tmp_path):
     config._attn_implementation = "eager"
     model = transformers.AutoModelForCausalLM.from_config(config).float().eval()
     model.save_pretrained(tmp_path / "hf")
-    assert json.loads((tmp_path / "hf" / "config.json").read_text())["num_nextn_predict_layers"] == 1
+    assert (
+        json.loads((tmp_path / "hf" / "config.json").read_text())["num_nextn_predict_layers"] == 1
+    )
     return tmp_path / "hf", model
 
 

@@ -202,7 +202,7 @@ def test_test_and_predict_match_lightning(both_runs):
     assert list(nt_test[0]) == ["test_acc"]
     assert math.isclose(nt_test[0]["test_acc"], lit_test[0]["test_acc"], rel_tol=1e-6)
     assert len(nt_pred) == len(lit_pred) == 2
-    for ours, theirs in zip(nt_pred, lit_pred):
+    for ours, theirs in zip(nt_pred, lit_pred, strict=True):
         assert torch.equal(ours, theirs)
 
 
