@@ -12,11 +12,13 @@ import argparse
 import os
 import re
 import sys
+import time
 from collections.abc import Callable
 
 DEBUG_FLAG = "--debug"
 DEBUG_ENV = "NANOTRAIN_DEBUG"
 USER_ERROR_EXIT_CODE = 2
+NON_ZERO_RANK_GRACE_S = 2.0
 # what a user's mistake raises: bad values, wrong types, missing files, bad flags
 USER_ERRORS = (ValueError, TypeError, FileNotFoundError, argparse.ArgumentError)
 # jsonargparse explanations around the real message; never the message itself
@@ -81,4 +83,8 @@ def run_reporting_user_errors(main: Callable[[list[str]], int], argv: list[str])
                 file=sys.stderr,
                 flush=True,
             )
+        else:
+            # torchrun stops every worker once one exits with an error: give rank 0, which
+            # hit the same error, a moment to print it before this rank's exit ends the job
+            time.sleep(NON_ZERO_RANK_GRACE_S)
         return USER_ERROR_EXIT_CODE
