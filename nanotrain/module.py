@@ -164,7 +164,15 @@ def adopt_lightning_module(module: Any) -> NanoModule:
 
     Raises:
         TypeError: `module` is not a LightningModule.
+        ValueError: the module uses manual optimization (`automatic_optimization = False`).
     """
+    if isinstance(module, pl.LightningModule) and not module.automatic_optimization:
+        raise ValueError(
+            f"{type(module).__name__} sets automatic_optimization=False; nanotrain's Trainer "
+            "runs the optimization itself (the strategy owns backward, gradient reduction and "
+            "the optimizer step), so manual optimization is not supported: return the loss "
+            "from training_step instead"
+        )
     if isinstance(module, NanoModule):
         return module
     if not isinstance(module, pl.LightningModule):

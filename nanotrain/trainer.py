@@ -31,7 +31,7 @@ from nanotrain.run_dir import choose_run_dir, default_config, write_config
 from nanotrain.state import TrainState
 from nanotrain.strategies import Strategy, resolve_strategy
 from nanotrain.strategies.base import StepOutput
-from nanotrain.trainer_config import TrainerConfig
+from nanotrain.trainer_config import TrainerConfig, unknown_setting_error
 from nanotrain.trainer_properties import LightningTrainerProperties
 from nanotrain.validation import run_validation, to_float
 
@@ -73,6 +73,8 @@ class Trainer(LightningTrainerProperties):
         logger: Any = True,
         **settings: Any,
     ) -> None:
+        for name in settings.keys() - TrainerConfig.__dataclass_fields__.keys():
+            raise unknown_setting_error(name)
         self.settings = TrainerConfig(**settings)
         self.strategy = resolve_strategy(strategy)
         s = self.settings

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 
 LOGGER_NAMES = ("tensorboard", "csv", "jsonl")
 
@@ -123,3 +123,32 @@ def _check_limit_val_batches(limit: int | float | None) -> None:
             f"limit_val_batches must be an int >= 0 (a count), a float in (0, 1] (a fraction) "
             f"or None (all), got {limit!r}"
         )
+
+
+# Lightning Trainer arguments that nanotrain spells differently, with what to use instead
+LIGHTNING_ARGUMENTS = {
+    "accelerator": "pick a strategy: strategy=SingleDeviceStrategy('cuda'|'cpu'), 'ddp' or "
+    "MegatronStrategy(...); devices come from torchrun",
+    "devices": "start one process per device with torchrun --nproc-per-node N",
+    "num_nodes": "start the processes with torchrun (--nnodes)",
+    "precision": "see docs/lightning.md (the model's dtype is the module's choice)",
+    "accumulate_grad_batches": "set global_batch_size = micro_batch_size × data-parallel "
+    "size × accumulation",
+    "num_sanity_val_steps": "nanotrain runs no sanity validation; drop it",
+    "limit_train_batches": "use max_steps",
+    "gradient_clip_algorithm": "gradient_clip_val clips the global norm; drop it",
+    "logger": "pass logger=... to nanotrain.Trainer (not TrainerConfig)",
+    "enable_model_summary": "add nanotrain.callbacks.ModelDump for a summary; drop it",
+}
+
+
+def unknown_setting_error(name: str) -> TypeError:
+    """The TypeError for a Trainer keyword nanotrain does not know, with the nanotrain way
+    for the Lightning arguments that have one."""
+    hint = LIGHTNING_ARGUMENTS.get(name)
+    known = ", ".join(f.name for f in fields(TrainerConfig))
+    if hint:
+        return TypeError(
+            f"Trainer got Lightning's argument {name!r}, which nanotrain spells differently: {hint}"
+        )
+    return TypeError(f"Trainer got an unknown argument {name!r}; settings are: {known}")
