@@ -212,3 +212,59 @@ def test_self_print_prints_on_rank_zero(both_runs, capsys):
     module.trainer = trainer
     module.print("hello", 3)
     assert capsys.readouterr().out == "hello 3\n"
+
+
+class ManualOptimization(TutorialClassifier):
+    def __init__(self) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+
+
+class Plateau(TutorialClassifier):
+    def configure_optimizers(self):
+        opt = torch.optim.SGD(self.parameters(), lr=0.1)
+        sched = torch.optim.lr_scheduler.ReduceLROnPlateau(opt)
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "monitor": "val_loss"}}
+
+
+def quiet_trainer(tmp_path, **kw) -> nt.Trainer:
+    return nt.Trainer(
+        strategy=nt.SingleDeviceStrategy("cpu"), max_steps=1, micro_batch_size=8,
+        default_root_dir=str(tmp_path), loggers=[], enable_checkpointing=False,
+        enable_progress_bar=False, enable_monitors=False, **kw,
+    )  # fmt: skip
+
+
+def test_what_nanotrain_refuses_is_refused_with_the_fix(tmp_path):
+    with pytest.raises(ValueError, match="manual optimization is not supported"):
+        quiet_trainer(tmp_path).fit(ManualOptimization(), TutorialData())
+    with pytest.raises(ValueError, match="ReduceLROnPlateau .* is not supported"):
+        quiet_trainer(tmp_path).fit(Plateau(), TutorialData())
+    with pytest.raises(TypeError, match="'accelerator', which nanotrain spells differently"):
+        nt.Trainer(max_steps=1, accelerator="gpu")
+    with pytest.raises(TypeError, match="'accumulate_grad_batches'.*global_batch_size"):
+        nt.Trainer(max_steps=1, accumulate_grad_batches=4)
+    with pytest.raises(TypeError, match="unknown argument 'max_stepz'; settings are: max_steps"):
+        nt.Trainer(max_steps=1, max_stepz=4)
+    with pytest.raises(TypeError, match="callbacks must be nanotrain Callbacks"):
+        nt.Trainer(max_steps=1, callbacks=[pl.callbacks.EarlyStopping("val_loss")])
+    with pytest.raises(TypeError, match="trains a LightningModule"):
+        quiet_trainer(tmp_path).fit(nn.Linear(2, 2), TutorialData())
+
+
+def test_predict_is_refused_under_pipeline_parallelism():
+    strategy = nt.MegatronStrategy(pp=2)
+    strategy._pipeline = object()  # what setup_module builds for pp > 1
+    with pytest.raises(ValueError, match="predict is not supported under pipeline parallelism"):
+        strategy.predict_step(TutorialClassifier(), None, 0)
+
+
+def test_test_without_test_step_or_data_is_a_clear_error(tmp_path):
+    from tests.toy import BlobsData, Classifier
+
+    with pytest.raises(ValueError, match="Trainer.test needs Classifier.test_step"):
+        quiet_trainer(tmp_path).test(Classifier(), BlobsData())
+    with pytest.raises(
+        ValueError, match="predict needs data: a datamodule with predict_dataloader"
+    ):
+        quiet_trainer(tmp_path).predict(Classifier(), BlobsData())
