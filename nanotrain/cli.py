@@ -3,7 +3,8 @@
 `fit` and `validate` follow Lightning CLI conventions: a YAML `--config` with sections
 `trainer`, `model`, `data`, `strategy`, `callbacks`, overridden by dotted flags such as
 `--trainer.max_steps 50` or `--model.init_args.preset tiny`; `--print_config` prints the
-resolved config and exits. Unknown keys are errors.
+resolved config and exits. Unknown keys and abbreviated flags are errors; a user error prints
+one line (see `nanotrain.cli_errors`; `--debug` for the traceback).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import lightning.pytorch as pl
 from jsonargparse import ActionConfigFile, ArgumentParser, lazy_instance
 
 from nanotrain.callbacks.base import Callback
+from nanotrain.cli_errors import run_reporting_user_errors
 from nanotrain.module import NanoModule
 from nanotrain.strategies import Strategy
 from nanotrain.trainer_config import TrainerConfig
@@ -27,32 +29,52 @@ STRATEGY_ALIASES = {
 }
 
 
+def _strategy_value(value: str) -> str:
+    """An alias as its class path; anything that is neither an alias nor a dotted class path
+    (nor YAML / a dict) is refused with the list of aliases."""
+    if value in STRATEGY_ALIASES:
+        return STRATEGY_ALIASES[value] or "null"
+    if "." not in value and not value.lstrip().startswith(("{", "null")):
+        raise ValueError(
+            f"unknown strategy {value!r}: use one of the aliases "
+            f"{', '.join(STRATEGY_ALIASES)} or a class path such as "
+            "nanotrain.strategies.MegatronStrategy"
+        )
+    return value
+
+
 def _expand_strategy_alias(argv: list[str]) -> list[str]:
     """Let `--strategy ddp` stand for `--strategy nanotrain.strategies.DDPStrategy`."""
     out: list[str] = []
     for i, arg in enumerate(argv):
-        if i > 0 and argv[i - 1] == "--strategy" and arg in STRATEGY_ALIASES:
-            out.append(STRATEGY_ALIASES[arg] or "null")
-        elif arg.startswith("--strategy=") and arg.split("=", 1)[1] in STRATEGY_ALIASES:
-            out.append("--strategy=" + (STRATEGY_ALIASES[arg.split("=", 1)[1]] or "null"))
+        if i > 0 and argv[i - 1] == "--strategy":
+            out.append(_strategy_value(arg))
+        elif arg.startswith("--strategy="):
+            out.append("--strategy=" + _strategy_value(arg.split("=", 1)[1]))
         else:
             out.append(arg)
     return out
 
 
-def default_callbacks() -> list[Callback]:
-    """Callbacks `nanotrain fit` uses when the config names none."""
-    from nanotrain.callbacks import default_callbacks as make
-
-    return make()
+def new_parser(**kwargs: Any) -> ArgumentParser:
+    """A jsonargparse parser that raises on errors (reported in one line by `main`) and takes
+    no abbreviated flags (`--trainer.max_step` is an error, not `--trainer.max_steps`)."""
+    return ArgumentParser(exit_on_error=False, allow_abbrev=False, **kwargs)
 
 
 def _run_parser(stage: str) -> ArgumentParser:
     from nanotrain.data import TokenDataModule
     from nanotrain.language_model import LanguageModelModule
 
-    parser = ArgumentParser(prog=f"nanotrain {stage}", description=f"nanotrain {stage}")
+    parser = new_parser(prog=f"nanotrain {stage}", description=f"nanotrain {stage}")
     parser.add_argument("--config", action=ActionConfigFile, help="YAML config file")
+    parser.add_argument(
+        "--seed_everything",
+        type=bool | int | None,
+        default=None,
+        help="as LightningCLI: an int seeds the run (sets trainer.seed); true picks a random "
+        "seed and records it in the config; default: trainer.seed",
+    )
     parser.add_class_arguments(TrainerConfig, "trainer")
     parser.add_subclass_arguments(
         Strategy,
@@ -77,7 +99,9 @@ def _run_parser(stage: str) -> ArgumentParser:
         "--callbacks",
         type=list[Callback] | None,
         default=None,
-        help="callbacks; default: checkpoint, progress bar, LR, throughput, grad norm",
+        help="callbacks added to the defaults (checkpoint, progress bar, NaN guard, LR, "
+        "throughput, grad norm; one of the same class replaces the default); --callbacks+ X "
+        "adds one",
     )
     parser.add_argument(
         "--ckpt_path", type=str | None, default=None, help="checkpoint to resume from, or 'last'"
@@ -91,6 +115,7 @@ def run_fit_or_validate(stage: str, argv: list[str]) -> Any:
 
     parser = _run_parser(stage)
     config = parser.parse_args(_expand_strategy_alias(argv))
+    _apply_seed_everything(config)
     resolved = parser.dump(config, format="yaml")
     import yaml
 
@@ -98,7 +123,7 @@ def run_fit_or_validate(stage: str, argv: list[str]) -> Any:
     objects = parser.instantiate(config)
     settings = vars(config.trainer) if not isinstance(config.trainer, dict) else config.trainer
     settings = {k: v for k, v in dict(settings).items() if not k.startswith("__")}
-    callbacks = objects.callbacks if objects.callbacks is not None else default_callbacks()
+    callbacks: list[Callback] = list(objects.callbacks or [])  # the Trainer adds the defaults
     trainer = Trainer(
         strategy=objects.strategy if objects.strategy is not None else "auto",
         callbacks=callbacks,
@@ -111,13 +136,27 @@ def run_fit_or_validate(stage: str, argv: list[str]) -> Any:
     return trainer.validate(objects.model, objects.data, ckpt_path=config.ckpt_path)
 
 
+def _apply_seed_everything(config: Any) -> None:
+    """LightningCLI's `seed_everything`: an int becomes trainer.seed; true draws a random seed
+    (recorded in the resolved config, so the run can be repeated); false/None keep trainer.seed."""
+    value = config.seed_everything
+    if value is None or value is False:
+        return
+    if value is True:
+        import random
+
+        value = random.randint(0, 2**31 - 1)
+    config.trainer.seed = int(value)
+    config.seed_everything = int(value)
+
+
 def run_prepare(argv: list[str]) -> None:
     """`nanotrain prepare --inputs A [B ...] --out DIR [--tokenizer byte|tok.json]`: text (files,
     folders, globs, .jsonl) → memory-mapped token shards + metadata.json."""
     from nanotrain.data.metadata import read_metadata
     from nanotrain.data.prepare import format_summary, prepare
 
-    parser = ArgumentParser(prog="nanotrain prepare", description=run_prepare.__doc__)
+    parser = new_parser(prog="nanotrain prepare", description=run_prepare.__doc__)
     parser.add_argument("--config", action=ActionConfigFile, help="YAML config file")
     parser.add_argument(
         "--inputs",
@@ -131,7 +170,14 @@ def run_prepare(argv: list[str]) -> None:
         "--tokenizer",
         type=str,
         default="byte",
-        help="'byte' or the path of a Hugging Face tokenizer.json",
+        help="'byte' or the path of a Hugging Face tokenizer.json (or of its folder)",
+    )
+    parser.add_argument(
+        "--eos_token",
+        type=str | None,
+        default=None,
+        help="end-of-text token appended after each document, e.g. '<｜end▁of▁sentence｜>' "
+        "(tokenizer.json only; default: the first known one in the vocabulary)",
     )
     parser.add_argument("--text_field", type=str, default="text", help="JSONL field with the text")
     parser.add_argument("--shard_tokens", type=int, default=2**24, help="tokens per shard file")
@@ -141,9 +187,23 @@ def run_prepare(argv: list[str]) -> None:
         default=0.05,
         help="fraction of documents held out for validation",
     )
+    parser.add_argument(
+        "--split_chunk_chars",
+        type=int,
+        default=2**16,
+        help="documents longer than this are cut into chunks of about this many characters "
+        "before the train/val split",
+    )
     cfg = parser.parse_args(argv)
     out = prepare(
-        cfg.inputs, cfg.out, cfg.tokenizer, cfg.text_field, cfg.shard_tokens, cfg.val_fraction
+        cfg.inputs,
+        cfg.out,
+        cfg.tokenizer,
+        cfg.text_field,
+        cfg.shard_tokens,
+        cfg.val_fraction,
+        split_chunk_chars=cfg.split_chunk_chars,
+        eos_token=cfg.eos_token,
     )
     print(format_summary(read_metadata(out), out))
 
@@ -154,7 +214,7 @@ def run_export(argv: list[str]) -> None:
     weights folder."""
     from nanotrain.model_io import EXPORT_FORMATS, export_checkpoint
 
-    parser = ArgumentParser(prog="nanotrain export", description=run_export.__doc__)
+    parser = new_parser(prog="nanotrain export", description=run_export.__doc__)
     parser.add_argument("--to", type=str, default="hf", choices=list(EXPORT_FORMATS))
     parser.add_argument("--ckpt", type=str, required=True, help="a nanotrain checkpoint")
     parser.add_argument("--out", type=str, required=True, help="output folder")
@@ -168,7 +228,7 @@ def run_import(argv: list[str]) -> None:
     (model_config.json + model.safetensors) to train from with `--model.init_args.model DIR`."""
     from nanotrain.model_io import import_checkpoint
 
-    parser = ArgumentParser(prog="nanotrain import", description=run_import.__doc__)
+    parser = new_parser(prog="nanotrain import", description=run_import.__doc__)
     parser.add_argument(
         "--hf", type=str, required=True, help="folder with config.json + safetensors"
     )
@@ -188,8 +248,13 @@ COMMANDS = {
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Entry point of the `nanotrain` console script."""
-    argv = list(sys.argv[1:] if argv is None else argv)
+    """Entry point of the `nanotrain` console script: runs the command; a user error prints
+    one line on global rank 0 and returns 2 (`--debug` / NANOTRAIN_DEBUG=1: the traceback)."""
+    return run_reporting_user_errors(_main, list(sys.argv[1:] if argv is None else argv))
+
+
+def _main(argv: list[str]) -> int:
+    """Dispatch `argv` to its command."""
     if not argv or argv[0] in ("-h", "--help") or argv[0] not in COMMANDS:
         print("usage: nanotrain {fit,validate,prepare,export,import} [--help] ...", file=sys.stderr)
         return 0 if argv and argv[0] in ("-h", "--help") else 2

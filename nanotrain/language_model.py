@@ -15,6 +15,28 @@ from nanotrain.module import NanoModule
 IGNORE_INDEX = -100
 
 
+def check_data_fits_model(data: Any, config: Any) -> None:
+    """Before the model is built: the data's windows fit the model's `max_seq_len` and its
+    token ids (prepared data's `max_token_id`) lie below the model's vocab_size.
+
+    Raises:
+        ValueError: either does not hold, with the setting that fixes it.
+    """
+    seq_len = getattr(data, "seq_len", None)
+    max_seq_len = getattr(config, "max_seq_len", None)
+    if seq_len is not None and max_seq_len is not None and seq_len > max_seq_len:
+        raise ValueError(
+            f"the data's seq_len={seq_len} exceeds the model's max_seq_len={max_seq_len}; "
+            f"shorten --data.init_args.seq_len, or extend the RoPE tables explicitly with "
+            f"--model.init_args.model_overrides '{{max_seq_len: {seq_len}}}'"
+        )
+    metadata = getattr(data, "metadata", None)
+    if isinstance(metadata, dict) and "max_token_id" in metadata:
+        from nanotrain.data.dataset import check_vocab
+
+        check_vocab(metadata, config.vocab_size)
+
+
 class LanguageModelModule(NanoModule):
     """Train a DeepSeek-V3-style or dense model (`nanotrain.models`) on token batches.
 
@@ -109,6 +131,7 @@ class LanguageModelModule(NanoModule):
                 "to take the data's)"
             )
         self._seq_len = getattr(data, "seq_len", None)
+        check_data_fits_model(data, self.config)
         from nanotrain.models import build_model
 
         # Megatron sequence parallelism is the strategy's choice (None outside nanotrain's Trainer)

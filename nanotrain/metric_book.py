@@ -1,4 +1,18 @@
-"""MetricBook: collects `self.log` values and reduces them per step or per validation run."""
+"""MetricBook: collects `self.log` values with Lightning's semantics.
+
+Every logged name lives in one or both of two scopes:
+
+- the *step* scope (``on_step=True``): values of one optimizer step, averaged over its
+  microbatches (or reduced with ``reduce_fx``); the Trainer writes them on logging steps;
+- the *epoch* scope (``on_epoch=True``): values of a whole training epoch or validation / test
+  run, reduced with ``reduce_fx`` and written once at its end.
+
+A name logged with both flags is written as ``<name>_step`` and ``<name>_epoch`` (as Lightning
+does). Values may be numbers, tensors or torchmetrics ``Metric`` objects; a Metric logged for
+the epoch is computed at the end of the epoch (synchronized over the data-parallel
+``process_group``) and reset afterwards, one logged for the step contributes the value of its
+last ``forward`` call.
+"""
 
 from __future__ import annotations
 
@@ -16,65 +30,175 @@ _AGGREGATORS: dict[str, type[torchmetrics.Metric]] = {
     "max": torchmetrics.MaxMetric,
     "min": torchmetrics.MinMetric,
 }
+# Lightning also accepts the torch reductions themselves as reduce_fx
+_CALLABLE_REDUCE = {torch.mean: "mean", torch.sum: "sum", torch.max: "max", torch.min: "min"}
+
+
+def reduce_name(reduce_fx: Any) -> str:
+    """'mean' | 'sum' | 'max' | 'min' for a reduce_fx given as a string or torch function.
+
+    Raises:
+        ValueError: any other reduction.
+    """
+    name = _CALLABLE_REDUCE.get(reduce_fx, reduce_fx) if callable(reduce_fx) else reduce_fx
+    if name not in _AGGREGATORS:
+        raise ValueError(
+            f"reduce_fx must be 'mean', 'sum', 'max' or 'min' (or torch.mean/sum/max/min), "
+            f"got {reduce_fx!r}"
+        )
+    return name
 
 
 @dataclass
 class _Entry:
+    """One name in one scope: an aggregator of plain values or a user's Metric object."""
+
     metric: torchmetrics.Metric
     prog_bar: bool
     logger: bool
+    user_metric: bool  # the user's own Metric: computed (epoch) or read (step), never updated
+
+
+class _Scope:
+    """Values logged under their names in one scope (step or epoch)."""
+
+    def __init__(self) -> None:
+        self.entries: dict[str, _Entry] = {}
 
 
 class MetricBook:
-    """Holds one torchmetrics aggregator per logged name for the current scope.
+    """Holds the step scope and the epoch scope of `self.log` values.
 
-    A scope is one training step (values averaged over its microbatches) or one validation
-    run (values averaged over all its batches). `sync_dist=True` entries are synchronized over
-    `process_group` when the scope is closed, through torchmetrics' own distributed sync.
+    Args:
+        device_fn: the device aggregators live on (called lazily).
+        process_group: the data-parallel group `sync_dist=True` values and Metric objects are
+            synchronized over (None: the default group).
     """
 
     def __init__(self, device_fn: Callable[[], torch.device], process_group: Any = None) -> None:
         self._device_fn = device_fn
         self._process_group = process_group
-        self._entries: dict[str, _Entry] = {}
+        self._step = _Scope()
+        self._epoch = _Scope()
 
     def log(
         self,
         name: str,
         value: Any,
         *,
+        prog_bar: bool = False,
+        logger: bool = True,
+        sync_dist: bool = False,
+        reduce_fx: Any = "mean",
+        batch_size: int | None = None,
+        on_step: bool = True,
+        on_epoch: bool = False,
+    ) -> None:
+        """Record `value` under `name` in the step and/or epoch scope.
+
+        Raises:
+            ValueError: an unknown `reduce_fx`, a value that is not a scalar, or neither
+                `on_step` nor `on_epoch`.
+        """
+        if not (on_step or on_epoch):
+            raise ValueError(f"self.log({name!r}): on_step and on_epoch cannot both be False")
+        reduce = reduce_name(reduce_fx)
+        both = on_step and on_epoch
+        if on_step:
+            step_name = f"{name}_step" if both else name
+            self._add(self._step, step_name, value, prog_bar, logger, sync_dist, reduce, batch_size)
+        if on_epoch:
+            epoch_name = f"{name}_epoch" if both else name
+            self._add(
+                self._epoch, epoch_name, value, prog_bar, logger, sync_dist, reduce, batch_size
+            )
+
+    def _add(
+        self,
+        scope: _Scope,
+        name: str,
+        value: Any,
         prog_bar: bool,
         logger: bool,
         sync_dist: bool,
-        reduce_fx: str,
+        reduce: str,
         batch_size: int | None,
     ) -> None:
-        """Add one value to `name`'s aggregator (created on first use in this scope)."""
-        entry = self._entries.get(name)
-        if entry is None:
-            metric = _AGGREGATORS[reduce_fx](
+        if isinstance(value, torchmetrics.Metric):
+            scope.entries[name] = _Entry(value, prog_bar, logger, user_metric=True)
+            return
+        entry = scope.entries.get(name)
+        if entry is None or entry.user_metric:
+            metric = _AGGREGATORS[reduce](
                 sync_on_compute=sync_dist, process_group=self._process_group
             ).to(self._device_fn())
-            entry = self._entries[name] = _Entry(metric, prog_bar, logger)
-        value = torch.as_tensor(value, dtype=torch.float32).detach().to(self._device_fn())
+            entry = scope.entries[name] = _Entry(metric, prog_bar, logger, user_metric=False)
+        value = torch.as_tensor(value).detach()
+        if value.numel() != 1:
+            raise ValueError(
+                f"self.log({name!r}) needs a scalar (a number, a one-element tensor or a "
+                f"torchmetrics Metric), got a tensor of shape {tuple(value.shape)}"
+            )
+        value = value.reshape(()).to(self._device_fn(), torch.float32)
         if isinstance(entry.metric, torchmetrics.MeanMetric):
             entry.metric.update(value, weight=batch_size if batch_size is not None else 1.0)
         else:
             entry.metric.update(value)
 
-    def close(self) -> tuple[dict[str, Tensor], dict[str, Tensor]]:
-        """End the scope: return (values for loggers, values for the progress bar); reset."""
+    def _compute(self, entry: _Entry, epoch: bool) -> Tensor | None:
+        metric = entry.metric
+        if not entry.user_metric:
+            return metric.compute()
+        if not epoch:  # the value of the Metric's last forward(), as Lightning logs per step
+            cached = getattr(metric, "_forward_cache", None)
+            return None if cached is None else torch.as_tensor(cached).detach()
+        # the Metric syncs itself on compute(); point it at the data-parallel group
+        own_group = metric.process_group
+        if own_group is None:
+            metric.process_group = self._process_group
+        try:
+            return metric.compute().detach()
+        finally:
+            metric.process_group = own_group
+
+    def _close(self, scope: _Scope, epoch: bool) -> tuple[dict[str, Tensor], dict[str, Tensor]]:
         logged: dict[str, Tensor] = {}
         prog: dict[str, Tensor] = {}
-        for name, entry in self._entries.items():
-            value = entry.metric.compute()
+        for name, entry in scope.entries.items():
+            value = self._compute(entry, epoch)
+            if value is None:
+                continue
             if entry.logger:
                 logged[name] = value
             if entry.prog_bar:
                 prog[name] = value
-        self._entries = {}
         return logged, prog
 
+    def close(self) -> tuple[dict[str, Tensor], dict[str, Tensor]]:
+        """End the step scope: (values for loggers, values for the progress bar); start anew."""
+        result = self._close(self._step, epoch=False)
+        self._step = _Scope()
+        return result
+
     def clear(self) -> None:
-        """Drop everything logged in this scope."""
-        self._entries = {}
+        """Drop everything logged in the step scope (a step that is not a logging step)."""
+        self._step = _Scope()
+
+    def has_epoch_values(self) -> bool:
+        """Whether anything was logged for the epoch scope since it was last closed."""
+        return bool(self._epoch.entries)
+
+    def compute_epoch(self) -> tuple[dict[str, Tensor], dict[str, Tensor]]:
+        """The epoch scope's values (loggers, progress bar) without ending it: hooks logging
+        at the end of the epoch add to the same scope before `close_epoch`."""
+        return self._close(self._epoch, epoch=True)
+
+    def close_epoch(self) -> tuple[dict[str, Tensor], dict[str, Tensor]]:
+        """End the epoch scope: compute its values, reset the Metric objects logged in it (as
+        Lightning does at the end of an epoch) and start anew."""
+        result = self._close(self._epoch, epoch=True)
+        for entry in self._epoch.entries.values():
+            if entry.user_metric:
+                entry.metric.reset()
+        self._epoch = _Scope()
+        return result

@@ -78,12 +78,10 @@ def load_pretrained(path: str | Path) -> tuple[DeepSeekConfig | DenseConfig, dic
             raise FileNotFoundError(f"{folder / WEIGHTS_FILE} not found next to {CONFIG_FILE}")
         return config, load_file(str(folder / WEIGHTS_FILE))
     if (folder / "config.json").is_file():
-        from nanotrain.models.hf import config_from_hf, state_dict_from_hf
-        from nanotrain.models.hf_io import read_hf_checkpoint
+        from nanotrain.models.hf_io import load_hf_weights
 
-        hf_config, tensors = read_hf_checkpoint(folder)
-        config = config_from_hf(hf_config)
-        return config, state_dict_from_hf(config, tensors)
+        # the same reading as import_hf (e.g. MTP layers announced but absent are dropped)
+        return load_hf_weights(folder, stacklevel=3)
     raise FileNotFoundError(
         f"{folder} is not a model folder: expected {CONFIG_FILE} (from `nanotrain import`) or "
         "a transformers config.json"

@@ -94,12 +94,20 @@ class NanoModule(pl.LightningModule):
         metric_attribute: str | None = None,
         rank_zero_only: bool = False,
     ) -> None:
-        """Log a scalar, as `LightningModule.log`.
+        """Log a value, as `LightningModule.log`.
 
-        Under the nanotrain Trainer: values logged in `training_step` are averaged over the
-        step's microbatches and written every `log_every_n_steps`; values logged in
-        `validation_step` are averaged over the whole validation run (weighted by
-        `batch_size` when given). `sync_dist=True` also averages over data-parallel replicas.
+        Under the nanotrain Trainer, with Lightning's semantics (see docs/lightning.md):
+        `value` is a number, a one-element tensor or a torchmetrics `Metric` (computed at the
+        end of the epoch, synchronized over data-parallel replicas, then reset). `on_step` /
+        `on_epoch` default as in Lightning: per step in `training_step` and the training batch
+        hooks, per epoch (training epoch or validation/test run) everywhere else, including the
+        epoch-end hooks. Step values are averaged over the step's microbatches and written
+        every `log_every_n_steps`; epoch values are reduced with `reduce_fx` (weighted by
+        `batch_size` for "mean") and written at the epoch's end. `sync_dist=True` also reduces
+        over data-parallel replicas. Both flags: written as `<name>_step` and `<name>_epoch`.
+
+        Raises:
+            ValueError: an unknown `reduce_fx`, a non-scalar tensor, or on_step=on_epoch=False.
         """
         trainer = self._nano_trainer
         if trainer is None:
@@ -119,8 +127,7 @@ class NanoModule(pl.LightningModule):
                 metric_attribute=metric_attribute,
                 rank_zero_only=rank_zero_only,
             )
-        if reduce_fx not in ("mean", "sum", "max", "min"):
-            raise ValueError(f"reduce_fx must be 'mean', 'sum', 'max' or 'min', got {reduce_fx!r}")
+        step_default = trainer.logs_per_step_by_default()
         trainer.metric_book.log(
             name,
             value,
@@ -129,12 +136,22 @@ class NanoModule(pl.LightningModule):
             sync_dist=sync_dist,
             reduce_fx=reduce_fx,
             batch_size=batch_size,
+            on_step=step_default if on_step is None else on_step,
+            on_epoch=(not step_default) if on_epoch is None else on_epoch,
         )
 
     def log_dict(self, dictionary: dict[str, Any], **kwargs: Any) -> None:
         """Log every entry of `dictionary` with the same options (see `log`)."""
         for name, value in dictionary.items():
             self.log(name, value, **kwargs)
+
+    def print(self, *args: Any, **kwargs: Any) -> None:
+        """`print` on global rank 0 only (as `LightningModule.print`)."""
+        trainer = self._nano_trainer
+        if trainer is None:
+            return super().print(*args, **kwargs)
+        if trainer.is_global_zero:
+            print(*args, **kwargs)
 
     def optimizers(self, use_pl_optimizer: bool = True) -> Any:
         """The optimizer (under nanotrain: the raw `torch.optim.Optimizer`)."""
@@ -150,3 +167,41 @@ class NanoModule(pl.LightningModule):
             return super().lr_schedulers()
         setup = trainer.strategy.optimizer_setup
         return setup.scheduler.scheduler if setup and setup.scheduler else None
+
+
+def adopt_lightning_module(module: Any) -> NanoModule:
+    """Let a plain `lightning.pytorch.LightningModule` run under the nanotrain Trainer.
+
+    The instance's class is swapped for a subclass of (its class, NanoModule): every method
+    the user wrote still wins, and `log`, `print`, `optimizers`, `lr_schedulers` come from
+    NanoModule, which speak to the nanotrain Trainer (and fall back to Lightning's otherwise).
+    A NanoModule is returned unchanged.
+
+    Raises:
+        TypeError: `module` is not a LightningModule.
+        ValueError: the module uses manual optimization (`automatic_optimization = False`).
+    """
+    if isinstance(module, pl.LightningModule) and not module.automatic_optimization:
+        raise ValueError(
+            f"{type(module).__name__} sets automatic_optimization=False; nanotrain's Trainer "
+            "runs the optimization itself (the strategy owns backward, gradient reduction and "
+            "the optimizer step), so manual optimization is not supported: return the loss "
+            "from training_step instead"
+        )
+    if isinstance(module, NanoModule):
+        return module
+    if not isinstance(module, pl.LightningModule):
+        raise TypeError(
+            "the Trainer trains a LightningModule (nanotrain.NanoModule or "
+            f"lightning.pytorch.LightningModule), got {type(module).__name__}"
+        )
+    cls = type(module)
+    adopted = _ADOPTED.get(cls)
+    if adopted is None:
+        adopted = type(cls.__name__, (cls, NanoModule), {"__module__": cls.__module__})
+        _ADOPTED[cls] = adopted
+    module.__class__ = adopted
+    return module
+
+
+_ADOPTED: dict[type, type] = {}

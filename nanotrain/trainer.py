@@ -20,26 +20,44 @@ import torch
 from torch.utils.data import DataLoader
 
 from nanotrain.callbacks.base import Callback
+from nanotrain.default_callbacks import with_defaults
+from nanotrain.evaluation_loops import finish_epoch, run_predict, run_test
 from nanotrain.loaders import build_loaders
-from nanotrain.loggers import LoggerGroup, TensorBoardLogger, make_loggers
+from nanotrain.loggers import LoggerGroup, make_loggers, user_loggers
 from nanotrain.metric_book import MetricBook
-from nanotrain.module import NanoModule
+from nanotrain.module import NanoModule, adopt_lightning_module
 from nanotrain.rng import seed_everything, set_deterministic
 from nanotrain.run_dir import choose_run_dir, default_config, write_config
 from nanotrain.state import TrainState
 from nanotrain.strategies import Strategy, resolve_strategy
 from nanotrain.strategies.base import StepOutput
-from nanotrain.trainer_config import TrainerConfig
+from nanotrain.trainer_config import TrainerConfig, unknown_setting_error
+from nanotrain.trainer_properties import LightningTrainerProperties
 from nanotrain.validation import run_validation, to_float
 
+# hooks in which `self.log` defaults to on_step=True (as in Lightning); None = inside a step
+_STEP_HOOKS = {
+    "on_train_batch_start",
+    "on_train_batch_end",
+    "on_before_backward",
+    "on_after_backward",
+    "on_before_optimizer_step",
+    "on_before_zero_grad",
+}
 
-class Trainer:
-    """Runs `fit` and `validate` for a `NanoModule` under any `Strategy`.
+
+class Trainer(LightningTrainerProperties):
+    """Runs `fit`, `validate`, `test` and `predict` for a `NanoModule` (or a plain
+    LightningModule) under any `Strategy`.
 
     Args: see `TrainerConfig` for every number (steps, batch sizes, cadences, seeding);
     they are validated at construction. Besides those:
         strategy: a Strategy instance or "auto" | "single" | "ddp".
-        callbacks: callbacks, run in this order at every hook.
+        callbacks: callbacks, run in this order at every hook, added to the defaults
+            (`nanotrain.default_callbacks`; one of the same class replaces the default).
+        logger: as Lightning's: True (the loggers named in `loggers`), False (none), or a
+            `lightning.pytorch.loggers.Logger` / a list of them (TensorBoardLogger, CSVLogger,
+            WandbLogger, MLFlowLogger, ...); written by global rank 0 only.
         config: the resolved config to save as `config.yaml` in the run directory (the CLI
             passes the whole YAML); by default the trainer's own arguments and the module's
             and datamodule's hyperparameters.
@@ -52,25 +70,33 @@ class Trainer:
         strategy: Strategy | str = "auto",
         callbacks: list[Callback] | None = None,
         config: dict[str, Any] | None = None,
+        logger: Any = True,
         **settings: Any,
     ) -> None:
+        for name in settings.keys() - TrainerConfig.__dataclass_fields__.keys():
+            raise unknown_setting_error(name)
         self.settings = TrainerConfig(**settings)
         self.strategy = resolve_strategy(strategy)
-        self.callbacks: list[Callback] = list(callbacks or [])
-        for cb in self.callbacks:
-            if not isinstance(cb, Callback):
-                raise TypeError(f"callbacks must be nanotrain Callbacks, got {type(cb).__name__}")
+        s = self.settings
+        self.callbacks: list[Callback] = with_defaults(
+            list(callbacks or []), s.enable_checkpointing, s.enable_progress_bar, s.enable_monitors
+        )
+        self._use_named_loggers, self._user_loggers = user_loggers(logger)
         self._user_config = config
         self.state = TrainState()
         self.module: NanoModule | None = None
         self.datamodule: Any = None
         self.run_dir: Path | None = None
-        self.loggers = LoggerGroup([])
+        self.loggers = LoggerGroup()
         self.step_output: StepOutput | None = None
         self.callback_metrics: dict[str, torch.Tensor] = {}
         self.progress_bar_metrics: dict[str, torch.Tensor] = {}
         self.training = False
         self.validating = False
+        self.testing = False
+        self.predicting = False
+        self._current_fx: str | None = None  # the hook running now (for self.log defaults)
+        self._eval_loader: DataLoader | None = None
         self.should_stop = False
         self._skip_requested = False
         self._train_loader: DataLoader | None = None
@@ -115,9 +141,13 @@ class Trainer:
         return self.module
 
     @property
-    def logger(self) -> TensorBoardLogger | None:
-        """The TensorBoard logger on rank 0 (None elsewhere or when disabled)."""
-        return next((lg for lg in self.loggers.loggers if isinstance(lg, TensorBoardLogger)), None)
+    def logger(self) -> Any:
+        """The first logger that can draw (a TensorBoard one), else the first logger; None on
+        ranks other than 0 or without loggers."""
+        drawing = [
+            lg for lg in self.loggers if hasattr(getattr(lg, "experiment", None), "add_histogram")
+        ]
+        return (drawing or list(self.loggers) or [None])[0]
 
     @property
     def log_dir(self) -> Path | None:
@@ -166,16 +196,27 @@ class Trainer:
     # -- hook dispatch ---------------------------------------------------------------------
     def _call(self, hook: str, *args: Any) -> None:
         module = self.module
-        for cb in self.callbacks:
-            getattr(cb, hook)(self, module, *args)
-        module_hook = getattr(module, hook, None)
-        if callable(module_hook) and hook not in ("on_exception",):
-            module_hook(*args)
+        previous, self._current_fx = self._current_fx, hook
+        try:
+            for cb in self.callbacks:
+                cb_hook = getattr(cb, hook, None)  # test/predict hooks are optional
+                if cb_hook is not None:
+                    cb_hook(self, module, *args)
+            module_hook = getattr(module, hook, None)
+            if callable(module_hook) and hook not in ("on_exception",):
+                module_hook(*args)
+        finally:
+            self._current_fx = previous
+
+    def logs_per_step_by_default(self) -> bool:
+        """Lightning's `self.log` default: on_step (not on_epoch) in `training_step` and the
+        training batch hooks; on_epoch everywhere else."""
+        in_step = self._current_fx is None or self._current_fx in _STEP_HOOKS
+        return self.training and in_step and not (self.validating or self.testing)
 
     # -- setup shared by fit and validate --------------------------------------------------
     def _setup(self, module: NanoModule, datamodule: Any, stage: str, ckpt_path: Any) -> None:
-        if not isinstance(module, NanoModule):
-            raise TypeError(f"expected a nanotrain.NanoModule, got {type(module).__name__}")
+        module = adopt_lightning_module(module)
         s = self.settings
         self.strategy.setup_environment()
         shard = self.strategy.data_shard()
@@ -216,8 +257,18 @@ class Trainer:
         if self.is_global_zero:
             (self.run_dir / "checkpoints").mkdir(parents=True, exist_ok=True)
             write_config(self.run_dir, self.resolved_config())
-            self.loggers = make_loggers(self.run_dir, s.loggers)
+            names = s.loggers if self._use_named_loggers else []
+            self.loggers = make_loggers(self.run_dir, names, self._user_loggers)
+            self.loggers.log_hyperparams(self.hyperparameters())
         self.strategy.barrier()
+
+    def hyperparameters(self) -> dict[str, Any]:
+        """What the loggers record as hyperparameters: the module's `hparams` merged with the
+        datamodule's (as Lightning), else the resolved config."""
+        params: dict[str, Any] = {}
+        for obj in (self.module, self.datamodule):
+            params.update(dict(getattr(obj, "hparams", {}) or {}))
+        return params or dict(self.resolved_config())
 
     def resolved_config(self) -> dict[str, Any]:
         """The config recorded in `config.yaml` and in checkpoints: what was passed as `config`,
@@ -269,6 +320,8 @@ class Trainer:
             module.train()
             self._call("on_train_start")
             self._train_loop()
+            if self.metric_book.has_epoch_values():  # stopped mid-epoch: write what it logged
+                self.log_metrics(self.metric_book.close_epoch()[0])
             if self._val_loader is not None and self._last_val_step != self.state.global_step:
                 self._run_validation()
             self.training = False
@@ -308,7 +361,11 @@ class Trainer:
                     self._train_step(micro)
                 if st.steps_in_epoch < st.steps_per_epoch:
                     break  # stopped mid-epoch
-            self._call("on_train_epoch_end")
+            n_val = self.settings.check_val_every_n_epoch
+            if self._val_loader is not None and n_val and (st.epoch + 1) % n_val == 0:
+                if self._last_val_step != st.global_step:  # as Lightning: before the hook
+                    self._run_validation()
+            finish_epoch(self, "on_train_epoch_end")
             self._step_scheduler("epoch")
             st.epoch += 1
             st.steps_in_epoch = 0
@@ -405,6 +462,42 @@ class Trainer:
         finally:
             self._teardown("validate")
 
+    def test(
+        self,
+        module: NanoModule,
+        datamodule: Any = None,
+        dataloaders: Any = None,
+        ckpt_path: str | Path | None = None,
+    ) -> list[dict[str, float]]:
+        """Run `test_step` once over the test data (`datamodule.test_dataloader()` or
+        `dataloaders`); returns [metrics], as Lightning. See `evaluation_loops.run_test`."""
+        return self._evaluate("test", module, datamodule, dataloaders, ckpt_path)
+
+    def predict(
+        self,
+        module: NanoModule,
+        datamodule: Any = None,
+        dataloaders: Any = None,
+        ckpt_path: str | Path | None = None,
+    ) -> list[Any]:
+        """Run `predict_step` over the predict data (`datamodule.predict_dataloader()` or
+        `dataloaders`); returns this rank's outputs per batch. See `run_predict`."""
+        return self._evaluate("predict", module, datamodule, dataloaders, ckpt_path)
+
+    def _evaluate(self, stage: str, module: Any, datamodule: Any, loaders: Any, ckpt: Any) -> Any:
+        try:
+            self._setup(module, datamodule, stage, ckpt)
+            if ckpt is not None:
+                self._resume(ckpt, weights_only=True)
+            return (run_test if stage == "test" else run_predict)(self, loaders)
+        except BaseException as exc:
+            if self.module is not None:
+                self._call("on_exception", exc)
+            raise
+        finally:
+            self._eval_loader = None
+            self._teardown(stage)
+
     # -- checkpoints (contents in nanotrain.checkpoint.payload, storage in nanotrain.checkpoint)
     def checkpoint_payload(self) -> dict[str, Any]:
         """Everything this rank needs for an exact resume, as tensors and plain values."""
@@ -434,6 +527,6 @@ class Trainer:
         if self.module is not None:
             self._call("teardown", stage)
         self.loggers.finalize()
-        self.loggers = LoggerGroup([])
+        self.loggers = LoggerGroup()
         self._train_loader = self._val_loader = None
         self.strategy.teardown()

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
+
+LOGGER_NAMES = ("tensorboard", "csv", "jsonl")
 
 
 @dataclass
@@ -19,16 +21,22 @@ class TrainerConfig:
             accumulation = global_batch_size / (micro_batch_size × data-parallel size).
         gradient_clip_val: clip the global grad norm to this (None: measure, don't clip).
         val_check_interval: validate every this many optimizer steps (None: only at the end).
+        check_val_every_n_epoch: also validate at the end of every this many completed
+            epochs, as Lightning does (None: not at epoch ends).
         limit_val_batches: how much validation data a run reads, the same samples under any
             layout: an int n = the first n global batches (n × global_batch_size samples),
             a float in (0, 1] = that fraction of the set, None for all, 0 to disable.
         log_every_n_steps: write training scalars every this many steps.
         default_root_dir / name / version: the run directory `<root>/<name>/version_N`
             (version None: the next free number).
-        loggers: which loggers rank 0 writes: "tensorboard" and/or "jsonl".
+        loggers: which built-in loggers rank 0 writes into the run directory: any of
+            "tensorboard", "csv", "jsonl" (Lightning `Logger` objects: `Trainer(logger=...)`).
         seed: seeds Python, NumPy and torch before the model is built and the data shuffled.
         deterministic: use only deterministic kernels (slower; errors on ops without one).
         shuffle: shuffle the training data every epoch.
+        enable_checkpointing: add the default `ModelCheckpoint` (unless one is passed).
+        enable_progress_bar: add the default `ProgressBar` (unless one is passed).
+        enable_monitors: add the default LR, throughput and grad-norm monitors.
     """
 
     max_steps: int | None = None
@@ -38,6 +46,7 @@ class TrainerConfig:
     micro_batch_size: int = 1
     gradient_clip_val: float | None = None
     val_check_interval: int | None = None
+    check_val_every_n_epoch: int | None = 1
     limit_val_batches: int | float | None = None
     log_every_n_steps: int = 10
     default_root_dir: str = "runs"
@@ -47,13 +56,17 @@ class TrainerConfig:
     seed: int = 0
     deterministic: bool = False
     shuffle: bool = True
+    enable_checkpointing: bool = True
+    enable_progress_bar: bool = True
+    enable_monitors: bool = True
 
     def __post_init__(self) -> None:
         if self.max_steps is None and self.max_epochs is None and self.max_tokens is None:
             raise ValueError(
                 "the Trainer needs a stopping rule: set max_steps, max_epochs or max_tokens"
             )
-        for name in ("max_steps", "max_epochs", "max_tokens", "val_check_interval"):
+        names = ("max_steps", "max_epochs", "max_tokens", "val_check_interval")
+        for name in (*names, "check_val_every_n_epoch"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value <= 0):
                 raise ValueError(f"{name} must be a positive integer or None, got {value!r}")
@@ -77,14 +90,66 @@ class TrainerConfig:
             raise ValueError(f"log_every_n_steps must be positive, got {self.log_every_n_steps}")
         if self.gradient_clip_val is not None and self.gradient_clip_val <= 0:
             raise ValueError(f"gradient_clip_val must be positive, got {self.gradient_clip_val}")
-        if self.limit_val_batches is not None and self.limit_val_batches < 0:
-            raise ValueError(f"limit_val_batches must be >= 0, got {self.limit_val_batches}")
-        unknown = set(self.loggers) - {"tensorboard", "jsonl"}
+        _check_limit_val_batches(self.limit_val_batches)
+        unknown = set(self.loggers) - set(LOGGER_NAMES)
         if unknown:
             raise ValueError(
-                f"unknown loggers {sorted(unknown)}; choose from 'tensorboard', 'jsonl'"
+                f"unknown loggers {sorted(unknown)}; choose from {', '.join(LOGGER_NAMES)} (for "
+                "other Lightning loggers pass the object: Trainer(logger=...) or --trainer.logger)"
             )
 
     def to_dict(self) -> dict:
         """The settings as a plain dict (for config.yaml)."""
         return asdict(self)
+
+
+def _check_limit_val_batches(limit: int | float | None) -> None:
+    """An int >= 0 (a count), a float in (0, 1] (a fraction; 0.0 disables too) or None.
+
+    Raises:
+        ValueError: a negative count or a fraction outside (0, 1], with the fix.
+    """
+    if limit is None:
+        return
+    if isinstance(limit, float):
+        if not 0.0 <= limit <= 1.0:
+            raise ValueError(
+                f"limit_val_batches={limit!r}: a float is a fraction of the validation batches and "
+                "must lie in (0, 1] (1.0 = all); for a number of batches pass an int"
+                + (f", e.g. {int(limit)}" if limit > 1 and limit == int(limit) else "")
+            )
+        return
+    if not isinstance(limit, int) or limit < 0:
+        raise ValueError(
+            f"limit_val_batches must be an int >= 0 (a count), a float in (0, 1] (a fraction) "
+            f"or None (all), got {limit!r}"
+        )
+
+
+# Lightning Trainer arguments that nanotrain spells differently, with what to use instead
+LIGHTNING_ARGUMENTS = {
+    "accelerator": "pick a strategy: strategy=SingleDeviceStrategy('cuda'|'cpu'), 'ddp' or "
+    "MegatronStrategy(...); devices come from torchrun",
+    "devices": "start one process per device with torchrun --nproc-per-node N",
+    "num_nodes": "start the processes with torchrun (--nnodes)",
+    "precision": "see docs/lightning.md (the model's dtype is the module's choice)",
+    "accumulate_grad_batches": "set global_batch_size = micro_batch_size × data-parallel "
+    "size × accumulation",
+    "num_sanity_val_steps": "nanotrain runs no sanity validation; drop it",
+    "limit_train_batches": "use max_steps",
+    "gradient_clip_algorithm": "gradient_clip_val clips the global norm; drop it",
+    "logger": "pass logger=... to nanotrain.Trainer (not TrainerConfig)",
+    "enable_model_summary": "add nanotrain.callbacks.ModelDump for a summary; drop it",
+}
+
+
+def unknown_setting_error(name: str) -> TypeError:
+    """The TypeError for a Trainer keyword nanotrain does not know, with the nanotrain way
+    for the Lightning arguments that have one."""
+    hint = LIGHTNING_ARGUMENTS.get(name)
+    known = ", ".join(f.name for f in fields(TrainerConfig))
+    if hint:
+        return TypeError(
+            f"Trainer got Lightning's argument {name!r}, which nanotrain spells differently: {hint}"
+        )
+    return TypeError(f"Trainer got an unknown argument {name!r}; settings are: {known}")

@@ -47,12 +47,11 @@ def run_validation(trainer: Trainer) -> dict[str, float]:
             continue
         output = trainer.strategy.validation_step(module, batch, batch_idx)
         trainer._call("on_validation_batch_end", output, batch, batch_idx)
-    logged, prog = trainer._book.close()
+    from nanotrain.evaluation_loops import finish_epoch
+
+    logged = finish_epoch(trainer, "on_validation_epoch_end")
     trainer._book = train_book
-    trainer.log_metrics(logged)
-    trainer.progress_bar_metrics.update(prog)
     trainer._last_val_step = trainer.state.global_step
-    trainer._call("on_validation_epoch_end")
     module.train(was_training)
     trainer.validating = False
     trainer._call("on_validation_end")

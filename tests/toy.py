@@ -111,7 +111,8 @@ class HookRecorder(nt.Callback):
 
 def make_trainer(tmp_path, **settings) -> nt.Trainer:
     """A single-CPU Trainer for callback tests: 4 steps of micro-batches of 8, logging every
-    step to metrics.jsonl under `tmp_path`; `settings` override any of these."""
+    step to metrics.jsonl under `tmp_path`, without the default callbacks (each test names
+    the callbacks it checks); `settings` override any of these."""
     defaults = dict(
         strategy=nt.SingleDeviceStrategy("cpu"),
         default_root_dir=str(tmp_path),
@@ -119,6 +120,9 @@ def make_trainer(tmp_path, **settings) -> nt.Trainer:
         micro_batch_size=8,
         log_every_n_steps=1,
         loggers=["jsonl"],
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_monitors=False,
     )
     defaults.update(settings)
     return nt.Trainer(**defaults)

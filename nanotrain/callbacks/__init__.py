@@ -15,17 +15,13 @@ from nanotrain.callbacks.throughput import ThroughputMonitor
 
 
 def default_callbacks() -> list[Callback]:
-    """What `nanotrain fit` uses when the config lists no callbacks: a checkpoint every 100
-    steps and at the end (the last 3 kept), a progress bar, LR, throughput, grad-norm and MoE
-    load monitors (the last logs nothing for a dense model)."""
-    return [
-        ModelCheckpoint(every_n_steps=100, save_top_k=3),
-        ProgressBar(),
-        LearningRateMonitor(),
-        ThroughputMonitor(),
-        GradNormMonitor(),
-        MoELoadMonitor(),
-    ]
+    """The callbacks every Trainer adds unless switched off (see
+    `nanotrain.default_callbacks.default_callbacks`): checkpoint, progress bar, NaN guard, LR,
+    throughput, grad-norm and MoE load monitors
+    (the last logs nothing for a dense model)."""
+    from nanotrain.default_callbacks import default_callbacks as make
+
+    return make()
 
 
 __all__ = [

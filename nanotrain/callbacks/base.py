@@ -16,6 +16,7 @@ Order for one `fit` (N steps, validation every V steps, E epochs):
         [every V steps] on_validation_start → on_validation_epoch_start
                         → (on_validation_batch_end per batch) → on_validation_epoch_end
                         → on_validation_end
+      [every `check_val_every_n_epoch` epochs] validation as above, then
       on_train_epoch_end                       (only when an epoch ran to completion)
     [final validation at the last step unless the last step just validated]
     on_train_end

@@ -98,7 +98,7 @@ class ThroughputMonitor(Callback):
                 f"ThroughputMonitor: no peak FLOP/s known for {trainer.strategy.root_device} at "
                 f"{self.precision}, so throughput/mfu is not logged; pass "
                 "ThroughputMonitor(peak_flops_per_device=...) to get it",
-                stacklevel=2,
+                stacklevel=1,  # point at this callback, not at the Trainer that calls it
             )
 
     def on_train_start(self, trainer: Trainer, module: NanoModule) -> None:

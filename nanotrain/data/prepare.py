@@ -318,6 +318,7 @@ def prepare(
     shard_tokens: int = 2**24,
     val_fraction: float = 0.05,
     split_chunk_chars: int = 2**16,
+    eos_token: str | None = None,
 ) -> Path:
     """Tokenize text into memory-mappable token shards plus ``metadata.json``.
 
@@ -326,13 +327,17 @@ def prepare(
             ``.jsonl`` file holds one JSON object per line, the text in ``text_field``; any
             other file is one UTF-8 document.
         out_dir: output folder; created, or replaced if it already holds prepared data.
-        tokenizer: ``"byte"`` or the path of a ``tokenizer.json``.
+        tokenizer: ``"byte"``, the path of a ``tokenizer.json`` (or of a folder holding one),
+            or a tokenizer object (`nanotrain.data.HFTokenizer` ...).
         text_field: the JSONL field holding the text.
         shard_tokens: tokens per shard file (the last shard of a split may be shorter).
         val_fraction: share of the text's bytes that goes to the validation split, in [0, 1).
         split_chunk_chars: documents longer than this are cut after a line break into chunks
             of about this many characters; chunks (not whole documents) are assigned to
             train or val, so even a single large file gets a validation part.
+        eos_token: the token string appended after every document (a ``tokenizer.json``
+            path only), e.g. ``"<｜end▁of▁sentence｜>"`` for DeepSeek's tokenizer; default:
+            the first known end-of-text token the vocabulary holds.
 
     Returns:
         ``out_dir`` as a Path.
@@ -349,9 +354,33 @@ def prepare(
         "split_chunk_chars": int(split_chunk_chars),
     }
     out = Path(out_dir).expanduser().resolve()
+    if eos_token is not None:
+        tokenizer = _with_eos(tokenizer, eos_token)
     tmp_dir = build_in_temp(inputs, out, tokenizer, settings)
     commit_directory(tmp_dir, out)
     return out
+
+
+def _with_eos(tokenizer: Any, eos_token: str) -> Tokenizer:
+    """An `HFTokenizer` of the path `tokenizer` with `eos_token` as its end-of-text token.
+
+    Raises:
+        ValueError: `tokenizer` is not the path of a tokenizer.json (the byte tokenizer's EOS
+            is fixed), or the vocabulary lacks `eos_token`.
+    """
+    from nanotrain.data.tokenizers import HFTokenizer
+
+    if not isinstance(tokenizer, (str, os.PathLike)) or str(tokenizer) == "byte":
+        raise ValueError(
+            "eos_token applies to a tokenizer.json only (the byte tokenizer's EOS is fixed); "
+            "pass tokenizer=<path of tokenizer.json> with it, or drop eos_token"
+        )
+    path = Path(tokenizer).expanduser()
+    if path.is_dir():
+        path = path / "tokenizer.json"
+    if not path.is_file():
+        raise ValueError(f"unknown tokenizer '{tokenizer}': no tokenizer.json at {path}")
+    return HFTokenizer(path, eos_token=eos_token)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -143,16 +143,17 @@ def _mtp_layers_present(config: DeepSeekConfig, hf_tensors: dict[str, Tensor]) -
     return k
 
 
-def import_hf(
-    path: str | Path, device: torch.device | str | None = None
-) -> tuple[ModelConfig, CausalLM]:
-    """Load a transformers checkpoint folder as our config and single-process model (fp32).
+def load_hf_weights(path: str | Path, stacklevel: int = 2) -> tuple[ModelConfig, dict[str, Tensor]]:
+    """(our config, full state dict with our names) of a transformers checkpoint folder: the
+    one reading path behind `import_hf`, `nanotrain import` and
+    `LanguageModelModule(model=<folder>)`.
 
     When config.json announces more MTP layers than the weights hold (transformers'
     `save_pretrained` writes `num_nextn_predict_layers=1` without any MTP weights), the
     config's `mtp_depth` is lowered to what is present, with a warning.
 
-    Raises: FileNotFoundError / ValueError from `read_hf_checkpoint` and `config_from_hf`.
+    Raises: FileNotFoundError / ValueError from `read_hf_checkpoint`, `config_from_hf` and
+    `state_dict_from_hf`.
     """
     hf_config, hf_tensors = read_hf_checkpoint(path)
     config = config_from_hf(hf_config)
@@ -162,10 +163,21 @@ def import_hf(
             warnings.warn(
                 f"config.json announces {config.mtp_depth} MTP layer(s) but the weights hold "
                 f"{present}; importing with mtp_depth={present}",
-                stacklevel=2,
+                stacklevel=stacklevel,
             )
             config = replace(config, mtp_depth=present)
-    state = state_dict_from_hf(config, hf_tensors)
+    return config, state_dict_from_hf(config, hf_tensors)
+
+
+def import_hf(
+    path: str | Path, device: torch.device | str | None = None
+) -> tuple[ModelConfig, CausalLM]:
+    """Load a transformers checkpoint folder as our config and single-process model (fp32)
+    (what `load_hf_weights` reads, in a model).
+
+    Raises: FileNotFoundError / ValueError from `load_hf_weights`.
+    """
+    config, state = load_hf_weights(path, stacklevel=3)
     model = build_model(config, device="meta")
     model.to_empty(device=torch.device("cpu" if device is None else device))
     if config.tie_word_embeddings:  # to_empty may give the tied pair separate storage

@@ -208,6 +208,15 @@ class Strategy(ABC):
         with torch.no_grad():
             return module.validation_step(batch, batch_idx)
 
+    def predict_step(self, module: NanoModule, batch: Any, batch_idx: int) -> Any:
+        """Run `module.predict_step` forward-only and return its output (`Trainer.predict`).
+
+        Raises:
+            ValueError: the strategy's layout cannot return whole predictions.
+        """
+        with torch.no_grad():
+            return module.predict_step(batch, batch_idx)
+
     # -- inspection (for callbacks: numbers that need a cross-rank view) ---------------------
     def named_grad_norms(self) -> dict[str, Tensor]:
         """L2 norm of each trainable parameter's full gradient, by parameter name.

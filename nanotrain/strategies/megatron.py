@@ -383,6 +383,17 @@ class MegatronStrategy(MegatronGradNorms, Strategy):
             return self._pipeline.validation_step(module, batch, batch_idx)
         return super().validation_step(module, batch, batch_idx)
 
+    def predict_step(self, module: NanoModule, batch: Any, batch_idx: int) -> Any:
+        """`module.predict_step` forward-only; refused under pp > 1, where no stage holds a
+        whole model to return predictions from."""
+        if self._pipeline is not None:
+            raise ValueError(
+                "Trainer.predict is not supported under pipeline parallelism (pp > 1): no "
+                "stage holds the whole model; predict with pp=1 (tp/ep/dp are fine), or export "
+                "the checkpoint with `nanotrain export` and predict from that"
+            )
+        return super().predict_step(module, batch, batch_idx)
+
     def optimizer_step(self) -> None:
         """Update (sharded under ZeRO, then parameters all-gathered) and zero the gradients."""
         if self._zero is not None:

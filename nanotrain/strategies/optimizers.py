@@ -39,8 +39,16 @@ def _scheduler_config(entry: Any) -> SchedulerConfig:
         frequency = int(entry.get("frequency", 1))
         if frequency < 1:
             raise ValueError(f"lr_scheduler frequency must be >= 1, got {frequency}")
-        return SchedulerConfig(entry["scheduler"], interval, frequency)
-    return SchedulerConfig(entry)
+        entry_scheduler = entry["scheduler"]
+    else:
+        entry_scheduler, interval, frequency = entry, "epoch", 1
+    if isinstance(entry_scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau):
+        raise ValueError(
+            "ReduceLROnPlateau (a scheduler stepped with a monitored metric) is not supported "
+            "by nanotrain's Trainer; use a schedule of steps or epochs (e.g. OneCycleLR, "
+            "CosineAnnealingLR)"
+        )
+    return SchedulerConfig(entry_scheduler, interval, frequency)
 
 
 def parse_optimizer_config(config: Any) -> OptimizerSetup:

@@ -85,10 +85,9 @@ def test_readme_main_command_trains_and_writes_tensorboard(tmp_path):
 def test_unknown_config_key_is_rejected(tmp_path, capsys):
     config = tmp_path / "bad.yaml"
     config.write_text("trainer:\n  max_steps: 5\n  max_stepz: 10\n")
-    with pytest.raises(SystemExit) as exc:
-        main(["fit", "--config", str(config)])
-    assert exc.value.code != 0
-    assert "max_stepz" in capsys.readouterr().err
+    assert main(["fit", "--config", str(config)]) == 2  # a user error: one line, exit code 2
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert line.startswith("nanotrain: error: ") and "max_stepz" in line
 
 
 def test_print_config_shows_resolved_defaults(capsys):
@@ -122,22 +121,21 @@ def test_missing_data_path_is_a_clear_error(tmp_path):
 
 
 def test_indivisible_batch_sizes_fail_before_training(tmp_path, capsys):
-    with pytest.raises(
-        ValueError, match="global_batch_size=10 is not a multiple of micro_batch_size=4"
-    ):
-        main(
-            [
-                "fit",
-                "--trainer.max_steps",
-                "2",
-                "--trainer.global_batch_size",
-                "10",
-                "--trainer.micro_batch_size",
-                "4",
-                "--trainer.default_root_dir",
-                str(tmp_path),
-            ]
-        )
+    argv = [
+        "fit",
+        "--trainer.max_steps",
+        "2",
+        "--trainer.global_batch_size",
+        "10",
+        "--trainer.micro_batch_size",
+        "4",
+        "--trainer.default_root_dir",
+        str(tmp_path),
+    ]
+    assert main(argv) == 2  # a user error: one line on stderr, exit code 2
+    assert "global_batch_size=10 is not a multiple of micro_batch_size=4" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="global_batch_size=10 is not a multiple"):
+        main([*argv, "--debug"])  # --debug lets the exception through
 
 
 def test_prepare_then_fit_and_validate_on_prepared_data(tmp_path):

@@ -73,6 +73,7 @@ def test_hook_order_matches_the_documented_sequence(tmp_path):
         + step * 3
         + val
         + step
+        + val  # check_val_every_n_epoch=1: at the end of the epoch, before its end hook
         + ["on_train_epoch_end", "on_train_epoch_start"]
         + step * 2
         + val

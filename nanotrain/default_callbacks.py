@@ -1,0 +1,79 @@
+"""The callbacks every Trainer gets unless switched off, as Lightning adds its own."""
+
+from __future__ import annotations
+
+from nanotrain.callbacks.base import Callback
+
+
+def default_callbacks(
+    enable_checkpointing: bool = True,
+    enable_progress_bar: bool = True,
+    enable_monitors: bool = True,
+) -> list[Callback]:
+    """The default callbacks of `nanotrain.Trainer` and `nanotrain fit`.
+
+    - `ModelCheckpoint(every_n_steps=100, save_top_k=3)`: a checkpoint every 100 steps and at
+      the end, the last 3 kept (with `enable_checkpointing`);
+    - `ProgressBar()` (with `enable_progress_bar`);
+    - `NaNGuard()`: a step with a non-finite loss or grad norm is skipped (always);
+    - `LearningRateMonitor()`, `ThroughputMonitor()`, `GradNormMonitor()`, `MoELoadMonitor()`
+      (with `enable_monitors`; the last logs nothing for a dense model).
+    """
+    from nanotrain.callbacks import (
+        GradNormMonitor,
+        LearningRateMonitor,
+        ModelCheckpoint,
+        MoELoadMonitor,
+        NaNGuard,
+        ProgressBar,
+        ThroughputMonitor,
+    )
+
+    callbacks: list[Callback] = []
+    if enable_checkpointing:
+        callbacks.append(ModelCheckpoint(every_n_steps=100, save_top_k=3))
+    if enable_progress_bar:
+        callbacks.append(ProgressBar())
+    callbacks.append(NaNGuard())
+    if enable_monitors:
+        callbacks += [
+            LearningRateMonitor(),
+            ThroughputMonitor(),
+            GradNormMonitor(),
+            MoELoadMonitor(),
+        ]
+    return callbacks
+
+
+def with_defaults(
+    user: list[Callback],
+    enable_checkpointing: bool = True,
+    enable_progress_bar: bool = True,
+    enable_monitors: bool = True,
+) -> list[Callback]:
+    """The user's callbacks plus every default whose class the user did not pass (a user's
+    `ModelCheckpoint` replaces the default one, as in Lightning; the switches turn off
+    defaults only, a callback passed explicitly always runs). Defaults run first, so a
+    NaN guard has skipped a bad step before user callbacks see it; a checkpoint callback runs
+    last, after the callbacks whose state it saves have updated.
+
+    Raises:
+        TypeError: an entry is not a nanotrain Callback.
+    """
+    from nanotrain.callbacks import ModelCheckpoint
+
+    for cb in user:
+        if not isinstance(cb, Callback):
+            raise TypeError(
+                f"callbacks must be nanotrain Callbacks (nanotrain.callbacks), got "
+                f"{type(cb).__name__}; Lightning's own callbacks read its Trainer's internals "
+                "and are not supported (see docs/lightning.md)"
+            )
+    given = {type(cb) for cb in user}
+    defaults = [
+        cb
+        for cb in default_callbacks(enable_checkpointing, enable_progress_bar, enable_monitors)
+        if type(cb) not in given
+    ]
+    ordered = [cb for cb in defaults if not isinstance(cb, ModelCheckpoint)] + user
+    return ordered + [cb for cb in defaults if isinstance(cb, ModelCheckpoint)]

@@ -1,0 +1,150 @@
+"""`Trainer.test` and `Trainer.predict`, and the end of an epoch's logging (shared by the
+training, validation and test loops)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import lightning.pytorch as pl
+import torch
+from torch.utils.data import DataLoader, Dataset, IterableDataset, Sampler
+
+from nanotrain.metric_book import MetricBook
+
+if TYPE_CHECKING:
+    from nanotrain.trainer import Trainer
+
+
+def finish_epoch(trainer: Trainer, hook: str) -> dict[str, torch.Tensor]:
+    """End a training epoch or a validation / test run: the epoch values logged so far are
+    computed into `trainer.callback_metrics`, then `hook` (e.g. "on_validation_epoch_end")
+    runs and may log more, then everything is written to the loggers at the current step and
+    Metric objects are reset. Returns the values written."""
+    book = trainer.metric_book
+    logged, prog = book.compute_epoch()
+    trainer.callback_metrics.update({k: v.detach() for k, v in {**prog, **logged}.items()})
+    trainer._call(hook)
+    logged, prog = book.close_epoch()
+    trainer.callback_metrics.update({k: v.detach() for k, v in prog.items()})
+    trainer.log_metrics(logged)
+    trainer.progress_bar_metrics.update(prog)
+    return logged
+
+
+def _defines(module: Any, name: str) -> bool:
+    return getattr(type(module), name, None) is not getattr(pl.LightningModule, name, None)
+
+
+class _ShardSampler(Sampler[int]):
+    """Indices `index, index + count, ...` in order: every sample read once, by one rank."""
+
+    def __init__(self, length: int, index: int, count: int) -> None:
+        self.indices = list(range(index, length, count))
+
+    def __iter__(self):
+        return iter(self.indices)
+
+    def __len__(self) -> int:
+        return len(self.indices)
+
+
+def _eval_loader(trainer: Trainer, source: Any, what: str) -> DataLoader:
+    """This rank's share of `source` (a DataLoader or map-style Dataset), in order, every
+    sample once, `micro_batch_size` at a time (the last batch may be smaller)."""
+    if isinstance(source, DataLoader):
+        dataset = source.dataset
+        extra = dict(collate_fn=source.collate_fn, num_workers=source.num_workers)
+    else:
+        dataset, extra = source, {}
+    if not isinstance(dataset, Dataset) or isinstance(dataset, IterableDataset):
+        raise TypeError(
+            f"{what} needs a map-style dataset (with __len__ and __getitem__) or a DataLoader of "
+            f"one; got {type(dataset).__name__}"
+        )
+    shard = trainer.strategy.data_shard()
+    sampler = _ShardSampler(len(dataset), shard.index, shard.count)
+    return DataLoader(
+        dataset, batch_size=trainer.settings.micro_batch_size, sampler=sampler, **extra
+    )
+
+
+def _source(trainer: Trainer, dataloaders: Any, hook: str, stage: str) -> Any:
+    if dataloaders is None and trainer.datamodule is not None:
+        if _defines_dm(trainer.datamodule, hook):
+            dataloaders = getattr(trainer.datamodule, hook)()
+    if dataloaders is None:
+        raise ValueError(f"{stage} needs data: a datamodule with {hook}() or dataloaders=...")
+    return dataloaders
+
+
+def _defines_dm(datamodule: Any, name: str) -> bool:
+    return getattr(type(datamodule), name, None) is not getattr(pl.LightningDataModule, name, None)
+
+
+def run_test(trainer: Trainer, dataloaders: Any) -> list[dict[str, float]]:
+    """Run `test_step` over the whole test data (each rank its share) with the model in eval
+    mode and no gradients, emitting the test hooks; returns [metrics] (Lightning's shape: one
+    dict per dataloader), the epoch values logged, reduced as in validation.
+
+    Raises:
+        ValueError: the module has no `test_step` or there is no test data.
+    """
+    from nanotrain.validation import to_float
+
+    module = trainer.module
+    if not _defines(module, "test_step"):
+        raise ValueError(f"Trainer.test needs {type(module).__name__}.test_step(batch, batch_idx)")
+    loader = _eval_loader(trainer, _source(trainer, dataloaders, "test_dataloader", "test"), "test")
+    trainer._eval_loader = loader
+    trainer._book = MetricBook(
+        lambda: trainer.strategy.root_device, trainer.strategy.metric_process_group
+    )
+    trainer.testing = True
+    module.eval()
+    trainer._call("on_test_start")
+    trainer._call("on_test_epoch_start")
+    # every strategy runs a forward-only step through `validation_step` (pipeline schedules
+    # included); point it at test_step for this run
+    module.validation_step = module.test_step
+    try:
+        for batch_idx, batch in enumerate(loader):
+            batch = trainer.strategy.batch_to_device(batch)
+            trainer._call("on_test_batch_start", batch, batch_idx)
+            output = trainer.strategy.validation_step(module, batch, batch_idx)
+            trainer._call("on_test_batch_end", output, batch, batch_idx)
+    finally:
+        del module.validation_step
+    logged = finish_epoch(trainer, "on_test_epoch_end")
+    trainer._call("on_test_end")
+    trainer.testing = False
+    return [{k: to_float(v) for k, v in logged.items()}]
+
+
+def run_predict(trainer: Trainer, dataloaders: Any) -> list[Any]:
+    """Run `predict_step` over the whole predict data (each rank its share, in order) without
+    gradients; returns this rank's outputs, one per batch (None outputs included).
+
+    Raises:
+        ValueError: the module has no `predict_step` and no `forward`, there is no data, or
+            the strategy cannot predict (pipeline parallelism).
+    """
+    module = trainer.module
+    loader = _eval_loader(
+        trainer, _source(trainer, dataloaders, "predict_dataloader", "predict"), "predict"
+    )
+    trainer._eval_loader = loader
+    trainer.predicting = True
+    module.eval()
+    trainer._call("on_predict_start")
+    trainer._call("on_predict_epoch_start")
+    outputs = []
+    for batch_idx, batch in enumerate(loader):
+        batch = trainer.strategy.batch_to_device(batch)
+        trainer._call("on_predict_batch_start", batch, batch_idx)
+        output = trainer.strategy.predict_step(module, batch, batch_idx)
+        trainer._call("on_predict_batch_end", output, batch, batch_idx)
+        outputs.append(output)
+    trainer._call("on_predict_epoch_end")
+    trainer._call("on_predict_end")
+    trainer.predicting = False
+    return outputs

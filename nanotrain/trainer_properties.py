@@ -1,0 +1,97 @@
+"""The read-only Trainer properties Lightning code reads (`trainer.max_steps`, ...)."""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from nanotrain.state import TrainState
+    from nanotrain.strategies import Strategy
+    from nanotrain.trainer_config import TrainerConfig
+
+
+class LightningTrainerProperties:
+    """Mixin of the `nanotrain.Trainer`: the names and meanings of `lightning.Trainer`'s
+    properties that LightningModules and their schedulers commonly read."""
+
+    settings: TrainerConfig
+    state: TrainState
+    strategy: Strategy
+    _val_loader: Any
+    _eval_loader: Any
+
+    @property
+    def max_steps(self) -> int:
+        """The step limit, -1 when there is none (as Lightning)."""
+        return -1 if self.settings.max_steps is None else self.settings.max_steps
+
+    @property
+    def max_epochs(self) -> int:
+        """The epoch limit, -1 when there is none (as Lightning)."""
+        return -1 if self.settings.max_epochs is None else self.settings.max_epochs
+
+    @property
+    def num_training_batches(self) -> int | float:
+        """Microbatches this process reads per training epoch (what Lightning counts as
+        batches); inf before `fit` has built its loader."""
+        if self.state.steps_per_epoch == 0:
+            return math.inf
+        return self.state.steps_per_epoch * self.num_microbatches
+
+    @property
+    def accumulate_grad_batches(self) -> int:
+        """Microbatches per optimizer step on this process."""
+        return self.num_microbatches
+
+    @property
+    def estimated_stepping_batches(self) -> int | float:
+        """Optimizer steps the whole `fit` will take: the smallest of `max_steps` and
+        `max_epochs` × steps per epoch; inf when only `max_tokens` bounds training (the number
+        of steps is then unknown). Valid from `configure_optimizers` on, as in Lightning.
+
+        Raises:
+            RuntimeError: read before `fit` built the training loader.
+        """
+        s, st = self.settings, self.state
+        if st.steps_per_epoch == 0:
+            raise RuntimeError(
+                "estimated_stepping_batches is known once fit has built the training data "
+                "loader (from configure_optimizers on)"
+            )
+        candidates = []
+        if s.max_steps is not None:
+            candidates.append(s.max_steps)
+        if s.max_epochs is not None:
+            candidates.append(s.max_epochs * st.steps_per_epoch)
+        return min(candidates) if candidates else math.inf
+
+    @property
+    def num_val_batches(self) -> list[int]:
+        """Validation batches per run on this process, one entry per loader (as Lightning)."""
+        from nanotrain.validation import val_batch_limit
+
+        if self._val_loader is None:
+            return []
+        return [val_batch_limit(self.settings.limit_val_batches, len(self._val_loader))]
+
+    @property
+    def num_test_batches(self) -> list[int]:
+        """Batches of the running `test` on this process (one entry), [] outside it."""
+        loader = getattr(self, "_eval_loader", None)
+        return [] if loader is None else [len(loader)]
+
+    @property
+    def num_predict_batches(self) -> list[int]:
+        """Batches of the running `predict` on this process (one entry), [] outside it."""
+        return self.num_test_batches
+
+    @property
+    def num_nodes(self) -> int:
+        """Always 1 as far as the module is concerned: ranks are counted by `world_size`."""
+        return 1
+
+    @property
+    def num_devices(self) -> int:
+        """Processes in the job (`world_size`)."""
+        return self.strategy.world_size

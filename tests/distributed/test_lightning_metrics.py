@@ -1,0 +1,61 @@
+"""torchmetrics objects and sync_dist values logged by a plain LightningModule are reduced over
+the data-parallel ranks; Lightning loggers write on global rank 0 only."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from lightning.pytorch.loggers import CSVLogger
+
+import nanotrain as nt
+from tests.distributed.spawn import run_world
+from tests.unit.test_lightning_compat import TutorialClassifier, TutorialData, column, read_csv
+
+pytestmark = pytest.mark.distributed
+
+
+def _fit(strategy, root: str, rank: int) -> dict:
+    torch.manual_seed(0)
+    module = TutorialClassifier()
+    trainer = nt.Trainer(
+        strategy=strategy,
+        max_steps=6,
+        micro_batch_size=8,
+        global_batch_size=16,
+        shuffle=False,
+        log_every_n_steps=1,
+        val_check_interval=6,
+        default_root_dir=root,
+        loggers=["jsonl"],
+        logger=[True, CSVLogger(f"{root}/user_rank{rank}", name="", version="")],
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+    )
+    trainer.fit(module, TutorialData())
+    return {
+        "metrics": {k: float(v) for k, v in trainer.callback_metrics.items()},
+        "loggers": len(trainer.loggers),
+    }
+
+
+def _ddp_rank(rank: int, world_size: int, root: str) -> dict:
+    return _fit(nt.DDPStrategy(), root, rank)
+
+
+def test_metric_objects_and_sync_dist_reduce_over_ranks_and_rank_zero_logs(tmp_path):
+    single = _fit(nt.SingleDeviceStrategy("cpu"), str(tmp_path / "single"), 0)
+    ranks = run_world(_ddp_rank, 2, str(tmp_path / "ddp"))
+    for result in ranks:
+        # val_acc: a MulticlassAccuracy over each rank's half of the validation set, synced
+        # over both ranks on compute(): the accuracy of the whole set, as on one process
+        assert result["metrics"]["val_acc"] == pytest.approx(single["metrics"]["val_acc"], rel=1e-6)
+    # val_loss is logged without sync_dist: each rank's own mean over its 2 batches, whose
+    # average is the one-process mean over all 4
+    mean_of_ranks = (ranks[0]["metrics"]["val_loss"] + ranks[1]["metrics"]["val_loss"]) / 2
+    assert mean_of_ranks == pytest.approx(single["metrics"]["val_loss"], rel=1e-5)
+    assert ranks[0]["metrics"]["val_loss"] != ranks[1]["metrics"]["val_loss"]
+    user_csv = tmp_path / "ddp" / "user_rank0" / "metrics.csv"
+    rows = read_csv(user_csv)
+    assert column(rows, "val_acc") == [pytest.approx(single["metrics"]["val_acc"], rel=1e-6)]
+    assert not (tmp_path / "ddp" / "user_rank1").exists()  # rank 1 writes nothing
+    assert [r["loggers"] for r in ranks] == [0, 0]  # closed at teardown

@@ -1,0 +1,134 @@
+"""Every user error of the `nanotrain` command is one line on stderr (rank 0 only) with exit
+code 2; `--debug` / NANOTRAIN_DEBUG=1 give the traceback. Run as real subprocesses, launched
+together to save wall time."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from nanotrain.cli import main
+from nanotrain.data.prepare import prepare
+from nanotrain.data.tokenizers import train_bpe
+
+REPO = Path(__file__).resolve().parents[2]
+SMALL_DEMO = ["--data.init_args.demo_max_bytes", "300000"]
+DEEPSEEK_EOS = "<｜end▁of▁sentence｜>"
+HINT = "(--debug or NANOTRAIN_DEBUG=1 for the traceback)"
+
+
+def start(args: list[str], tmp: Path, torchrun: int = 0, **env: str) -> subprocess.Popen:
+    environment = {**os.environ, "NANOTRAIN_CACHE": str(tmp / "cache"), "OMP_NUM_THREADS": "1"}
+    environment.update(env)
+    environment["PYTHONPATH"] = str(REPO)
+    launcher = [sys.executable, "-m", "nanotrain"]
+    if torchrun:
+        launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node",
+                    str(torchrun), "-m", "nanotrain"]  # fmt: skip
+    return subprocess.Popen(
+        [*launcher, *args], cwd=REPO, env=environment, text=True,
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+    )  # fmt: skip
+
+
+def deepseek_style_tokenizer(tmp: Path) -> Path:
+    """A tokenizer.json whose end-of-text token is DeepSeek's, not one nanotrain knows."""
+    path = tmp / "tok" / "tokenizer.json"
+    train_bpe(["hello world, " * 50, "the quick brown fox " * 50], 300, path)
+    path.write_text(path.read_text(encoding="utf-8").replace("<|endoftext|>", DEEPSEEK_EOS))
+    return path
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> dict[str, subprocess.CompletedProcess]:
+    tmp = tmp_path_factory.mktemp("cli_errors")
+    corpus = tmp / "corpus.txt"
+    corpus.write_text("some text to tokenize.\n" * 400)
+    data = prepare([corpus], tmp / "data", val_fraction=0.25)
+    meta = json.loads((data / "metadata.json").read_text())
+    meta["max_token_id"] = 300  # as if prepared with a larger tokenizer than the model's
+    (data / "metadata.json").write_text(json.dumps(meta))
+    tokenizer = deepseek_style_tokenizer(tmp)
+    root = ["--trainer.default_root_dir", str(tmp / "runs")]
+    cases = {
+        "virtual_pp": ["fit", "--strategy", "megatron", "--strategy.init_args.virtual_pp", "0"],
+        "strategy": ["fit", "--strategy", "bogus"],
+        "prefix": ["fit", "--trainer.max_step", "5"],
+        "limit_val": ["fit", "--trainer.max_steps", "1", "--trainer.limit_val_batches", "1.5"],
+        "seq_len": ["fit", "--trainer.max_steps", "1", "--data.init_args.seq_len", "512",
+                    *SMALL_DEMO, *root],
+        "token_ids": ["fit", "--trainer.max_steps", "1", "--data.init_args.data_path", str(data),
+                      "--model.init_args.vocab_size", "257", *root],
+        "no_eos": ["prepare", "--inputs", str(corpus), "--out", str(tmp / "p1"),
+                   "--tokenizer", str(tokenizer)],
+        "eos": ["prepare", "--inputs", str(corpus), "--out", str(tmp / "p2"),
+                "--tokenizer", str(tokenizer), "--eos_token", DEEPSEEK_EOS],
+        "debug_flag": ["fit", "--debug", "--strategy", "bogus"],
+    }  # fmt: skip
+    procs = {name: start(args, tmp) for name, args in cases.items()}
+    procs["torchrun"] = start(cases["limit_val"], tmp, torchrun=2)
+    results = {}
+    for name, proc in procs.items():
+        out, err = proc.communicate(timeout=300)
+        results[name] = subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+    results["eos_meta"] = json.loads((tmp / "p2" / "metadata.json").read_text())
+    return results
+
+
+EXPECTED = {
+    "virtual_pp": "virtual_pp must be >= 1, got 0",
+    "strategy": "unknown strategy 'bogus': use one of the aliases auto, single, ddp, megatron "
+    "or a class path such as nanotrain.strategies.MegatronStrategy",
+    "prefix": "unrecognized arguments: --trainer.max_step 5",
+    "limit_val": "limit_val_batches=1.5: a float is a fraction of the validation batches and "
+    "must lie in (0, 1] (1.0 = all); for a number of batches pass an int",
+    "seq_len": "the data's seq_len=512 exceeds the model's max_seq_len=256; shorten "
+    "--data.init_args.seq_len, or extend the RoPE tables explicitly with "
+    "--model.init_args.model_overrides '{max_seq_len: 512}'",
+    "token_ids": "the data holds token id 300 (tokenizer vocab_size 257) but the model's "
+    "vocab_size is 257; set the model's vocab_size to at least 301 or prepare the data with a "
+    "matching tokenizer",
+    "no_eos": "has no end-of-text token among",
+}
+
+
+@pytest.mark.parametrize("case", list(EXPECTED))
+def test_user_error_is_one_line_with_exit_code_2(runs, case):
+    result = runs[case]
+    assert result.returncode == 2, result.stderr[-2000:]
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, result.stderr[-2000:]
+    assert lines[0].startswith("nanotrain: error: ") and lines[0].endswith(HINT)
+    assert EXPECTED[case] in lines[0]
+
+
+def test_debug_flag_and_env_show_the_traceback(runs, monkeypatch):
+    result = runs["debug_flag"]
+    assert result.returncode == 1
+    assert "Traceback (most recent call last)" in result.stderr
+    assert result.stderr.strip().endswith("ValueError: " + EXPECTED["strategy"])
+    # the environment variable does the same (in-process: the error propagates)
+    monkeypatch.setenv("NANOTRAIN_DEBUG", "1")
+    with pytest.raises(ValueError, match="unknown strategy 'bogus'"):
+        main(["fit", "--strategy", "bogus"])
+    monkeypatch.setenv("NANOTRAIN_DEBUG", "0")
+    assert main(["fit", "--strategy", "bogus"]) == 2
+
+
+def test_under_torchrun_only_rank_zero_prints_the_error(runs):
+    result = runs["torchrun"]
+    output = result.stdout + result.stderr
+    assert result.returncode != 0
+    assert output.count("nanotrain: error: " + EXPECTED["limit_val"]) == 1, output[-3000:]
+    # torchrun reports the failed workers in its own words; no traceback of nanotrain's code
+    assert "nanotrain/" not in "".join(ln for ln in output.splitlines() if "File " in ln)
+
+
+def test_prepare_takes_an_eos_token(runs):
+    assert runs["eos"].returncode == 0, runs["eos"].stderr[-2000:]
+    assert runs["eos_meta"]["tokenizer"]["eos_token"] == DEEPSEEK_EOS
