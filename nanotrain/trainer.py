@@ -20,12 +20,14 @@ import torch
 from torch.utils.data import DataLoader
 
 from nanotrain.callbacks.base import Callback
+from nanotrain.checkpoint.preemption import PreemptionWatch, stop_if_preempted
+from nanotrain.exit_codes import EXIT_PREEMPTED
 from nanotrain.loaders import build_loaders
 from nanotrain.loggers import LoggerGroup, TensorBoardLogger, make_loggers
 from nanotrain.metric_book import MetricBook
 from nanotrain.module import NanoModule
 from nanotrain.rng import seed_everything, set_deterministic
-from nanotrain.run_dir import choose_run_dir, default_config, write_config
+from nanotrain.run_dir import default_config, write_config
 from nanotrain.state import TrainState
 from nanotrain.strategies import Strategy, resolve_strategy
 from nanotrain.strategies.base import StepOutput
@@ -65,6 +67,8 @@ class Trainer:
         self.module: NanoModule | None = None
         self.datamodule: Any = None
         self.run_dir: Path | None = None
+        self._resume_path: Path | None = None
+        self._preemption: PreemptionWatch | None = None
         self.loggers = LoggerGroup([])
         self.step_output: StepOutput | None = None
         self.callback_metrics: dict[str, torch.Tensor] = {}
@@ -72,6 +76,7 @@ class Trainer:
         self.training = False
         self.validating = False
         self.should_stop = False
+        self.exit_code = 0  # why fit ended early, see nanotrain.exit_codes (0: normally)
         self._skip_requested = False
         self._train_loader: DataLoader | None = None
         self._train_sampler: Any = None
@@ -131,6 +136,10 @@ class Trainer:
         return self.run_dir / "checkpoints"
 
     @property
+    def _preempted(self) -> bool:
+        return self.exit_code == EXIT_PREEMPTED
+
+    @property
     def metric_book(self) -> MetricBook:
         """Where `self.log` values of the current step or validation run are collected."""
         if self._book is None:
@@ -152,12 +161,15 @@ class Trainer:
         return self._val_loader
 
     # -- control requests from callbacks ---------------------------------------------------
-    def request_stop(self) -> None:
+    def request_stop(self, exit_code: int = 0) -> None:
         """End training after the current step (final validation and end hooks still run).
 
-        Every rank must request it at the same step (decide from reduced values).
+        Every rank must request it at the same step (decide from reduced values). A non-zero
+        `exit_code` (see `nanotrain.exit_codes`) says the run ended early for that reason;
+        `trainer.exit_code` keeps the first one and `nanotrain fit` exits with it.
         """
         self.should_stop = True
+        self.exit_code = self.exit_code or exit_code
 
     def request_skip_step(self) -> None:
         """Discard this step's update; valid only inside `on_before_optimizer_step`."""
@@ -195,7 +207,7 @@ class Trainer:
         module.trainer = self
         if datamodule is not None:
             datamodule.trainer = self
-        self._make_run_dir(ckpt_path)
+        self._plan_run_dir(ckpt_path)
         seed_everything(s.seed)
         set_deterministic(s.deterministic)
         self._book = MetricBook(
@@ -209,15 +221,25 @@ class Trainer:
         self.strategy.setup_module(module)
         self._call("setup", stage)
 
-    def _make_run_dir(self, ckpt_path: Any) -> None:
+    def _plan_run_dir(self, ckpt_path: Any) -> None:
+        # Decide only (nothing is written until the inputs and the checkpoint are validated).
+        from nanotrain.checkpoint.resume import plan_on_rank_zero
+
         s = self.settings
-        run_dir = choose_run_dir(Path(s.default_root_dir) / s.name, s.version, ckpt_path)
-        self.run_dir = Path(self.strategy.broadcast_object(str(run_dir)))
-        if self.is_global_zero:
+        plan = plan_on_rank_zero(self.strategy, Path(s.default_root_dir) / s.name, s, ckpt_path)
+        self.run_dir, self._resume_path = plan.run_dir, plan.checkpoint
+
+    def _make_run_dir(self) -> None:
+        # Only now, with inputs and the resumed checkpoint validated, is anything written.
+        from nanotrain.checkpoint.collective import attempt, raise_first_failure
+
+        def make() -> None:
             (self.run_dir / "checkpoints").mkdir(parents=True, exist_ok=True)
             write_config(self.run_dir, self.resolved_config())
-            self.loggers = make_loggers(self.run_dir, s.loggers)
-        self.strategy.barrier()
+            self.loggers = make_loggers(self.run_dir, self.settings.loggers)
+
+        error = attempt(make)[1] if self.is_global_zero else None
+        raise_first_failure(self.strategy, error, f"creating the run directory {self.run_dir}")
 
     def resolved_config(self) -> dict[str, Any]:
         """The config recorded in `config.yaml` and in checkpoints: what was passed as `config`,
@@ -262,14 +284,17 @@ class Trainer:
             self._setup(module, datamodule, "fit", ckpt_path)
             self._build_loaders("fit", train_dataloaders, val_dataloaders)
             self.strategy.setup_optimizers(module)
-            if ckpt_path is not None:
-                self._resume(ckpt_path)
+            if self._resume_path is not None:
+                self._resume(self._resume_path)
+            self._make_run_dir()
+            self._preemption = PreemptionWatch(self.settings.preemption_signals).install()
             self._call("on_fit_start")
             self.training = True
             module.train()
             self._call("on_train_start")
             self._train_loop()
-            if self._val_loader is not None and self._last_val_step != self.state.global_step:
+            last_validated = self._last_val_step == self.state.global_step
+            if self._val_loader is not None and not last_validated and not self._preempted:
                 self._run_validation()
             self.training = False
             self._call("on_train_end")
@@ -279,6 +304,8 @@ class Trainer:
                 self._call("on_exception", exc)
             raise
         finally:
+            if self._preemption is not None:
+                self._preemption.uninstall()
             self._teardown("fit")
 
     def _done(self) -> bool:
@@ -306,6 +333,7 @@ class Trainer:
                         for _ in range(self.num_microbatches)
                     ]
                     self._train_step(micro)
+                    stop_if_preempted(self, self._preemption)
                 if st.steps_in_epoch < st.steps_per_epoch:
                     break  # stopped mid-epoch
             self._call("on_train_epoch_end")
@@ -395,8 +423,9 @@ class Trainer:
                     "validate needs validation data: a datamodule with "
                     "val_dataloader() or dataloaders=..."
                 )
-            if ckpt_path is not None:
-                self._resume(ckpt_path, weights_only=True)
+            if self._resume_path is not None:
+                self._resume(self._resume_path, weights_only=True)
+            self._make_run_dir()
             return self._run_validation()
         except BaseException as exc:
             if self.module is not None:
@@ -424,10 +453,9 @@ class Trainer:
 
         return save_checkpoint(self, Path(path))
 
-    def _resume(self, ckpt_path: str | Path, weights_only: bool = False) -> None:
-        from nanotrain.checkpoint import load_checkpoint, resolve_checkpoint_path
+    def _resume(self, path: Path, weights_only: bool = False) -> None:
+        from nanotrain.checkpoint import load_checkpoint
 
-        path = resolve_checkpoint_path(self, ckpt_path)
         self.load_checkpoint_payload(load_checkpoint(self, path), weights_only=weights_only)
 
     def _teardown(self, stage: str) -> None:

@@ -28,6 +28,9 @@ class TrainerConfig:
         seed: seeds Python, NumPy and torch before the model is built and the data shuffled.
         deterministic: use only deterministic kernels (slower; errors on ops without one).
         shuffle: shuffle the training data every epoch.
+        preemption_signals: signals that make `fit` finish the current step, save a
+            checkpoint and return with `exit_code` 75 (`nanotrain.exit_codes.EXIT_PREEMPTED`);
+            [] leaves signals alone.
     """
 
     max_steps: int | None = None
@@ -46,6 +49,7 @@ class TrainerConfig:
     seed: int = 0
     deterministic: bool = False
     shuffle: bool = True
+    preemption_signals: list[str] = field(default_factory=lambda: ["SIGTERM", "SIGUSR1"])
 
     def __post_init__(self) -> None:
         if self.max_steps is None and self.max_epochs is None and self.max_tokens is None:
@@ -83,6 +87,10 @@ class TrainerConfig:
             raise ValueError(
                 f"unknown loggers {sorted(unknown)}; choose from 'tensorboard', 'jsonl'"
             )
+
+        from nanotrain.checkpoint.preemption import signal_numbers
+
+        signal_numbers(self.preemption_signals)  # raises ValueError for an unknown name
 
     def to_dict(self) -> dict:
         """The settings as a plain dict (for config.yaml)."""
