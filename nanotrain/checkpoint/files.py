@@ -13,7 +13,10 @@ Under a strategy that shards the model (a mesh: tensor/pipeline/expert parallel,
 model and optimizer are written by every rank as its own shard instead:
 
     model-rank-00000.safetensors ...   this rank's model shard, by full-model parameter name
-    optimizer-rank-00000.pt ...        this rank's optimizer shard
+    optim-rank-00000.safetensors ...   this rank's optimizer state by parameter name, in
+                                       pieces (`optim_state.py`); its param groups'
+                                       hyperparameters and scalar state are in rank-XXXXX.pt
+    (optimizer-rank-00000.pt ...       the index-keyed optimizer shard of older checkpoints)
 
 Every `.pt` file is read with `torch.load(weights_only=True)`, so a checkpoint can only hold
 tensors and plain Python values; a file that would need arbitrary unpickling is rejected.
@@ -55,6 +58,12 @@ def model_shard_file(rank: int) -> str:
 def optimizer_shard_file(rank: int) -> str:
     """Name of `rank`'s optimizer shard under a sharded layout."""
     return f"optimizer-rank-{rank:05d}.pt"
+
+
+def optim_shard_file(rank: int) -> str:
+    """Name of `rank`'s optimizer state by parameter name under a sharded layout
+    (`optim_state.py`: 1-D pieces keyed "<state key>::<start>::<parameter name>")."""
+    return f"optim-rank-{rank:05d}.safetensors"
 
 
 def fsync_path(path: Path) -> None:

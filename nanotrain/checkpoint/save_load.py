@@ -11,12 +11,13 @@ import shutil
 import time
 import warnings
 from pathlib import Path
+from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from nanotrain.checkpoint import commit as _commit
-from nanotrain.checkpoint import files, health
+from nanotrain.checkpoint import files, health, optim_state
 from nanotrain.checkpoint.collective import (
     agree_no_error,
     attempt,
@@ -180,23 +181,32 @@ def _load_sharded(
     saved: dict[str, Any] | None,
     current: dict[str, Any] | None,
 ) -> dict[str, Any]:
-    if saved != current:
-        raise ValueError(
-            f"checkpoint {ckpt} was saved under {_describe_layout(saved)} and cannot be loaded "
-            f"under {_describe_layout(current)}: resharding across layouts is not implemented "
-            "yet; resume with the layout it was saved under"
-        )
     rank = trainer.global_rank
     payload = _read_torch(ckpt, meta, files.TRAINER_STATE_FILE)
     _check_model_config(trainer, ckpt, payload)
+    if saved != current:
+        from nanotrain.checkpoint.reshard import load_resharded
+
+        return load_resharded(trainer, ckpt, meta, payload, _READERS)
     model: dict[str, Any] = _read_model(ckpt, meta, files.model_shard_file(rank))
     _check_model_state(trainer, ckpt, model)
     rank_state = _read_torch(ckpt, meta, files.rank_file(rank))
     model.update(rank_state.pop("model_extra", {}))
     payload["model"] = model
+    info = rank_state.pop("optimizer_info", None)
     shard = files.optimizer_shard_file(rank)
-    has_optimizer = shard in meta.get("files", {})
-    payload["optimizer"] = _read_torch(ckpt, meta, shard) if has_optimizer else None
+    payload["optimizer"] = None
+    if files.optim_shard_file(rank) in meta["files"] and info is not None:
+        own = _read_model(ckpt, meta, files.optim_shard_file(rank))
+        keys = sorted({optim_state.parse_piece_key(k)[0] for k in own})
+        payload["optimizer"] = optim_state.import_state(
+            trainer.strategy,
+            info,
+            keys,
+            lambda slot, key: own.get(optim_state.piece_key(key, slot.start, slot.name)),
+        )
+    elif shard in meta["files"]:  # written before optimizer state was kept by name
+        payload["optimizer"] = _read_torch(ckpt, meta, shard)
     payload.update(rank_state)
     return payload
 
@@ -211,8 +221,10 @@ def _write_files(trainer: Trainer, payload: dict[str, Any], tmp: Path) -> dict[s
         name = files.model_shard_file(rank)
         rank_state["model_extra"], digests[name] = files.write_model(payload["model"], tmp / name)
         if payload.get("optimizer") is not None:
-            name = files.optimizer_shard_file(rank)
-            digests[name] = files.write_torch(payload["optimizer"], tmp / name)
+            # By parameter name, so that any other layout can reassemble it (reshard.py).
+            pieces, rank_state["optimizer_info"] = optim_state.export_state(trainer.strategy)
+            name = files.optim_shard_file(rank)
+            digests[name] = files.write_model(pieces, tmp / name)[1]
     elif trainer.is_global_zero:
         shared["model_extra"], digests[files.MODEL_FILE] = files.write_model(
             payload["model"], tmp / files.MODEL_FILE
@@ -280,6 +292,9 @@ def _read_torch(ckpt: Path, meta: dict[str, Any], name: str) -> Any:
 def _read_model(ckpt: Path, meta: dict[str, Any], name: str) -> dict[str, Any]:
     files.verify_checksums(ckpt, meta, [name])
     return files.read_model(ckpt / name)
+
+
+_READERS = SimpleNamespace(model=_read_model, torch=_read_torch)
 
 
 def _check_model_config(trainer: Trainer, ckpt: Path, payload: dict[str, Any]) -> None:
