@@ -262,7 +262,7 @@ def _main(argv: list[str]) -> int:
     if argv[0] == "validate" and isinstance(result, dict):
         for name, value in sorted(result.items()):
             print(f"{name}: {value:.6g}")
-    return 0
+    return int(getattr(result, "exit_code", 0) or 0)  # fit: see nanotrain.exit_codes
 
 
 if __name__ == "__main__":

@@ -20,14 +20,16 @@ import torch
 from torch.utils.data import DataLoader
 
 from nanotrain.callbacks.base import Callback
+from nanotrain.checkpoint.preemption import PreemptionWatch, stop_if_preempted
 from nanotrain.default_callbacks import with_defaults
 from nanotrain.evaluation_loops import finish_epoch, run_predict, run_test
+from nanotrain.exit_codes import EXIT_PREEMPTED
 from nanotrain.loaders import build_loaders
 from nanotrain.loggers import LoggerGroup, make_loggers, user_loggers
 from nanotrain.metric_book import MetricBook
 from nanotrain.module import NanoModule, adopt_lightning_module
 from nanotrain.rng import seed_everything, set_deterministic
-from nanotrain.run_dir import choose_run_dir, default_config, write_config
+from nanotrain.run_dir import default_config, write_config
 from nanotrain.state import TrainState
 from nanotrain.strategies import Strategy, resolve_strategy
 from nanotrain.strategies.base import StepOutput
@@ -87,6 +89,8 @@ class Trainer(LightningTrainerProperties):
         self.module: NanoModule | None = None
         self.datamodule: Any = None
         self.run_dir: Path | None = None
+        self._resume_path: Path | None = None
+        self._preemption: PreemptionWatch | None = None
         self.loggers = LoggerGroup()
         self.step_output: StepOutput | None = None
         self.callback_metrics: dict[str, torch.Tensor] = {}
@@ -98,6 +102,7 @@ class Trainer(LightningTrainerProperties):
         self._current_fx: str | None = None  # the hook running now (for self.log defaults)
         self._eval_loader: DataLoader | None = None
         self.should_stop = False
+        self.exit_code = 0  # why fit ended early, see nanotrain.exit_codes (0: normally)
         self._skip_requested = False
         self._train_loader: DataLoader | None = None
         self._train_sampler: Any = None
@@ -161,6 +166,10 @@ class Trainer(LightningTrainerProperties):
         return self.run_dir / "checkpoints"
 
     @property
+    def _preempted(self) -> bool:
+        return self.exit_code == EXIT_PREEMPTED
+
+    @property
     def metric_book(self) -> MetricBook:
         """Where `self.log` values of the current step or validation run are collected."""
         if self._book is None:
@@ -182,12 +191,15 @@ class Trainer(LightningTrainerProperties):
         return self._val_loader
 
     # -- control requests from callbacks ---------------------------------------------------
-    def request_stop(self) -> None:
+    def request_stop(self, exit_code: int = 0) -> None:
         """End training after the current step (final validation and end hooks still run).
 
-        Every rank must request it at the same step (decide from reduced values).
+        Every rank must request it at the same step (decide from reduced values). A non-zero
+        `exit_code` (see `nanotrain.exit_codes`) says the run ended early for that reason;
+        `trainer.exit_code` keeps the first one and `nanotrain fit` exits with it.
         """
         self.should_stop = True
+        self.exit_code = self.exit_code or exit_code
 
     def request_skip_step(self) -> None:
         """Discard this step's update; valid only inside `on_before_optimizer_step`."""
@@ -236,7 +248,7 @@ class Trainer(LightningTrainerProperties):
         module.trainer = self
         if datamodule is not None:
             datamodule.trainer = self
-        self._make_run_dir(ckpt_path)
+        self._plan_run_dir(ckpt_path)
         seed_everything(s.seed)
         set_deterministic(s.deterministic)
         self._book = MetricBook(
@@ -250,17 +262,27 @@ class Trainer(LightningTrainerProperties):
         self.strategy.setup_module(module)
         self._call("setup", stage)
 
-    def _make_run_dir(self, ckpt_path: Any) -> None:
+    def _plan_run_dir(self, ckpt_path: Any) -> None:
+        # Decide only (nothing is written until the inputs and the checkpoint are validated).
+        from nanotrain.checkpoint.resume import plan_on_rank_zero
+
         s = self.settings
-        run_dir = choose_run_dir(Path(s.default_root_dir) / s.name, s.version, ckpt_path)
-        self.run_dir = Path(self.strategy.broadcast_object(str(run_dir)))
-        if self.is_global_zero:
+        plan = plan_on_rank_zero(self.strategy, Path(s.default_root_dir) / s.name, s, ckpt_path)
+        self.run_dir, self._resume_path = plan.run_dir, plan.checkpoint
+
+    def _make_run_dir(self) -> None:
+        # Only now, with inputs and the resumed checkpoint validated, is anything written.
+        from nanotrain.checkpoint.collective import attempt, raise_first_failure
+
+        def make() -> None:
             (self.run_dir / "checkpoints").mkdir(parents=True, exist_ok=True)
             write_config(self.run_dir, self.resolved_config())
-            names = s.loggers if self._use_named_loggers else []
+            names = self.settings.loggers if self._use_named_loggers else []
             self.loggers = make_loggers(self.run_dir, names, self._user_loggers)
             self.loggers.log_hyperparams(self.hyperparameters())
-        self.strategy.barrier()
+
+        error = attempt(make)[1] if self.is_global_zero else None
+        raise_first_failure(self.strategy, error, f"creating the run directory {self.run_dir}")
 
     def hyperparameters(self) -> dict[str, Any]:
         """What the loggers record as hyperparameters: the module's `hparams` merged with the
@@ -313,8 +335,10 @@ class Trainer(LightningTrainerProperties):
             self._setup(module, datamodule, "fit", ckpt_path)
             self._build_loaders("fit", train_dataloaders, val_dataloaders)
             self.strategy.setup_optimizers(module)
-            if ckpt_path is not None:
-                self._resume(ckpt_path)
+            if self._resume_path is not None:
+                self._resume(self._resume_path)
+            self._make_run_dir()
+            self._preemption = PreemptionWatch(self.settings.preemption_signals).install()
             self._call("on_fit_start")
             self.training = True
             module.train()
@@ -322,7 +346,8 @@ class Trainer(LightningTrainerProperties):
             self._train_loop()
             if self.metric_book.has_epoch_values():  # stopped mid-epoch: write what it logged
                 self.log_metrics(self.metric_book.close_epoch()[0])
-            if self._val_loader is not None and self._last_val_step != self.state.global_step:
+            last_validated = self._last_val_step == self.state.global_step
+            if self._val_loader is not None and not last_validated and not self._preempted:
                 self._run_validation()
             self.training = False
             self._call("on_train_end")
@@ -332,6 +357,8 @@ class Trainer(LightningTrainerProperties):
                 self._call("on_exception", exc)
             raise
         finally:
+            if self._preemption is not None:
+                self._preemption.uninstall()
             self._teardown("fit")
 
     def _done(self) -> bool:
@@ -359,6 +386,7 @@ class Trainer(LightningTrainerProperties):
                         for _ in range(self.num_microbatches)
                     ]
                     self._train_step(micro)
+                    stop_if_preempted(self, self._preemption)
                 if st.steps_in_epoch < st.steps_per_epoch:
                     break  # stopped mid-epoch
             n_val = self.settings.check_val_every_n_epoch
@@ -452,8 +480,9 @@ class Trainer(LightningTrainerProperties):
                     "validate needs validation data: a datamodule with "
                     "val_dataloader() or dataloaders=..."
                 )
-            if ckpt_path is not None:
-                self._resume(ckpt_path, weights_only=True)
+            if self._resume_path is not None:
+                self._resume(self._resume_path, weights_only=True)
+            self._make_run_dir()
             return self._run_validation()
         except BaseException as exc:
             if self.module is not None:
@@ -517,10 +546,9 @@ class Trainer(LightningTrainerProperties):
 
         return save_checkpoint(self, Path(path))
 
-    def _resume(self, ckpt_path: str | Path, weights_only: bool = False) -> None:
-        from nanotrain.checkpoint import load_checkpoint, resolve_checkpoint_path
+    def _resume(self, path: Path, weights_only: bool = False) -> None:
+        from nanotrain.checkpoint import load_checkpoint
 
-        path = resolve_checkpoint_path(self, ckpt_path)
         self.load_checkpoint_payload(load_checkpoint(self, path), weights_only=weights_only)
 
     def _teardown(self, stage: str) -> None:

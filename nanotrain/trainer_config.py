@@ -37,6 +37,9 @@ class TrainerConfig:
         enable_checkpointing: add the default `ModelCheckpoint` (unless one is passed).
         enable_progress_bar: add the default `ProgressBar` (unless one is passed).
         enable_monitors: add the default LR, throughput and grad-norm monitors.
+        preemption_signals: signals that make `fit` finish the current step, save a
+            checkpoint and return with `exit_code` 75 (`nanotrain.exit_codes.EXIT_PREEMPTED`);
+            [] leaves signals alone.
     """
 
     max_steps: int | None = None
@@ -59,6 +62,7 @@ class TrainerConfig:
     enable_checkpointing: bool = True
     enable_progress_bar: bool = True
     enable_monitors: bool = True
+    preemption_signals: list[str] = field(default_factory=lambda: ["SIGTERM", "SIGUSR1"])
 
     def __post_init__(self) -> None:
         if self.max_steps is None and self.max_epochs is None and self.max_tokens is None:
@@ -97,6 +101,10 @@ class TrainerConfig:
                 f"unknown loggers {sorted(unknown)}; choose from {', '.join(LOGGER_NAMES)} (for "
                 "other Lightning loggers pass the object: Trainer(logger=...) or --trainer.logger)"
             )
+
+        from nanotrain.checkpoint.preemption import signal_numbers
+
+        signal_numbers(self.preemption_signals)  # raises ValueError for an unknown name
 
     def to_dict(self) -> dict:
         """The settings as a plain dict (for config.yaml)."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import math
 import shutil
 import time
@@ -11,11 +12,16 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from nanotrain.callbacks.base import Callback
+from nanotrain.checkpoint.collective import attempt, raise_first_failure
+from nanotrain.checkpoint.commit import check_writable
+from nanotrain.checkpoint.health import gather_nonfinite
 
 if TYPE_CHECKING:
     from nanotrain.module import NanoModule
     from nanotrain.strategies.base import StepOutput
     from nanotrain.trainer import Trainer
+
+log = logging.getLogger(__name__)
 
 
 class ModelCheckpoint(Callback):
@@ -38,11 +44,15 @@ class ModelCheckpoint(Callback):
             `step-XXXXXXXX-exception`. Safe only when every rank sees the exception (a save is
             collective); a one-rank failure would leave the others waiting.
         save_top_k: keep the `save_top_k` most recent checkpoints saved by this callback;
-            -1 keeps all of them.
+            -1 keeps all of them. The newest checkpoint whose weights and loss are finite is
+            always kept too, so that a run gone NaN never deletes its last good state.
         monitor: a key of `trainer.callback_metrics` (e.g. "val/loss") to rank checkpoints by.
         mode: "min" or "max": whether a lower or a higher `monitor` value is better.
         keep_best_k: also keep the `keep_best_k` best checkpoints by `monitor`, however old
             (default 1 when `monitor` is set, else 0).
+
+    At the start of `fit` the checkpoint folder is checked to be writable (nothing is left
+    behind): a PermissionError / ValueError then, instead of at the first save.
 
     Raises:
         ValueError: for a non-positive cadence, `save_top_k` not -1 or >= 1, an unknown
@@ -103,6 +113,10 @@ class ModelCheckpoint(Callback):
     def setup(self, trainer: Trainer, module: NanoModule, stage: str) -> None:
         self.dirpath = self._user_dirpath or trainer.checkpoint_dir
         self._last_save_time = self._clock()
+        if stage == "fit":
+            # An unwritable folder is an error now, not after the first hours of training.
+            error = attempt(lambda: check_writable(self.dirpath))[1]
+            raise_first_failure(trainer.strategy, error, "checking the checkpoint folder")
 
     def on_train_batch_end(
         self,
@@ -148,7 +162,16 @@ class ModelCheckpoint(Callback):
         step = trainer.global_step
         name = f"step-{step:08d}" + (f"-{tag}" if tag else "")
         path = self.dirpath / name
+        nonfinite = gather_nonfinite(trainer)
         entry = {"path": str(path), "step": step, "score": self._score(trainer)}
+        entry["finite"] = not nonfinite
+        if nonfinite and trainer.is_global_zero:
+            log.warning(
+                "ModelCheckpoint: the state saved in %s is non-finite (%s); it is marked so in "
+                "its meta.json, and the newest finite checkpoint is kept whatever save_top_k says",
+                path,
+                ", ".join(nonfinite),
+            )
         before = (list(self._saved), self._last_saved_step, self.last_model_path)
         candidates = [e for e in self._saved if e["path"] != entry["path"]] + [entry]
         # Decide retention before saving, so that the state stored in the checkpoint already
@@ -167,6 +190,10 @@ class ModelCheckpoint(Callback):
 
     def _retained(self, entries: list[dict[str, Any]]) -> list[dict[str, Any]]:
         keep = {entries[-1]["path"]}  # the newest: `last` points at it
+        # Never lose the last good state: a run whose loss turned NaN keeps saving, and its
+        # NaN checkpoints must not push the newest finite one out.
+        finite = [e for e in entries if e.get("finite", True)]
+        keep.update(e["path"] for e in finite[-1:])
         recent = entries if self.save_top_k == -1 else entries[-self.save_top_k :]
         keep.update(e["path"] for e in recent)
         keep.update(e["path"] for e in self._ranked(entries)[: self.keep_best_k])

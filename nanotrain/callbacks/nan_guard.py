@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from nanotrain.callbacks.base import Callback
+from nanotrain.exit_codes import EXIT_NONFINITE
 
 if TYPE_CHECKING:
     from nanotrain.module import NanoModule
@@ -30,10 +31,11 @@ class NaNGuard(Callback):
       grows).
     - action="stop": a checkpoint of the last good state is written to
       `<run_dir>/checkpoints/nan-step-<N>` (N: the bad step's number) and training ends
-      after this step with an error-level log message saying why and where the checkpoint is.
+      after this step with an error-level log message saying why and where the checkpoint is;
+      `trainer.exit_code` becomes `EXIT_NONFINITE` (3), which `nanotrain fit` exits with.
 
     With either action, `max_consecutive` bad steps in a row also stop training (with a
-    checkpoint). Loss and grad norm are global values from the strategy, identical on every
+    checkpoint and the same exit code). Loss and grad norm are global values from the strategy, identical on every
     rank, so every rank takes the same decision.
 
     Logged at each bad step: nan_guard/skipped_steps (bad steps so far) and
@@ -119,7 +121,8 @@ class NaNGuard(Callback):
         self.stop_reason = f"NaNGuard stopped training: {reason}{where}"
         if trainer.is_global_zero:
             log.error(self.stop_reason)
-        trainer.request_stop()
+        # A NaN stop is a failure for whoever launched the run: `nanotrain fit` exits non-zero.
+        trainer.request_stop(exit_code=EXIT_NONFINITE)
 
     def state_dict(self) -> dict[str, Any]:
         """Bad-step counters."""

@@ -5,17 +5,14 @@ A checkpoint is a directory (`<run>/checkpoints/step-00000100/`) committed atomi
 """
 
 from nanotrain.checkpoint.files import FORMAT_VERSION, read_meta
-from nanotrain.checkpoint.save_load import (
-    load_checkpoint,
-    load_model_weights,
-    resolve_checkpoint_path,
-    save_checkpoint,
-)
+from nanotrain.checkpoint.resume import plan_resume, resolve_checkpoint_path
+from nanotrain.checkpoint.save_load import load_checkpoint, load_model_weights, save_checkpoint
 
 __all__ = [
     "FORMAT_VERSION",
     "load_checkpoint",
     "load_model_weights",
+    "plan_resume",
     "read_meta",
     "resolve_checkpoint_path",
     "save_checkpoint",

@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import secrets
 import shutil
+import tempfile
 from pathlib import Path
 
 from nanotrain.checkpoint.files import META_FILE, fsync_path
@@ -100,3 +101,36 @@ def remove_stale_temporaries(checkpoints_dir: Path) -> list[Path]:
             path.unlink(missing_ok=True)
         removed.append(path)
     return removed
+
+
+def check_writable(folder: Path) -> None:
+    """Check, without leaving anything behind, that checkpoints can be written to `folder`.
+
+    The folder may not exist yet (it is created at the first save): then its nearest existing
+    ancestor must be a writable directory. An existing folder is probed by creating and
+    removing a temporary file in it (permission bits alone do not tell, e.g. for root on a
+    read-only mount).
+
+    Raises:
+        ValueError: an ancestor of `folder` (or `folder` itself) is not a directory.
+        PermissionError: the folder (or the ancestor it would be created in) is not writable.
+    """
+    existing = folder
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir():
+        raise ValueError(
+            f"checkpoints cannot be saved to {folder}: {existing} is a file, not a directory; "
+            "choose another checkpoint folder (ModelCheckpoint(dirpath=...) or default_root_dir)"
+        )
+    try:
+        if existing == folder:
+            with tempfile.TemporaryFile(dir=folder, prefix=f"write-test{TMP_MARKER}"):
+                pass
+        elif not os.access(existing, os.W_OK | os.X_OK):
+            raise PermissionError(13, "Permission denied", str(existing))
+    except OSError as exc:
+        raise PermissionError(
+            f"checkpoints cannot be saved to {folder}: {existing} is not writable "
+            f"({exc.strerror or exc}); fix its permissions or choose another folder"
+        ) from exc

@@ -2,7 +2,8 @@
 
 A checkpoint directory (format version 1) holds:
 
-    meta.json            written last; format version, world size, step, file sizes
+    meta.json            written last; format version, world size, step, file sizes and
+                         sha256 content checksums, whether the saved state is finite
     model.safetensors    the whole model state dict by parameter name (rank 0)
     optimizer.pt         the optimizer state dict (rank 0)
     trainer_state.pt     LR scheduler, TrainState, data position, callbacks, config (rank 0)
@@ -12,7 +13,10 @@ Under a strategy that shards the model (a mesh: tensor/pipeline/expert parallel,
 model and optimizer are written by every rank as its own shard instead:
 
     model-rank-00000.safetensors ...   this rank's model shard, by full-model parameter name
-    optimizer-rank-00000.pt ...        this rank's optimizer shard
+    optim-rank-00000.safetensors ...   this rank's optimizer state by parameter name, in
+                                       pieces (`optim_state.py`); its param groups'
+                                       hyperparameters and scalar state are in rank-XXXXX.pt
+    (optimizer-rank-00000.pt ...       the index-keyed optimizer shard of older checkpoints)
 
 Every `.pt` file is read with `torch.load(weights_only=True)`, so a checkpoint can only hold
 tensors and plain Python values; a file that would need arbitrary unpickling is rejected.
@@ -20,6 +24,9 @@ tensors and plain Python values; a file that would need arbitrary unpickling is 
 
 from __future__ import annotations
 
+import contextlib
+import errno
+import hashlib
 import json
 import os
 from pathlib import Path
@@ -27,7 +34,8 @@ from typing import Any
 
 import torch
 from safetensors import SafetensorError
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
+from safetensors.torch import save as safetensors_bytes
 
 FORMAT_NAME = "nanotrain-checkpoint"
 FORMAT_VERSION = 1
@@ -52,6 +60,12 @@ def optimizer_shard_file(rank: int) -> str:
     return f"optimizer-rank-{rank:05d}.pt"
 
 
+def optim_shard_file(rank: int) -> str:
+    """Name of `rank`'s optimizer state by parameter name under a sharded layout
+    (`optim_state.py`: 1-D pieces keyed "<state key>::<start>::<parameter name>")."""
+    return f"optim-rank-{rank:05d}.safetensors"
+
+
 def fsync_path(path: Path) -> None:
     """Flush a file's or a directory's contents to disk (a rename is durable only after the
     directory holding it is synced)."""
@@ -67,26 +81,137 @@ def fsync_path(path: Path) -> None:
         os.close(fd)
 
 
-def write_torch(obj: Any, path: Path) -> None:
-    """`torch.save` `obj` to `path` and fsync it."""
-    with open(path, "wb") as f:
-        torch.save(obj, f)
-        f.flush()
-        os.fsync(f.fileno())
+class _HashingFile:
+    """A binary file opened for writing that hashes what goes through it (sha256), so that a
+    checksum costs no second read of the file. Keeps the first OSError, which `torch.save` may
+    otherwise wrap in a message that hides the cause (e.g. a full disk)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.file = open(path, "wb")  # noqa: SIM115 - closed in `close`
+        self.hash = hashlib.sha256()
+        self.error: OSError | None = None
+
+    def write(self, data: bytes | memoryview) -> int:
+        try:
+            written = self.file.write(data)
+        except OSError as exc:
+            self.error = self.error or exc
+            raise
+        self.hash.update(data)
+        return written
+
+    def flush(self) -> None:
+        self.file.flush()
+
+    def close(self) -> str:
+        """Flush, fsync and close the file; return its sha256 hex digest."""
+        try:
+            self.file.flush()
+            os.fsync(self.file.fileno())
+        finally:
+            self.file.close()
+        return self.hash.hexdigest()
 
 
-def write_model(state: dict[str, Any], path: Path) -> dict[str, Any]:
+def _write_with(path: Path, write: Any) -> str:
+    """Open `path` through `_HashingFile`, run `write(file)`, fsync; return the sha256.
+
+    Raises:
+        OSError: writing failed; the error names `path` and the OS reason (e.g. ENOSPC).
+    """
+    try:
+        out = _HashingFile(path)
+    except OSError as exc:
+        raise _os_error(exc, path) from exc
+    try:
+        write(out)
+        return out.close()
+    except BaseException as exc:
+        cause = out.error or (exc if isinstance(exc, OSError) else None)
+        with contextlib.suppress(OSError):
+            out.file.close()
+        if cause is not None:
+            raise _os_error(cause, path) from exc
+        raise
+
+
+def _os_error(exc: OSError, path: Path) -> OSError:
+    code = errno.errorcode.get(exc.errno or 0, "")
+    reason = f"{exc.strerror or exc} ({code})" if code else str(exc)
+    return OSError(exc.errno, f"could not write {path}: {reason}", str(path))
+
+
+def write_torch(obj: Any, path: Path) -> str:
+    """`torch.save` `obj` to `path`, fsync it and return its sha256 (hashed while writing).
+
+    Raises:
+        OSError: naming `path` and the OS reason (e.g. "No space left on device (ENOSPC)").
+    """
+    return _write_with(path, lambda f: torch.save(obj, f))
+
+
+def write_model(state: dict[str, Any], path: Path) -> tuple[dict[str, Any], str]:
     """Write the tensors of a model state dict to `path` (safetensors) and fsync it.
 
-    Tensors are cloned to contiguous CPU memory first: safetensors refuses tensors that share
-    storage (tied embeddings), and the clone also decouples the file from live parameters.
-    Returns the non-tensor entries (e.g. `_extra_state` objects), which the caller stores in a
-    `.pt` file instead.
+    Tensors are copied to contiguous CPU memory in the serialized buffer: safetensors refuses
+    tensors that share storage (tied embeddings) unless each is copied, and the copy also
+    decouples the file from live parameters.
+
+    Returns:
+        The non-tensor entries (e.g. `_extra_state` objects), which the caller stores in a
+        `.pt` file instead, and the file's sha256.
+
+    Raises:
+        OSError: naming `path` and the OS reason.
     """
-    tensors = {k: v.detach().cpu().contiguous().clone() for k, v in state.items() if _is_tensor(v)}
-    save_file(tensors, str(path), metadata={"format": FORMAT_NAME})
-    fsync_path(path)
-    return {k: v for k, v in state.items() if not _is_tensor(v)}
+    tensors = {k: v.detach().cpu().contiguous() for k, v in state.items() if _is_tensor(v)}
+    data = safetensors_bytes(_unshare(tensors), metadata={"format": FORMAT_NAME})
+    digest = _write_with(path, lambda f: f.write(data))
+    return {k: v for k, v in state.items() if not _is_tensor(v)}, digest
+
+
+def _unshare(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    # safetensors refuses two names over one storage (tied weights): clone the later ones.
+    seen: set[int] = set()
+    out = {}
+    for name, t in tensors.items():
+        ptr = t.untyped_storage().data_ptr() if t.numel() else -1
+        out[name] = t.clone() if ptr in seen else t
+        if ptr != -1:
+            seen.add(ptr)
+    return out
+
+
+def sha256_of(path: Path) -> str:
+    """The sha256 hex digest of the file at `path`, read in 16 MiB chunks."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(16 << 20):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def verify_checksums(ckpt_dir: Path, meta: dict[str, Any], names: list[str]) -> None:
+    """Check the content of the files `names` against the sha256 `meta.json` recorded.
+
+    Checkpoints saved before checksums existed (no "sha256" in meta) are checked by size only.
+
+    Raises:
+        ValueError: a file's content differs from what was saved, naming the file.
+    """
+    recorded = meta.get("sha256") or {}
+    for name in names:
+        expected = recorded.get(name)
+        if expected is None:
+            continue
+        path = ckpt_dir / name
+        if sha256_of(path) != expected:
+            raise ValueError(
+                f"checkpoint file {path} is corrupt: its content does not match the sha256 "
+                f"checksum recorded when it was saved ({ckpt_dir / META_FILE}); the file was "
+                "damaged or modified on disk. Resume from another checkpoint"
+            )
 
 
 def write_meta(meta: dict[str, Any], path: Path) -> None:
@@ -177,14 +302,30 @@ def read_torch(path: Path) -> Any:
     try:
         return torch.load(path, map_location="cpu", weights_only=True)
     except Exception as exc:
-        # The weights-only unpickler names the class it refused; anything else is damage.
-        if "Unsupported global" in str(exc):
-            raise ValueError(
-                f"{path} holds objects other than tensors and plain Python values, which "
-                "nanotrain refuses to unpickle (weights_only=True). Store only tensors, numbers, "
-                "strings, lists and dicts in checkpoints (callback state_dicts included)"
-            ) from exc
+        refused = refused_global(exc)
+        if refused is not None:
+            raise UnsafeCheckpointError(
+                f"refused to load {path}: it holds a pickled object ({refused}) that could run "
+                "code when loaded, and nanotrain refuses to unpickle anything but tensors and "
+                "plain values (weights_only=True). This is not damage a retry would fix: do not "
+                "load the file unless you know where it came from. Checkpoints (callback "
+                "state_dicts included) may hold only tensors, numbers, strings, lists and dicts"
+            ) from None
         raise ValueError(f"checkpoint file {path} is corrupt or truncated ({exc})") from exc
+
+
+class UnsafeCheckpointError(ValueError):
+    """A checkpoint file holds pickled code or classes, which nanotrain refuses to load."""
+
+
+def refused_global(exc: BaseException) -> str | None:
+    """What the weights-only unpickler refused (e.g. "GLOBAL posix.system"), or None when
+    `exc` is not such a refusal (then the file is damaged, not unsafe)."""
+    # A code payload needs a GLOBAL opcode to reach a callable; damaged bytes give other errors.
+    for line in str(exc).splitlines():
+        if "GLOBAL" in line or "Unsupported global" in line:
+            return line.strip().rstrip(".")
+    return None
 
 
 def read_model(path: Path) -> dict[str, torch.Tensor]:

@@ -23,6 +23,7 @@ Only the files of dp ranks ``[0, ep)`` (one replica, all experts) are read, tens
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -240,11 +241,22 @@ def _split_of(
 
 
 def _merge_one(
-    reader: _ShardReader, mesh: MeshLayout, model: nn.Module, name: str, like: Tensor, stage: int
+    reader: _ShardReader,
+    mesh: MeshLayout,
+    model: nn.Module,
+    name: str,
+    like: Tensor,
+    stage: int,
+    get: Callable[[int], Tensor] | None = None,
 ) -> Tensor:
-    """The whole tensor `name` (shape `like.shape`) from the shards of pipeline `stage`."""
+    """The whole tensor `name` (shape `like.shape`) from the shards of pipeline `stage`.
+
+    `get(rank)` gives a rank's shard of it (default: the model shard file's tensor `name`);
+    another getter merges tensors shaped like the parameter the same way (optimizer state).
+    """
+    get = get or (lambda rank: reader.tensor(rank, name))
     full_shape = tuple(like.shape)
-    first = reader.tensor(mesh.rank_of(0, 0, stage), name)
+    first = get(mesh.rank_of(0, 0, stage))
     split = _split_of(model, name, full_shape, tuple(first.shape), mesh)
     ep_pieces = []
     # ep rank e of the first expert-data-parallel group sits at dp rank e
@@ -252,7 +264,7 @@ def _merge_one(
         tp_pieces = []
         for tp_rank in range(mesh.tp if split.tp_dim is not None else 1):
             rank = mesh.rank_of(tp_rank, ep_rank, stage)
-            piece = first if rank == mesh.rank_of(0, 0, stage) else reader.tensor(rank, name)
+            piece = first if rank == mesh.rank_of(0, 0, stage) else get(rank)
             if tuple(piece.shape) != split.shard_shape:
                 raise ValueError(
                     f"{reader.path(rank).name}: {name!r} has shape {tuple(piece.shape)}, which "

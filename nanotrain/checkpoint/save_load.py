@@ -7,16 +7,24 @@ commits the directory atomically once all ranks are done (`commit.py`).
 
 from __future__ import annotations
 
+import shutil
 import time
 import warnings
 from pathlib import Path
+from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any
 
 import torch
-import torch.distributed as dist
 
 from nanotrain.checkpoint import commit as _commit
-from nanotrain.checkpoint import files
+from nanotrain.checkpoint import files, health, optim_state
+from nanotrain.checkpoint.collective import (
+    agree_no_error,
+    attempt,
+    describe,
+    exchange,
+    raise_first_failure,
+)
 
 if TYPE_CHECKING:
     from nanotrain.strategies.base import Strategy
@@ -32,48 +40,78 @@ def save_checkpoint(trainer: Trainer, path: Path) -> Path:
     """Write the trainer's state (`trainer.checkpoint_payload()`) as the directory `path`.
 
     Call on every rank at the same step (it synchronizes the ranks). The directory appears
-    under its final name only once complete, and `<path.parent>/last` then names it.
-
-    Returns:
-        `path`.
+    under its final name only once complete, and `<path.parent>/last` then names it. Every
+    file is hashed while it is written; `meta.json` records the sha256 of each, and whether
+    the saved weights and last loss are finite (`"nonfinite": []` when they are).
 
     Under a strategy that shards the model (it has a mesh), every rank writes its own model
     and optimizer shard, and the checkpoint records the layout it was saved under.
 
+    Returns:
+        `path`.
+
     Raises:
-        RuntimeError: writing failed on some rank (on every rank, so none hangs).
+        RuntimeError: writing failed on some rank (on every rank, so none hangs), naming the
+            rank and the cause (e.g. "No space left on device (ENOSPC)"); the temporary
+            directory of the failed save is removed.
     """
     strategy = trainer.strategy
     final = Path(path)
     payload = trainer.checkpoint_payload()
+    nonfinite = health.nonfinite_parts(trainer, payload["model"])
     tmp_name, error = None, None
     if trainer.is_global_zero:
-        tmp_name, error = _attempt(lambda: str(_commit.temporary_dir(final)))
-    tmp_name, message = strategy.broadcast_object((tmp_name, _describe(error)))
+        tmp_name, error = attempt(lambda: str(_commit.temporary_dir(final)))
+    tmp_name, message = strategy.broadcast_object((tmp_name, describe(error)))
     if message is not None:
         raise RuntimeError(f"could not create a temporary directory for {final}: {message}")
     tmp = Path(tmp_name)
-    _, error = _attempt(lambda: _write_files(trainer, payload, tmp))
-    _agree_no_error(strategy, error, f"writing checkpoint {final}")
+    written, error = attempt(lambda: _write_files(trainer, payload, tmp))
+    # One exchange is the barrier, the error agreement and the collection of checksums.
+    reports = exchange(strategy, (describe(error), written or {}, nonfinite))
+    failed = [(rank, msg) for rank, (msg, _, _) in enumerate(reports) if msg is not None]
+    if failed:
+        if trainer.is_global_zero:
+            shutil.rmtree(tmp, ignore_errors=True)
+        rank, msg = failed[0]
+        raise RuntimeError(
+            f"writing checkpoint {final} failed on rank {rank}: {msg}. The partial save "
+            f"{tmp.name} was removed; earlier checkpoints are untouched"
+        ) from error
+    file_info = {name: info for _, infos, _ in reports for name, info in infos.items()}
+    bad = sorted({part for _, _, parts in reports for part in parts})
     if trainer.is_global_zero:
-        _, error = _attempt(lambda: _finish(trainer, payload, tmp, final))
-    _agree_no_error(strategy, error, f"committing checkpoint {final}")
+        _, error = attempt(lambda: _finish(trainer, tmp, final, file_info, bad))
+        if error is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
+    agree_no_error(strategy, error, f"committing checkpoint {final}")
     return final
 
 
 def load_checkpoint(trainer: Trainer, path: Path) -> dict[str, Any]:
     """Read the checkpoint directory `path` into a payload for `trainer.load_checkpoint_payload`.
 
-    Each rank reads the shared files and its own `rank-XXXXX.pt`. When the checkpoint was
-    saved by a different number of ranks, every rank takes rank 0's per-rank state (its RNG
-    states) and a warning says so: the model, optimizer and data position still resume
-    exactly, random streams do not.
+    Each rank reads the shared files and its own `rank-XXXXX.pt`, checking each file's
+    sha256 first. When the checkpoint was saved by a different number of ranks, every rank
+    takes rank 0's per-rank state (its RNG states) and a warning says so: the model,
+    optimizer and data position still resume exactly, random streams do not.
+
+    Collective: a failure on any rank raises on every rank (the same type, naming the rank).
 
     Raises:
         FileNotFoundError: `path` or a file of the checkpoint is missing.
-        ValueError: a file is truncated or corrupt, or holds more than tensors and plain values.
+        ValueError: a file is truncated or its content differs from what was saved (naming
+            the file); the model config or parameter names/shapes differ from the model's
+            (listing the differences).
+        UnsafeCheckpointError (a ValueError): a file holds pickled code or classes.
     """
     ckpt = Path(path)
+    payload, error = attempt(lambda: _load(trainer, ckpt))
+    raise_first_failure(trainer.strategy, error, f"loading checkpoint {ckpt}")
+    return payload
+
+
+def _load(trainer: Trainer, ckpt: Path) -> dict[str, Any]:
     meta = files.read_meta(ckpt)
     files.check_files(ckpt, meta)
     saved_layout, layout = meta.get("layout"), sharded_layout(trainer.strategy)
@@ -87,10 +125,10 @@ def load_checkpoint(trainer: Trainer, path: Path) -> dict[str, Any]:
             f"checkpoint {ckpt} was saved by {saved_world} ranks and is loaded on "
             f"{trainer.world_size}: model, optimizer and data position resume exactly, but "
             "every rank restores rank 0's RNG state",
-            stacklevel=2,
+            stacklevel=3,
         )
-    payload = _read_shared(ckpt, meta)
-    payload.update(files.read_torch(ckpt / files.rank_file(source_rank)))
+    payload = _read_shared(trainer, ckpt, meta)
+    payload.update(_read_torch(ckpt, meta, files.rank_file(source_rank)))
     return payload
 
 
@@ -110,63 +148,9 @@ def load_model_weights(path: str | Path) -> dict[str, Any]:
             "shards into whole tensors with nanotrain.checkpoint.merge.merge_model_shards(path) "
             "or `nanotrain export --to nanotrain`"
         )
-    state: dict[str, Any] = files.read_model(ckpt / files.MODEL_FILE)
-    state.update(files.read_torch(ckpt / files.TRAINER_STATE_FILE).get("model_extra", {}))
+    state: dict[str, Any] = _read_model(ckpt, meta, files.MODEL_FILE)
+    state.update(_read_torch(ckpt, meta, files.TRAINER_STATE_FILE).get("model_extra", {}))
     return state
-
-
-def resolve_checkpoint_path(trainer: Trainer, ckpt_path: str | Path) -> Path:
-    """The checkpoint directory `ckpt_path` stands for.
-
-    `"last"` is the checkpoint `last` names in `trainer.checkpoint_dir` (the run directory the
-    trainer resumed). A folder of checkpoints, or its `last` file, resolves the same way; any
-    other path is taken as a checkpoint directory. If `last` names a checkpoint that is gone
-    or incomplete, the newest complete one is used, with a warning.
-
-    Raises:
-        FileNotFoundError: the path does not exist, or a folder holds no complete checkpoint.
-    """
-    if str(ckpt_path) == _commit.LAST_POINTER:
-        return _resolve_last(trainer.checkpoint_dir)
-    path = Path(ckpt_path)
-    if path.name == _commit.LAST_POINTER and path.is_file():
-        return _resolve_last(path.parent)
-    if not path.exists():
-        raise FileNotFoundError(
-            f"checkpoint {path} does not exist; pass a checkpoint directory such as "
-            "<run>/checkpoints/step-00000100, or ckpt_path='last'"
-        )
-    if path.is_dir() and not (path / files.META_FILE).exists():
-        if (path / _commit.LAST_POINTER).is_file() or _commit.complete_checkpoints(path):
-            return _resolve_last(path)
-    return path
-
-
-def _resolve_last(checkpoints_dir: Path) -> Path:
-    pointed = _commit.read_last_pointer(checkpoints_dir)
-    if pointed is not None and (pointed / files.META_FILE).is_file():
-        return pointed
-    candidates = _commit.complete_checkpoints(checkpoints_dir)
-    if not candidates:
-        raise FileNotFoundError(
-            f"no checkpoint to resume from in {checkpoints_dir}: it holds no complete "
-            "checkpoint. Start without ckpt_path, or pass the path of a checkpoint directory"
-        )
-    newest = max(candidates, key=lambda p: (_saved_step(p), candidates.index(p)))
-    if pointed is not None:
-        warnings.warn(
-            f"{checkpoints_dir / _commit.LAST_POINTER} names {pointed.name}, which is missing or "
-            f"incomplete; resuming from the newest complete checkpoint {newest.name}",
-            stacklevel=3,
-        )
-    return newest
-
-
-def _saved_step(ckpt: Path) -> int:
-    try:
-        return int(files.read_meta(ckpt).get("global_step", -1))
-    except (OSError, ValueError):
-        return -1
 
 
 def sharded_layout(strategy: Strategy) -> dict[str, Any] | None:
@@ -197,55 +181,69 @@ def _load_sharded(
     saved: dict[str, Any] | None,
     current: dict[str, Any] | None,
 ) -> dict[str, Any]:
-    if saved != current:
-        raise ValueError(
-            f"checkpoint {ckpt} was saved under {_describe_layout(saved)} and cannot be loaded "
-            f"under {_describe_layout(current)}: resharding across layouts is not implemented "
-            "yet; resume with the layout it was saved under"
-        )
     rank = trainer.global_rank
-    payload = files.read_torch(ckpt / files.TRAINER_STATE_FILE)
-    model: dict[str, Any] = files.read_model(ckpt / files.model_shard_file(rank))
-    rank_state = files.read_torch(ckpt / files.rank_file(rank))
+    payload = _read_torch(ckpt, meta, files.TRAINER_STATE_FILE)
+    _check_model_config(trainer, ckpt, payload)
+    if saved != current:
+        from nanotrain.checkpoint.reshard import load_resharded
+
+        return load_resharded(trainer, ckpt, meta, payload, _READERS)
+    model: dict[str, Any] = _read_model(ckpt, meta, files.model_shard_file(rank))
+    _check_model_state(trainer, ckpt, model)
+    rank_state = _read_torch(ckpt, meta, files.rank_file(rank))
     model.update(rank_state.pop("model_extra", {}))
     payload["model"] = model
+    info = rank_state.pop("optimizer_info", None)
     shard = files.optimizer_shard_file(rank)
-    has_optimizer = shard in meta.get("files", {})
-    payload["optimizer"] = files.read_torch(ckpt / shard) if has_optimizer else None
+    payload["optimizer"] = None
+    if files.optim_shard_file(rank) in meta["files"] and info is not None:
+        own = _read_model(ckpt, meta, files.optim_shard_file(rank))
+        keys = sorted({optim_state.parse_piece_key(k)[0] for k in own})
+        payload["optimizer"] = optim_state.import_state(
+            trainer.strategy,
+            info,
+            keys,
+            lambda slot, key: own.get(optim_state.piece_key(key, slot.start, slot.name)),
+        )
+    elif shard in meta["files"]:  # written before optimizer state was kept by name
+        payload["optimizer"] = _read_torch(ckpt, meta, shard)
     payload.update(rank_state)
     return payload
 
 
-def _write_files(trainer: Trainer, payload: dict[str, Any], tmp: Path) -> None:
+def _write_files(trainer: Trainer, payload: dict[str, Any], tmp: Path) -> dict[str, Any]:
+    """Write this rank's files into `tmp`; return {file name: [size, sha256]}."""
     rank = trainer.global_rank
     rank_state = {k: payload[k] for k in PER_RANK_KEYS if k in payload}
     shared = {k: v for k, v in payload.items() if k not in _SEPARATE_KEYS}
+    digests: dict[str, str] = {}
     if sharded_layout(trainer.strategy) is not None:
-        rank_state["model_extra"] = files.write_model(
-            payload["model"], tmp / files.model_shard_file(rank)
+        name = files.model_shard_file(rank)
+        rank_state["model_extra"], digests[name] = files.write_model(payload["model"], tmp / name)
+        if payload.get("optimizer") is not None:
+            # By parameter name, so that any other layout can reassemble it (reshard.py).
+            pieces, rank_state["optimizer_info"] = optim_state.export_state(trainer.strategy)
+            name = files.optim_shard_file(rank)
+            digests[name] = files.write_model(pieces, tmp / name)[1]
+    elif trainer.is_global_zero:
+        shared["model_extra"], digests[files.MODEL_FILE] = files.write_model(
+            payload["model"], tmp / files.MODEL_FILE
         )
         if payload.get("optimizer") is not None:
-            files.write_torch(payload["optimizer"], tmp / files.optimizer_shard_file(rank))
-    elif trainer.is_global_zero:
-        shared["model_extra"] = files.write_model(payload["model"], tmp / files.MODEL_FILE)
-        if payload.get("optimizer") is not None:
-            files.write_torch(payload["optimizer"], tmp / files.OPTIMIZER_FILE)
-    files.write_torch(rank_state, tmp / files.rank_file(rank))
+            name = files.OPTIMIZER_FILE
+            digests[name] = files.write_torch(payload["optimizer"], tmp / name)
+    name = files.rank_file(rank)
+    digests[name] = files.write_torch(rank_state, tmp / name)
     if trainer.is_global_zero:
-        files.write_torch(shared, tmp / files.TRAINER_STATE_FILE)
+        name = files.TRAINER_STATE_FILE
+        digests[name] = files.write_torch(shared, tmp / name)
+    return {name: [(tmp / name).stat().st_size, digest] for name, digest in digests.items()}
 
 
-def _finish(trainer: Trainer, payload: dict[str, Any], tmp: Path, final: Path) -> None:
+def _finish(
+    trainer: Trainer, tmp: Path, final: Path, file_info: dict[str, Any], nonfinite: list[str]
+) -> None:
     """Rank 0, after every rank wrote its files: meta.json, commit, cleanup."""
-    layout = sharded_layout(trainer.strategy)
-    ranks = range(trainer.world_size)
-    names = [files.TRAINER_STATE_FILE] + [files.rank_file(r) for r in ranks]
-    with_optimizer = payload.get("optimizer") is not None
-    if layout is None:
-        names += [files.MODEL_FILE] + ([files.OPTIMIZER_FILE] if with_optimizer else [])
-    else:
-        names += [files.model_shard_file(r) for r in ranks]
-        names += [files.optimizer_shard_file(r) for r in ranks] if with_optimizer else []
     meta = {
         "format": files.FORMAT_NAME,
         "version": files.FORMAT_VERSION,
@@ -254,9 +252,11 @@ def _finish(trainer: Trainer, payload: dict[str, Any], tmp: Path, final: Path) -
         "strategy": type(trainer.strategy).__name__,
         "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "torch_version": torch.__version__,
-        "files": {name: (tmp / name).stat().st_size for name in names},
+        "files": {name: int(info[0]) for name, info in sorted(file_info.items())},
+        "sha256": {name: info[1] for name, info in sorted(file_info.items()) if info[1]},
+        "nonfinite": nonfinite,
         "optimizer_param_names": _optimizer_param_names(trainer),
-        "layout": layout,
+        "layout": sharded_layout(trainer.strategy),
     }
     files.write_meta(meta, tmp / files.META_FILE)
     _commit.commit(tmp, final)
@@ -272,37 +272,52 @@ def _optimizer_param_names(trainer: Trainer) -> list[list[str]] | None:
     return [[names.get(id(p), "?") for p in g["params"]] for g in setup.optimizer.param_groups]
 
 
-def _read_shared(ckpt: Path, meta: dict[str, Any]) -> dict[str, Any]:
-    payload = files.read_torch(ckpt / files.TRAINER_STATE_FILE)
-    model: dict[str, Any] = files.read_model(ckpt / files.MODEL_FILE)
+def _read_shared(trainer: Trainer, ckpt: Path, meta: dict[str, Any]) -> dict[str, Any]:
+    payload = _read_torch(ckpt, meta, files.TRAINER_STATE_FILE)
+    _check_model_config(trainer, ckpt, payload)
+    model: dict[str, Any] = _read_model(ckpt, meta, files.MODEL_FILE)
+    _check_model_state(trainer, ckpt, model)
     model.update(payload.pop("model_extra", {}))
     payload["model"] = model
     has_optimizer = files.OPTIMIZER_FILE in meta.get("files", {})
-    payload["optimizer"] = files.read_torch(ckpt / files.OPTIMIZER_FILE) if has_optimizer else None
+    payload["optimizer"] = _read_torch(ckpt, meta, files.OPTIMIZER_FILE) if has_optimizer else None
     return payload
 
 
-def _attempt(fn: Any) -> tuple[Any, Exception | None]:
-    """Run `fn`; return (result, None) or (None, the exception) so that a failing rank can
-    still take part in the collective that tells the others."""
-    try:
-        return fn(), None
-    except Exception as exc:  # noqa: BLE001 - re-raised on every rank by _agree_no_error
-        return None, exc
+def _read_torch(ckpt: Path, meta: dict[str, Any], name: str) -> Any:
+    files.verify_checksums(ckpt, meta, [name])
+    return files.read_torch(ckpt / name)
 
 
-def _describe(error: Exception | None) -> str | None:
-    return None if error is None else f"{type(error).__name__}: {error}"
+def _read_model(ckpt: Path, meta: dict[str, Any], name: str) -> dict[str, Any]:
+    files.verify_checksums(ckpt, meta, [name])
+    return files.read_model(ckpt / name)
 
 
-def _agree_no_error(strategy: Strategy, error: Exception | None, what: str) -> None:
-    # A max-reduce of "did I fail" doubles as the barrier: every rank learns of a failure
-    # anywhere instead of hanging at a barrier the failed rank never reaches.
-    # Over every rank (the default group), not only data-parallel replicas: under a sharded
-    # layout each rank writes files of its own.
-    flag = torch.tensor(0.0 if error is None else 1.0, device=strategy.root_device)
-    if dist.is_available() and dist.is_initialized():
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-    if float(flag) > 0:
-        detail = _describe(error) or "it failed on another rank (see that rank's error)"
-        raise RuntimeError(f"{what} failed: {detail}") from error
+_READERS = SimpleNamespace(model=_read_model, torch=_read_torch)
+
+
+def _check_model_config(trainer: Trainer, ckpt: Path, payload: dict[str, Any]) -> None:
+    # Before any tensor is read: a different model config is a list of fields, not a dump.
+    saved = payload.get("model_config")
+    current = health.current_model_config(trainer.module) if saved is not None else None
+    if current is None:
+        return
+    diffs = health.config_differences(saved, current)
+    if diffs:
+        raise ValueError(
+            f"checkpoint {ckpt} holds a different model than the one configured; the model "
+            f"config differs in {len(diffs)} field(s):\n{health.summarize(diffs)}\nConfigure "
+            "the model as it was saved, or start from its weights with a new run"
+        )
+
+
+def _check_model_state(trainer: Trainer, ckpt: Path, saved: dict[str, Any]) -> None:
+    current = trainer.strategy.model_state_dict()
+    diffs = health.state_differences(saved, current)
+    if diffs:
+        raise ValueError(
+            f"checkpoint {ckpt} does not fit the model: {len(diffs)} difference(s) in "
+            f"parameter names or shapes:\n{health.summarize(diffs)}\nConfigure the model as "
+            "it was saved"
+        )

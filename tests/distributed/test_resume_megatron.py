@@ -1,5 +1,5 @@
 """Checkpoints under MegatronStrategy: each rank saves its shard; resuming under the same layout
-is bitwise exact, and another layout is refused with a clear error."""
+is bitwise exact, and another layout resumes too (resharded)."""
 
 from __future__ import annotations
 
@@ -48,11 +48,10 @@ def _rank(rank: int, world_size: int, root: str) -> dict:
         _fit(f"{root}/{name}/split", layout, 2)
         resumed = _fit(f"{root}/{name}/split", layout, 4, ckpt_path="last")
         results[name] = {"straight": straight, "resumed": resumed}
-    try:  # a tp=2 checkpoint loaded under dp=2 (another sharding of the same weights)
-        _fit(f"{root}/tp2/split", LAYOUTS["zero2 dp2"], 6, ckpt_path="last")
-        results["mismatch"] = None
-    except ValueError as exc:
-        results["mismatch"] = str(exc)
+    # A tp=2 checkpoint loaded under dp=2 with ZeRO-2 (another sharding of the same state):
+    # was refused; since issue 13 it is resharded (exactness: tests/distributed/test_reshard.py).
+    with pytest.warns(UserWarning, match="is resharded for"):
+        results["other layout"] = _fit(f"{root}/tp2/split", LAYOUTS["zero2 dp2"], 6, "last")
     return results
 
 
@@ -63,6 +62,4 @@ def test_sharded_checkpoints_resume_exactly_under_the_same_layout(tmp_path):
             assert sorted(resumed) == [3, 4], name
             for step in (3, 4):
                 assert resumed[step] == straight[step], f"{name}: loss of step {step} differs"
-        message = rank_result["mismatch"]
-        assert message is not None and "tp=2" in message and "dp=2" in message
-        assert "resume with the layout it was saved under" in message
+        assert sorted(rank_result["other layout"]) == [5, 6]

@@ -164,9 +164,10 @@ def test_missing_checkpoint_path_is_a_clear_error(saved, tmp_path):
         resolve_checkpoint_path(trainer, tmp_path / "nope")
 
 
-def test_last_without_any_checkpoint_is_a_clear_error(tmp_path):
-    with pytest.raises(FileNotFoundError, match="no checkpoint to resume from"):
-        fit(tmp_path, 2, ckpt_path="last")
+def test_last_without_any_checkpoint_starts_a_fresh_run(tmp_path):
+    # Was an error; issue 13: one command serves the first start and every restart.
+    trainer, _, losses = fit(tmp_path, 2, ckpt_path="last")
+    assert sorted(losses) == [1, 2] and trainer.run_dir.name == "version_0"
 
 
 def test_missing_file_is_named(saved):
@@ -210,6 +211,7 @@ def test_pickled_objects_are_refused(saved):
     torch.save({"rng": _Arbitrary()}, path)
     meta = json.loads((ckpt / "meta.json").read_text())
     meta["files"]["rank-00000.pt"] = path.stat().st_size
+    meta["sha256"]["rank-00000.pt"] = ckpt_files.sha256_of(path)  # as if meta was rewritten too
     (ckpt / "meta.json").write_text(json.dumps(meta))
     with pytest.raises(ValueError, match="refuses to unpickle"):
         load_checkpoint(trainer, ckpt)

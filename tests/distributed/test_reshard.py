@@ -1,0 +1,110 @@
+"""Resuming a MegatronStrategy checkpoint under another layout and world size.
+
+One forked gloo world of 4 ranks saves the tiny DeepSeek (MLA, MoE with a bias-balanced
+router, MTP, odd vocabulary padded under tp) after 2 steps under tp=2 x pp=2 and under
+ep=2 x dp=2 with ZeRO-2, then resumes each under pp=2 x dp=2 and tp=2 x ep=2; the test process
+resumes both on one process. Steps 3-5 must match the uninterrupted run of the saving layout
+(fp32, relative 1e-5): that needs the weights, Adam's moments and step, the LR schedule and
+the data position (global samples consumed) to carry over. A one-process checkpoint is
+resumed under tp=2 x ep=2 the same way. A second world of 8 ranks checks
+that a same-layout resume under tp x pp x dp with ZeRO-2 stays bitwise exact.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+import nanotrain as nt
+from nanotrain.callbacks.checkpoint import ModelCheckpoint
+from tests.distributed.spawn import run_world
+from tests.unit.test_language_model import RandomTokens
+
+pytestmark = pytest.mark.distributed
+
+SAVED = {"tp2 pp2": dict(tp=2, pp=2), "ep2 dp2 zero2": dict(ep=2, zero_stage=2)}
+RESUMED = {"pp2 dp2": dict(pp=2), "tp2 ep2": dict(tp=2, ep=2)}
+
+
+class StepLosses(nt.Callback):
+    def __init__(self) -> None:
+        self.losses: dict[int, float] = {}
+
+    def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx) -> None:
+        self.losses[trainer.global_step] = float(outputs.loss)
+
+
+def fit(root: str, strategy, max_steps: int, ckpt_path=None, save=False) -> dict[int, float]:
+    recorder = StepLosses()
+    callbacks = [recorder] + ([ModelCheckpoint(every_n_steps=2)] if save else [])
+    trainer = nt.Trainer(
+        strategy=strategy,
+        max_steps=max_steps,
+        global_batch_size=4,
+        micro_batch_size=1,
+        default_root_dir=root,
+        loggers=[],
+        seed=3,
+        callbacks=callbacks,
+    )
+    module = nt.LanguageModelModule(
+        model="tiny", vocab_size=257, lr=1e-2, warmup_steps=1, decay_steps=8
+    )
+    trainer.fit(module, train_dataloaders=RandomTokens(32, 257), ckpt_path=ckpt_path)
+    return recorder.losses
+
+
+def ckpt_of(root: str, name: str) -> str:
+    return f"{root}/{name}/split/default/version_0/checkpoints/step-00000002"
+
+
+def _reshard_world(rank: int, world_size: int, root: str) -> dict:
+    out: dict = {}
+    for name, layout in SAVED.items():
+        out[name] = {"straight": fit(f"{root}/{name}/straight", nt.MegatronStrategy(**layout), 5)}
+        fit(f"{root}/{name}/split", nt.MegatronStrategy(**layout), 2, save=True)
+        for other, target in RESUMED.items():
+            strategy = nt.MegatronStrategy(**target)
+            out[name][other] = fit(f"{root}/{other}", strategy, 5, ckpt_path=ckpt_of(root, name))
+    # the test process saved this one on one process (whole model, index-keyed optimizer)
+    strategy = nt.MegatronStrategy(tp=2, ep=2)
+    out["one process"] = fit(f"{root}/from-one", strategy, 5, ckpt_path=ckpt_of(root, "one"))
+    return out
+
+
+def test_checkpoints_resume_under_other_layouts_and_on_one_process(tmp_path):
+    root = str(tmp_path)
+    one = nt.SingleDeviceStrategy("cpu")
+    straight_one = fit(f"{root}/one/straight", one, 5)
+    fit(f"{root}/one/split", nt.SingleDeviceStrategy("cpu"), 2, save=True)
+    results = run_world(_reshard_world, 4, root, timeout=600)
+    assert sorted(results[0]["one process"]) == [3, 4, 5]
+    for step in (3, 4, 5):  # saved on one process, resumed under tp=2 x ep=2
+        assert results[0]["one process"][step] == pytest.approx(straight_one[step], rel=1e-5)
+    for name in SAVED:
+        straight = results[0][name]["straight"]
+        runs = {other: results[0][name][other] for other in RESUMED}
+        with pytest.warns(UserWarning, match="is resharded for SingleDeviceStrategy"):
+            runs["one process"] = fit(
+                f"{root}/single-{name}", nt.SingleDeviceStrategy("cpu"), 5, ckpt_of(root, name)
+            )
+        for other, losses in runs.items():
+            assert sorted(losses) == [3, 4, 5], (name, other)
+            for step in (3, 4, 5):
+                assert losses[step] == pytest.approx(straight[step], rel=1e-5, abs=0), (
+                    f"saved under {name}, resumed under {other}: loss of step {step}"
+                )
+
+
+def _same_layout_world(rank: int, world_size: int, root: str) -> dict:
+    layout = dict(tp=2, pp=2, zero_stage=2)  # dp=2
+    straight = fit(f"{root}/straight", nt.MegatronStrategy(**layout), 4)
+    fit(f"{root}/split", nt.MegatronStrategy(**layout), 2, save=True)
+    resumed = fit(f"{root}/split", nt.MegatronStrategy(**layout), 4, ckpt_path="last")
+    return {"straight": straight, "resumed": resumed}
+
+
+def test_same_layout_resume_stays_bitwise_under_tp_pp_dp_zero2(tmp_path):
+    for result in run_world(_same_layout_world, 8, str(tmp_path), timeout=600):
+        assert sorted(result["resumed"]) == [3, 4]
+        for step in (3, 4):
+            assert result["resumed"][step] == result["straight"][step], step
