@@ -113,12 +113,13 @@ def weigh_microbatches(
     k = counts_mk.shape[1]
     global_counts, total_tokens, total_samples = total[:k], total[k], total[k + 1]
     replicas = strategy.data_shard().count
-    scales = counts_mk * replicas / global_counts.clamp(min=1.0)
-    scales = torch.where(global_counts > 0, scales, torch.zeros_like(scales))
+    present = global_counts > 0
+    scales = counts_mk * replicas / torch.where(present, global_counts, 1.0)
+    scales = torch.where(present, scales, torch.zeros_like(scales))
     if not uses_terms:
         # data without tokens: the plain mean over microbatches (and over replicas)
         even = torch.full_like(scales, 1.0 / len(microbatches))
-        scales = torch.where(global_counts > 0, scales, even)
+        scales = torch.where(present, scales, even)
     return MicrobatchWeights(
         scales, global_counts, total_tokens, total_samples, uses_terms, replicas
     )
