@@ -268,6 +268,9 @@ class Trainer:
             self.training = True
             module.train()
             self._call("on_train_start")
+            at_start = self.settings.validate_at_start and not self.global_step
+            if at_start and self._val_loader is not None:
+                self._run_validation()
             self._train_loop()
             if self._val_loader is not None and self._last_val_step != self.state.global_step:
                 self._run_validation()

@@ -44,6 +44,7 @@ from nanotrain.parallel.grads import is_tp_sharded, sequence_parallel_params
 from nanotrain.parallel.mesh import ParallelMesh, validate_layout
 from nanotrain.parallel.pipeline import partition_layers
 from nanotrain.parallel.zero import ZeroOptimizer
+from nanotrain.profiling import named_range
 from nanotrain.strategies.base import (
     DataShard,
     StepOutput,
@@ -375,10 +376,13 @@ class MegatronStrategy(MegatronGradNorms, Strategy):
         loss_sum = torch.zeros((), device=self.root_device, dtype=torch.float64)
         for i, (microbatch, weight) in enumerate(zip(microbatches, weights, strict=True)):
             grads.set_sync(i == num_micro - 1)
-            loss = extract_loss(module.training_step(microbatch, batch_idx))
-            (loss * weight).backward()
+            with named_range("nanotrain/forward"):
+                loss = extract_loss(module.training_step(microbatch, batch_idx))
+            with named_range("nanotrain/backward"):
+                (loss * weight).backward()
             loss_sum += loss.detach().double() * weight
-        grads.finish()
+        with named_range("nanotrain/grad_reduction"):
+            grads.finish()
         return loss_sum
 
     def validation_step(self, module: NanoModule, batch: Any, batch_idx: int) -> Any:
@@ -390,10 +394,11 @@ class MegatronStrategy(MegatronGradNorms, Strategy):
 
     def optimizer_step(self) -> None:
         """Update (sharded under ZeRO, then parameters all-gathered) and zero the gradients."""
-        if self._zero is not None:
-            self._zero.step()
-        else:
-            self.optimizer.step()
+        with named_range("nanotrain/optimizer_step"):
+            if self._zero is not None:
+                self._zero.step()
+            else:
+                self.optimizer.step()
         self.zero_grad()
 
     def zero_grad(self) -> None:

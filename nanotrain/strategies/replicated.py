@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor, nn
 
+from nanotrain.profiling import named_range
 from nanotrain.strategies.base import StepOutput, Strategy, extract_loss, weigh_microbatches
 
 if TYPE_CHECKING:
@@ -63,10 +64,12 @@ class ReplicatedStrategy(Strategy):
         loss_sum = torch.zeros((), device=self.root_device, dtype=torch.float64)
         for i, (microbatch, weight) in enumerate(zip(microbatches, weighed.weights, strict=True)):
             with self._sync_context(i == num_micro - 1):
-                loss = extract_loss(self._step_runner(microbatch, batch_idx))
+                with named_range("nanotrain/forward"):
+                    loss = extract_loss(self._step_runner(microbatch, batch_idx))
                 # Each microbatch's mean loss weighed by its share of the global batch's
                 # tokens (times the replicas, which DDP's average divides out again).
-                (loss * weight).backward()
+                with named_range("nanotrain/backward"):
+                    (loss * weight).backward()
             loss_sum += loss.detach().double() * weight
         replicas = self.data_shard().count
         return StepOutput(
