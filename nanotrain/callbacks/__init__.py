@@ -9,20 +9,24 @@ from nanotrain.callbacks.memory import MemoryMonitor
 from nanotrain.callbacks.model_dump import ModelDump
 from nanotrain.callbacks.moe_load import MoELoadMonitor
 from nanotrain.callbacks.nan_guard import NaNGuard
+from nanotrain.callbacks.profiler import TorchProfiler
 from nanotrain.callbacks.progress import ProgressBar
+from nanotrain.callbacks.report import RunReport
 from nanotrain.callbacks.text_sampler import TextSampler
 from nanotrain.callbacks.throughput import ThroughputMonitor
 
 
 def default_callbacks() -> list[Callback]:
     """What `nanotrain fit` uses when the config lists no callbacks: a checkpoint every 100
-    steps and at the end (the last 3 kept), a progress bar, LR, throughput and grad-norm monitors."""
+    steps and at the end (the last 3 kept), a progress bar, LR, throughput and grad-norm monitors,
+    and the run report (`report.md` in the run directory)."""
     return [
         ModelCheckpoint(every_n_steps=100, save_top_k=3),
         ProgressBar(),
         LearningRateMonitor(),
         ThroughputMonitor(),
         GradNormMonitor(),
+        RunReport(),
     ]
 
 
@@ -37,7 +41,9 @@ __all__ = [
     "MoELoadMonitor",
     "NaNGuard",
     "ProgressBar",
+    "RunReport",
     "TextSampler",
     "ThroughputMonitor",
+    "TorchProfiler",
     "default_callbacks",
 ]
