@@ -143,4 +143,3 @@ class TorchProfiler(Callback):
 
     def teardown(self, trainer: Trainer, module: NanoModule, stage: str) -> None:
         self._stop()
-
