@@ -19,9 +19,6 @@ class TrainerConfig:
             accumulation = global_batch_size / (micro_batch_size × data-parallel size).
         gradient_clip_val: clip the global grad norm to this (None: measure, don't clip).
         val_check_interval: validate every this many optimizer steps (None: only at the end).
-        validate_at_start: also validate before the first step of a fresh run (step 0), so
-            the validation curve starts at the untrained loss; the final validation at the
-            last step runs either way.
         limit_val_batches: validation batches per run: an int count, a float fraction,
             None for all, 0 to disable validation.
         log_every_n_steps: write training scalars every this many steps.
@@ -31,6 +28,9 @@ class TrainerConfig:
         seed: seeds Python, NumPy and torch before the model is built and the data shuffled.
         deterministic: use only deterministic kernels (slower; errors on ops without one).
         shuffle: shuffle the training data every epoch.
+        validate_at_start: also validate before the first step of a fresh run (step 0), so
+            the validation curve starts at the untrained loss; the final validation at the
+            last step runs either way.
     """
 
     max_steps: int | None = None
@@ -40,7 +40,6 @@ class TrainerConfig:
     micro_batch_size: int = 1
     gradient_clip_val: float | None = None
     val_check_interval: int | None = None
-    validate_at_start: bool = False
     limit_val_batches: int | float | None = None
     log_every_n_steps: int = 10
     default_root_dir: str = "runs"
@@ -50,6 +49,7 @@ class TrainerConfig:
     seed: int = 0
     deterministic: bool = False
     shuffle: bool = True
+    validate_at_start: bool = False
 
     def __post_init__(self) -> None:
         if self.max_steps is None and self.max_epochs is None and self.max_tokens is None:
