@@ -18,15 +18,14 @@ from nanotrain.callbacks.throughput import ThroughputMonitor
 
 def default_callbacks() -> list[Callback]:
     """What `nanotrain fit` uses when the config lists no callbacks: a checkpoint every 100
-    steps and at the end (the last 3 kept), a progress bar, LR, throughput and grad-norm monitors,
-    and the run report (`report.md` in the run directory)."""
+    steps and at the end (the last 3 kept), a progress bar, LR, throughput and grad-norm monitors."""
     return [
+        RunReport(),  # the run report: report.md, report.json, pictures (docs/guide.md)
         ModelCheckpoint(every_n_steps=100, save_top_k=3),
         ProgressBar(),
         LearningRateMonitor(),
         ThroughputMonitor(),
         GradNormMonitor(),
-        RunReport(),
     ]
 
 
