@@ -25,10 +25,11 @@ class TorchProfiler(Callback):
     fresh run are recorded. When the last cycle is written the profiler is stopped, so the
     rest of the run pays nothing; without this callback nothing is profiled at all.
 
-    Each cycle writes `<dirpath>/rank<R>.step<N>.pt.trace.json` on every rank (N: the steps
-    the profiler had seen when the cycle ended), a Chrome-trace JSON that Perfetto
-    (ui.perfetto.dev), chrome://tracing and TensorBoard's profiler plugin
-    (`tensorboard --logdir <run_dir>/profiler`, with `torch-tb-profiler` installed) open.
+    Each cycle writes `<dirpath>/rank<R>.<N>.pt.trace.json` on every rank (N: the steps the
+    profiler had seen when the cycle ended; named as TensorBoard's profiler plugin expects:
+    worker `rank<R>`, span N), a Chrome-trace JSON that Perfetto (ui.perfetto.dev),
+    chrome://tracing and TensorBoard (`tensorboard --logdir <run_dir>` with the
+    `torch-tb-profiler` plugin installed; the run is called "profiler") open.
     The strategies label their parts of each step (`nanotrain.profiling.named_range`):
     `nanotrain/forward`, `nanotrain/backward`, `nanotrain/grad_reduction`,
     `nanotrain/optimizer_step`, and under pipeline parallelism
@@ -108,7 +109,7 @@ class TorchProfiler(Callback):
         self._profiler.start()
 
     def _write_trace(self, prof: profile) -> None:
-        path = self.dirpath / f"rank{self._rank}.step{prof.step_num}.pt.trace.json"
+        path = self.dirpath / f"rank{self._rank}.{prof.step_num}.pt.trace.json"
         prof.export_chrome_trace(str(path))
         self.trace_paths.append(path)
 

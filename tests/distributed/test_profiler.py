@@ -31,7 +31,7 @@ def test_single_process_trace_has_forward_backward_and_optimizer_step(tmp_path):
     trainer.fit(Classifier(), BlobsData())
     traces = sorted((trainer.run_dir / "profiler").iterdir())
     assert (
-        traces == profiler.trace_paths == [trainer.run_dir / "profiler/rank0.step4.pt.trace.json"]
+        traces == profiler.trace_paths == [trainer.run_dir / "profiler/rank0.4.pt.trace.json"]
     )
     assert range_names(traces[0]) == {
         "nanotrain/forward",
@@ -76,8 +76,8 @@ def profiled_pipeline_fit(rank: int, world_size: int, root: str) -> list[str]:
 def test_pipeline_run_writes_one_trace_per_rank_with_stage_microbatch_ranges(tmp_path):
     names = run_world(profiled_pipeline_fit, 2, str(tmp_path), timeout=120)
     assert sorted(p.name for p in (tmp_path / "default/version_0/profiler").iterdir()) == [
-        "rank0.step2.pt.trace.json",
-        "rank1.step2.pt.trace.json",
+        "rank0.2.pt.trace.json",
+        "rank1.2.pt.trace.json",
     ]
     for rank, got in enumerate(names):
         expected = {"nanotrain/grad_reduction", "nanotrain/optimizer_step"}
