@@ -86,6 +86,9 @@ def _strategy_rows(strategy: dict[str, Any] | None) -> list[tuple[str, str]]:
     if layout:
         sizes = ", ".join(f"{k}={v}" for k, v in layout.items() if k not in ("strategy",))
         rows.append(("layout", sizes))
+    settings = strategy.get("settings") or {}
+    if settings:
+        rows.append(("settings", ", ".join(f"{k}={v}" for k, v in settings.items())))
     return rows
 
 

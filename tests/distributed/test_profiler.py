@@ -30,9 +30,7 @@ def test_single_process_trace_has_forward_backward_and_optimizer_step(tmp_path):
     trainer = make_trainer(tmp_path, max_steps=6, callbacks=[profiler])
     trainer.fit(Classifier(), BlobsData())
     traces = sorted((trainer.run_dir / "profiler").iterdir())
-    assert (
-        traces == profiler.trace_paths == [trainer.run_dir / "profiler/rank0.4.pt.trace.json"]
-    )
+    assert traces == profiler.trace_paths == [trainer.run_dir / "profiler/rank0.4.pt.trace.json"]
     assert range_names(traces[0]) == {
         "nanotrain/forward",
         "nanotrain/backward",

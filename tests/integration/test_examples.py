@@ -136,3 +136,6 @@ def test_megatron_4d_example_under_torchrun_pp2_ep2_zero1(tmp_path):
     }  # fmt: skip
     assert report["training"]["steps"] == 2 and report["training"]["tokens"] == 2 * 8 * 16
     assert report["checkpoints"]["last"].endswith("step-00000002")
+    markdown = (tmp_path / "runs/megatron_4d/version_0/report.md").read_text()
+    assert "| layout | world_size=4, tp=1, pp=2, ep=2, dp=2, zero_stage=1 |" in markdown
+    assert "schedule=1f1b" in markdown
