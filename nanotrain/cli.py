@@ -1,4 +1,4 @@
-"""The `nanotrain` command: fit | validate | prepare | export | import.
+"""The `nanotrain` command: fit | validate | prepare | export | import | env | report.
 
 `fit` and `validate` follow Lightning CLI conventions: a YAML `--config` with sections
 `trainer`, `model`, `data`, `strategy`, `callbacks`, overridden by dotted flags such as
@@ -238,12 +238,45 @@ def run_import(argv: list[str]) -> None:
     print(f"imported {cfg.hf} to {cfg.out}")
 
 
+def run_env(argv: list[str]) -> None:
+    """`nanotrain env [--json] [--ranks_per_machine N]`: torch, CUDA, NCCL, gloo, Transformer
+    Engine, GPUs with the peak TFLOP/s used for MFU, CPU threads, default strategy and
+    backend, and warnings for common misconfigurations."""
+    from nanotrain.env_report import collect_environment, environment_json, format_environment
+
+    parser = ArgumentParser(prog="nanotrain env", description=run_env.__doc__)
+    parser.add_argument("--json", action="store_true", help="print JSON instead of text")
+    parser.add_argument(
+        "--ranks_per_machine",
+        type=int | None,
+        default=None,
+        help="processes per machine to check threads for (default: LOCAL_WORLD_SIZE or 1)",
+    )
+    cfg = parser.parse_args(argv)
+    env = collect_environment(cfg.ranks_per_machine)
+    print(environment_json(env) if cfg.json else format_environment(env), end="")
+
+
+def run_report(argv: list[str]) -> None:
+    """`nanotrain report RUN_DIR`: (re)build report.md, report.json and the pictures of a run
+    from its run directory."""
+    from nanotrain.report import REPORT_MD, write_report
+
+    parser = ArgumentParser(prog="nanotrain report", description=run_report.__doc__)
+    parser.add_argument("run_dir", type=str, help="a run directory, e.g. runs/default/version_0")
+    cfg = parser.parse_args(argv)
+    write_report(cfg.run_dir)
+    print(f"wrote {cfg.run_dir}/{REPORT_MD}")
+
+
 COMMANDS = {
     "fit": lambda argv: run_fit_or_validate("fit", argv),
     "validate": lambda argv: run_fit_or_validate("validate", argv),
     "prepare": run_prepare,
     "export": run_export,
     "import": run_import,
+    "env": run_env,
+    "report": run_report,
 }
 
 
@@ -256,7 +289,7 @@ def main(argv: list[str] | None = None) -> int:
 def _main(argv: list[str]) -> int:
     """Dispatch `argv` to its command."""
     if not argv or argv[0] in ("-h", "--help") or argv[0] not in COMMANDS:
-        print("usage: nanotrain {fit,validate,prepare,export,import} [--help] ...", file=sys.stderr)
+        print(f"usage: nanotrain {{{','.join(COMMANDS)}}} [--help] ...", file=sys.stderr)
         return 0 if argv and argv[0] in ("-h", "--help") else 2
     result = COMMANDS[argv[0]](argv[1:])
     if argv[0] == "validate" and isinstance(result, dict):

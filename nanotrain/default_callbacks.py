@@ -17,7 +17,8 @@ def default_callbacks(
     - `ProgressBar()` (with `enable_progress_bar`);
     - `NaNGuard()`: a step with a non-finite loss or grad norm is skipped (always);
     - `LearningRateMonitor()`, `ThroughputMonitor()`, `GradNormMonitor()`, `MoELoadMonitor()`
-      (with `enable_monitors`; the last logs nothing for a dense model).
+      (with `enable_monitors`; the last logs nothing for a dense model) and `RunReport()`
+      (report.md, report.json and pictures in the run directory at the end of fit).
     """
     from nanotrain.callbacks import (
         GradNormMonitor,
@@ -26,6 +27,7 @@ def default_callbacks(
         MoELoadMonitor,
         NaNGuard,
         ProgressBar,
+        RunReport,
         ThroughputMonitor,
     )
 
@@ -41,6 +43,7 @@ def default_callbacks(
             ThroughputMonitor(),
             GradNormMonitor(),
             MoELoadMonitor(),
+            RunReport(),
         ]
     return callbacks
 

@@ -343,6 +343,9 @@ class Trainer(LightningTrainerProperties):
             self.training = True
             module.train()
             self._call("on_train_start")
+            at_start = self.settings.validate_at_start and not self.global_step
+            if at_start and self._val_loader is not None:
+                self._run_validation()
             self._train_loop()
             if self.metric_book.has_epoch_values():  # stopped mid-epoch: write what it logged
                 self.log_metrics(self.metric_book.close_epoch()[0])

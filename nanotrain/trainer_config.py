@@ -40,6 +40,9 @@ class TrainerConfig:
         preemption_signals: signals that make `fit` finish the current step, save a
             checkpoint and return with `exit_code` 75 (`nanotrain.exit_codes.EXIT_PREEMPTED`);
             [] leaves signals alone.
+        validate_at_start: also validate before the first step of a fresh run (step 0), so
+            the validation curve starts at the untrained loss; the final validation at the
+            last step runs either way.
     """
 
     max_steps: int | None = None
@@ -63,6 +66,7 @@ class TrainerConfig:
     enable_progress_bar: bool = True
     enable_monitors: bool = True
     preemption_signals: list[str] = field(default_factory=lambda: ["SIGTERM", "SIGUSR1"])
+    validate_at_start: bool = False
 
     def __post_init__(self) -> None:
         if self.max_steps is None and self.max_epochs is None and self.max_tokens is None:

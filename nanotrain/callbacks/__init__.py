@@ -9,7 +9,9 @@ from nanotrain.callbacks.memory import MemoryMonitor
 from nanotrain.callbacks.model_dump import ModelDump
 from nanotrain.callbacks.moe_load import MoELoadMonitor
 from nanotrain.callbacks.nan_guard import NaNGuard
+from nanotrain.callbacks.profiler import TorchProfiler
 from nanotrain.callbacks.progress import ProgressBar
+from nanotrain.callbacks.report import RunReport
 from nanotrain.callbacks.text_sampler import TextSampler
 from nanotrain.callbacks.throughput import ThroughputMonitor
 
@@ -35,7 +37,9 @@ __all__ = [
     "MoELoadMonitor",
     "NaNGuard",
     "ProgressBar",
+    "RunReport",
     "TextSampler",
     "ThroughputMonitor",
+    "TorchProfiler",
     "default_callbacks",
 ]

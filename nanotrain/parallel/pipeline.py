@@ -30,6 +30,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from nanotrain.parallel.schedules import Action
+from nanotrain.profiling import named_range
 
 __all__ = [
     "PipelineComm",
@@ -251,7 +252,8 @@ def run_schedule(
                 inp, op = comm.recv_forward(m, c)
                 sender.exchange(op)
                 inp.requires_grad_(not forward_only)
-            with torch.set_grad_enabled(not forward_only):
+            stage_range = named_range(f"nanotrain/stage{comm.virtual_stage(c)}/forward/mb{m}")
+            with torch.set_grad_enabled(not forward_only), stage_range:
                 out, loss = forward_step(m, c, inp)
             if out is not None and not comm.is_last(c):
                 sender.pending.append(comm.send_forward(m, c, out))
@@ -269,7 +271,8 @@ def run_schedule(
         inp, out, loss = held.pop((m, c))
         if i == last_b and before_last_backward is not None:
             before_last_backward()
-        _backward(out, grad, loss, 1.0 if loss_scales is None else loss_scales[m])
+        with named_range(f"nanotrain/stage{comm.virtual_stage(c)}/backward/mb{m}"):
+            _backward(out, grad, loss, 1.0 if loss_scales is None else loss_scales[m])
         if inp is not None:
             g = inp.grad if inp.grad is not None else torch.zeros_like(inp)
             sender.pending.append(comm.send_backward(m, c, g))

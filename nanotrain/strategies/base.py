@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor, nn
 
+from nanotrain.profiling import named_range
 from nanotrain.strategies.optimizers import OptimizerSetup, parse_optimizer_config
 from nanotrain.strategies.weighting import (  # noqa: F401  (re-exported: strategies use them)
     LossAccumulator,
@@ -196,7 +197,8 @@ class Strategy(ABC):
 
     def optimizer_step(self) -> None:
         """Apply the optimizer update, then zero the gradients."""
-        self.optimizer.step()
+        with named_range("nanotrain/optimizer_step"):
+            self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
 
     def zero_grad(self) -> None:

@@ -45,6 +45,7 @@ from nanotrain.parallel.grads import is_tp_sharded, sequence_parallel_params
 from nanotrain.parallel.mesh import ParallelMesh, validate_layout
 from nanotrain.parallel.pipeline import partition_layers
 from nanotrain.parallel.zero import ZeroOptimizer
+from nanotrain.profiling import named_range
 from nanotrain.strategies.base import (
     DataShard,
     StepOutput,
@@ -371,9 +372,12 @@ class MegatronStrategy(MegatronGradNorms, Strategy):
         num_micro = len(microbatches)
         for i, microbatch in enumerate(microbatches):
             grads.set_sync(i == num_micro - 1)
-            output = module.training_step(microbatch, batch_idx)
-            accumulator.objective(i, output).backward()
-        grads.finish()
+            with named_range("nanotrain/forward"):
+                output = module.training_step(microbatch, batch_idx)
+            with named_range("nanotrain/backward"):
+                accumulator.objective(i, output).backward()
+        with named_range("nanotrain/grad_reduction"):
+            grads.finish()
         return accumulator.sums
 
     def validation_step(self, module: NanoModule, batch: Any, batch_idx: int) -> Any:
@@ -396,10 +400,11 @@ class MegatronStrategy(MegatronGradNorms, Strategy):
 
     def optimizer_step(self) -> None:
         """Update (sharded under ZeRO, then parameters all-gathered) and zero the gradients."""
-        if self._zero is not None:
-            self._zero.step()
-        else:
-            self.optimizer.step()
+        with named_range("nanotrain/optimizer_step"):
+            if self._zero is not None:
+                self._zero.step()
+            else:
+                self.optimizer.step()
         self.zero_grad()
 
     def zero_grad(self) -> None:

@@ -29,6 +29,7 @@ from nanotrain.models.transformer import ModelOutput
 from nanotrain.parallel.grads import all_reduce_coalesced
 from nanotrain.parallel.pipeline import PipelineComm, ScheduleStats, run_schedule
 from nanotrain.parallel.schedules import SCHEDULES, forward_only
+from nanotrain.profiling import named_range
 
 if TYPE_CHECKING:
     from nanotrain.module import NanoModule
@@ -217,7 +218,8 @@ class PipelineEngine:
         )
         if shared:
             all_reduce_coalesced([p.grad for p in shared], self.embedding_group)
-        grads.finish()
+        with named_range("nanotrain/grad_reduction"):
+            grads.finish()
         terms = self._global_terms(terms, over_dp=True)
         with torch.no_grad():
             for m, batch in enumerate(microbatches):

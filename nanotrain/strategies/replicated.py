@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor, nn
 
+from nanotrain.profiling import named_range
 from nanotrain.strategies.base import StepOutput, Strategy
 from nanotrain.strategies.weighting import LossAccumulator, weigh_microbatches
 
@@ -65,10 +66,12 @@ class ReplicatedStrategy(Strategy):
         num_micro = len(microbatches)
         for i, microbatch in enumerate(microbatches):
             with self._sync_context(i == num_micro - 1):
-                output = self._step_runner(microbatch, batch_idx)
+                with named_range("nanotrain/forward"):
+                    output = self._step_runner(microbatch, batch_idx)
                 # scaled by the microbatch's share of each global count (times the replicas,
                 # which DDP's average divides out again)
-                accumulator.objective(i, output).backward()
+                with named_range("nanotrain/backward"):
+                    accumulator.objective(i, output).backward()
         loss, terms = accumulator.finish(self)
         num_tokens, num_samples = weighed.host_totals()
         return StepOutput(loss=loss, num_tokens=num_tokens, num_samples=num_samples, metrics=terms)
