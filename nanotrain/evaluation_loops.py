@@ -148,3 +148,46 @@ def run_predict(trainer: Trainer, dataloaders: Any) -> list[Any]:
     trainer._call("on_predict_end")
     trainer.predicting = False
     return outputs
+
+
+class EvaluationMethods:
+    """Mixin of `nanotrain.Trainer`: `test` and `predict` (setup, checkpoint, the loop above,
+    teardown; `on_exception` on errors) with Lightning's signatures."""
+
+    def test(
+        self: Trainer,
+        module: Any,
+        datamodule: Any = None,
+        dataloaders: Any = None,
+        ckpt_path: str | None = None,
+    ) -> list[dict[str, float]]:
+        """Run `test_step` once over the test data (`datamodule.test_dataloader()` or
+        `dataloaders`); returns [metrics], as Lightning. See `evaluation_loops.run_test`."""
+        return self._evaluate("test", module, datamodule, dataloaders, ckpt_path)
+
+    def predict(
+        self: Trainer,
+        module: Any,
+        datamodule: Any = None,
+        dataloaders: Any = None,
+        ckpt_path: str | None = None,
+    ) -> list[Any]:
+        """Run `predict_step` over the predict data (`datamodule.predict_dataloader()` or
+        `dataloaders`); returns this rank's outputs per batch. See `run_predict`."""
+        return self._evaluate("predict", module, datamodule, dataloaders, ckpt_path)
+
+    def _evaluate(
+        self: Trainer, stage: str, module: Any, datamodule: Any, loaders: Any, ckpt: Any
+    ) -> Any:
+        try:
+            self._setup(module, datamodule, stage, ckpt)
+            if ckpt is not None:
+                self._resume(ckpt, weights_only=True)
+            return (run_test if stage == "test" else run_predict)(self, loaders)
+        except BaseException as exc:
+            if self.module is not None:
+                self._call("on_exception", exc)
+            raise
+        finally:
+            self._eval_loader = None
+            self._teardown(stage)

@@ -11,6 +11,17 @@ if TYPE_CHECKING:
     from nanotrain.trainer_config import TrainerConfig
 
 
+# hooks in which `self.log` defaults to on_step=True (as in Lightning); None = inside a step
+_STEP_HOOKS = {
+    "on_train_batch_start",
+    "on_train_batch_end",
+    "on_before_backward",
+    "on_after_backward",
+    "on_before_optimizer_step",
+    "on_before_zero_grad",
+}
+
+
 class LightningTrainerProperties:
     """Mixin of the `nanotrain.Trainer`: the names and meanings of `lightning.Trainer`'s
     properties that LightningModules and their schedulers commonly read."""
@@ -20,6 +31,11 @@ class LightningTrainerProperties:
     strategy: Strategy
     _val_loader: Any
     _eval_loader: Any
+    _current_fx: str | None
+    loggers: Any
+    training: bool
+    validating: bool
+    testing: bool
 
     @property
     def max_steps(self) -> int:
@@ -95,3 +111,18 @@ class LightningTrainerProperties:
     def num_devices(self) -> int:
         """Processes in the job (`world_size`)."""
         return self.strategy.world_size
+
+    @property
+    def logger(self) -> Any:
+        """The first logger that can draw (a TensorBoard one), else the first logger; None on
+        ranks other than 0 or without loggers."""
+        drawing = [
+            lg for lg in self.loggers if hasattr(getattr(lg, "experiment", None), "add_histogram")
+        ]
+        return (drawing or list(self.loggers) or [None])[0]
+
+    def logs_per_step_by_default(self) -> bool:
+        """Lightning's `self.log` default: on_step (not on_epoch) in `training_step` and the
+        training batch hooks; on_epoch everywhere else."""
+        in_step = self._current_fx is None or self._current_fx in _STEP_HOOKS
+        return self.training and in_step and not (self.validating or self.testing)
