@@ -367,11 +367,15 @@ class Trainer(LightningTrainerProperties, EvaluationMethods):
         st.consumed_samples += out.num_samples
         st.consumed_tokens += out.num_tokens
         self._train_sampler.advance(s.micro_batch_size * len(microbatches))
-        if st.global_step % s.log_every_n_steps == 0 or self._done():
+        log_step = st.global_step % s.log_every_n_steps == 0 or self._done()
+        if log_step:
             self._log_train(out)
         else:
             self.metric_book.clear()
         self._call("on_train_batch_end", out, microbatches, batch_idx)
+        logged_in_hook = self.metric_book.close()[0]  # self.log in on_train_batch_end
+        if log_step and logged_in_hook:
+            self.log_metrics(logged_in_hook)
         vci = s.val_check_interval
         if self._val_loader is not None and vci and st.global_step % vci == 0:
             self._run_validation()
