@@ -32,9 +32,12 @@ def _fit(strategy, root: str, rank: int) -> dict:
         enable_progress_bar=False,
     )
     trainer.fit(module, TutorialData())
+    metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
     return {
-        "metrics": {k: float(v) for k, v in trainer.callback_metrics.items()},
+        "metrics": metrics,
         "loggers": len(trainer.loggers),
+        "test": trainer.test(module, TutorialData()),
+        "predict": [p.tolist() for p in trainer.predict(module, TutorialData())],
     }
 
 
@@ -59,3 +62,10 @@ def test_metric_objects_and_sync_dist_reduce_over_ranks_and_rank_zero_logs(tmp_p
     assert column(rows, "val_acc") == [pytest.approx(single["metrics"]["val_acc"], rel=1e-6)]
     assert not (tmp_path / "ddp" / "user_rank1").exists()  # rank 1 writes nothing
     assert [r["loggers"] for r in ranks] == [0, 0]  # closed at teardown
+    # test: the Metric synced over ranks gives the one-process accuracy on every rank
+    for result in ranks:
+        assert result["test"][0]["test_acc"] == pytest.approx(single["test"][0]["test_acc"])
+    # predict: each rank predicts its share (samples rank, rank + 2, ...), in order
+    flat = [sum(result["predict"], []) for result in ranks]
+    expected = sum(single["predict"], [])
+    assert flat[0] == expected[0::2] and flat[1] == expected[1::2]
