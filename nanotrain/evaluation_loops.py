@@ -27,6 +27,7 @@ def finish_epoch(trainer: Trainer, hook: str) -> dict[str, torch.Tensor]:
     logged, prog = book.close_epoch()
     trainer.callback_metrics.update({k: v.detach() for k, v in prog.items()})
     trainer.log_metrics(logged)
+    trainer.callback_metrics.update(book.unforked(logged))
     trainer.progress_bar_metrics.update(prog)
     return logged
 

@@ -402,6 +402,7 @@ class Trainer(LightningTrainerProperties, EvaluationMethods):
         metrics.update(out.metrics)
         metrics.update(logged)
         self.log_metrics(metrics)
+        self.callback_metrics.update(self.metric_book.unforked(logged))
         self.progress_bar_metrics.update({"loss": out.loss, **prog})
 
     def log_metrics(self, metrics: dict[str, Any], step: int | None = None) -> None:

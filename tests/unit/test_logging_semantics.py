@@ -53,7 +53,10 @@ def test_values_land_where_lightning_puts_them(tmp_path):
     assert values("v") == [(16, 8.0)]  # one validation, at the epoch's end
     assert values("v_end") == [(16, 80.0)]  # callback_metrics held the pass's value
     assert float(trainer.progress_bar_metrics["v"]) == 8.0
-    assert "const" not in trainer.callback_metrics  # both flags: only _step / _epoch names
+    # both flags: "_step" / "_epoch" names, and the plain name for monitors (latest value)
+    assert float(trainer.callback_metrics["const_epoch"]) == 64.0
+    assert float(trainer.callback_metrics["const"]) == 64.0
+    assert "const" not in lines[0]
 
 
 class BadLogs(Classifier):
