@@ -95,7 +95,7 @@ class LightningTrainerProperties:
     def num_test_batches(self) -> list[int]:
         """Batches of the running `test` on this process (one entry), [] outside it."""
         loader = getattr(self, "_eval_loader", None)
-        return [] if loader is None else [len(loader)]
+        return [] if loader is None else [loader.batch_sampler.num_real_batches]
 
     @property
     def num_predict_batches(self) -> list[int]:
