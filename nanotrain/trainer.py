@@ -373,9 +373,12 @@ class Trainer(LightningTrainerProperties, EvaluationMethods):
         else:
             self.metric_book.clear()
         self._call("on_train_batch_end", out, microbatches, batch_idx)
-        logged_in_hook = self.metric_book.close()[0]  # self.log in on_train_batch_end
-        if log_step and logged_in_hook:
-            self.log_metrics(logged_in_hook)
+        if log_step:  # what on_train_batch_end logged is written with its step
+            logged_in_hook = self.metric_book.close()[0]
+            if logged_in_hook:
+                self.log_metrics(logged_in_hook)
+        else:
+            self.metric_book.clear()
         vci = s.val_check_interval
         if self._val_loader is not None and vci and st.global_step % vci == 0:
             self._run_validation()
