@@ -10,10 +10,12 @@ one line (see `nanotrain.cli_errors`; `--debug` for the traceback).
 from __future__ import annotations
 
 import sys
+from argparse import SUPPRESS
 from typing import Any
 
 import lightning.pytorch as pl
 from jsonargparse import ActionConfigFile, ArgumentParser, lazy_instance
+from lightning.pytorch.loggers import Logger
 
 from nanotrain.callbacks.base import Callback
 from nanotrain.cli_errors import run_reporting_user_errors
@@ -76,6 +78,16 @@ def _run_parser(stage: str) -> ArgumentParser:
         "seed and records it in the config; default: trainer.seed",
     )
     parser.add_class_arguments(TrainerConfig, "trainer")
+    logger_type = bool | Logger | list[Logger] | None
+    parser.add_argument(
+        "--trainer.logger",
+        type=logger_type,
+        default=True,
+        help="as Lightning's Trainer(logger=...): true (the loggers named in trainer.loggers), "
+        "false, or Lightning Logger classes, e.g. lightning.pytorch.loggers.CSVLogger",
+    )
+    # where trainer.logger is moved for instantiation (the trainer group builds TrainerConfig)
+    parser.add_argument("--instantiated_logger", type=logger_type, default=True, help=SUPPRESS)
     parser.add_subclass_arguments(
         Strategy,
         "strategy",
@@ -120,6 +132,8 @@ def run_fit_or_validate(stage: str, argv: list[str]) -> Any:
     import yaml
 
     resolved_dict = yaml.safe_load(resolved)
+    config.instantiated_logger = config.trainer.logger
+    del config.trainer.logger
     objects = parser.instantiate(config)
     settings = vars(config.trainer) if not isinstance(config.trainer, dict) else config.trainer
     settings = {k: v for k, v in dict(settings).items() if not k.startswith("__")}
@@ -128,6 +142,7 @@ def run_fit_or_validate(stage: str, argv: list[str]) -> Any:
         strategy=objects.strategy if objects.strategy is not None else "auto",
         callbacks=callbacks,
         config=resolved_dict,
+        logger=objects.instantiated_logger,
         **settings,
     )
     if stage == "fit":

@@ -3,10 +3,15 @@ training, validation and test loops)."""
 
 from __future__ import annotations
 
+import contextlib
+import copy
+import math
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 import lightning.pytorch as pl
 import torch
+import torchmetrics
 from torch.utils.data import DataLoader, Dataset, IterableDataset, Sampler
 
 from nanotrain.metric_book import MetricBook
@@ -27,6 +32,7 @@ def finish_epoch(trainer: Trainer, hook: str) -> dict[str, torch.Tensor]:
     logged, prog = book.close_epoch()
     trainer.callback_metrics.update({k: v.detach() for k, v in prog.items()})
     trainer.log_metrics(logged)
+    trainer.callback_metrics.update(book.unforked(logged))
     trainer.progress_bar_metrics.update(prog)
     return logged
 
@@ -35,22 +41,31 @@ def _defines(module: Any, name: str) -> bool:
     return getattr(type(module), name, None) is not getattr(pl.LightningModule, name, None)
 
 
-class _ShardSampler(Sampler[int]):
-    """Indices `index, index + count, ...` in order: every sample read once, by one rank."""
+class _EvalBatches(Sampler[list[int]]):
+    """Batches of this shard's samples `index, index + count, ...`, in order, every sample of
+    the set read once over all shards. Every shard yields the same number of batches (layouts
+    whose forward is a collective across shards, e.g. expert parallelism, need that): a shard
+    with fewer samples ends with padding batches, from `num_real_batches` on, whose outputs
+    and logged values are discarded."""
 
-    def __init__(self, length: int, index: int, count: int) -> None:
-        self.indices = list(range(index, length, count))
+    def __init__(self, length: int, batch_size: int, index: int, count: int) -> None:
+        own = list(range(index, length, count))
+        self.batches = [own[i : i + batch_size] for i in range(0, len(own), batch_size)]
+        self.num_real_batches = len(self.batches)
+        most = math.ceil(math.ceil(length / count) / batch_size)
+        self.batches += [[own[0] if own else 0]] * (most - self.num_real_batches)
 
     def __iter__(self):
-        return iter(self.indices)
+        return iter(self.batches)
 
     def __len__(self) -> int:
-        return len(self.indices)
+        return len(self.batches)
 
 
 def _eval_loader(trainer: Trainer, source: Any, what: str) -> DataLoader:
     """This rank's share of `source` (a DataLoader or map-style Dataset), in order, every
-    sample once, `micro_batch_size` at a time (the last batch may be smaller)."""
+    sample once, `micro_batch_size` at a time (a shard's last real batch may be smaller; see
+    `_EvalBatches` for the padding batches)."""
     if isinstance(source, DataLoader):
         dataset = source.dataset
         extra = dict(collate_fn=source.collate_fn, num_workers=source.num_workers)
@@ -62,10 +77,40 @@ def _eval_loader(trainer: Trainer, source: Any, what: str) -> DataLoader:
             f"one; got {type(dataset).__name__}"
         )
     shard = trainer.strategy.data_shard()
-    sampler = _ShardSampler(len(dataset), shard.index, shard.count)
-    return DataLoader(
-        dataset, batch_size=trainer.settings.micro_batch_size, sampler=sampler, **extra
+    batches = _EvalBatches(
+        len(dataset), trainer.settings.micro_batch_size, shard.index, shard.count
     )
+    return DataLoader(dataset, batch_sampler=batches, **extra)
+
+
+@contextlib.contextmanager
+def metrics_frozen(module: torch.nn.Module) -> Iterator[None]:
+    """Run a padding batch: the torchmetrics `Metric` objects of `module` (updated inside the
+    user's step, where nothing else can stop them) get back their states afterwards."""
+    metrics = [m for m in module.modules() if isinstance(m, torchmetrics.Metric)]
+    saved = [
+        (m, {k: copy.deepcopy(getattr(m, k)) for k in m._defaults}, m._update_count, m._computed)
+        for m in metrics
+    ]
+    try:
+        yield
+    finally:
+        for metric, states, update_count, computed in saved:
+            for name, value in states.items():
+                setattr(metric, name, value)
+            metric._update_count, metric._computed = update_count, computed
+
+
+def padding_step(trainer: Trainer, step: Callable[..., Any], batch: Any, batch_idx: int) -> None:
+    """Run `step(module, batch, batch_idx)` (a strategy's step) for a padding batch: its
+    forward runs (it may be a collective), but what it logs goes nowhere and the module's Metric objects are left as they were."""
+    kept = trainer._book
+    trainer._book = MetricBook(lambda: trainer.strategy.root_device, None)
+    try:
+        with metrics_frozen(trainer.module):
+            step(trainer.module, batch, batch_idx)
+    finally:
+        trainer._book = kept
 
 
 def _source(trainer: Trainer, dataloaders: Any, hook: str, stage: str) -> Any:
@@ -109,6 +154,9 @@ def run_test(trainer: Trainer, dataloaders: Any) -> list[dict[str, float]]:
     try:
         for batch_idx, batch in enumerate(loader):
             batch = trainer.strategy.batch_to_device(batch)
+            if batch_idx >= loader.batch_sampler.num_real_batches:
+                padding_step(trainer, trainer.strategy.validation_step, batch, batch_idx)
+                continue
             trainer._call("on_test_batch_start", batch, batch_idx)
             output = trainer.strategy.validation_step(module, batch, batch_idx)
             trainer._call("on_test_batch_end", output, batch, batch_idx)
@@ -140,6 +188,9 @@ def run_predict(trainer: Trainer, dataloaders: Any) -> list[Any]:
     outputs = []
     for batch_idx, batch in enumerate(loader):
         batch = trainer.strategy.batch_to_device(batch)
+        if batch_idx >= loader.batch_sampler.num_real_batches:
+            padding_step(trainer, trainer.strategy.predict_step, batch, batch_idx)
+            continue
         trainer._call("on_predict_batch_start", batch, batch_idx)
         output = trainer.strategy.predict_step(module, batch, batch_idx)
         trainer._call("on_predict_batch_end", output, batch, batch_idx)
@@ -148,3 +199,46 @@ def run_predict(trainer: Trainer, dataloaders: Any) -> list[Any]:
     trainer._call("on_predict_end")
     trainer.predicting = False
     return outputs
+
+
+class EvaluationMethods:
+    """Mixin of `nanotrain.Trainer`: `test` and `predict` (setup, checkpoint, the loop above,
+    teardown; `on_exception` on errors) with Lightning's signatures."""
+
+    def test(
+        self: Trainer,
+        module: Any,
+        datamodule: Any = None,
+        dataloaders: Any = None,
+        ckpt_path: str | None = None,
+    ) -> list[dict[str, float]]:
+        """Run `test_step` once over the test data (`datamodule.test_dataloader()` or
+        `dataloaders`); returns [metrics], as Lightning. See `evaluation_loops.run_test`."""
+        return self._evaluate("test", module, datamodule, dataloaders, ckpt_path)
+
+    def predict(
+        self: Trainer,
+        module: Any,
+        datamodule: Any = None,
+        dataloaders: Any = None,
+        ckpt_path: str | None = None,
+    ) -> list[Any]:
+        """Run `predict_step` over the predict data (`datamodule.predict_dataloader()` or
+        `dataloaders`); returns this rank's outputs per batch. See `run_predict`."""
+        return self._evaluate("predict", module, datamodule, dataloaders, ckpt_path)
+
+    def _evaluate(
+        self: Trainer, stage: str, module: Any, datamodule: Any, loaders: Any, ckpt: Any
+    ) -> Any:
+        try:
+            self._setup(module, datamodule, stage, ckpt)
+            if ckpt is not None:
+                self._resume(ckpt, weights_only=True)
+            return (run_test if stage == "test" else run_predict)(self, loaders)
+        except BaseException as exc:
+            if self.module is not None:
+                self._call("on_exception", exc)
+            raise
+        finally:
+            self._eval_loader = None
+            self._teardown(stage)

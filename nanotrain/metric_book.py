@@ -80,6 +80,7 @@ class MetricBook:
         self._process_group = process_group
         self._step = _Scope()
         self._epoch = _Scope()
+        self._forked: dict[str, str] = {}  # "<name>_step" / "<name>_epoch" -> "<name>"
 
     def log(
         self,
@@ -104,6 +105,8 @@ class MetricBook:
             raise ValueError(f"self.log({name!r}): on_step and on_epoch cannot both be False")
         reduce = reduce_name(reduce_fx)
         both = on_step and on_epoch
+        if both:
+            self._forked.update({f"{name}_step": name, f"{name}_epoch": name})
         if on_step:
             step_name = f"{name}_step" if both else name
             self._add(self._step, step_name, value, prog_bar, logger, sync_dist, reduce, batch_size)
@@ -173,6 +176,12 @@ class MetricBook:
             if entry.prog_bar:
                 prog[name] = value
         return logged, prog
+
+    def unforked(self, values: dict[str, Tensor]) -> dict[str, Tensor]:
+        """`values` of names logged with both flags under their plain name (as Lightning's
+        `callback_metrics` also holds "loss" next to "loss_step" / "loss_epoch": the step
+        value during the epoch, the epoch value at its end)."""
+        return {self._forked[k]: v for k, v in values.items() if k in self._forked}
 
     def close(self) -> tuple[dict[str, Tensor], dict[str, Tensor]]:
         """End the step scope: (values for loggers, values for the progress bar); start anew."""

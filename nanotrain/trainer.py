@@ -22,7 +22,7 @@ from torch.utils.data import DataLoader
 from nanotrain.callbacks.base import Callback
 from nanotrain.checkpoint.preemption import PreemptionWatch, stop_if_preempted
 from nanotrain.default_callbacks import with_defaults
-from nanotrain.evaluation_loops import finish_epoch, run_predict, run_test
+from nanotrain.evaluation_loops import EvaluationMethods, finish_epoch
 from nanotrain.exit_codes import EXIT_PREEMPTED
 from nanotrain.loaders import build_loaders
 from nanotrain.loggers import LoggerGroup, make_loggers, user_loggers
@@ -37,18 +37,8 @@ from nanotrain.trainer_config import TrainerConfig, unknown_setting_error
 from nanotrain.trainer_properties import LightningTrainerProperties
 from nanotrain.validation import run_validation, to_float
 
-# hooks in which `self.log` defaults to on_step=True (as in Lightning); None = inside a step
-_STEP_HOOKS = {
-    "on_train_batch_start",
-    "on_train_batch_end",
-    "on_before_backward",
-    "on_after_backward",
-    "on_before_optimizer_step",
-    "on_before_zero_grad",
-}
 
-
-class Trainer(LightningTrainerProperties):
+class Trainer(LightningTrainerProperties, EvaluationMethods):
     """Runs `fit`, `validate`, `test` and `predict` for a `NanoModule` (or a plain
     LightningModule) under any `Strategy`.
 
@@ -146,15 +136,6 @@ class Trainer(LightningTrainerProperties):
         return self.module
 
     @property
-    def logger(self) -> Any:
-        """The first logger that can draw (a TensorBoard one), else the first logger; None on
-        ranks other than 0 or without loggers."""
-        drawing = [
-            lg for lg in self.loggers if hasattr(getattr(lg, "experiment", None), "add_histogram")
-        ]
-        return (drawing or list(self.loggers) or [None])[0]
-
-    @property
     def log_dir(self) -> Path | None:
         return self.run_dir
 
@@ -219,12 +200,6 @@ class Trainer(LightningTrainerProperties):
                 module_hook(*args)
         finally:
             self._current_fx = previous
-
-    def logs_per_step_by_default(self) -> bool:
-        """Lightning's `self.log` default: on_step (not on_epoch) in `training_step` and the
-        training batch hooks; on_epoch everywhere else."""
-        in_step = self._current_fx is None or self._current_fx in _STEP_HOOKS
-        return self.training and in_step and not (self.validating or self.testing)
 
     # -- setup shared by fit and validate --------------------------------------------------
     def _setup(self, module: NanoModule, datamodule: Any, stage: str, ckpt_path: Any) -> None:
@@ -423,11 +398,18 @@ class Trainer(LightningTrainerProperties):
         st.consumed_samples += out.num_samples
         st.consumed_tokens += out.num_tokens
         self._train_sampler.advance(s.micro_batch_size * len(microbatches))
-        if st.global_step % s.log_every_n_steps == 0 or self._done():
+        log_step = st.global_step % s.log_every_n_steps == 0 or self._done()
+        if log_step:
             self._log_train(out)
         else:
             self.metric_book.clear()
         self._call("on_train_batch_end", out, microbatches, batch_idx)
+        if log_step:  # what on_train_batch_end logged is written with its step
+            logged_in_hook = self.metric_book.close()[0]
+            if logged_in_hook:
+                self.log_metrics(logged_in_hook)
+        else:
+            self.metric_book.clear()
         vci = s.val_check_interval
         if self._val_loader is not None and vci and st.global_step % vci == 0:
             self._run_validation()
@@ -454,6 +436,7 @@ class Trainer(LightningTrainerProperties):
         metrics.update(out.metrics)
         metrics.update(logged)
         self.log_metrics(metrics)
+        self.callback_metrics.update(self.metric_book.unforked(logged))
         self.progress_bar_metrics.update({"loss": out.loss, **prog})
 
     def log_metrics(self, metrics: dict[str, Any], step: int | None = None) -> None:
@@ -493,42 +476,6 @@ class Trainer(LightningTrainerProperties):
             raise
         finally:
             self._teardown("validate")
-
-    def test(
-        self,
-        module: NanoModule,
-        datamodule: Any = None,
-        dataloaders: Any = None,
-        ckpt_path: str | Path | None = None,
-    ) -> list[dict[str, float]]:
-        """Run `test_step` once over the test data (`datamodule.test_dataloader()` or
-        `dataloaders`); returns [metrics], as Lightning. See `evaluation_loops.run_test`."""
-        return self._evaluate("test", module, datamodule, dataloaders, ckpt_path)
-
-    def predict(
-        self,
-        module: NanoModule,
-        datamodule: Any = None,
-        dataloaders: Any = None,
-        ckpt_path: str | Path | None = None,
-    ) -> list[Any]:
-        """Run `predict_step` over the predict data (`datamodule.predict_dataloader()` or
-        `dataloaders`); returns this rank's outputs per batch. See `run_predict`."""
-        return self._evaluate("predict", module, datamodule, dataloaders, ckpt_path)
-
-    def _evaluate(self, stage: str, module: Any, datamodule: Any, loaders: Any, ckpt: Any) -> Any:
-        try:
-            self._setup(module, datamodule, stage, ckpt)
-            if ckpt is not None:
-                self._resume(ckpt, weights_only=True)
-            return (run_test if stage == "test" else run_predict)(self, loaders)
-        except BaseException as exc:
-            if self.module is not None:
-                self._call("on_exception", exc)
-            raise
-        finally:
-            self._eval_loader = None
-            self._teardown(stage)
 
     # -- checkpoints (contents in nanotrain.checkpoint.payload, storage in nanotrain.checkpoint)
     def checkpoint_payload(self) -> dict[str, Any]:

@@ -150,7 +150,6 @@ LIGHTNING_ARGUMENTS = {
     "num_sanity_val_steps": "nanotrain runs no sanity validation; drop it",
     "limit_train_batches": "use max_steps",
     "gradient_clip_algorithm": "gradient_clip_val clips the global norm; drop it",
-    "logger": "pass logger=... to nanotrain.Trainer (not TrainerConfig)",
     "enable_model_summary": "add nanotrain.callbacks.ModelDump for a summary; drop it",
 }
 

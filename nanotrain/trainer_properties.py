@@ -11,6 +11,17 @@ if TYPE_CHECKING:
     from nanotrain.trainer_config import TrainerConfig
 
 
+# hooks in which `self.log` defaults to on_step=True (as in Lightning); None = inside a step
+_STEP_HOOKS = {
+    "on_train_batch_start",
+    "on_train_batch_end",
+    "on_before_backward",
+    "on_after_backward",
+    "on_before_optimizer_step",
+    "on_before_zero_grad",
+}
+
+
 class LightningTrainerProperties:
     """Mixin of the `nanotrain.Trainer`: the names and meanings of `lightning.Trainer`'s
     properties that LightningModules and their schedulers commonly read."""
@@ -20,6 +31,11 @@ class LightningTrainerProperties:
     strategy: Strategy
     _val_loader: Any
     _eval_loader: Any
+    _current_fx: str | None
+    loggers: Any
+    training: bool
+    validating: bool
+    testing: bool
 
     @property
     def max_steps(self) -> int:
@@ -68,18 +84,24 @@ class LightningTrainerProperties:
 
     @property
     def num_val_batches(self) -> list[int]:
-        """Validation batches per run on this process, one entry per loader (as Lightning)."""
+        """Validation batches per run on this process, one entry per loader (as Lightning);
+        nanotrain's own validation loader has `limit_val_batches` applied already and its
+        padding batches (which log nothing) are not counted."""
         from nanotrain.validation import val_batch_limit
 
-        if self._val_loader is None:
+        loader = self._val_loader
+        if loader is None:
             return []
-        return [val_batch_limit(self.settings.limit_val_batches, len(self._val_loader))]
+        real = getattr(loader.batch_sampler, "num_real_batches", None)
+        if real is not None:
+            return [real]
+        return [val_batch_limit(self.settings.limit_val_batches, len(loader))]
 
     @property
     def num_test_batches(self) -> list[int]:
         """Batches of the running `test` on this process (one entry), [] outside it."""
         loader = getattr(self, "_eval_loader", None)
-        return [] if loader is None else [len(loader)]
+        return [] if loader is None else [loader.batch_sampler.num_real_batches]
 
     @property
     def num_predict_batches(self) -> list[int]:
@@ -95,3 +117,18 @@ class LightningTrainerProperties:
     def num_devices(self) -> int:
         """Processes in the job (`world_size`)."""
         return self.strategy.world_size
+
+    @property
+    def logger(self) -> Any:
+        """The first logger that can draw (a TensorBoard one), else the first logger; None on
+        ranks other than 0 or without loggers."""
+        drawing = [
+            lg for lg in self.loggers if hasattr(getattr(lg, "experiment", None), "add_histogram")
+        ]
+        return (drawing or list(self.loggers) or [None])[0]
+
+    def logs_per_step_by_default(self) -> bool:
+        """Lightning's `self.log` default: on_step (not on_epoch) in `training_step` and the
+        training batch hooks; on_epoch everywhere else."""
+        in_step = self._current_fx is None or self._current_fx in _STEP_HOOKS
+        return self.training and in_step and not (self.validating or self.testing)

@@ -20,7 +20,10 @@ def run_validation(trainer: Trainer) -> dict[str, float]:
     The loader reads the same samples under any layout (`nanotrain.loaders.validation_loader`,
     which also applies `limit_val_batches`). Its padding batches (a shard with fewer samples
     than another, from `batch_sampler.num_real_batches` on) run the forward, which can be a
-    collective, but what they log is discarded and no batch hook sees them."""
+    collective, but what they log is discarded, the module's Metric objects are left as
+    they were, and no batch hook sees them."""
+    from nanotrain.evaluation_loops import finish_epoch, padding_step
+
     module = trainer.module
     was_training = module.training
     new_book = lambda: MetricBook(  # noqa: E731
@@ -41,14 +44,10 @@ def run_validation(trainer: Trainer) -> dict[str, float]:
             break
         batch = trainer.strategy.batch_to_device(batch)
         if real is not None and batch_idx >= real:
-            kept, trainer._book = trainer._book, new_book()  # a padding batch: log nowhere
-            trainer.strategy.validation_step(module, batch, batch_idx)
-            trainer._book = kept
+            padding_step(trainer, trainer.strategy.validation_step, batch, batch_idx)
             continue
         output = trainer.strategy.validation_step(module, batch, batch_idx)
         trainer._call("on_validation_batch_end", output, batch, batch_idx)
-    from nanotrain.evaluation_loops import finish_epoch
-
     logged = finish_epoch(trainer, "on_validation_epoch_end")
     trainer._book = train_book
     trainer._last_val_step = trainer.state.global_step

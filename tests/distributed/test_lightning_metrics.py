@@ -5,20 +5,23 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torchmetrics
 from lightning.pytorch.loggers import CSVLogger
+from torch.utils.data import DataLoader, TensorDataset
 
 import nanotrain as nt
 from tests.distributed.spawn import run_world
+from tests.toy import blobs
 from tests.unit.test_lightning_compat import TutorialClassifier, TutorialData, column, read_csv
 
 pytestmark = pytest.mark.distributed
 
 
-def _fit(strategy, root: str, rank: int) -> dict:
+def _fit(make_strategy, root: str, rank: int) -> dict:
     torch.manual_seed(0)
     module = TutorialClassifier()
     trainer = nt.Trainer(
-        strategy=strategy,
+        strategy=make_strategy(),
         max_steps=6,
         micro_batch_size=8,
         global_batch_size=16,
@@ -32,18 +35,57 @@ def _fit(strategy, root: str, rank: int) -> dict:
         enable_progress_bar=False,
     )
     trainer.fit(module, TutorialData())
+    metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
     return {
-        "metrics": {k: float(v) for k, v in trainer.callback_metrics.items()},
+        "metrics": metrics,
         "loggers": len(trainer.loggers),
+        "test": trainer.test(module, TutorialData()),
+        "predict": [p.tolist() for p in trainer.predict(module, TutorialData())],
+        "uneven": _uneven(make_strategy(), CountingClassifier(), root),
+    }
+
+
+class CountingClassifier(TutorialClassifier):
+    """Also counts the samples its test_step and validation_step see, with torchmetrics
+    SumMetrics."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.test_count = torchmetrics.SumMetric()
+        self.val_count = torchmetrics.SumMetric()
+
+    def validation_step(self, batch, batch_idx):
+        super().validation_step(batch, batch_idx)
+        self.val_count.update(torch.tensor(float(len(batch[1]))))
+        self.log("val_count", self.val_count)
+
+    def test_step(self, batch, batch_idx):
+        super().test_step(batch, batch_idx)
+        self.test_count.update(torch.tensor(float(len(batch[1]))))
+        self.log("test_count", self.test_count)
+
+
+def _uneven(strategy, module, root: str) -> dict:
+    """validate / test / predict on 9 samples, 4 per batch: rank 0 reads 5 (2 batches), rank 1 reads 4
+    (1 batch + 1 padding batch, whose forward runs but whose results are discarded)."""
+    data = DataLoader(TensorDataset(*blobs(9, seed=3)), batch_size=4)
+    trainer = nt.Trainer(
+        strategy=strategy, max_steps=1, micro_batch_size=4, default_root_dir=root, loggers=[],
+        enable_checkpointing=False, enable_progress_bar=False,
+    )  # fmt: skip
+    return {
+        "validate": trainer.validate(module, dataloaders=data),
+        "test": trainer.test(module, dataloaders=data),
+        "predict": [p.tolist() for p in trainer.predict(module, dataloaders=data)],
     }
 
 
 def _ddp_rank(rank: int, world_size: int, root: str) -> dict:
-    return _fit(nt.DDPStrategy(), root, rank)
+    return _fit(nt.DDPStrategy, root, rank)
 
 
 def test_metric_objects_and_sync_dist_reduce_over_ranks_and_rank_zero_logs(tmp_path):
-    single = _fit(nt.SingleDeviceStrategy("cpu"), str(tmp_path / "single"), 0)
+    single = _fit(lambda: nt.SingleDeviceStrategy("cpu"), str(tmp_path / "single"), 0)
     ranks = run_world(_ddp_rank, 2, str(tmp_path / "ddp"))
     for result in ranks:
         # val_acc: a MulticlassAccuracy over each rank's half of the validation set, synced
@@ -59,3 +101,23 @@ def test_metric_objects_and_sync_dist_reduce_over_ranks_and_rank_zero_logs(tmp_p
     assert column(rows, "val_acc") == [pytest.approx(single["metrics"]["val_acc"], rel=1e-6)]
     assert not (tmp_path / "ddp" / "user_rank1").exists()  # rank 1 writes nothing
     assert [r["loggers"] for r in ranks] == [0, 0]  # closed at teardown
+    # test: the Metric synced over ranks gives the one-process accuracy on every rank
+    for result in ranks:
+        assert result["test"][0]["test_acc"] == pytest.approx(single["test"][0]["test_acc"])
+    # predict: each rank predicts its share (samples rank, rank + 2, ...), in order
+    flat = [sum(result["predict"], []) for result in ranks]
+    expected = sum(single["predict"], [])
+    assert flat[0] == expected[0::2] and flat[1] == expected[1::2]
+
+    # uneven shards: the padding batch changes neither the synced Metrics nor the outputs
+    for result in ranks + [single]:
+        assert result["uneven"]["test"][0]["test_count"] == 9.0
+        assert result["uneven"]["validate"]["val_count"] == 9.0
+    for result in ranks:
+        assert result["uneven"]["test"][0]["test_acc"] == pytest.approx(
+            single["uneven"]["test"][0]["test_acc"]
+        )
+    assert [len(r["uneven"]["predict"]) for r in ranks] == [2, 1]
+    expected = sum(single["uneven"]["predict"], [])
+    assert sum(ranks[0]["uneven"]["predict"], []) == expected[0::2]
+    assert sum(ranks[1]["uneven"]["predict"], []) == expected[1::2]

@@ -69,14 +69,25 @@ def runs(tmp_path_factory) -> dict[str, subprocess.CompletedProcess]:
         "eos": ["prepare", "--inputs", str(corpus), "--out", str(tmp / "p2"),
                 "--tokenizer", str(tokenizer), "--eos_token", DEEPSEEK_EOS],
         "debug_flag": ["fit", "--debug", "--strategy", "bogus"],
+        # not an error: LightningCLI habits on a real run
+        "ok": ["fit", "--seed_everything", "7", "--trainer.max_steps", "2", *SMALL_DEMO,
+               "--trainer.default_root_dir", str(tmp / "ok_runs"),
+               "--trainer.logger", "lightning.pytorch.loggers.CSVLogger",
+               "--trainer.logger.save_dir", str(tmp / "user_csv"),
+               "--callbacks+", "nanotrain.callbacks.TextSampler", "--callbacks.prompts", "[Once]",
+               "--callbacks.every_n_steps", "1", "--callbacks.max_new_tokens", "2"],
     }  # fmt: skip
     procs = {name: start(args, tmp) for name, args in cases.items()}
-    procs["torchrun"] = start(cases["limit_val"], tmp, torchrun=2)
+    # raised inside fit, after the process group exists: still one line, from rank 0 only
+    torchrun_args = [*cases["seq_len"], "--trainer.global_batch_size", "2"]
+    torchrun_args += ["--trainer.default_root_dir", str(tmp / "tr_runs")]
+    procs["torchrun"] = start(torchrun_args, tmp, torchrun=2)
     results = {}
     for name, proc in procs.items():
-        out, err = proc.communicate(timeout=300)
+        out, err = proc.communicate(timeout=600)
         results[name] = subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
     results["eos_meta"] = json.loads((tmp / "p2" / "metadata.json").read_text())
+    results["tmp"] = tmp
     return results
 
 
@@ -124,7 +135,8 @@ def test_under_torchrun_only_rank_zero_prints_the_error(runs):
     result = runs["torchrun"]
     output = result.stdout + result.stderr
     assert result.returncode != 0
-    assert output.count("nanotrain: error: " + EXPECTED["limit_val"]) == 1, output[-3000:]
+    assert output.count("nanotrain: error: ") == 1, output[-3000:]
+    assert output.count("nanotrain: error: " + EXPECTED["seq_len"]) == 1, output[-3000:]
     # torchrun reports the failed workers in its own words; no traceback of nanotrain's code
     assert "nanotrain/" not in "".join(ln for ln in output.splitlines() if "File " in ln)
 
@@ -132,3 +144,21 @@ def test_under_torchrun_only_rank_zero_prints_the_error(runs):
 def test_prepare_takes_an_eos_token(runs):
     assert runs["eos"].returncode == 0, runs["eos"].stderr[-2000:]
     assert runs["eos_meta"]["tokenizer"]["eos_token"] == DEEPSEEK_EOS
+
+
+def test_lightning_cli_habits_seed_everything_logger_and_callbacks_plus(runs):
+    import yaml
+
+    assert runs["ok"].returncode == 0, runs["ok"].stderr[-3000:]
+    tmp = runs["tmp"]
+    (run_dir,) = (tmp / "ok_runs").glob("*/version_*")
+    config = yaml.safe_load((run_dir / "config.yaml").read_text())
+    assert config["seed_everything"] == 7 and config["trainer"]["seed"] == 7
+    assert config["trainer"]["logger"]["class_path"] == "lightning.pytorch.loggers.CSVLogger"
+    # --callbacks+ added the TextSampler to the defaults: the checkpoint callback still saved
+    assert (run_dir / "samples.jsonl").is_file()
+    assert (run_dir / "checkpoints" / "step-00000002").is_dir()
+    # the Lightning logger got the run's scalars (and took the place of the named ones)
+    (metrics,) = (tmp / "user_csv").rglob("metrics.csv")
+    assert "train/loss" in metrics.read_text().splitlines()[0]
+    assert not (run_dir / "tensorboard").exists()
