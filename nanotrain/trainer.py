@@ -24,6 +24,7 @@ from nanotrain.loaders import build_loaders
 from nanotrain.loggers import LoggerGroup, TensorBoardLogger, make_loggers
 from nanotrain.metric_book import MetricBook
 from nanotrain.module import NanoModule
+from nanotrain.precision import Precision, resolve_precision
 from nanotrain.rng import seed_everything, set_deterministic
 from nanotrain.run_dir import choose_run_dir, default_config, write_config
 from nanotrain.state import TrainState
@@ -43,6 +44,9 @@ class Trainer:
         config: the resolved config to save as `config.yaml` in the run directory (the CLI
             passes the whole YAML); by default the trainer's own arguments and the module's
             and datamodule's hyperparameters.
+        precision: a name ("32-true", "bf16-mixed", "bf16-true", "16-mixed",
+            "transformer-engine", "fp8-emulated", "fp4-emulated") or a `nanotrain.precision`
+            plugin; handed to the strategy, which applies it (docs/precision.md).
     """
 
     is_nanotrain = True  # lets NanoModule tell this Trainer from lightning's
@@ -52,10 +56,13 @@ class Trainer:
         strategy: Strategy | str = "auto",
         callbacks: list[Callback] | None = None,
         config: dict[str, Any] | None = None,
+        precision: Precision | str = "32-true",
         **settings: Any,
     ) -> None:
         self.settings = TrainerConfig(**settings)
         self.strategy = resolve_strategy(strategy)
+        self.strategy.precision = resolve_precision(precision)
+        self.settings.precision = self.strategy.precision.name
         self.callbacks: list[Callback] = list(callbacks or [])
         for cb in self.callbacks:
             if not isinstance(cb, Callback):

@@ -28,6 +28,9 @@ class TrainerConfig:
         seed: seeds Python, NumPy and torch before the model is built and the data shuffled.
         deterministic: use only deterministic kernels (slower; errors on ops without one).
         shuffle: shuffle the training data every epoch.
+        precision: "32-true" (default), "bf16-mixed", "bf16-true", "16-mixed",
+            "transformer-engine", "fp8-emulated" or "fp4-emulated" (see docs/precision.md);
+            the Trainer also takes a `nanotrain.precision` plugin object.
     """
 
     max_steps: int | None = None
@@ -46,6 +49,7 @@ class TrainerConfig:
     seed: int = 0
     deterministic: bool = False
     shuffle: bool = True
+    precision: str = "32-true"
 
     def __post_init__(self) -> None:
         if self.max_steps is None and self.max_epochs is None and self.max_tokens is None:

@@ -28,6 +28,8 @@ from nanotrain.models.transformer import ModelOutput
 from nanotrain.parallel.grads import all_reduce_coalesced
 from nanotrain.parallel.pipeline import PipelineComm, ScheduleStats, run_schedule
 from nanotrain.parallel.schedules import SCHEDULES, forward_only
+from nanotrain.precision.base import Precision
+from nanotrain.precision.master import grad_of
 
 if TYPE_CHECKING:
     from nanotrain.module import NanoModule
@@ -181,12 +183,15 @@ class PipelineEngine:
         weights: Sequence[float],
         batch_idx: int,
         grads: GradBucketSets,
+        precision: Precision | None = None,
     ) -> Tensor:
         """Run the schedule (forward and backward of every microbatch, its loss terms
         weighed by ``weights``), sum the shared embedding grads, reduce every grad over dp,
         and replay ``training_step`` with the global loss terms. Returns the weighted sum over
         microbatches of the total loss of this data-parallel replica (summed over stages; the
-        strategy averages it over dp)."""
+        strategy averages it over dp). ``precision``: its forward context wraps every forward
+        and its loss scale multiplies the backward weights."""
+        precision = precision or Precision()
         stage = self.stage_of(module)
         num_micro = len(microbatches)
         actions = SCHEDULES[self.schedule](
@@ -194,9 +199,12 @@ class PipelineEngine:
         )
         dtype = next(p.dtype for p in stage.parameters())
         terms = torch.zeros(num_micro, 6, dtype=torch.float64, device=self.device)
-        step = self._forward_step(
-            stage, lambda b: module.training_step(b, batch_idx), microbatches, terms
-        )
+
+        def training_step(batch: Any) -> Any:
+            with precision.forward_context():
+                return module.training_step(batch, batch_idx)
+
+        step = self._forward_step(stage, training_step, microbatches, terms)
         shared = self.shared_params(module)
         # With a shared embedding the dp reduction must wait for the cross-stage sum below;
         # otherwise it overlaps the last backward as without pipelining.
@@ -206,11 +214,11 @@ class PipelineEngine:
             actions,
             self._comm(stage, microbatches[0], dtype),
             step,
-            loss_scales=weights,
+            loss_scales=[w * precision.loss_scale for w in weights],
             before_last_backward=before_last,
         )
         if shared:
-            all_reduce_coalesced([p.grad for p in shared], self.embedding_group)
+            all_reduce_coalesced([grad_of(p) for p in shared], self.embedding_group)
         grads.finish()
         local_total = (terms[:, _TOTAL] * terms.new_tensor(list(weights))).sum()
         terms = self._global_terms(terms, over_dp=True)
@@ -220,15 +228,22 @@ class PipelineEngine:
                 module.training_step(batch, batch_idx)
         return self.sum_over_stages(local_total)
 
-    def validation_step(self, module: NanoModule, batch: Any, batch_idx: int) -> Any:
-        """Forward-only through the stages, then ``validation_step`` replayed with the global
-        loss terms on every stage; returns what that replay returns."""
+    def validation_step(
+        self, module: NanoModule, batch: Any, batch_idx: int, precision: Precision | None = None
+    ) -> Any:
+        """Forward-only through the stages (inside ``precision``'s forward context), then
+        ``validation_step`` replayed with the global loss terms on every stage; returns what
+        that replay returns."""
+        precision = precision or Precision()
         stage = self.stage_of(module)
         dtype = next(p.dtype for p in stage.parameters())
         terms = torch.zeros(1, 6, dtype=torch.float64, device=self.device)
-        step = self._forward_step(
-            stage, lambda b: module.validation_step(b, batch_idx), [batch], terms
-        )
+
+        def validation_step(b: Any) -> Any:
+            with precision.forward_context():
+                return module.validation_step(b, batch_idx)
+
+        step = self._forward_step(stage, validation_step, [batch], terms)
         actions = forward_only(1, self.mesh.pp_size, self.mesh.pp_rank, self.virtual_pp)
         run_schedule(actions, self._comm(stage, batch, dtype), step, forward_only=True)
         terms = self._global_terms(terms, over_dp=False)

@@ -9,7 +9,9 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor, nn
 
+from nanotrain.precision.master import MainGrads, MasterWeights, grad_of
 from nanotrain.strategies.base import StepOutput, Strategy, extract_loss, weigh_microbatches
+from nanotrain.strategies.optimizers import OptimizerSetup
 
 if TYPE_CHECKING:
     from nanotrain.module import NanoModule
@@ -40,6 +42,7 @@ class ReplicatedStrategy(Strategy):
     def __init__(self) -> None:
         super().__init__()
         self._step_runner: nn.Module | None = None
+        self._main_grads: MainGrads | None = None  # fp32 accumulation for bf16 parameters
 
     def _wrap(self, module: NanoModule) -> nn.Module:
         """Return the module whose forward runs one training microbatch."""
@@ -47,7 +50,24 @@ class ReplicatedStrategy(Strategy):
 
     def setup_module(self, module: NanoModule) -> None:
         super().setup_module(module)
+        if self.precision.master_weights:
+            self._main_grads = MainGrads(list(self.parameters()))
         self._step_runner = self._wrap(module)
+
+    def setup_optimizers(self, module: NanoModule) -> OptimizerSetup:
+        """`configure_optimizers`; with low-precision parameters the optimizer is moved onto
+        fp32 master weights (`nanotrain.precision.MasterWeights`)."""
+        setup = super().setup_optimizers(module)
+        if self.precision.master_weights:
+            self._master_holder = MasterWeights(setup.optimizer)
+        return setup
+
+    def _reduce_main_grads(self, buffer: Tensor) -> None:
+        """Average the fp32 main-grad buffer over replicas (nothing for one process)."""
+
+    def _found_inf_groups(self) -> list[Any]:
+        """Groups over which an fp16 overflow is reduced (every rank that holds gradients)."""
+        return []
 
     def _sync_context(self, is_last_microbatch: bool) -> contextlib.AbstractContextManager:
         """Context for one microbatch's backward; DDP disables gradient sync on all but the last."""
@@ -61,33 +81,49 @@ class ReplicatedStrategy(Strategy):
         weighed = weigh_microbatches(self, module, microbatches)
         num_micro = len(microbatches)
         loss_sum = torch.zeros((), device=self.root_device, dtype=torch.float64)
+        precision = self.precision
         for i, (microbatch, weight) in enumerate(zip(microbatches, weighed.weights, strict=True)):
             with self._sync_context(i == num_micro - 1):
-                loss = extract_loss(self._step_runner(microbatch, batch_idx))
+                with precision.forward_context():
+                    loss = extract_loss(self._step_runner(microbatch, batch_idx))
                 # Each microbatch's mean loss weighed by its share of the global batch's
                 # tokens (times the replicas, which DDP's average divides out again).
-                (loss * weight).backward()
+                precision.scale_loss(loss * weight).backward()
             loss_sum += loss.detach().double() * weight
+        if self._main_grads is not None:
+            self._reduce_main_grads(self._main_grads.buffer)
+        if precision.uses_loss_scaling:
+            grads = [grad_of(p) for p in self.parameters()]
+            precision.unscale_grads_([g for g in grads if g is not None], self._found_inf_groups())
         replicas = self.data_shard().count
         return StepOutput(
             loss=(self.reduce(loss_sum, op="sum") / replicas).float(),
             num_tokens=weighed.num_tokens,
             num_samples=weighed.num_samples,
+            metrics=precision.step_metrics(),
         )
 
     def clip_grad_norm_(self, max_norm: float | None) -> Tensor:
         """Global L2 grad norm over this (already synchronized) replica's gradients; clip if asked."""
-        params = [p for p in self.parameters() if p.grad is not None]
-        if not params:
+        grads = [g for g in (grad_of(p) for p in self.parameters()) if g is not None]
+        if not grads:
             return torch.zeros((), device=self.root_device)
-        if max_norm is None:
-            grads = [p.grad for p in params]
-            return torch.nn.utils.get_total_norm(grads, norm_type=2.0)
-        return torch.nn.utils.clip_grad_norm_(params, max_norm=max_norm)
+        norm = torch.nn.utils.get_total_norm(grads, norm_type=2.0)
+        if max_norm is not None:
+            # what torch.nn.utils.clip_grad_norm_ does, on the grads the optimizer reads
+            coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+            for g in grads:
+                g.mul_(coef.to(g.dtype))
+        return norm
 
-    def validation_step(self, module: NanoModule, batch: Any, batch_idx: int) -> Any:
-        with torch.no_grad():
-            return module.validation_step(batch, batch_idx)
+    def zero_grad(self) -> None:
+        """Drop the gradients (and zero the fp32 main grads, if any)."""
+        super().zero_grad()
+        if self._main_grads is not None:
+            self._main_grads.zero_()
 
     def teardown(self) -> None:
         self._step_runner = None
+        if self._main_grads is not None:
+            self._main_grads.remove()
+            self._main_grads = None

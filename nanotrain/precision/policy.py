@@ -1,0 +1,98 @@
+"""Per-module precision policy: which layers run their GEMMs in low precision, by name pattern.
+
+A module is *low precision* when it is a linear layer (``nn.Linear``, `ColumnParallelLinear`,
+`RowParallelLinear`), its full name (as ``module.named_modules()`` gives it) matches one of
+``low_precision`` and none of ``keep_high_precision`` (fnmatch patterns, ``*`` matches dots too).
+Everything the policy keeps high runs in the plugin's higher precision (fp32 under autocast,
+with autocast switched off for it).
+
+The defaults follow DeepSeek-V3 (tech report, section 3.3): the embedding, the output head,
+the MoE router (gating), the normalizations and the attention softmax stay in higher precision;
+the GEMMs of attention projections, MLPs and shared experts go low. The attention softmax and the
+norms are not linear layers, so they never go low; the router computes in fp32 itself.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from torch import nn
+
+__all__ = ["DEEPSEEK_V3_KEEP_HIGH", "PrecisionPolicy", "is_linear"]
+
+#: name patterns DeepSeek-V3 keeps in higher precision
+DEEPSEEK_V3_KEEP_HIGH: tuple[str, ...] = (
+    "*embed*",
+    "*lm_head*",
+    "*output*",
+    "*.gate",
+    "*router*",
+    "*norm*",
+)
+
+
+def is_linear(module: nn.Module) -> bool:
+    """True for the layers whose forward is one ``F.linear`` (and so can be swapped)."""
+    from nanotrain.parallel.tensor import ColumnParallelLinear, RowParallelLinear
+
+    return isinstance(module, (nn.Linear, ColumnParallelLinear, RowParallelLinear))
+
+
+@dataclass(frozen=True)
+class PrecisionPolicy:
+    """Which modules run low precision (see the module docstring).
+
+    Args:
+        low_precision: fnmatch patterns of module names that may go low (default: all).
+        keep_high_precision: patterns that stay high even when they match ``low_precision``.
+
+    Raises:
+        TypeError: when a pattern list is a plain string or holds a non-string.
+    """
+
+    low_precision: Sequence[str] = ("*",)
+    keep_high_precision: Sequence[str] = DEEPSEEK_V3_KEEP_HIGH
+
+    def __post_init__(self) -> None:
+        for name in ("low_precision", "keep_high_precision"):
+            value = getattr(self, name)
+            if isinstance(value, str) or not all(isinstance(v, str) for v in value):
+                raise TypeError(
+                    f"PrecisionPolicy.{name} must be a list of name patterns, got {value!r}; "
+                    f"e.g. {name}=['*mlp*']"
+                )
+            object.__setattr__(self, name, tuple(value))
+
+    def goes_low(self, name: str) -> bool:
+        """Whether a linear layer called ``name`` runs in low precision."""
+        matches = any(fnmatch.fnmatchcase(name, p) for p in self.low_precision)
+        return matches and not any(fnmatch.fnmatchcase(name, p) for p in self.keep_high_precision)
+
+    def resolve(self, module: nn.Module) -> dict[str, str]:
+        """``{name: "low" | "high"}`` for every linear layer of ``module`` (in module order)."""
+        return {
+            name: "low" if self.goes_low(name) else "high"
+            for name, sub in module.named_modules()
+            if is_linear(sub)
+        }
+
+
+def describe(precision_name: str, resolved: dict[str, str], detail: str) -> str:
+    """The human-readable policy report printed at start."""
+    low = [n for n, v in resolved.items() if v == "low"]
+    high = [n for n, v in resolved.items() if v == "high"]
+    lines = [f"precision {precision_name}: {detail}"]
+    lines.append(f"  low precision ({len(low)} linear layers): {', '.join(low) or '-'}")
+    lines.append(f"  kept high precision ({len(high)}): {', '.join(high) or '-'}")
+    return "\n".join(lines)
+
+
+def write_report(run_dir: Path, payload: dict) -> Path:
+    """Write the resolved policy as ``<run_dir>/precision.json``; returns the path."""
+    path = Path(run_dir) / "precision.json"
+    path.write_text(json.dumps(payload, indent=2, sort_keys=True) + "\n")
+    return path
