@@ -14,9 +14,7 @@ The swap happens inside the layer's own forward (a `TorchFunctionMode` that catc
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Callable
-from typing import Any
 
 import torch
 import torch.nn.functional as F
