@@ -1,0 +1,164 @@
+"""Precision plugins under MegatronStrategy on 2-rank gloo worlds.
+
+- every precision under tp=2 and under pp=2 gives the losses of the same precision in one
+  process (fp32-like plugins at rtol 1e-5; bf16 ones at 2e-2, see LOW_TOL),
+- bf16-true under ZeRO-2 (dp=2): bf16 parameters, fp32 master weights and Adam moments, each
+  rank holding half of them (bytes counted),
+- 16-mixed with an inf injected into one element of one rank's gradient: only the rank owning
+  that element's shard sees it, both skip that step and halve the scale; a resume restores it.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import nanotrain as nt
+from nanotrain.precision import FP16Mixed
+from nanotrain.strategies.megatron import MegatronStrategy
+from tests.distributed.spawn import run_world
+from tests.precision_helpers import fit
+
+PRECISIONS = ("32-true", "bf16-mixed", "bf16-true", "16-mixed", "fp8-emulated", "fp4-emulated")
+STEPS = 3
+# bf16 keeps 8 significant bits: a different summation order (tp splits each GEMM's reduction
+# and all-reduces partial sums, pp sends bf16 activations) changes a loss of ~5 by a few bf16
+# ulps of the intermediate values, about 1e-3 relative; 2e-2 leaves room for 3 steps of drift
+# while a wrong gradient or a lost update moves the loss by far more. fp16 (10 bits) and the
+# emulations (bf16 GEMMs) share that tolerance; 32-true keeps the fp32 1e-5.
+LOW_TOL = 2e-2
+
+
+def _fit_all(rank: int, world: int, root: str) -> dict:
+    torch.manual_seed(0)
+    out = {}
+    for name in PRECISIONS:
+        for layout, kwargs in (("tp2", dict(tp=2)), ("pp2", dict(pp=2))):
+            _, rec = fit(name, MegatronStrategy(**kwargs), steps=STEPS, root=f"{root}/{layout}")
+            out[(name, layout)] = rec.losses
+    return out
+
+
+@pytest.fixture(scope="module")
+def single_process(tmp_path_factory):
+    root = str(tmp_path_factory.mktemp("ref"))
+    return {name: fit(name, "single", steps=STEPS, root=root)[1].losses for name in PRECISIONS}
+
+
+def test_every_precision_under_tp_and_pp_matches_one_process(tmp_path, single_process):
+    results = run_world(_fit_all, 2, str(tmp_path), timeout=600)
+    for (name, layout), losses in results[0].items():
+        assert losses == results[1][(name, layout)], (name, layout)  # ranks agree
+        ref = single_process[name]
+        tol = 1e-5 if name == "32-true" else LOW_TOL
+        torch.testing.assert_close(
+            torch.tensor(losses), torch.tensor(ref), rtol=tol, atol=0, msg=f"{name} {layout}"
+        )
+
+
+class Bytes(nt.Callback):
+    """At the end of training (before teardown): dtypes and bytes of parameters, ZeRO master
+    pieces and optimizer moments on this rank."""
+
+    def on_train_end(self, trainer, module) -> None:
+        s = trainer.strategy
+        params = list(module.parameters())
+        moments = [v for st in s.optimizer.state.values() for v in st.values() if v.dim() > 0]
+        masters = s._zero.masters
+        self.result = {
+            "param_dtypes": {str(p.dtype) for p in params},
+            "param_bytes": sum(p.numel() * p.element_size() for p in params),
+            "numel": sum(p.numel() for p in params),
+            "master_bytes": sum(m.numel() * m.element_size() for m in masters),
+            "master_dtypes": {str(m.dtype) for m in masters},
+            "moment_bytes": sum(v.numel() * v.element_size() for v in moments),
+            "moment_dtypes": {str(v.dtype) for v in moments},
+        }
+
+
+def _zero2_bf16_true(rank: int, world: int, root: str) -> dict:
+    probe = Bytes()
+    _, rec = fit("bf16-true", MegatronStrategy(zero_stage=2), steps=2, root=root, callbacks=[probe])
+    return {**probe.result, "losses": rec.losses}
+
+
+def test_bf16_true_zero2_shards_fp32_masters_and_moments(tmp_path):
+    results = run_world(_zero2_bf16_true, 2, str(tmp_path), timeout=300)
+    numel = results[0]["numel"]
+    for r in results:
+        assert r["param_dtypes"] == {"torch.bfloat16"}
+        assert r["param_bytes"] == 2 * numel  # every rank holds all bf16 parameters
+        assert r["master_dtypes"] == {"torch.float32"} and r["moment_dtypes"] == {"torch.float32"}
+    # masters: 4 bytes per element, each rank about half (buckets padded to a multiple of dp)
+    total_master = sum(r["master_bytes"] for r in results)
+    assert 4 * numel <= total_master <= 4 * numel + 4 * 2 * 64
+    for r in results:
+        assert abs(r["master_bytes"] - 2 * numel) <= 4 * 64
+        # AdamW: two fp32 moments per owned element
+        assert r["moment_bytes"] == 2 * r["master_bytes"]
+    assert results[0]["losses"] == results[1]["losses"]
+
+
+class InjectInf(nt.Callback):
+    """At step ``at``, on ``rank`` only, make element 0 of the first parameter's gradient inf
+    (a tensor hook, before the data-parallel reduce-scatter), and record what the scaler saw."""
+
+    def __init__(self, at: int, rank: int) -> None:
+        self.at, self.rank = at, rank
+        self.seen: list[tuple[float, bool, bool]] = []
+        self._handle = None
+
+    def on_train_batch_start(self, trainer, module, batch, batch_idx) -> None:
+        if trainer.global_step == self.at and trainer.global_rank == self.rank:
+            p = next(module.parameters())
+
+            def poison(g):
+                g = g.clone()
+                g.view(-1)[0] = float("inf")
+                return g
+
+            self._handle = p.register_hook(poison)
+
+    def on_before_optimizer_step(self, trainer, module, optimizer) -> None:
+        if self._handle is not None:
+            self._handle.remove()
+            self._handle = None
+        sc = trainer.strategy.precision.scaler
+        self.seen.append((sc.scale, sc.local_found_inf, sc.found_inf))
+
+
+def _overflow(rank: int, world: int, root: str) -> dict:
+    inject = InjectInf(at=1, rank=0)
+    plugin = FP16Mixed(init_scale=2.0**8)
+    trainer, rec = fit(
+        plugin, MegatronStrategy(zero_stage=2), steps=3, root=root, callbacks=[inject]
+    )
+    path = trainer.save_checkpoint(f"{root}/ckpt")
+    saved = plugin.scaler.state_dict()
+
+    class Probe(nt.Callback):
+        def on_train_start(self, trainer, module):
+            self.state = trainer.strategy.precision.scaler.state_dict()
+
+    probe = Probe()
+    fit(
+        FP16Mixed(),
+        MegatronStrategy(zero_stage=2),
+        steps=4,
+        root=root,
+        callbacks=[probe],
+        ckpt_path=path,
+    )
+    return {"seen": inject.seen, "metrics": rec.metrics, "saved": saved, "restored": probe.state}
+
+
+def test_fp16_overflow_on_one_rank_skips_the_step_everywhere(tmp_path):
+    results = run_world(_overflow, 2, str(tmp_path), timeout=300)
+    local = [r["seen"][1][1] for r in results]
+    assert sorted(local) == [False, True]  # only the shard owner saw the inf
+    for r in results:
+        scales = [s for s, _, _ in r["seen"]]
+        assert [f for _, _, f in r["seen"]] == [False, True, False]
+        assert scales == [2.0**8, 2.0**8, 2.0**7]  # halved after the skipped step
+        assert [m["precision/skipped"] for m in r["metrics"]] == [0.0, 1.0, 0.0]
+        assert r["restored"] == r["saved"] and r["saved"]["scale"] == 2.0**7
