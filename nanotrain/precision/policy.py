@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import fnmatch
 import json
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -81,13 +82,20 @@ class PrecisionPolicy:
         }
 
 
+def _collapse(names: list[str]) -> str:
+    """Names with layer indices folded (``layers.*.mlp.up_proj``), each once, in order."""
+    folded = dict.fromkeys(re.sub(r"\.\d+\.", ".*.", n) for n in names)
+    return ", ".join(folded) or "-"
+
+
 def describe(precision_name: str, resolved: dict[str, str], detail: str) -> str:
-    """The human-readable policy report printed at start."""
+    """The human-readable policy report printed at start (layer indices folded; the full
+    per-module list is in ``precision.json``)."""
     low = [n for n, v in resolved.items() if v == "low"]
     high = [n for n, v in resolved.items() if v == "high"]
     lines = [f"precision {precision_name}: {detail}"]
-    lines.append(f"  low precision ({len(low)} linear layers): {', '.join(low) or '-'}")
-    lines.append(f"  kept high precision ({len(high)}): {', '.join(high) or '-'}")
+    lines.append(f"  low precision ({len(low)} linear layers): {_collapse(low)}")
+    lines.append(f"  kept high precision ({len(high)}): {_collapse(high)}")
     return "\n".join(lines)
 
 

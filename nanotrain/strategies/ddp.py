@@ -130,10 +130,11 @@ class DDPStrategy(ReplicatedStrategy):
             find_unused_parameters=self.find_unused_parameters,
             bucket_cap_mb=self.bucket_cap_mb,
         )
-        if self.precision.reduce_dtype == torch.bfloat16:
-            from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+        if self.precision.reduce_dtype != torch.float32:
+            from nanotrain.precision.comm import low_precision_allreduce_hook
 
-            ddp.register_comm_hook(dist.group.WORLD, default_hooks.bf16_compress_hook)
+            hook = low_precision_allreduce_hook(self.precision.reduce_dtype)
+            ddp.register_comm_hook(dist.group.WORLD, hook)
         return ddp
 
     def _reduce_main_grads(self, buffer: Tensor) -> None:
