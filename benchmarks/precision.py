@@ -95,20 +95,19 @@ def main() -> None:
     p.add_argument("--precisions", nargs="+", default=list(DEFAULT))
     args = p.parse_args()
     ctx = mp.get_context("fork")
-    rows = []
+    print(f"preset {args.preset}, seq {args.seq}, micro batch 1, {args.steps} timed steps")
+    print("| precision | step time (s) | vs first | peak memory (MiB) | MFU |")
+    print("|---|---|---|---|---|", flush=True)
+    base = None
     for name in args.precisions:
         parent, child = ctx.Pipe()
         proc = ctx.Process(target=run_one, args=(name, args, child))
         proc.start()
-        rows.append((name, *parent.recv()))
+        step, peak, mfu = parent.recv()
         proc.join()
-    base = rows[0][1]
-    print(f"preset {args.preset}, seq {args.seq}, micro batch 1, {args.steps} timed steps")
-    print("| precision | step time (s) | vs first | peak memory (MiB) | MFU |")
-    print("|---|---|---|---|---|")
-    for name, step, peak, mfu in rows:
+        base = base or step
         mfu_s = "-" if mfu is None else f"{100 * mfu:.1f}%"
-        print(f"| {name} | {step:.3f} | {step / base:.2f}x | {peak:.0f} | {mfu_s} |")
+        print(f"| {name} | {step:.3f} | {step / base:.2f}x | {peak:.0f} | {mfu_s} |", flush=True)
 
 
 if __name__ == "__main__":

@@ -201,3 +201,39 @@ def test_loss_scale_is_checkpointed_and_restored(tmp_path):
     probe = Probe()
     fit(resumed, steps=4, root=str(tmp_path), callbacks=[probe], ckpt_path=path)
     assert probe.state == saved
+
+
+def test_cli_flag_reaches_the_strategy(tmp_path):
+    from pathlib import Path
+
+    from nanotrain.cli import main
+
+    config = Path(__file__).resolve().parents[2] / "examples/configs/tiny_deepseek.yaml"
+    code = main(
+        [
+            "fit",
+            "--config",
+            str(config),
+            "--trainer.precision",
+            "bf16-true",
+            "--trainer.max_steps",
+            "1",
+            "--trainer.global_batch_size",
+            "2",
+            "--trainer.micro_batch_size",
+            "2",
+            "--trainer.limit_val_batches",
+            "0",
+            "--trainer.default_root_dir",
+            str(tmp_path),
+            "--trainer.loggers",
+            "[]",
+            "--callbacks",
+            "[]",
+        ]
+    )
+    run_dirs = list(tmp_path.glob("*/version_*"))
+    assert len(run_dirs) == 1
+    report = json.loads((run_dirs[0] / "precision.json").read_text())
+    assert report["precision"] == "bf16-true"
+    assert code == 0
