@@ -193,13 +193,23 @@ def _high_precision(device_type: str):
         yield
 
 
+#: the ways a GEMM layer's forward multiplies by its weight (second argument)
+GEMM_FUNCTIONS = (
+    torch.nn.functional.linear,
+    torch.matmul,
+    torch.Tensor.matmul,
+    torch.Tensor.__matmul__,
+)
+
+
 class _UpcastLinear(torch.overrides.TorchFunctionMode):
-    """Casts the input of ``F.linear`` to the weight's dtype (for layers kept high)."""
+    """Casts the input of a GEMM (``F.linear``, ``x @ W``) to the weight's dtype (for layers
+    kept high)."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func is torch.nn.functional.linear and len(args) >= 2:
+        if func in GEMM_FUNCTIONS and len(args) >= 2:
             x, w = args[0], args[1]
-            if x.dtype != w.dtype:
+            if isinstance(x, torch.Tensor) and isinstance(w, torch.Tensor) and x.dtype != w.dtype:
                 args = (x.to(w.dtype), *args[1:])
         return func(*args, **kwargs)

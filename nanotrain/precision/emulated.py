@@ -35,6 +35,7 @@ FP8_RECIPES: dict[str, tuple[str, str]] = {
 }
 
 Quantizer = Callable[[Tensor], Tensor]
+_MATMULS = (torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__)
 
 
 class _QuantizedLinear(torch.autograd.Function):
@@ -66,7 +67,8 @@ class _QuantizedLinear(torch.autograd.Function):
 
 
 class _LinearMode(torch.overrides.TorchFunctionMode):
-    """Replaces ``F.linear`` inside one layer's forward with `_QuantizedLinear`."""
+    """Replaces ``F.linear(x, W, b)`` and ``x @ W.T`` (the grouped experts' form, a 2-D weight
+    view as second operand) inside one layer's forward with `_QuantizedLinear`."""
 
     def __init__(self, q_x: Quantizer, q_w: Quantizer, q_g: Quantizer | None, device: str):
         super().__init__()
@@ -82,7 +84,17 @@ class _LinearMode(torch.overrides.TorchFunctionMode):
             else:
                 dtype = x.dtype
             return _QuantizedLinear.apply(x, w, b, self.q_x, self.q_w, self.q_g, dtype)
+        if func in _MATMULS and len(args) == 2 and args[1].dim() == 2 and args[0].dim() >= 2:
+            x, w_t = args
+            dtype = self._dtype(x)
+            # x @ W^T == F.linear(x, W): quantize W in its own [out, in] layout
+            return _QuantizedLinear.apply(x, w_t.t(), None, self.q_x, self.q_w, self.q_g, dtype)
         return func(*args, **kwargs)
+
+    def _dtype(self, x: Tensor) -> torch.dtype:
+        if torch.is_autocast_enabled(self.device):
+            return torch.get_autocast_dtype(self.device)
+        return x.dtype
 
 
 class _Emulated(BF16Mixed):

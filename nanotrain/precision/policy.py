@@ -1,15 +1,17 @@
 """Per-module precision policy: which layers run their GEMMs in low precision, by name pattern.
 
-A module is *low precision* when it is a linear layer (``nn.Linear``, `ColumnParallelLinear`,
-`RowParallelLinear`), its full name (as ``module.named_modules()`` gives it) matches one of
+A module is *low precision* when it is a GEMM layer (``nn.Linear``, `ColumnParallelLinear`,
+`RowParallelLinear`, the MoE router `TopKRouter`, the routed experts' `GroupedExperts`), its
+full name (as ``module.named_modules()`` gives it) matches one of
 ``low_precision`` and none of ``keep_high_precision`` (fnmatch patterns, ``*`` matches dots too).
 Everything the policy keeps high runs in the plugin's higher precision (fp32 under autocast,
 with autocast switched off for it).
 
 The defaults follow DeepSeek-V3 (tech report, section 3.3): the embedding, the output head,
 the MoE router (gating), the normalizations and the attention softmax stay in higher precision;
-the GEMMs of attention projections, MLPs and shared experts go low. The attention softmax and the
-norms are not linear layers, so they never go low; the router computes in fp32 itself.
+the GEMMs of attention projections, MLPs, shared and routed experts go low. The attention
+softmax and the norms are not GEMM layers, so they never go low; the router is kept high by
+``*.gate`` (under autocast its GEMM then really runs in fp32).
 """
 
 from __future__ import annotations
@@ -37,10 +39,26 @@ DEEPSEEK_V3_KEEP_HIGH: tuple[str, ...] = (
 
 
 def is_linear(module: nn.Module) -> bool:
-    """True for the layers whose forward is one ``F.linear`` (and so can be swapped)."""
+    """True for the GEMM layers a policy decides about: those whose forward is one
+    ``F.linear`` (nn.Linear, Column/RowParallelLinear, the MoE router) and the grouped routed
+    experts (one ``x @ W.T`` per expert)."""
+    from nanotrain.models.moe import TopKRouter
+
+    return is_plain_linear(module) or is_grouped_experts(module) or isinstance(module, TopKRouter)
+
+
+def is_plain_linear(module: nn.Module) -> bool:
+    """True for nn.Linear and the tensor-parallel linears (forward = one ``F.linear``)."""
     from nanotrain.parallel.tensor import ColumnParallelLinear, RowParallelLinear
 
     return isinstance(module, (nn.Linear, ColumnParallelLinear, RowParallelLinear))
+
+
+def is_grouped_experts(module: nn.Module) -> bool:
+    """True for the MoE layer's routed experts (`nanotrain.models.moe.GroupedExperts`)."""
+    from nanotrain.models.moe import GroupedExperts
+
+    return isinstance(module, GroupedExperts)
 
 
 @dataclass(frozen=True)

@@ -31,7 +31,7 @@ from torch import nn
 
 from nanotrain.precision.base import wrap_forward
 from nanotrain.precision.mixed import BF16Mixed
-from nanotrain.precision.policy import PrecisionPolicy
+from nanotrain.precision.policy import PrecisionPolicy, is_plain_linear
 
 __all__ = ["TE_RECIPES", "TransformerEnginePrecision", "import_transformer_engine"]
 
@@ -141,7 +141,8 @@ class TransformerEnginePrecision(BF16Mixed):
         return cls(fp8_format=fmt)
 
     def apply_to_linear(self, name: str, layer: nn.Module, low: bool) -> None:
-        if not low:
+        if not low or not is_plain_linear(layer):
+            # kept high, or the grouped experts (no TE swap yet: they run in bf16 autocast)
             super().apply_to_linear(name, layer, low)
             return
         weight = layer.weight

@@ -24,10 +24,10 @@ from tests.precision_helpers import fit
 STEPS = 3
 # Measured max relative loss differences against one process over 3 steps: bf16 ~1.5e-4
 # (the data-parallel ranks batch different samples together, and bf16 CPU GEMMs do not give
-# row results independent of the other rows), fp16 ~4e-6, emulated fp8 ~1.4e-3 (the same, plus
+# row results independent of the other rows), fp16 ~4e-6 (3e-5 under ep), emulated fp8 ~1.4e-3 (the same, plus
 # per-tile scales rounding differently). Bounds: a few times the measured value; a wrong
 # gradient or lost update changes the loss by >1e-2.
-BF16_TOL, FP16_TOL, FP8_TOL = 1e-3, 5e-5, 5e-3
+BF16_TOL, FP16_TOL, FP8_TOL = 1e-3, 1e-4, 5e-3
 
 
 def fp16_low_scale():

@@ -87,13 +87,14 @@ def test_transformer_engine_tiny_run_on_gpu(tmp_path):
 
 # Distances to the fp32 curve over 50 steps of the tiny DeepSeek preset (seq 16, batch 2,
 # lr 3e-3): mean |loss - loss_fp32| over the steps, and |difference of the last-10 means|.
-# Measured (docs/precision.md): bf16-mixed 0.018 / 0.009, bf16-true 0.005 / 0.000, 16-mixed
-# 0.113 / 0.073 (its first step overflows at scale 2**16 and is skipped, so its curve runs one
-# update behind), fp8-emulated vs bf16-mixed 0.027 / 0.030.
+# Measured (docs/precision.md): bf16-mixed 0.005 / 0.003, bf16-true 0.005 / 0.000, 16-mixed
+# 0.003 / 0.002, fp8-emulated vs bf16-mixed 0.027 / 0.035. Bounds: about 4x / 2x that; a
+# broken precision path (no master weights, unscaled fp16 gradients, a wrong quantizer) moves
+# these curves by 0.1 or more.
 CURVE_TOLERANCE = {
-    "bf16-mixed": (0.05, 0.05),
-    "bf16-true": (0.05, 0.05),
-    "16-mixed": (0.2, 0.15),
+    "bf16-mixed": (0.02, 0.02),
+    "bf16-true": (0.02, 0.02),
+    "16-mixed": (0.02, 0.02),
 }
 
 
@@ -123,7 +124,7 @@ def test_loss_curve_stays_near_fp32(curves, name):
 
 def test_emulated_fp8_curve_tracks_bf16(curves):
     mean_gap, end_gap = _distance(curves["fp8-emulated"], curves["bf16-mixed"])
-    assert mean_gap <= 0.06 and end_gap <= 0.06, (mean_gap, end_gap)
+    assert mean_gap <= 0.06 and end_gap <= 0.07, (mean_gap, end_gap)
     assert not torch.equal(curves["fp8-emulated"], curves["bf16-mixed"])  # it did quantize
 
 

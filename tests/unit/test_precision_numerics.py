@@ -129,3 +129,24 @@ def test_loss_scaler_backoff_growth_and_state():
     assert t.state_dict() == state == {"scale": 8.0, "growth_tracker": 0, "skipped_steps": 1}
     with pytest.raises(ValueError, match="backoff_factor must be in"):
         DynamicLossScaler(backoff_factor=1.5)
+
+
+def test_emulated_gemm_quantizes_linear_and_expert_matmul_forms_alike():
+    from nanotrain.precision.emulated import _LinearMode
+
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(5, 256, generator=g, requires_grad=True)
+    w = torch.randn(130, 256, generator=g, requires_grad=True)
+
+    def q(t):
+        return qdq_fp8(t, "e4m3", "tile")
+
+    with _LinearMode(q, q, q, "cpu"):
+        y_linear = torch.nn.functional.linear(x, w)
+        y_matmul = x @ w[0:130].T  # GroupedExperts' form: a weight view, transposed
+    expected = q(x.detach()) @ q(w.detach()).T
+    assert torch.equal(y_linear, expected) and torch.equal(y_matmul, expected)
+    (y_matmul * 2).sum().backward()
+    grad_out = q(torch.full((5, 130), 2.0))
+    torch.testing.assert_close(w.grad, grad_out.T @ q(x.detach()))
+    torch.testing.assert_close(x.grad, grad_out @ q(w.detach()))
