@@ -5,7 +5,6 @@ TE's own numerics are not exercised (tests/unit/test_precision.py has the GPU+TE
 
 from __future__ import annotations
 
-import contextlib
 import sys
 import types
 
