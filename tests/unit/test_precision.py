@@ -238,3 +238,24 @@ def test_cli_flag_reaches_the_strategy(tmp_path):
     report = json.loads((run_dirs[0] / "precision.json").read_text())
     assert report["precision"] == "bf16-true"
     assert code == 0
+
+
+def test_setting_up_the_same_module_twice_does_not_nest_wrappers(tmp_path):
+    import unittest.mock
+
+    from nanotrain.precision.emulated import _LinearMode
+
+    module = nt.LanguageModelModule("tiny-dense", vocab_size=128, lr=1e-2, warmup_steps=2)
+    fit("fp8-emulated", steps=1, root=str(tmp_path), module=module)
+    fit("fp8-emulated", steps=1, root=str(tmp_path), module=module)
+    layer = module.model.layers[0].mlp.up_proj
+    entered = []
+    orig_init = _LinearMode.__init__
+
+    def spy(self, *args, **kwargs):
+        entered.append(1)
+        orig_init(self, *args, **kwargs)
+
+    with unittest.mock.patch.object(_LinearMode, "__init__", spy), torch.no_grad():
+        layer(torch.randn(1, 2, layer.weight.shape[1]))
+    assert len(entered) == 1  # one quantizing mode per call, not one per setup
