@@ -4,8 +4,9 @@
   process (32-true at rtol 1e-5; the others at the tolerances in TOL, justified there),
 - bf16-true under ZeRO-2 (dp=2): bf16 parameters, fp32 master weights and Adam moments, each
   rank holding half of them (bytes counted),
-- 16-mixed with an inf injected into one element of one rank's gradient: only the rank owning
-  that element's shard sees it, both skip that step and halve the scale; a resume restores it.
+- 16-mixed with an inf injected into one element of one rank's gradient (under ZeRO-2 dp=2,
+  tp=2 and pp=2): only the rank holding that element sees it, both skip that step and halve
+  the scale; a resume restores it (ZeRO-2).
 """
 
 from __future__ import annotations
@@ -137,6 +138,15 @@ class InjectInf(nt.Callback):
 
 
 def _overflow(rank: int, world: int, root: str) -> dict:
+    # under tp=2 / pp=2 (no ZeRO) the poisoned element lies in rank 0's own tp shard of the
+    # embedding / in stage 0's parameters: again only rank 0 sees it
+    others = {}
+    for layout, kwargs in (("tp2", dict(tp=2)), ("pp2", dict(pp=2))):
+        inject = InjectInf(at=1, rank=0)
+        plugin = FP16Mixed(init_scale=2.0**8)
+        strategy = MegatronStrategy(**kwargs)
+        fit(plugin, strategy, steps=3, root=f"{root}/{layout}", callbacks=[inject])
+        others[layout] = inject.seen
     inject = InjectInf(at=1, rank=0)
     plugin = FP16Mixed(init_scale=2.0**8)
     trainer, rec = fit(
@@ -158,7 +168,13 @@ def _overflow(rank: int, world: int, root: str) -> dict:
         callbacks=[probe],
         ckpt_path=path,
     )
-    return {"seen": inject.seen, "metrics": rec.metrics, "saved": saved, "restored": probe.state}
+    return {
+        "seen": inject.seen,
+        "metrics": rec.metrics,
+        "saved": saved,
+        "restored": probe.state,
+        "others": others,
+    }
 
 
 def test_fp16_overflow_on_one_rank_skips_the_step_everywhere(tmp_path):
@@ -171,3 +187,9 @@ def test_fp16_overflow_on_one_rank_skips_the_step_everywhere(tmp_path):
         assert scales == [2.0**8, 2.0**8, 2.0**7]  # halved after the skipped step
         assert [m["precision/skipped"] for m in r["metrics"]] == [0.0, 1.0, 0.0]
         assert r["restored"] == r["saved"] and r["saved"]["scale"] == 2.0**7
+    for layout in ("tp2", "pp2"):
+        seen = [r["others"][layout] for r in results]
+        assert [s[1][1] for s in seen] == [True, False], layout  # only rank 0 saw it
+        for s in seen:
+            assert [f for _, _, f in s] == [False, True, False], layout
+            assert [sc for sc, _, _ in s] == [2.0**8, 2.0**8, 2.0**7], layout
