@@ -1,10 +1,11 @@
 """nanotrain: Lightning hooks, Megatron parallelism, no global state.
 
 Public API: `Trainer`, `NanoModule`, `LossTerms`, `TrainState`, `StepOutput`, and the subpackages
-`nanotrain.strategies`, `nanotrain.callbacks`, `nanotrain.data`, `nanotrain.models`.
+`nanotrain.strategies`, `nanotrain.callbacks`, `nanotrain.data`, `nanotrain.models`,
+`nanotrain.precision`.
 """
 
-from nanotrain import callbacks, data, strategies
+from nanotrain import callbacks, data, precision, strategies
 from nanotrain.callbacks.base import Callback
 from nanotrain.language_model import LanguageModelModule
 from nanotrain.loss_terms import LossTerms
@@ -37,5 +38,6 @@ __all__ = [
     "TrainerConfig",
     "callbacks",
     "data",
+    "precision",
     "strategies",
 ]

@@ -28,6 +28,7 @@ from nanotrain.loaders import build_loaders
 from nanotrain.loggers import LoggerGroup, make_loggers, user_loggers
 from nanotrain.metric_book import MetricBook
 from nanotrain.module import NanoModule, adopt_lightning_module
+from nanotrain.precision import Precision, resolve_precision
 from nanotrain.rng import seed_everything, set_deterministic
 from nanotrain.run_dir import default_config, write_config
 from nanotrain.state import TrainState
@@ -53,6 +54,9 @@ class Trainer(LightningTrainerProperties, EvaluationMethods):
         config: the resolved config to save as `config.yaml` in the run directory (the CLI
             passes the whole YAML); by default the trainer's own arguments and the module's
             and datamodule's hyperparameters.
+        precision: a name ("32-true", "bf16-mixed", "bf16-true", "16-mixed",
+            "transformer-engine", "fp8-emulated", "fp4-emulated") or a `nanotrain.precision`
+            plugin; handed to the strategy, which applies it (docs/precision.md).
     """
 
     is_nanotrain = True  # lets NanoModule tell this Trainer from lightning's
@@ -63,12 +67,15 @@ class Trainer(LightningTrainerProperties, EvaluationMethods):
         callbacks: list[Callback] | None = None,
         config: dict[str, Any] | None = None,
         logger: Any = True,
+        precision: Precision | str = "32-true",
         **settings: Any,
     ) -> None:
         for name in settings.keys() - TrainerConfig.__dataclass_fields__.keys():
             raise unknown_setting_error(name)
         self.settings = TrainerConfig(**settings)
         self.strategy = resolve_strategy(strategy)
+        self.strategy.precision = resolve_precision(precision)
+        self.settings.precision = self.strategy.precision.name
         s = self.settings
         self.callbacks: list[Callback] = with_defaults(
             list(callbacks or []), s.enable_checkpointing, s.enable_progress_bar, s.enable_monitors
@@ -252,6 +259,7 @@ class Trainer(LightningTrainerProperties, EvaluationMethods):
         def make() -> None:
             (self.run_dir / "checkpoints").mkdir(parents=True, exist_ok=True)
             write_config(self.run_dir, self.resolved_config())
+            self.strategy.precision.write_record(self.run_dir)
             names = self.settings.loggers if self._use_named_loggers else []
             self.loggers = make_loggers(self.run_dir, names, self._user_loggers)
             self.loggers.log_hyperparams(self.hyperparameters())
@@ -386,13 +394,14 @@ class Trainer(LightningTrainerProperties, EvaluationMethods):
         self._skip_requested = False
         self._call("on_before_optimizer_step", self.strategy.optimizer)
         if self._skip_requested:
-            self.strategy.zero_grad()
+            self.strategy.skip_step()
             out.skipped = True
-            st.skipped_steps += 1
         else:
             self.strategy.optimizer_step()
             self._step_scheduler("step")
         self._skip_requested = False
+        if out.skipped:
+            st.skipped_steps += 1
         st.global_step += 1
         st.steps_in_epoch += 1
         st.consumed_samples += out.num_samples

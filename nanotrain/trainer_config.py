@@ -43,6 +43,9 @@ class TrainerConfig:
         validate_at_start: also validate before the first step of a fresh run (step 0), so
             the validation curve starts at the untrained loss; the final validation at the
             last step runs either way.
+        precision: "32-true" (default), "bf16-mixed", "bf16-true", "16-mixed",
+            "transformer-engine", "fp8-emulated" or "fp4-emulated" (see docs/precision.md);
+            the Trainer also takes a `nanotrain.precision` plugin object.
     """
 
     max_steps: int | None = None
@@ -67,6 +70,7 @@ class TrainerConfig:
     enable_monitors: bool = True
     preemption_signals: list[str] = field(default_factory=lambda: ["SIGTERM", "SIGUSR1"])
     validate_at_start: bool = False
+    precision: str = "32-true"
 
     def __post_init__(self) -> None:
         if self.max_steps is None and self.max_epochs is None and self.max_tokens is None:

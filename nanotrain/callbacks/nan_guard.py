@@ -80,7 +80,9 @@ class NaNGuard(Callback):
     ) -> None:
         """Skip the update of a bad step; stop when configured or too many in a row."""
         out = trainer.step_output
-        if out is None:
+        if out is None or out.skipped:
+            # Already discarded by the precision plugin (an fp16 overflow: the loss scale
+            # halves and the next step retries), which is dynamic loss scaling working.
             return
         values = [out.loss.detach().float().reshape(())]
         if self.check_grad_norm and out.grad_norm is not None:

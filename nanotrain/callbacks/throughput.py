@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 import time
 import warnings
 from collections.abc import Callable
@@ -42,9 +43,11 @@ class ThroughputMonitor(Callback):
             `nanotrain.callbacks.flops.PEAK_TFLOPS` (GPUs only); on CPU or an unlisted GPU, MFU
             is not logged unless you pass it.
         precision: which column of the peak table applies ("bf16", "fp16", "fp8", "tf32",
-            "fp32" or a torch dtype): the precision the matmuls run in. None (default) takes
-            the dtype of the module's parameters at fit start (fp32 counts as "tf32" when
-            CUDA's TF32 matmuls are enabled).
+            "fp32" or a torch dtype): the precision the matmuls run in. None (default) asks
+            the strategy's precision plugin (`Precision.peak_precision`: bf16 for the bf16
+            modes and the emulations, fp16 for 16-mixed, fp8 for Transformer Engine); under
+            "32-true" the dtype of the module's parameters at fit start (fp32 counts as "tf32"
+            when CUDA's TF32 matmuls are enabled). Which peak was used is printed at fit start.
         flops_per_token: training FLOPs (forward + backward) per token; None asks the module
             (`NanoModule.flops_per_token()`), which the language model answers with
             6 × active non-embedding parameters + the attention term.
@@ -89,10 +92,17 @@ class ThroughputMonitor(Callback):
         """Resolve FLOPs per token and the peak FLOP/s once the model exists."""
         self._flops = self.flops_per_token or module.flops_per_token()
         if self.precision is None:
-            self.precision = _matmul_precision(module)
+            self.precision = _matmul_precision(trainer, module)
         self._peak = self.peak_flops_per_device or device_peak_flops(
             trainer.strategy.root_device, self.precision
         )
+        if self._peak is not None and trainer.is_global_zero:
+            source = "given" if self.peak_flops_per_device else "table"
+            print(
+                f"ThroughputMonitor: MFU against the {self.precision} peak of "
+                f"{self._peak / 1e12:.1f} TFLOP/s per device ({source})",
+                file=sys.stderr,
+            )
         if self._peak is None and trainer.is_global_zero:
             warnings.warn(
                 f"ThroughputMonitor: no peak FLOP/s known for {trainer.strategy.root_device} at "
@@ -161,8 +171,13 @@ class ThroughputMonitor(Callback):
         return metrics
 
 
-def _matmul_precision(module: NanoModule) -> str:
-    """The peak-table column for the dtype the module's parameters hold."""
+def _matmul_precision(trainer: Trainer, module: NanoModule) -> str:
+    """The peak-table column of the precision in use: asked of the strategy's precision plugin
+    (bf16 for bf16 modes, fp8 for Transformer Engine, ...); for the default fp32 plugin, the
+    dtype the module's parameters hold (a model cast by hand keeps its own column)."""
+    plugin = getattr(trainer.strategy, "precision", None)
+    if plugin is not None and plugin.name != "32-true":
+        return normalize_precision(plugin.peak_precision())
     dtype = next((p.dtype for p in module.parameters() if p.is_floating_point()), torch.float32)
     if dtype == torch.float32 and torch.backends.cuda.matmul.allow_tf32:
         return "tf32"

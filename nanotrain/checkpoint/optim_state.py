@@ -24,6 +24,9 @@ from typing import Any, NamedTuple
 from torch import Tensor
 
 SEP = "::"
+#: the piece key of fp32 master weights (when the precision keeps parameters in bf16): the
+#: values of the tensors the optimizer steps, saved like per-element state
+MASTER_KEY = "master_weight"
 
 
 class Slot(NamedTuple):
@@ -49,6 +52,9 @@ def optimizer_slots(strategy: Any) -> list[list[Slot]]:
         ValueError: the optimizer steps a tensor that is no parameter of the module.
     """
     names = {id(p): n for n, p in strategy.module.named_parameters()}
+    # fp32 master weights (bf16-true without ZeRO) stand in for their parameters.
+    for param, master in getattr(getattr(strategy, "_master_holder", None), "pairs", []):
+        names[id(master)] = names[id(param)]
     pieces: dict[int, Slot] = {}
     # ZeRO rewrites the groups to hold flat pieces; map each back to its parameter.
     zero = getattr(strategy, "_zero", None)
@@ -89,23 +95,29 @@ def export_state(strategy: Any) -> tuple[dict[str, Tensor], dict[str, Any]]:
     """This rank's optimizer state by parameter name.
 
     Returns:
-        (pieces, info): `pieces` maps `piece_key(...)` to a 1-D tensor; `info` holds "groups"
-        (each group's hyperparameters, without "params") and "scalars" (per-parameter state
-        that is not per element, e.g. Adam's `step`, taken from the first parameter).
+        (pieces, info): `pieces` maps `piece_key(...)` to a 1-D tensor (with fp32 master
+        weights, also their values under `MASTER_KEY`); `info` holds "groups" (each group's
+        hyperparameters, without "params"), "scalars" (per-parameter state that is not per
+        element, e.g. Adam's `step`, taken from the first parameter) and "precision" (the
+        precision plugin's plain state, e.g. the loss scaler: the same on every rank).
     """
     optimizer = strategy.optimizer
     pieces: dict[str, Tensor] = {}
     scalars: dict[str, Any] = {}
     slots = optimizer_slots(strategy)
+    keeps_masters = getattr(strategy, "_master_holder", None) is not None
     for group_slots, group in zip(slots, optimizer.param_groups, strict=True):
         for slot, q in zip(group_slots, group["params"], strict=True):
+            if keeps_masters:
+                pieces[piece_key(MASTER_KEY, slot.start, slot.name)] = q.detach().reshape(-1)
             for key, value in optimizer.state.get(q, {}).items():
                 if isinstance(value, Tensor) and value.dim() > 0 and value.numel() == slot.numel:
                     pieces[piece_key(key, slot.start, slot.name)] = value.detach().reshape(-1)
                 else:
                     scalars.setdefault(key, value)
     groups = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
-    return pieces, {"groups": groups, "scalars": scalars}
+    precision = strategy.precision.state_dict() if hasattr(strategy, "precision") else {}
+    return pieces, {"groups": groups, "scalars": scalars, "precision": precision}
 
 
 def import_state(
@@ -114,7 +126,9 @@ def import_state(
     state_keys: list[str],
     piece_of: Callable[[Slot, str], Tensor | None],
 ) -> dict[str, Any]:
-    """The `optimizer.state_dict()` of the current layout, built slot by slot.
+    """The `strategy.optimizer_state_dict()` of the current layout, built slot by slot: the
+    optimizer's state dict plus "precision" (the plugin's state and, when the strategy keeps
+    fp32 masters and the checkpoint has them, "master_weights").
 
     Args:
         info: the "groups" and "scalars" `export_state` saved.
@@ -131,6 +145,7 @@ def import_state(
             f"the optimizer has {len(slots)} param group(s), the checkpoint {len(info['groups'])}:"
             " configure_optimizers must build the same groups to resume its state"
         )
+    state_keys = [k for k in state_keys if k != MASTER_KEY]
     state: dict[int, dict[str, Any]] = {}
     groups, index = [], 0
     for group_slots, saved_group in zip(slots, info["groups"], strict=True):
@@ -147,7 +162,22 @@ def import_state(
             indices.append(index)
             index += 1
         groups.append({**saved_group, "params": indices})
-    return {"state": state, "param_groups": groups}
+    result: dict[str, Any] = {"state": state, "param_groups": groups}
+    result["precision"] = dict(info.get("precision", {}))
+    holder = getattr(strategy, "_master_holder", None)
+    if holder is not None:
+        # in the holder's own order, which `load_optimizer_state_dict` copies by position
+        slot_of = {
+            id(q): slot
+            for group_slots, group in zip(slots, strategy.optimizer.param_groups, strict=True)
+            for slot, q in zip(group_slots, group["params"], strict=True)
+        }
+        masters = [piece_of(slot_of[id(m)], MASTER_KEY) for m in holder.masters]
+        if all(m is not None for m in masters):  # else they start from the loaded weights
+            result["precision"]["master_weights"] = [
+                m.reshape(q.shape).clone() for m, q in zip(masters, holder.masters, strict=True)
+            ]
+    return result
 
 
 def _copy(value: Any) -> Any:

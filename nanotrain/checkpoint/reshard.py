@@ -134,8 +134,15 @@ class _WholeSource:
                     self.by_name.setdefault(name, {})[key] = value
                 else:
                     scalars.setdefault(key, value)
+        precision = dict(optimizer.get("precision", {}))
+        masters = precision.pop("master_weights", None)
+        if masters is not None:
+            # kept in optimizer order for the parameters not already fp32 (MasterWeights)
+            low = [n for n in flat_names if self.model_state[n].dtype != torch.float32]
+            for name, master in zip(low, masters, strict=True):
+                self.by_name.setdefault(name, {})[optim_state.MASTER_KEY] = master
         groups = [{k: v for k, v in g.items() if k != "params"} for g in optimizer["param_groups"]]
-        self.info = {"groups": groups, "scalars": scalars}
+        self.info = {"groups": groups, "scalars": scalars, "precision": precision}
         self.state_keys = sorted({k for entry in self.by_name.values() for k in entry})
 
     def model(self) -> dict[str, Tensor]:

@@ -168,6 +168,11 @@ class GradBuckets:
             ``[numel / dp]``; call `release()` afterwards to drop the full buffer.
         divisor: what each gradient is divided by before the sum; None: the group's size
             (the mean over replicas). Expert weights pass the full dp size (module docstring).
+        grad_dtype: dtype of the buffer; None: the parameters' dtype, and ``.grad`` is a view
+            of it. A different dtype (fp32 for bf16 parameters) accumulates each backward's
+            ``.grad`` into ``param.main_grad`` (a view) and frees ``.grad``.
+        reduce_dtype: dtype on the wire; None: the buffer's. bf16 halves the bytes; the result
+            is copied back into the buffer.
 
     Raises:
         TypeError: when the parameters do not all share one dtype and device.
@@ -181,6 +186,8 @@ class GradBuckets:
         *,
         reduce_scatter: bool = False,
         divisor: int | None = None,
+        grad_dtype: torch.dtype | None = None,
+        reduce_dtype: torch.dtype | None = None,
     ) -> None:
         params = layout.params
         kinds = {(p.dtype, p.device) for p in params}
@@ -203,7 +210,11 @@ class GradBuckets:
         if self.divisor < 1:
             raise ValueError(f"divisor must be >= 1, got {self.divisor}")
         self.reduce_scatter = reduce_scatter
-        self._dtype, self._device = params[0].dtype, params[0].device
+        self._dtype, self._device = grad_dtype or params[0].dtype, params[0].device
+        #: grads live in ``param.main_grad`` (buffer dtype differs from the parameters')
+        self.main_grads = self._dtype != params[0].dtype
+        self.reduce_dtype = reduce_dtype or self._dtype
+        self._copy_back: list[tuple[Tensor, Tensor]] = []
         self.buffer: Tensor | None = None
         self.shard_grad: Tensor | None = None
         if reduce_scatter:
@@ -225,12 +236,17 @@ class GradBuckets:
         if self.buffer is None:
             self.buffer = torch.zeros(self.layout.numel, dtype=self._dtype, device=self._device)
         for i, p in enumerate(self.layout.params):
-            p.grad = self.layout.view(self.buffer, i)
+            if self.main_grads:
+                p.main_grad = self.layout.view(self.buffer, i)
+            else:
+                p.grad = self.layout.view(self.buffer, i)
 
     def release(self) -> None:
         """Drop the full buffer and set every ``param.grad`` to None (ZeRO-2 after `finish`)."""
         for p in self.layout.params:
             p.grad = None
+            if self.main_grads:
+                p.main_grad = None
         self.buffer = None
 
     def zero_(self) -> None:
@@ -251,6 +267,9 @@ class GradBuckets:
         self._handles = []
 
     def _on_grad_ready(self, param: Tensor) -> None:
+        if self.main_grads:
+            param.main_grad.add_(param.grad)  # accumulate in the buffer's (fp32) dtype
+            param.grad = None
         if not self._sync:
             return
         b = self.layout.bucket_of[self._index[id(param)]]
@@ -270,13 +289,22 @@ class GradBuckets:
             if self.shard_grad is not None:
                 self.shard_grad[bucket.start : bucket.end].copy_(view)
             return
+        if self.reduce_dtype != self._dtype:  # e.g. bf16 on the wire, copied back after wait
+            wire = view.to(self.reduce_dtype)
+        else:
+            wire = view
         if self.reduce_scatter:
             assert self.shard_grad is not None
             lo = bucket.start // self.dp_size
             out = self.shard_grad[lo : lo + (bucket.end - bucket.start) // self.dp_size]
-            work = _reduce_scatter_single(out, view, group=self.group, async_op=True)
+            out_wire = out if wire is view else out.new_empty(out.shape, dtype=self.reduce_dtype)
+            work = _reduce_scatter_single(out_wire, wire, group=self.group, async_op=True)
+            if out_wire is not out:
+                self._copy_back.append((out_wire, out))
         else:
-            work = dist.all_reduce(view, group=self.group, async_op=True)
+            work = dist.all_reduce(wire, group=self.group, async_op=True)
+            if wire is not view:
+                self._copy_back.append((wire, view))
         self._handles.append(work)
 
     def launch_remaining(self) -> None:
@@ -288,6 +316,9 @@ class GradBuckets:
         """Wait for every launched collective; the gradients are then reduced."""
         for work in self._handles:
             work.wait()
+        for wire, dst in self._copy_back:
+            dst.copy_(wire)
+        self._copy_back = []
         self._reset_counts()
         self._sync = False
 

@@ -25,8 +25,9 @@ expert-data-parallel group (``dp / ep`` ranks) instead; since each rank holds on
 of the experts, its share of their state is again ``full / dp``.
 The update is exact for optimizers whose update is elementwise (`ELEMENTWISE_OPTIMIZERS`): the
 same numbers come out whether a tensor is updated whole or in flat pieces. Master weights for
-low-precision training belong to the precision plugins (a later issue); here parameters are
-updated in their own dtype.
+low-precision parameters (bf16-true): with ``master_dtype=torch.float32`` each rank keeps fp32
+copies of only its own pieces (``1 / dp`` of the model), the optimizer (and its state) works on
+those, and the result is cast into the bf16 flat buffer before the all-gather.
 """
 
 from __future__ import annotations
@@ -127,6 +128,8 @@ class ZeroOptimizer:
             each set's full buffer, ZeRO-2 its `shard_grad`; the group of each set is the
             group its parameters and optimizer state are sharded over.
         stage: 1 or 2.
+        master_dtype: None: update the parameters' pieces in place. A dtype (fp32) different
+            from the parameters': keep master copies of this rank's pieces in it (see module).
 
     Raises:
         TypeError: for an optimizer whose update is not elementwise.
@@ -139,6 +142,7 @@ class ZeroOptimizer:
         optimizer: torch.optim.Optimizer,
         grads: GradBuckets | GradBucketSets,
         stage: int,
+        master_dtype: torch.dtype | None = None,
     ) -> None:
         if stage not in (1, 2):
             raise ValueError(f"ZeRO stage must be 1 or 2, got {stage}")
@@ -147,6 +151,8 @@ class ZeroOptimizer:
         self.optimizer, self.sets, self.stage = optimizer, sets, stage
         #: per set, the flat parameter buffer its parameters are views of
         self.flat_params = [flatten_parameters(s.layout) for s in sets.sets]
+        #: (bf16 view of the flat buffer, its fp32 master) when master weights are kept
+        self._master_views: list[tuple[Tensor, nn.Parameter]] = []
         #: (set index, piece, the optimizer's 1-D parameter over that piece)
         self.pieces: list[tuple[int, ShardPiece, nn.Parameter]] = []
         new_groups: list[list[nn.Parameter]] = [[] for _ in optimizer.param_groups]
@@ -155,7 +161,12 @@ class ZeroOptimizer:
                 gi = group_of.get(id(buckets.layout.params[piece.param_index]))
                 if gi is None:
                     continue  # trainable but not optimized: reduced, never updated
-                shard = nn.Parameter(self.flat_params[k][piece.flat_start : piece.flat_end])
+                view = self.flat_params[k][piece.flat_start : piece.flat_end]
+                if master_dtype is not None and master_dtype != view.dtype:
+                    shard = nn.Parameter(view.detach().to(master_dtype).clone())
+                    self._master_views.append((view, shard))
+                else:
+                    shard = nn.Parameter(view)
                 new_groups[gi].append(shard)
                 self.pieces.append((k, piece, shard))
         for group_dict, params in zip(optimizer.param_groups, new_groups, strict=True):
@@ -187,11 +198,25 @@ class ZeroOptimizer:
     def step(self) -> None:
         """Update this rank's pieces with the module's optimizer, then all-gather parameters."""
         for k, piece, shard in self.pieces:
-            shard.grad = self.grad_of(k, piece)
+            grad = self.grad_of(k, piece)
+            shard.grad = grad if grad.dtype == shard.dtype else grad.to(shard.dtype)
         self.optimizer.step()
         for _, _, shard in self.pieces:
             shard.grad = None
+        for view, master in self._master_views:
+            view.copy_(master)
         self.all_gather_parameters()
+
+    @property
+    def masters(self) -> list[Tensor]:
+        """This rank's fp32 master pieces (empty without master weights)."""
+        return [m for _, m in self._master_views]
+
+    @torch.no_grad()
+    def refresh_from_params(self) -> None:
+        """Set every master piece to the current (low-precision) parameter values."""
+        for view, master in self._master_views:
+            master.copy_(view)
 
     @torch.no_grad()
     def all_gather_parameters(self) -> None:

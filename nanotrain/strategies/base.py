@@ -17,6 +17,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor, nn
 
+from nanotrain.precision.base import Precision
+from nanotrain.precision.master import grad_of, load_into
 from nanotrain.profiling import named_range
 from nanotrain.strategies.optimizers import OptimizerSetup, parse_optimizer_config
 from nanotrain.strategies.weighting import (  # noqa: F401  (re-exported: strategies use them)
@@ -57,7 +59,9 @@ class StepOutput:
         metrics: extra scalar tensors a strategy reports, logged by the Trainer: the global
             mean of each loss term under its name (e.g. "train/lm_loss"; see
             `nanotrain.loss_terms`).
-        skipped: True when a callback asked to skip the optimizer step.
+        skipped: True when the update was discarded: by the precision plugin (an fp16
+            overflow on any rank, known when `forward_backward` returns) or at a callback's
+            request (`Trainer.request_skip_step`).
     """
 
     loss: Tensor
@@ -79,6 +83,11 @@ class Strategy(ABC):
     def __init__(self) -> None:
         self.module: NanoModule | None = None
         self.optimizer_setup: OptimizerSetup | None = None
+        #: the precision plugin this strategy applies (`nanotrain.precision`; fp32 default)
+        self.precision: Precision = Precision()
+        #: what holds fp32 master weights when the precision keeps parameters low (an object
+        #: with ``masters`` (list of tensors) that checkpoints save), else None
+        self._master_holder: Any = None
 
     # -- environment -------------------------------------------------------------------------
     @abstractmethod
@@ -156,6 +165,11 @@ class Strategy(ABC):
         with self.model_init_context():
             module.configure_model()
         module.to(self.root_device)
+        self._apply_precision(module)
+
+    def _apply_precision(self, module: NanoModule) -> None:
+        """Let the precision plugin cast/wrap the built model and print its policy."""
+        self.precision.setup_module(module, self.root_device, self.is_global_zero)
 
     def setup_optimizers(self, module: NanoModule) -> OptimizerSetup:
         """Call `configure_optimizers` and parse its result (Lightning's accepted forms)."""
@@ -196,18 +210,30 @@ class Strategy(ABC):
         """Return the global grad norm (before clipping); clip to `max_norm` unless None."""
 
     def optimizer_step(self) -> None:
-        """Apply the optimizer update, then zero the gradients."""
-        with named_range("nanotrain/optimizer_step"):
-            self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        """Apply the optimizer update (on fp32 masters when the precision keeps them; skipped
+        after an fp16 overflow), then zero the gradients."""
+        if not self.precision.skip_step:
+            with named_range("nanotrain/optimizer_step"):
+                if self._master_holder is not None:
+                    self._master_holder.step()
+                else:
+                    self.optimizer.step()
+        self.zero_grad()
+        self.precision.after_step()
 
     def zero_grad(self) -> None:
         """Drop the gradients without stepping (a skipped step)."""
         self.optimizer.zero_grad(set_to_none=True)
 
+    def skip_step(self) -> None:
+        """Skip this step's update at a callback's request: drop the gradients and let the
+        precision plugin close the step (a dynamic loss scale moves as after any step)."""
+        self.zero_grad()
+        self.precision.after_step()
+
     def validation_step(self, module: NanoModule, batch: Any, batch_idx: int) -> Any:
         """Run `module.validation_step` forward-only and return its output."""
-        with torch.no_grad():
+        with torch.no_grad(), self.precision.forward_context():
             return module.validation_step(batch, batch_idx)
 
     def predict_step(self, module: NanoModule, batch: Any, batch_idx: int) -> Any:
@@ -216,7 +242,7 @@ class Strategy(ABC):
         Raises:
             ValueError: the strategy's layout cannot return whole predictions.
         """
-        with torch.no_grad():
+        with torch.no_grad(), self.precision.forward_context():
             return module.predict_step(batch, batch_idx)
 
     # -- inspection (for callbacks: numbers that need a cross-rank view) ---------------------
@@ -229,9 +255,9 @@ class Strategy(ABC):
         """
         assert self.module is not None
         return {
-            name: p.grad.detach().float().norm(2)
+            name: grad_of(p).detach().float().norm(2)
             for name, p in self.module.named_parameters()
-            if p.requires_grad and p.grad is not None
+            if p.requires_grad and grad_of(p) is not None
         }
 
     def full_tensor(self, name: str, tensor: Tensor) -> Tensor:
@@ -253,12 +279,31 @@ class Strategy(ABC):
         self.module.load_state_dict(state, strict=True)
 
     def optimizer_state_dict(self) -> dict[str, Any]:
-        """This rank's optimizer state."""
-        return self.optimizer.state_dict()
+        """This rank's optimizer state, plus under key "precision" the precision plugin's
+        plain state (e.g. ``{"name": "16-mixed", "scaler": {"scale": ..., ...}}``) and, when
+        it keeps fp32 masters, ``"master_weights"``: this rank's master tensors in optimizer
+        order (its 1/dp shard under ZeRO)."""
+        state = dict(self.optimizer.state_dict())
+        extra: dict[str, Any] = dict(self.precision.state_dict())
+        if self._master_holder is not None:
+            extra["master_weights"] = [m.detach().clone() for m in self._master_holder.masters]
+        state["precision"] = extra
+        return state
 
     def load_optimizer_state_dict(self, state: dict[str, Any]) -> None:
-        """Load optimizer state produced by `optimizer_state_dict`."""
+        """Load optimizer state produced by `optimizer_state_dict` (and the precision state)."""
+        state = dict(state)
+        extra = state.pop("precision", None)
         self.optimizer.load_state_dict(state)
+        if extra is not None:
+            self.precision.load_state_dict(extra)
+            masters = extra.get("master_weights")
+            if masters is not None and self._master_holder is not None:
+                load_into(self._master_holder.masters, masters)
+                return
+        if self._master_holder is not None:
+            # a checkpoint without masters (e.g. saved in fp32): start them from the weights
+            self._master_holder.refresh_from_params()
 
     def teardown(self) -> None:
         """Release wrappers and process groups created by `setup_environment`."""

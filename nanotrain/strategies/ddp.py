@@ -119,17 +119,42 @@ class DDPStrategy(ReplicatedStrategy):
         return out
 
     def _wrap(self, module: Any) -> nn.Module:
+        if self._main_grads is not None:
+            # low-precision parameters: grads accumulate in fp32 main grads, which
+            # `_reduce_main_grads` averages; DDP would reduce the bf16 .grad instead
+            return TrainingStepWrapper(module)
         device_ids = [self.root_device.index] if self.root_device.type == "cuda" else None
-        return nn.parallel.DistributedDataParallel(
+        ddp = nn.parallel.DistributedDataParallel(
             TrainingStepWrapper(module),
             device_ids=device_ids,
             find_unused_parameters=self.find_unused_parameters,
             bucket_cap_mb=self.bucket_cap_mb,
         )
+        if self.precision.reduce_dtype != torch.float32:
+            from nanotrain.precision.comm import low_precision_allreduce_hook
+
+            hook = low_precision_allreduce_hook(self.precision.reduce_dtype)
+            ddp.register_comm_hook(dist.group.WORLD, hook)
+        return ddp
+
+    def _reduce_main_grads(self, buffer: Tensor) -> None:
+        """Average the fp32 main grads over every process, in the precision's reduce dtype."""
+        wire = (
+            buffer
+            if buffer.dtype == self.precision.reduce_dtype
+            else buffer.to(self.precision.reduce_dtype)
+        )
+        wire.div_(self.world_size)
+        dist.all_reduce(wire)
+        if wire is not buffer:
+            buffer.copy_(wire)
+
+    def _found_inf_groups(self) -> list[Any]:
+        return [dist.group.WORLD]
 
     def _sync_context(self, is_last_microbatch: bool) -> contextlib.AbstractContextManager:
         assert self._step_runner is not None
-        if is_last_microbatch:
+        if is_last_microbatch or self._main_grads is not None:
             return contextlib.nullcontext()
         return self._step_runner.no_sync()
 

@@ -45,6 +45,7 @@ from nanotrain.parallel.grads import is_tp_sharded, sequence_parallel_params
 from nanotrain.parallel.mesh import ParallelMesh, validate_layout
 from nanotrain.parallel.pipeline import partition_layers
 from nanotrain.parallel.zero import ZeroOptimizer
+from nanotrain.precision.master import MasterWeights
 from nanotrain.profiling import named_range
 from nanotrain.strategies.base import (
     DataShard,
@@ -321,8 +322,15 @@ class MegatronStrategy(MegatronGradNorms, Strategy):
         super().setup_module(module)
         params = backward_order(module)
         check_built_model(module, params, self.mesh, self.sequence_parallel)
+        precision = self.precision
         self._grads, self._expert_sets = build_grad_buckets(
-            params, expert_param_ids(module), self.mesh, self.bucket_size_mb, self.zero_stage
+            params,
+            expert_param_ids(module),
+            self.mesh,
+            self.bucket_size_mb,
+            self.zero_stage,
+            grad_dtype=torch.float32 if precision.master_weights else None,
+            reduce_dtype=precision.reduce_dtype if precision.name != "32-true" else None,
         )
         self._sharded = is_tp_sharded(module)
         if self.sequence_parallel and self.mesh.tp_size > 1:
@@ -332,9 +340,18 @@ class MegatronStrategy(MegatronGradNorms, Strategy):
         """Parse `configure_optimizers`; under ZeRO shard that optimizer in place (its LR
         scheduler keeps driving it: see `nanotrain.parallel.zero`)."""
         setup = super().setup_optimizers(module)
+        masters = self.precision.master_weights
         if self.zero_stage > 0:
             assert self._grads is not None, "setup_module() must run before setup_optimizers()"
-            self._zero = ZeroOptimizer(setup.optimizer, self._grads, self.zero_stage)
+            self._zero = ZeroOptimizer(
+                setup.optimizer,
+                self._grads,
+                self.zero_stage,
+                master_dtype=torch.float32 if masters else None,
+            )
+            self._master_holder = self._zero if masters else None
+        elif masters:
+            self._master_holder = MasterWeights(setup.optimizer)
         return setup
 
     # -- one optimizer step ------------------------------------------------------------------------
@@ -349,15 +366,35 @@ class MegatronStrategy(MegatronGradNorms, Strategy):
         accumulator = LossAccumulator(weighed)
         grads.attach()
         if self._pipeline is not None:
-            sums = self._pipeline.train_step(module, microbatches, accumulator, batch_idx, grads)
+            sums = self._pipeline.train_step(
+                module, microbatches, accumulator, batch_idx, grads, self.precision
+            )
         else:
             sums = self._accumulate(module, microbatches, accumulator, batch_idx, grads)
         self._reduce_sequence_parallel_grads()
         if self.zero_stage == 2:
             grads.release()
+        if self.precision.uses_loss_scaling:
+            self._unscale_grads()
         loss, terms = accumulator.finish(self, sums)
         num_tokens, num_samples = weighed.host_totals()
-        return StepOutput(loss=loss, num_tokens=num_tokens, num_samples=num_samples, metrics=terms)
+        return StepOutput(
+            loss=loss,
+            num_tokens=num_tokens,
+            num_samples=num_samples,
+            metrics={**terms, **self.precision.step_metrics()},
+            skipped=self.precision.skip_step,
+        )
+
+    def _unscale_grads(self) -> None:
+        """Unscale this rank's reduced gradients (whole buffers, or its ZeRO-2 shards) and
+        reduce the found-inf flag over tp, pp and dp (dp contains ep and expert-dp), i.e. over
+        every rank: all ranks skip the same step."""
+        assert self._grads is not None
+        local = [s.shard_grad if self.zero_stage == 2 else s.buffer for s in self._grads.sets]
+        mesh = self.mesh
+        groups = [mesh.tp_group, mesh.pp_group, mesh.dp_group]
+        self.precision.unscale_grads_([g for g in local if g is not None], groups)
 
     def _accumulate(
         self,
@@ -372,10 +409,10 @@ class MegatronStrategy(MegatronGradNorms, Strategy):
         num_micro = len(microbatches)
         for i, microbatch in enumerate(microbatches):
             grads.set_sync(i == num_micro - 1)
-            with named_range("nanotrain/forward"):
+            with named_range("nanotrain/forward"), self.precision.forward_context():
                 output = module.training_step(microbatch, batch_idx)
             with named_range("nanotrain/backward"):
-                accumulator.objective(i, output).backward()
+                self.precision.scale_loss(accumulator.objective(i, output)).backward()
         with named_range("nanotrain/grad_reduction"):
             grads.finish()
         return accumulator.sums
@@ -384,7 +421,7 @@ class MegatronStrategy(MegatronGradNorms, Strategy):
         """Forward only: through the pipeline stages under pp > 1 (every stage logs the
         global values), else `module.validation_step`."""
         if self._pipeline is not None:
-            return self._pipeline.validation_step(module, batch, batch_idx)
+            return self._pipeline.validation_step(module, batch, batch_idx, self.precision)
         return super().validation_step(module, batch, batch_idx)
 
     def predict_step(self, module: NanoModule, batch: Any, batch_idx: int) -> Any:
@@ -399,13 +436,19 @@ class MegatronStrategy(MegatronGradNorms, Strategy):
         return super().predict_step(module, batch, batch_idx)
 
     def optimizer_step(self) -> None:
-        """Update (sharded under ZeRO, then parameters all-gathered) and zero the gradients."""
-        with named_range("nanotrain/optimizer_step"):
-            if self._zero is not None:
-                self._zero.step()
-            else:
-                self.optimizer.step()
+        """Update (sharded under ZeRO, then parameters all-gathered; on fp32 masters when the
+        precision keeps them; skipped on every rank after an fp16 overflow) and zero the
+        gradients."""
+        if not self.precision.skip_step:
+            with named_range("nanotrain/optimizer_step"):
+                if self._zero is not None:
+                    self._zero.step()
+                elif self._master_holder is not None:
+                    self._master_holder.step()
+                else:
+                    self.optimizer.step()
         self.zero_grad()
+        self.precision.after_step()
 
     def zero_grad(self) -> None:
         """Zero the gradient buffers (the grads stay views of them)."""
@@ -417,7 +460,7 @@ class MegatronStrategy(MegatronGradNorms, Strategy):
         """Drop hooks and buffers; destroy the groups this strategy created."""
         if self._grads is not None:
             self._grads.remove_hooks()
-        self._grads = self._zero = None
+        self._grads = self._zero = self._master_holder = None
         self._expert_sets, self._sp_params = [], []
         if self._owns_process_group and dist.is_initialized():
             dist.destroy_process_group()

@@ -23,6 +23,7 @@ from nanotrain.parallel.grads import (
 )
 from nanotrain.parallel.mesh import ParallelMesh
 from nanotrain.parallel.tensor import _TensorParallelModule
+from nanotrain.precision.master import grad_of
 
 # A set of (param_index, grad or grad piece) and the groups over which their squares add up.
 GradSet = tuple[list[tuple[int, Tensor]], list[Any]]
@@ -71,12 +72,16 @@ def build_grad_buckets(
     mesh: ParallelMesh,
     bucket_size_mb: float,
     zero_stage: int,
+    grad_dtype: torch.dtype | None = None,
+    reduce_dtype: torch.dtype | None = None,
 ) -> tuple[GradBucketSets, list[bool]]:
     """Split ``params`` (in backward order) into dense and expert weights (``id`` in
     ``expert_ids``, see `expert_param_ids`) and give each its
     flat, bucketed gradient buffer: dense reduced over the data-parallel group, experts over
     the expert-data-parallel group. Both divide by the full dp size (see
-    `nanotrain.parallel.data_parallel`). Returns the sets and, per set, whether it holds experts.
+    `nanotrain.parallel.data_parallel`). ``grad_dtype`` / ``reduce_dtype``: see `GradBuckets`
+    (fp32 main grads for bf16 parameters; bf16 on the wire). Returns the sets and, per set,
+    whether it holds experts.
     """
     element = params[0].element_size()
     bucket_numel = max(1, int(bucket_size_mb * 2**20) // element)
@@ -91,7 +96,14 @@ def build_grad_buckets(
             continue
         layout = FlatLayout(members, size, bucket_numel)
         sets.append(
-            GradBuckets(layout, group, reduce_scatter=zero_stage == 2, divisor=mesh.dp_size)
+            GradBuckets(
+                layout,
+                group,
+                reduce_scatter=zero_stage == 2,
+                divisor=mesh.dp_size,
+                grad_dtype=grad_dtype,
+                reduce_dtype=reduce_dtype,
+            )
         )
         is_expert.append(expert)
     return GradBucketSets(sets), is_expert
@@ -118,7 +130,9 @@ class MegatronGradNorms:
             else:
                 base = sets.offset(k)
                 params = buckets.layout.params
-                owned = [(base + i, p.grad) for i, p in enumerate(params) if p.grad is not None]
+                owned = [
+                    (base + i, grad_of(p)) for i, p in enumerate(params) if grad_of(p) is not None
+                ]
             if self._expert_sets[k]:
                 groups.append(self.mesh.ep_group)
             out.append((owned, groups))
@@ -173,7 +187,7 @@ class MegatronGradNorms:
             params = self._grads.params
             pieces = [g for i, g in self._zero.owned_grads() if id(params[i]) in wanted]
         else:
-            pieces = [p.grad for p in self._sp_params if p.grad is not None]
+            pieces = [grad_of(p) for p in self._sp_params if grad_of(p) is not None]
         all_reduce_coalesced(pieces, self.mesh.tp_group)
 
     # -- inspection ------------------------------------------------------------------------------
@@ -212,7 +226,7 @@ class MegatronGradNorms:
         for buckets in self._grads.sets:
             layout = buckets.layout
             numel = layout.shard_numel if self.zero_stage == 2 else layout.numel
-            total += numel * layout.params[0].element_size()
+            total += numel * buckets._dtype.itemsize
         return total
 
     def optimizer_state_bytes(self) -> int:

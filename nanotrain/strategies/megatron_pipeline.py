@@ -29,6 +29,8 @@ from nanotrain.models.transformer import ModelOutput
 from nanotrain.parallel.grads import all_reduce_coalesced
 from nanotrain.parallel.pipeline import PipelineComm, ScheduleStats, run_schedule
 from nanotrain.parallel.schedules import SCHEDULES, forward_only
+from nanotrain.precision.base import Precision
+from nanotrain.precision.master import grad_of
 from nanotrain.profiling import named_range
 
 if TYPE_CHECKING:
@@ -185,12 +187,15 @@ class PipelineEngine:
         accumulator: LossAccumulator,
         batch_idx: int,
         grads: GradBucketSets,
+        precision: Precision | None = None,
     ) -> Tensor:
         """Run the schedule (forward and backward of every microbatch, each chunk's loss
         terms weighed by ``accumulator.objective``), sum the shared embedding grads, reduce
         every grad over dp, and replay ``training_step`` with the global loss terms. Returns
         the accumulator's weighed term sums of this data-parallel replica, summed over stages
-        (the strategy reduces them over dp)."""
+        (the strategy reduces them over dp). ``precision``: its forward context wraps every
+        forward and its loss scale multiplies every backward."""
+        precision = precision or Precision()
         stage = self.stage_of(module)
         num_micro = len(microbatches)
         actions = SCHEDULES[self.schedule](
@@ -198,13 +203,12 @@ class PipelineEngine:
         )
         dtype = next(p.dtype for p in stage.parameters())
         terms = torch.zeros(num_micro, 6, dtype=torch.float64, device=self.device)
-        step = self._forward_step(
-            stage,
-            lambda b: module.training_step(b, batch_idx),
-            microbatches,
-            terms,
-            accumulator.objective,
-        )
+
+        def training_step(batch: Any) -> Any:
+            with precision.forward_context():
+                return module.training_step(batch, batch_idx)
+
+        step = self._forward_step(stage, training_step, microbatches, terms, accumulator.objective)
         shared = self.shared_params(module)
         # With a shared embedding the dp reduction must wait for the cross-stage sum below;
         # otherwise it overlaps the last backward as without pipelining.
@@ -214,10 +218,11 @@ class PipelineEngine:
             actions,
             self._comm(stage, microbatches[0], dtype),
             step,
+            loss_scales=[precision.loss_scale] * num_micro,
             before_last_backward=before_last,
         )
         if shared:
-            all_reduce_coalesced([p.grad for p in shared], self.embedding_group)
+            all_reduce_coalesced([grad_of(p) for p in shared], self.embedding_group)
         with named_range("nanotrain/grad_reduction"):
             grads.finish()
         terms = self._global_terms(terms, over_dp=True)
@@ -227,15 +232,22 @@ class PipelineEngine:
                 module.training_step(batch, batch_idx)
         return self.sum_over_stages(accumulator.sums)
 
-    def validation_step(self, module: NanoModule, batch: Any, batch_idx: int) -> Any:
-        """Forward-only through the stages, then ``validation_step`` replayed with the global
-        loss terms on every stage; returns what that replay returns."""
+    def validation_step(
+        self, module: NanoModule, batch: Any, batch_idx: int, precision: Precision | None = None
+    ) -> Any:
+        """Forward-only through the stages (inside ``precision``'s forward context), then
+        ``validation_step`` replayed with the global loss terms on every stage; returns what
+        that replay returns."""
+        precision = precision or Precision()
         stage = self.stage_of(module)
         dtype = next(p.dtype for p in stage.parameters())
         terms = torch.zeros(1, 6, dtype=torch.float64, device=self.device)
-        step = self._forward_step(
-            stage, lambda b: module.validation_step(b, batch_idx), [batch], terms
-        )
+
+        def validation_step(b: Any) -> Any:
+            with precision.forward_context():
+                return module.validation_step(b, batch_idx)
+
+        step = self._forward_step(stage, validation_step, [batch], terms)
         actions = forward_only(1, self.mesh.pp_size, self.mesh.pp_rank, self.virtual_pp)
         run_schedule(actions, self._comm(stage, batch, dtype), step, forward_only=True)
         terms = self._global_terms(terms, over_dp=False)

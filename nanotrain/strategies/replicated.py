@@ -9,8 +9,10 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor, nn
 
+from nanotrain.precision.master import MainGrads, MasterWeights, grad_of
 from nanotrain.profiling import named_range
 from nanotrain.strategies.base import StepOutput, Strategy
+from nanotrain.strategies.optimizers import OptimizerSetup
 from nanotrain.strategies.weighting import LossAccumulator, weigh_microbatches
 
 if TYPE_CHECKING:
@@ -42,6 +44,7 @@ class ReplicatedStrategy(Strategy):
     def __init__(self) -> None:
         super().__init__()
         self._step_runner: nn.Module | None = None
+        self._main_grads: MainGrads | None = None  # fp32 accumulation for bf16 parameters
 
     def _wrap(self, module: NanoModule) -> nn.Module:
         """Return the module whose forward runs one training microbatch."""
@@ -49,7 +52,24 @@ class ReplicatedStrategy(Strategy):
 
     def setup_module(self, module: NanoModule) -> None:
         super().setup_module(module)
+        if self.precision.master_weights:
+            self._main_grads = MainGrads(list(self.parameters()))
         self._step_runner = self._wrap(module)
+
+    def setup_optimizers(self, module: NanoModule) -> OptimizerSetup:
+        """`configure_optimizers`; with low-precision parameters the optimizer is moved onto
+        fp32 master weights (`nanotrain.precision.MasterWeights`)."""
+        setup = super().setup_optimizers(module)
+        if self.precision.master_weights:
+            self._master_holder = MasterWeights(setup.optimizer)
+        return setup
+
+    def _reduce_main_grads(self, buffer: Tensor) -> None:
+        """Average the fp32 main-grad buffer over replicas (nothing for one process)."""
+
+    def _found_inf_groups(self) -> list[Any]:
+        """Groups over which an fp16 overflow is reduced (every rank that holds gradients)."""
+        return []
 
     def _sync_context(self, is_last_microbatch: bool) -> contextlib.AbstractContextManager:
         """Context for one microbatch's backward; DDP disables gradient sync on all but the last."""
@@ -64,31 +84,51 @@ class ReplicatedStrategy(Strategy):
         weighed = weigh_microbatches(self, module, microbatches)
         accumulator = LossAccumulator(weighed)
         num_micro = len(microbatches)
+        precision = self.precision
         for i, microbatch in enumerate(microbatches):
             with self._sync_context(i == num_micro - 1):
-                with named_range("nanotrain/forward"):
+                with named_range("nanotrain/forward"), precision.forward_context():
                     output = self._step_runner(microbatch, batch_idx)
                 # scaled by the microbatch's share of each global count (times the replicas,
                 # which DDP's average divides out again)
                 with named_range("nanotrain/backward"):
-                    accumulator.objective(i, output).backward()
+                    precision.scale_loss(accumulator.objective(i, output)).backward()
+        if self._main_grads is not None:
+            self._reduce_main_grads(self._main_grads.buffer)
+        if precision.uses_loss_scaling:
+            grads = [grad_of(p) for p in self.parameters()]
+            precision.unscale_grads_([g for g in grads if g is not None], self._found_inf_groups())
         loss, terms = accumulator.finish(self)
         num_tokens, num_samples = weighed.host_totals()
-        return StepOutput(loss=loss, num_tokens=num_tokens, num_samples=num_samples, metrics=terms)
+        return StepOutput(
+            loss=loss,
+            num_tokens=num_tokens,
+            num_samples=num_samples,
+            metrics={**terms, **precision.step_metrics()},
+            skipped=precision.skip_step,
+        )
 
     def clip_grad_norm_(self, max_norm: float | None) -> Tensor:
         """Global L2 grad norm over this (already synchronized) replica's gradients; clip if asked."""
-        params = [p for p in self.parameters() if p.grad is not None]
-        if not params:
+        grads = [g for g in (grad_of(p) for p in self.parameters()) if g is not None]
+        if not grads:
             return torch.zeros((), device=self.root_device)
-        if max_norm is None:
-            grads = [p.grad for p in params]
-            return torch.nn.utils.get_total_norm(grads, norm_type=2.0)
-        return torch.nn.utils.clip_grad_norm_(params, max_norm=max_norm)
+        norm = torch.nn.utils.get_total_norm(grads, norm_type=2.0)
+        if max_norm is not None:
+            # what torch.nn.utils.clip_grad_norm_ does, on the grads the optimizer reads
+            coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+            for g in grads:
+                g.mul_(coef.to(g.dtype))
+        return norm
 
-    def validation_step(self, module: NanoModule, batch: Any, batch_idx: int) -> Any:
-        with torch.no_grad():
-            return module.validation_step(batch, batch_idx)
+    def zero_grad(self) -> None:
+        """Drop the gradients (and zero the fp32 main grads, if any)."""
+        super().zero_grad()
+        if self._main_grads is not None:
+            self._main_grads.zero_()
 
     def teardown(self) -> None:
         self._step_runner = None
+        if self._main_grads is not None:
+            self._main_grads.remove()
+            self._main_grads = None
