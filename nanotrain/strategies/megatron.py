@@ -59,6 +59,7 @@ from nanotrain.strategies.megatron_grads import (
 )
 from nanotrain.strategies.megatron_pipeline import PipelineEngine, embedding_groups, pick_schedule
 from nanotrain.strategies.optimizers import OptimizerSetup
+from nanotrain.strategies.rendezvous import init_process_group
 
 if TYPE_CHECKING:
     from nanotrain.module import NanoModule
@@ -224,7 +225,7 @@ class MegatronStrategy(MegatronGradNorms, Strategy):
                     "`torchrun --nproc-per-node N ...`"
                 )
             backend = self.backend or ("nccl" if torch.cuda.is_available() else "gloo")
-            dist.init_process_group(
+            init_process_group(  # restarts: see rendezvous.py
                 backend,
                 rank=rank,
                 world_size=world,
