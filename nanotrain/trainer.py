@@ -21,6 +21,7 @@ from torch.utils.data import DataLoader
 
 from nanotrain.callbacks.base import Callback
 from nanotrain.checkpoint.preemption import PreemptionWatch, stop_if_preempted
+from nanotrain.collective_errors import explain_timeout
 from nanotrain.exit_codes import EXIT_PREEMPTED
 from nanotrain.loaders import build_loaders
 from nanotrain.loggers import LoggerGroup, TensorBoardLogger, make_loggers
@@ -302,6 +303,9 @@ class Trainer:
         except BaseException as exc:
             if self.module is not None:
                 self._call("on_exception", exc)
+            stalled = explain_timeout(exc, self.strategy)  # name the collective and group
+            if stalled is not None:
+                raise stalled from exc
             raise
         finally:
             if self._preemption is not None:
