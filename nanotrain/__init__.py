@@ -6,6 +6,8 @@ Public API: `Trainer`, `NanoModule`, `TrainState`, `StepOutput`, and the subpack
 
 from nanotrain import callbacks, data, strategies
 from nanotrain.callbacks.base import Callback
+from nanotrain.collective_errors import CollectiveTimeoutError
+from nanotrain.exit_codes import EXIT_NONFINITE, EXIT_PREEMPTED
 from nanotrain.language_model import LanguageModelModule
 from nanotrain.module import NanoModule
 from nanotrain.state import TrainState
@@ -23,7 +25,10 @@ __version__ = "0.1.0"
 
 __all__ = [
     "Callback",
+    "CollectiveTimeoutError",
     "DDPStrategy",
+    "EXIT_NONFINITE",
+    "EXIT_PREEMPTED",
     "LanguageModelModule",
     "MegatronStrategy",
     "NanoModule",
