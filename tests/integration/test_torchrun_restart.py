@@ -69,6 +69,18 @@ def torchrun(config: Path, root: Path, *extra: str, **env: str) -> subprocess.Co
     )
 
 
+EXIT_ABORT = "terminate called without an active exception"
+
+
+def assert_finished(result: subprocess.CompletedProcess, root: Path) -> None:
+    """The job trained to step 8 and committed it. Known, not fixed (docs/checkpointing.md):
+    now and then a gloo worker aborts in C++ at interpreter exit, after its work is done and
+    its last checkpoint committed; torchrun then reports a failure. Anything else must not."""
+    last = root / "default" / "version_0" / "checkpoints" / "last"
+    assert last.is_file() and last.read_text().strip() == "step-00000008", result.stderr[-3000:]
+    assert result.returncode == 0 or EXIT_ABORT in result.stderr, result.stderr[-3000:]
+
+
 def losses(root: Path) -> dict[int, float]:
     records = (root / "default" / "version_0" / "metrics.jsonl").read_text().splitlines()
     return {r["step"]: r["train/loss"] for r in map(json.loads, records) if "train/loss" in r}
@@ -78,7 +90,7 @@ def test_torchrun_restarts_after_sigkill_and_sigterm_preempts_with_an_exact_resu
     # One uninterrupted reference for both cases (the signal callback is switched off).
     kill = write_config(tmp_path / "kill.yaml", signal.SIGKILL, step=5)
     straight = torchrun(kill, tmp_path / "straight", NO_SIGNAL="1")
-    assert straight.returncode == 0, straight.stderr[-3000:]
+    assert_finished(straight, tmp_path / "straight")
     expected = losses(tmp_path / "straight")
 
     # SIGKILL of rank 1 in step 5: torchrun restarts both workers, which resume from step 4.
@@ -86,23 +98,17 @@ def test_torchrun_restarts_after_sigkill_and_sigterm_preempts_with_an_exact_resu
     assert "exitcode: -9" in killed.stderr  # the first attempt really lost rank 1
     assert "connectFullMesh failed" not in killed.stderr  # the restart joined (rendezvous.py)
     assert losses(tmp_path / "killed")[8] == expected[8], killed.stderr[-3000:]
-    # Known, not fixed (see docs/checkpointing.md): about one restarted worker in five aborts
-    # in C++ at interpreter exit ("terminate called without an active exception"), after its
-    # final checkpoint is committed; torchrun then reports the job as failed. Anything else
-    # must not fail.
-    if killed.returncode != 0:
-        assert "terminate called without an active exception" in killed.stderr, killed.stderr
-    last = tmp_path / "killed" / "default" / "version_0" / "checkpoints" / "last"
-    assert last.read_text().strip() == "step-00000008"
+    assert_finished(killed, tmp_path / "killed")
 
     # SIGTERM to rank 1 only, in step 3: every rank saves step 3 and exits with 75.
     term = write_config(tmp_path / "term.yaml", signal.SIGTERM, step=3)
     preempted = torchrun(term, tmp_path / "term")
-    assert f"exitcode: {EXIT_PREEMPTED}" in preempted.stderr, preempted.stderr[-3000:]
+    assert preempted.returncode != 0
+    assert f"exitcode: {EXIT_PREEMPTED}" in preempted.stderr or EXIT_ABORT in preempted.stderr
     ckpts = tmp_path / "term" / "default" / "version_0" / "checkpoints"
     assert (ckpts / "last").read_text().strip() == "step-00000003"
     resumed = torchrun(term, tmp_path / "term")  # the same command
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert_finished(resumed, tmp_path / "term")
     got = losses(tmp_path / "term")
     assert sorted(got) == list(range(1, 9))
     assert all(got[step] == expected[step] for step in got)
