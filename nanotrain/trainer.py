@@ -421,6 +421,10 @@ class Trainer:
         """Run one pass over the validation data and return the reduced metrics."""
         try:
             self._setup(module, datamodule, "validate", ckpt_path)
+            if ckpt_path is not None and self._resume_path is None:  # "last" found nothing
+                raise FileNotFoundError(
+                    f"ckpt_path={ckpt_path!r}: no checkpoint to validate in {self.run_dir.parent}"
+                )
             self._build_loaders("validate", None, dataloaders)
             if self._val_loader is None:
                 raise ValueError(
