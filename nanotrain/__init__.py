@@ -7,6 +7,8 @@ Public API: `Trainer`, `NanoModule`, `LossTerms`, `TrainState`, `StepOutput`, an
 
 from nanotrain import callbacks, data, precision, strategies
 from nanotrain.callbacks.base import Callback
+from nanotrain.collective_errors import CollectiveTimeoutError
+from nanotrain.exit_codes import EXIT_NONFINITE, EXIT_PREEMPTED
 from nanotrain.language_model import LanguageModelModule
 from nanotrain.loss_terms import LossTerms
 from nanotrain.module import NanoModule
@@ -25,7 +27,10 @@ __version__ = "0.1.0"
 
 __all__ = [
     "Callback",
+    "CollectiveTimeoutError",
     "DDPStrategy",
+    "EXIT_NONFINITE",
+    "EXIT_PREEMPTED",
     "LanguageModelModule",
     "LossTerms",
     "MegatronStrategy",

@@ -21,6 +21,7 @@ from torch.utils.data import DataLoader
 
 from nanotrain.callbacks.base import Callback
 from nanotrain.checkpoint.preemption import PreemptionWatch, stop_if_preempted
+from nanotrain.collective_errors import explain_timeout
 from nanotrain.default_callbacks import with_defaults
 from nanotrain.evaluation_loops import EvaluationMethods, finish_epoch
 from nanotrain.exit_codes import EXIT_PREEMPTED
@@ -341,6 +342,9 @@ class Trainer(LightningTrainerProperties, EvaluationMethods):
         except BaseException as exc:
             if self.module is not None:
                 self._call("on_exception", exc)
+            stalled = explain_timeout(exc, self.strategy)  # name the collective and group
+            if stalled is not None:
+                raise stalled from exc
             raise
         finally:
             if self._preemption is not None:
@@ -469,6 +473,10 @@ class Trainer(LightningTrainerProperties, EvaluationMethods):
         """Run one pass over the validation data and return the reduced metrics."""
         try:
             self._setup(module, datamodule, "validate", ckpt_path)
+            if ckpt_path is not None and self._resume_path is None:  # "last" found nothing
+                raise FileNotFoundError(
+                    f"ckpt_path={ckpt_path!r}: no checkpoint to validate in {self.run_dir.parent}"
+                )
             self._build_loaders("validate", None, dataloaders)
             if self._val_loader is None:
                 raise ValueError(

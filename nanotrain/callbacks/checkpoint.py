@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from nanotrain.callbacks.base import Callback
+from nanotrain.checkpoint.async_save import PendingSave
 from nanotrain.checkpoint.collective import attempt, raise_first_failure
 from nanotrain.checkpoint.commit import check_writable
 from nanotrain.checkpoint.health import gather_nonfinite
@@ -50,6 +51,9 @@ class ModelCheckpoint(Callback):
         mode: "min" or "max": whether a lower or a higher `monitor` value is better.
         keep_best_k: also keep the `keep_best_k` best checkpoints by `monitor`, however old
             (default 1 when `monitor` is set, else 0).
+        async_save: write checkpoints in a background thread: the loop waits only while the
+            state is copied to host memory; the save is committed (and `last` moved) when the
+            next save starts or training ends, whichever comes first.
 
     At the start of `fit` the checkpoint folder is checked to be writable (nothing is left
     behind): a PermissionError / ValueError then, instead of at the first save.
@@ -70,6 +74,7 @@ class ModelCheckpoint(Callback):
         monitor: str | None = None,
         mode: str = "min",
         keep_best_k: int | None = None,
+        async_save: bool = False,
     ) -> None:
         _check_options(every_n_steps, every_n_minutes, save_top_k, mode, keep_best_k, monitor)
         self._user_dirpath = Path(dirpath) if dirpath is not None else None
@@ -82,6 +87,10 @@ class ModelCheckpoint(Callback):
         self.monitor = monitor
         self.mode = mode
         self.keep_best_k = keep_best_k if keep_best_k is not None else (1 if monitor else 0)
+        self.async_save = async_save
+        # An asynchronous save still being written: (PendingSave, paths to delete once it is
+        # committed, the retention state to restore if it fails).
+        self._pending: tuple[Any, list[Path], tuple] | None = None
         # Checkpoints this callback saved and still keeps, oldest first:
         # {"path": str, "step": int, "score": float | None}.
         self._saved: list[dict[str, Any]] = []
@@ -138,6 +147,15 @@ class ModelCheckpoint(Callback):
     def on_train_end(self, trainer: Trainer, module: NanoModule) -> None:
         if self.save_last and self._last_saved_step != trainer.global_step:
             self.save_now(trainer)
+        self.finish_pending(trainer)
+
+    def teardown(self, trainer: Trainer, module: NanoModule, stage: str) -> None:
+        # After an exception no collective is safe: let the writer finish, commit nothing (its
+        # temporary directory is removed by the next successful save).
+        if self._pending is not None:
+            self._pending[0].wait_written()
+            self._saved, self._last_saved_step, self.last_model_path = self._pending[2]
+            self._pending = None
 
     def on_exception(self, trainer: Trainer, module: NanoModule, exception: BaseException) -> None:
         if not self.save_on_exception or not trainer.training:
@@ -172,21 +190,41 @@ class ModelCheckpoint(Callback):
                 path,
                 ", ".join(nonfinite),
             )
+        self.finish_pending(trainer)  # the next save waits for the previous one
         before = (list(self._saved), self._last_saved_step, self.last_model_path)
         candidates = [e for e in self._saved if e["path"] != entry["path"]] + [entry]
         # Decide retention before saving, so that the state stored in the checkpoint already
         # lists exactly the checkpoints that will exist after it.
         self._saved = self._retained(candidates)
         self._last_saved_step, self.last_model_path = step, str(path)
+        kept = {e["path"] for e in self._saved}
+        dropped = [Path(e["path"]) for e in candidates if e["path"] not in kept]
         try:
-            trainer.save_checkpoint(path)
+            if self.async_save:
+                self._pending = (PendingSave(trainer, path), dropped, before)
+            else:
+                trainer.save_checkpoint(path)
         except BaseException:
             self._saved, self._last_saved_step, self.last_model_path = before
             raise
         self._last_save_time = self._clock()
-        kept = {e["path"] for e in self._saved}
-        self._delete(trainer, [Path(e["path"]) for e in candidates if e["path"] not in kept])
+        if not self.async_save:
+            self._delete(trainer, dropped)
         return path
+
+    def finish_pending(self, trainer: Trainer) -> None:
+        """Commit the asynchronous save still being written, if any (collective: every rank
+        calls it at the same point), then apply its retention."""
+        if self._pending is None:
+            return
+        pending, dropped, before = self._pending
+        self._pending = None
+        try:
+            pending.finish()
+        except BaseException:
+            self._saved, self._last_saved_step, self.last_model_path = before
+            raise
+        self._delete(trainer, dropped)
 
     def _retained(self, entries: list[dict[str, Any]]) -> list[dict[str, Any]]:
         keep = {entries[-1]["path"]}  # the newest: `last` points at it

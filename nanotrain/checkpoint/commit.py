@@ -18,6 +18,9 @@ from nanotrain.checkpoint.files import META_FILE, fsync_path
 
 LAST_POINTER = "last"
 TMP_MARKER = ".tmp-"
+# Temporary directories of asynchronous saves still being written in this process: a commit's
+# cleanup of stale temporaries must leave them alone.
+IN_PROGRESS: set[Path] = set()
 
 
 def temporary_dir(final: Path) -> Path:
@@ -93,7 +96,7 @@ def remove_stale_temporaries(checkpoints_dir: Path) -> list[Path]:
     """
     removed = []
     for path in checkpoints_dir.iterdir():
-        if TMP_MARKER not in path.name:
+        if TMP_MARKER not in path.name or path in IN_PROGRESS:
             continue
         if path.is_dir():
             shutil.rmtree(path, ignore_errors=True)

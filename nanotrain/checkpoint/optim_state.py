@@ -71,6 +71,12 @@ def optimizer_slots(strategy: Any) -> list[list[Slot]]:
                 slots.append(pieces[id(q)])
             elif id(q) in names:
                 slots.append(Slot(names[id(q)], 0, q.numel(), tuple(q.shape)))
+            elif getattr(strategy, "zero_stage", 0) and zero is None:
+                raise ValueError(
+                    "the ZeRO optimizer's shards are released when fit ends; save sharded "
+                    "checkpoints during fit (ModelCheckpoint, or trainer.save_checkpoint in a "
+                    "callback hook such as on_train_end)"
+                )
             else:
                 raise ValueError(
                     f"optimizer group {gi} steps a tensor of shape {tuple(q.shape)} that is no "

@@ -12,7 +12,7 @@ import time
 import warnings
 from pathlib import Path
 from types import SimpleNamespace
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 
@@ -33,7 +33,9 @@ if TYPE_CHECKING:
 # Payload keys whose value differs between ranks; everything else is rank 0's (identical on
 # every replica under the replicated strategies).
 PER_RANK_KEYS = ("rng",)
-_SEPARATE_KEYS = ("model", "optimizer", *PER_RANK_KEYS)
+# Set by an asynchronous save: the optimizer state by name, exported before training goes on.
+EXPORTED_OPTIMIZER = "_exported_optimizer"
+_SEPARATE_KEYS = ("model", "optimizer", EXPORTED_OPTIMIZER, *PER_RANK_KEYS)
 
 
 def save_checkpoint(trainer: Trainer, path: Path) -> Path:
@@ -55,20 +57,61 @@ def save_checkpoint(trainer: Trainer, path: Path) -> Path:
             rank and the cause (e.g. "No space left on device (ENOSPC)"); the temporary
             directory of the failed save is removed.
     """
-    strategy = trainer.strategy
     final = Path(path)
     payload = trainer.checkpoint_payload()
-    nonfinite = health.nonfinite_parts(trainer, payload["model"])
+    snapshot = Snapshot.of(trainer, payload)
+    tmp = temporary_dir_on_all_ranks(trainer, final)
+    written, error = attempt(lambda: _write_files(trainer, payload, tmp))
+    return conclude(trainer, final, tmp, snapshot, written, error)
+
+
+class Snapshot(NamedTuple):
+    """What `meta.json` records about the state being saved, taken when the save starts (an
+    asynchronous save commits later, when the trainer has moved on)."""
+
+    step: int
+    nonfinite: list[str]
+    param_names: list[list[str]] | None
+
+    @classmethod
+    def of(cls, trainer: Trainer, payload: dict[str, Any]) -> Snapshot:
+        """The snapshot of `trainer` now; `payload` is what is being saved."""
+        nonfinite = health.nonfinite_parts(trainer, payload["model"])
+        return cls(trainer.global_step, nonfinite, _optimizer_param_names(trainer))
+
+
+def temporary_dir_on_all_ranks(trainer: Trainer, final: Path) -> Path:
+    """Collective: rank 0 creates `<final>.tmp-<random>/` and every rank learns its name.
+
+    Raises:
+        RuntimeError: on every rank when rank 0 could not create it.
+    """
     tmp_name, error = None, None
     if trainer.is_global_zero:
         tmp_name, error = attempt(lambda: str(_commit.temporary_dir(final)))
-    tmp_name, message = strategy.broadcast_object((tmp_name, describe(error)))
+    tmp_name, message = trainer.strategy.broadcast_object((tmp_name, describe(error)))
     if message is not None:
         raise RuntimeError(f"could not create a temporary directory for {final}: {message}")
-    tmp = Path(tmp_name)
-    written, error = attempt(lambda: _write_files(trainer, payload, tmp))
+    return Path(tmp_name)
+
+
+def conclude(
+    trainer: Trainer,
+    final: Path,
+    tmp: Path,
+    snapshot: Snapshot,
+    written: dict[str, Any] | None,
+    error: Exception | None,
+) -> Path:
+    """Collective, after every rank wrote its files into `tmp` (or failed): agree, then rank
+    0 writes meta.json and commits `tmp` as `final` (or removes `tmp` after a failure).
+
+    Raises:
+        RuntimeError: on every rank when a write or the commit failed anywhere.
+    """
+    strategy = trainer.strategy
     # One exchange is the barrier, the error agreement and the collection of checksums.
-    reports = exchange(strategy, (describe(error), written or {}, nonfinite))
+    reports = exchange(strategy, (describe(error), written or {}, snapshot.nonfinite))
     failed = [(rank, msg) for rank, (msg, _, _) in enumerate(reports) if msg is not None]
     if failed:
         if trainer.is_global_zero:
@@ -81,7 +124,9 @@ def save_checkpoint(trainer: Trainer, path: Path) -> Path:
     file_info = {name: info for _, infos, _ in reports for name, info in infos.items()}
     bad = sorted({part for _, _, parts in reports for part in parts})
     if trainer.is_global_zero:
-        _, error = attempt(lambda: _finish(trainer, tmp, final, file_info, bad))
+        _, error = attempt(
+            lambda: _finish(trainer, tmp, final, file_info, snapshot._replace(nonfinite=bad))
+        )
         if error is not None:
             shutil.rmtree(tmp, ignore_errors=True)
     agree_no_error(strategy, error, f"committing checkpoint {final}")
@@ -221,8 +266,10 @@ def _write_files(trainer: Trainer, payload: dict[str, Any], tmp: Path) -> dict[s
         name = files.model_shard_file(rank)
         rank_state["model_extra"], digests[name] = files.write_model(payload["model"], tmp / name)
         if payload.get("optimizer") is not None:
-            # By parameter name, so that any other layout can reassemble it (reshard.py).
-            pieces, rank_state["optimizer_info"] = optim_state.export_state(trainer.strategy)
+            # By parameter name, so that any other layout can reassemble it (reshard.py);
+            # an asynchronous save exported it already, while the state could not change.
+            exported = payload.get(EXPORTED_OPTIMIZER) or optim_state.export_state(trainer.strategy)
+            pieces, rank_state["optimizer_info"] = exported
             name = files.optim_shard_file(rank)
             digests[name] = files.write_model(pieces, tmp / name)[1]
     elif trainer.is_global_zero:
@@ -241,21 +288,21 @@ def _write_files(trainer: Trainer, payload: dict[str, Any], tmp: Path) -> dict[s
 
 
 def _finish(
-    trainer: Trainer, tmp: Path, final: Path, file_info: dict[str, Any], nonfinite: list[str]
+    trainer: Trainer, tmp: Path, final: Path, file_info: dict[str, Any], snapshot: Snapshot
 ) -> None:
     """Rank 0, after every rank wrote its files: meta.json, commit, cleanup."""
     meta = {
         "format": files.FORMAT_NAME,
         "version": files.FORMAT_VERSION,
         "world_size": trainer.world_size,
-        "global_step": trainer.global_step,
+        "global_step": snapshot.step,
         "strategy": type(trainer.strategy).__name__,
         "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "torch_version": torch.__version__,
         "files": {name: int(info[0]) for name, info in sorted(file_info.items())},
         "sha256": {name: info[1] for name, info in sorted(file_info.items()) if info[1]},
-        "nonfinite": nonfinite,
-        "optimizer_param_names": _optimizer_param_names(trainer),
+        "nonfinite": snapshot.nonfinite,
+        "optimizer_param_names": snapshot.param_names,
         "layout": sharded_layout(trainer.strategy),
     }
     files.write_meta(meta, tmp / files.META_FILE)

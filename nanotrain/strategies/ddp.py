@@ -12,6 +12,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from nanotrain.strategies.base import DataShard
+from nanotrain.strategies.rendezvous import init_process_group
 from nanotrain.strategies.replicated import ReplicatedStrategy, TrainingStepWrapper
 
 _REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "mean": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}
@@ -63,7 +64,7 @@ class DDPStrategy(ReplicatedStrategy):
         if not dist.is_initialized():
             rank, world = _env_int("RANK"), _env_int("WORLD_SIZE")
             backend = self.backend or ("nccl" if torch.cuda.is_available() else "gloo")
-            dist.init_process_group(
+            init_process_group(  # restarts: see rendezvous.py
                 backend,
                 rank=rank,
                 world_size=world,

@@ -60,6 +60,7 @@ from nanotrain.strategies.megatron_grads import (
 )
 from nanotrain.strategies.megatron_pipeline import PipelineEngine, embedding_groups, pick_schedule
 from nanotrain.strategies.optimizers import OptimizerSetup
+from nanotrain.strategies.rendezvous import init_process_group
 from nanotrain.strategies.weighting import LossAccumulator, weigh_microbatches
 
 if TYPE_CHECKING:
@@ -226,7 +227,7 @@ class MegatronStrategy(MegatronGradNorms, Strategy):
                     "`torchrun --nproc-per-node N ...`"
                 )
             backend = self.backend or ("nccl" if torch.cuda.is_available() else "gloo")
-            dist.init_process_group(
+            init_process_group(  # restarts: see rendezvous.py
                 backend,
                 rank=rank,
                 world_size=world,

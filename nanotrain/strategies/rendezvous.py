@@ -1,0 +1,46 @@
+"""Joining the default process group so that `torchrun --max-restarts N` can restart workers.
+
+Under torchrun (torch 2.13) every worker's store is a client of one TCPStore that the elastic
+agent hosts for the whole job (`TORCHELASTIC_USE_AGENT_STORE=True`), and a restarted worker
+group connects to the *same* store on the same port, with no per-attempt key prefix. The keys
+the previous attempt's ranks left behind (e.g. gloo's address of every rank) are still there:
+a restarted rank that reads a peer's key before that peer rewrote it connects to the dead
+process's old port and fails in `init_process_group` with gloo's "connectFullMesh failed ...
+Connection refused" (measured: about one restart in three on 2 ranks). Prefixing every key
+with the restart count (`TORCHELASTIC_RESTART_COUNT`) keeps each attempt's keys apart.
+
+Plain scripts (without nanotrain's strategies) get the same effect by launching torchrun with
+`TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`: then rank 0 hosts a fresh store on a new port at
+every attempt.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+
+import torch.distributed as dist
+
+__all__ = ["init_process_group"]
+
+
+def init_process_group(
+    backend: str, rank: int | None, world_size: int | None, timeout: datetime.timedelta
+) -> None:
+    """`dist.init_process_group(backend, rank, world_size, timeout)` from torchrun's
+    environment (MASTER_ADDR/MASTER_PORT), with a store whose keys are private to this restart
+    attempt when the elastic agent shares its store with the workers."""
+    restart = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+    shared = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == str(True)
+    if not (shared and restart is not None and rank is not None and world_size is not None):
+        dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timeout)
+        return
+    client = dist.TCPStore(
+        os.environ["MASTER_ADDR"],
+        int(os.environ["MASTER_PORT"]),
+        world_size=world_size,
+        is_master=False,
+        timeout=timeout,
+    )
+    store = dist.PrefixStore(f"nanotrain/restart_{restart}", client)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)

@@ -1,0 +1,64 @@
+"""A rank that is alive but stalls (never joins the next collective) ends the job within the
+strategy's timeout, with an error naming the collective and the process group."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+import nanotrain as nt
+from nanotrain.collective_errors import CollectiveTimeoutError
+from tests.distributed.spawn import run_world
+from tests.toy import BlobsData, Classifier
+from tests.unit.test_language_model import RandomTokens
+
+pytestmark = pytest.mark.distributed
+
+
+class StallAt(nt.Callback):
+    """Rank 1 sleeps `seconds` at the start of step `step` (alive, but not in the collective)."""
+
+    def __init__(self, step: int, seconds: float) -> None:
+        self.step, self.seconds = step, seconds
+
+    def on_train_batch_start(self, trainer, module, batch, batch_idx) -> None:
+        if trainer.global_step + 1 == self.step and trainer.global_rank == 1:
+            time.sleep(self.seconds)
+
+
+def _stall(rank: int, world_size: int, kind: str) -> dict:
+    settings = dict(max_steps=4, loggers=[], seed=0, callbacks=[StallAt(2, 8.0)])
+    if kind == "ddp":
+        trainer = nt.Trainer(
+            strategy=nt.DDPStrategy(timeout_s=3),
+            micro_batch_size=4,
+            global_batch_size=8,
+            **settings,
+        )
+        fit = lambda: trainer.fit(Classifier(), BlobsData())  # noqa: E731
+    else:
+        strategy = nt.MegatronStrategy(tp=2, timeout_s=3)
+        trainer = nt.Trainer(strategy=strategy, micro_batch_size=2, global_batch_size=2, **settings)
+        module = nt.LanguageModelModule(model="tiny", vocab_size=257)
+        fit = lambda: trainer.fit(module, train_dataloaders=RandomTokens(8, 257))  # noqa: E731
+    start = time.monotonic()
+    try:
+        fit()
+        return {"error": None}
+    except BaseException as exc:  # noqa: BLE001 - reported to the test
+        return {"type": type(exc).__name__, "error": str(exc), "seconds": time.monotonic() - start}
+
+
+@pytest.mark.parametrize(
+    ("kind", "group"),
+    [("ddp", "the default process group (all 2 ranks)"), ("megatron", "process group tp")],
+)
+def test_a_stalled_rank_ends_the_job_with_the_collective_and_group_named(tmp_path, kind, group):
+    torch.manual_seed(0)
+    waiting = run_world(_stall, 2, kind, timeout=60, pg_timeout=3)[0]
+    assert waiting["type"] == CollectiveTimeoutError.__name__, waiting
+    assert f"collective all_reduce over {group}" in waiting["error"]
+    assert "timed out after 3 s (the strategy's timeout_s)" in waiting["error"]
+    assert waiting["seconds"] < 20

@@ -1,0 +1,114 @@
+"""Automatic restart under `torchrun --max-restarts` on CPU/gloo, and preemption of one rank.
+
+Both run the real `nanotrain fit` command under torchrun with 2 DDP workers on the toy
+classifier (tests/unit/test_checkpoint.py's DropoutAdamClassifier: dropout, Adam, a step LR
+schedule, shuffled data), checkpointing every 2 steps, always with `--ckpt_path last`:
+
+* SIGKILL of rank 1 during step 5 of the first attempt: torchrun restarts both workers, they
+  resume from step 4, and the job's final loss equals the uninterrupted run's.
+* SIGTERM to rank 1 only, during step 3: both ranks finish step 3, save it and exit with 75;
+  the same command then resumes exactly.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import nanotrain as nt
+from nanotrain.exit_codes import EXIT_PREEMPTED
+
+pytestmark = pytest.mark.distributed
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+class SignalRankAt(nt.Callback):
+    """Sends `signum` to rank `rank` at the start of step `step`, in the first attempt only."""
+
+    def __init__(self, step: int, rank: int, signum: int) -> None:
+        self.step, self.rank, self.signum = step, rank, signum
+
+    def on_train_batch_start(self, trainer, module, batch, batch_idx) -> None:
+        first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
+        at = trainer.global_step + 1 == self.step and trainer.global_rank == self.rank
+        if first_attempt and at and not os.environ.get("NO_SIGNAL"):
+            os.kill(os.getpid(), self.signum)
+
+
+def write_config(config: Path, signum: int, step: int) -> Path:
+    config.write_text(
+        f"""
+trainer: {{max_steps: 8, micro_batch_size: 4, global_batch_size: 16, seed: 3,
+          loggers: [jsonl], log_every_n_steps: 1, limit_val_batches: 0}}
+model: {{class_path: tests.unit.test_checkpoint.DropoutAdamClassifier}}
+data: {{class_path: tests.toy.BlobsData, init_args: {{num_train: 64, num_val: 16}}}}
+callbacks:
+  - {{class_path: nanotrain.callbacks.checkpoint.ModelCheckpoint, init_args: {{every_n_steps: 2}}}}
+  - {{class_path: tests.integration.test_torchrun_restart.SignalRankAt,
+     init_args: {{step: {step}, rank: 1, signum: {int(signum)}}}}}
+"""
+    )
+    return config
+
+
+def torchrun(config: Path, root: Path, *extra: str, **env: str) -> subprocess.CompletedProcess:
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2"]
+    command += [*extra, "--standalone", "-m", "nanotrain", "fit", "--config", str(config)]
+    command += ["--strategy", "ddp"]
+    command += ["--trainer.default_root_dir", str(root), "--ckpt_path", "last"]
+    environment = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO), **env}
+    return subprocess.run(
+        command, cwd=REPO, env=environment, capture_output=True, text=True, timeout=300
+    )
+
+
+EXIT_ABORT = "terminate called without an active exception"
+
+
+def assert_finished(result: subprocess.CompletedProcess, root: Path) -> None:
+    """The job trained to step 8 and committed it. Known, not fixed (docs/checkpointing.md):
+    now and then a gloo worker aborts in C++ at interpreter exit, after its work is done and
+    its last checkpoint committed; torchrun then reports a failure. Anything else must not."""
+    last = root / "default" / "version_0" / "checkpoints" / "last"
+    assert last.is_file() and last.read_text().strip() == "step-00000008", result.stderr[-3000:]
+    assert result.returncode == 0 or EXIT_ABORT in result.stderr, result.stderr[-3000:]
+
+
+def losses(root: Path) -> dict[int, float]:
+    records = (root / "default" / "version_0" / "metrics.jsonl").read_text().splitlines()
+    return {r["step"]: r["train/loss"] for r in map(json.loads, records) if "train/loss" in r}
+
+
+def test_torchrun_restarts_after_sigkill_and_sigterm_preempts_with_an_exact_resume(tmp_path):
+    # One uninterrupted reference for both cases (the signal callback is switched off).
+    kill = write_config(tmp_path / "kill.yaml", signal.SIGKILL, step=5)
+    straight = torchrun(kill, tmp_path / "straight", NO_SIGNAL="1")
+    assert_finished(straight, tmp_path / "straight")
+    expected = losses(tmp_path / "straight")
+
+    # SIGKILL of rank 1 in step 5: torchrun restarts both workers, which resume from step 4.
+    killed = torchrun(kill, tmp_path / "killed", "--max-restarts", "1")
+    assert "exitcode: -9" in killed.stderr  # the first attempt really lost rank 1
+    assert "connectFullMesh failed" not in killed.stderr  # the restart joined (rendezvous.py)
+    assert losses(tmp_path / "killed")[8] == expected[8], killed.stderr[-3000:]
+    assert_finished(killed, tmp_path / "killed")
+
+    # SIGTERM to rank 1 only, in step 3: every rank saves step 3 and exits with 75.
+    term = write_config(tmp_path / "term.yaml", signal.SIGTERM, step=3)
+    preempted = torchrun(term, tmp_path / "term")
+    assert preempted.returncode != 0
+    assert f"exitcode: {EXIT_PREEMPTED}" in preempted.stderr or EXIT_ABORT in preempted.stderr
+    ckpts = tmp_path / "term" / "default" / "version_0" / "checkpoints"
+    assert (ckpts / "last").read_text().strip() == "step-00000003"
+    resumed = torchrun(term, tmp_path / "term")  # the same command
+    assert_finished(resumed, tmp_path / "term")
+    got = losses(tmp_path / "term")
+    assert sorted(got) == list(range(1, 9))
+    assert all(got[step] == expected[step] for step in got)
