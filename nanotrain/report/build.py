@@ -175,12 +175,21 @@ def _build(run_dir: Path) -> tuple[dict[str, Any], MetricHistory]:
 
 
 def _draw_pictures(run_dir: Path, history: MetricHistory) -> dict[str, str]:
-    """loss.png (train and validation loss) and lr.png (learning rate per parameter group)
+    """loss.png (training LM loss, total objective and validation loss) and lr.png (learning rate per parameter group)
     under `<run_dir>/report/`; a picture is left out when its metrics were not logged."""
     pictures: dict[str, str] = {}
+    # The LM loss is what validation measures; the total objective (MTP, balance terms) is
+    # drawn too when it differs, under its own name.
+    names = ("train/lm_loss", "train/loss", "val/loss")
+    if not history.points("train/lm_loss"):
+        names = ("train/loss", "val/loss")
     loss_series = [
-        Series(name, history.points(name), markers=name.startswith("val/"))
-        for name in ("train/loss", "val/loss")
+        Series(
+            "train/loss (total)" if name == "train/loss" and len(names) == 3 else name,
+            history.points(name),
+            markers=name.startswith("val/"),
+        )
+        for name in names
         if history.points(name)
     ]
     if loss_series:
