@@ -110,44 +110,6 @@ class Trainer(LightningTrainerProperties, EvaluationMethods):
 
     # -- properties modules and callbacks read (LightningModule relies on several) -------------
     @property
-    def global_step(self) -> int:
-        """Optimizer steps taken so far."""
-        return self.state.global_step
-
-    @property
-    def current_epoch(self) -> int:
-        """Index of the current pass over the training data."""
-        return self.state.epoch
-
-    @property
-    def global_rank(self) -> int:
-        return self.strategy.global_rank
-
-    @property
-    def local_rank(self) -> int:
-        return self.strategy.local_rank
-
-    @property
-    def world_size(self) -> int:
-        return self.strategy.world_size
-
-    @property
-    def is_global_zero(self) -> bool:
-        return self.strategy.is_global_zero
-
-    @property
-    def sanity_checking(self) -> bool:
-        return False
-
-    @property
-    def lightning_module(self) -> NanoModule | None:
-        return self.module
-
-    @property
-    def log_dir(self) -> Path | None:
-        return self.run_dir
-
-    @property
     def checkpoint_dir(self) -> Path:
         """`<run_dir>/checkpoints`, where checkpoints of this run go."""
         if self.run_dir is None:
@@ -170,14 +132,6 @@ class Trainer(LightningTrainerProperties, EvaluationMethods):
         """Microbatches per optimizer step on this process (gradient accumulation)."""
         s = self.settings
         return s.global_batch_size // (s.micro_batch_size * self.strategy.data_shard().count)
-
-    @property
-    def train_dataloader(self) -> DataLoader | None:
-        return self._train_loader
-
-    @property
-    def val_dataloader(self) -> DataLoader | None:
-        return self._val_loader
 
     # -- control requests from callbacks ---------------------------------------------------
     def request_stop(self, exit_code: int = 0) -> None:

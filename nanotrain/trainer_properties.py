@@ -6,6 +6,11 @@ import math
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from pathlib import Path
+
+    from torch.utils.data import DataLoader
+
+    from nanotrain.module import NanoModule
     from nanotrain.state import TrainState
     from nanotrain.strategies import Strategy
     from nanotrain.trainer_config import TrainerConfig
@@ -28,6 +33,9 @@ class LightningTrainerProperties:
 
     settings: TrainerConfig
     state: TrainState
+    module: Any
+    run_dir: Path | None
+    _train_loader: Any
     strategy: Strategy
     _val_loader: Any
     _eval_loader: Any
@@ -36,6 +44,61 @@ class LightningTrainerProperties:
     training: bool
     validating: bool
     testing: bool
+
+    @property
+    def global_step(self) -> int:
+        """Optimizer steps taken so far."""
+        return self.state.global_step
+
+    @property
+    def current_epoch(self) -> int:
+        """Index of the current pass over the training data."""
+        return self.state.epoch
+
+    @property
+    def global_rank(self) -> int:
+        """Rank of this process in the whole job."""
+        return self.strategy.global_rank
+
+    @property
+    def local_rank(self) -> int:
+        """Rank of this process on its node."""
+        return self.strategy.local_rank
+
+    @property
+    def world_size(self) -> int:
+        """Number of processes in the job."""
+        return self.strategy.world_size
+
+    @property
+    def is_global_zero(self) -> bool:
+        """True on the one process that writes logs and configs."""
+        return self.strategy.is_global_zero
+
+    @property
+    def sanity_checking(self) -> bool:
+        """Always False: nanotrain runs no sanity-check validation."""
+        return False
+
+    @property
+    def lightning_module(self) -> NanoModule | None:
+        """The module being trained (Lightning's name)."""
+        return self.module
+
+    @property
+    def log_dir(self) -> Path | None:
+        """The run directory (None before fit/validate starts)."""
+        return self.run_dir
+
+    @property
+    def train_dataloader(self) -> DataLoader | None:
+        """The training DataLoader of the running fit."""
+        return self._train_loader
+
+    @property
+    def val_dataloader(self) -> DataLoader | None:
+        """The validation DataLoader of the running fit/validate."""
+        return self._val_loader
 
     @property
     def max_steps(self) -> int:

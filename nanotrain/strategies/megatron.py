@@ -52,6 +52,7 @@ from nanotrain.strategies.base import (
     StepOutput,
     Strategy,
 )
+from nanotrain.strategies.layout_checks import check_sizes, model_dims
 from nanotrain.strategies.megatron_grads import (
     MegatronGradNorms,
     build_grad_buckets,
@@ -72,26 +73,6 @@ _REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "mean": dist.ReduceOp.SUM, "max": dist.
 def _env_int(name: str) -> int | None:
     value = os.environ.get(name)
     return None if value is None else int(value)
-
-
-def model_dims(config: Any) -> dict[str, int | None]:
-    """The sizes of a model config that a parallel layout must divide (None when absent)."""
-    return {
-        "num_heads": getattr(config, "num_heads", None),
-        "num_kv_heads": getattr(config, "num_kv_heads", None),
-        "num_experts": getattr(config, "n_routed_experts", None),
-        "num_layers": getattr(config, "num_layers", None),
-    }
-
-
-def _check_sizes(**sizes: int | None) -> None:
-    for name, value in sizes.items():
-        if value is None:
-            continue
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
-        if value < 1:
-            raise ValueError(f"{name} must be >= 1, got {value}")
 
 
 class MegatronStrategy(MegatronGradNorms, Strategy):
@@ -148,7 +129,7 @@ class MegatronStrategy(MegatronGradNorms, Strategy):
         pipeline_layout: Sequence[int] | None = None,
     ) -> None:
         super().__init__()
-        _check_sizes(tp=tp, pp=pp, ep=ep, dp=dp, virtual_pp=virtual_pp)
+        check_sizes(tp=tp, pp=pp, ep=ep, dp=dp, virtual_pp=virtual_pp)
         if virtual_pp > 1 and pp == 1:
             raise ValueError(f"virtual_pp={virtual_pp} needs pp > 1; use virtual_pp=1")
         if pipeline_layout is not None and len(pipeline_layout) != pp * virtual_pp:
@@ -386,16 +367,6 @@ class MegatronStrategy(MegatronGradNorms, Strategy):
             metrics={**terms, **self.precision.step_metrics()},
             skipped=self.precision.skip_step,
         )
-
-    def _unscale_grads(self) -> None:
-        """Unscale this rank's reduced gradients (whole buffers, or its ZeRO-2 shards) and
-        reduce the found-inf flag over tp, pp and dp (dp contains ep and expert-dp), i.e. over
-        every rank: all ranks skip the same step."""
-        assert self._grads is not None
-        local = [s.shard_grad if self.zero_stage == 2 else s.buffer for s in self._grads.sets]
-        mesh = self.mesh
-        groups = [mesh.tp_group, mesh.pp_group, mesh.dp_group]
-        self.precision.unscale_grads_([g for g in local if g is not None], groups)
 
     def _accumulate(
         self,

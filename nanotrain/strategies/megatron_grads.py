@@ -177,6 +177,16 @@ class MegatronGradNorms:
             clip_grads_([g for owned, _ in grad_sets for _, g in owned], norm, max_norm)
         return norm
 
+    def _unscale_grads(self) -> None:
+        """Unscale this rank's reduced gradients (whole buffers, or its ZeRO-2 shards) and
+        reduce the found-inf flag over tp, pp and dp (dp contains ep and expert-dp), i.e. over
+        every rank: all ranks skip the same step."""
+        assert self._grads is not None
+        local = [s.shard_grad if self.zero_stage == 2 else s.buffer for s in self._grads.sets]
+        mesh = self.mesh
+        groups = [mesh.tp_group, mesh.pp_group, mesh.dp_group]
+        self.precision.unscale_grads_([g for g in local if g is not None], groups)
+
     def _reduce_sequence_parallel_grads(self) -> None:
         """Sum over tp the grads of replicated params that saw only this rank's tokens."""
         if not self._sp_params:
