@@ -10,6 +10,7 @@ import torch
 
 from nanotrain import model_io
 from nanotrain.module import NanoModule
+from nanotrain.optim_kernels import adamw_kernel_kwargs
 
 IGNORE_INDEX = -100
 
@@ -37,6 +38,8 @@ class LanguageModelModule(NanoModule):
             `min_lr` over `decay_steps` (None: the Trainer's max_steps; without one, constant).
         weight_decay, betas, eps: AdamW settings; weight decay applies to matrices only
             (not norms, biases or the router's correction bias).
+        optimizer_impl: AdamW's kernel: "auto" (fused when all parameters are on CUDA, torch's
+            default otherwise), "fused", "foreach" or "loop" (`nanotrain.optim_kernels`).
     """
 
     def __init__(
@@ -51,8 +54,10 @@ class LanguageModelModule(NanoModule):
         weight_decay: float = 0.1,
         betas: tuple[float, float] = (0.9, 0.95),
         eps: float = 1e-8,
+        optimizer_impl: str = "auto",
     ) -> None:
         super().__init__()
+        adamw_kernel_kwargs(optimizer_impl, [])  # validate before any work
         if lr <= 0 or min_lr < 0 or min_lr > lr:
             raise ValueError(f"need 0 <= min_lr <= lr and lr > 0, got lr={lr}, min_lr={min_lr}")
         if warmup_steps < 0:
@@ -249,7 +254,8 @@ class LanguageModelModule(NanoModule):
             {"params": decay, "weight_decay": hp.weight_decay},
             {"params": no_decay, "weight_decay": 0.0},
         ]
-        optimizer = torch.optim.AdamW(groups, lr=hp.lr, betas=tuple(hp.betas), eps=hp.eps)
+        kernel = adamw_kernel_kwargs(hp.get("optimizer_impl", "auto"), decay + no_decay)
+        optimizer = torch.optim.AdamW(groups, lr=hp.lr, betas=tuple(hp.betas), eps=hp.eps, **kernel)
         decay_steps = hp.decay_steps
         trainer = self._nano_trainer
         if decay_steps is None and trainer is not None:
