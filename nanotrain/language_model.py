@@ -149,6 +149,14 @@ class LanguageModelModule(NanoModule):
 
     # -- steps -------------------------------------------------------------------------------
     def _check_ids(self, input_ids: torch.Tensor) -> None:
+        # Reading min/max waits for the device, so under a Trainer the ids are checked on the
+        # first step and on logging steps only (a vocabulary mismatch shows on every batch);
+        # the other steps stay free of host syncs (docs/performance.md).
+        trainer = self._nano_trainer
+        if trainer is not None and self.training:
+            step = trainer.global_step + 1  # the step being computed
+            if step != 1 and step % trainer.settings.log_every_n_steps != 0:
+                return
         vocab = self.config.vocab_size
         if input_ids.numel() and (int(input_ids.min()) < 0 or int(input_ids.max()) >= vocab):
             raise ValueError(

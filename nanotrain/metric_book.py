@@ -52,8 +52,12 @@ class MetricBook:
         """Add one value to `name`'s aggregator (created on first use in this scope)."""
         entry = self._entries.get(name)
         if entry is None:
+            # nan_strategy="disable": the default checks every update for NaN on the host (a
+            # device sync per logged value per step); a NaN now simply shows in the result
             metric = _AGGREGATORS[reduce_fx](
-                sync_on_compute=sync_dist, process_group=self._process_group
+                sync_on_compute=sync_dist,
+                process_group=self._process_group,
+                nan_strategy="disable",
             ).to(self._device_fn())
             entry = self._entries[name] = _Entry(metric, prog_bar, logger)
         value = torch.as_tensor(value, dtype=torch.float32).detach().to(self._device_fn())

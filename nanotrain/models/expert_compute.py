@@ -24,10 +24,13 @@ import torch.nn.functional as F
 def grouped_mm_available(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether `grouped_swiglu` can run: CUDA bf16 inputs and a torch with `F.grouped_mm`.
 
-    The grouped GEMM kernels take bf16 on CUDA devices of compute capability 8.0 or newer.
+    The grouped GEMM kernels take bf16 on CUDA devices of compute capability 8.0 or newer, and
+    need every row stride to be a multiple of 16 bytes: hidden and expert width multiples of 8.
     """
     return (
         hasattr(F, "grouped_mm")
+        and weight.shape[-1] % 8 == 0
+        and weight.shape[-2] % 8 == 0
         and x.is_cuda
         and x.dtype == torch.bfloat16
         and weight.dtype == torch.bfloat16

@@ -13,9 +13,11 @@ from nanotrain.models.moe import GroupedExperts
 E, H, INTER = 16, 8, 6
 
 
-def _experts(dtype: torch.dtype = torch.float32, device: str = "cpu") -> GroupedExperts:
+def _experts(
+    dtype: torch.dtype = torch.float32, device: str = "cpu", h: int = H, inter: int = INTER
+) -> GroupedExperts:
     torch.manual_seed(0)
-    ex = GroupedExperts(E, H, INTER, device=device)
+    ex = GroupedExperts(E, h, inter, device=device)
     for p in ex.parameters():
         torch.nn.init.normal_(p, std=0.3)
     return ex.to(dtype)
@@ -78,8 +80,24 @@ def test_backward_builds_each_stack_gradient_once():
 
 
 def test_grouped_path_not_taken_on_cpu():
-    ex = _experts(torch.bfloat16)
-    assert not grouped_mm_available(torch.zeros(2, H, dtype=torch.bfloat16), ex.gate_proj)
+    ex = _experts(torch.bfloat16, h=16, inter=8)
+    assert not grouped_mm_available(torch.zeros(2, 16, dtype=torch.bfloat16), ex.gate_proj)
+
+
+def test_grouped_swiglu_matches_the_loop_where_torch_runs_it_on_cpu():
+    # torch's CPU grouped_mm (a reference implementation) checks the offsets and transposes
+    # this module relies on; the CUDA kernel computes the same thing in bf16
+    ex = _experts(h=16, inter=8)
+    sizes = _sizes()
+    x = torch.randn(sum(sizes), 16, requires_grad=True)
+    y = grouped_swiglu(x, torch.tensor(sizes), ex.gate_proj, ex.up_proj, ex.down_proj)
+    ref = looped_swiglu(x, sizes, ex.gate_proj, ex.up_proj, ex.down_proj)
+    torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-6)
+    g = torch.randn_like(y)
+    got = torch.autograd.grad(y, [x, *ex.parameters()], g)
+    want = torch.autograd.grad(ref, [x, *ex.parameters()], g)
+    for a, b in zip(got, want, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="grouped_mm needs a CUDA GPU")
@@ -90,7 +108,7 @@ def test_grouped_mm_matches_loop_on_cuda():
     ):
         pytest.skip("this GPU has no bf16 grouped GEMM (compute capability < 8.0)")
     sizes = _sizes()
-    x = torch.randn(sum(sizes), H, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    x = torch.randn(sum(sizes), 16, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     counts = torch.tensor(sizes, device="cuda")
     y = grouped_swiglu(x, counts, ex.gate_proj, ex.up_proj, ex.down_proj)
     ref = looped_swiglu(x, sizes, ex.gate_proj, ex.up_proj, ex.down_proj)
