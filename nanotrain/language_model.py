@@ -9,6 +9,7 @@ from typing import Any
 import torch
 
 from nanotrain import model_io
+from nanotrain.models.recompute import check_recompute, set_recompute
 from nanotrain.module import NanoModule
 from nanotrain.optim_kernels import adamw_kernel_kwargs
 
@@ -40,6 +41,8 @@ class LanguageModelModule(NanoModule):
             (not norms, biases or the router's correction bias).
         optimizer_impl: AdamW's kernel: "auto" (fused when all parameters are on CUDA, torch's
             default otherwise), "fused", "foreach" or "loop" (`nanotrain.optim_kernels`).
+        recompute: activation recomputation per decoder layer: None, "full" or "selective"
+            (`nanotrain.models.recompute`, docs/performance.md).
     """
 
     def __init__(
@@ -55,9 +58,11 @@ class LanguageModelModule(NanoModule):
         betas: tuple[float, float] = (0.9, 0.95),
         eps: float = 1e-8,
         optimizer_impl: str = "auto",
+        recompute: str | None = None,
     ) -> None:
         super().__init__()
         adamw_kernel_kwargs(optimizer_impl, [])  # validate before any work
+        check_recompute(recompute)
         if lr <= 0 or min_lr < 0 or min_lr > lr:
             raise ValueError(f"need 0 <= min_lr <= lr and lr > 0, got lr={lr}, min_lr={min_lr}")
         if warmup_steps < 0:
@@ -131,6 +136,7 @@ class LanguageModelModule(NanoModule):
             self.model = build_model(
                 self.config, mesh=mesh, device="cpu", sequence_parallel=sequence_parallel
             )
+        set_recompute(self.model, self.hparams.get("recompute"))
         if self._pretrained is not None:
             self._load_pretrained()
 

@@ -27,6 +27,7 @@ from torch import nn
 from nanotrain.models.config import DeepSeekConfig
 from nanotrain.models.expert_compute import grouped_mm_available, grouped_swiglu, looped_swiglu
 from nanotrain.models.layers import SwiGLU
+from nanotrain.models.recompute import is_recomputing
 from nanotrain.parallel.collectives import (
     group_rank,
     group_size,
@@ -347,10 +348,11 @@ class DeepSeekMoE(nn.Module):
             y = y + self.shared_experts(x)
         aux = x.new_zeros((), dtype=torch.float32)
         if self.training:
-            # routing demand over all E experts (the router is replicated), drops or not
-            self.expert_load += torch.bincount(topk_idx.reshape(-1), minlength=e)
-            if keep is not None:
-                self.dropped_tokens += keep.numel() - keep.sum()
+            if not is_recomputing():  # a recomputed forward must not count its tokens again
+                # routing demand over all E experts (the router is replicated), drops or not
+                self.expert_load += torch.bincount(topk_idx.reshape(-1), minlength=e)
+                if keep is not None:
+                    self.dropped_tokens += keep.numel() - keep.sum()
             if self.config.aux_loss_alpha > 0:
                 alpha = self.config.aux_loss_alpha
                 aux = sequence_balance_loss(scores, topk_idx, b, alpha, self.sequence_group)
