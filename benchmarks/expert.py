@@ -22,6 +22,11 @@ library's source, vocabulary 257) for a few dozen steps, once with the aux-loss-
 update (DeepSeek-V3's gamma, and a faster one) and once without (bias_update_speed=0). The
 table shows the max/mean expert load (1.0 = perfectly balanced), averaged over the MoE
 layers, early and late in the run.
+
+(c) Expert scaling. One `GroupedExperts` layer, fwd+bwd on 4,096 token copies (H=128, expert
+width 64, so the FLOPs are the same at every size) with 8, 32 and 128 local experts, the
+former per-expert indexing and today's computation alternated in one run (median of
+--rounds). `--only-scaling` runs just this table (seconds).
 """
 
 from __future__ import annotations
@@ -39,7 +44,7 @@ import torch.distributed as dist
 
 import nanotrain.parallel.expert as expert
 from nanotrain.models import build_model, presets
-from nanotrain.models.moe import combine, dispatch
+from nanotrain.models.moe import GroupedExperts, combine, dispatch
 from nanotrain.parallel import ParallelMesh
 
 N, H, E, K = 4096, 256, 8, 2  # tokens per rank, hidden, experts, top-k
@@ -184,11 +189,50 @@ def imbalance_table(steps: int) -> None:
         print(f"| {name} | {r['first']:.3f} | {r['last']:.3f} | {r['loss']:.3f} |")
 
 
+def _indexed_swiglu(x: torch.Tensor, sizes: list[int], ex: GroupedExperts) -> torch.Tensor:
+    """The former expert loop (indexes the stacks per expert), kept to compare against."""
+    out = []
+    for e, x_e in enumerate(x.split(sizes)):
+        a = torch.nn.functional.silu(x_e @ ex.gate_proj[e].T) * (x_e @ ex.up_proj[e].T)
+        out.append(a @ ex.down_proj[e].T)
+    return torch.cat(out)
+
+
+def scaling_table(rounds: int, experts: tuple[int, ...] = (8, 32, 128)) -> None:
+    """(c) fwd+bwd of one expert layer at fixed tokens and FLOPs, by number of local experts."""
+    n, h, inter = 4096, 128, 64
+    print(f"\n(c) one expert layer fwd+bwd, {n} token copies, H={h}, expert width {inter}, fp32")
+    print("| local experts | indexed per expert (before) ms | unbind once (now) ms |")
+    print("|---|---|---|")
+    torch.set_num_threads(1)
+    for e in experts:
+        ex = GroupedExperts(e, h, inter)
+        for p in ex.parameters():
+            torch.nn.init.normal_(p, std=0.02)
+        sizes = [n // e] * e
+        x = torch.randn(n, h, requires_grad=True)
+        times: dict[str, list[float]] = {"old": [], "new": []}
+        for _ in range(rounds):  # alternate the two so box noise hits both alike
+            for name in ("old", "new"):
+                t0 = time.perf_counter()
+                y = _indexed_swiglu(x, sizes, ex) if name == "old" else ex(x, sizes)
+                y.sum().backward()
+                times[name].append(time.perf_counter() - t0)
+                ex.zero_grad(set_to_none=True)
+        old, new = (1e3 * statistics.median(times[k]) for k in ("old", "new"))
+        print(f"| {e} | {old:.1f} | {new:.1f} |")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--iters", type=int, default=10, help="timed dispatches per ep size")
     parser.add_argument("--steps", type=int, default=200, help="training steps per run in (b)")
+    parser.add_argument("--rounds", type=int, default=5, help="timed rounds per size in (c)")
+    parser.add_argument("--only-scaling", action="store_true", help="run only table (c)")
     args = parser.parse_args()
+    scaling_table(args.rounds)
+    if args.only_scaling:
+        return
     dispatch_table(args.iters)
     imbalance_table(args.steps)
 

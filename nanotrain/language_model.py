@@ -10,7 +10,9 @@ import torch
 
 from nanotrain import model_io
 from nanotrain.loss_terms import LossTerms
+from nanotrain.models.recompute import check_recompute, set_recompute
 from nanotrain.module import NanoModule
+from nanotrain.optim_kernels import adamw_kernel_kwargs
 
 IGNORE_INDEX = -100
 
@@ -64,6 +66,10 @@ class LanguageModelModule(NanoModule):
             `min_lr` over `decay_steps` (None: the Trainer's max_steps; without one, constant).
         weight_decay, betas, eps: AdamW settings; weight decay applies to matrices only
             (not norms, biases or the router's correction bias).
+        optimizer_impl: AdamW's kernel: "auto" (fused when all parameters are on CUDA, torch's
+            default otherwise), "fused", "foreach" or "loop" (`nanotrain.optim_kernels`).
+        recompute: activation recomputation per decoder layer: None, "full" or "selective"
+            (`nanotrain.models.recompute`, docs/performance.md).
     """
 
     def __init__(
@@ -78,8 +84,12 @@ class LanguageModelModule(NanoModule):
         weight_decay: float = 0.1,
         betas: tuple[float, float] = (0.9, 0.95),
         eps: float = 1e-8,
+        optimizer_impl: str = "auto",
+        recompute: str | None = None,
     ) -> None:
         super().__init__()
+        adamw_kernel_kwargs(optimizer_impl, [])  # validate before any work
+        check_recompute(recompute)
         if lr <= 0 or min_lr < 0 or min_lr > lr:
             raise ValueError(f"need 0 <= min_lr <= lr and lr > 0, got lr={lr}, min_lr={min_lr}")
         if warmup_steps < 0:
@@ -154,6 +164,7 @@ class LanguageModelModule(NanoModule):
             self.model = build_model(
                 self.config, mesh=mesh, device="cpu", sequence_parallel=sequence_parallel
             )
+        set_recompute(self.model, self.hparams.get("recompute"))
         if self._pretrained is not None:
             self._load_pretrained()
 
@@ -172,6 +183,14 @@ class LanguageModelModule(NanoModule):
 
     # -- steps -------------------------------------------------------------------------------
     def _check_ids(self, input_ids: torch.Tensor) -> None:
+        # Reading min/max waits for the device, so under a Trainer the ids are checked on the
+        # first step and on logging steps only (a vocabulary mismatch shows on every batch);
+        # the other steps stay free of host syncs (docs/performance.md).
+        trainer = self._nano_trainer
+        if trainer is not None and self.training:
+            step = trainer.global_step + 1  # the step being computed
+            if step != 1 and step % trainer.settings.log_every_n_steps != 0:
+                return
         vocab = self.config.vocab_size
         if input_ids.numel() and (int(input_ids.min()) < 0 or int(input_ids.max()) >= vocab):
             raise ValueError(
@@ -311,7 +330,8 @@ class LanguageModelModule(NanoModule):
             {"params": decay, "weight_decay": hp.weight_decay, "name": "decay"},
             {"params": no_decay, "weight_decay": 0.0, "name": "no_decay"},
         ]
-        optimizer = torch.optim.AdamW(groups, lr=hp.lr, betas=tuple(hp.betas), eps=hp.eps)
+        kernel = adamw_kernel_kwargs(hp.get("optimizer_impl", "auto"), decay + no_decay)
+        optimizer = torch.optim.AdamW(groups, lr=hp.lr, betas=tuple(hp.betas), eps=hp.eps, **kernel)
         decay_steps = hp.decay_steps
         trainer = self._nano_trainer
         if decay_steps is None and trainer is not None:

@@ -24,8 +24,29 @@ import torch
 import torchmetrics
 from torch import Tensor
 
+
+class WeightedMean(torchmetrics.MeanMetric):
+    """`torchmetrics.MeanMetric` whose update never reads the device.
+
+    MeanMetric checks every update for NaN on the host unless ``nan_strategy="disable"``, and
+    with "disable" (torchmetrics 1.9) it drops the weights, so a batch-size-weighted mean
+    becomes a plain mean of batch means. Here the weighted sums are added directly: a NaN
+    simply shows in the result.
+    """
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(nan_strategy="disable", **kwargs)
+
+    def update(self, value: float | Tensor, weight: float | Tensor = 1.0) -> None:
+        """Add `value` (any shape) with `weight` (broadcast to it) to the running sums."""
+        value = torch.as_tensor(value, dtype=self.dtype, device=self.device)
+        weight = torch.as_tensor(weight, dtype=self.dtype, device=self.device)
+        self.mean_value += (value * torch.broadcast_to(weight, value.shape)).sum()
+        self.weight += torch.broadcast_to(weight, value.shape).sum()
+
+
 _AGGREGATORS: dict[str, type[torchmetrics.Metric]] = {
-    "mean": torchmetrics.MeanMetric,
+    "mean": WeightedMean,
     "sum": torchmetrics.SumMetric,
     "max": torchmetrics.MaxMetric,
     "min": torchmetrics.MinMetric,
@@ -127,13 +148,19 @@ class MetricBook:
         reduce: str,
         batch_size: int | None,
     ) -> None:
+        """Add one value to `name`'s aggregator (created on first use in this scope)."""
         if isinstance(value, torchmetrics.Metric):
             scope.entries[name] = _Entry(value, prog_bar, logger, user_metric=True)
             return
         entry = scope.entries.get(name)
         if entry is None or entry.user_metric:
+            # nan_strategy="disable": the default checks every update for NaN on the host (a
+            # device sync per logged value per step); a NaN now simply shows in the result
+            kwargs = {} if reduce == "mean" else {"nan_strategy": "disable"}
             metric = _AGGREGATORS[reduce](
-                sync_on_compute=sync_dist, process_group=self._process_group
+                sync_on_compute=sync_dist,
+                process_group=self._process_group,
+                **kwargs,
             ).to(self._device_fn())
             entry = scope.entries[name] = _Entry(metric, prog_bar, logger, user_metric=False)
         value = torch.as_tensor(value).detach()

@@ -25,7 +25,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from nanotrain.models.config import DeepSeekConfig
+from nanotrain.models.expert_compute import grouped_mm_available, grouped_swiglu, looped_swiglu
 from nanotrain.models.layers import SwiGLU
+from nanotrain.models.recompute import is_recomputing
 from nanotrain.parallel.collectives import (
     group_rank,
     group_size,
@@ -182,18 +184,13 @@ class GroupedExperts(nn.Module):
         return {name: t[self.expert_offset : stop] for name, t in full.items()}
 
     def forward(self, x: torch.Tensor, counts: torch.Tensor | Sequence[int]) -> torch.Tensor:
-        # One host sync for the slice sizes (none when the caller already has them as ints);
-        # a grouped-GEMM kernel taking device offsets (e.g. torch._grouped_mm on Hopper) would
-        # remove it without changing this interface.
+        # CUDA bf16: grouped GEMMs with device offsets, no host sync. Elsewhere: a loop over
+        # the experts, linear in their number, that needs the sizes on the host (one tolist()
+        # when they come as a tensor). See `nanotrain.models.expert_compute`.
+        if isinstance(counts, torch.Tensor) and grouped_mm_available(x, self.gate_proj):
+            return grouped_swiglu(x, counts, self.gate_proj, self.up_proj, self.down_proj)
         sizes = counts.tolist() if isinstance(counts, torch.Tensor) else list(counts)
-        outputs = []
-        for e, x_e in enumerate(x.split(sizes, dim=0)):
-            # an expert with no copies still runs (on 0 rows): its weights then get a zero
-            # gradient instead of none, so every rank's graph, and hence its backward
-            # collectives, has the same shape whatever the routing
-            a = F.silu(x_e @ self.gate_proj[e].T) * (x_e @ self.up_proj[e].T)  # (M_e, inter)
-            outputs.append(a @ self.down_proj[e].T)  # (M_e, H)
-        return torch.cat(outputs, dim=0)
+        return looped_swiglu(x, sizes, self.gate_proj, self.up_proj, self.down_proj)
 
 
 def combine(
@@ -351,10 +348,11 @@ class DeepSeekMoE(nn.Module):
             y = y + self.shared_experts(x)
         aux = x.new_zeros((), dtype=torch.float32)
         if self.training:
-            # routing demand over all E experts (the router is replicated), drops or not
-            self.expert_load += torch.bincount(topk_idx.reshape(-1), minlength=e)
-            if keep is not None:
-                self.dropped_tokens += keep.numel() - keep.sum()
+            if not is_recomputing():  # a recomputed forward must not count its tokens again
+                # routing demand over all E experts (the router is replicated), drops or not
+                self.expert_load += torch.bincount(topk_idx.reshape(-1), minlength=e)
+                if keep is not None:
+                    self.dropped_tokens += keep.numel() - keep.sum()
             if self.config.aux_loss_alpha > 0:
                 alpha = self.config.aux_loss_alpha
                 aux = sequence_balance_loss(scores, topk_idx, b, alpha, self.sequence_group)

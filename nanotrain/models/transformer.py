@@ -18,6 +18,7 @@ from nanotrain.models.balance import MoEStats, moe_balance_step
 from nanotrain.models.config import DeepSeekConfig, DenseConfig
 from nanotrain.models.layers import RMSNorm, SwiGLU, rope_cos_sin, tp_size_of
 from nanotrain.models.moe import DeepSeekMoE
+from nanotrain.models.recompute import recomputed
 from nanotrain.parallel.cross_entropy import vocab_parallel_cross_entropy
 from nanotrain.parallel.tensor import ColumnParallelLinear, VocabParallelEmbedding, pad_vocab_size
 
@@ -64,11 +65,22 @@ class DecoderLayer(nn.Module):
         self.self_attn = attention
         self.post_attention_layernorm = RMSNorm(hidden, eps, device=device)
         self.mlp = mlp
+        self.recompute: str | None = None  # activation recomputation (models/recompute.py)
 
     def forward(
         self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        h = h + self.self_attn(self.input_layernorm(h), cos, sin)
+        if self.recompute == "full":
+            return recomputed(self._forward, h, cos, sin)
+        return self._forward(h, cos, sin)
+
+    def _forward(
+        self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.recompute == "selective":
+            h = h + recomputed(self.self_attn, self.input_layernorm(h), cos, sin)
+        else:
+            h = h + self.self_attn(self.input_layernorm(h), cos, sin)
         out = self.mlp(self.post_attention_layernorm(h))
         if isinstance(out, tuple):
             out, aux = out

@@ -220,7 +220,7 @@ def _regroup_order(recv_counts: list[list[int]], device: torch.device) -> Tensor
 def run_experts_parallel(
     x_sorted: Tensor,
     counts: Tensor,
-    experts: Callable[[Tensor, list[int]], Tensor],
+    experts: Callable[[Tensor, Tensor | list[int]], Tensor],
     group: ProcessGroup | None,
 ) -> Tensor:
     """Send token copies to the ranks owning their experts, run them there, bring them back.
@@ -229,13 +229,14 @@ def run_experts_parallel(
         x_sorted: [M, H] this rank's token copies sorted by global expert.
         counts: [E] int64 copies per global expert (sums to M).
         experts: this rank's local experts: ``experts(x [R, H] sorted by local expert,
-            counts list [E / P]) -> [R, H]``.
+            counts [E / P] as a list of ints) -> [R, H]``.
         group: the expert-parallel group (P ranks); None or one rank calls
-            ``experts(x_sorted, counts.tolist())`` directly.
+            ``experts(x_sorted, counts)`` directly with the counts tensor, so an expert
+            implementation with device offsets (grouped GEMM) never syncs with the host.
     Returns: [M, H] expert outputs in `x_sorted`'s row order.
     """
     if group_size(group) == 1:
-        return experts(x_sorted, counts.tolist())
+        return experts(x_sorted, counts)
     splits = exchange_splits(counts, group)
     x_recv = all_to_all(x_sorted, splits.output_splits, splits.input_splits, group)
     order = _regroup_order(splits.recv_counts, x_sorted.device)

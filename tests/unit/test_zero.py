@@ -98,7 +98,12 @@ def _zero_step(opt_cls, **kw) -> tuple[nn.Module, nn.Module, ZeroOptimizer]:
 
 @pytest.mark.parametrize(
     ("opt_cls", "kw"),
-    [(torch.optim.AdamW, {"lr": 0.01}), (torch.optim.SGD, {"lr": 0.1, "momentum": 0.9})],
+    [
+        (torch.optim.AdamW, {"lr": 0.01}),
+        (torch.optim.AdamW, {"lr": 0.01, "fused": True}),  # one kernel over the flat pieces
+        (torch.optim.AdamW, {"lr": 0.01, "foreach": True}),
+        (torch.optim.SGD, {"lr": 0.1, "momentum": 0.9}),
+    ],
 )
 def test_sharded_optimizer_updates_like_the_whole_one(opt_cls, kw):
     model, reference, zero = _zero_step(opt_cls, **kw)

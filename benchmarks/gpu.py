@@ -1,0 +1,147 @@
+"""Model FLOPs utilization (MFU) of a ~1B dense and a ~1B MoE model in bf16 on one GPU.
+
+    python benchmarks/gpu.py                      # both presets, 20 timed steps each
+    python benchmarks/gpu.py --preset dense-1b --micro-batch 8 --seq-len 2048 --compile
+
+Each step is forward + backward + fused AdamW on bf16 weights over one micro-batch of random
+tokens; time is measured with CUDA events after warm-up. MFU = flops_per_token x tokens/s /
+peak, with `nanotrain.models.accounting.flops_per_token` (6 x active matmul parameters +
+causal attention) and the GPU's dense bf16 peak (H100/H200 SXM 989 TFLOP/s, A100 312; give
+--peak-tflops for others). Without CUDA it checks its arguments, prints the presets' sizes and
+exits 0 without timing anything.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+import torch
+
+from nanotrain.models import build_model, presets
+from nanotrain.models.accounting import active_params, flops_per_token, total_params
+
+#: name -> (base preset, overrides)
+PRESETS = {
+    # Llama-style 1.1B (the TinyLlama shape)
+    "dense-1b": (
+        "dense-100m",
+        dict(hidden_size=2048, num_layers=22, num_heads=32, num_kv_heads=4, intermediate_size=5632),
+    ),
+    # DeepSeek-V3-style MoE, ~1B total / ~0.3B active
+    "moe-1b": (
+        "deepseek-100m",
+        dict(
+            hidden_size=1024,
+            num_layers=14,
+            num_heads=16,
+            intermediate_size=2816,
+            q_lora_rank=384,
+            kv_lora_rank=256,
+            n_routed_experts=32,
+            moe_intermediate_size=704,
+            num_experts_per_tok=4,
+            n_group=4,
+            topk_group=2,
+            mtp_depth=0,
+        ),
+    ),
+}
+#: dense bf16 peak TFLOP/s by a substring of the device name
+PEAKS = {"H100": 989.0, "H200": 989.0, "A100": 312.0, "L40S": 362.0, "A10G": 70.0}
+
+
+def parse(argv: list[str] | None = None) -> argparse.Namespace:
+    """Parse and check the arguments (ValueError-style errors through argparse)."""
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--preset", choices=[*PRESETS, "all"], default="all")
+    p.add_argument("--micro-batch", type=int, default=4)
+    p.add_argument("--seq-len", type=int, default=2048)
+    p.add_argument("--steps", type=int, default=20, help="timed steps after 5 warm-up steps")
+    p.add_argument("--peak-tflops", type=float, default=None, help="override the GPU's peak")
+    p.add_argument("--compile", action="store_true", help="torch.compile each decoder layer")
+    args = p.parse_args(argv)
+    for name in ("micro_batch", "seq_len", "steps"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if args.peak_tflops is not None and args.peak_tflops <= 0:
+        p.error(f"--peak-tflops must be > 0, got {args.peak_tflops}")
+    return args
+
+
+def config_of(name: str, seq_len: int):
+    """The model config of preset `name` with room for `seq_len` tokens."""
+    base, overrides = PRESETS[name]
+    return presets.get(base, **overrides, max_seq_len=max(seq_len, 2048))
+
+
+def peak_tflops(args: argparse.Namespace) -> float:
+    """The GPU's dense bf16 peak; raises ValueError for an unknown GPU without --peak-tflops."""
+    if args.peak_tflops is not None:
+        return args.peak_tflops
+    name = torch.cuda.get_device_name()
+    for key, peak in PEAKS.items():
+        if key in name:
+            return peak
+    raise ValueError(f"unknown peak for {name!r}: pass --peak-tflops (dense bf16 TFLOP/s)")
+
+
+def measure(name: str, args: argparse.Namespace, peak: float) -> None:
+    """Time `args.steps` training steps of preset `name` and print tokens/s and MFU."""
+    config = config_of(name, args.seq_len)
+    torch.manual_seed(0)
+    model = build_model(config, device="cuda").to(torch.bfloat16)
+    if args.compile:
+        for i, layer in enumerate(model.layers):
+            model.layers[i] = torch.compile(layer)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+    b, t = args.micro_batch, args.seq_len
+    tokens = torch.randint(0, config.vocab_size, (b, t + 1), device="cuda")
+
+    def step() -> None:
+        model(tokens[:, :-1], tokens[:, 1:]).total_loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    for _ in range(5):
+        step()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda.synchronize()
+    start.record()
+    for _ in range(args.steps):
+        step()
+    end.record()
+    torch.cuda.synchronize()
+    seconds = start.elapsed_time(end) / 1e3 / args.steps
+    tps = b * t / seconds
+    mfu = flops_per_token(config, t) * tps / (peak * 1e12)
+    mem = torch.cuda.max_memory_allocated() / 2**30
+    print(
+        f"| {name} | {total_params(config) / 1e9:.2f}B / {active_params(config) / 1e9:.2f}B | "
+        f"{b}x{t} | {seconds * 1e3:.1f} | {tps:,.0f} | {100 * mfu:.1f}% | {mem:.1f} |"
+    )
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse(argv)
+    names = list(PRESETS) if args.preset == "all" else [args.preset]
+    for name in names:
+        c = config_of(name, args.seq_len)
+        print(f"{name}: {total_params(c):,} params, {active_params(c):,} active per token")
+    if not torch.cuda.is_available():
+        print("no CUDA device: arguments checked, nothing timed (skipped)")
+        return 0
+    peak = peak_tflops(args)
+    print(f"\n{torch.cuda.get_device_name()}, bf16 peak {peak:.0f} TFLOP/s, {time.strftime('%F')}")
+    print("| preset | params total / active | batch | ms/step | tokens/s | MFU | peak GiB |")
+    print("|---|---|---|---|---|---|---|")
+    for name in names:
+        measure(name, args, peak)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,83 @@
+"""How the routed experts' SwiGLU MLPs are computed on token copies sorted by expert.
+
+Two paths give the same result for `GroupedExperts.forward`:
+
+* `looped_swiglu` (every device and dtype): the stacked weights [E, out, in] are split into E
+  views ONCE per call (`unbind`), then each expert runs three matmuls on its slice of rows.
+  Indexing the stack per expert (`w[e]`) instead would make autograd build a zero-filled
+  gradient of the whole stack for every expert, a cost quadratic in E; `unbind`'s backward
+  stacks the E gradients once, so the cost is linear in E. It needs the slice sizes as host
+  integers (one `tolist()` when they come as a tensor).
+* `grouped_swiglu` (CUDA, bfloat16, `torch.nn.functional.grouped_mm` available): three grouped
+  GEMMs over all experts at once with device-side offsets (the cumulative counts), so the
+  expert computation never waits for the host.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+
+
+def grouped_mm_available(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether `grouped_swiglu` can run: CUDA bf16 inputs and a torch with `F.grouped_mm`.
+
+    The grouped GEMM kernels take bf16 on CUDA devices of compute capability 8.0 or newer, and
+    need every row stride to be a multiple of 16 bytes: hidden and expert width multiples of 8.
+    """
+    return (
+        hasattr(F, "grouped_mm")
+        and weight.shape[-1] % 8 == 0
+        and weight.shape[-2] % 8 == 0
+        and x.is_cuda
+        and x.dtype == torch.bfloat16
+        and weight.dtype == torch.bfloat16
+        and torch.cuda.get_device_capability(x.device) >= (8, 0)
+    )
+
+
+def looped_swiglu(
+    x: torch.Tensor,
+    sizes: Sequence[int],
+    gate_proj: torch.Tensor,
+    up_proj: torch.Tensor,
+    down_proj: torch.Tensor,
+) -> torch.Tensor:
+    """Per-expert SwiGLU on row slices, linear in the number of experts.
+
+    Args: x [M, H] rows sorted by expert; sizes: E host ints summing to M;
+        gate_proj, up_proj [E, I, H]; down_proj [E, H, I].
+    Returns: [M, H].
+    """
+    gates, ups, downs = gate_proj.unbind(0), up_proj.unbind(0), down_proj.unbind(0)
+    outputs = []
+    for e, x_e in enumerate(x.split(list(sizes), dim=0)):
+        # an expert with no rows still runs (on 0 rows): its weights then get a zero gradient
+        # instead of none, so every rank's graph, and hence its backward collectives, has the
+        # same shape whatever the routing
+        a = F.silu(x_e @ gates[e].T) * (x_e @ ups[e].T)  # (M_e, I)
+        outputs.append(a @ downs[e].T)  # (M_e, H)
+    return torch.cat(outputs, dim=0)
+
+
+def grouped_swiglu(
+    x: torch.Tensor,
+    counts: torch.Tensor,
+    gate_proj: torch.Tensor,
+    up_proj: torch.Tensor,
+    down_proj: torch.Tensor,
+) -> torch.Tensor:
+    """SwiGLU of every expert by three grouped GEMMs with device offsets (no host sync).
+
+    Args: x [M, H] bf16 CUDA rows sorted by expert; counts [E] integer tensor on x's device;
+        gate_proj, up_proj [E, I, H]; down_proj [E, H, I] (bf16).
+    Returns: [M, H] bf16.
+    """
+    # offs[i] = end row of expert i (int32, non-decreasing); out = x_e @ W_e^T per group, so the
+    # right operand is the stack transposed to [E, in, out]
+    offs = torch.cumsum(counts, 0, dtype=torch.int32)
+    g = F.grouped_mm(x, gate_proj.transpose(-2, -1), offs=offs)  # (M, I)
+    u = F.grouped_mm(x, up_proj.transpose(-2, -1), offs=offs)
+    return F.grouped_mm(F.silu(g) * u, down_proj.transpose(-2, -1), offs=offs)  # (M, H)

@@ -1,0 +1,79 @@
+"""Activation recomputation: keep fewer activations in forward, recompute them in backward.
+
+Modes, set per decoder layer (`set_recompute`, or `LanguageModelModule(recompute=...)`):
+
+* ``None``: keep every activation (fastest, most memory).
+* ``"full"``: keep only each decoder layer's input; backward reruns the whole layer (norms,
+  attention, MLP or MoE with its dispatch and all-to-alls) before differentiating it. About one
+  extra forward per step; activation memory per layer drops to one [B, T, H] tensor.
+* ``"selective"``: recompute the attention block only (`self_attn`: the q/kv projections incl.
+  MLA's low-rank up-projections, rotary embedding and the attention core), keeping the MLP/MoE
+  activations. Attention's per-head q/k/v tensors are large next to its FLOPs, so this saves
+  much of the memory for little extra compute (the idea behind Megatron's selective recompute).
+
+Recomputation reruns the same collectives in the same order on every rank (tensor, sequence
+and expert parallelism), so it composes with every MegatronStrategy layout and pipeline
+schedule. Side effects of a forward are not repeated: `is_recomputing()` is true while a
+recompute runs, and the MoE load counters skip it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+#: accepted recompute modes
+RECOMPUTE_MODES = (None, "full", "selective")
+_recomputing = 0
+
+
+def is_recomputing() -> bool:
+    """True while backward reruns a checkpointed forward (side effects must not repeat)."""
+    return _recomputing > 0
+
+
+@contextlib.contextmanager
+def _recompute_scope() -> Iterator[None]:
+    global _recomputing
+    _recomputing += 1
+    try:
+        yield
+    finally:
+        _recomputing -= 1
+
+
+def _contexts() -> tuple[Any, Any]:
+    return contextlib.nullcontext(), _recompute_scope()
+
+
+def recomputed(fn: Callable[..., Any], *args: Any) -> Any:
+    """`fn(*args)` without keeping its activations when autograd records; else a plain call."""
+    if not torch.is_grad_enabled():
+        return fn(*args)
+    return checkpoint(fn, *args, use_reentrant=False, context_fn=_contexts)
+
+
+def check_recompute(mode: str | None) -> None:
+    """Raise ValueError for a mode not in `RECOMPUTE_MODES`."""
+    if mode not in RECOMPUTE_MODES:
+        raise ValueError(f"recompute must be one of {RECOMPUTE_MODES}, got {mode!r}")
+
+
+def set_recompute(model: nn.Module, mode: str | None) -> int:
+    """Set the recompute mode of every decoder layer in `model`; returns how many were set.
+
+    Raises:
+        ValueError: for an unknown mode.
+    """
+    check_recompute(mode)
+    from nanotrain.models.transformer import DecoderLayer
+
+    layers = [m for m in model.modules() if isinstance(m, DecoderLayer)]
+    for layer in layers:
+        layer.recompute = mode
+    return len(layers)

@@ -1,0 +1,54 @@
+"""Activation recomputation under tp=2 and pp=2 (1F1B and interleaved) matches one process
+without recomputation, step for step (losses, grad norms, final parameters)."""
+
+from __future__ import annotations
+
+import pytest
+
+import nanotrain as nt
+from nanotrain.strategies.megatron import MegatronStrategy
+from tests.distributed.spawn import run_world
+from tests.distributed.test_pipeline import LAYERS, _check, fit_module
+
+LAYOUTS = {
+    "tp=2 sp full": dict(tp=2, sequence_parallel=True),
+    "tp=2 selective": dict(tp=2),
+    "pp=2 1f1b full": dict(pp=2),
+    "pp=2 x virtual 2 selective": dict(pp=2, virtual_pp=2),
+}
+MODES = {name: name.split()[-1] for name in LAYOUTS}
+
+
+def _module(recompute):
+    return nt.LanguageModelModule(
+        "tiny",
+        vocab_size=257,
+        lr=3e-3,
+        warmup_steps=2,
+        model_overrides={"num_layers": LAYERS},
+        recompute=recompute,
+    )
+
+
+def _run(rank: int, world_size: int, root: str) -> dict:
+    return {
+        name: fit_module(_module(MODES[name]), MegatronStrategy(**kw), f"{root}/{i}")
+        for i, (name, kw) in enumerate(LAYOUTS.items())
+    }
+
+
+@pytest.fixture(scope="module")
+def world2(tmp_path_factory) -> list[dict]:
+    return run_world(_run, 2, str(tmp_path_factory.mktemp("w2")), timeout=240)
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory) -> dict:
+    root = str(tmp_path_factory.mktemp("ref"))
+    return fit_module(_module(None), nt.SingleDeviceStrategy("cpu"), root)
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_recompute_layout_matches_single_process(world2, reference, layout):
+    for rank, result in enumerate(world2):
+        _check(result[layout], reference, f"{layout}, rank {rank}")

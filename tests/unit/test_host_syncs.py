@@ -1,0 +1,88 @@
+"""A non-logging training step never waits for the device (`nanotrain.sync_guard`)."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import torch
+
+import nanotrain as nt
+import nanotrain.models.moe as moe
+from nanotrain.sync_guard import HostSyncCounter
+from tests.unit.test_callbacks_moe_load import RandomTokens
+
+# Reads allowed in a non-logging step, each a known and documented one (docs/performance.md):
+# - `_as_counts` turns a *CPU* count into a device tensor; on a GPU the counts `count_tokens`
+#   returns are device tensors and take the branch that reads nothing (on this CPU-only test
+#   every tensor is a host tensor, so the counter sees the CPU branch);
+# - `host_totals`: the step's global token and sample counts as Python ints (TrainState,
+#   max_tokens, the sampler position): one read of two numbers per step;
+# - the default NaNGuard's check of the loss and grad norm, which must be decided on the host
+#   before the update (one read of two numbers per step; leave NaNGuard out to drop it).
+ALLOWED = ("(_as_counts)", "(host_totals)", "(on_before_optimizer_step)")
+
+
+class _Record(nt.Callback):
+    """Counts host syncs during the steps whose batch_idx is in `steps`."""
+
+    def __init__(self, steps: tuple[int, ...]) -> None:
+        self.steps, self.counter, self.records = steps, None, []
+
+    def on_train_batch_start(self, trainer, module, batch, batch_idx):
+        if batch_idx in self.steps:
+            self.counter = HostSyncCounter().__enter__()
+
+    def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
+        if self.counter is not None:
+            self.counter.__exit__(None, None, None)
+            self.records += self.counter.records
+            self.counter = None
+
+
+def test_counter_sees_item_bool_tolist_and_nonzero():
+    t = torch.arange(4)
+    with HostSyncCounter() as c:
+        t.sum().item()
+        bool(t[1] > 0)
+        t.tolist()
+        t.nonzero()
+        t + 1  # not a sync
+    assert [name for name, _ in c.records] == [
+        "aten._local_scalar_dense",
+        "aten._local_scalar_dense",
+        "Tensor.tolist",
+        "aten.nonzero",
+    ]
+    assert torch.Tensor.tolist is not None and "patched" not in torch.Tensor.tolist.__name__
+
+
+def test_non_logging_steps_of_the_tiny_moe_have_no_host_sync(tmp_path, monkeypatch):
+    # Take the device-offset expert path (the one CUDA bf16 takes) on CPU, and the fused AdamW
+    # that "auto" picks on CUDA (torch's loop AdamW reads its CPU step counter by design).
+    monkeypatch.setattr(moe, "grouped_mm_available", lambda x, w: True)
+    module = nt.LanguageModelModule(model="tiny", vocab_size=257, optimizer_impl="fused")
+    record = _Record(steps=(1, 2))  # steps 2 and 3 of 4: 1 and 4 log
+    trainer = nt.Trainer(
+        strategy=nt.SingleDeviceStrategy("cpu"),
+        max_steps=4,
+        global_batch_size=4,
+        micro_batch_size=2,
+        default_root_dir=str(tmp_path),
+        loggers=["jsonl"],
+        log_every_n_steps=100,
+        callbacks=[record],
+    )
+    trainer.fit(module, train_dataloaders=RandomTokens(16))
+    found = Counter(r for r in record.records if not r[1].endswith(ALLOWED))
+    assert not found, f"host syncs in a non-logging step: {dict(found)}"
+
+
+def test_logged_means_are_weighted_by_batch_size_without_reading_the_device():
+    from nanotrain.metric_book import WeightedMean
+
+    mean = WeightedMean()
+    with HostSyncCounter() as c:
+        mean.update(torch.tensor(1.0), 2.0)  # e.g. a batch of 2 with mean loss 1
+        mean.update(torch.tensor(3.0), 6.0)  # a batch of 6 with mean loss 3
+    assert c.records == []
+    assert float(mean.compute()) == (1.0 * 2 + 3.0 * 6) / 8
