@@ -59,3 +59,17 @@ def test_compiled_layers_under_ddp_match_eager_single_process(tmp_path):
     ranks = run_world(_ddp_rank, 2, str(tmp_path / "ddp"), timeout=240)
     for losses in ranks:
         assert losses == pytest.approx(eager, rel=1e-5)
+
+
+def _tp_rank(rank: int, world_size: int, root: str) -> list[float]:
+    from nanotrain.strategies.megatron import MegatronStrategy
+
+    return _fit(Path(root), True, MegatronStrategy(tp=2))[0]
+
+
+@pytest.mark.skipif(not hasattr(torch, "compile"), reason="needs torch.compile")
+def test_compiled_layers_under_tensor_parallel_match_eager_single_process(tmp_path):
+    eager, _ = _fit(tmp_path, False)
+    ranks = run_world(_tp_rank, 2, str(tmp_path / "tp"), timeout=300)
+    for losses in ranks:
+        assert losses == pytest.approx(eager, rel=1e-5)
