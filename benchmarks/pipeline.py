@@ -12,6 +12,11 @@ microbatch counts m. Per schedule it prints:
 
 On a 2-core machine ranks beyond 2 share cores, so pp=4 times are only indicative; the
 bubble and memory columns are what to compare. Usage: ``python benchmarks/pipeline.py``.
+
+``--sleep`` instead measures the executor itself, on any machine: every chunk sleeps F/v in
+forward and 2F/v in backward (activations of 4 floats, so the cores are idle and the transfers
+free), and the step time is printed over the ideal (m + (p - 1)/v)·3F, at pp=2, m=4 and pp=4,
+m=8 (``--f-ms``, default 60). A schedule at its theoretical bubble prints 1.00.
 """
 
 from __future__ import annotations
@@ -91,7 +96,63 @@ def _bench(rank: int, world: int, schedule: str, m: int, v: int) -> dict:
     return {"step": statistics.median(times), "busy": 3 * busy[0], "peak": max(peaks)}
 
 
+class _Sleep(torch.autograd.Function):
+    """Identity that sleeps `fwd` seconds in forward and `bwd` in backward."""
+
+    @staticmethod
+    def forward(ctx, x, fwd: float, bwd: float):
+        ctx.bwd = bwd
+        time.sleep(fwd)
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, g):
+        time.sleep(ctx.bwd)
+        return g, None, None
+
+
+def _sleep_bench(rank: int, world: int, schedule: str, m: int, v: int, f: float) -> float:
+    comm = PipelineComm(list(range(world)), rank, v, (4,), torch.float32, "cpu")
+    w = torch.ones(4, requires_grad=True)
+
+    def forward_step(mb: int, c: int, inp):
+        x = w * 1.0 if inp is None else inp
+        out = _Sleep.apply(x, f / v, 2 * f / v)
+        return (None, out.sum()) if comm.is_last(c) else (out, None)
+
+    actions = SCHEDULES[schedule](m, world, rank, v)
+    times = []
+    for _ in range(2):
+        dist.barrier()
+        start = time.perf_counter()
+        run_schedule(actions, comm, forward_step)
+        dist.barrier()
+        times.append(time.perf_counter() - start)
+    return min(times)
+
+
+def sleep_table(f_ms: float) -> None:
+    """Step time over the ideal (m + (p - 1)/v)·3F with sleep-based compute."""
+    f = f_ms / 1e3
+    print(f"sleep-based compute, F = {f_ms:g} ms")
+    print("| pp | m | schedule | step ms | ideal ms | step / ideal |")
+    print("|---|---|---|---|---|---|")
+    for pp, m in ((2, 4), (4, 8)):
+        for schedule, v in (("gpipe", 1), ("1f1b", 1), ("interleaved_1f1b", 2)):
+            step = max(run_world(_sleep_bench, pp, schedule, m, v, f, timeout=300))
+            ideal = (m + (pp - 1) / v) * 3 * f
+            print(
+                f"| {pp} | {m} | {schedule} | {step * 1e3:.0f} | {ideal * 1e3:.0f} | "
+                f"{step / ideal:.2f} |",
+                flush=True,
+            )
+
+
 def main() -> None:
+    if "--sleep" in sys.argv:
+        i = sys.argv.index("--f-ms") if "--f-ms" in sys.argv else -1
+        sleep_table(float(sys.argv[i + 1]) if i >= 0 else 60.0)
+        return
     rows = [
         "| pp | m | schedule | step ms | bubble measured | bubble theory | peak act. MiB (stage 0) |"
     ]

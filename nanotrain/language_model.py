@@ -70,6 +70,7 @@ class LanguageModelModule(NanoModule):
             default otherwise), "fused", "foreach" or "loop" (`nanotrain.optim_kernels`).
         recompute: activation recomputation per decoder layer: None, "full" or "selective"
             (`nanotrain.models.recompute`, docs/performance.md).
+        compile_layers: torch.compile each decoder layer (`nanotrain.models.compile`).
     """
 
     def __init__(
@@ -86,6 +87,7 @@ class LanguageModelModule(NanoModule):
         eps: float = 1e-8,
         optimizer_impl: str = "auto",
         recompute: str | None = None,
+        compile_layers: bool = False,
     ) -> None:
         super().__init__()
         adamw_kernel_kwargs(optimizer_impl, [])  # validate before any work
@@ -165,6 +167,10 @@ class LanguageModelModule(NanoModule):
                 self.config, mesh=mesh, device="cpu", sequence_parallel=sequence_parallel
             )
         set_recompute(self.model, self.hparams.get("recompute"))
+        if self.hparams.get("compile_layers"):
+            from nanotrain.models.compile import compile_layers
+
+            compile_layers(self.model)
         if self._pretrained is not None:
             self._load_pretrained()
 

@@ -12,11 +12,14 @@ See docs/models.md for the architecture, the presets and the FLOPs formula.
 from nanotrain.models import presets
 from nanotrain.models.accounting import active_params, flops_per_token, total_params
 from nanotrain.models.build import build_model, init_weights
+from nanotrain.models.compile import compile_layers
 from nanotrain.models.config import DeepSeekConfig, DenseConfig, ModelConfig
 from nanotrain.models.deepseek import DeepSeekV3
+from nanotrain.models.recompute import RECOMPUTE_MODES, set_recompute
 from nanotrain.models.transformer import CausalLM, DenseTransformer, ModelOutput
 
 __all__ = [
+    "RECOMPUTE_MODES",
     "CausalLM",
     "DeepSeekConfig",
     "DeepSeekV3",
@@ -26,8 +29,10 @@ __all__ = [
     "ModelOutput",
     "active_params",
     "build_model",
+    "compile_layers",
     "flops_per_token",
     "init_weights",
     "presets",
+    "set_recompute",
     "total_params",
 ]

@@ -242,6 +242,15 @@ def run_schedule(
         `ScheduleStats` of this run.
     """
     sender, stats = _Sender(), ScheduleStats()
+
+    def receives_next(i: int) -> bool:
+        """Whether action i + 1 starts with a receive (so a pending send can go with it)."""
+        if i + 1 >= len(actions):
+            return False
+        nxt = actions[i + 1]
+        c = nxt.chunk
+        return not comm.is_first(c) if nxt.kind == "F" else not comm.is_last(c)
+
     held: dict[tuple[int, int], tuple[Tensor | None, Tensor | None, Tensor | None]] = {}
     last_b = max((i for i, a in enumerate(actions) if a.kind == "B"), default=-1)
     for i, action in enumerate(actions):
@@ -257,6 +266,11 @@ def run_schedule(
                 out, loss = forward_step(m, c, inp)
             if out is not None and not comm.is_last(c):
                 sender.pending.append(comm.send_forward(m, c, out))
+                if not receives_next(i):
+                    # no receive to pair it with: send now, or the next stage idles until
+                    # this rank's next receive (GPipe's first stage would send nothing until
+                    # all its forwards were done)
+                    sender.exchange()
             stats.forwards += 1
             if not forward_only:
                 held[(m, c)] = (inp, out, loss)
@@ -276,6 +290,8 @@ def run_schedule(
         if inp is not None:
             g = inp.grad if inp.grad is not None else torch.zeros_like(inp)
             sender.pending.append(comm.send_backward(m, c, g))
+            if not receives_next(i):
+                sender.exchange()
         stats.backwards += 1
     sender.finish()
     assert not held, f"schedule left forwards without a backward: {sorted(held)}"

@@ -1,0 +1,75 @@
+"""compile_layers=True trains like eager (single device and DDP), parameter names unchanged."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+import nanotrain as nt
+from tests.distributed.spawn import run_world
+from tests.unit.test_callbacks_moe_load import RandomTokens
+
+
+class _Losses(nt.Callback):
+    def __init__(self) -> None:
+        self.losses: list[float] = []
+
+    def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
+        self.losses.append(float(outputs.loss))
+
+
+def _fit(tmp_path, compiled: bool, strategy=None) -> tuple[list[float], list[str]]:
+    torch.manual_seed(0)
+    module = nt.LanguageModelModule("tiny-dense", vocab_size=257, compile_layers=compiled)
+    losses = _Losses()
+    trainer = nt.Trainer(
+        strategy=strategy or nt.SingleDeviceStrategy("cpu"),
+        max_steps=3,
+        global_batch_size=4,
+        micro_batch_size=2,
+        default_root_dir=str(tmp_path / str(compiled)),
+        loggers=[],
+        callbacks=[losses],
+        seed=0,
+    )
+    trainer.fit(module, train_dataloaders=RandomTokens(16))
+    layers = list(module.model.layers)
+    assert all((layer._compiled_call_impl is not None) == compiled for layer in layers)
+    return losses.losses, list(module.model.state_dict())
+
+
+@pytest.mark.skipif(not hasattr(torch, "compile"), reason="needs torch.compile")
+def test_compiled_layers_match_eager_losses(tmp_path):
+    eager, names = _fit(tmp_path, False)
+    compiled, compiled_names = _fit(tmp_path, True)
+    assert compiled_names == names  # checkpoints stay interchangeable
+    assert compiled == pytest.approx(eager, rel=1e-5)
+
+
+def _ddp_rank(rank: int, world_size: int, root: str) -> list[float]:
+    return _fit(Path(root), True, nt.strategies.DDPStrategy())[0]
+
+
+@pytest.mark.skipif(not hasattr(torch, "compile"), reason="needs torch.compile")
+def test_compiled_layers_under_ddp_match_eager_single_process(tmp_path):
+    # same global batch of 4 split over 2 ranks: the mean loss per step is the same
+    eager, _ = _fit(tmp_path, False)
+    ranks = run_world(_ddp_rank, 2, str(tmp_path / "ddp"), timeout=240)
+    for losses in ranks:
+        assert losses == pytest.approx(eager, rel=1e-5)
+
+
+def _tp_rank(rank: int, world_size: int, root: str) -> list[float]:
+    from nanotrain.strategies.megatron import MegatronStrategy
+
+    return _fit(Path(root), True, MegatronStrategy(tp=2))[0]
+
+
+@pytest.mark.skipif(not hasattr(torch, "compile"), reason="needs torch.compile")
+def test_compiled_layers_under_tensor_parallel_match_eager_single_process(tmp_path):
+    eager, _ = _fit(tmp_path, False)
+    ranks = run_world(_tp_rank, 2, str(tmp_path / "tp"), timeout=300)
+    for losses in ranks:
+        assert losses == pytest.approx(eager, rel=1e-5)
