@@ -21,6 +21,7 @@ from torch.utils.data import DataLoader
 
 from nanotrain.callbacks.base import Callback
 from nanotrain.checkpoint.preemption import PreemptionWatch, stop_if_preempted
+from nanotrain.checkpoint.trainer_methods import CheckpointMethods
 from nanotrain.collective_errors import explain_timeout
 from nanotrain.default_callbacks import with_defaults
 from nanotrain.evaluation_loops import EvaluationMethods, finish_epoch
@@ -40,7 +41,7 @@ from nanotrain.trainer_properties import LightningTrainerProperties
 from nanotrain.validation import run_validation, to_float
 
 
-class Trainer(LightningTrainerProperties, EvaluationMethods):
+class Trainer(LightningTrainerProperties, EvaluationMethods, CheckpointMethods):
     """Runs `fit`, `validate`, `test` and `predict` for a `NanoModule` (or a plain
     LightningModule) under any `Strategy`.
 
@@ -447,30 +448,6 @@ class Trainer(LightningTrainerProperties, EvaluationMethods):
             raise
         finally:
             self._teardown("validate")
-
-    # -- checkpoints (contents in nanotrain.checkpoint.payload, storage in nanotrain.checkpoint)
-    def checkpoint_payload(self) -> dict[str, Any]:
-        """Everything this rank needs for an exact resume, as tensors and plain values."""
-        from nanotrain.checkpoint.payload import make_payload
-
-        return make_payload(self)
-
-    def load_checkpoint_payload(self, payload: dict[str, Any], weights_only: bool = False) -> None:
-        """Restore a payload made by `checkpoint_payload` (only the model when weights_only)."""
-        from nanotrain.checkpoint.payload import restore_payload
-
-        restore_payload(self, payload, weights_only)
-
-    def save_checkpoint(self, path: str | Path) -> Path:
-        """Write a checkpoint of the current state to `path` (call on every rank)."""
-        from nanotrain.checkpoint import save_checkpoint
-
-        return save_checkpoint(self, Path(path))
-
-    def _resume(self, path: Path, weights_only: bool = False) -> None:
-        from nanotrain.checkpoint import load_checkpoint
-
-        self.load_checkpoint_payload(load_checkpoint(self, path), weights_only=weights_only)
 
     def _teardown(self, stage: str) -> None:
         if self.module is not None:
