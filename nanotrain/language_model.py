@@ -70,7 +70,8 @@ class LanguageModelModule(NanoModule):
             default otherwise), "fused", "foreach" or "loop" (`nanotrain.optim_kernels`).
         recompute: activation recomputation per decoder layer: None, "full" or "selective"
             (`nanotrain.models.recompute`, docs/performance.md).
-        compile_layers: torch.compile each decoder layer (`nanotrain.models.compile`).
+        compile_layers: torch.compile each decoder layer (`nanotrain.models.compile`): True,
+            or a dict of `torch.compile` arguments (e.g. ``{"backend": "aot_eager"}``).
     """
 
     def __init__(
@@ -87,7 +88,7 @@ class LanguageModelModule(NanoModule):
         eps: float = 1e-8,
         optimizer_impl: str = "auto",
         recompute: str | None = None,
-        compile_layers: bool = False,
+        compile_layers: bool | dict[str, Any] = False,
     ) -> None:
         super().__init__()
         adamw_kernel_kwargs(optimizer_impl, [])  # validate before any work
@@ -167,10 +168,12 @@ class LanguageModelModule(NanoModule):
                 self.config, mesh=mesh, device="cpu", sequence_parallel=sequence_parallel
             )
         set_recompute(self.model, self.hparams.get("recompute"))
-        if self.hparams.get("compile_layers"):
+        compile_options = self.hparams.get("compile_layers")
+        if compile_options:
             from nanotrain.models.compile import compile_layers
 
-            compile_layers(self.model)
+            options = compile_options if isinstance(compile_options, dict) else {}
+            compile_layers(self.model, **options)
         if self._pretrained is not None:
             self._load_pretrained()
 
