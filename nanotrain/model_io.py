@@ -14,10 +14,11 @@ import json
 from pathlib import Path
 from typing import Any
 
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 from torch import Tensor
 
 from nanotrain.models.config import DeepSeekConfig, DenseConfig
+from nanotrain.models.lazy import LazyTensor, materialize_all, open_safetensors
 
 CONFIG_FILE = "model_config.json"
 WEIGHTS_FILE = "model.safetensors"
@@ -71,17 +72,36 @@ def load_pretrained(path: str | Path) -> tuple[DeepSeekConfig | DenseConfig, dic
         FileNotFoundError: the folder has neither `model_config.json` nor `config.json`.
         ValueError: the config or the tensors do not match a supported model.
     """
+    config, lazy = open_pretrained(path, stacklevel=3)
+    return config, materialize_all(lazy)
+
+
+def open_pretrained(
+    path: str | Path, stacklevel: int = 2
+) -> tuple[DeepSeekConfig | DenseConfig, dict[str, LazyTensor]]:
+    """`load_pretrained` without reading the weights: (config, name -> `LazyTensor`).
+
+    Only the config and the safetensors headers are read. `LanguageModelModule(model=folder)`
+    uses it so that each rank of a sharded layout reads only its own slices
+    (`nanotrain.models.sharding.load_full_state_dict`).
+
+    Raises:
+        FileNotFoundError: the folder has neither `model_config.json` nor `config.json`, or
+            lacks its weights file.
+        ValueError: the config or the tensors do not match a supported model, or a corrupt
+            weights file.
+    """
     folder = Path(path)
     if (folder / CONFIG_FILE).is_file():
         config = config_from_dict(json.loads((folder / CONFIG_FILE).read_text()))
         if not (folder / WEIGHTS_FILE).is_file():
             raise FileNotFoundError(f"{folder / WEIGHTS_FILE} not found next to {CONFIG_FILE}")
-        return config, load_file(str(folder / WEIGHTS_FILE))
+        return config, open_safetensors(folder / WEIGHTS_FILE)
     if (folder / "config.json").is_file():
         from nanotrain.models.hf_io import load_hf_weights
 
         # the same reading as import_hf (e.g. MTP layers announced but absent are dropped)
-        return load_hf_weights(folder, stacklevel=3)
+        return load_hf_weights(folder, stacklevel=stacklevel + 1, lazy=True)
     raise FileNotFoundError(
         f"{folder} is not a model folder: expected {CONFIG_FILE} (from `nanotrain import`) or "
         "a transformers config.json"

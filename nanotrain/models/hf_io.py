@@ -14,7 +14,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import Tensor, nn
 
@@ -27,6 +26,7 @@ from nanotrain.models.hf import (
     state_dict_from_hf,
     state_dict_to_hf,
 )
+from nanotrain.models.lazy import LazyTensor, materialize_all, open_safetensors
 from nanotrain.models.transformer import CausalLM
 
 
@@ -109,6 +109,18 @@ def read_hf_checkpoint(path: str | Path) -> tuple[dict[str, Any], dict[str, Tens
     Raises:
         FileNotFoundError: without config.json or any safetensors file.
     """
+    hf_config, lazy = open_hf_checkpoint(path)
+    return hf_config, {key: t.read() for key, t in lazy.items()}
+
+
+def open_hf_checkpoint(path: str | Path) -> tuple[dict[str, Any], dict[str, LazyTensor]]:
+    """`read_hf_checkpoint` without reading any tensor: (config.json dict, name ->
+    `LazyTensor`), from the files' headers only.
+
+    Raises:
+        FileNotFoundError: without config.json or any safetensors file.
+        ValueError: a corrupt safetensors file (named).
+    """
     folder = Path(path)
     if not (folder / "config.json").is_file():
         raise FileNotFoundError(
@@ -129,24 +141,30 @@ def read_hf_checkpoint(path: str | Path) -> tuple[dict[str, Any], dict[str, Tens
             f"no safetensors weights in {folder}; convert .bin checkpoints with transformers' "
             "save_pretrained(safe_serialization=True) first (pickles are never loaded)"
         )
-    tensors: dict[str, Tensor] = {}
+    tensors: dict[str, LazyTensor] = {}
     for file in files:
-        with safe_open(str(file), framework="pt", device="cpu") as f:
-            tensors.update({key: f.get_tensor(key) for key in f.keys()})
+        tensors.update(open_safetensors(file))
     return hf_config, tensors
 
 
-def _mtp_layers_present(config: DeepSeekConfig, hf_tensors: dict[str, Tensor]) -> int:
+def _mtp_layers_present(config: DeepSeekConfig, hf_tensors: dict[str, Any]) -> int:
     k = 0
     while f"model.layers.{config.num_layers + k}.eh_proj.weight" in hf_tensors:
         k += 1
     return k
 
 
-def load_hf_weights(path: str | Path, stacklevel: int = 2) -> tuple[ModelConfig, dict[str, Tensor]]:
+def load_hf_weights(
+    path: str | Path, stacklevel: int = 2, *, lazy: bool = False
+) -> tuple[ModelConfig, dict[str, Any]]:
     """(our config, full state dict with our names) of a transformers checkpoint folder: the
     one reading path behind `import_hf`, `nanotrain import` and
     `LanguageModelModule(model=<folder>)`.
+
+    With `lazy=True` the values are `LazyTensor`s and nothing but the files' headers is read:
+    the conversion (stacking per-expert tensors, splitting a fused `gate_up_proj`) is lazy
+    too, so whoever reads a slice later reads only that slice from the files. Otherwise every
+    tensor is read (tied names keep sharing one tensor).
 
     When config.json announces more MTP layers than the weights hold (transformers'
     `save_pretrained` writes `num_nextn_predict_layers=1` without any MTP weights), the
@@ -155,7 +173,7 @@ def load_hf_weights(path: str | Path, stacklevel: int = 2) -> tuple[ModelConfig,
     Raises: FileNotFoundError / ValueError from `read_hf_checkpoint`, `config_from_hf` and
     `state_dict_from_hf`.
     """
-    hf_config, hf_tensors = read_hf_checkpoint(path)
+    hf_config, hf_tensors = open_hf_checkpoint(path)
     config = config_from_hf(hf_config)
     if isinstance(config, DeepSeekConfig):
         present = _mtp_layers_present(config, hf_tensors)
@@ -166,7 +184,8 @@ def load_hf_weights(path: str | Path, stacklevel: int = 2) -> tuple[ModelConfig,
                 stacklevel=stacklevel,
             )
             config = replace(config, mtp_depth=present)
-    return config, state_dict_from_hf(config, hf_tensors)
+    state = state_dict_from_hf(config, hf_tensors)
+    return config, state if lazy else materialize_all(state)
 
 
 def import_hf(
