@@ -14,7 +14,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import save_file
 from torch import Tensor, nn
 
 from nanotrain.models.build import build_model
@@ -27,10 +26,11 @@ from nanotrain.models.hf import (
     state_dict_to_hf,
 )
 from nanotrain.models.lazy import LazyTensor, materialize_all, open_safetensors
+from nanotrain.models.safetensors_writer import save_file_streaming
 from nanotrain.models.transformer import CausalLM
 
 
-def _dtype_name(tensors: dict[str, Tensor]) -> str:
+def _dtype_name(tensors: dict[str, Tensor | LazyTensor]) -> str:
     """The weights' dtype name for config.json ("float32", "bfloat16", ...)."""
     dtypes = {t.dtype for t in tensors.values() if t.is_floating_point()}
     if len(dtypes) > 1:  # the router bias stays fp32 in a bf16 model; report the weights'
@@ -39,7 +39,7 @@ def _dtype_name(tensors: dict[str, Tensor]) -> str:
 
 
 def export_hf(
-    model_or_state_dict: nn.Module | dict[str, Tensor],
+    model_or_state_dict: nn.Module | dict[str, Tensor | LazyTensor],
     config: ModelConfig,
     out_dir: str | Path,
     *,
@@ -48,7 +48,10 @@ def export_hf(
     """Write `config.json` + safetensors that `transformers.AutoModelForCausalLM` loads.
 
     Args:
-        model_or_state_dict: our single-process model, or its full (gathered) state_dict.
+        model_or_state_dict: our single-process model, or its full (gathered) state_dict;
+            values may be `LazyTensor`s (e.g. `merge.open_model_shards`), read one at a time
+            while the files are written (`save_file_streaming`), so only one tensor is in
+            memory at once (one expert's slice for routed experts).
         config: the model's config. out_dir: created if needed; existing files are overwritten.
         max_shard_bytes: None writes one `model.safetensors`; otherwise shards of at most
             about this size plus `model.safetensors.index.json`, as `save_pretrained` does.
@@ -59,9 +62,9 @@ def export_hf(
     if isinstance(state, nn.Module):
         state = state.state_dict()
     hf_config = config_to_hf(config)
-    # safetensors refuses views that share storage (unbound expert slices), so copy each
+    # written one at a time (views sharing storage, e.g. unbound expert slices, are fine)
     tensors = {
-        k: v.detach().to("cpu").contiguous().clone()
+        k: v if isinstance(v, LazyTensor) else v.detach()
         for k, v in state_dict_to_hf(config, state).items()
     }
     hf_config["torch_dtype"] = hf_config["dtype"] = _dtype_name(tensors)
@@ -70,12 +73,12 @@ def export_hf(
     (out / "config.json").write_text(json.dumps(hf_config, indent=2, sort_keys=True) + "\n")
     shards = _split_shards(tensors, max_shard_bytes)
     if len(shards) == 1:
-        save_file(shards[0], str(out / "model.safetensors"), metadata={"format": "pt"})
+        save_file_streaming(shards[0], out / "model.safetensors", metadata={"format": "pt"})
         return out
     weight_map, total = {}, 0
     for i, shard in enumerate(shards, start=1):
         name = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
-        save_file(shard, str(out / name), metadata={"format": "pt"})
+        save_file_streaming(shard, out / name, metadata={"format": "pt"})
         weight_map.update(dict.fromkeys(shard, name))
         total += sum(t.numel() * t.element_size() for t in shard.values())
     index = {"metadata": {"total_size": total}, "weight_map": weight_map}
@@ -83,12 +86,12 @@ def export_hf(
     return out
 
 
-def _split_shards(tensors: dict[str, Tensor], max_bytes: int | None) -> list[dict[str, Tensor]]:
+def _split_shards(tensors: dict[str, Any], max_bytes: int | None) -> list[dict[str, Any]]:
     if max_bytes is None:
         return [tensors]
     if max_bytes <= 0:
         raise ValueError(f"max_shard_bytes must be > 0 (or None for one file), got {max_bytes}")
-    shards: list[dict[str, Tensor]] = [{}]
+    shards: list[dict[str, Any]] = [{}]
     size = 0
     for key, t in tensors.items():
         nbytes = t.numel() * t.element_size()

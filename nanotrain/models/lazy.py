@@ -31,6 +31,7 @@ __all__ = [
     "LazyTensor",
     "SafetensorsFile",
     "concat",
+    "in_memory",
     "materialize",
     "materialize_all",
     "open_safetensors",
@@ -157,13 +158,16 @@ class _Window(LazyTensor):
 class SafetensorsFile:
     """One safetensors file, opened once on first use (memory-mapped; nothing read up front).
 
+    Args:
+        path: the file. handle: an open `safe_open` handle of it to share, if there is one.
+
     Raises (on first use):
         ValueError: the file is corrupt or truncated (names it).
     """
 
-    def __init__(self, path: str | Path) -> None:
+    def __init__(self, path: str | Path, handle: Any = None) -> None:
         self.path = Path(path)
-        self._handle: Any = None
+        self._handle: Any = handle
 
     @property
     def handle(self) -> Any:
@@ -179,11 +183,15 @@ class SafetensorsFile:
 
     def tensors(self) -> dict[str, FileTensor]:
         """Every tensor of the file, lazily (only the header is read)."""
-        out = {}
-        for name in self.handle.keys():
+        return {name: self.tensor(name) for name in self.handle.keys()}
+
+    def tensor(self, name: str) -> FileTensor:
+        """Tensor `name` of the file, lazily. Raises: KeyError for a name it lacks."""
+        try:
             info = self.handle.get_slice(name)
-            out[name] = FileTensor(self, name, info.get_shape(), _DTYPES[info.get_dtype()])
-        return out
+        except SafetensorError as exc:
+            raise KeyError(f"{self.path} holds no tensor {name!r}") from exc
+        return FileTensor(self, name, info.get_shape(), _DTYPES[info.get_dtype()])
 
 
 class FileTensor(LazyTensor):
@@ -262,7 +270,7 @@ def stack(parts: Sequence[Tensor | LazyTensor]) -> Tensor | LazyTensor:
     """
     if not any(isinstance(p, LazyTensor) for p in parts):
         return torch.stack(list(parts))
-    lazy = [p if isinstance(p, LazyTensor) else _InMemory(p) for p in parts]
+    lazy = [p if isinstance(p, LazyTensor) else in_memory(p) for p in parts]
     if not lazy or any(p.shape != lazy[0].shape or p.dtype != lazy[0].dtype for p in lazy):
         raise ValueError("stack needs one or more tensors of one shape and dtype")
     return _Stack(lazy)
@@ -273,9 +281,12 @@ def concat(pieces: Sequence[LazyTensor], dim: int) -> LazyTensor:
     return pieces[0] if len(pieces) == 1 else _Concat(pieces, dim)
 
 
-class _InMemory(LazyTensor):
-    """A tensor already in memory, behind the lazy interface."""
+def in_memory(tensor: Tensor) -> LazyTensor:
+    """A tensor already in memory behind the lazy interface (a box reads a copy of it)."""
+    return _InMemory(tensor)
 
+
+class _InMemory(LazyTensor):
     def __init__(self, tensor: Tensor) -> None:
         super().__init__(tensor.shape, tensor.dtype)
         self.tensor = tensor
