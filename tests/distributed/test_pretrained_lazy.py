@@ -61,6 +61,12 @@ class _CountingFile:
     def __init__(self, inner: Any, log: dict[str, int]) -> None:
         self.inner, self.log = inner, log
 
+    def __enter__(self) -> _CountingFile:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.inner.__exit__(*exc)
+
     def keys(self) -> list[str]:
         return self.inner.keys()
 
