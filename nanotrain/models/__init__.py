@@ -14,6 +14,8 @@ from nanotrain.models.accounting import active_params, flops_per_token, total_pa
 from nanotrain.models.build import build_model, init_weights
 from nanotrain.models.config import DeepSeekConfig, DenseConfig, ModelConfig
 from nanotrain.models.deepseek import DeepSeekV3
+from nanotrain.models.lazy import LazyTensor, open_safetensors
+from nanotrain.models.safetensors_writer import save_file_streaming
 from nanotrain.models.transformer import CausalLM, DenseTransformer, ModelOutput
 
 __all__ = [
@@ -22,12 +24,15 @@ __all__ = [
     "DeepSeekV3",
     "DenseConfig",
     "DenseTransformer",
+    "LazyTensor",
     "ModelConfig",
     "ModelOutput",
     "active_params",
     "build_model",
     "flops_per_token",
     "init_weights",
+    "open_safetensors",
     "presets",
+    "save_file_streaming",
     "total_params",
 ]
