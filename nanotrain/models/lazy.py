@@ -169,6 +169,10 @@ class SafetensorsFile:
         self.path = Path(path)
         self._handle: Any = handle
 
+    def __getstate__(self) -> dict[str, Any]:
+        # an open handle cannot be pickled or copied; the copy reopens the file on first use
+        return {"path": self.path, "_handle": None}
+
     @property
     def handle(self) -> Any:
         """The `safe_open` handle (framework "pt", CPU)."""
