@@ -99,7 +99,7 @@ class LanguageModelModule(NanoModule):
             raise ValueError(f"warmup_steps must be >= 0, got {warmup_steps}")
         self.save_hyperparameters(ignore=["model"] if not isinstance(model, str) else None)
         self._model_spec = model
-        self._pretrained: dict[str, torch.Tensor] | None = None
+        self._pretrained: dict[str, Any] | None = None  # name -> LazyTensor
         self.config = self._resolve_config(vocab_size) if vocab_size is not None else None
         self.model: torch.nn.Module | None = None
         # the last optimizer step's routing statistics (a MoEStats; None for dense models)
@@ -119,7 +119,8 @@ class LanguageModelModule(NanoModule):
         if vocab_size is not None and not (from_data and explicit_vocab):
             overrides["vocab_size"] = vocab_size
         if pretrained:
-            config, self._pretrained = model_io.load_pretrained(spec)
+            # nothing but headers yet: each rank reads its own slices in _load_pretrained
+            config, self._pretrained = model_io.open_pretrained(spec)
             return dataclasses.replace(config, **overrides)
         if isinstance(spec, str):
             return presets.get(spec, **overrides)
@@ -180,11 +181,12 @@ class LanguageModelModule(NanoModule):
     def _load_pretrained(self) -> None:
         """Copy the pretrained folder's full tensors into the model just built: under a
         sharded layout (tp, ep, sequence parallel, pipeline stages) each rank takes only its
-        own slice of the parameters it holds (`nanotrain.models.sharding`)."""
+        own slice of the parameters it holds (`nanotrain.models.sharding`), and reads only
+        that slice from the folder's files, one tensor at a time."""
         from nanotrain.models.sharding import load_full_state_dict
 
         load_full_state_dict(self.model, self._pretrained, strict=True)
-        self._pretrained = None  # the full copy is not needed any more
+        self._pretrained = None  # closes the files
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         """Record the model config so that `nanotrain export` can rebuild the model."""

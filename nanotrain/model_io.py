@@ -9,15 +9,17 @@ accepted wherever a weights folder is.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 from pathlib import Path
 from typing import Any
 
-from safetensors.torch import load_file, save_file
 from torch import Tensor
 
 from nanotrain.models.config import DeepSeekConfig, DenseConfig
+from nanotrain.models.lazy import LazyTensor, materialize_all, open_safetensors
+from nanotrain.models.safetensors_writer import save_file_streaming
 
 CONFIG_FILE = "model_config.json"
 WEIGHTS_FILE = "model.safetensors"
@@ -45,13 +47,17 @@ def config_from_dict(data: dict[str, Any]) -> DeepSeekConfig | DenseConfig:
 
 
 def save_weights(
-    config: DeepSeekConfig | DenseConfig, state: dict[str, Tensor], out: str | Path
+    config: DeepSeekConfig | DenseConfig, state: dict[str, Tensor | LazyTensor], out: str | Path
 ) -> Path:
-    """Write a weights folder: `model_config.json` + `model.safetensors` (contiguous CPU copies)."""
+    """Write a weights folder: `model_config.json` + `model.safetensors` (CPU copies).
+
+    The tensors are written one at a time (`save_file_streaming`): `LazyTensor` values are
+    read only when their turn comes, so a lazy state dict is never whole in memory.
+    """
     folder = Path(out)
     folder.mkdir(parents=True, exist_ok=True)
-    tensors = {k: v.detach().to("cpu").contiguous().clone() for k, v in state.items()}
-    save_file(tensors, str(folder / WEIGHTS_FILE), metadata={"format": "pt"})
+    tensors = {k: v if isinstance(v, LazyTensor) else v.detach() for k, v in state.items()}
+    save_file_streaming(tensors, folder / WEIGHTS_FILE, metadata={"format": "pt"})
     (folder / CONFIG_FILE).write_text(json.dumps(config_to_dict(config), indent=2) + "\n")
     return folder
 
@@ -71,17 +77,36 @@ def load_pretrained(path: str | Path) -> tuple[DeepSeekConfig | DenseConfig, dic
         FileNotFoundError: the folder has neither `model_config.json` nor `config.json`.
         ValueError: the config or the tensors do not match a supported model.
     """
+    config, lazy = open_pretrained(path, stacklevel=3)
+    return config, materialize_all(lazy)
+
+
+def open_pretrained(
+    path: str | Path, stacklevel: int = 2
+) -> tuple[DeepSeekConfig | DenseConfig, dict[str, LazyTensor]]:
+    """`load_pretrained` without reading the weights: (config, name -> `LazyTensor`).
+
+    Only the config and the safetensors headers are read. `LanguageModelModule(model=folder)`
+    uses it so that each rank of a sharded layout reads only its own slices
+    (`nanotrain.models.sharding.load_full_state_dict`).
+
+    Raises:
+        FileNotFoundError: the folder has neither `model_config.json` nor `config.json`, or
+            lacks its weights file.
+        ValueError: the config or the tensors do not match a supported model, or a corrupt
+            weights file.
+    """
     folder = Path(path)
     if (folder / CONFIG_FILE).is_file():
         config = config_from_dict(json.loads((folder / CONFIG_FILE).read_text()))
         if not (folder / WEIGHTS_FILE).is_file():
             raise FileNotFoundError(f"{folder / WEIGHTS_FILE} not found next to {CONFIG_FILE}")
-        return config, load_file(str(folder / WEIGHTS_FILE))
+        return config, open_safetensors(folder / WEIGHTS_FILE)
     if (folder / "config.json").is_file():
         from nanotrain.models.hf_io import load_hf_weights
 
         # the same reading as import_hf (e.g. MTP layers announced but absent are dropped)
-        return load_hf_weights(folder, stacklevel=3)
+        return load_hf_weights(folder, stacklevel=stacklevel + 1, lazy=True)
     raise FileNotFoundError(
         f"{folder} is not a model folder: expected {CONFIG_FILE} (from `nanotrain import`) or "
         "a transformers config.json"
@@ -121,15 +146,31 @@ def checkpoint_model(ckpt: str | Path) -> tuple[DeepSeekConfig | DenseConfig, di
             written by a LanguageModelModule (no model config inside), or shards that do not
             fit the recorded layout and config.
     """
+    with contextlib.ExitStack() as stack:
+        config, weights = open_checkpoint_model(ckpt, stack)
+        return config, materialize_all(weights)
+
+
+def open_checkpoint_model(
+    ckpt: str | Path, stack: contextlib.ExitStack | None = None
+) -> tuple[DeepSeekConfig | DenseConfig, dict[str, Tensor | LazyTensor]]:
+    """`checkpoint_model` that reads a sharded checkpoint's tensors only when asked: its
+    values are `LazyTensor`s merging the shards of one tensor when read
+    (`nanotrain.checkpoint.merge.open_model_shards`; `stack` closes the shard files). An
+    unsharded checkpoint holds one process's whole model and is read as it is.
+
+    Raises:
+        as `checkpoint_model`.
+    """
     from nanotrain.checkpoint import files, load_model_weights
-    from nanotrain.checkpoint.merge import merge_model_shards
+    from nanotrain.checkpoint.merge import open_model_shards
 
     folder = Path(ckpt)
     config = checkpoint_config(folder)
     if files.read_meta(folder).get("layout") is None:
-        state = load_model_weights(folder)
+        state: dict[str, Any] = load_model_weights(folder)
     else:
-        state = merge_model_shards(folder)
+        state = open_model_shards(folder, stack=stack)
     weights = {k[len(MODULE_PREFIX) :]: v for k, v in state.items() if k.startswith(MODULE_PREFIX)}
     return config, weights
 
@@ -156,12 +197,14 @@ def export_checkpoint(ckpt: str | Path, out: str | Path, to: str = "hf") -> Path
     """
     if to not in EXPORT_FORMATS:
         raise ValueError(f"unknown export format to={to!r}; choose one of {EXPORT_FORMATS}")
-    config, weights = checkpoint_model(ckpt)
-    if to == "nanotrain":
-        return save_weights(config, weights, out)
     from nanotrain.models.hf_io import export_hf
 
-    return Path(export_hf(weights, config, out))
+    # lazily: each tensor is merged from its shards when the writer reaches it, then dropped
+    with contextlib.ExitStack() as stack:
+        config, weights = open_checkpoint_model(ckpt, stack)
+        if to == "nanotrain":
+            return save_weights(config, weights, out)
+        return Path(export_hf(weights, config, out))
 
 
 def import_checkpoint(hf_folder: str | Path, out: str | Path) -> Path:

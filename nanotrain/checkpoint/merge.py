@@ -18,6 +18,9 @@ offline, without `torch.distributed`, e.g. for `nanotrain export`:
   copies are equal, and the first stage's is taken.
 
 Only the files of dp ranks ``[0, ep)`` (one replica, all experts) are read, tensor by tensor.
+`open_model_shards` reads nothing but the shards' headers: it gives every whole tensor as a
+`LazyTensor` that reads its pieces (or only the part of them a slice needs) when asked, so
+`nanotrain export` holds one whole tensor and its shards at a time, never the whole model.
 """
 
 from __future__ import annotations
@@ -27,15 +30,15 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, NamedTuple
 
-import torch
 from safetensors import SafetensorError, safe_open
 from torch import Tensor, nn
 
 from nanotrain.checkpoint import files
+from nanotrain.models.lazy import FileTensor, LazyTensor, SafetensorsFile, concat, in_memory
 from nanotrain.parallel.mesh import MeshLayout
 from nanotrain.parallel.tensor import VocabParallelEmbedding, _TensorParallelModule, pad_vocab_size
 
-__all__ = ["merge_model_shards", "saved_mesh_layout"]
+__all__ = ["merge_model_shards", "open_model_shards", "saved_mesh_layout"]
 
 _SHARD_PREFIX, _SHARD_SUFFIX = "model-rank-", ".safetensors"
 
@@ -98,7 +101,8 @@ def merge_model_shards(ckpt_dir: str | Path, model: nn.Module | None = None) -> 
     The result has the same keys, shapes and values as the model state dict a single-process
     run saves (`load_model_weights` of an unsharded checkpoint): e.g. for a LanguageModelModule
     `model.embed_tokens.weight` [vocab_size, H] and the routed experts stacked over all E
-    experts, [E, ...]. Non-tensor entries (`_extra_state`) are not included.
+    experts, [E, ...]. Non-tensor entries (`_extra_state`) are not included. It holds the
+    whole model in memory; `open_model_shards` reads one tensor at a time.
 
     Args:
         ckpt_dir: a checkpoint directory saved under a sharded layout (`MegatronStrategy`).
@@ -110,10 +114,36 @@ def merge_model_shards(ckpt_dir: str | Path, model: nn.Module | None = None) -> 
         name -> CPU tensor in the saved dtype.
 
     Raises:
+        FileNotFoundError / ValueError: as `open_model_shards`.
+    """
+    with contextlib.ExitStack() as stack:
+        lazy = open_model_shards(ckpt_dir, model, stack)
+        return {name: tensor.read() for name, tensor in lazy.items()}
+
+
+def open_model_shards(
+    ckpt_dir: str | Path,
+    model: nn.Module | None = None,
+    stack: contextlib.ExitStack | None = None,
+) -> dict[str, LazyTensor]:
+    """`merge_model_shards` without reading any tensor yet: name -> `LazyTensor`.
+
+    The shards' names and shapes are all checked against the model and the recorded layout
+    from the files' headers first. A whole tensor is read (from its shards) when its `read()`
+    is called, and a slice of it (`narrow`, `[a:b]`, `unbind`) reads only the shards, and the
+    parts of them, it covers.
+
+    Args:
+        ckpt_dir, model: as `merge_model_shards`.
+        stack: closes the shard files when it closes (None: they close when the lazy tensors
+            are garbage-collected).
+
+    Raises:
         FileNotFoundError: the checkpoint or one of its files is missing.
-        ValueError: a shard is corrupt or truncated, the layout in meta.json does not match
-            the shard files, or the shards' names or shapes do not fit the model (another
-            config, or another layout than recorded).
+        ValueError: a shard is corrupt or truncated (checked against meta.json's checksums
+            first), the layout in meta.json does not match the shard files, or the shards'
+            names or shapes do not fit the model (another config, or another layout than
+            recorded); a shard whose data cannot be read also raises, when it is read.
     """
     ckpt = Path(ckpt_dir)
     meta = files.read_meta(ckpt)
@@ -121,12 +151,14 @@ def merge_model_shards(ckpt_dir: str | Path, model: nn.Module | None = None) -> 
     mesh = saved_mesh_layout(ckpt, meta)
     template = _model_from_checkpoint(ckpt) if model is None else model
     expected = template.state_dict(keep_vars=True)  # name -> tensor with the whole shape
-    with _ShardReader(ckpt) as reader:
-        stage_of = _stage_of_each_name(reader, mesh, set(expected))
-        return {
-            name: _merge_one(reader, mesh, template, name, tensor, stage_of[name])
-            for name, tensor in expected.items()
-        }
+    reader = _ShardReader(ckpt)
+    if stack is not None:
+        stack.enter_context(reader)
+    stage_of = _stage_of_each_name(reader, mesh, set(expected))
+    return {
+        name: _merged(reader, mesh, template, name, tensor, stage_of[name])
+        for name, tensor in expected.items()
+    }
 
 
 class _ShardReader(contextlib.ExitStack):
@@ -136,6 +168,7 @@ class _ShardReader(contextlib.ExitStack):
         super().__init__()
         self.ckpt = ckpt
         self._open: dict[int, Any] = {}
+        self._files: dict[int, SafetensorsFile] = {}
 
     def path(self, rank: int) -> Path:
         return self.ckpt / files.model_shard_file(rank)
@@ -155,6 +188,12 @@ class _ShardReader(contextlib.ExitStack):
 
     def keys(self, rank: int) -> set[str]:
         return set(self._handle(rank).keys())
+
+    def lazy(self, rank: int, name: str) -> FileTensor:
+        """Tensor `name` of `rank`'s shard, not read yet (its shape from the header)."""
+        if rank not in self._files:
+            self._files[rank] = SafetensorsFile(self.path(rank), self._handle(rank))
+        return self._files[rank].tensor(name)
 
     def tensor(self, rank: int, name: str) -> Tensor:
         try:
@@ -254,7 +293,25 @@ def _merge_one(
     `get(rank)` gives a rank's shard of it (default: the model shard file's tensor `name`);
     another getter merges tensors shaped like the parameter the same way (optimizer state).
     """
-    get = get or (lambda rank: reader.tensor(rank, name))
+    pieces = None if get is None else (lambda rank: in_memory(get(rank)))
+    return _merged(reader, mesh, model, name, like, stage, pieces).read()
+
+
+def _merged(
+    reader: _ShardReader,
+    mesh: MeshLayout,
+    model: nn.Module,
+    name: str,
+    like: Tensor,
+    stage: int,
+    get: Callable[[int], LazyTensor] | None = None,
+) -> LazyTensor:
+    """`_merge_one`, lazily: the shards' shapes are checked now, their data read later.
+
+    `get(rank)` gives a rank's shard as a LazyTensor (default: the model shard file's
+    tensor `name`, nothing read).
+    """
+    get = get or (lambda rank: reader.lazy(rank, name))
     full_shape = tuple(like.shape)
     first = get(mesh.rank_of(0, 0, stage))
     split = _split_of(model, name, full_shape, tuple(first.shape), mesh)
@@ -274,17 +331,13 @@ def _merge_one(
                     "the one that was trained"
                 )
             tp_pieces.append(piece)
-        whole = _cat(tp_pieces, split.tp_dim)
-        if split.vocab_rows is not None:
-            whole = whole.narrow(0, 0, split.vocab_rows).clone()
+        whole = concat(tp_pieces, split.tp_dim or 0)
+        if split.vocab_rows is not None:  # the padding rows are never read
+            whole = whole.narrow(0, 0, split.vocab_rows)
         ep_pieces.append(whole)
-    merged = _cat(ep_pieces, split.ep_dim)
+    merged = concat(ep_pieces, split.ep_dim or 0)
     assert tuple(merged.shape) == full_shape, (name, merged.shape, full_shape)
     return merged
-
-
-def _cat(pieces: list[Tensor], dim: int | None) -> Tensor:
-    return pieces[0] if dim is None else torch.cat(pieces, dim=dim)
 
 
 def _model_from_checkpoint(ckpt: Path) -> nn.Module:

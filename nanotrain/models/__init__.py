@@ -15,7 +15,9 @@ from nanotrain.models.build import build_model, init_weights
 from nanotrain.models.compile import compile_layers
 from nanotrain.models.config import DeepSeekConfig, DenseConfig, ModelConfig
 from nanotrain.models.deepseek import DeepSeekV3
+from nanotrain.models.lazy import LazyTensor, open_safetensors
 from nanotrain.models.recompute import RECOMPUTE_MODES, set_recompute
+from nanotrain.models.safetensors_writer import save_file_streaming
 from nanotrain.models.transformer import CausalLM, DenseTransformer, ModelOutput
 
 __all__ = [
@@ -25,6 +27,7 @@ __all__ = [
     "DeepSeekV3",
     "DenseConfig",
     "DenseTransformer",
+    "LazyTensor",
     "ModelConfig",
     "ModelOutput",
     "active_params",
@@ -32,7 +35,9 @@ __all__ = [
     "compile_layers",
     "flops_per_token",
     "init_weights",
+    "open_safetensors",
     "presets",
+    "save_file_streaming",
     "set_recompute",
     "total_params",
 ]

@@ -33,6 +33,7 @@ from torch import Tensor
 
 from nanotrain.models.build import build_model
 from nanotrain.models.config import DeepSeekConfig, DenseConfig
+from nanotrain.models.lazy import stack
 
 ModelConfig = DenseConfig | DeepSeekConfig
 
@@ -305,7 +306,9 @@ def state_dict_from_hf(config: ModelConfig, hf_state_dict: dict[str, Tensor]) ->
     """HF checkpoint tensors -> a state_dict our single-process model loads with strict=True.
 
     MTP layers beyond `config.mtp_depth` are skipped. With tied embeddings a missing
-    `lm_head.weight` is filled from the embedding.
+    `lm_head.weight` is filled from the embedding. The values may be `LazyTensor`s
+    (`hf_io.open_hf_checkpoint`): nothing is read then; per-expert tensors are stacked and a
+    fused `gate_up_proj` is split lazily, so a rank later reads only its experts and rows.
 
     Raises:
         ValueError: for fp8 scale tensors, or when keys are missing, unknown, or mis-shaped.
@@ -338,7 +341,7 @@ def state_dict_from_hf(config: ModelConfig, hf_state_dict: dict[str, Tensor]) ->
     for key, per_expert in experts.items():
         if sorted(per_expert) != list(range(len(per_expert))):
             raise ValueError(f"{key}: experts {sorted(per_expert)} are not 0..E-1")
-        out[key] = torch.stack([per_expert[e] for e in range(len(per_expert))])
+        out[key] = stack([per_expert[e] for e in range(len(per_expert))])  # lazy if they are
     if config.tie_word_embeddings and "lm_head.weight" not in out and "embed_tokens.weight" in out:
         out["lm_head.weight"] = out["embed_tokens.weight"]
     if isinstance(config, DeepSeekConfig) and config.n_shared_experts == 0:

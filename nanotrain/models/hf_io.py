@@ -14,8 +14,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import safe_open
-from safetensors.torch import save_file
 from torch import Tensor, nn
 
 from nanotrain.models.build import build_model
@@ -27,10 +25,12 @@ from nanotrain.models.hf import (
     state_dict_from_hf,
     state_dict_to_hf,
 )
+from nanotrain.models.lazy import LazyTensor, materialize_all, open_safetensors
+from nanotrain.models.safetensors_writer import save_file_streaming
 from nanotrain.models.transformer import CausalLM
 
 
-def _dtype_name(tensors: dict[str, Tensor]) -> str:
+def _dtype_name(tensors: dict[str, Tensor | LazyTensor]) -> str:
     """The weights' dtype name for config.json ("float32", "bfloat16", ...)."""
     dtypes = {t.dtype for t in tensors.values() if t.is_floating_point()}
     if len(dtypes) > 1:  # the router bias stays fp32 in a bf16 model; report the weights'
@@ -39,7 +39,7 @@ def _dtype_name(tensors: dict[str, Tensor]) -> str:
 
 
 def export_hf(
-    model_or_state_dict: nn.Module | dict[str, Tensor],
+    model_or_state_dict: nn.Module | dict[str, Tensor | LazyTensor],
     config: ModelConfig,
     out_dir: str | Path,
     *,
@@ -48,7 +48,10 @@ def export_hf(
     """Write `config.json` + safetensors that `transformers.AutoModelForCausalLM` loads.
 
     Args:
-        model_or_state_dict: our single-process model, or its full (gathered) state_dict.
+        model_or_state_dict: our single-process model, or its full (gathered) state_dict;
+            values may be `LazyTensor`s (e.g. `merge.open_model_shards`), read one at a time
+            while the files are written (`save_file_streaming`), so only one tensor is in
+            memory at once (one expert's slice for routed experts).
         config: the model's config. out_dir: created if needed; existing files are overwritten.
         max_shard_bytes: None writes one `model.safetensors`; otherwise shards of at most
             about this size plus `model.safetensors.index.json`, as `save_pretrained` does.
@@ -59,9 +62,9 @@ def export_hf(
     if isinstance(state, nn.Module):
         state = state.state_dict()
     hf_config = config_to_hf(config)
-    # safetensors refuses views that share storage (unbound expert slices), so copy each
+    # written one at a time (views sharing storage, e.g. unbound expert slices, are fine)
     tensors = {
-        k: v.detach().to("cpu").contiguous().clone()
+        k: v if isinstance(v, LazyTensor) else v.detach()
         for k, v in state_dict_to_hf(config, state).items()
     }
     hf_config["torch_dtype"] = hf_config["dtype"] = _dtype_name(tensors)
@@ -70,12 +73,12 @@ def export_hf(
     (out / "config.json").write_text(json.dumps(hf_config, indent=2, sort_keys=True) + "\n")
     shards = _split_shards(tensors, max_shard_bytes)
     if len(shards) == 1:
-        save_file(shards[0], str(out / "model.safetensors"), metadata={"format": "pt"})
+        save_file_streaming(shards[0], out / "model.safetensors", metadata={"format": "pt"})
         return out
     weight_map, total = {}, 0
     for i, shard in enumerate(shards, start=1):
         name = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
-        save_file(shard, str(out / name), metadata={"format": "pt"})
+        save_file_streaming(shard, out / name, metadata={"format": "pt"})
         weight_map.update(dict.fromkeys(shard, name))
         total += sum(t.numel() * t.element_size() for t in shard.values())
     index = {"metadata": {"total_size": total}, "weight_map": weight_map}
@@ -83,12 +86,12 @@ def export_hf(
     return out
 
 
-def _split_shards(tensors: dict[str, Tensor], max_bytes: int | None) -> list[dict[str, Tensor]]:
+def _split_shards(tensors: dict[str, Any], max_bytes: int | None) -> list[dict[str, Any]]:
     if max_bytes is None:
         return [tensors]
     if max_bytes <= 0:
         raise ValueError(f"max_shard_bytes must be > 0 (or None for one file), got {max_bytes}")
-    shards: list[dict[str, Tensor]] = [{}]
+    shards: list[dict[str, Any]] = [{}]
     size = 0
     for key, t in tensors.items():
         nbytes = t.numel() * t.element_size()
@@ -108,6 +111,18 @@ def read_hf_checkpoint(path: str | Path) -> tuple[dict[str, Any], dict[str, Tens
 
     Raises:
         FileNotFoundError: without config.json or any safetensors file.
+    """
+    hf_config, lazy = open_hf_checkpoint(path)
+    return hf_config, {key: t.read() for key, t in lazy.items()}
+
+
+def open_hf_checkpoint(path: str | Path) -> tuple[dict[str, Any], dict[str, LazyTensor]]:
+    """`read_hf_checkpoint` without reading any tensor: (config.json dict, name ->
+    `LazyTensor`), from the files' headers only.
+
+    Raises:
+        FileNotFoundError: without config.json or any safetensors file.
+        ValueError: a corrupt safetensors file (named).
     """
     folder = Path(path)
     if not (folder / "config.json").is_file():
@@ -129,24 +144,30 @@ def read_hf_checkpoint(path: str | Path) -> tuple[dict[str, Any], dict[str, Tens
             f"no safetensors weights in {folder}; convert .bin checkpoints with transformers' "
             "save_pretrained(safe_serialization=True) first (pickles are never loaded)"
         )
-    tensors: dict[str, Tensor] = {}
+    tensors: dict[str, LazyTensor] = {}
     for file in files:
-        with safe_open(str(file), framework="pt", device="cpu") as f:
-            tensors.update({key: f.get_tensor(key) for key in f.keys()})
+        tensors.update(open_safetensors(file))
     return hf_config, tensors
 
 
-def _mtp_layers_present(config: DeepSeekConfig, hf_tensors: dict[str, Tensor]) -> int:
+def _mtp_layers_present(config: DeepSeekConfig, hf_tensors: dict[str, Any]) -> int:
     k = 0
     while f"model.layers.{config.num_layers + k}.eh_proj.weight" in hf_tensors:
         k += 1
     return k
 
 
-def load_hf_weights(path: str | Path, stacklevel: int = 2) -> tuple[ModelConfig, dict[str, Tensor]]:
+def load_hf_weights(
+    path: str | Path, stacklevel: int = 2, *, lazy: bool = False
+) -> tuple[ModelConfig, dict[str, Any]]:
     """(our config, full state dict with our names) of a transformers checkpoint folder: the
     one reading path behind `import_hf`, `nanotrain import` and
     `LanguageModelModule(model=<folder>)`.
+
+    With `lazy=True` the values are `LazyTensor`s and nothing but the files' headers is read:
+    the conversion (stacking per-expert tensors, splitting a fused `gate_up_proj`) is lazy
+    too, so whoever reads a slice later reads only that slice from the files. Otherwise every
+    tensor is read (tied names keep sharing one tensor).
 
     When config.json announces more MTP layers than the weights hold (transformers'
     `save_pretrained` writes `num_nextn_predict_layers=1` without any MTP weights), the
@@ -155,7 +176,7 @@ def load_hf_weights(path: str | Path, stacklevel: int = 2) -> tuple[ModelConfig,
     Raises: FileNotFoundError / ValueError from `read_hf_checkpoint`, `config_from_hf` and
     `state_dict_from_hf`.
     """
-    hf_config, hf_tensors = read_hf_checkpoint(path)
+    hf_config, hf_tensors = open_hf_checkpoint(path)
     config = config_from_hf(hf_config)
     if isinstance(config, DeepSeekConfig):
         present = _mtp_layers_present(config, hf_tensors)
@@ -166,7 +187,8 @@ def load_hf_weights(path: str | Path, stacklevel: int = 2) -> tuple[ModelConfig,
                 stacklevel=stacklevel,
             )
             config = replace(config, mtp_depth=present)
-    return config, state_dict_from_hf(config, hf_tensors)
+    state = state_dict_from_hf(config, hf_tensors)
+    return config, state if lazy else materialize_all(state)
 
 
 def import_hf(

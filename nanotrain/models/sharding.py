@@ -15,6 +15,11 @@ of them, under the same names:
 
 `load_full_state_dict` checks the whole dict first (keys, then shapes) and copies only when
 everything fits, so a failed load leaves the model as it was.
+
+The full tensors may be `LazyTensor`s (`nanotrain.models.lazy`, e.g. from
+`model_io.open_pretrained`): then a rank reads from the files only the slices it keeps (its
+rows or columns, its experts) and never touches the tensors of other pipeline stages, one
+tensor at a time.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ import torch
 from torch import Tensor, nn
 
 from nanotrain.models.build import _full_shape, _pad_rows
+from nanotrain.models.lazy import LazyTensor
 from nanotrain.models.moe import GroupedExperts
 from nanotrain.models.stages import PipelineStage
 from nanotrain.parallel.tensor import VocabParallelEmbedding, _TensorParallelModule, shard_tensor
@@ -55,11 +61,11 @@ class _Entry(NamedTuple):
     target: Tensor  # this rank's parameter or buffer (tied names share one)
     owner: nn.Module  # the module registering it (the first name's, for tied weights)
     local: str  # its name inside `owner`
-    value: Tensor  # the full, unsharded tensor
+    value: Tensor | LazyTensor  # the full, unsharded tensor (maybe not read yet)
 
 
 def load_full_state_dict(
-    model: nn.Module, full: Mapping[str, Tensor], *, strict: bool = True
+    model: nn.Module, full: Mapping[str, Tensor | LazyTensor], *, strict: bool = True
 ) -> LoadResult:
     """Copy this rank's slice of every tensor it holds from an unsharded state dict.
 
@@ -75,7 +81,9 @@ def load_full_state_dict(
         model: this rank's model (its parameters are named like the one-process model's).
         full: name -> full tensor, e.g. `model_io.load_pretrained(folder)[1]` or the
             `state_dict()` of the one-process model: embedding and head with `vocab_size`
-            rows (unpadded), routed experts stacked over all experts.
+            rows (unpadded), routed experts stacked over all experts. Values may be
+            `LazyTensor`s (`model_io.open_pretrained(folder)[1]`): only this rank's slices of
+            the tensors it holds are then read, one tensor at a time.
         strict: raise when a parameter this rank holds is missing or a key names nothing in
             the whole model; with False, report them in the result and load the rest.
 
@@ -92,7 +100,7 @@ def load_full_state_dict(
             "load_full_state_dict needs a mapping of parameter names to tensors (a state_dict), "
             f"got {type(full).__name__}"
         )
-    not_tensors = [k for k, v in full.items() if not isinstance(v, Tensor)]
+    not_tensors = [k for k, v in full.items() if not isinstance(v, Tensor | LazyTensor)]
     if not_tensors:
         raise TypeError(
             f"load_full_state_dict needs a mapping of parameter names to tensors, but "
@@ -118,16 +126,21 @@ def load_full_state_dict(
     return LoadResult(missing, unexpected)
 
 
-def shard_full_entry(model: nn.Module, owner: nn.Module, local: str, value: Tensor) -> Tensor:
+def shard_full_entry(
+    model: nn.Module, owner: nn.Module, local: str, value: Tensor | LazyTensor
+) -> Tensor:
     """This rank's slice of `value`, the full tensor of `owner.<local>` (a part of `model`).
 
     Tensor-parallel layers slice along their partition dim (the embedding and LM head after
     padding the vocabulary to a multiple of tp with zero rows), expert-parallel
-    `GroupedExperts` keep their experts; anything else is returned as it is.
+    `GroupedExperts` keep their experts; anything else is returned as it is. A `LazyTensor`
+    is read only as far as the slice goes (`_read_rank_slice`).
 
     Raises:
         ValueError: a tensor-parallel dim that does not split evenly over tp.
     """
+    if isinstance(value, LazyTensor):
+        return _read_rank_slice(model, owner, local, value)
     if isinstance(owner, VocabParallelEmbedding):
         return owner.shard_full_weight(value)  # pads to a multiple of tp itself
     if isinstance(owner, _TensorParallelModule):
@@ -140,7 +153,51 @@ def shard_full_entry(model: nn.Module, owner: nn.Module, local: str, value: Tens
     return value
 
 
-def _match(model: nn.Module, full: Mapping[str, Tensor]) -> tuple[list[_Entry], list[str]]:
+def _read_rank_slice(model: nn.Module, owner: nn.Module, local: str, value: LazyTensor) -> Tensor:
+    """`shard_full_entry` of a lazy tensor: reads only this rank's slice from its files.
+
+    The values equal the eager path's: the same rows or columns of the same (zero-padded)
+    full tensor, without reading the others.
+    """
+    if isinstance(owner, GroupedExperts) and local in owner.ep_partition_dims:
+        dim = owner.ep_partition_dims[local]
+        return value.narrow(dim, owner.expert_offset, owner.num_local_experts).read()
+    if not isinstance(owner, _TensorParallelModule):
+        return value.read()
+    dim, padded = owner.tp_partition_dims.get(local), None
+    if isinstance(owner, VocabParallelEmbedding):
+        if value.shape[0] != owner.num_embeddings:
+            raise ValueError(
+                f"full embedding has {value.shape[0]} rows; expected num_embeddings="
+                f"{owner.num_embeddings} (unpadded)"
+            )
+        padded = owner.padded_num_embeddings
+    elif owner is getattr(model, "lm_head", None) and local == "weight":
+        padded = max(owner.out_features, value.shape[0])  # zero rows, as init_weights pads
+    if dim is None or (owner.tp_size == 1 and padded is None):
+        return value.read()
+    shape = list(value.shape)
+    if padded is not None:
+        shape[dim] = padded
+    if shape[dim] % owner.tp_size != 0:
+        raise ValueError(
+            f"cannot shard dim {dim} of shape {tuple(shape)} into {owner.tp_size} parts; "
+            f"{shape[dim]} is not divisible by {owner.tp_size}"
+        )
+    per_rank = shape[dim] // owner.tp_size
+    start = owner.tp_rank * per_rank
+    stored = max(min(start + per_rank, value.shape[dim]) - start, 0)  # the rest is padding
+    piece = value.narrow(dim, min(start, value.shape[dim]), stored).read()
+    if stored < per_rank:
+        pad = list(piece.shape)
+        pad[dim] = per_rank - stored
+        piece = torch.cat([piece, piece.new_zeros(pad)], dim=dim)
+    return piece
+
+
+def _match(
+    model: nn.Module, full: Mapping[str, Tensor | LazyTensor]
+) -> tuple[list[_Entry], list[str]]:
     """Pair each tensor this rank holds with its full value; list the missing parameters."""
     names: dict[int, list[str]] = {}  # tensor id -> every name it goes by (tied weights)
     tensors: dict[int, Tensor] = {}
