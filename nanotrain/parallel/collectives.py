@@ -47,13 +47,17 @@ __all__ = [
 
 
 def group_size(group: ProcessGroup | None) -> int:
-    """Number of ranks in ``group``; ``1`` for ``None`` (no process group = one process)."""
-    return 1 if group is None else dist.get_world_size(group)
+    """Number of ranks in ``group``; ``1`` for ``None`` (no process group = one process).
+
+    Asks the group itself (``group.size()``), so a stand-in with ``size()``/``rank()``
+    (`nanotrain.planning.rank_model.LayoutGroup`) builds a rank's layers without a process
+    group, as the planner does on the meta device."""
+    return 1 if group is None else group.size()
 
 
 def group_rank(group: ProcessGroup | None) -> int:
-    """This process's rank inside ``group``; ``0`` for ``None``."""
-    return 0 if group is None else dist.get_rank(group)
+    """This process's rank inside ``group``; ``0`` for ``None`` (see `group_size`)."""
+    return 0 if group is None else group.rank()
 
 
 # ---------------------------------------------------------------------------------------------

@@ -66,6 +66,12 @@ def check_built_model(
         )
 
 
+def bucket_numel_for(element_size: int, bucket_size_mb: float) -> int:
+    """Elements per gradient bucket: ``bucket_size_mb`` MiB of parameters of that element size
+    (the planner lays out ZeRO's padded buffers with the same rule)."""
+    return max(1, int(bucket_size_mb * 2**20) // element_size)
+
+
 def build_grad_buckets(
     params: list[nn.Parameter],
     expert_ids: set[int],
@@ -83,8 +89,7 @@ def build_grad_buckets(
     (fp32 main grads for bf16 parameters; bf16 on the wire). Returns the sets and, per set,
     whether it holds experts.
     """
-    element = params[0].element_size()
-    bucket_numel = max(1, int(bucket_size_mb * 2**20) // element)
+    bucket_numel = bucket_numel_for(params[0].element_size(), bucket_size_mb)
     dense = [p for p in params if id(p) not in expert_ids]
     experts = [p for p in params if id(p) in expert_ids]
     sets, is_expert = [], []

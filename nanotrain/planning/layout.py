@@ -1,0 +1,215 @@
+"""What the planner plans: a parallel layout (`PlanLayout`) and the batch it runs (`Workload`).
+
+Both are plain frozen dataclasses, checked by the same rules the strategy applies at run time
+(`MegatronStrategy.validate_model`, the pipeline partition, the schedule names), so a layout
+the planner accepts is one `MegatronStrategy` accepts, and the error messages are the same.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Any
+
+from nanotrain.models.recompute import check_recompute
+from nanotrain.parallel.pipeline import partition_layers, stage_layers
+from nanotrain.parallel.schedules import SCHEDULES, Action, max_in_flight
+from nanotrain.strategies.megatron_pipeline import pick_schedule
+
+__all__ = ["PRECISIONS", "PlanLayout", "Workload"]
+
+#: precision names the planner prices (the Trainer's `precision=` strings)
+PRECISIONS = (
+    "32-true",
+    "bf16-mixed",
+    "bf16-true",
+    "16-mixed",
+    "transformer-engine",
+    "fp8-emulated",
+    "fp4-emulated",
+)
+
+
+@dataclass(frozen=True)
+class PlanLayout:
+    """A `MegatronStrategy` layout: world = tp * pp * dp, ep carved out of dp.
+
+    Attributes:
+        tp, pp, dp, ep: tensor-, pipeline-, data- and expert-parallel sizes.
+        virtual_pp: model chunks per pipeline rank (interleaved 1F1B when > 1).
+        zero_stage: 0, 1 or 2 (optimizer state, and with 2 the gradients, sharded over dp).
+        sequence_parallel: shard activations outside the tp matmuls along the sequence.
+        pipeline_layout: layers per virtual stage (pp * virtual_pp numbers), None = even.
+        schedule: "gpipe", "1f1b" or "interleaved_1f1b"; None = the strategy's default.
+        recompute: None, "full" or "selective" (`nanotrain.models.recompute`).
+        bucket_size_mb: the strategy's gradient bucket size (ZeRO pads each bucket).
+    """
+
+    tp: int = 1
+    pp: int = 1
+    dp: int = 1
+    ep: int = 1
+    virtual_pp: int = 1
+    zero_stage: int = 0
+    sequence_parallel: bool = False
+    pipeline_layout: tuple[int, ...] | None = None
+    schedule: str | None = None
+    recompute: str | None = None
+    bucket_size_mb: float = 25.0
+
+    def __post_init__(self) -> None:
+        if self.pipeline_layout is not None:
+            object.__setattr__(self, "pipeline_layout", tuple(self.pipeline_layout))
+        object.__setattr__(self, "schedule", pick_schedule(self.schedule, self.virtual_pp))
+        check_recompute(self.recompute)
+
+    @property
+    def world_size(self) -> int:
+        """tp * pp * dp."""
+        return self.tp * self.pp * self.dp
+
+    @property
+    def expert_dp(self) -> int:
+        """Ranks holding the same experts (dp / ep): the group expert weights are reduced over."""
+        return self.dp // self.ep
+
+    def strategy(self) -> Any:
+        """The `MegatronStrategy` of this layout (not set up: no process group is made)."""
+        from nanotrain.strategies.megatron import MegatronStrategy
+
+        return MegatronStrategy(
+            tp=self.tp,
+            pp=self.pp,
+            ep=self.ep,
+            dp=self.dp,
+            zero_stage=self.zero_stage,
+            sequence_parallel=self.sequence_parallel,
+            virtual_pp=self.virtual_pp,
+            schedule=self.schedule,
+            pipeline_layout=self.pipeline_layout,
+            bucket_size_mb=self.bucket_size_mb,
+        )
+
+    @classmethod
+    def from_strategy(
+        cls, strategy: Any, world_size: int, recompute: str | None = None
+    ) -> PlanLayout:
+        """The layout a `MegatronStrategy` (or single-device / DDP strategy) runs on
+        `world_size` ranks; dp is inferred when the strategy leaves it unset."""
+        tp = getattr(strategy, "tp", 1)
+        pp = getattr(strategy, "pp", 1)
+        dp = getattr(strategy, "dp", None) or world_size // (tp * pp)
+        layout = getattr(strategy, "pipeline_layout", None)
+        return cls(
+            tp=tp,
+            pp=pp,
+            dp=dp,
+            ep=getattr(strategy, "ep", 1),
+            virtual_pp=getattr(strategy, "virtual_pp", 1),
+            zero_stage=getattr(strategy, "zero_stage", 0),
+            sequence_parallel=getattr(strategy, "sequence_parallel", False),
+            pipeline_layout=None if layout is None else tuple(layout),
+            schedule=getattr(strategy, "schedule", None),
+            recompute=recompute,
+            bucket_size_mb=getattr(strategy, "bucket_size_mb", 25.0),
+        )
+
+    def validate(self, config: Any) -> None:
+        """Check the layout against the model with the strategy's own rules.
+
+        Raises:
+            ValueError / TypeError: the strategy's message (sizes that do not divide the
+                heads, experts, layers or world size; a bad pipeline layout or schedule).
+        """
+        self.strategy().validate_model(config, world_size=self.world_size)
+        if self.pp == 1 and self.virtual_pp == 1 and self.pipeline_layout is not None:
+            partition_layers(config.num_layers, 1, 1, self.pipeline_layout)
+
+    def stage_chunks(self, config: Any, pp_rank: int) -> list[list[int]]:
+        """Layer indices of each chunk pipeline rank `pp_rank` holds (the strategy's split)."""
+        return stage_layers(
+            config.num_layers, self.pp, pp_rank, self.virtual_pp, self.pipeline_layout
+        )
+
+    def schedule_actions(self, num_microbatches: int, pp_rank: int) -> list[Action]:
+        """The schedule's forward/backward actions on pipeline rank `pp_rank` (the code's own
+        schedule function, not a model of it)."""
+        fn = SCHEDULES[self.schedule or "1f1b"]
+        return fn(num_microbatches, self.pp, pp_rank, self.virtual_pp)
+
+    def in_flight(self, num_microbatches: int, pp_rank: int) -> int:
+        """Most (microbatch, chunk) forwards rank `pp_rank` holds activations of at once."""
+        if self.pp == 1:
+            return 1  # gradient accumulation frees each microbatch before the next
+        return max_in_flight(self.schedule_actions(num_microbatches, pp_rank))
+
+    def describe(self) -> str:
+        """Short text, e.g. ``tp2 pp4 (vpp2, interleaved_1f1b) dp8 ep4 zero1 sp full-recompute``."""
+        parts = [f"tp{self.tp}"]
+        if self.pp > 1:
+            pipe = f"pp{self.pp}"
+            if self.virtual_pp > 1:
+                pipe += f"x{self.virtual_pp}"
+            parts.append(pipe)
+        parts.append(f"dp{self.dp}")
+        if self.ep > 1:
+            parts.append(f"ep{self.ep}")
+        if self.zero_stage:
+            parts.append(f"zero{self.zero_stage}")
+        if self.sequence_parallel and self.tp > 1:
+            parts.append("sp")
+        if self.recompute:
+            parts.append(f"{self.recompute}-recompute")
+        return " ".join(parts)
+
+    def replace(self, **changes: Any) -> PlanLayout:
+        """A copy with some fields changed (validated again)."""
+        return replace(self, **changes)
+
+
+@dataclass(frozen=True)
+class Workload:
+    """The batch a step trains and the precision it trains in.
+
+    Attributes:
+        seq_len: tokens per sequence.
+        micro_batch_size: sequences per microbatch on one data-parallel rank.
+        global_batch_size: sequences per optimizer step over all data-parallel ranks.
+        precision: a `PRECISIONS` name.
+        optimizer_states: fp32 tensors of optimizer state per parameter (AdamW: 2 moments).
+    """
+
+    seq_len: int
+    micro_batch_size: int = 1
+    global_batch_size: int = 1
+    precision: str = "bf16-mixed"
+    optimizer_states: int = 2
+
+    def __post_init__(self) -> None:
+        for name in ("seq_len", "micro_batch_size", "global_batch_size"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+        if self.precision not in PRECISIONS:
+            raise ValueError(
+                f"unknown precision {self.precision!r}; the planner knows {', '.join(PRECISIONS)}"
+            )
+
+    def num_microbatches(self, layout: PlanLayout) -> int:
+        """Microbatches per step on one data-parallel rank.
+
+        Raises:
+            ValueError: when the global batch does not split into micro_batch_size * dp.
+        """
+        per_step = self.micro_batch_size * layout.dp
+        if self.global_batch_size % per_step != 0:
+            raise ValueError(
+                f"global_batch_size={self.global_batch_size} is not a multiple of "
+                f"micro_batch_size*dp={self.micro_batch_size}*{layout.dp}={per_step}; pick a "
+                "global batch that is, or another micro_batch_size or dp"
+            )
+        return self.global_batch_size // per_step
+
+    @property
+    def tokens_per_step(self) -> int:
+        """Tokens one optimizer step trains on."""
+        return self.global_batch_size * self.seq_len
