@@ -146,6 +146,58 @@ def active_params(config: DenseConfig | DeepSeekConfig, *, include_mtp: bool = F
     return main_params(config).activated + extra
 
 
+@dataclass(frozen=True)
+class FlopParts:
+    """Training FLOPs per token by where they run (the terms of `flops_per_token`).
+
+    Attributes:
+        layers: one entry per decoder layer (matmuls + attention scores).
+        head: the output head of the main model.
+        mtp: all MTP modules, their head applications included (0 without MTP).
+    """
+
+    layers: tuple[float, ...]
+    head: float
+    mtp: float
+
+    @property
+    def total(self) -> float:
+        """Sum of all parts: `flops_per_token`."""
+        return sum(self.layers) + self.head + self.mtp
+
+
+def flops_per_token_parts(
+    config: DenseConfig | DeepSeekConfig,
+    seq_len: int,
+    *,
+    causal: bool = True,
+    include_mtp: bool = True,
+) -> FlopParts:
+    """`flops_per_token` split per decoder layer, head and MTP (what a pipeline stage runs).
+
+    Raises: ValueError if seq_len < 1.
+    """
+    if seq_len < 1:
+        raise ValueError(f"seq_len must be >= 1, got {seq_len}")
+    c = config
+    head = 6.0 * c.vocab_size * c.hidden_size
+    if isinstance(c, DeepSeekConfig):
+        qk, v = c.qk_head_dim, c.v_head_dim
+    else:
+        qk = v = c.head_dim
+    keys_per_query = seq_len / 2 if causal else seq_len
+    scores = 6.0 * c.num_heads * (qk + v) * keys_per_query
+    layers = []
+    for i in range(c.num_layers):
+        part = _layer(c, _is_moe(c, i))
+        layers.append(6.0 * (part.dense + part.experts_active) + scores)
+    mtp = 0.0
+    if include_mtp and isinstance(c, DeepSeekConfig) and c.mtp_depth > 0:
+        m = mtp_params(c)
+        mtp = 6.0 * (m.dense + m.experts_active) + c.mtp_depth * (head + scores)
+    return FlopParts(tuple(layers), head, mtp)
+
+
 def flops_per_token(
     config: DenseConfig | DeepSeekConfig,
     seq_len: int,
@@ -160,20 +212,4 @@ def flops_per_token(
 
     Raises: ValueError if seq_len < 1.
     """
-    if seq_len < 1:
-        raise ValueError(f"seq_len must be >= 1, got {seq_len}")
-    c = config
-    head = c.vocab_size * c.hidden_size
-    main = main_params(c)
-    matmul = main.dense + main.experts_active + head
-    attn_layers = c.num_layers
-    if include_mtp and isinstance(c, DeepSeekConfig) and c.mtp_depth > 0:
-        mtp = mtp_params(c)
-        matmul += mtp.dense + mtp.experts_active + c.mtp_depth * head
-        attn_layers += c.mtp_depth
-    if isinstance(c, DeepSeekConfig):
-        qk, v = c.qk_head_dim, c.v_head_dim
-    else:
-        qk = v = c.head_dim
-    keys_per_query = seq_len / 2 if causal else seq_len
-    return 6.0 * matmul + 6.0 * attn_layers * c.num_heads * (qk + v) * keys_per_query
+    return flops_per_token_parts(config, seq_len, causal=causal, include_mtp=include_mtp).total

@@ -13,20 +13,13 @@ from typing import Any
 from nanotrain.models.recompute import check_recompute
 from nanotrain.parallel.pipeline import partition_layers, stage_layers
 from nanotrain.parallel.schedules import SCHEDULES, Action, max_in_flight
+from nanotrain.precision import PRECISIONS as PRECISION_PLUGINS
 from nanotrain.strategies.megatron_pipeline import pick_schedule
 
 __all__ = ["PRECISIONS", "PlanLayout", "Workload"]
 
-#: precision names the planner prices (the Trainer's `precision=` strings)
-PRECISIONS = (
-    "32-true",
-    "bf16-mixed",
-    "bf16-true",
-    "16-mixed",
-    "transformer-engine",
-    "fp8-emulated",
-    "fp4-emulated",
-)
+#: precision names the planner prices: the Trainer's `precision=` strings
+PRECISIONS = tuple(PRECISION_PLUGINS)
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,135 @@
+"""Bytes of the model state one rank holds: parameters, gradients, master weights, optimizer.
+
+Every figure comes from the rank's meta-device model (`rank_model.RankModel`) laid out with
+the strategy's own rules: the gradient buffer is the padded flat buffer `GradBuckets`
+allocates (`FlatLayout`, buckets padded to a multiple of dp), ZeRO's owned slices are
+`FlatLayout.pieces` of each data-parallel rank, and the dtypes are the precision plugin's
+(`nanotrain.precision.PRECISIONS`):
+
+============  ==========  ===============  ======================  =====================
+precision     parameters  gradient buffer  fp32 master weights     optimizer state
+============  ==========  ===============  ======================  =====================
+32-true       fp32        fp32             none                    fp32, per owned piece
+*-mixed, TE,  fp32        fp32             none                    fp32
+emulated
+bf16-true     bf16        fp32 (main       of the owned pieces     fp32
+                          grads)
+============  ==========  ===============  ======================  =====================
+
+Under ZeRO-1/2 the parameters live in the padded flat buffer and the optimizer state (and the
+bf16-true masters) exist only for the rank's pieces, 1/dp of the dense and 1/(dp/ep) of its
+experts. Our ZeRO-2 reduce-scatters the gradient into a shard buffer ``[numel / dp]`` and then
+drops the full buffer, so between steps a rank holds only the shard, but during backward the
+full buffer is still there: the *peak* gradient memory of ZeRO-2 is the full buffer plus the
+shard (Megatron frees bucket by bucket; we do not, see docs/planning.md).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from nanotrain.parallel.data_parallel import FlatLayout
+from nanotrain.planning.layout import PlanLayout, Workload
+from nanotrain.planning.rank_model import RankModel
+from nanotrain.precision import PRECISIONS as PRECISION_PLUGINS
+from nanotrain.strategies.megatron_grads import bucket_numel_for
+
+__all__ = ["StateMemory", "element_size", "optimizer_pieces", "param_dtype", "state_memory"]
+
+_FP32 = 4
+
+
+def param_dtype(precision: str) -> torch.dtype:
+    """The dtype the precision plugin gives the parameters (fp32 unless it is "bf16-true")."""
+    return getattr(PRECISION_PLUGINS[precision], "param_dtype", None) or torch.float32
+
+
+def element_size(dtype: torch.dtype) -> int:
+    """Bytes per element of `dtype`."""
+    return torch.empty((), dtype=dtype).element_size()
+
+
+@dataclass(frozen=True)
+class StateMemory:
+    """Bytes of one rank's model state (one data-parallel rank: the one with most state).
+
+    Attributes:
+        params: parameters (the padded flat buffer under ZeRO) and buffers.
+        grads: the gradient buffer between steps (ZeRO-2: only the owned shard).
+        grads_peak: the gradient buffers at their largest, during backward.
+        master: fp32 master weights (bf16-true only).
+        optimizer: optimizer state: `Workload.optimizer_states` fp32 tensors per element plus
+            a 4-byte step counter per tensor (AdamW), for the owned pieces under ZeRO.
+        optimizer_elements: elements the optimizer updates on this rank (its pieces).
+    """
+
+    params: int
+    grads: int
+    grads_peak: int
+    master: int
+    optimizer: int
+    optimizer_elements: int
+
+    @property
+    def total(self) -> int:
+        """Peak bytes of the model state (gradients at their peak)."""
+        return self.params + self.grads_peak + self.master + self.optimizer
+
+
+def optimizer_pieces(
+    rank: RankModel, layout: PlanLayout, element_size: int
+) -> list[tuple[int, int]]:
+    """Per data-parallel rank, (elements, tensors) the optimizer updates under ZeRO.
+
+    The owned slices are ZeRO's own (`FlatLayout.pieces`): dense weights are sharded over dp,
+    experts over dp / ep, and data-parallel rank d owns expert slice ``d % (dp / ep)`` (its
+    rank in the expert-data-parallel group). Padding is owned but never optimized.
+    """
+    numel = bucket_numel_for(element_size, layout.bucket_size_mb)
+    dense = FlatLayout(rank.dense, layout.dp, numel) if rank.dense else None
+    experts = FlatLayout(rank.experts, layout.expert_dp, numel) if rank.experts else None
+    out = []
+    for d in range(layout.dp):
+        elements = tensors = 0
+        for flat, r in ((dense, d), (experts, d % layout.expert_dp)):
+            if flat is None:
+                continue
+            pieces = flat.pieces(r)
+            elements += sum(p.numel for p in pieces)
+            tensors += len(pieces)
+        out.append((elements, tensors))
+    return out
+
+
+def state_memory(rank: RankModel, layout: PlanLayout, workload: Workload) -> StateMemory:
+    """Bytes of parameters, gradients, masters and optimizer state on one rank of `rank`'s
+    pipeline stage (see the module docstring for the rules)."""
+    dtype = param_dtype(workload.precision)
+    size = element_size(dtype)
+    dense_flat, expert_flat = rank.flat_numels(layout, size)
+    flat = dense_flat + expert_flat
+    buffers = rank.buffers * _FP32  # router bias and load counters stay fp32
+    if layout.zero_stage > 0:
+        elements, tensors = max(optimizer_pieces(rank, layout, size))
+        params = flat * size
+    else:
+        elements, tensors = rank.params, len(rank.dense) + len(rank.experts)
+        params = rank.params * size
+    grads = flat * _FP32  # fp32 always: bf16 parameters accumulate into fp32 main grads
+    shard = (dense_flat // layout.dp + expert_flat // layout.expert_dp) * _FP32
+    if layout.zero_stage == 2:
+        grads, grads_peak = shard, grads + shard
+    else:
+        grads_peak = grads
+    master = elements * _FP32 if size != _FP32 else 0
+    optimizer = workload.optimizer_states * elements * _FP32 + tensors * _FP32
+    return StateMemory(
+        params=params + buffers,
+        grads=grads,
+        grads_peak=grads_peak,
+        master=master,
+        optimizer=optimizer,
+        optimizer_elements=elements,
+    )
