@@ -16,7 +16,7 @@ from nanotrain.parallel.schedules import SCHEDULES, Action, max_in_flight
 from nanotrain.precision import PRECISIONS as PRECISION_PLUGINS
 from nanotrain.strategies.megatron_pipeline import pick_schedule
 
-__all__ = ["PRECISIONS", "PlanLayout", "Workload"]
+__all__ = ["PRECISIONS", "PlanLayout", "Workload", "balanced_pipeline_layout"]
 
 #: precision names the planner prices: the Trainer's `precision=` strings
 PRECISIONS = tuple(PRECISION_PLUGINS)
@@ -206,3 +206,30 @@ class Workload:
     def tokens_per_step(self) -> int:
         """Tokens one optimizer step trains on."""
         return self.global_batch_size * self.seq_len
+
+
+def balanced_pipeline_layout(num_layers: int, chunks: int) -> tuple[int, ...] | None:
+    """Layers per virtual stage when `num_layers` does not split evenly: every chunk gets
+    ``ceil(L / chunks)`` and the last chunks give back the excess (the last stage also runs
+    the head, loss and MTP, so it is the one to lighten). None when layers split evenly;
+    raises when a chunk would be left empty.
+
+    Example: 61 layers on 16 stages -> 15 x 4 + 1.
+
+    Raises:
+        ValueError: fewer layers than chunks, or an excess one chunk cannot give back.
+    """
+    if num_layers % chunks == 0:
+        return None
+    if num_layers < chunks:
+        raise ValueError(f"{num_layers} layers cannot fill {chunks} pipeline chunks")
+    per = -(-num_layers // chunks)
+    layout = [per] * chunks
+    excess = per * chunks - num_layers
+    i = chunks - 1
+    while excess:
+        give = min(excess, layout[i] - 1)
+        layout[i] -= give
+        excess -= give
+        i -= 1
+    return tuple(layout)
