@@ -163,7 +163,8 @@ class CommMeter:
 
     Attributes:
         bytes: group name -> wire bytes sent by this rank.
-        calls: group name -> number of counted calls (each send of a batch counts one).
+        calls: group name -> number of counted calls (each send of a batch counts one,
+            receives none).
         events: every counted call, in order (`CommEvent`).
         counting: set False to pause counting while still patched.
     """
@@ -227,6 +228,8 @@ class CommMeter:
         return dict(out)
 
     def _record(self, op: str, group: Any, args: tuple, kwargs: dict, peer: Any = None) -> None:
+        if op in ("recv", "irecv"):
+            return  # the sender counts the bytes and the call
         tensor, sent, numel = wire_bytes(op, args, {**kwargs, "group": group})
         name = self.name_of(group)
         if peer in self.peers and name == "world":

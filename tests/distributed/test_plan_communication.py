@@ -20,6 +20,8 @@ import pytest
 import torch
 
 import nanotrain as nt
+from nanotrain.models import presets
+from nanotrain.models.build import build_model
 from nanotrain.models.moe import TopKRouter
 from nanotrain.planning import PlanLayout, Workload
 from nanotrain.planning.comm_meter import CommMeter
@@ -28,10 +30,9 @@ from nanotrain.strategies.megatron import MegatronStrategy
 from tests.distributed.spawn import run_world
 from tests.distributed.test_megatron import LM_VOCAB, SEQ, RandomTokens
 
-pytestmark = pytest.mark.distributed
-
 MICRO, GLOBAL = 2, 8
 MEASURED = ("tp", "pp", "ep", "dp", "expert_dp", "embedding")
+BF16_MIXED, BF16_TRUE = {"precision": "bf16-mixed"}, {"precision": "bf16-true"}
 
 
 def balanced_select(self: TopKRouter, choice: torch.Tensor) -> torch.Tensor:
@@ -128,6 +129,20 @@ WORLD2 = {
     ),
     "deepseek ep=2 (dp=2)": ("tiny", dict(ep=2), {}),
     "deepseek ep=2 full recompute": ("tiny", dict(ep=2), {"recompute": "full"}),
+    # 16-bit wires: linear outputs in bf16 under autocast, everything bf16 under bf16-true
+    "dense tp=2 sp bf16-mixed": ("tiny-dense", dict(tp=2, sequence_parallel=True), BF16_MIXED),
+    "deepseek ep=2 bf16-mixed": ("tiny", dict(ep=2), BF16_MIXED),
+    "deepseek tp=2 bf16-true": ("tiny", dict(tp=2), BF16_TRUE),
+    "deepseek dp=2 zero2 bf16-true": ("tiny", dict(zero_stage=2), BF16_TRUE),
+}
+WORLD4 = {
+    "deepseek tp=2 x pp=2 sp": ("tiny", dict(tp=2, pp=2, sequence_parallel=True), {}),
+    "deepseek ep=2 x dp=4 zero2": ("tiny", dict(ep=2, zero_stage=2), {}),
+    "deepseek tp=2 x ep=2 sp zero1 full recompute": (
+        "tiny",
+        dict(tp=2, ep=2, sequence_parallel=True, zero_stage=1),
+        {"recompute": "full"},
+    ),
 }
 
 
@@ -136,6 +151,7 @@ def world2(tmp_path_factory) -> list[dict]:
     return run_world(_run, 2, str(tmp_path_factory.mktemp("w2")), WORLD2, timeout=240)
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("layout", list(WORLD2))
 def test_planned_bytes_equal_measured_bytes_two_ranks(world2, layout):
     for rank, results in enumerate(world2):
@@ -144,3 +160,107 @@ def test_planned_bytes_equal_measured_bytes_two_ranks(world2, layout):
         assert measured == pytest.approx(r["predicted"], rel=1e-9), (
             f"rank {rank}: {r['estimate'].detail}"
         )
+
+
+@pytest.fixture(scope="module")
+def world4(tmp_path_factory) -> list[dict]:
+    return run_world(_run, 4, str(tmp_path_factory.mktemp("w4")), WORLD4, timeout=240)
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("layout", list(WORLD4))
+def test_planned_bytes_equal_measured_bytes_four_ranks(world4, layout):
+    for rank, results in enumerate(world4):
+        r = results[layout]
+        measured = {g: r["measured"].get(g, 0.0) for g in MEASURED}
+        assert measured == pytest.approx(r["predicted"], rel=1e-9), (
+            f"rank {rank}: {r['estimate'].detail}"
+        )
+
+
+# -- the meter's ring model on tensors of known size ---------------------------------------------
+
+
+def _meter_known_tensors(rank: int, world_size: int) -> dict:
+    import torch.distributed as dist
+
+    pair = dist.new_group([0, 1])
+    meter = CommMeter({"pair": pair}, peers={1 - rank: "peer"})
+    with meter:
+        dist.all_reduce(torch.ones(100), group=pair)
+        dist.all_gather_into_tensor(torch.empty(2 * 50), torch.ones(50), group=pair)
+        dist.reduce_scatter_tensor(torch.empty(50), torch.ones(100), group=pair)
+        # rows of 4 fp32 values: rank 0 sends 3 to itself and 5 to rank 1, rank 1 2 and 7
+        send = [3, 5] if rank == 0 else [2, 7]
+        recv = [3, 2] if rank == 0 else [5, 7]
+        out = torch.empty(sum(recv), 4)
+        dist.all_to_all_single(out, torch.ones(sum(send), 4), recv, send, group=pair)
+        ops = [
+            dist.P2POp(dist.isend, torch.ones(10, dtype=torch.float64), 1 - rank),
+            dist.P2POp(dist.irecv, torch.empty(10, dtype=torch.float64), 1 - rank),
+        ]
+        for work in dist.batch_isend_irecv(ops):
+            work.wait()
+    return {"bytes": dict(meter.bytes), "calls": dict(meter.calls)}
+
+
+@pytest.mark.distributed
+def test_meter_counts_ring_wire_bytes_of_known_tensors():
+    results = run_world(_meter_known_tensors, 2)
+    # g = 2: all-reduce 2(g-1)/g * 400 B; all-gather and reduce-scatter (g-1)/g * 400 B of
+    # the full tensor; all-to-all the rows leaving the rank (5 or 2 rows of 16 B)
+    assert results[0]["bytes"] == {"pair": 400 + 200 + 200 + 5 * 16, "peer": 80}
+    assert results[1]["bytes"] == {"pair": 400 + 200 + 200 + 2 * 16, "peer": 80}
+    assert results[0]["calls"] == {"pair": 4, "peer": 1}  # a receive is no call of its own
+
+
+# -- the planner against textbook formulas (no processes) ----------------------------------------
+
+DENSE = presets.get("tiny-dense", vocab_size=LM_VOCAB)
+WORK = Workload(SEQ, MICRO, GLOBAL, "32-true")
+
+
+def test_tp_bytes_are_megatrons_four_all_reduces_per_layer():
+    # Shoeybi et al. 2019: 2 all-reduces forward + 2 backward of [b, s, h] per layer, one for
+    # the embedding, one for the head's input grad; plus the vocab-parallel cross-entropy's
+    # fp32 max [b, s] and sums [2, b, s]. 4 microbatches (global 8 / micro 2, dp 1).
+    t, b, s, h, layers = 2, MICRO, SEQ, DENSE.hidden_size, DENSE.num_layers
+    ring = 2 * (t - 1) / t
+    per_micro = ring * ((4 * layers + 2) * b * s * h * 4 + 3 * b * s * 4)
+    got = comm_estimate(DENSE, PlanLayout(tp=t), WORK).bytes_per_step["tp"]
+    assert got == pytest.approx(4 * per_micro)
+
+
+def test_sequence_parallel_moves_the_same_tp_bytes_plus_the_replicated_grads():
+    # Korthikanti et al. 2022: all-gather + reduce-scatter cost what one all-reduce costs; SP
+    # adds the sum over tp of the norm weights' grads (2 per layer + the final norm).
+    plain = comm_estimate(DENSE, PlanLayout(tp=2), WORK).bytes_per_step["tp"]
+    sp = comm_estimate(DENSE, PlanLayout(tp=2, sequence_parallel=True), WORK)
+    norms = (2 * DENSE.num_layers + 1) * DENSE.hidden_size
+    assert sp.bytes_per_step["tp"] == pytest.approx(plain + 2 * (1 / 2) * norms * 4)
+
+
+def test_dp_bytes_follow_zero_stages():
+    # one bucket (a large bucket size): the whole gradient, padded to a multiple of dp
+    numel = sum(p.numel() for p in build_model(DENSE).parameters())
+    padded = -(-numel // 4) * 4
+    ring = (4 - 1) / 4
+
+    def dp_bytes(stage: int) -> float:
+        layout = PlanLayout(dp=4, zero_stage=stage, bucket_size_mb=1024.0)
+        return comm_estimate(DENSE, layout, WORK).bytes_per_step["dp"]
+
+    assert dp_bytes(0) == pytest.approx(2 * ring * padded * 4)  # all-reduce
+    assert dp_bytes(1) == pytest.approx(3 * ring * padded * 4)  # all-reduce + all-gather
+    assert dp_bytes(2) == pytest.approx(2 * ring * padded * 4)  # reduce-scatter + all-gather
+
+
+def test_pipeline_sends_one_activation_per_microbatch_and_boundary():
+    deeper = presets.get("tiny-dense", vocab_size=LM_VOCAB, num_layers=4)
+    size = MICRO * SEQ * deeper.hidden_size * 4
+    for rank in (0, 1):  # 1F1B: stage 0 sends 4 activations, stage 1 4 gradients
+        got = comm_estimate(deeper, PlanLayout(pp=2), WORK, pp_rank=rank)
+        assert got.bytes_per_step["pp"] == 4 * size
+    for rank in (0, 1):  # 4 virtual stages: each rank's chunks sit at 3 boundary crossings
+        got = comm_estimate(deeper, PlanLayout(pp=2, virtual_pp=2), WORK, pp_rank=rank)
+        assert got.bytes_per_step["pp"] == 3 * 4 * size
