@@ -3,8 +3,10 @@
 A dense model (the `tiny-dense` preset, widened) is trained for a few steps under each layout
 on a forked gloo world (CPU). For every layout the table shows the median step time, the
 per-rank bytes of parameters, gradients (the persistent buffer: ZeRO-2 keeps only its shard
-between steps) and optimizer state, and the bytes each rank sends per step on the tp and dp
-groups, measured by counting every collective, next to the textbook value:
+between steps) and optimizer state, and the bytes rank 0 sends per step on the tp, dp and pp
+groups, measured by counting every collective (`nanotrain.planning.comm_meter.CommMeter`),
+next to the planner's prediction (`nanotrain.planning.communication.comm_estimate`, which
+also counts the small reductions: cross-entropy, grad norm, loss sums) and the textbook value:
 
 * tp (Megatron-LM, Shoeybi et al. 2019): 4 all-reduces of the ``[b, s, h]`` activations per
   layer and microbatch (2 forward, 2 backward); with sequence parallelism (Korthikanti et al.
@@ -14,7 +16,8 @@ groups, measured by counting every collective, next to the textbook value:
   (every rank keeps it whole) and then all-gathers parameters, 1.5x DDP.
 
 Bytes on the wire per rank assume ring algorithms on a group of g ranks: all-reduce of N bytes
-sends 2(g-1)/g N, all-gather and reduce-scatter of N bytes (the full tensor) send (g-1)/g N.
+sends 2(g-1)/g N, all-gather and reduce-scatter of N bytes (the full tensor) send (g-1)/g N,
+a pipeline send N.
 Run (about a minute on 2 CPU cores):
 
     python benchmarks/parallel.py --world 4 --steps 4
@@ -28,8 +31,6 @@ import socket
 import statistics
 import tempfile
 import time
-from collections import defaultdict
-from contextlib import contextmanager
 from datetime import timedelta
 from typing import Any
 
@@ -38,9 +39,9 @@ import torch.distributed as dist
 from torch.utils.data import Dataset
 
 import nanotrain as nt
-import nanotrain.parallel.collectives as collectives
-import nanotrain.parallel.data_parallel as data_parallel
-import nanotrain.parallel.zero as zero
+from nanotrain.planning import PlanLayout, Workload
+from nanotrain.planning.comm_meter import CommMeter
+from nanotrain.planning.communication import comm_estimate
 from nanotrain.strategies.megatron import MegatronStrategy
 
 LAYOUTS: list[dict[str, Any]] = [
@@ -51,6 +52,8 @@ LAYOUTS: list[dict[str, Any]] = [
     dict(tp=2, zero_stage=2),
     dict(tp=2, sequence_parallel=True),
     dict(tp=4),
+    dict(tp=1, pp=2),
+    dict(tp=1, pp=2, virtual_pp=2),
 ]
 MODEL = dict(hidden_size=256, intermediate_size=768, num_layers=4, num_heads=8, num_kv_heads=4)
 VOCAB, SEQ, MICRO, GLOBAL = 1024, 128, 2, 8
@@ -69,60 +72,10 @@ class Tokens(Dataset):
         return {"input_ids": self.ids[i, :-1], "labels": self.ids[i, 1:]}
 
 
-class CommCounter:
-    """Wire bytes per rank by group name, from every collective issued while `counting`."""
-
-    def __init__(self, names: dict[int, str]) -> None:
-        self.names = names
-        self.bytes: dict[str, float] = defaultdict(float)
-        self.counting = False
-
-    def add(self, kind: str, tensor: torch.Tensor, group: Any) -> None:
-        if not self.counting:
-            return
-        g = dist.get_world_size(group)
-        size = tensor.numel() * tensor.element_size()
-        factor = 2 * (g - 1) / g if kind == "all_reduce" else (g - 1) / g
-        self.bytes[self.names.get(id(group), "world")] += factor * size
-
-    @contextmanager
-    def patched(self):
-        """Route the collectives nanotrain calls through the counter (restored on exit)."""
-        orig_ar = dist.all_reduce
-        targets = [
-            (collectives, "_all_gather_single", "all_gather", 0),
-            (collectives, "_reduce_scatter_single", "reduce_scatter", 1),
-            (data_parallel, "_reduce_scatter_single", "reduce_scatter", 1),
-            (zero, "_all_gather_single", "all_gather", 0),
-        ]
-        saved = [(mod, attr, getattr(mod, attr)) for mod, attr, _, _ in targets]
-
-        def wrap(fn, kind, full_arg):
-            def counted(*args, group=None, **kw):
-                self.add(kind, args[full_arg], group)
-                return fn(*args, group=group, **kw)
-
-            return counted
-
-        def counted_all_reduce(tensor, *args, group=None, **kw):
-            self.add("all_reduce", tensor, group)
-            return orig_ar(tensor, *args, group=group, **kw)
-
-        dist.all_reduce = counted_all_reduce
-        for (mod, attr, kind, full_arg), (_, _, fn) in zip(targets, saved, strict=True):
-            setattr(mod, attr, wrap(fn, kind, full_arg))
-        try:
-            yield self
-        finally:
-            dist.all_reduce = orig_ar
-            for mod, attr, fn in saved:
-                setattr(mod, attr, fn)
-
-
 class StepProbe(nt.Callback):
     """Times steps and switches the counter on for every step after the first (warm-up)."""
 
-    def __init__(self, counter: CommCounter) -> None:
+    def __init__(self, counter: CommMeter) -> None:
         self.counter, self.times, self.t0 = counter, [], 0.0
         self.grad_bytes = 0
 
@@ -148,17 +101,23 @@ def run_layout(layout: dict[str, Any], steps: int, root: str) -> dict[str, Any]:
     strategy = MegatronStrategy(**layout)
     strategy.setup_environment()
     mesh = strategy.mesh
-    counter = CommCounter({id(mesh.tp_group): "tp", id(mesh.dp_group): "dp"})
+    counter = CommMeter.for_strategy(strategy)
+    counter.counting = False
     probe = StepProbe(counter)
     module = nt.LanguageModelModule("tiny-dense", model_overrides=MODEL, vocab_size=VOCAB)
     trainer = nt.Trainer(
         strategy=strategy, max_steps=steps, global_batch_size=GLOBAL, micro_batch_size=MICRO,
         callbacks=[probe], default_root_dir=root, loggers=[], seed=0,
     )  # fmt: skip
-    with counter.patched():
+    with counter:
         trainer.fit(module, train_dataloaders=Tokens())
     counted_steps = steps - 1
+    plan_layout = PlanLayout.from_strategy(strategy, mesh.world_size)
+    plan = comm_estimate(
+        module.config, plan_layout, Workload(SEQ, MICRO, GLOBAL, "32-true"), mesh.pp_rank
+    )
     return {
+        "planned": {g: plan.on_group(g) for g in ("tp", "pp", "dp")},
         "step_s": statistics.median(probe.times),
         "param_bytes": _tensor_bytes(module.parameters()),
         "grad_bytes": probe.grad_bytes,
@@ -167,6 +126,7 @@ def run_layout(layout: dict[str, Any], steps: int, root: str) -> dict[str, Any]:
         "local_params": sum(p.numel() for p in module.parameters()),
         "dp": mesh.dp_size,
         "tp": mesh.tp_size,
+        "pp": mesh.pp_size,
     }
 
 
@@ -193,7 +153,7 @@ def _rank_main(rank: int, world: int, port: int, steps: int, conn: Any) -> None:
     results = []
     with tempfile.TemporaryDirectory() as root:
         for i, layout in enumerate(LAYOUTS):
-            if world % layout["tp"]:
+            if world % (layout["tp"] * layout.get("pp", 1)):
                 continue
             results.append((layout, run_layout(layout, steps, f"{root}/{i}")))
     if rank == 0:
@@ -232,20 +192,23 @@ def main() -> None:
     print(f"world={args.world}, dense model {MODEL}, vocab {VOCAB}, seq {SEQ}, micro {MICRO}, "
           f"global batch {GLOBAL}, fp32, gloo on CPU; bytes are per rank, MiB")  # fmt: skip
     header = (
-        "| layout | step s | params | grads | optimizer | tp sent/step (textbook) "
-        "| dp sent/step (textbook) |"
+        "| layout | step s | params | grads | optimizer | tp sent/step (planned; textbook) "
+        "| dp sent/step (planned; textbook) | pp sent/step (planned) |"
     )
     print(header)
-    print("|" + "---|" * 7)
+    print("|" + "---|" * 8)
     for layout, r in results:
-        book = textbook(r, layout)
+        book, plan = textbook(r, layout), r["planned"]
         name = f"tp={r['tp']} dp={r['dp']} zero={layout.get('zero_stage', 0)}"
+        name += f" pp={r['pp']}" if r["pp"] > 1 else ""
+        name += f"x{layout['virtual_pp']}" if layout.get("virtual_pp", 1) > 1 else ""
         name += " sp" if layout.get("sequence_parallel") else ""
-        tp_sent, dp_sent = r["comm"].get("tp", 0.0), r["comm"].get("dp", 0.0)
+        sent = {g: r["comm"].get(g, 0.0) for g in ("tp", "dp", "pp")}
         print(
             f"| {name} | {r['step_s']:.3f} | {_mib(r['param_bytes'])} | {_mib(r['grad_bytes'])} "
-            f"| {_mib(r['optim_bytes'])} | {_mib(tp_sent)} ({_mib(book['tp'])}) "
-            f"| {_mib(dp_sent)} ({_mib(book['dp'])}) |"
+            f"| {_mib(r['optim_bytes'])} | {_mib(sent['tp'])} ({_mib(plan['tp'])}; "
+            f"{_mib(book['tp'])}) | {_mib(sent['dp'])} ({_mib(plan['dp'])}; {_mib(book['dp'])}) "
+            f"| {_mib(sent['pp'])} ({_mib(plan['pp'])}) |"
         )
 
 

@@ -1,0 +1,492 @@
+"""Bytes one rank sends per optimizer step, per process group, under a `PlanLayout`.
+
+The model follows the code paths of `MegatronStrategy` collective by collective (see
+docs/planning_communication.md for every formula and its source):
+
+* **tp**: the tensor-parallel collectives of every module this rank runs, per microbatch:
+  the vocab-parallel embedding (all-reduce; under sequence parallelism reduce-scatter
+  forward, all-gather backward), each attention and MLP block's one input collective
+  (identity / all-reduce of the grad; all-gather / reduce-scatter under SP) and one output
+  collective (all-reduce; reduce-scatter / all-gather under SP) (Shoeybi et al. 2019,
+  Korthikanti et al. 2022), MLA's latents instead of the hidden state, the MoE shared
+  experts, the LM head's input and the vocab-parallel cross-entropy's two per-token
+  reductions, once more per MTP depth; the MoE balance-loss statistics under SP; recomputed
+  forward collectives; and once per step the sum over tp of the grads of tp-replicated
+  parameters under SP.
+* **pp**: the activation sent forward and its gradient sent back at every virtual-stage
+  boundary, per microbatch, counted from the code's own schedule (Narayanan et al. 2021).
+* **ep**: per MoE layer and microbatch the split-size exchange and the dispatch and combine
+  all-to-alls, each again in backward, for balanced routing (DeepSeek-V3 section 3.2).
+* **dp** / **expert_dp**: per gradient bucket an all-reduce (ZeRO-0/1) or reduce-scatter
+  (ZeRO-2) in the reduce dtype over the padded flat buffer, and under ZeRO-1/2 an all-gather
+  of the parameters in their dtype (Rajbhandari et al. 2020).
+* **embedding**: the first and last stage's sum of a shared embedding's gradient.
+* **other**: the strategy's bookkeeping reductions for a `LanguageModelModule` (loss counts
+  and sums, pipeline loss terms, grad-norm squares, MoE loads), split by group in
+  `CommEstimate.other_by_group`; callbacks' and logging's own reductions are left out.
+
+Bytes on the wire follow the ring model of `nanotrain.planning.comm_meter`: an all-reduce of N
+bytes over g ranks sends 2(g-1)/g N, an all-gather or reduce-scatter (g-1)/g N of the full
+tensor, a point-to-point send N, an all-to-all the rows that leave the rank.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from nanotrain.parallel.data_parallel import FlatLayout
+from nanotrain.parallel.grads import sequence_parallel_params
+from nanotrain.parallel.tensor import pad_vocab_size
+from nanotrain.planning.layout import PlanLayout, Workload
+from nanotrain.planning.rank_model import RankModel, rank_models
+from nanotrain.strategies.megatron_grads import bucket_numel_for
+
+__all__ = ["GROUPS", "CommEstimate", "WireDtypes", "comm_estimate", "wire_dtypes"]
+
+#: the groups of `CommEstimate.bytes_per_step`
+GROUPS = ("tp", "pp", "ep", "dp", "expert_dp", "embedding", "other")
+
+
+@dataclass(frozen=True)
+class CommEstimate:
+    """What one rank sends per optimizer step.
+
+    Attributes:
+        bytes_per_step: wire bytes by group (`GROUPS`); "other" is the bookkeeping estimate.
+        calls_per_step: collectives (point-to-point: sends) by group, for a latency term.
+        detail: the formula of each group, in words and numbers.
+        other_by_group: the process groups "other"'s bytes travel on ("tp", "pp", "dp",
+            "ep"), so that what a `CommMeter` counts on group g is ``on_group(g)``.
+    """
+
+    bytes_per_step: dict[str, float]
+    calls_per_step: dict[str, int]
+    detail: dict[str, str]
+    other_by_group: dict[str, float] = field(default_factory=dict)
+
+    def total(self) -> float:
+        """Wire bytes summed over every group."""
+        return sum(self.bytes_per_step.values())
+
+    def on_group(self, group: str) -> float:
+        """Everything sent on process group `group`: its own bytes plus its share of
+        "other" (what a `CommMeter` measures there)."""
+        return self.bytes_per_step.get(group, 0.0) + self.other_by_group.get(group, 0.0)
+
+
+@dataclass(frozen=True)
+class WireDtypes:
+    """Bytes per element of what each kind of collective carries.
+
+    Attributes:
+        act: the residual stream and norm outputs (tp input collectives, pp, ep dispatch).
+        matmul: linear-layer outputs (tp output collectives, ep combine): the autocast dtype.
+        param: parameters (embedding output, ZeRO all-gather, pp buffers).
+        grad: the gradient buffer (fp32 main grads under bf16-true).
+        reduce: the data-parallel gradient reduction.
+    """
+
+    act: int
+    matmul: int
+    param: int
+    grad: int
+    reduce: int
+
+
+def wire_dtypes(precision: str, reduce_dtype: torch.dtype = torch.float32) -> WireDtypes:
+    """The `WireDtypes` of a Trainer precision name (`nanotrain.planning.PRECISIONS`).
+
+    Under autocast ("bf16-mixed", "16-mixed", the emulated formats, Transformer Engine) the
+    parameters stay fp32, so do the embedding output, norms and residual stream; linear
+    outputs are 16-bit. "bf16-true" is bf16 everywhere but the fp32 gradient buffer.
+    """
+    reduce = torch.tensor([], dtype=reduce_dtype).element_size()
+    if precision == "32-true":
+        return WireDtypes(4, 4, 4, 4, 4)
+    if precision == "bf16-true":
+        return WireDtypes(2, 2, 2, 4, reduce)
+    return WireDtypes(4, 2, 4, 4, reduce)
+
+
+@dataclass(frozen=True)
+class _Coll:
+    """One collective of one microbatch's pass over a module."""
+
+    op: str  # "all_reduce" | "all_gather" | "reduce_scatter"
+    numel: int  # the full tensor (ring model's N)
+    itemsize: int
+    backward: bool
+    where: str = "head"  # "attn", "mlp" (inside a decoder layer: recomputed) or "head"
+
+    def wire(self, g: int) -> float:
+        factor = 2 * (g - 1) / g if self.op == "all_reduce" else (g - 1) / g
+        return factor * self.numel * self.itemsize
+
+
+def _enter(numel: int, itemsize: int, sp: bool, where: str) -> list[_Coll]:
+    """`enter_tensor_parallel_region`: identity / grad all-reduce; under SP all-gather /
+    grad reduce-scatter."""
+    if sp:
+        return [
+            _Coll("all_gather", numel, itemsize, False, where),
+            _Coll("reduce_scatter", numel, itemsize, True, where),
+        ]
+    return [_Coll("all_reduce", numel, itemsize, True, where)]
+
+
+def _exit(numel: int, itemsize: int, sp: bool, where: str) -> list[_Coll]:
+    """A row-parallel output (or the vocab-parallel embedding): all-reduce / identity; under
+    SP reduce-scatter / grad all-gather."""
+    if sp:
+        return [
+            _Coll("reduce_scatter", numel, itemsize, False, where),
+            _Coll("all_gather", numel, itemsize, True, where),
+        ]
+    return [_Coll("all_reduce", numel, itemsize, False, where)]
+
+
+def _layer_colls(
+    config: Any, moe: bool, batch: int, tokens: int, sp: bool, dt: WireDtypes
+) -> list[_Coll]:
+    """tp collectives of one decoder layer on one microbatch of `batch` sequences holding
+    `tokens` tokens in all."""
+    h = config.hidden_size
+    out: list[_Coll] = []
+    if hasattr(config, "kv_lora_rank"):  # MLA: the latents enter the region, not x
+        width = (config.q_lora_rank or 0) + config.kv_lora_rank + config.qk_rope_head_dim
+        out += _enter(tokens * width, dt.act, sp, "attn")
+        if config.q_lora_rank is None:  # q_proj reads x and enters it itself
+            out += _enter(tokens * h, dt.act, sp, "attn")
+    else:
+        out += _enter(tokens * h, dt.act, sp, "attn")
+    out += _exit(tokens * h, dt.matmul, sp, "attn")
+    if not moe or config.n_shared_experts > 0:  # dense MLP, or the MoE's shared experts
+        out += _enter(tokens * h, dt.act, sp, "mlp")
+        out += _exit(tokens * h, dt.matmul, sp, "mlp")
+    if moe and sp and config.aux_loss_alpha > 0:
+        # the sequence-wise balance loss sums [2, b, E] fp32 statistics over tp (forward only)
+        out.append(_Coll("all_reduce", 2 * batch * config.n_routed_experts, 4, False, "mlp"))
+    return out
+
+
+def _head_colls(config: Any, tokens: int, sp: bool, dt: WireDtypes) -> list[_Coll]:
+    """LM head input, then the vocab-parallel cross-entropy's max and [2, tokens] sums (fp32,
+    forward only)."""
+    return _enter(tokens * config.hidden_size, dt.act, sp, "head") + [
+        _Coll("all_reduce", tokens, 4, False),
+        _Coll("all_reduce", 2 * tokens, 4, False),
+    ]
+
+
+def _is_moe(config: Any, layer: int) -> bool:
+    return bool(getattr(config, "is_moe_layer", lambda i: False)(layer))
+
+
+def _mtp_is_moe(config: Any) -> bool:
+    return hasattr(config, "first_k_dense_replace") and (
+        config.first_k_dense_replace < config.num_layers
+    )
+
+
+def _recomputed(colls: list[_Coll], recompute: str | None, trailing_kept: bool) -> list[_Coll]:
+    """Forward collectives a decoder layer reruns in backward.
+
+    torch's non-reentrant checkpoint stops recomputing once every tensor autograd saved is
+    back, so a trailing collective whose output nothing saves is not rerun: attention's
+    output collective under "selective" (the residual add keeps nothing), and under "full"
+    the MLP's output collective unless something after it saves tensors
+    (`trailing_kept`: the MoE balance loss, computed last, keeps the routing statistics).
+    """
+    if recompute is None:
+        return []
+    forward = [c for c in colls if not c.backward]
+    if recompute == "selective":
+        return [c for c in forward if c.where == "attn"][:-1]
+    return forward if trailing_kept else forward[:-1]
+
+
+def _keeps_trailing(config: Any, moe: bool) -> bool:
+    """Whether a layer saves tensors after its last tp collective (see `_recomputed`): a MoE
+    layer computing the balance loss, or one without shared experts (its last tp collective
+    is attention's, followed by the router)."""
+    if not moe:
+        return False
+    return config.aux_loss_alpha > 0 or config.n_shared_experts == 0
+
+
+@dataclass
+class _Tally:
+    """Bytes, calls and formula pieces gathered for one group."""
+
+    bytes: float = 0.0
+    calls: int = 0
+    parts: list[str] = field(default_factory=list)
+
+    def add(self, wire: float, calls: int, text: str | None = None) -> None:
+        self.bytes += wire
+        self.calls += calls
+        if text:
+            self.parts.append(text)
+
+
+def _ring(op: str, g: int) -> float:
+    """Wire bytes per byte of the full tensor (ring model)."""
+    return 2 * (g - 1) / g if op == "all_reduce" else (g - 1) / g
+
+
+def _mib(n: float) -> str:
+    return f"{n / 2**20:.3f} MiB"
+
+
+def _tp(
+    config: Any, layout: PlanLayout, workload: Workload, rank: RankModel, dt: WireDtypes
+) -> _Tally:
+    """tp bytes of one step on pipeline rank `rank.pp_rank` (see the module docstring)."""
+    tally, t = _Tally(), layout.tp
+    if t == 1:
+        return tally
+    sp, b, s = layout.sequence_parallel, workload.micro_batch_size, workload.seq_len
+    tokens, h, last = b * s, config.hidden_size, layout.pp * layout.virtual_pp - 1
+    colls: list[_Coll] = []
+    for c, layers in enumerate(rank.chunks):
+        stage = c * layout.pp + rank.pp_rank
+        if stage == 0:
+            colls += _exit(tokens * h, dt.param, sp, "head")  # vocab-parallel embedding
+        for i in layers:
+            moe = _is_moe(config, i)
+            layer = _layer_colls(config, moe, b, tokens, sp, dt)
+            colls += layer + _recomputed(layer, layout.recompute, _keeps_trailing(config, moe))
+        if stage == last:
+            colls += _head_colls(config, tokens, sp, dt)
+            for _ in range(getattr(config, "mtp_depth", 0)):
+                moe = _mtp_is_moe(config)
+                block = _layer_colls(config, moe, b, tokens, sp, dt)
+                colls += _exit(tokens * h, dt.param, sp, "head")  # embeds the shifted ids
+                colls += block + _recomputed(block, layout.recompute, _keeps_trailing(config, moe))
+                colls += _head_colls(config, tokens, sp, dt)
+    micro = workload.num_microbatches(layout)
+    per_micro = sum(c.wire(t) for c in colls)
+    tally.add(
+        micro * per_micro,
+        micro * len(colls),
+        f"{micro} microbatches x {len(colls)} collectives of b*s={tokens} tokens "
+        f"({_mib(per_micro)} each microbatch)",
+    )
+    if sp:
+        dense, experts = _sp_param_numels(rank, layout)
+        if layout.zero_stage == 2:  # only this rank's pieces (their mean over dp ranks)
+            numel = dense / layout.dp + experts / layout.expert_dp
+        else:
+            numel = dense + experts
+        if numel:
+            wire = _ring("all_reduce", t) * numel * dt.grad
+            tally.add(wire, 1, f"SP grads of {numel:.0f} tp-replicated elements summed over tp")
+    return tally
+
+
+def _sp_param_numels(rank: RankModel, layout: PlanLayout) -> tuple[int, int]:
+    """Elements of the tp-replicated params whose grads are summed over tp under SP (dense,
+    routed experts)."""
+    expert_ids = {id(p) for p in rank.experts}
+    params = sequence_parallel_params(rank.module)
+    dense = sum(p.numel() for p in params if id(p) not in expert_ids)
+    return dense, sum(p.numel() for p in params if id(p) in expert_ids)
+
+
+def _moe_layers(config: Any, layout: PlanLayout, rank: RankModel) -> int:
+    """MoE layers this pipeline rank runs (its decoder layers and, last, the MTP blocks)."""
+    count = sum(_is_moe(config, i) for chunk in rank.chunks for i in chunk)
+    holds_last = any(
+        c * layout.pp + rank.pp_rank == layout.pp * layout.virtual_pp - 1
+        for c in range(len(rank.chunks))
+    )
+    if holds_last and _mtp_is_moe(config):
+        count += getattr(config, "mtp_depth", 0)
+    return count
+
+
+def _pp(
+    layout: PlanLayout, workload: Workload, config: Any, pp_rank: int, dt: WireDtypes
+) -> _Tally:
+    """Activations sent forward and their gradients sent back at virtual-stage boundaries."""
+    tally = _Tally()
+    if layout.pp == 1:
+        return tally
+    micro = workload.num_microbatches(layout)
+    last = layout.pp * layout.virtual_pp - 1
+    sends = 0
+    for a in layout.schedule_actions(micro, pp_rank):
+        stage = a.chunk * layout.pp + pp_rank
+        sends += (a.kind == "F" and stage != last) or (a.kind == "B" and stage != 0)
+    seq = workload.seq_len // (layout.tp if layout.sequence_parallel else 1)
+    size = workload.micro_batch_size * seq * config.hidden_size * dt.param
+    tally.add(sends * size, sends, f"{sends} sends of [b, s, h] = {_mib(size)}")
+    return tally
+
+
+def _ep(
+    config: Any, layout: PlanLayout, workload: Workload, rank: RankModel, dt: WireDtypes
+) -> _Tally:
+    """Split exchange, dispatch and combine all-to-alls (each again in backward; the forward
+    ones again under full recompute), balanced routing."""
+    tally, ep = _Tally(), layout.ep
+    layers = _moe_layers(config, layout, rank)
+    if ep == 1 or layers == 0:
+        return tally
+    tokens = workload.micro_batch_size * workload.seq_len
+    if layout.sequence_parallel:
+        tokens //= layout.tp
+    ring = (ep - 1) / ep
+    rows = tokens * config.num_experts_per_tok * ring  # copies that leave the rank
+    splits = ring * config.n_routed_experts * 8  # int64 counts per expert
+    forward = splits + rows * config.hidden_size * (dt.act + dt.matmul)
+    backward = rows * config.hidden_size * (dt.act + dt.matmul)
+    per_layer, calls = forward + backward, 5
+    if layout.recompute == "full":
+        per_layer, calls = per_layer + forward, calls + 3
+    micro = workload.num_microbatches(layout)
+    tally.add(
+        micro * layers * per_layer,
+        micro * layers * calls,
+        f"{micro} microbatches x {layers} MoE layers x {rows:.0f} token copies out of "
+        f"{tokens * config.num_experts_per_tok} sent to other ep ranks (dispatch + combine, "
+        "forward + backward) + split sizes",
+    )
+    return tally
+
+
+def _dp(layout: PlanLayout, rank: RankModel, dt: WireDtypes) -> dict[str, _Tally]:
+    """Per bucket: grad all-reduce / reduce-scatter (ZeRO-2) in the reduce dtype; under ZeRO
+    an all-gather of the updated parameters in their dtype. Dense over dp, experts over
+    expert-dp; the padded flat buffers of `RankModel.flat_numels`."""
+    out = {"dp": _Tally(), "expert_dp": _Tally()}
+    bucket = bucket_numel_for(dt.param, layout.bucket_size_mb)
+    for name, params, g in (
+        ("dp", rank.dense, layout.dp),
+        ("expert_dp", rank.experts, layout.expert_dp),
+    ):
+        if g == 1 or not params:
+            continue
+        flat = FlatLayout(params, g, bucket)
+        n = len(flat.buckets)
+        op = "reduce_scatter" if layout.zero_stage == 2 else "all_reduce"
+        out[name].add(
+            _ring(op, g) * flat.numel * dt.reduce,
+            n,
+            f"{op} of {n} buckets, {flat.numel} padded elements x {dt.reduce} B",
+        )
+        if layout.zero_stage:
+            out[name].add(
+                _ring("all_gather", g) * flat.numel * dt.param,
+                n,
+                f"ZeRO all-gather of the parameters x {dt.param} B",
+            )
+    return out
+
+
+def _embedding(config: Any, layout: PlanLayout, pp_rank: int, dt: WireDtypes) -> _Tally:
+    """The first and last stage sum the grad of the embedding both hold (MTP or tied)."""
+    tally = _Tally()
+    shared = getattr(config, "mtp_depth", 0) > 0 or config.tie_word_embeddings
+    if layout.pp == 1 or not shared or pp_rank not in (0, layout.pp - 1):
+        return tally
+    numel = pad_vocab_size(config.vocab_size, layout.tp) // layout.tp * config.hidden_size
+    tally.add(numel * dt.grad, 1, f"all-reduce over 2 ranks of {numel} embedding-grad elements")
+    return tally
+
+
+def _other(
+    config: Any, layout: PlanLayout, workload: Workload, rank: RankModel
+) -> dict[str, _Tally]:
+    """Bookkeeping reductions of `MegatronStrategy` + `LanguageModelModule` (float64 /
+    int64 tensors of a few elements each): loss counts and sums over dp, the pipeline's loss
+    terms over pp and dp, the grad-norm squares (one float64 per parameter) over tp, the ZeRO-2
+    group and ep, the MoE loads [L, E + 1] over tp (SP) and dp."""
+    out = {g: _Tally() for g in ("tp", "pp", "dp", "ep", "expert_dp")}
+    size = {"tp": layout.tp, "pp": layout.pp, "dp": layout.dp, "ep": layout.ep}
+    size["expert_dp"] = layout.expert_dp
+
+    def all_reduce(group: str, numel: int, itemsize: int = 8) -> None:
+        if size[group] > 1:
+            out[group].add(_ring("all_reduce", size[group]) * numel * itemsize, 1)
+
+    terms, micro = 2 + getattr(config, "mtp_depth", 0), workload.num_microbatches(layout)
+    all_reduce("dp", terms + 2)  # the global counts of every loss term, tokens, samples
+    all_reduce("dp", terms)  # the step's loss sums
+    if layout.pp > 1:
+        all_reduce("pp", 6 * micro)  # per-microbatch loss terms, then over dp
+        all_reduce("dp", 6 * micro)
+        all_reduce("pp", terms)  # loss sums over stages
+        all_reduce("pp", 1)  # grad-norm square over stages
+    num_params = len(rank.dense) + len(rank.experts)
+    for members, group, expert in (
+        (rank.dense, "dp", False),
+        (rank.experts, "expert_dp", True),
+    ):
+        if not members:
+            continue
+        all_reduce("tp", num_params)
+        if layout.zero_stage == 2:
+            all_reduce(group, num_params)
+        if expert:
+            all_reduce("ep", num_params)
+    layers = _moe_layers(config, layout, rank)
+    if layers:
+        numel = layers * (config.n_routed_experts + 1)
+        if layout.sequence_parallel:
+            all_reduce("tp", numel)
+        all_reduce("dp", numel)
+    return out
+
+
+def comm_estimate(
+    config: Any,
+    layout: PlanLayout,
+    workload: Workload,
+    pp_rank: int = 0,
+    *,
+    reduce_dtype: torch.dtype = torch.float32,
+) -> CommEstimate:
+    """Wire bytes one rank of pipeline stage `pp_rank` sends per optimizer step, by group.
+
+    Args:
+        config: a DenseConfig or DeepSeekConfig.
+        layout: the parallel layout (validated against `config`).
+        workload: sequence length, micro and global batch, precision.
+        pp_rank: which pipeline stage (stages hold different layers, embedding and head).
+        reduce_dtype: the precision's gradient reduce dtype (`Precision.reduce_dtype`).
+
+    Returns:
+        `CommEstimate` (every group of `GROUPS` present, 0 where nothing is sent).
+
+    Raises:
+        ValueError: when the layout does not fit the model or the batch does not split
+            into microbatches (`PlanLayout.validate`, `Workload.num_microbatches`), or
+            `pp_rank` is outside the pipeline.
+    """
+    if not 0 <= pp_rank < layout.pp:
+        raise ValueError(f"pp_rank={pp_rank} is outside [0, pp={layout.pp})")
+    rank = rank_models(config, layout)[pp_rank]
+    dt = wire_dtypes(workload.precision, reduce_dtype)
+    tallies = {
+        "tp": _tp(config, layout, workload, rank, dt),
+        "pp": _pp(layout, workload, config, pp_rank, dt),
+        "ep": _ep(config, layout, workload, rank, dt),
+        **_dp(layout, rank, dt),
+        "embedding": _embedding(config, layout, pp_rank, dt),
+    }
+    other = _other(config, layout, workload, rank)
+    tallies["other"] = _Tally(
+        sum(t.bytes for t in other.values()),
+        sum(t.calls for t in other.values()),
+        ["bookkeeping reductions (float64 / int64), LanguageModelModule without callbacks"],
+    )
+    return CommEstimate(
+        bytes_per_step={g: tallies[g].bytes for g in GROUPS},
+        calls_per_step={g: tallies[g].calls for g in GROUPS},
+        detail={g: "; ".join(tallies[g].parts) or "nothing sent" for g in GROUPS},
+        other_by_group={g: t.bytes for g, t in other.items() if t.bytes},
+    )

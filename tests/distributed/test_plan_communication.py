@@ -1,0 +1,266 @@
+"""The planner's communication bytes equal what a real training step sends, group by group.
+
+Forked gloo worlds train the tiny presets for two steps under many `MegatronStrategy` layouts;
+a `CommMeter` counts every collective of the second step by process group, and
+`comm_estimate` of the same config, layout and batch must equal the count on every group
+(tp, pp, ep, dp, expert-dp, embedding, and the bookkeeping reductions it files under
+"other", by the group they travel on).
+
+Routing: the router is replaced by a balanced one (token t's k-th copy goes to expert
+``(t * K + k) % E``), the routing the planner assumes, so the expert-parallel bytes are
+exact too. Independent checks that do not trust the planner's own arithmetic follow the
+world tests: the meter's ring model on known tensors, and textbook formulas for tp and dp.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+import nanotrain as nt
+from nanotrain.models import presets
+from nanotrain.models.build import build_model
+from nanotrain.models.moe import TopKRouter
+from nanotrain.planning import PlanLayout, Workload
+from nanotrain.planning.comm_meter import CommMeter
+from nanotrain.planning.communication import comm_estimate
+from nanotrain.strategies.megatron import MegatronStrategy
+from tests.distributed.spawn import run_world
+from tests.distributed.test_megatron import LM_VOCAB, SEQ, RandomTokens
+
+MICRO, GLOBAL = 2, 8
+MEASURED = ("tp", "pp", "ep", "dp", "expert_dp", "embedding")
+BF16_MIXED, BF16_TRUE = {"precision": "bf16-mixed"}, {"precision": "bf16-true"}
+
+
+def balanced_select(self: TopKRouter, choice: torch.Tensor) -> torch.Tensor:
+    """Token t's k-th copy to expert (t * K + k) % E: every ep rank receives N * K / ep."""
+    n, k = choice.shape[0], self.config.num_experts_per_tok
+    slots = torch.arange(n * k, device=choice.device).view(n, k)
+    return slots % self.config.n_routed_experts
+
+
+class MeterSecondStep(nt.Callback):
+    """Counts the collectives of the second training step only (the first builds lazily)."""
+
+    def __init__(self, meter: CommMeter) -> None:
+        self.meter = meter
+
+    def on_train_batch_start(self, trainer, module, batch, batch_idx) -> None:
+        self.meter.counting = trainer.global_step == 1
+
+    def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx) -> None:
+        self.meter.counting = False
+
+
+def measure(kind: str, strategy_kwargs: dict, extra: dict, root: str) -> dict[str, Any]:
+    """Train 2 steps; return this rank's bytes per group and the planner's estimate."""
+    strategy = MegatronStrategy(**strategy_kwargs)
+    strategy.setup_environment()
+    meter = CommMeter.for_strategy(strategy)
+    meter.counting = False
+    overrides = extra.get("overrides", {})
+    module = nt.LanguageModelModule(
+        kind,
+        vocab_size=LM_VOCAB,
+        model_overrides=overrides,
+        recompute=extra.get("recompute"),
+    )
+    precision = extra.get("precision", "32-true")
+    trainer = nt.Trainer(
+        strategy=strategy,
+        max_steps=2,
+        global_batch_size=GLOBAL,
+        micro_batch_size=MICRO,
+        precision=precision,
+        callbacks=[MeterSecondStep(meter)],
+        default_root_dir=root,
+        loggers=[],
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_monitors=False,
+        seed=0,
+    )
+    with meter:
+        trainer.fit(module, train_dataloaders=RandomTokens())
+    mesh = strategy.mesh
+    layout = PlanLayout.from_strategy(strategy, mesh.world_size, extra.get("recompute"))
+    workload = Workload(SEQ, MICRO, GLOBAL, precision)
+    estimate = comm_estimate(module.config, layout, workload, pp_rank=mesh.pp_rank)
+    return {
+        "measured": dict(meter.bytes),
+        "calls": dict(meter.calls),
+        "predicted": {g: estimate.on_group(g) for g in MEASURED},
+        "estimate": estimate,
+    }
+
+
+def _run(rank: int, world_size: int, root: str, layouts: dict) -> dict:
+    TopKRouter.select = balanced_select  # a forked child: the parent's class is untouched
+    return {
+        name: measure(kind, kwargs, extra, f"{root}/{i}")
+        for i, (name, (kind, kwargs, extra)) in enumerate(layouts.items())
+    }
+
+
+# name -> (preset, MegatronStrategy kwargs, extra: recompute / precision / model overrides)
+WORLD2 = {
+    "dense tp=2": ("tiny-dense", dict(tp=2), {}),
+    "deepseek tp=2": ("tiny", dict(tp=2), {}),
+    "dense tp=2 sp": ("tiny-dense", dict(tp=2, sequence_parallel=True), {}),
+    "deepseek tp=2 sp": ("tiny", dict(tp=2, sequence_parallel=True), {}),
+    "dense tp=2 full recompute": ("tiny-dense", dict(tp=2), {"recompute": "full"}),
+    "deepseek tp=2 sp full recompute": (
+        "tiny",
+        dict(tp=2, sequence_parallel=True),
+        {"recompute": "full"},
+    ),
+    "deepseek tp=2 selective recompute": ("tiny", dict(tp=2), {"recompute": "selective"}),
+    "deepseek dp=2": ("tiny", dict(), {}),
+    "deepseek dp=2 zero1": ("tiny", dict(zero_stage=1), {}),
+    "deepseek dp=2 zero2": ("tiny", dict(zero_stage=2), {}),
+    "deepseek pp=2 1f1b": ("tiny", dict(pp=2), {}),
+    "dense pp=2 x virtual 2": (
+        "tiny-dense",
+        dict(pp=2, virtual_pp=2),
+        {"overrides": {"num_layers": 4}},
+    ),
+    "deepseek ep=2 (dp=2)": ("tiny", dict(ep=2), {}),
+    "deepseek ep=2 full recompute": ("tiny", dict(ep=2), {"recompute": "full"}),
+    # 16-bit wires: linear outputs in bf16 under autocast, everything bf16 under bf16-true
+    "dense tp=2 sp bf16-mixed": ("tiny-dense", dict(tp=2, sequence_parallel=True), BF16_MIXED),
+    "deepseek ep=2 bf16-mixed": ("tiny", dict(ep=2), BF16_MIXED),
+    "deepseek tp=2 bf16-true": ("tiny", dict(tp=2), BF16_TRUE),
+    "deepseek dp=2 zero2 bf16-true": ("tiny", dict(zero_stage=2), BF16_TRUE),
+}
+WORLD4 = {
+    "deepseek tp=2 x pp=2 sp": ("tiny", dict(tp=2, pp=2, sequence_parallel=True), {}),
+    "deepseek ep=2 x dp=4 zero2": ("tiny", dict(ep=2, zero_stage=2), {}),
+    "deepseek tp=2 x ep=2 sp zero1 full recompute": (
+        "tiny",
+        dict(tp=2, ep=2, sequence_parallel=True, zero_stage=1),
+        {"recompute": "full"},
+    ),
+}
+
+
+@pytest.fixture(scope="module")
+def world2(tmp_path_factory) -> list[dict]:
+    return run_world(_run, 2, str(tmp_path_factory.mktemp("w2")), WORLD2, timeout=240)
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("layout", list(WORLD2))
+def test_planned_bytes_equal_measured_bytes_two_ranks(world2, layout):
+    for rank, results in enumerate(world2):
+        r = results[layout]
+        measured = {g: r["measured"].get(g, 0.0) for g in MEASURED}
+        assert measured == pytest.approx(r["predicted"], rel=1e-9), (
+            f"rank {rank}: {r['estimate'].detail}"
+        )
+
+
+@pytest.fixture(scope="module")
+def world4(tmp_path_factory) -> list[dict]:
+    return run_world(_run, 4, str(tmp_path_factory.mktemp("w4")), WORLD4, timeout=240)
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("layout", list(WORLD4))
+def test_planned_bytes_equal_measured_bytes_four_ranks(world4, layout):
+    for rank, results in enumerate(world4):
+        r = results[layout]
+        measured = {g: r["measured"].get(g, 0.0) for g in MEASURED}
+        assert measured == pytest.approx(r["predicted"], rel=1e-9), (
+            f"rank {rank}: {r['estimate'].detail}"
+        )
+
+
+# -- the meter's ring model on tensors of known size ---------------------------------------------
+
+
+def _meter_known_tensors(rank: int, world_size: int) -> dict:
+    import torch.distributed as dist
+
+    pair = dist.new_group([0, 1])
+    meter = CommMeter({"pair": pair}, peers={1 - rank: "peer"})
+    with meter:
+        dist.all_reduce(torch.ones(100), group=pair)
+        dist.all_gather_into_tensor(torch.empty(2 * 50), torch.ones(50), group=pair)
+        dist.reduce_scatter_tensor(torch.empty(50), torch.ones(100), group=pair)
+        # rows of 4 fp32 values: rank 0 sends 3 to itself and 5 to rank 1, rank 1 2 and 7
+        send = [3, 5] if rank == 0 else [2, 7]
+        recv = [3, 2] if rank == 0 else [5, 7]
+        out = torch.empty(sum(recv), 4)
+        dist.all_to_all_single(out, torch.ones(sum(send), 4), recv, send, group=pair)
+        ops = [
+            dist.P2POp(dist.isend, torch.ones(10, dtype=torch.float64), 1 - rank),
+            dist.P2POp(dist.irecv, torch.empty(10, dtype=torch.float64), 1 - rank),
+        ]
+        for work in dist.batch_isend_irecv(ops):
+            work.wait()
+    return {"bytes": dict(meter.bytes), "calls": dict(meter.calls)}
+
+
+@pytest.mark.distributed
+def test_meter_counts_ring_wire_bytes_of_known_tensors():
+    results = run_world(_meter_known_tensors, 2)
+    # g = 2: all-reduce 2(g-1)/g * 400 B; all-gather and reduce-scatter (g-1)/g * 400 B of
+    # the full tensor; all-to-all the rows leaving the rank (5 or 2 rows of 16 B)
+    assert results[0]["bytes"] == {"pair": 400 + 200 + 200 + 5 * 16, "peer": 80}
+    assert results[1]["bytes"] == {"pair": 400 + 200 + 200 + 2 * 16, "peer": 80}
+    assert results[0]["calls"] == {"pair": 4, "peer": 1}  # a receive is no call of its own
+
+
+# -- the planner against textbook formulas (no processes) ----------------------------------------
+
+DENSE = presets.get("tiny-dense", vocab_size=LM_VOCAB)
+WORK = Workload(SEQ, MICRO, GLOBAL, "32-true")
+
+
+def test_tp_bytes_are_megatrons_four_all_reduces_per_layer():
+    # Shoeybi et al. 2019: 2 all-reduces forward + 2 backward of [b, s, h] per layer, one for
+    # the embedding, one for the head's input grad; plus the vocab-parallel cross-entropy's
+    # fp32 max [b, s] and sums [2, b, s]. 4 microbatches (global 8 / micro 2, dp 1).
+    t, b, s, h, layers = 2, MICRO, SEQ, DENSE.hidden_size, DENSE.num_layers
+    ring = 2 * (t - 1) / t
+    per_micro = ring * ((4 * layers + 2) * b * s * h * 4 + 3 * b * s * 4)
+    got = comm_estimate(DENSE, PlanLayout(tp=t), WORK).bytes_per_step["tp"]
+    assert got == pytest.approx(4 * per_micro)
+
+
+def test_sequence_parallel_moves_the_same_tp_bytes_plus_the_replicated_grads():
+    # Korthikanti et al. 2022: all-gather + reduce-scatter cost what one all-reduce costs; SP
+    # adds the sum over tp of the norm weights' grads (2 per layer + the final norm).
+    plain = comm_estimate(DENSE, PlanLayout(tp=2), WORK).bytes_per_step["tp"]
+    sp = comm_estimate(DENSE, PlanLayout(tp=2, sequence_parallel=True), WORK)
+    norms = (2 * DENSE.num_layers + 1) * DENSE.hidden_size
+    assert sp.bytes_per_step["tp"] == pytest.approx(plain + 2 * (1 / 2) * norms * 4)
+
+
+def test_dp_bytes_follow_zero_stages():
+    # one bucket (a large bucket size): the whole gradient, padded to a multiple of dp
+    numel = sum(p.numel() for p in build_model(DENSE).parameters())
+    padded = -(-numel // 4) * 4
+    ring = (4 - 1) / 4
+
+    def dp_bytes(stage: int) -> float:
+        layout = PlanLayout(dp=4, zero_stage=stage, bucket_size_mb=1024.0)
+        return comm_estimate(DENSE, layout, WORK).bytes_per_step["dp"]
+
+    assert dp_bytes(0) == pytest.approx(2 * ring * padded * 4)  # all-reduce
+    assert dp_bytes(1) == pytest.approx(3 * ring * padded * 4)  # all-reduce + all-gather
+    assert dp_bytes(2) == pytest.approx(2 * ring * padded * 4)  # reduce-scatter + all-gather
+
+
+def test_pipeline_sends_one_activation_per_microbatch_and_boundary():
+    deeper = presets.get("tiny-dense", vocab_size=LM_VOCAB, num_layers=4)
+    size = MICRO * SEQ * deeper.hidden_size * 4
+    for rank in (0, 1):  # 1F1B: stage 0 sends 4 activations, stage 1 4 gradients
+        got = comm_estimate(deeper, PlanLayout(pp=2), WORK, pp_rank=rank)
+        assert got.bytes_per_step["pp"] == 4 * size
+    for rank in (0, 1):  # 4 virtual stages: each rank's chunks sit at 3 boundary crossings
+        got = comm_estimate(deeper, PlanLayout(pp=2, virtual_pp=2), WORK, pp_rank=rank)
+        assert got.bytes_per_step["pp"] == 3 * 4 * size
