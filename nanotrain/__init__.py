@@ -2,7 +2,7 @@
 
 Public API: `Trainer`, `NanoModule`, `LossTerms`, `TrainState`, `StepOutput`, and the subpackages
 `nanotrain.strategies`, `nanotrain.callbacks`, `nanotrain.data`, `nanotrain.models`,
-`nanotrain.precision`.
+`nanotrain.precision`, `nanotrain.planning` (memory / time planner, `nanotrain plan`).
 """
 
 from nanotrain import callbacks, data, precision, strategies

@@ -1,4 +1,4 @@
-"""The `nanotrain` command: fit | validate | prepare | export | import | env | report.
+"""The `nanotrain` command: fit | validate | prepare | plan | export | import | env | report.
 
 `fit` and `validate` follow Lightning CLI conventions: a YAML `--config` with sections
 `trainer`, `model`, `data`, `strategy`, `callbacks`, overridden by dotted flags such as
@@ -9,6 +9,7 @@ one line (see `nanotrain.cli_errors`; `--debug` for the traceback).
 
 from __future__ import annotations
 
+import os
 import sys
 from argparse import SUPPRESS
 from typing import Any
@@ -118,6 +119,19 @@ def _run_parser(stage: str) -> ArgumentParser:
     parser.add_argument(
         "--ckpt_path", type=str | None, default=None, help="checkpoint to resume from, or 'last'"
     )
+    if stage == "fit":
+        parser.add_argument(
+            "--plan", action="store_true", help="print the planner's memory / time estimate "
+            "of this run (docs/planning.md) before starting it"
+        )  # fmt: skip
+        parser.add_argument(
+            "--plan_gpu", type=str | None, default=None, help="device to plan for (h100, "
+            "a100, ..., or a JSON spec); default: the CUDA device in use, or this CPU",
+        )  # fmt: skip
+        parser.add_argument(
+            "--ignore_plan", action="store_true", help="start even when the planner says the "
+            "layout does not fit the device's memory",
+        )  # fmt: skip
     return parser
 
 
@@ -127,6 +141,7 @@ def run_fit_or_validate(stage: str, argv: list[str]) -> Any:
 
     parser = _run_parser(stage)
     config = parser.parse_args(_expand_strategy_alias(argv))
+    plan_args = {k: config.pop(k, None) for k in ("plan", "plan_gpu", "ignore_plan")}
     _apply_seed_everything(config)
     resolved = parser.dump(config, format="yaml")
     import yaml
@@ -138,6 +153,8 @@ def run_fit_or_validate(stage: str, argv: list[str]) -> Any:
     settings = vars(config.trainer) if not isinstance(config.trainer, dict) else config.trainer
     settings = {k: v for k, v in dict(settings).items() if not k.startswith("__")}
     callbacks: list[Callback] = list(objects.callbacks or [])  # the Trainer adds the defaults
+    if stage == "fit":
+        _check_plan(objects, settings, plan_args)
     trainer = Trainer(
         strategy=objects.strategy if objects.strategy is not None else "auto",
         callbacks=callbacks,
@@ -149,6 +166,43 @@ def run_fit_or_validate(stage: str, argv: list[str]) -> Any:
         trainer.fit(objects.model, objects.data, ckpt_path=config.ckpt_path)
         return trainer
     return trainer.validate(objects.model, objects.data, ckpt_path=config.ckpt_path)
+
+
+def _check_plan(objects: Any, settings: dict[str, Any], args: dict[str, Any]) -> None:
+    """Print the run's plan (`--plan`) and refuse a layout that does not fit the device's
+    memory, before any process group exists (`--ignore_plan` goes ahead anyway).
+
+    The memory check runs with `--plan` or `--plan_gpu`, and on CUDA always (the device's
+    own memory); a CPU run without either is not checked.
+
+    Raises:
+        ValueError: the planner says the largest rank needs more memory than the device has.
+    """
+    import torch
+
+    from nanotrain.planning.cli_plan import plan_for_run
+    from nanotrain.planning.report import format_plan
+
+    asked = bool(args.get("plan")) or args.get("plan_gpu") is not None
+    if not asked and not torch.cuda.is_available():
+        return
+    strategy = objects.strategy
+    if strategy is None:
+        from nanotrain.strategies import SingleDeviceStrategy
+
+        strategy = SingleDeviceStrategy()
+    plan = plan_for_run(objects.model, objects.data, strategy, settings, args.get("plan_gpu"))
+    if plan is None:
+        return
+    rank = int(os.environ.get("RANK", "0"))
+    if args.get("plan") and rank == 0:
+        print(format_plan(plan), end="", flush=True)
+    if not plan.fits and not args.get("ignore_plan"):
+        raise ValueError(
+            f"the planner says this layout does not fit: {'; '.join(plan.notes)}. Pick a "
+            "layout that does (`nanotrain plan` lists them), or pass --ignore_plan to start "
+            "anyway"
+        )
 
 
 def _apply_seed_everything(config: Any) -> None:
@@ -284,10 +338,17 @@ def run_report(argv: list[str]) -> None:
     print(f"wrote {cfg.run_dir}/{REPORT_MD}")
 
 
+def _run_plan(argv: list[str]) -> None:
+    from nanotrain.planning.cli_plan import run_plan
+
+    run_plan(argv)
+
+
 COMMANDS = {
     "fit": lambda argv: run_fit_or_validate("fit", argv),
     "validate": lambda argv: run_fit_or_validate("validate", argv),
     "prepare": run_prepare,
+    "plan": _run_plan,
     "export": run_export,
     "import": run_import,
     "env": run_env,

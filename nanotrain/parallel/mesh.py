@@ -241,9 +241,24 @@ class MeshLayout:
         raise ValueError(f"unknown mesh axis {axis!r}; choose one of {AXES}")
 
     def group_of(self, axis: str, rank: int) -> list[int]:
-        """The global ranks of the ``axis`` group that contains ``rank``."""
-        self.coords(rank)  # validates the rank
-        return next(g for g in self.groups(axis) if rank in g)
+        """The global ranks of the ``axis`` group that contains ``rank`` (the same list as
+        the one in `groups`, computed from the rank's coordinates alone)."""
+        c = self.coords(rank)  # validates the rank
+        r, ep = self.rank_of, self.ep
+        x = c.expert_dp_rank
+        if axis == "tp":
+            return [r(t, c.dp_rank, c.pp_rank) for t in range(self.tp)]
+        if axis == "dp":
+            return [r(c.tp_rank, d, c.pp_rank) for d in range(self.dp)]
+        if axis == "pp":
+            return [r(c.tp_rank, c.dp_rank, p) for p in range(self.pp)]
+        if axis == "ep":
+            return [r(c.tp_rank, e + ep * x, c.pp_rank) for e in range(ep)]
+        if axis == "expert_dp":
+            return [r(c.tp_rank, c.ep_rank + ep * y, c.pp_rank) for y in range(self.dp // ep)]
+        if axis == "mp":
+            return sorted(r(t, c.dp_rank, p) for p in range(self.pp) for t in range(self.tp))
+        raise ValueError(f"unknown mesh axis {axis!r}; choose one of {AXES}")
 
 
 class ParallelMesh:

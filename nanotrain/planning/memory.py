@@ -83,24 +83,56 @@ def optimizer_pieces(
 ) -> list[tuple[int, int]]:
     """Per data-parallel rank, (elements, tensors) the optimizer updates under ZeRO.
 
-    The owned slices are ZeRO's own (`FlatLayout.pieces`): dense weights are sharded over dp,
-    experts over dp / ep, and data-parallel rank d owns expert slice ``d % (dp / ep)`` (its
-    rank in the expert-data-parallel group). Padding is owned but never optimized.
+    The owned slices are ZeRO's own (`FlatLayout` buckets, `Bucket.owned`): dense weights are
+    sharded over dp, experts over dp / ep, and data-parallel rank d owns expert slice
+    ``d % (dp / ep)`` (its rank in the expert-data-parallel group). Padding is owned but
+    never optimized. Counted for all ranks of a bucket at once (the same numbers as
+    `FlatLayout.pieces`, without listing the pieces of 2,048 ranks one by one).
     """
+    key = (id(rank), layout.dp, layout.ep, element_size, layout.bucket_size_mb)
+    cached = _PIECES.get(key)
+    if cached is not None and cached[0] is rank:
+        return cached[1]
     numel = bucket_numel_for(element_size, layout.bucket_size_mb)
-    dense = FlatLayout(rank.dense, layout.dp, numel) if rank.dense else None
-    experts = FlatLayout(rank.experts, layout.expert_dp, numel) if rank.experts else None
-    out = []
-    for d in range(layout.dp):
-        elements = tensors = 0
-        for flat, r in ((dense, d), (experts, d % layout.expert_dp)):
-            if flat is None:
-                continue
-            pieces = flat.pieces(r)
-            elements += sum(p.numel for p in pieces)
-            tensors += len(pieces)
-        out.append((elements, tensors))
+    elements = torch.zeros(layout.dp, dtype=torch.int64)
+    tensors = torch.zeros(layout.dp, dtype=torch.int64)
+    for params, size in ((rank.dense, layout.dp), (rank.experts, layout.expert_dp)):
+        if params:
+            e, t = _owned_counts(FlatLayout(params, size, numel))
+            # data-parallel rank d is rank d % size of its (expert-)data-parallel group
+            index = torch.arange(layout.dp) % size
+            elements, tensors = elements + e[index], tensors + t[index]
+    out = list(zip(elements.tolist(), tensors.tolist(), strict=True))
+    if len(_PIECES) > 4096:
+        _PIECES.clear()
+    _PIECES[key] = (rank, out)
     return out
+
+
+_PIECES: dict[tuple, tuple[RankModel, list[tuple[int, int]]]] = {}
+
+
+def _owned_counts(flat: FlatLayout) -> tuple[torch.Tensor, torch.Tensor]:
+    """(elements, parameter pieces) inside each rank's owned slices of `flat`, ``[dp]`` each."""
+    ranks = torch.arange(flat.dp_size, dtype=torch.int64)
+    elements = torch.zeros(flat.dp_size, dtype=torch.int64)
+    pieces = torch.zeros(flat.dp_size, dtype=torch.int64)
+    for bucket in flat.buckets:
+        idx = [i for i in bucket.param_indices if flat.params[i].numel() > 0]
+        if not idx:
+            continue
+        starts = torch.tensor([flat.offsets[i] for i in idx], dtype=torch.int64)
+        ends = starts + torch.tensor([flat.params[i].numel() for i in idx], dtype=torch.int64)
+        width = (bucket.end - bucket.start) // flat.dp_size
+        lo = bucket.start + ranks * width  # Bucket.owned of every rank
+        hi = lo + width
+        real_end = int(ends[-1])  # parameters are contiguous; padding follows them
+        elements += (torch.clamp(hi, max=real_end) - lo).clamp(min=0)
+        # pieces: parameters starting before hi and ending after lo
+        before_hi = torch.searchsorted(starts, hi, side="left")
+        ended = torch.searchsorted(ends, lo, side="right")
+        pieces += (before_hi - ended).clamp(min=0)
+    return elements, pieces
 
 
 def state_memory(rank: RankModel, layout: PlanLayout, workload: Workload) -> StateMemory:

@@ -12,7 +12,7 @@ slices), so one build per pipeline rank covers the whole world.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -72,6 +72,9 @@ class RankModel:
     experts: list[torch.Tensor]
     buffers: int
     module: nn.Module
+    _flat: dict[tuple[int, int, int, float], tuple[int, int]] = field(
+        default_factory=dict, compare=False, repr=False
+    )
 
     @property
     def dense_params(self) -> int:
@@ -92,10 +95,13 @@ class RankModel:
         """Elements of the dense and expert flat buffers the strategy allocates for gradients
         (and ZeRO for parameters): buckets of `layout.bucket_size_mb` MiB of parameters of
         `element_size` bytes, each padded to a multiple of dp (dense) or dp / ep (experts)."""
-        numel = bucket_numel_for(element_size, layout.bucket_size_mb)
-        dense = FlatLayout(self.dense, layout.dp, numel).numel if self.dense else 0
-        experts = FlatLayout(self.experts, layout.expert_dp, numel).numel if self.experts else 0
-        return dense, experts
+        key = (layout.dp, layout.expert_dp, element_size, layout.bucket_size_mb)
+        if key not in self._flat:
+            numel = bucket_numel_for(element_size, layout.bucket_size_mb)
+            dense = FlatLayout(self.dense, layout.dp, numel).numel if self.dense else 0
+            experts = FlatLayout(self.experts, layout.expert_dp, numel).numel if self.experts else 0
+            self._flat[key] = (dense, experts)
+        return self._flat[key]
 
 
 def build_rank_model(config: Any, layout: PlanLayout, pp_rank: int = 0) -> nn.Module:

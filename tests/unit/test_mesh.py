@@ -217,3 +217,13 @@ def test_mesh_rejects_unknown_axis() -> None:
         mesh.group("sp")
     with pytest.raises(ValueError, match="unknown mesh axes"):
         ParallelMesh(MeshLayout(), 0, {"sp": None})
+
+
+@pytest.mark.parametrize("tp,pp,dp,ep", [(2, 2, 4, 2), (2, 3, 4, 4), (1, 4, 6, 3)])
+def test_group_of_is_the_group_in_groups_that_holds_the_rank(tp, pp, dp, ep):
+    layout = MeshLayout(tp=tp, pp=pp, dp=dp, ep=ep)
+    for axis in ("tp", "dp", "pp", "ep", "expert_dp", "mp"):
+        for rank in range(layout.world_size):
+            assert layout.group_of(axis, rank) == next(
+                g for g in layout.groups(axis) if rank in g
+            ), (axis, rank)

@@ -1,0 +1,287 @@
+"""One layout priced whole: per-rank memory, FLOPs, communication and an estimated step time.
+
+The step-time model is deliberately simple and stated in full (docs/planning.md):
+
+* compute: each pipeline stage's FLOPs per step (`flops_per_token_parts` of its layers, plus
+  head and MTP on the last stage, times the tokens it sees, split over tp) at
+  ``peak_flops * compute_efficiency`` (default 0.5: what well-tuned bf16 training reaches);
+  full recomputation adds one forward of the layers (+1/3 of their FLOPs), selective one
+  forward of attention;
+* pipeline: the slowest stage sets the pace; the 1F1B / interleaved bubble adds
+  ``(pp - 1) / (virtual_pp * microbatches)`` of its compute (GPipe's is the same);
+* communication: tp, sequence-parallel, ep and pp traffic sit on the critical path (the code
+  does not overlap them with compute); the data-parallel gradient reduction overlaps the
+  backward pass (2/3 of the compute) and only what exceeds it shows, and ZeRO's parameter
+  all-gather after the optimizer step does not overlap; each group's bytes travel at the
+  intra-node bandwidth when all its ranks share a node (by the mesh's own rank placement),
+  else at the inter-node one, plus a fixed latency per collective.
+
+A layout fits when the largest rank's model state, activation peak and a fixed reserve
+(CUDA context, allocator fragmentation and workspaces: 3 GiB by default) stay within the
+GPU's memory.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from nanotrain.models.accounting import (
+    FlopParts,
+    active_params,
+    flops_per_token_parts,
+    total_params,
+)
+from nanotrain.parallel.mesh import MeshLayout
+from nanotrain.planning.activations import ActivationEstimate, activation_estimate
+from nanotrain.planning.communication import CommEstimate, comm_estimate
+from nanotrain.planning.gpus import GPUSpec
+from nanotrain.planning.layout import PlanLayout, Workload
+from nanotrain.planning.memory import StateMemory, element_size, param_dtype, state_memory
+from nanotrain.planning.rank_model import rank_models
+
+__all__ = ["Plan", "RankPlan", "plan_layout"]
+
+GiB = 2**30
+#: seconds per collective call (launch + synchronization), intra-node / inter-node
+LATENCY_S = (10e-6, 30e-6)
+
+
+@dataclass(frozen=True)
+class RankPlan:
+    """One pipeline stage's rank (all its tp/dp/ep ranks hold the same amounts).
+
+    Attributes:
+        pp_rank: the stage.
+        layers: decoder layers it holds (all chunks).
+        params: trainable parameter elements on one of its ranks.
+        state: parameters, gradients, master weights and optimizer state (bytes).
+        activations: activation memory (bytes) under the schedule.
+        reserve: fixed bytes for the CUDA context, allocator and workspaces.
+        flops: training FLOPs per step on one of its ranks.
+        comm: bytes it sends per step, per group.
+    """
+
+    pp_rank: int
+    layers: int
+    params: int
+    state: StateMemory
+    activations: ActivationEstimate
+    reserve: int
+    flops: float
+    comm: CommEstimate
+
+    @property
+    def memory(self) -> int:
+        """Peak bytes: model state + activations + reserve."""
+        return self.state.total + self.activations.peak + self.reserve
+
+    def memory_parts(self) -> dict[str, int]:
+        """Bytes by kind (for tables and JSON)."""
+        return {
+            "params": self.state.params,
+            "grads": self.state.grads_peak,
+            "master_weights": self.state.master,
+            "optimizer": self.state.optimizer,
+            "activations": self.activations.peak,
+            "reserve": self.reserve,
+            "total": self.memory,
+        }
+
+
+@dataclass(frozen=True)
+class Plan:
+    """A layout of a model on a GPU kind, priced (see the module docstring).
+
+    Attributes:
+        model: the model's name (preset or config class).
+        layout, workload, gpu: what was planned.
+        ranks: one `RankPlan` per pipeline stage.
+        total_params: parameters of the model as the papers count them (MTP modules
+            excluded: DeepSeek-V3's 671B).
+        mtp_params: parameters of the MTP modules (trained, so priced in memory and FLOPs).
+        active_params_per_token: parameters one token computes with (MTP excluded, as the
+            papers count: DeepSeek-V3's 37B).
+        flops_per_step: model FLOPs of one optimizer step (6 N per token plus attention; no
+            recomputation), the numerator of MFU.
+        step_time_s: estimated seconds per step; `time_parts` splits it.
+        fits: whether the largest rank fits the GPU's memory.
+        notes: why it does not fit, or other caveats.
+    """
+
+    model: str
+    layout: PlanLayout
+    workload: Workload
+    gpu: GPUSpec
+    ranks: list[RankPlan]
+    total_params: int
+    mtp_params: int
+    active_params_per_token: int
+    flops_per_step: float
+    step_time_s: float
+    time_parts: dict[str, float]
+    fits: bool
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def largest(self) -> RankPlan:
+        """The rank with the most memory."""
+        return max(self.ranks, key=lambda r: r.memory)
+
+    @property
+    def tokens_per_s(self) -> float:
+        """Estimated training throughput of the whole world."""
+        return self.workload.tokens_per_step / self.step_time_s
+
+    @property
+    def mfu(self) -> float:
+        """Estimated model FLOPs utilization (model FLOPs / (time x world x peak))."""
+        peak = self.gpu.flops_for(self.workload.precision)
+        return self.flops_per_step / (self.step_time_s * self.layout.world_size * peak)
+
+
+def _stage_flops(config: Any, layout: PlanLayout, workload: Workload, chunks: list[list[int]],
+                 last: bool) -> float:  # fmt: skip
+    """Training FLOPs per step on one rank of the stage holding `chunks` (recompute included)."""
+    parts = _flop_parts(config, workload.seq_len)
+    layers = sum(parts.layers[i] for c in chunks for i in c)
+    if layout.recompute == "full":
+        layers *= 4 / 3  # one more forward of every layer
+    elif layout.recompute == "selective":
+        per_head = 6.0 * config.num_heads * workload.seq_len / 2
+        layers += sum(per_head for c in chunks for _ in c) / 3  # the score matmuls again
+    per_token = layers + ((parts.head + parts.mtp) if last else 0.0)
+    tokens = workload.tokens_per_step / layout.dp  # each dp replica sees its share
+    return per_token * tokens / layout.tp
+
+
+_FLOPS: dict[tuple[str, int], FlopParts] = {}
+
+
+def _flop_parts(config: Any, seq_len: int) -> FlopParts:
+    """`flops_per_token_parts`, cached (a search prices thousands of layouts of one model)."""
+    key = (repr(config), seq_len)
+    if key not in _FLOPS:
+        _FLOPS[key] = flops_per_token_parts(config, seq_len)
+    return _FLOPS[key]
+
+
+def _bandwidths(layout: PlanLayout, gpu: GPUSpec) -> dict[str, tuple[float, float]]:
+    """(bytes/s, latency) per group name, from where the mesh places the group's ranks."""
+    mesh = MeshLayout(tp=layout.tp, pp=layout.pp, dp=layout.dp, ep=layout.ep)
+    out = {}
+    for name, axis in (("tp", "tp"), ("pp", "pp"), ("dp", "dp"), ("ep", "ep"),
+                       ("expert_dp", "expert_dp"), ("embedding", "pp"), ("other", "dp")):  # fmt: skip
+        ranks = mesh.group_of(axis, 0)
+        intra = len({r // gpu.gpus_per_node for r in ranks}) == 1
+        out[name] = (
+            (gpu.intra_node_bw, LATENCY_S[0]) if intra else (gpu.inter_node_bw, LATENCY_S[1])
+        )
+    return out
+
+
+def _comm_time(comm: CommEstimate, bandwidth: dict[str, tuple[float, float]]) -> dict[str, float]:
+    out = {}
+    for group, nbytes in comm.bytes_per_step.items():
+        bw, latency = bandwidth.get(group, bandwidth["dp"])
+        out[group] = nbytes / bw + comm.calls_per_step.get(group, 0) * latency
+    return out
+
+
+def _gather_time(rank: Any, layout: PlanLayout, workload: Workload,
+                 bandwidth: dict[str, tuple[float, float]]) -> float:  # fmt: skip
+    """Seconds of ZeRO's parameter all-gather after the optimizer step (0 without ZeRO): it
+    is part of the "dp" / "expert_dp" traffic but cannot overlap the backward pass."""
+    if layout.zero_stage == 0:
+        return 0.0
+    size = element_size(param_dtype(workload.precision))
+    dense, experts = rank.flat_numels(layout, size)
+    out = 0.0
+    for numel, group, name in ((dense, layout.dp, "dp"), (experts, layout.expert_dp, "expert_dp")):
+        if numel and group > 1:
+            bw, latency = bandwidth[name]
+            out += numel * size * (group - 1) / group / bw + latency
+    return out
+
+
+def plan_layout(
+    config: Any,
+    layout: PlanLayout,
+    workload: Workload,
+    gpu: GPUSpec,
+    *,
+    model_name: str | None = None,
+    compute_efficiency: float = 0.5,
+    reserve_bytes: int = 3 * GiB,
+) -> Plan:
+    """Price `layout` for `config` (see the module docstring).
+
+    Raises:
+        ValueError: a layout that does not divide the model or the world, or a global batch
+            that does not split into micro_batch_size * dp (the strategy's messages).
+    """
+    if not 0 < compute_efficiency <= 1:
+        raise ValueError(f"compute_efficiency must be in (0, 1], got {compute_efficiency}")
+    num_micro = workload.num_microbatches(layout)
+    models = rank_models(config, layout)
+    peak = gpu.flops_for(workload.precision)
+    device = "cpu" if gpu.name == "cpu" else "cuda"  # which attention kernels save what
+    bandwidth = _bandwidths(layout, gpu)
+    ranks, stage_times = [], []
+    for rank in models:
+        last = rank.pp_rank == layout.pp - 1
+        flops = _stage_flops(config, layout, workload, rank.chunks, last)
+        comm = comm_estimate(config, layout, workload, rank.pp_rank)
+        ranks.append(
+            RankPlan(
+                pp_rank=rank.pp_rank,
+                layers=sum(len(c) for c in rank.chunks),
+                params=rank.params,
+                state=state_memory(rank, layout, workload),
+                activations=activation_estimate(
+                    config, layout, workload, rank.pp_rank, device=device
+                ),
+                reserve=reserve_bytes,
+                flops=flops,
+                comm=comm,
+            )
+        )
+        compute = flops / (peak * compute_efficiency)
+        comm_t = _comm_time(comm, bandwidth)
+        blocking = sum(t for g, t in comm_t.items() if g in ("tp", "ep", "pp", "other"))
+        dp = comm_t.get("dp", 0.0) + comm_t.get("expert_dp", 0.0) + comm_t.get("embedding", 0.0)
+        gather = min(_gather_time(rank, layout, workload, bandwidth), dp)
+        exposed_dp = max(0.0, dp - gather - compute * 2 / 3) + gather
+        stage_times.append((compute + blocking, exposed_dp, compute, blocking))
+    slowest = max(range(len(stage_times)), key=lambda i: stage_times[i][0])
+    busy, exposed_dp, compute, blocking = stage_times[slowest]
+    bubble = busy * (layout.pp - 1) / (layout.virtual_pp * num_micro) if layout.pp > 1 else 0.0
+    step = busy + bubble + exposed_dp
+    fits = max(r.memory for r in ranks) <= gpu.memory_bytes
+    notes = []
+    if not fits:
+        worst = max(ranks, key=lambda r: r.memory)
+        notes.append(
+            f"pipeline stage {worst.pp_rank} needs {worst.memory / GiB:.1f} GiB per GPU, more "
+            f"than the {gpu.memory_bytes / GiB:.0f} GiB of a {gpu.name}"
+        )
+    return Plan(
+        model=model_name or type(config).__name__,
+        layout=layout,
+        workload=workload,
+        gpu=gpu,
+        ranks=ranks,
+        total_params=total_params(config),
+        mtp_params=total_params(config, include_mtp=True) - total_params(config),
+        active_params_per_token=active_params(config),
+        flops_per_step=_flop_parts(config, workload.seq_len).total * workload.tokens_per_step,
+        step_time_s=step,
+        time_parts={
+            "compute": compute,
+            "blocking_comm": blocking,
+            "pipeline_bubble": bubble,
+            "exposed_dp_comm": exposed_dp,
+        },
+        fits=fits,
+        notes=notes,
+    )

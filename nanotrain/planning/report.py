@@ -1,0 +1,169 @@
+"""A plan as a readable table and as JSON (`nanotrain plan`, `nanotrain fit --plan`)."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from nanotrain.planning.plan import Plan
+from nanotrain.planning.search import SearchResult
+
+__all__ = ["format_plan", "format_search", "plan_json", "search_json"]
+
+GiB = 2**30
+
+
+def _gib(n: float) -> str:
+    return f"{n / GiB:.2f}"
+
+
+def _count(n: float) -> str:
+    for unit, div in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if abs(n) >= div:
+            return f"{n / div:.2f}{unit}"
+    return f"{n:.0f}"
+
+
+def format_plan(plan: Plan) -> str:
+    """Multi-line text: the model and layout, per-stage memory (GiB) by kind, FLOPs and
+    communication per step, and the estimated step time."""
+    w, lay = plan.workload, plan.layout
+    lines = [
+        f"model {plan.model}: {_count(plan.total_params)} parameters"
+        + (f" (+{_count(plan.mtp_params)} MTP)" if plan.mtp_params else "")
+        + f", {_count(plan.active_params_per_token)} activated per token",
+        f"layout {lay.describe()} on {lay.world_size} x {plan.gpu.name} "
+        f"({_gib(plan.gpu.memory_bytes)} GiB); schedule {lay.schedule if lay.pp > 1 else '-'}",
+        f"batch {w.global_batch_size} x {w.seq_len} tokens ({_count(w.tokens_per_step)} per "
+        f"step), micro batch {w.micro_batch_size}, {w.num_microbatches(lay)} microbatches "
+        f"per replica, precision {w.precision}",
+        "",
+        "memory per GPU (GiB)",
+        f"{'stage':>5} {'layers':>6} {'params':>9} {'weights':>8} {'grads':>8} {'master':>8} "
+        f"{'optim':>8} {'activ':>8} {'reserve':>8} {'total':>8}",
+    ]
+    for r in plan.ranks:
+        m = r.memory_parts()
+        lines.append(
+            f"{r.pp_rank:>5} {r.layers:>6} {_count(r.params):>9} {_gib(m['params']):>8} "
+            f"{_gib(m['grads']):>8} {_gib(m['master_weights']):>8} {_gib(m['optimizer']):>8} "
+            f"{_gib(m['activations']):>8} {_gib(m['reserve']):>8} {_gib(m['total']):>8}"
+        )
+    big = plan.largest
+    lines += [
+        f"largest: stage {big.pp_rank}, {_gib(big.memory)} GiB of "
+        f"{_gib(plan.gpu.memory_bytes)}: {'fits' if plan.fits else 'DOES NOT FIT'}",
+        "",
+        f"compute: {_count(plan.flops_per_step)}FLOP per step (model), "
+        f"{_count(big.flops)}FLOP on one GPU of stage {big.pp_rank}",
+        "communication per GPU per step (stage 0): "
+        + ", ".join(
+            f"{g} {v / 1e9:.3f} GB" for g, v in plan.ranks[0].comm.bytes_per_step.items() if v
+        ),
+        "",
+        f"estimated step {plan.step_time_s:.3f} s ("
+        + ", ".join(f"{k} {v:.3f}" for k, v in plan.time_parts.items())
+        + f"), {_count(plan.tokens_per_s)} tokens/s, MFU {plan.mfu:.1%}",
+    ]
+    lines += [f"note: {n}" for n in plan.notes]
+    return "\n".join(lines) + "\n"
+
+
+def plan_json(plan: Plan) -> dict[str, Any]:
+    """JSON-ready dict: total_params, active_params_per_token, layout, workload, gpu, and per
+    pipeline stage the memory in bytes by kind, FLOPs and bytes sent per group."""
+    lay, w = plan.layout, plan.workload
+    return {
+        "model": plan.model,
+        "total_params": plan.total_params,
+        "mtp_params": plan.mtp_params,
+        "active_params_per_token": plan.active_params_per_token,
+        "layout": {
+            "tp": lay.tp,
+            "pp": lay.pp,
+            "dp": lay.dp,
+            "ep": lay.ep,
+            "virtual_pp": lay.virtual_pp,
+            "zero_stage": lay.zero_stage,
+            "sequence_parallel": lay.sequence_parallel,
+            "pipeline_layout": None if lay.pipeline_layout is None else list(lay.pipeline_layout),
+            "schedule": lay.schedule,
+            "recompute": lay.recompute,
+            "world_size": lay.world_size,
+        },  # fmt: skip
+        "workload": {
+            "seq_len": w.seq_len,
+            "micro_batch_size": w.micro_batch_size,
+            "global_batch_size": w.global_batch_size,
+            "precision": w.precision,
+            "num_microbatches": w.num_microbatches(lay),
+            "tokens_per_step": w.tokens_per_step,
+        },  # fmt: skip
+        "gpu": plan.gpu.to_dict(),
+        "ranks": [
+            {
+                "pp_rank": r.pp_rank,
+                "layers": r.layers,
+                "params": r.params,
+                "memory_bytes": r.memory_parts(),
+                "activations_per_microbatch_bytes": r.activations.per_microbatch_chunk,
+                "in_flight_microbatches": r.activations.in_flight,
+                "flops_per_step": r.flops,
+                "comm_bytes_per_step": dict(r.comm.bytes_per_step),
+            }
+            for r in plan.ranks
+        ],
+        "max_memory_bytes": plan.largest.memory,
+        "fits": plan.fits,
+        "flops_per_step": plan.flops_per_step,
+        "step_time_s": plan.step_time_s,
+        "time_parts_s": plan.time_parts,
+        "tokens_per_s": plan.tokens_per_s,
+        "mfu": plan.mfu,
+        "notes": plan.notes,
+    }
+
+
+def format_search(result: SearchResult, top: int = 15) -> str:
+    """The best `top` fitting layouts (one line each) and a count of rejected ones by reason."""
+    lines = [
+        f"{len(result.fitting)} layouts fit, {len(result.rejected)} rejected",
+        f"{'#':>3} {'layout':<44} {'mb':>3} {'max GiB':>8} {'step s':>8} {'tokens/s':>10} "
+        f"{'MFU':>6}",
+    ]
+    for i, p in enumerate(result.fitting[:top]):
+        lines.append(
+            f"{i + 1:>3} {p.layout.describe():<44} {p.workload.micro_batch_size:>3} "
+            f"{_gib(p.largest.memory):>8} {p.step_time_s:>8.3f} {_count(p.tokens_per_s):>10} "
+            f"{p.mfu:>6.1%}"
+        )
+    if result.rejected:
+        lines += ["", "rejected (first of each reason):"]
+        seen: set[str] = set()
+        for r in result.rejected:
+            key = r.reason.split(";")[0].split(" needs ")[0][:60]
+            if key in seen:
+                continue
+            seen.add(key)
+            lines.append(f"  {r.layout.describe()} mb {r.micro_batch_size}: {r.reason}")
+            if len(seen) >= 8:
+                break
+    return "\n".join(lines) + "\n"
+
+
+def search_json(result: SearchResult, top: int = 50) -> str:
+    """JSON text: the best `top` fitting plans (as `plan_json`) and every rejection."""
+    return json.dumps(
+        {
+            "fitting": [plan_json(p) for p in result.fitting[:top]],
+            "rejected": [
+                {
+                    "layout": r.layout.describe(),
+                    "micro_batch_size": r.micro_batch_size,
+                    "reason": r.reason,
+                }  # fmt: skip
+                for r in result.rejected
+            ],
+        },
+        indent=2,
+    )

@@ -1,0 +1,135 @@
+"""Search: every layout of a model on N GPUs, priced, the ones that fit ranked by throughput.
+
+Candidates: tp among the divisors of the world that divide the heads and stay within a node;
+pp among the divisors of what is left (layers that do not split evenly get
+`layout.balanced_pipeline_layout`), virtual_pp 1 or 2; ep among the divisors of dp that divide the
+routed experts; ZeRO 1 (and 0 / 2 when asked); micro batch sizes 1, 2, 4; recomputation none,
+then selective, then full, stopping at the first that fits (more recomputation only costs
+time); sequence parallelism on whenever tp > 1 (it only
+saves memory, at the same traffic). Each is checked by the strategy's own rules; a layout the
+strategy refuses, or that does not fit in memory, is listed with the reason.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from nanotrain.planning.gpus import GPUSpec
+from nanotrain.planning.layout import PlanLayout, Workload, balanced_pipeline_layout
+from nanotrain.planning.plan import Plan, plan_layout
+
+__all__ = ["Rejected", "SearchResult", "search_layouts"]
+
+
+@dataclass(frozen=True)
+class Rejected:
+    """A layout that cannot run, and why."""
+
+    layout: PlanLayout
+    micro_batch_size: int
+    reason: str
+
+
+@dataclass(frozen=True)
+class SearchResult:
+    """Layouts that fit (best estimated throughput first) and the rejected ones."""
+
+    fitting: list[Plan]
+    rejected: list[Rejected]
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _candidates(
+    config: Any,
+    world: int,
+    gpu: GPUSpec,
+    zero_stages: Sequence[int],
+) -> Iterator[PlanLayout]:
+    heads = config.num_heads
+    experts = getattr(config, "n_routed_experts", 0) or 0
+    for tp in _divisors(world):
+        if tp > gpu.gpus_per_node or heads % tp:
+            continue
+        for pp in _divisors(world // tp):
+            if pp > config.num_layers:
+                continue
+            dp = world // (tp * pp)
+            for vpp in (1, 2) if pp > 1 else (1,):
+                try:
+                    layout = balanced_pipeline_layout(config.num_layers, pp * vpp)
+                except ValueError:
+                    continue
+                for ep in _divisors(dp) if experts else [1]:
+                    if experts and experts % ep:
+                        continue
+                    for zero in zero_stages:
+                        yield PlanLayout(
+                            tp=tp,
+                            pp=pp,
+                            dp=dp,
+                            ep=ep,
+                            virtual_pp=vpp,
+                            zero_stage=zero,
+                            sequence_parallel=tp > 1,
+                            pipeline_layout=layout,
+                        )
+
+
+def search_layouts(
+    config: Any,
+    world_size: int,
+    gpu: GPUSpec,
+    *,
+    seq_len: int,
+    global_batch_size: int | None = None,
+    global_batch_tokens: int | None = None,
+    precision: str = "bf16-mixed",
+    micro_batch_sizes: Sequence[int] = (1, 2, 4),
+    zero_stages: Sequence[int] = (1,),
+    recompute: Sequence[str | None] = (None, "selective", "full"),
+    model_name: str | None = None,
+    **plan_kwargs: Any,
+) -> SearchResult:
+    """Price every candidate layout (module docstring); return those that fit, fastest first.
+
+    The batch is `global_batch_size` sequences, or `global_batch_tokens` tokens rounded per
+    layout to the nearest whole number of microbatches on every data-parallel replica.
+
+    Raises:
+        ValueError: world_size < 1, or neither batch size given.
+    """
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1, got {world_size}")
+    if (global_batch_size is None) == (global_batch_tokens is None):
+        raise ValueError("give exactly one of global_batch_size and global_batch_tokens")
+    fitting: list[Plan] = []
+    rejected: list[Rejected] = []
+    for base in _candidates(config, world_size, gpu, zero_stages):
+        for micro in micro_batch_sizes:
+            # recomputation only trades time for memory: the first mode (in the order given)
+            # that fits is the fastest that fits, the heavier ones are not priced
+            for mode in recompute:
+                layout = base.replace(recompute=mode)
+                try:
+                    batch = global_batch_size
+                    if batch is None:
+                        per_step = micro * layout.dp
+                        batch = max(1, round(global_batch_tokens / seq_len / per_step)) * per_step
+                    workload = Workload(seq_len, micro, batch, precision)
+                    plan = plan_layout(
+                        config, layout, workload, gpu, model_name=model_name, **plan_kwargs
+                    )
+                except ValueError as err:
+                    rejected.append(Rejected(layout, micro, str(err)))
+                    break  # the layout itself is invalid: recomputing will not help
+                if plan.fits:
+                    fitting.append(plan)
+                    break
+                rejected.append(Rejected(layout, micro, "; ".join(plan.notes)))
+    fitting.sort(key=lambda p: -p.tokens_per_s)
+    return SearchResult(fitting, rejected)

@@ -1,0 +1,81 @@
+"""`nanotrain plan` and `nanotrain fit --plan` from the shell."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from nanotrain.cli import main
+from tests.integration.test_cli import SMALL_DEMO
+
+PAPER = [
+    "plan", "--model", "deepseek-v3-671b", "--gpus", "2048", "--gpu", "h800", "--seq-len",
+    "4096", "--global-batch-tokens", "15M", "--pp", "16", "--ep", "64", "--zero_stage", "1",
+    "--pipeline_layout", "[4,4,4,4,4,4,4,4,4,4,4,4,4,4,4,1]", "--recompute", "full",
+    "--precision", "bf16-true",
+]  # fmt: skip
+
+
+def test_plan_json_of_the_deepseek_v3_paper_layout(capsys):
+    assert main([*PAPER, "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert round(out["total_params"] / 1e9) == 671
+    assert round(out["active_params_per_token"] / 1e9) == 37
+    assert out["layout"] | {"tp": 1, "pp": 16, "dp": 128, "ep": 64} == out["layout"]
+    ranks = out["ranks"]
+    assert len(ranks) == 16
+    # ~15M tokens rounded to whole microbatches on all 128 replicas
+    assert abs(out["workload"]["tokens_per_step"] - 15e6) < 128 * 4096
+    assert out["workload"]["global_batch_size"] % 128 == 0
+    for r in ranks:
+        mem = r["memory_bytes"]
+        parts = ("params", "grads", "master_weights", "optimizer", "activations", "reserve")
+        assert mem["total"] == sum(mem[k] for k in parts)
+    assert out["max_memory_bytes"] == max(r["memory_bytes"]["total"] for r in ranks)
+    assert out["fits"] is True and out["step_time_s"] > 0 and 0 < out["mfu"] < 1
+
+
+def test_plan_table_and_search(capsys):
+    assert main(PAPER) == 0
+    text = capsys.readouterr().out
+    assert "671.03B parameters" in text and "memory per GPU" in text and "fits" in text
+    argv = ["plan", "--model", "tiny", "--gpus", "4", "--gpu", "cpu", "--seq-len", "64",
+            "--global-batch-size", "16"]  # fmt: skip
+    assert main(argv) == 0
+    text = capsys.readouterr().out
+    assert "layouts fit" in text and "best layout:" in text
+
+
+@pytest.mark.parametrize(
+    "argv,message",
+    [
+        (["--gpu", "h900"], "unknown GPU 'h900'"),
+        (["--tp", "3"], "tp=3"),
+        (["--ep", "3"], "ep=3"),
+        (["--global-batch-size", "6", "--dp", "4"], "not a multiple"),
+        (["--global-batch-tokens", "lots"], "not a count"),
+    ],
+)
+def test_plan_refuses_bad_input_with_a_clear_message(capsys, argv, message):
+    base = ["plan", "--model", "tiny", "--gpus", "4", "--seq-len", "64",
+            "--global-batch-size", "16"]  # fmt: skip
+    # later flags win: the bad value replaces the base one
+    assert main(base + argv) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_fit_prints_the_plan_and_refuses_what_does_not_fit(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("NANOTRAIN_CACHE", str(tmp_path / "cache"))
+    fit = ["fit", "--model.init_args.model", "tiny", "--trainer.max_steps", "1",
+           "--trainer.default_root_dir", str(tmp_path), "--trainer.loggers", "[]",
+           *SMALL_DEMO]  # fmt: skip
+    tiny_gpu = ('{"name": "tiny-gpu", "memory_bytes": 1000000, "peak_flops": {"bf16": 1e12}, '
+                '"intra_node_bw": 1e9, "inter_node_bw": 1e9}')  # fmt: skip
+    assert main([*fit, "--plan_gpu", tiny_gpu]) == 2
+    err = capsys.readouterr().err
+    assert "does not fit" in err and "--ignore_plan" in err
+    assert not list(tmp_path.glob("**/checkpoints/*")), "refused before training"
+    assert main([*fit, "--plan", "--plan_gpu", tiny_gpu, "--ignore_plan"]) == 0
+    out = capsys.readouterr().out
+    assert "memory per GPU" in out and "DOES NOT FIT" in out
