@@ -1,7 +1,7 @@
 """Bytes one rank sends per optimizer step, per process group, under a `PlanLayout`.
 
 The model follows the code paths of `MegatronStrategy` collective by collective (see
-docs/planning_communication.md for every formula and its source):
+docs/planning.md, "Communication per step", for every formula and its source):
 
 * **tp**: the tensor-parallel collectives of every module this rank runs, per microbatch:
   the vocab-parallel embedding (all-reduce; under sequence parallelism reduce-scatter
@@ -290,10 +290,20 @@ def _tp(
 def _sp_param_numels(rank: RankModel, layout: PlanLayout) -> tuple[int, int]:
     """Elements of the tp-replicated params whose grads are summed over tp under SP (dense,
     routed experts)."""
+    cached = _SP_NUMELS.get(id(rank))
+    if cached is not None and cached[0] is rank:  # a search asks once per layout and stage
+        return cached[1]
     expert_ids = {id(p) for p in rank.experts}
     params = sequence_parallel_params(rank.module)
     dense = sum(p.numel() for p in params if id(p) not in expert_ids)
-    return dense, sum(p.numel() for p in params if id(p) in expert_ids)
+    out = dense, sum(p.numel() for p in params if id(p) in expert_ids)
+    if len(_SP_NUMELS) > 4096:
+        _SP_NUMELS.clear()
+    _SP_NUMELS[id(rank)] = (rank, out)
+    return out
+
+
+_SP_NUMELS: dict[int, tuple[RankModel, tuple[int, int]]] = {}
 
 
 def _moe_layers(config: Any, layout: PlanLayout, rank: RankModel) -> int:

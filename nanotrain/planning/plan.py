@@ -166,6 +166,21 @@ def _flop_parts(config: Any, seq_len: int) -> FlopParts:
     return _FLOPS[key]
 
 
+_COUNTS: dict[str, tuple[int, int, int]] = {}
+
+
+def _param_counts(config: Any) -> tuple[int, int, int]:
+    """(total, total with MTP, activated per token), cached per config."""
+    key = repr(config)
+    if key not in _COUNTS:
+        _COUNTS[key] = (
+            total_params(config),
+            total_params(config, include_mtp=True),
+            active_params(config),
+        )
+    return _COUNTS[key]
+
+
 def _bandwidths(layout: PlanLayout, gpu: GPUSpec) -> dict[str, tuple[float, float]]:
     """(bytes/s, latency) per group name, from where the mesh places the group's ranks."""
     mesh = MeshLayout(tp=layout.tp, pp=layout.pp, dp=layout.dp, ep=layout.ep)
@@ -265,15 +280,16 @@ def plan_layout(
             f"pipeline stage {worst.pp_rank} needs {worst.memory / GiB:.1f} GiB per GPU, more "
             f"than the {gpu.memory_bytes / GiB:.0f} GiB of a {gpu.name}"
         )
+    counts = _param_counts(config)
     return Plan(
         model=model_name or type(config).__name__,
         layout=layout,
         workload=workload,
         gpu=gpu,
         ranks=ranks,
-        total_params=total_params(config),
-        mtp_params=total_params(config, include_mtp=True) - total_params(config),
-        active_params_per_token=active_params(config),
+        total_params=counts[0],
+        mtp_params=counts[1] - counts[0],
+        active_params_per_token=counts[2],
         flops_per_step=_flop_parts(config, workload.seq_len).total * workload.tokens_per_step,
         step_time_s=step,
         time_parts={

@@ -152,6 +152,7 @@ def _rank_model(config: Any, layout: PlanLayout, pp_rank: int) -> RankModel:
 
 
 _CACHE: dict[tuple[str, PlanLayout, int], RankModel] = {}
+_VALID: set[tuple[str, PlanLayout]] = set()  # (config, layout) pairs already validated
 
 
 def rank_models(config: Any, layout: PlanLayout) -> list[RankModel]:
@@ -160,7 +161,12 @@ def rank_models(config: Any, layout: PlanLayout) -> list[RankModel]:
     Raises:
         ValueError: when the layout does not fit the model (`PlanLayout.validate`).
     """
-    layout.validate(config)
+    checked = (repr(config), layout)
+    if checked not in _VALID:
+        layout.validate(config)
+        if len(_VALID) > 4096:
+            _VALID.clear()
+        _VALID.add(checked)
     # dp, zero, recompute and schedule do not change what a rank builds: share the builds
     shape = layout.replace(dp=layout.ep, zero_stage=0, recompute=None, schedule=None)
     out = []

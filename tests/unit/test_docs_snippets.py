@@ -19,3 +19,11 @@ def test_models_md_first_snippet_trains_one_step():
     out = namespace["out"]
     assert out.logits.shape[:2] == (2, 16) and out.loss.isfinite()
     assert all(p.grad is not None for p in namespace["model"].parameters() if p.requires_grad)
+
+
+def test_planning_md_first_snippet_prints_a_plan(capsys):
+    namespace: dict = {}
+    exec(compile(first_python_block("planning.md"), "docs/planning.md", "exec"), namespace)
+    plan = namespace["plan"]
+    assert len(plan.ranks) == 2 and plan.step_time_s > 0
+    assert "memory per GPU" in capsys.readouterr().out
