@@ -1,0 +1,79 @@
+"""The step-time model against its stated formulas, and the search over layouts."""
+
+from __future__ import annotations
+
+import pytest
+
+from nanotrain.models import presets
+from nanotrain.models.accounting import flops_per_token, flops_per_token_parts
+from nanotrain.planning import GPUS, PlanLayout, Workload, gpu_spec, plan_layout, search_layouts
+from nanotrain.planning.plan import _bandwidths
+
+
+def test_one_gpu_step_is_its_flops_at_peak_times_efficiency():
+    config = presets.get("deepseek-100m")
+    work = Workload(seq_len=1024, micro_batch_size=2, global_batch_size=8, precision="bf16-true")
+    plan = plan_layout(config, PlanLayout(), work, GPUS["h100"], compute_efficiency=0.4)
+    flops = flops_per_token(config, 1024) * 8 * 1024  # the accounting formula, 6N + attention
+    assert plan.flops_per_step == pytest.approx(flops)
+    assert plan.step_time_s == pytest.approx(flops / (989e12 * 0.4))
+    assert plan.mfu == pytest.approx(0.4)
+    assert plan.tokens_per_s == pytest.approx(8 * 1024 / plan.step_time_s)
+
+
+def test_full_recompute_adds_a_forward_of_the_layers():
+    config = presets.get("deepseek-100m")
+    work = Workload(seq_len=512, micro_batch_size=1, global_batch_size=4)
+    none = plan_layout(config, PlanLayout(), work, GPUS["h100"])
+    full = plan_layout(config, PlanLayout(recompute="full"), work, GPUS["h100"])
+    parts = flops_per_token_parts(config, 512)
+    layers = sum(parts.layers)
+    expected = (layers * 4 / 3 + parts.head + parts.mtp) / (layers + parts.head + parts.mtp)
+    assert full.time_parts["compute"] / none.time_parts["compute"] == pytest.approx(expected)
+    assert full.largest.activations.peak < none.largest.activations.peak / 2
+    assert full.flops_per_step == none.flops_per_step  # model FLOPs do not count recompute
+
+
+@pytest.mark.parametrize("vpp,micro", [(1, 1), (2, 1), (1, 2)])
+def test_pipeline_bubble_is_pp_minus_one_over_vpp_microbatches(vpp, micro):
+    config = presets.get("dense-100m")
+    layout = PlanLayout(pp=2, dp=4, virtual_pp=vpp)
+    work = Workload(seq_len=512, micro_batch_size=micro, global_batch_size=32)
+    plan = plan_layout(config, layout, work, GPUS["h100"])
+    m = work.num_microbatches(layout)
+    busy = plan.time_parts["compute"] + plan.time_parts["blocking_comm"]
+    assert plan.time_parts["pipeline_bubble"] == pytest.approx(busy * 1 / (vpp * m))
+    assert plan.step_time_s == pytest.approx(sum(plan.time_parts.values()))
+
+
+def test_groups_inside_a_node_use_nvlink_and_across_nodes_the_network():
+    h100 = GPUS["h100"]
+    inside = _bandwidths(PlanLayout(tp=2, dp=8, ep=4), h100)  # tp and ep span ranks 0..7
+    assert inside["tp"][0] == inside["ep"][0] == h100.intra_node_bw
+    assert inside["dp"][0] == h100.inter_node_bw  # dp ranks 0, 2, ..., 14: two nodes
+    across = _bandwidths(PlanLayout(dp=16, ep=16), h100)
+    assert across["ep"][0] == h100.inter_node_bw
+
+
+def test_search_ranks_what_fits_and_says_why_the_rest_does_not():
+    config = presets.get("deepseek-100m")
+    result = search_layouts(config, 8, GPUS["h100"], seq_len=1024, global_batch_size=64)
+    assert result.fitting, "a 100M model fits 8 H100s many ways"
+    speeds = [p.tokens_per_s for p in result.fitting]
+    assert speeds == sorted(speeds, reverse=True)
+    assert all(p.fits and p.layout.world_size == 8 for p in result.fitting)
+    # heads=8, experts=16: no tp or ep that does not divide them is ever proposed
+    assert all(8 % p.layout.tp == 0 and 16 % p.layout.ep == 0 for p in result.fitting)
+    small = gpu_spec(
+        '{"name": "small", "memory_bytes": 2e9, "peak_flops": {"bf16": 1e14}, '
+        '"intra_node_bw": 1e11, "inter_node_bw": 1e10}'
+    )
+    result = search_layouts(config, 8, small, seq_len=1024, global_batch_size=64)
+    assert not result.fitting and result.rejected
+    assert all("more than the 2 GiB" in r.reason or "microbatches" in r.reason
+               for r in result.rejected)  # fmt: skip
+
+
+def test_search_needs_one_batch_size():
+    with pytest.raises(ValueError, match="exactly one"):
+        search_layouts(presets.get("tiny"), 2, GPUS["cpu"], seq_len=64)
