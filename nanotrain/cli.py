@@ -9,7 +9,6 @@ one line (see `nanotrain.cli_errors`; `--debug` for the traceback).
 
 from __future__ import annotations
 
-import os
 import sys
 import warnings
 from argparse import SUPPRESS
@@ -173,25 +172,27 @@ def _check_plan(objects: Any, settings: dict[str, Any], args: dict[str, Any]) ->
     """Print the run's plan (`--plan`) and refuse a layout that does not fit the device's
     memory, before any process group exists (`--ignore_plan` goes ahead anyway).
 
-    The memory check runs with `--plan` or `--plan_gpu`, and on CUDA always (the device's
-    own memory); a CPU run without either is not checked.
+    The memory check runs with `--plan` or `--plan_gpu`, and unasked for MegatronStrategy
+    runs on CUDA (against the device's own memory); other runs are not checked unasked.
 
     Raises:
         ValueError: the planner says the largest rank needs more memory than the device has.
     """
     import torch
 
-    from nanotrain.planning.cli_plan import plan_for_run
+    from nanotrain.cli_errors import is_rank_zero
+    from nanotrain.planning.cli_plan import is_megatron, plan_for_run
     from nanotrain.planning.report import format_plan
 
     asked = bool(args.get("plan")) or args.get("plan_gpu") is not None
-    if not asked and not torch.cuda.is_available():
-        return
     strategy = objects.strategy
     if strategy is None:
         from nanotrain.strategies import SingleDeviceStrategy
 
         strategy = SingleDeviceStrategy()
+    # unasked, only CUDA runs of MegatronStrategy (the layouts the planner models exactly)
+    if not asked and not (torch.cuda.is_available() and is_megatron(strategy)):
+        return
     try:
         plan = plan_for_run(objects.model, objects.data, strategy, settings, args.get("plan_gpu"))
     except Exception as err:
@@ -204,8 +205,7 @@ def _check_plan(objects: Any, settings: dict[str, Any], args: dict[str, Any]) ->
         return
     if plan is None:
         return
-    rank = int(os.environ.get("RANK", "0"))
-    if args.get("plan") and rank == 0:
+    if args.get("plan") and is_rank_zero():
         print(format_plan(plan), end="", flush=True)
     if not plan.fits and not args.get("ignore_plan"):
         raise ValueError(

@@ -198,6 +198,26 @@ def flops_per_token_parts(
     return FlopParts(tuple(layers), head, mtp)
 
 
+def attention_flops_per_token(
+    config: DenseConfig | DeepSeekConfig, seq_len: int, *, causal: bool = True
+) -> float:
+    """Training FLOPs per token of one decoder layer's attention block: its projections (MLA's
+    low-rank down- and up-projections included) and the score / value matmuls. A third of it
+    is the forward, which selective recomputation runs again.
+
+    Raises: ValueError if seq_len < 1.
+    """
+    if seq_len < 1:
+        raise ValueError(f"seq_len must be >= 1, got {seq_len}")
+    c = config
+    if isinstance(c, DeepSeekConfig):
+        qk, v = c.qk_head_dim, c.v_head_dim
+    else:
+        qk = v = c.head_dim
+    keys_per_query = seq_len / 2 if causal else seq_len
+    return 6.0 * _attention(c).dense + 6.0 * c.num_heads * (qk + v) * keys_per_query
+
+
 def flops_per_token(
     config: DenseConfig | DeepSeekConfig,
     seq_len: int,

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import warnings
 from typing import Any
 
 from nanotrain.parallel.mesh import validate_layout
@@ -46,44 +47,76 @@ def _config(model: str) -> Any:
     return presets.get(model)
 
 
+_LAYOUT_FLAGS = ("tp", "pp", "ep", "dp", "virtual_pp", "sequence_parallel", "schedule",
+                 "pipeline_layout")  # fmt: skip
+
+
 def _parser() -> Any:
     from nanotrain.cli import new_parser
 
     p = new_parser(prog="nanotrain plan", description=run_plan.__doc__)
-    p.add_argument("--model", type=str, required=True, help="preset name or pretrained folder")
-    p.add_argument("--gpus", type=int, required=True, help="number of GPUs (world size)")
-    p.add_argument("--gpu", type=str, default="h100", help="h100|h200|h800|a100|b200|cpu or JSON")
-    p.add_argument("--seq-len", "--seq_len", type=int, dest="seq_len", required=True)
-    p.add_argument(
-        "--global-batch-tokens", "--global_batch_tokens", type=str, default=None,
-        dest="global_batch_tokens", help="tokens per step, e.g. 15M (rounded per layout to "
-        "whole microbatches on every replica)",
-    )  # fmt: skip
-    p.add_argument("--global-batch-size", "--global_batch_size", type=int, default=None,
-                   dest="global_batch_size", help="sequences per step (instead of tokens)")  # fmt: skip
-    p.add_argument("--precision", type=str, default="bf16-mixed")
-    p.add_argument("--micro-batch-size", "--micro_batch_size", type=int, default=None,
-                   dest="micro_batch_size", help="fixed micro batch (default: search 1, 2, 4)")  # fmt: skip
-    for name in ("tp", "pp", "ep", "dp", "virtual_pp", "zero_stage"):
-        p.add_argument(f"--{name}", type=int | None, default=None)
-    p.add_argument("--sequence_parallel", type=bool | None, default=None)
-    p.add_argument("--recompute", type=str | None, default="__search__",
-                   help="none|selective|full (fixed layout default: none)")  # fmt: skip
-    p.add_argument("--schedule", type=str | None, default=None)
-    p.add_argument("--pipeline_layout", type=list[int] | None, default=None)
-    p.add_argument("--compute_efficiency", type=float, default=0.5)
-    p.add_argument("--json", action="store_true", help="print JSON")
-    p.add_argument("--top", type=int, default=15, help="layouts to list when searching")
+
+    def flag(name: str, **kwargs: Any) -> None:
+        # both spellings, as the issue's `--seq-len` and jsonargparse's `--seq_len`
+        dashed = name.replace("_", "-")
+        names = [f"--{name}"] + ([f"--{dashed}"] if dashed != name else [])
+        p.add_argument(*names, dest=name, **kwargs)
+
+    flag("model", type=str, required=True, help="a preset name or a pretrained folder")
+    flag("gpus", type=int, required=True, help="number of GPUs (the world size)")
+    flag("gpu", type=str, default="h100", help="h100|h200|h800|a100|b200|cpu, or a JSON spec")
+    flag("seq_len", type=int, required=True, help="tokens per sequence")
+    flag("global_batch_tokens", type=str | None, default=None, help="tokens per step, e.g. "
+         "15M (rounded to whole microbatches on every replica)")  # fmt: skip
+    flag("global_batch_size", type=int | None, default=None,
+         help="sequences per step (instead of --global-batch-tokens)")  # fmt: skip
+    flag("precision", type=str, default="bf16-mixed", help="a Trainer precision name")
+    flag("micro_batch_size", type=int | None, default=None,
+         help="sequences per microbatch (searching: 1, 2 and 4)")  # fmt: skip
+    for name, what in (("tp", "tensor"), ("pp", "pipeline"), ("ep", "expert"), ("dp", "data")):
+        flag(name, type=int | None, default=None, help=f"{what}-parallel size (fixes the layout)")
+    flag("virtual_pp", type=int | None, default=None, help="chunks per pipeline rank")
+    flag("sequence_parallel", type=bool | None, default=None, help="default: on when tp > 1")
+    flag("schedule", type=str | None, default=None, help="gpipe|1f1b|interleaved_1f1b")
+    flag("pipeline_layout", type=list[int] | None, default=None, help="layers per chunk")
+    flag("zero_stage", type=int | None, default=None,
+         help="0, 1 or 2 (fixed layout default 0, search default 1)")  # fmt: skip
+    flag("recompute", type=str | None, default=None,
+         help="none|selective|full (default: none for a fixed layout; searching tries none, "
+         "then selective, then full)")  # fmt: skip
+    flag("compute_efficiency", type=float, default=0.5,
+         help="fraction of peak FLOP/s the matmuls reach (the step-time model)")  # fmt: skip
+    flag("json", action="store_true", help="print JSON")
+    flag("top", type=int, default=15, help="layouts to list when searching")
     return p
 
 
-def _batch(cfg: Any, seq_len: int, per_step: int) -> int:
+def _check_args(cfg: Any) -> None:
+    """Refuse inputs that would otherwise be ignored or make every layout fail alike.
+
+    Raises:
+        ValueError: naming the flag and what it takes.
+    """
+    for name in ("gpus", "seq_len", "micro_batch_size", "global_batch_size", "top"):
+        value = getattr(cfg, name)
+        if value is not None and value < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
+    if (cfg.global_batch_size is None) == (cfg.global_batch_tokens is None):
+        raise ValueError("give one of --global-batch-tokens (e.g. 4M) and --global-batch-size")
+    if cfg.zero_stage is not None and cfg.zero_stage not in (0, 1, 2):
+        raise ValueError(f"--zero_stage must be 0, 1 or 2, got {cfg.zero_stage}")
+    if not 0 < cfg.compute_efficiency <= 1:
+        raise ValueError(f"--compute_efficiency must be in (0, 1], got {cfg.compute_efficiency}")
+    if cfg.recompute not in (None, "none", "None", "selective", "full"):
+        raise ValueError(f"--recompute must be none, selective or full, got {cfg.recompute!r}")
+    Workload(cfg.seq_len, 1, 1, cfg.precision)  # the precision name
+
+
+def _batch(cfg: Any, per_step: int) -> int:
     """Sequences per step: as given, or tokens / seq_len rounded to a multiple of per_step."""
     if cfg.global_batch_size is not None:
         return cfg.global_batch_size
-    if cfg.global_batch_tokens is None:
-        raise ValueError("give --global-batch-tokens (e.g. 4M) or --global-batch-size")
-    sequences = parse_count(cfg.global_batch_tokens) / seq_len
+    sequences = parse_count(cfg.global_batch_tokens) / cfg.seq_len
     return max(1, round(sequences / per_step)) * per_step
 
 
@@ -92,10 +125,10 @@ def run_plan(argv: list[str]) -> None:
     [--tp .. --pp .. --ep ..]`: per-GPU memory, FLOPs, communication and step time of one
     layout (when any layout flag is given) or of every layout that fits, best first."""
     cfg = _parser().parse_args(argv)
+    _check_args(cfg)
     config, gpu = _config(cfg.model), gpu_spec(cfg.gpu)
     recompute = None if cfg.recompute in ("none", "None") else cfg.recompute
-    fixed = any(getattr(cfg, k) is not None for k in ("tp", "pp", "ep", "dp", "virtual_pp"))
-    if fixed:
+    if any(getattr(cfg, k) is not None for k in _LAYOUT_FLAGS):
         tp, pp, ep = cfg.tp or 1, cfg.pp or 1, cfg.ep or 1
         # the strategy's own check of the sizes against the world and the model
         dp = validate_layout(cfg.gpus, tp, pp, ep, cfg.dp, **model_dims(config))
@@ -104,11 +137,10 @@ def run_plan(argv: list[str]) -> None:
             virtual_pp=cfg.virtual_pp or 1, zero_stage=cfg.zero_stage or 0,
             sequence_parallel=bool(cfg.sequence_parallel) if cfg.sequence_parallel is not None
             else tp > 1, pipeline_layout=cfg.pipeline_layout, schedule=cfg.schedule,
-            recompute=None if recompute == "__search__" else recompute,
+            recompute=recompute,
         )  # fmt: skip
         micro = cfg.micro_batch_size or 1
-        gbs = _batch(cfg, cfg.seq_len, micro * layout.dp)
-        workload = Workload(cfg.seq_len, micro, gbs, cfg.precision)
+        workload = Workload(cfg.seq_len, micro, _batch(cfg, micro * layout.dp), cfg.precision)
         plan = plan_layout(config, layout, workload, gpu, model_name=cfg.model,
                            compute_efficiency=cfg.compute_efficiency)  # fmt: skip
         print(json.dumps(plan_json(plan), indent=2) if cfg.json else format_plan(plan), end="")
@@ -121,7 +153,7 @@ def run_plan(argv: list[str]) -> None:
         precision=cfg.precision,
         micro_batch_sizes=(cfg.micro_batch_size,) if cfg.micro_batch_size else (1, 2, 4),
         zero_stages=(cfg.zero_stage,) if cfg.zero_stage is not None else (1,),
-        recompute=(None, "selective", "full") if recompute == "__search__" else (recompute,),
+        recompute=(None, "selective", "full") if cfg.recompute is None else (recompute,),
         model_name=cfg.model, compute_efficiency=cfg.compute_efficiency,
     )  # fmt: skip
     if cfg.json:
@@ -157,12 +189,25 @@ def plan_for_run(
     layout = PlanLayout.from_strategy(strategy, world, recompute=recompute)
     micro = int(settings.get("micro_batch_size") or 1)
     gbs = int(settings.get("global_batch_size") or micro * layout.dp)
-    precision = settings.get("precision") or "32-true"
     seq_len = int(getattr(data, "seq_len", None) or getattr(config, "max_seq_len", 2048))
-    workload = Workload(seq_len, micro, gbs, str(precision))
-    return plan_layout(
+    # the Trainer's precision as given: a name, an alias or a plugin object
+    workload = Workload(seq_len, micro, gbs, settings.get("precision") or "32-true")
+    plan = plan_layout(
         config, layout, workload, _device_spec(gpu), model_name=type(module).__name__
     )
+    if not is_megatron(strategy):
+        plan.notes.append(
+            f"{type(strategy).__name__} is priced as MegatronStrategy(dp={layout.dp}); torch "
+            "DDP also keeps a second copy of the gradients in its buckets, not counted here"
+        )
+    return plan
+
+
+def is_megatron(strategy: Any) -> bool:
+    """Whether `strategy` is a MegatronStrategy (the layouts the planner models exactly)."""
+    from nanotrain.strategies.megatron import MegatronStrategy
+
+    return isinstance(strategy, MegatronStrategy)
 
 
 def _device_spec(gpu: str | GPUSpec | None) -> GPUSpec:
@@ -175,7 +220,14 @@ def _device_spec(gpu: str | GPUSpec | None) -> GPUSpec:
         return gpu_spec("cpu")
     props = torch.cuda.get_device_properties(torch.cuda.current_device())
     name = props.name.lower()
-    base = next((s for k, s in GPUS.items() if k in name), GPUS["h100"])
+    base = next((s for k, s in GPUS.items() if k in name), None)
+    if base is None:
+        warnings.warn(
+            f"the planner has no entry for {props.name}; it prices it with the H100's FLOP/s "
+            "and links (pass --plan_gpu with a JSON spec for exact figures)",
+            stacklevel=2,
+        )
+        base = GPUS["h100"]
     return GPUSpec(
         name=props.name, memory_bytes=props.total_memory, peak_flops=base.peak_flops,
         intra_node_bw=base.intra_node_bw, inter_node_bw=base.inter_node_bw,

@@ -1,16 +1,24 @@
 """GPU specs the planner prices a layout on: peak FLOP/s, memory, and link bandwidths.
 
-Figures are the vendors' published dense (no sparsity) tensor-core peaks per GPU and the
-usual node: 8 GPUs joined by NVLink/NVSwitch (intra-node bandwidth: one direction, per GPU),
-one 400 Gb/s (50 GB/s) InfiniBand NIC per GPU between nodes (the H800 nodes of the
-DeepSeek-V3 paper also have 8 x 400 Gb/s). A user passes their own with `GPUSpec(...)` or
-`--gpu-spec '{"name": ..., ...}'` on the command line.
+Peak FLOP/s are the ThroughputMonitor's own table (`nanotrain.callbacks.flops.PEAK_TFLOPS`:
+dense tensor-core figures; the H800 has the H100 SXM's compute), so a plan's MFU and a run's
+logged MFU use the same denominator. Memory is what `torch.cuda.get_device_properties` reports
+(a little under the marketing figure: an "80 GB" H100 reports about 79.2 GiB). The node is the
+usual one: 8 GPUs joined by NVLink/NVSwitch (intra-node bandwidth: one direction, per GPU) and
+one 400 Gb/s (50 GB/s) InfiniBand NIC per GPU between nodes (the H800 nodes of the DeepSeek-V3
+paper; 200 Gb/s for the A100 generation). A user passes their own with `GPUSpec(...)` or
+`--gpu '{"name": ..., ...}'` on the command line.
 """
 
 from __future__ import annotations
 
 import json
+import math
+import re
 from dataclasses import asdict, dataclass
+
+from nanotrain.callbacks.flops import PEAK_TFLOPS
+from nanotrain.precision import PRECISIONS as PRECISION_PLUGINS
 
 __all__ = ["GPUS", "GPUSpec", "gpu_spec"]
 
@@ -25,8 +33,9 @@ class GPUSpec:
     Attributes:
         name: short name ("h100").
         memory_bytes: device memory (bytes; what `torch.cuda.mem_get_info` reports as total).
-        peak_flops: dense FLOP/s per precision name ("bf16", "fp16", "fp8", "fp32"); fp32 is
-            the TF32 tensor-core figure, which PyTorch uses for fp32 matmuls when allowed.
+        peak_flops: dense FLOP/s per column "fp8", "bf16", "fp16", "tf32" (fp32 matmuls on
+            tensor cores, when CUDA TF32 is allowed) and "fp32" (plain fp32, PyTorch's
+            default); at least one.
         intra_node_bw: bytes/s one GPU sends to the others in its node (NVLink, one way).
         inter_node_bw: bytes/s one GPU sends off its node (its NIC share).
         gpus_per_node: GPUs sharing the fast intra-node links.
@@ -41,46 +50,80 @@ class GPUSpec:
     gpus_per_node: int = 8
     mem_bw: float = 0.0
 
+    def __post_init__(self) -> None:
+        problems = []
+        if not (isinstance(self.memory_bytes, int | float) and self.memory_bytes > 0):
+            problems.append(f"memory_bytes must be > 0, got {self.memory_bytes!r}")
+        flops = self.peak_flops if isinstance(self.peak_flops, dict) else {}
+        if not any(isinstance(v, int | float) and v > 0 for v in flops.values()):
+            problems.append(
+                "peak_flops must map a column (fp8, bf16, fp16, tf32, fp32) to FLOP/s > 0"
+            )
+        for name in ("intra_node_bw", "inter_node_bw"):
+            value = getattr(self, name)
+            if not (isinstance(value, int | float) and value > 0 and math.isfinite(value)):
+                problems.append(f"{name} must be > 0 bytes/s, got {value!r}")
+        if not (isinstance(self.gpus_per_node, int) and self.gpus_per_node >= 1):
+            problems.append(f"gpus_per_node must be an int >= 1, got {self.gpus_per_node!r}")
+        if problems:
+            raise ValueError(f"bad GPU spec {self.name!r}: " + "; ".join(problems))
+
     def flops_for(self, precision: str) -> float:
-        """Peak FLOP/s of the matmuls a Trainer `precision` runs (bf16 for the mixed and
-        true bf16 names, fp8 for Transformer Engine when listed, else bf16)."""
-        if precision == "32-true":
-            key = "fp32"
-        elif precision == "16-mixed":
-            key = "fp16"
-        elif precision == "transformer-engine":
-            key = "fp8" if "fp8" in self.peak_flops else "bf16"
-        else:  # bf16-mixed, bf16-true, and the emulated formats (bf16 matmuls on dequantized)
-            key = "bf16"
-        return self.peak_flops.get(key) or self.peak_flops["bf16"]
+        """Peak FLOP/s of the matmuls a Trainer `precision` runs: the column the precision
+        plugin itself names (`Precision.peak_precision`: fp32, or tf32 when CUDA TF32
+        matmuls are on, for "32-true"; bf16; fp16; fp8 for Transformer Engine; bf16 for the
+        emulated formats), falling back to the nearest column this GPU lists."""
+        cls = PRECISION_PLUGINS[precision]
+        # peak_precision reads no instance state: ask it without constructing the plugin
+        # (Transformer Engine's constructor needs TE and a GPU; planning must not)
+        column = cls.peak_precision(cls.__new__(cls))
+        for key in (column, *_FALLBACK[column]):
+            if self.peak_flops.get(key):
+                return self.peak_flops[key]
+        return max(self.peak_flops.values())
 
     def to_dict(self) -> dict:
         """JSON-ready fields."""
         return asdict(self)
 
 
-def _spec(name: str, mem_gib: float, bf16_t: float, fp8_t: float | None, tf32_t: float,
-          nvlink_gb: float, hbm_tb: float, ib_gb: float = 50.0) -> GPUSpec:  # fmt: skip
-    flops = {"bf16": bf16_t * _T, "fp16": bf16_t * _T, "fp32": tf32_t * _T}
-    if fp8_t is not None:
-        flops["fp8"] = fp8_t * _T
+#: a column the GPU lacks falls back to these, in order
+_FALLBACK = {
+    "fp8": ("bf16", "fp16"),
+    "bf16": ("fp16", "tf32"),
+    "fp16": ("bf16", "tf32"),
+    "tf32": ("fp32",),
+    "fp32": ("tf32",),
+}
+
+
+def _peaks(device_name: str) -> dict[str, float]:
+    """FLOP/s per column of the ThroughputMonitor's table row matching `device_name`."""
+    for pattern, tflops in PEAK_TFLOPS:
+        if re.search(pattern, device_name, re.IGNORECASE):
+            return {k: v * _T for k, v in tflops.items()}
+    raise ValueError(f"no peak-FLOPs entry for {device_name!r}")
+
+
+def _spec(name: str, device_name: str, mem_gib: float, nvlink_gb: float, hbm_tb: float,
+          ib_gb: float = 50.0) -> GPUSpec:  # fmt: skip
     return GPUSpec(
         name=name,
         memory_bytes=mem_gib * 2**30,
-        peak_flops=flops,
+        peak_flops=_peaks(device_name),
         intra_node_bw=nvlink_gb * _GB,
         inter_node_bw=ib_gb * _GB,
         mem_bw=hbm_tb * 1e12,
     )
 
 
-#: the built-in table (SXM parts; NVLink figures one direction per GPU)
+#: the built-in table (SXM parts; memory as torch reports it; NVLink one direction per GPU)
 GPUS: dict[str, GPUSpec] = {
-    "a100": _spec("a100", 80, 312, None, 156, 300, 2.0, ib_gb=25.0),
-    "h100": _spec("h100", 80, 989, 1979, 494, 450, 3.35),
-    "h800": _spec("h800", 80, 989, 1979, 494, 200, 3.35),  # NVLink cut to 400 GB/s both ways
-    "h200": _spec("h200", 141, 989, 1979, 494, 450, 4.8),
-    "b200": _spec("b200", 180, 2250, 4500, 1100, 900, 8.0),
+    "a100": _spec("a100", "A100", 79.2, 300, 2.0, ib_gb=25.0),
+    "h100": _spec("h100", "H100", 79.2, 450, 3.35),
+    "h800": _spec("h800", "H100", 79.2, 200, 3.35),  # H100 compute, NVLink cut to 400 GB/s
+    "h200": _spec("h200", "H200", 139.8, 450, 4.8),
+    "b200": _spec("b200", "B200", 178.4, 900, 8.0),
     "cpu": GPUSpec(  # this repository's test machines: for plans of CPU runs
         name="cpu",
         memory_bytes=24 * 2**30,
@@ -106,12 +149,14 @@ def gpu_spec(name_or_json: str | GPUSpec) -> GPUSpec:
     if text.startswith("{"):
         try:
             fields = json.loads(text)
+            if not isinstance(fields, dict):
+                raise TypeError("the spec must be a JSON object")
             return GPUSpec(**fields)
-        except (json.JSONDecodeError, TypeError) as err:
+        except (json.JSONDecodeError, TypeError, AttributeError) as err:
             raise ValueError(
                 f"bad GPU spec {text!r}: {err}. Give a JSON object with name, memory_bytes, "
                 'peak_flops (e.g. {"bf16": 1e15}), intra_node_bw, inter_node_bw'
-            ) from err
+            ) from None  # the CLI reports the root cause: keep this message the root
     key = text.lower()
     if key not in GPUS:
         raise ValueError(

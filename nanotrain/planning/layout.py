@@ -14,6 +14,7 @@ from nanotrain.models.recompute import check_recompute
 from nanotrain.parallel.pipeline import partition_layers, stage_layers
 from nanotrain.parallel.schedules import SCHEDULES, Action, max_in_flight
 from nanotrain.precision import PRECISIONS as PRECISION_PLUGINS
+from nanotrain.precision import precision_name
 from nanotrain.strategies.megatron_pipeline import pick_schedule
 
 __all__ = ["PRECISIONS", "PlanLayout", "Workload", "balanced_pipeline_layout"]
@@ -103,7 +104,10 @@ class PlanLayout:
             pipeline_layout=None if layout is None else tuple(layout),
             schedule=getattr(strategy, "schedule", None),
             recompute=recompute,
-            bucket_size_mb=getattr(strategy, "bucket_size_mb", 25.0),
+            # MegatronStrategy's bucket_size_mb, DDP's bucket_cap_mb
+            bucket_size_mb=getattr(
+                strategy, "bucket_size_mb", getattr(strategy, "bucket_cap_mb", 25.0)
+            ),
         )
 
     def validate(self, config: Any) -> None:
@@ -167,7 +171,8 @@ class Workload:
         seq_len: tokens per sequence.
         micro_batch_size: sequences per microbatch on one data-parallel rank.
         global_batch_size: sequences per optimizer step over all data-parallel ranks.
-        precision: a `PRECISIONS` name.
+        precision: a `PRECISIONS` name, an alias the Trainer takes ("bf16", 32) or a
+            precision plugin object (kept as its name).
         optimizer_states: fp32 tensors of optimizer state per parameter (AdamW: 2 moments).
     """
 
@@ -182,10 +187,8 @@ class Workload:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be an int >= 1, got {value!r}")
-        if self.precision not in PRECISIONS:
-            raise ValueError(
-                f"unknown precision {self.precision!r}; the planner knows {', '.join(PRECISIONS)}"
-            )
+        # aliases ("bf16", 32) and plugin objects as the Trainer takes them
+        object.__setattr__(self, "precision", precision_name(self.precision))
 
     def num_microbatches(self, layout: PlanLayout) -> int:
         """Microbatches per step on one data-parallel rank.

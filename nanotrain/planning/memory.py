@@ -142,7 +142,7 @@ def state_memory(rank: RankModel, layout: PlanLayout, workload: Workload) -> Sta
     size = element_size(dtype)
     dense_flat, expert_flat = rank.flat_numels(layout, size)
     flat = dense_flat + expert_flat
-    buffers = rank.buffers * _FP32  # router bias and load counters stay fp32
+    buffers = rank.buffer_bytes  # router bias (fp32), load counters (int64), in their dtypes
     if layout.zero_stage > 0:
         elements, tensors = max(optimizer_pieces(rank, layout, size))
         params = flat * size

@@ -6,7 +6,7 @@ The step-time model is deliberately simple and stated in full (docs/planning.md)
   head and MTP on the last stage, times the tokens it sees, split over tp) at
   ``peak_flops * compute_efficiency`` (default 0.5: what well-tuned bf16 training reaches);
   full recomputation adds one forward of the layers (+1/3 of their FLOPs), selective one
-  forward of attention;
+  forward of each attention block (projections and scores: `attention_flops_per_token` / 3);
 * pipeline: the slowest stage sets the pace; the 1F1B / interleaved bubble adds
   ``(pp - 1) / (virtual_pp * microbatches)`` of its compute (GPipe's is the same);
 * communication: tp, sequence-parallel, ep and pp traffic sit on the critical path (the code
@@ -29,6 +29,7 @@ from typing import Any
 from nanotrain.models.accounting import (
     FlopParts,
     active_params,
+    attention_flops_per_token,
     flops_per_token_parts,
     total_params,
 )
@@ -147,9 +148,9 @@ def _stage_flops(config: Any, layout: PlanLayout, workload: Workload, chunks: li
     layers = sum(parts.layers[i] for c in chunks for i in c)
     if layout.recompute == "full":
         layers *= 4 / 3  # one more forward of every layer
-    elif layout.recompute == "selective":
-        per_head = 6.0 * config.num_heads * workload.seq_len / 2
-        layers += sum(per_head for c in chunks for _ in c) / 3  # the score matmuls again
+    elif layout.recompute == "selective":  # the attention block's forward again
+        attention = attention_flops_per_token(config, workload.seq_len)
+        layers += sum(attention / 3 for c in chunks for _ in c)
     per_token = layers + ((parts.head + parts.mtp) if last else 0.0)
     tokens = workload.tokens_per_step / layout.dp  # each dp replica sees its share
     return per_token * tokens / layout.tp
@@ -277,8 +278,8 @@ def plan_layout(
     if not fits:
         worst = max(ranks, key=lambda r: r.memory)
         notes.append(
-            f"pipeline stage {worst.pp_rank} needs {worst.memory / GiB:.1f} GiB per GPU, more "
-            f"than the {gpu.memory_bytes / GiB:.0f} GiB of a {gpu.name}"
+            f"pipeline stage {worst.pp_rank} needs {worst.memory / GiB:.2f} GiB per GPU, more "
+            f"than the {gpu.memory_bytes / GiB:.2f} GiB of a {gpu.name}"
         )
     counts = _param_counts(config)
     return Plan(

@@ -63,6 +63,7 @@ class RankModel:
         dense: its non-expert trainable parameters in gradient-buffer order (tied once).
         experts: its routed-expert parameters (its 1/ep of the experts).
         buffers: elements of its buffers (router bias and load counters, RoPE caches).
+        buffer_bytes: their bytes, each in its own dtype.
         module: the meta-device model (a `PipelineStage` under pp > 1).
     """
 
@@ -71,6 +72,7 @@ class RankModel:
     dense: list[torch.Tensor]
     experts: list[torch.Tensor]
     buffers: int
+    buffer_bytes: int
     module: nn.Module
     _flat: dict[tuple[int, int, int, float], tuple[int, int]] = field(
         default_factory=dict, compare=False, repr=False
@@ -147,6 +149,7 @@ def _rank_model(config: Any, layout: PlanLayout, pp_rank: int) -> RankModel:
         dense=[p for p in params if id(p) not in expert_ids],
         experts=[p for p in params if id(p) in expert_ids],
         buffers=sum(b.numel() for b in module.buffers()),
+        buffer_bytes=sum(b.numel() * b.element_size() for b in module.buffers()),
         module=module,
     )
 

@@ -6,7 +6,7 @@ import json
 from typing import Any
 
 from nanotrain.planning.plan import Plan
-from nanotrain.planning.search import SearchResult
+from nanotrain.planning.search import Rejected, SearchResult
 
 __all__ = ["format_plan", "format_search", "plan_json", "search_json"]
 
@@ -56,9 +56,12 @@ def format_plan(plan: Plan) -> str:
         "",
         f"compute: {_count(plan.flops_per_step)}FLOP per step (model), "
         f"{_count(big.flops)}FLOP on one GPU of stage {big.pp_rank}",
-        "communication per GPU per step (stage 0): "
-        + ", ".join(
-            f"{g} {v / 1e9:.3f} GB" for g, v in plan.ranks[0].comm.bytes_per_step.items() if v
+        f"communication per GPU per step (GiB, stage {big.pp_rank}): "
+        + (
+            ", ".join(
+                f"{g} {_gib(v)}" for g, v in big.comm.bytes_per_step.items() if v >= 0.005 * GiB
+            )
+            or "none"
         ),
         "",
         f"estimated step {plan.step_time_s:.3f} s ("
@@ -125,30 +128,41 @@ def plan_json(plan: Plan) -> dict[str, Any]:
 
 
 def format_search(result: SearchResult, top: int = 15) -> str:
-    """The best `top` fitting layouts (one line each) and a count of rejected ones by reason."""
+    """The best `top` fitting layouts (one line each: layout, micro batch, sequences per step,
+    largest rank's memory, step time, throughput, MFU), then how many layouts were rejected
+    for each reason, with one example of each."""
     lines = [
         f"{len(result.fitting)} layouts fit, {len(result.rejected)} rejected",
-        f"{'#':>3} {'layout':<44} {'mb':>3} {'max GiB':>8} {'step s':>8} {'tokens/s':>10} "
-        f"{'MFU':>6}",
+        f"{'#':>3} {'layout':<44} {'mb':>3} {'batch':>6} {'max GiB':>8} {'step s':>8} "
+        f"{'tokens/s':>10} {'MFU':>6}",
     ]
     for i, p in enumerate(result.fitting[:top]):
         lines.append(
             f"{i + 1:>3} {p.layout.describe():<44} {p.workload.micro_batch_size:>3} "
-            f"{_gib(p.largest.memory):>8} {p.step_time_s:>8.3f} {_count(p.tokens_per_s):>10} "
-            f"{p.mfu:>6.1%}"
+            f"{p.workload.global_batch_size:>6} {_gib(p.largest.memory):>8} "
+            f"{p.step_time_s:>8.3f} {_count(p.tokens_per_s):>10} {p.mfu:>6.1%}"
         )
+    notes = {n for p in result.fitting[:top] for n in p.notes}
+    lines += [f"note: {n}" for n in sorted(notes)]
     if result.rejected:
-        lines += ["", "rejected (first of each reason):"]
-        seen: set[str] = set()
+        groups: dict[str, list[Rejected]] = {}
         for r in result.rejected:
-            key = r.reason.split(";")[0].split(" needs ")[0][:60]
-            if key in seen:
-                continue
-            seen.add(key)
-            lines.append(f"  {r.layout.describe()} mb {r.micro_batch_size}: {r.reason}")
-            if len(seen) >= 8:
-                break
+            groups.setdefault(_reason_kind(r.reason), []).append(r)
+        lines += ["", "rejected, by reason (count, one example):"]
+        for kind, members in sorted(groups.items(), key=lambda kv: -len(kv[1])):
+            r = members[0]
+            lines.append(
+                f"  {len(members):>5} {kind}: e.g. {r.layout.describe()} mb "
+                f"{r.micro_batch_size}: {r.reason}"
+            )
     return "\n".join(lines) + "\n"
+
+
+def _reason_kind(reason: str) -> str:
+    """A short class of a rejection reason (memory, or the first words of the message)."""
+    if "more than the" in reason and "GiB" in reason:
+        return "out of memory"
+    return " ".join(reason.split()[:4])
 
 
 def search_json(result: SearchResult, top: int = 50) -> str:

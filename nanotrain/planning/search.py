@@ -112,24 +112,44 @@ def search_layouts(
     for base in _candidates(config, world_size, gpu, zero_stages):
         for micro in micro_batch_sizes:
             # recomputation only trades time for memory: the first mode (in the order given)
-            # that fits is the fastest that fits, the heavier ones are not priced
+            # that fits is the fastest that fits, the heavier ones are not priced; a layout is
+            # rejected when even the last mode does not fit
+            last: Rejected | None = None
             for mode in recompute:
                 layout = base.replace(recompute=mode)
                 try:
                     batch = global_batch_size
                     if batch is None:
-                        per_step = micro * layout.dp
+                        # interleaved 1F1B needs whole multiples of pp microbatches
+                        per_step = micro * layout.dp * (layout.pp if layout.virtual_pp > 1 else 1)
                         batch = max(1, round(global_batch_tokens / seq_len / per_step)) * per_step
                     workload = Workload(seq_len, micro, batch, precision)
                     plan = plan_layout(
                         config, layout, workload, gpu, model_name=model_name, **plan_kwargs
                     )
                 except ValueError as err:
-                    rejected.append(Rejected(layout, micro, str(err)))
+                    last = Rejected(layout, micro, str(err))
                     break  # the layout itself is invalid: recomputing will not help
                 if plan.fits:
+                    _note_rounding(plan, global_batch_tokens)
                     fitting.append(plan)
+                    last = None
                     break
-                rejected.append(Rejected(layout, micro, "; ".join(plan.notes)))
+                last = Rejected(layout, micro, "; ".join(plan.notes))
+            if last is not None:
+                rejected.append(last)
     fitting.sort(key=lambda p: -p.tokens_per_s)
     return SearchResult(fitting, rejected)
+
+
+def _note_rounding(plan: Plan, tokens: int | None) -> None:
+    """Say so when whole microbatches moved the batch more than 10% off the tokens asked."""
+    if tokens is None:
+        return
+    got = plan.workload.tokens_per_step
+    if abs(got - tokens) > 0.1 * tokens:
+        plan.notes.append(
+            f"the batch is {got} tokens, not about {tokens}: {plan.workload.micro_batch_size} "
+            f"sequence(s) of {plan.workload.seq_len} tokens on each of {plan.layout.dp} "
+            "replicas is the smallest step"
+        )

@@ -31,6 +31,31 @@ PRECISIONS: dict[str, Any] = {
 _ALIASES = {"32": "32-true", "fp32": "32-true", "16": "16-mixed", "bf16": "bf16-mixed"}
 
 
+def precision_name(precision: Precision | str | int | None) -> str:
+    """The canonical name of a precision given as `resolve_precision` takes it (an alias such
+    as "bf16" or 32, a plugin object, None), without constructing a plugin.
+
+    Raises:
+        ValueError: for an unknown name. TypeError: for anything else.
+    """
+    if precision is None:
+        return Precision.name
+    if isinstance(precision, Precision):
+        return precision.name
+    if isinstance(precision, (str, int)) and not isinstance(precision, bool):
+        name = _ALIASES.get(str(precision).lower(), str(precision).lower())
+        if name not in PRECISIONS:
+            raise ValueError(
+                f"unknown precision {precision!r}; use one of {sorted(PRECISIONS)} or a "
+                "nanotrain.precision plugin object"
+            )
+        return name
+    raise TypeError(
+        f"precision must be a name such as 'bf16-mixed' or a nanotrain.precision plugin, got "
+        f"{type(precision).__name__}"
+    )
+
+
 def resolve_precision(precision: Precision | str | int | None) -> Precision:
     """A plugin for a name (Lightning's where Lightning has one) or the plugin itself.
 
@@ -43,18 +68,7 @@ def resolve_precision(precision: Precision | str | int | None) -> Precision:
         return Precision()
     if isinstance(precision, Precision):
         return precision
-    if isinstance(precision, (str, int)) and not isinstance(precision, bool):
-        name = _ALIASES.get(str(precision).lower(), str(precision).lower())
-        if name not in PRECISIONS:
-            raise ValueError(
-                f"unknown precision {precision!r}; use one of {sorted(PRECISIONS)} or a "
-                "nanotrain.precision plugin object"
-            )
-        return PRECISIONS[name]()
-    raise TypeError(
-        f"precision must be a name such as 'bf16-mixed' or a nanotrain.precision plugin, got "
-        f"{type(precision).__name__}"
-    )
+    return PRECISIONS[precision_name(precision)]()
 
 
 __all__ = [
@@ -74,6 +88,7 @@ __all__ = [
     "TE_RECIPES",
     "TransformerEnginePrecision",
     "grad_of",
+    "precision_name",
     "qdq_fp4",
     "qdq_fp8",
     "resolve_precision",

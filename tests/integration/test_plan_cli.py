@@ -10,11 +10,30 @@ from nanotrain.cli import main
 from tests.integration.test_cli import SMALL_DEMO
 
 PAPER = [
-    "plan", "--model", "deepseek-v3-671b", "--gpus", "2048", "--gpu", "h800", "--seq-len",
-    "4096", "--global-batch-tokens", "15M", "--pp", "16", "--ep", "64", "--zero_stage", "1",
-    "--pipeline_layout", "[4,4,4,4,4,4,4,4,4,4,4,4,4,4,4,1]", "--recompute", "full",
-    "--precision", "bf16-true",
-]  # fmt: skip
+    "plan",
+    "--model",
+    "deepseek-v3-671b",
+    "--gpus",
+    "2048",
+    "--gpu",
+    "h800",
+    "--seq-len",
+    "4096",
+    "--global-batch-tokens",
+    "15M",
+    "--pp",
+    "16",
+    "--ep",
+    "64",
+    "--zero_stage",
+    "1",
+    "--pipeline_layout",
+    "[4,4,4,4,4,4,4,4,4,4,4,4,4,4,4,1]",
+    "--recompute",
+    "full",
+    "--precision",
+    "bf16-mixed",
+]  # fmt: skip  (the worked example of docs/planning.md)
 
 
 def test_plan_json_of_the_deepseek_v3_paper_layout(capsys):
@@ -47,35 +66,55 @@ def test_plan_table_and_search(capsys):
     assert "layouts fit" in text and "best layout:" in text
 
 
+GBS = ["--global-batch-size", "16"]
+
+
 @pytest.mark.parametrize(
     "argv,message",
     [
-        (["--gpu", "h900"], "unknown GPU 'h900'"),
-        (["--tp", "3"], "tp=3"),
-        (["--ep", "3"], "ep=3"),
+        (["--gpu", "h900", *GBS], "unknown GPU 'h900'"),
+        (["--gpu", '{"name": "x", "memory_bytes": -1}', *GBS], "bad GPU spec"),
+        (["--tp", "3", *GBS], "tp=3"),
+        (["--ep", "3", *GBS], "ep=3"),
+        (["--pp", "4", *GBS], "pp=4 exceeds num_layers=2"),
         (["--global-batch-size", "6", "--dp", "4"], "not a multiple"),
         (["--global-batch-tokens", "lots"], "not a count"),
+        (["--global-batch-tokens", "1M", *GBS], "give one of"),
+        ([], "give one of"),
+        (["--seq-len", "0", *GBS], "seq-len must be >= 1, got 0"),
+        (["--micro-batch-size", "0", *GBS], "micro-batch-size must be >= 1, got 0"),
+        (["--zero_stage", "3", *GBS], "zero_stage must be 0, 1 or 2"),
+        (["--precision", "bf8", *GBS], "unknown precision 'bf8'"),
+        (["--recompute", "some", *GBS], "recompute must be none, selective or full"),
     ],
 )
 def test_plan_refuses_bad_input_with_a_clear_message(capsys, argv, message):
-    base = ["plan", "--model", "tiny", "--gpus", "4", "--seq-len", "64",
-            "--global-batch-size", "16"]  # fmt: skip
-    # later flags win: the bad value replaces the base one
+    base = ["plan", "--model", "tiny", "--gpus", "4", "--seq-len", "64"]
+    # later flags win: a bad value replaces the base one
     assert main(base + argv) == 2
     assert message in capsys.readouterr().err
 
 
 def test_fit_prints_the_plan_and_refuses_what_does_not_fit(tmp_path, capsys, monkeypatch):
     monkeypatch.setenv("NANOTRAIN_CACHE", str(tmp_path / "cache"))
+    import torch.distributed as dist
+
+    def no_group(*args, **kwargs):
+        raise AssertionError("a process group was created before the plan was checked")
+
     fit = ["fit", "--model.init_args.model", "tiny", "--trainer.max_steps", "1",
            "--trainer.default_root_dir", str(tmp_path), "--trainer.loggers", "[]",
            *SMALL_DEMO]  # fmt: skip
     tiny_gpu = ('{"name": "tiny-gpu", "memory_bytes": 1000000, "peak_flops": {"bf16": 1e12}, '
                 '"intra_node_bw": 1e9, "inter_node_bw": 1e9}')  # fmt: skip
-    assert main([*fit, "--plan_gpu", tiny_gpu]) == 2
+    with monkeypatch.context() as patch:
+        patch.setattr(dist, "init_process_group", no_group)
+        assert main([*fit, "--strategy", "megatron", "--plan_gpu", tiny_gpu]) == 2
     err = capsys.readouterr().err
     assert "does not fit" in err and "--ignore_plan" in err
     assert not list(tmp_path.glob("**/checkpoints/*")), "refused before training"
-    assert main([*fit, "--plan", "--plan_gpu", tiny_gpu, "--ignore_plan"]) == 0
+    # the Trainer's precision aliases plan too
+    argv = [*fit, "--plan", "--plan_gpu", tiny_gpu, "--ignore_plan", "--trainer.precision", "bf16"]
+    assert main(argv) == 0
     out = capsys.readouterr().out
-    assert "memory per GPU" in out and "DOES NOT FIT" in out
+    assert "memory per GPU" in out and "DOES NOT FIT" in out and "precision bf16-mixed" in out

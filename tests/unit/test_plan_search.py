@@ -16,7 +16,7 @@ def test_one_gpu_step_is_its_flops_at_peak_times_efficiency():
     plan = plan_layout(config, PlanLayout(), work, GPUS["h100"], compute_efficiency=0.4)
     flops = flops_per_token(config, 1024) * 8 * 1024  # the accounting formula, 6N + attention
     assert plan.flops_per_step == pytest.approx(flops)
-    assert plan.step_time_s == pytest.approx(flops / (989e12 * 0.4))
+    assert plan.step_time_s == pytest.approx(flops / (989.4e12 * 0.4))
     assert plan.mfu == pytest.approx(0.4)
     assert plan.tokens_per_s == pytest.approx(8 * 1024 / plan.step_time_s)
 
@@ -32,6 +32,22 @@ def test_full_recompute_adds_a_forward_of_the_layers():
     assert full.time_parts["compute"] / none.time_parts["compute"] == pytest.approx(expected)
     assert full.largest.activations.peak < none.largest.activations.peak / 2
     assert full.flops_per_step == none.flops_per_step  # model FLOPs do not count recompute
+
+
+def test_selective_recompute_adds_a_forward_of_each_attention_block():
+    """dense-100m by hand: attention = q, k, v, o projections + QK^T and AV; its forward is a
+    third of its training FLOPs."""
+    config = presets.get("dense-100m")
+    s = 512
+    work = Workload(seq_len=s, micro_batch_size=1, global_batch_size=4)
+    none = plan_layout(config, PlanLayout(), work, GPUS["h100"])
+    sel = plan_layout(config, PlanLayout(recompute="selective"), work, GPUS["h100"])
+    h, n, kv, d = config.hidden_size, config.num_heads, config.num_kv_heads, config.head_dim
+    attention_fwd = 2 * (2 * h * n * d + 2 * h * kv * d) + 2 * n * 2 * d * s / 2
+    total = flops_per_token(config, s)
+    expected = (total + config.num_layers * attention_fwd) / total
+    assert sel.time_parts["compute"] / none.time_parts["compute"] == pytest.approx(expected)
+    assert sel.largest.activations.peak < none.largest.activations.peak
 
 
 @pytest.mark.parametrize("vpp,micro", [(1, 1), (2, 1), (1, 2)])
@@ -64,14 +80,19 @@ def test_search_ranks_what_fits_and_says_why_the_rest_does_not():
     assert all(p.fits and p.layout.world_size == 8 for p in result.fitting)
     # heads=8, experts=16: no tp or ep that does not divide them is ever proposed
     assert all(8 % p.layout.tp == 0 and 16 % p.layout.ep == 0 for p in result.fitting)
-    small = gpu_spec(
-        '{"name": "small", "memory_bytes": 2e9, "peak_flops": {"bf16": 1e14}, '
-        '"intra_node_bw": 1e11, "inter_node_bw": 1e10}'
+    # a GPU with memory between what the layouts need: some fit, the rest are rejected for
+    # memory, and the line between them is the memory each plan needs
+    needs = sorted(p.largest.memory for p in result.fitting)
+    limit = needs[len(needs) // 2]
+    mid = gpu_spec(
+        f'{{"name": "mid", "memory_bytes": {limit}, "peak_flops": {{"bf16": 1e15}}, '
+        '"intra_node_bw": 4.5e11, "inter_node_bw": 5e10}'
     )
-    result = search_layouts(config, 8, small, seq_len=1024, global_batch_size=64)
-    assert not result.fitting and result.rejected
-    assert all("more than the 2 GiB" in r.reason or "microbatches" in r.reason
-               for r in result.rejected)  # fmt: skip
+    smaller = search_layouts(config, 8, mid, seq_len=1024, global_batch_size=64)
+    assert smaller.fitting and len(smaller.fitting) < len(result.fitting)
+    assert all(p.largest.memory <= limit for p in smaller.fitting)
+    memory = [r for r in smaller.rejected if "more than the" in r.reason]
+    assert memory and all(f"{limit / 2**30:.2f} GiB of a mid" in r.reason for r in memory)
 
 
 def test_search_needs_one_batch_size():
