@@ -3,16 +3,12 @@
 The model follows the code paths of `MegatronStrategy` collective by collective (see
 docs/planning.md, "Communication per step", for every formula and its source):
 
-* **tp**: the tensor-parallel collectives of every module this rank runs, per microbatch:
-  the vocab-parallel embedding (all-reduce; under sequence parallelism reduce-scatter
-  forward, all-gather backward), each attention and MLP block's one input collective
-  (identity / all-reduce of the grad; all-gather / reduce-scatter under SP) and one output
-  collective (all-reduce; reduce-scatter / all-gather under SP) (Shoeybi et al. 2019,
-  Korthikanti et al. 2022), MLA's latents instead of the hidden state, the MoE shared
-  experts, the LM head's input and the vocab-parallel cross-entropy's two per-token
-  reductions, once more per MTP depth; the MoE balance-loss statistics under SP; recomputed
-  forward collectives; and once per step the sum over tp of the grads of tp-replicated
-  parameters under SP.
+* **tp** (`nanotrain.planning.communication_tp`): the tensor-parallel collectives of every
+  module this rank runs, per microbatch: the vocab-parallel embedding, each attention and MLP
+  block's input and output collective (Shoeybi et al. 2019; under sequence parallelism
+  Korthikanti et al. 2022), the LM head and vocab-parallel cross-entropy, once more per MTP
+  depth, and recomputed forward collectives; and once per step the sum over tp of the grads
+  of tp-replicated parameters under SP.
 * **pp**: the activation sent forward and its gradient sent back at every virtual-stage
   boundary, per microbatch, counted from the code's own schedule (Narayanan et al. 2021).
 * **ep**: per MoE layer and microbatch the split-size exchange and the dispatch and combine
@@ -38,8 +34,13 @@ from typing import Any
 import torch
 
 from nanotrain.parallel.data_parallel import FlatLayout
-from nanotrain.parallel.grads import sequence_parallel_params
 from nanotrain.parallel.tensor import pad_vocab_size
+from nanotrain.planning.communication_tp import (
+    is_moe_layer,
+    mtp_is_moe,
+    sp_grad_numel,
+    tp_collectives,
+)
 from nanotrain.planning.layout import PlanLayout, Workload
 from nanotrain.planning.rank_model import RankModel, rank_models
 from nanotrain.strategies.megatron_grads import bucket_numel_for
@@ -111,112 +112,6 @@ def wire_dtypes(precision: str, reduce_dtype: torch.dtype = torch.float32) -> Wi
     return WireDtypes(4, 2, 4, 4, reduce)
 
 
-@dataclass(frozen=True)
-class _Coll:
-    """One collective of one microbatch's pass over a module."""
-
-    op: str  # "all_reduce" | "all_gather" | "reduce_scatter"
-    numel: int  # the full tensor (ring model's N)
-    itemsize: int
-    backward: bool
-    where: str = "head"  # "attn", "mlp" (inside a decoder layer: recomputed) or "head"
-
-    def wire(self, g: int) -> float:
-        factor = 2 * (g - 1) / g if self.op == "all_reduce" else (g - 1) / g
-        return factor * self.numel * self.itemsize
-
-
-def _enter(numel: int, itemsize: int, sp: bool, where: str) -> list[_Coll]:
-    """`enter_tensor_parallel_region`: identity / grad all-reduce; under SP all-gather /
-    grad reduce-scatter."""
-    if sp:
-        return [
-            _Coll("all_gather", numel, itemsize, False, where),
-            _Coll("reduce_scatter", numel, itemsize, True, where),
-        ]
-    return [_Coll("all_reduce", numel, itemsize, True, where)]
-
-
-def _exit(numel: int, itemsize: int, sp: bool, where: str) -> list[_Coll]:
-    """A row-parallel output (or the vocab-parallel embedding): all-reduce / identity; under
-    SP reduce-scatter / grad all-gather."""
-    if sp:
-        return [
-            _Coll("reduce_scatter", numel, itemsize, False, where),
-            _Coll("all_gather", numel, itemsize, True, where),
-        ]
-    return [_Coll("all_reduce", numel, itemsize, False, where)]
-
-
-def _layer_colls(
-    config: Any, moe: bool, batch: int, tokens: int, sp: bool, dt: WireDtypes
-) -> list[_Coll]:
-    """tp collectives of one decoder layer on one microbatch of `batch` sequences holding
-    `tokens` tokens in all."""
-    h = config.hidden_size
-    out: list[_Coll] = []
-    if hasattr(config, "kv_lora_rank"):  # MLA: the latents enter the region, not x
-        width = (config.q_lora_rank or 0) + config.kv_lora_rank + config.qk_rope_head_dim
-        out += _enter(tokens * width, dt.act, sp, "attn")
-        if config.q_lora_rank is None:  # q_proj reads x and enters it itself
-            out += _enter(tokens * h, dt.act, sp, "attn")
-    else:
-        out += _enter(tokens * h, dt.act, sp, "attn")
-    out += _exit(tokens * h, dt.matmul, sp, "attn")
-    if not moe or config.n_shared_experts > 0:  # dense MLP, or the MoE's shared experts
-        out += _enter(tokens * h, dt.act, sp, "mlp")
-        out += _exit(tokens * h, dt.matmul, sp, "mlp")
-    if moe and sp and config.aux_loss_alpha > 0:
-        # the sequence-wise balance loss sums [2, b, E] fp32 statistics over tp (forward only)
-        out.append(_Coll("all_reduce", 2 * batch * config.n_routed_experts, 4, False, "mlp"))
-    return out
-
-
-def _head_colls(config: Any, tokens: int, sp: bool, dt: WireDtypes) -> list[_Coll]:
-    """LM head input, then the vocab-parallel cross-entropy's max and [2, tokens] sums (fp32,
-    forward only)."""
-    return _enter(tokens * config.hidden_size, dt.act, sp, "head") + [
-        _Coll("all_reduce", tokens, 4, False),
-        _Coll("all_reduce", 2 * tokens, 4, False),
-    ]
-
-
-def _is_moe(config: Any, layer: int) -> bool:
-    return bool(getattr(config, "is_moe_layer", lambda i: False)(layer))
-
-
-def _mtp_is_moe(config: Any) -> bool:
-    return hasattr(config, "first_k_dense_replace") and (
-        config.first_k_dense_replace < config.num_layers
-    )
-
-
-def _recomputed(colls: list[_Coll], recompute: str | None, trailing_kept: bool) -> list[_Coll]:
-    """Forward collectives a decoder layer reruns in backward.
-
-    torch's non-reentrant checkpoint stops recomputing once every tensor autograd saved is
-    back, so a trailing collective whose output nothing saves is not rerun: attention's
-    output collective under "selective" (the residual add keeps nothing), and under "full"
-    the MLP's output collective unless something after it saves tensors
-    (`trailing_kept`: the MoE balance loss, computed last, keeps the routing statistics).
-    """
-    if recompute is None:
-        return []
-    forward = [c for c in colls if not c.backward]
-    if recompute == "selective":
-        return [c for c in forward if c.where == "attn"][:-1]
-    return forward if trailing_kept else forward[:-1]
-
-
-def _keeps_trailing(config: Any, moe: bool) -> bool:
-    """Whether a layer saves tensors after its last tp collective (see `_recomputed`): a MoE
-    layer computing the balance loss, or one without shared experts (its last tp collective
-    is attention's, followed by the router)."""
-    if not moe:
-        return False
-    return config.aux_loss_alpha > 0 or config.n_shared_experts == 0
-
-
 @dataclass
 class _Tally:
     """Bytes, calls and formula pieces gathered for one group."""
@@ -244,29 +139,12 @@ def _mib(n: float) -> str:
 def _tp(
     config: Any, layout: PlanLayout, workload: Workload, rank: RankModel, dt: WireDtypes
 ) -> _Tally:
-    """tp bytes of one step on pipeline rank `rank.pp_rank` (see the module docstring)."""
+    """tp bytes of one step on pipeline rank `rank.pp_rank` (see `communication_tp`)."""
     tally, t = _Tally(), layout.tp
     if t == 1:
         return tally
-    sp, b, s = layout.sequence_parallel, workload.micro_batch_size, workload.seq_len
-    tokens, h, last = b * s, config.hidden_size, layout.pp * layout.virtual_pp - 1
-    colls: list[_Coll] = []
-    for c, layers in enumerate(rank.chunks):
-        stage = c * layout.pp + rank.pp_rank
-        if stage == 0:
-            colls += _exit(tokens * h, dt.param, sp, "head")  # vocab-parallel embedding
-        for i in layers:
-            moe = _is_moe(config, i)
-            layer = _layer_colls(config, moe, b, tokens, sp, dt)
-            colls += layer + _recomputed(layer, layout.recompute, _keeps_trailing(config, moe))
-        if stage == last:
-            colls += _head_colls(config, tokens, sp, dt)
-            for _ in range(getattr(config, "mtp_depth", 0)):
-                moe = _mtp_is_moe(config)
-                block = _layer_colls(config, moe, b, tokens, sp, dt)
-                colls += _exit(tokens * h, dt.param, sp, "head")  # embeds the shifted ids
-                colls += block + _recomputed(block, layout.recompute, _keeps_trailing(config, moe))
-                colls += _head_colls(config, tokens, sp, dt)
+    tokens = workload.micro_batch_size * workload.seq_len
+    colls = tp_collectives(config, layout, workload, rank, dt)
     micro = workload.num_microbatches(layout)
     per_micro = sum(c.wire(t) for c in colls)
     tally.add(
@@ -275,45 +153,22 @@ def _tp(
         f"{micro} microbatches x {len(colls)} collectives of b*s={tokens} tokens "
         f"({_mib(per_micro)} each microbatch)",
     )
-    if sp:
-        dense, experts = _sp_param_numels(rank, layout)
-        if layout.zero_stage == 2:  # only this rank's pieces (their mean over dp ranks)
-            numel = dense / layout.dp + experts / layout.expert_dp
-        else:
-            numel = dense + experts
+    if layout.sequence_parallel:
+        numel = sp_grad_numel(rank, layout)
         if numel:
             wire = _ring("all_reduce", t) * numel * dt.grad
             tally.add(wire, 1, f"SP grads of {numel:.0f} tp-replicated elements summed over tp")
     return tally
 
 
-def _sp_param_numels(rank: RankModel, layout: PlanLayout) -> tuple[int, int]:
-    """Elements of the tp-replicated params whose grads are summed over tp under SP (dense,
-    routed experts)."""
-    cached = _SP_NUMELS.get(id(rank))
-    if cached is not None and cached[0] is rank:  # a search asks once per layout and stage
-        return cached[1]
-    expert_ids = {id(p) for p in rank.experts}
-    params = sequence_parallel_params(rank.module)
-    dense = sum(p.numel() for p in params if id(p) not in expert_ids)
-    out = dense, sum(p.numel() for p in params if id(p) in expert_ids)
-    if len(_SP_NUMELS) > 4096:
-        _SP_NUMELS.clear()
-    _SP_NUMELS[id(rank)] = (rank, out)
-    return out
-
-
-_SP_NUMELS: dict[int, tuple[RankModel, tuple[int, int]]] = {}
-
-
 def _moe_layers(config: Any, layout: PlanLayout, rank: RankModel) -> int:
     """MoE layers this pipeline rank runs (its decoder layers and, last, the MTP blocks)."""
-    count = sum(_is_moe(config, i) for chunk in rank.chunks for i in chunk)
+    count = sum(is_moe_layer(config, i) for chunk in rank.chunks for i in chunk)
     holds_last = any(
         c * layout.pp + rank.pp_rank == layout.pp * layout.virtual_pp - 1
         for c in range(len(rank.chunks))
     )
-    if holds_last and _mtp_is_moe(config):
+    if holds_last and mtp_is_moe(config):
         count += getattr(config, "mtp_depth", 0)
     return count
 
