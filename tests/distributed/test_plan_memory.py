@@ -78,7 +78,16 @@ class Snapshot(nt.Callback):
             "params": sum(p.numel() for p in params.values()),
             "flat": sum(s.layout.numel for s in strategy._grads.sets),
             "optimizer_bytes": _optimizer_bytes(strategy.optimizer),
+            "master_bytes": _bytes(getattr(strategy._master_holder, "masters", [])),
+            "flat_param_bytes": _bytes(strategy._zero.flat_params) if strategy._zero else None,
+            "shard_grad_bytes": _bytes(
+                [s.shard_grad for s in strategy._grads.sets if s.shard_grad is not None]
+            ),
         }
+
+
+def _bytes(tensors: Any) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
 
 
 def _run(rank: int, world_size: int, root: str) -> dict:
@@ -126,6 +135,16 @@ def test_planned_state_equals_what_each_rank_allocates(world, name):
         else:
             expected = state_memory(rank, layout, workload).optimizer
         assert got["optimizer_bytes"] == expected, name
+        state = state_memory(rank, layout, workload)
+        if precision == "bf16-true":  # fp32 masters: of the owned pieces under ZeRO
+            masters = 4 * (elements if layout.zero_stage else rank.params)
+            assert got["master_bytes"] == masters > 0, name
+        else:
+            assert got["master_bytes"] == state.master == 0, name
+        if layout.zero_stage:  # parameters live in ZeRO's padded flat buffers
+            assert got["flat_param_bytes"] == state.params - rank.buffer_bytes, name
+        if layout.zero_stage == 2:  # between steps only the owned gradient shard remains
+            assert got["shard_grad_bytes"] == state.grads, name
 
 
 @pytest.mark.parametrize("name", list(LAYOUTS))
