@@ -149,7 +149,8 @@ def _note_rounding(plan: Plan, tokens: int | None) -> None:
     got = plan.workload.tokens_per_step
     if abs(got - tokens) > 0.1 * tokens:
         plan.notes.append(
-            f"the batch is {got} tokens, not about {tokens}: {plan.workload.micro_batch_size} "
-            f"sequence(s) of {plan.workload.seq_len} tokens on each of {plan.layout.dp} "
-            "replicas is the smallest step"
+            f"the batch is {got} tokens, not about {tokens}: the step takes whole microbatches "
+            f"of {plan.workload.micro_batch_size} x {plan.workload.seq_len} tokens on each of "
+            f"{plan.layout.dp} replicas"
+            + (" (a multiple of pp of them, interleaved)" if plan.layout.virtual_pp > 1 else "")
         )
