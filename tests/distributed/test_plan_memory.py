@@ -111,6 +111,15 @@ def _run(rank: int, world_size: int, root: str) -> dict:
     return out
 
 
+def _plan_inputs(name: str) -> tuple[Any, PlanLayout, Workload]:
+    """The config, layout and workload the planner is given for layout `name`."""
+    preset, overrides, kwargs, precision = LAYOUTS[name]
+    config = presets.get(preset, vocab_size=VOCAB, **overrides)
+    layout = PlanLayout.from_strategy(MegatronStrategy(**kwargs), world_size=4)
+    workload = Workload(seq_len=SEQ, micro_batch_size=2, global_batch_size=8, precision=precision)
+    return config, layout, workload
+
+
 @pytest.fixture(scope="module")
 def world(tmp_path_factory) -> list[dict]:
     return run_world(_run, 4, str(tmp_path_factory.mktemp("plan_memory")), timeout=300)
@@ -118,10 +127,8 @@ def world(tmp_path_factory) -> list[dict]:
 
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_planned_state_equals_what_each_rank_allocates(world, name):
-    preset, overrides, kwargs, precision = LAYOUTS[name]
-    config = presets.get(preset, vocab_size=VOCAB, **overrides)
-    layout = PlanLayout.from_strategy(MegatronStrategy(**kwargs), world_size=4)
-    workload = Workload(seq_len=SEQ, micro_batch_size=2, global_batch_size=8, precision=precision)
+    config, layout, workload = _plan_inputs(name)
+    precision = workload.precision
     planned = rank_models(config, layout)
     element = 2 if precision == "bf16-true" else 4
     for result in world:
@@ -149,10 +156,7 @@ def test_planned_state_equals_what_each_rank_allocates(world, name):
 
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_planned_optimizer_memory_is_the_largest_ranks(world, name):
-    preset, overrides, kwargs, precision = LAYOUTS[name]
-    config = presets.get(preset, vocab_size=VOCAB, **overrides)
-    layout = PlanLayout.from_strategy(MegatronStrategy(**kwargs), world_size=4)
-    workload = Workload(seq_len=SEQ, micro_batch_size=2, global_batch_size=8, precision=precision)
+    config, layout, workload = _plan_inputs(name)
     for pp_rank, rank in enumerate(rank_models(config, layout)):
         measured = [r[name]["optimizer_bytes"] for r in world if r[name]["pp_rank"] == pp_rank]
         assert state_memory(rank, layout, workload).optimizer == max(measured), name
