@@ -25,7 +25,6 @@ from nanotrain.models.transformer import (
     CausalLM,
     DecoderLayer,
     ModelOutput,
-    masked_mean_ce,
     total_loss,
 )
 from nanotrain.parallel.tensor import ColumnParallelLinear
@@ -162,9 +161,8 @@ class DeepSeekV3(CausalLM):
         for k, module in enumerate(self.mtp, start=1):
             emb_next = self.embed(shift_left(input_ids, k, 0))
             h, block_aux = module(h, emb_next, cos, sin)
-            logits = self.lm_head(module.norm(h))
             target = shift_left(labels, k, -100)
-            loss, _ = masked_mean_ce(logits, target, self.tp_group, self.config.vocab_size)
+            _, loss, _ = self.norm_head_loss(module.norm, h, target)  # logits dropped here
             losses.append(loss)
             aux = aux + block_aux
         return torch.stack(losses), aux

@@ -5,7 +5,10 @@ Modes, set per decoder layer (`set_recompute`, or `LanguageModelModule(recompute
 * ``None``: keep every activation (fastest, most memory).
 * ``"full"``: keep only each decoder layer's input; backward reruns the whole layer (norms,
   attention, MLP or MoE with its dispatch and all-to-alls) before differentiating it. About one
-  extra forward per step; activation memory per layer drops to one [B, T, H] tensor.
+  extra forward per step; activation memory per layer drops to one [B, T, H] tensor. The final
+  norm, LM head and cross-entropy of the main model and of each MTP depth are recomputed too
+  (`CausalLM.norm_head_loss`): their [B, T, V] logits and fp32 softmax would otherwise outweigh
+  all the layers of a small model.
 * ``"selective"``: recompute the attention block only (`self_attn`: the q/kv projections incl.
   MLA's low-rank up-projections, rotary embedding and the attention core), keeping the MLP/MoE
   activations. Attention's per-head q/k/v tensors are large next to its FLOPs, so this saves
@@ -65,15 +68,22 @@ def check_recompute(mode: str | None) -> None:
 
 
 def set_recompute(model: nn.Module, mode: str | None) -> int:
-    """Set the recompute mode of every decoder layer in `model`; returns how many were set.
+    """Set the recompute mode of every decoder layer in `model` (and, for "full", recompute the
+    head and loss of the model or pipeline stage); returns how many layers were set.
 
     Raises:
         ValueError: for an unknown mode.
     """
     check_recompute(mode)
-    from nanotrain.models.transformer import DecoderLayer
+    from nanotrain.models.transformer import CausalLM, DecoderLayer
 
     layers = [m for m in model.modules() if isinstance(m, DecoderLayer)]
     for layer in layers:
         layer.recompute = mode
+    models = [m for m in model.modules() if isinstance(m, CausalLM)]
+    full = getattr(model, "full", None)  # a PipelineStage runs its head with the model's methods
+    if isinstance(full, CausalLM):
+        models.append(full)
+    for m in models:
+        m.recompute_head = mode == "full"
     return len(layers)

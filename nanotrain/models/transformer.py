@@ -155,6 +155,8 @@ class CausalLM(nn.Module):
             c.hidden_size, pad_vocab_size(c.vocab_size, tp), tp_group=tp_group, device=device, **sp
         )
         self.tie_weights()
+        # recompute "full" reruns the head and loss in backward too (set_recompute sets it)
+        self.recompute_head = False
 
     def tie_weights(self) -> None:
         """Make `lm_head.weight` the embedding's tensor when `config.tie_word_embeddings`.
@@ -203,10 +205,31 @@ class CausalLM(nn.Module):
     def head_and_loss(
         self, h: torch.Tensor, labels: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-        """Logits and, with labels [B, T], (mean CE over labels != -100, token count)."""
-        logits = self.logits(h)
+        """Logits and, with labels [B, T], (mean CE over labels != -100, token count).
+
+        With `recompute_head` (recompute "full") and labels, backward reruns the final norm,
+        head and loss, so only h is kept: the [B, T, V / tp] logits and the loss's fp32
+        softmax are the largest activations of a small model. The returned logits are then
+        kept by nothing but the caller.
+        """
         if labels is None:
-            return logits, None, None
+            return self.logits(h), None, None
+        return self.norm_head_loss(self.norm, h, labels)
+
+    def norm_head_loss(
+        self, norm: nn.Module, h: torch.Tensor, labels: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """`norm`, the LM head and the masked CE (recomputed in backward when
+        `recompute_head`): h [B, T, H] (T / tp under SP), labels [B, T] -> (logits
+        [B, T, V / tp], mean CE over labels != -100, token count)."""
+        if self.recompute_head:
+            return recomputed(self._norm_head_loss, norm, h, labels)
+        return self._norm_head_loss(norm, h, labels)
+
+    def _norm_head_loss(
+        self, norm: nn.Module, h: torch.Tensor, labels: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        logits = self.lm_head(norm(h))
         loss, count = masked_mean_ce(logits, labels, self.tp_group, self.config.vocab_size)
         return logits, loss, count
 

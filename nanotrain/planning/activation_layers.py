@@ -265,8 +265,22 @@ def decoder_layer(
     return full, 0
 
 
-def head_and_loss(led: Ledger, c: Any, d: Dims, dt: Dtypes, part: str) -> None:
-    """Final norm, LM head and the loss of one output (the main head or one MTP depth)."""
+def head_and_loss(
+    led: Ledger, c: Any, d: Dims, dt: Dtypes, part: str, recompute: str | None = None
+) -> int:
+    """Final norm, LM head and the loss of one output (the main head or one MTP depth).
+    Returns the bytes recomputed transiently in its backward (recompute "full" keeps only the
+    head's input and the labels, `CausalLM.norm_head_loss`)."""
+    if recompute != "full":
+        _head_and_loss(led, c, d, dt, part)
+        return 0
+    rebuilt = Ledger()
+    _head_and_loss(rebuilt, c, d, dt, part)
+    led.add("recompute_inputs", d.t * c.hidden_size * dt.stream + d.n * I64)
+    return sum(rebuilt.values())
+
+
+def _head_and_loss(led: Ledger, c: Any, d: Dims, dt: Dtypes, part: str) -> None:
     n, h = d.n, c.hidden_size
     _norm(led, d.t, h, dt.stream, h)
     led.add(part, n * h * dt.norm_out)  # lm_head (kept high) reads the (gathered) norm output
@@ -284,7 +298,8 @@ def embedding(led: Ledger, d: Dims, part: str) -> None:
 
 def mtp_block(led: Ledger, c: Any, d: Dims, dt: Dtypes, ep: int, recompute: str | None) -> int:
     """One MTP depth: embedding of the shifted ids, enorm / hnorm, eh_proj, a decoder layer,
-    its norm, head and loss. Returns the bytes recomputed transiently in its block's backward."""
+    its norm, head and loss. Returns the most bytes recomputed transiently in the backward of
+    its block or of its head."""
     t, h = d.t, c.hidden_size
     sub = Ledger()
     embedding(sub, d, "mtp")
@@ -301,7 +316,7 @@ def mtp_block(led: Ledger, c: Any, d: Dims, dt: Dtypes, ep: int, recompute: str 
         sub.add(part, nbytes)
     if recompute is not None or dt.gemm == F32:
         sub.add("rope", 2 * d.s * (c.qk_rope_head_dim // 2) * F32)  # tables made again
-    head_and_loss(sub, c, d, block_dt, "mtp")
+    rebuilt = max(rebuilt, head_and_loss(sub, c, d, block_dt, "mtp", recompute))
     for part, nbytes in sub.items():
         led.add(part, nbytes)
     return rebuilt

@@ -123,7 +123,7 @@ def _chunk(
     if layers and (recompute is not None or dt.gemm == F32):
         led.add("rope", 2 * d.s * (rope_dim // 2) * F32)  # the chunk's cos / sin tables
     if last:
-        head_and_loss(led, config, d, dt, "logits")
+        transient = max(transient, head_and_loss(led, config, d, dt, "logits", recompute))
         for _ in range(getattr(config, "mtp_depth", 0)):
             transient = max(transient, mtp_block(led, config, d, dt, ep, recompute))
     if len(_CACHE) > 4096:

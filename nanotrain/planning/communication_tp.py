@@ -9,7 +9,7 @@ reduce-scatter under SP) and one output collective (all-reduce; reduce-scatter /
 under SP) (Shoeybi et al. 2019, Korthikanti et al. 2022), MLA's latents instead of the hidden
 state, the MoE shared experts, the LM head's input and the vocab-parallel cross-entropy's two
 per-token reductions, once more per MTP depth; the MoE balance-loss statistics under SP; and
-the forward collectives that recomputation reruns.
+the forward collectives that recomputation reruns (under "full" the heads' and losses' too).
 """
 
 from __future__ import annotations
@@ -98,6 +98,13 @@ def _head_colls(config: Any, tokens: int, sp: bool, dt: WireDtypes) -> list[TpCo
     ]
 
 
+def _head_recomputed(head: list[TpCollective], recompute: str | None) -> list[TpCollective]:
+    """Forward collectives of a head (`_head_colls`) rerun in backward: under "full" the norm,
+    head and loss are checkpointed too (`CausalLM.norm_head_loss`), and the loss saves tensors
+    after its last all-reduce, so all of them."""
+    return [c for c in head if not c.backward] if recompute == "full" else []
+
+
 def is_moe_layer(config: Any, layer: int) -> bool:
     """Whether decoder layer `layer` of `config` is a MoE layer (never for a dense config)."""
     return bool(getattr(config, "is_moe_layer", lambda i: False)(layer))
@@ -155,13 +162,14 @@ def tp_collectives(
             layer = _layer_colls(config, moe, b, tokens, sp, dt)
             colls += layer + _recomputed(layer, layout.recompute, _keeps_trailing(config, moe))
         if stage == last:
-            colls += _head_colls(config, tokens, sp, dt)
+            head = _head_colls(config, tokens, sp, dt)
+            colls += head + _head_recomputed(head, layout.recompute)
             for _ in range(getattr(config, "mtp_depth", 0)):
                 moe = mtp_is_moe(config)
                 block = _layer_colls(config, moe, b, tokens, sp, dt)
                 colls += _exit(tokens * h, dt.param, sp, "head")  # embeds the shifted ids
                 colls += block + _recomputed(block, layout.recompute, _keeps_trailing(config, moe))
-                colls += _head_colls(config, tokens, sp, dt)
+                colls += head + _head_recomputed(head, layout.recompute)
     return colls
 
 

@@ -5,7 +5,8 @@ The step-time model is deliberately simple and stated in full (docs/planning.md)
 * compute: each pipeline stage's FLOPs per step (`flops_per_token_parts` of its layers, plus
   head and MTP on the last stage, times the tokens it sees, split over tp) at
   ``peak_flops * compute_efficiency`` (default 0.5: what well-tuned bf16 training reaches);
-  full recomputation adds one forward of the layers (+1/3 of their FLOPs), selective one
+  full recomputation adds one forward of the layers (+1/3 of their FLOPs; its rerun of the
+  head and loss, a third of the head's FLOPs, is left out), selective one
   forward of each attention block (projections and scores: `attention_flops_per_token` / 3);
 * pipeline: the slowest stage sets the pace; the 1F1B / interleaved bubble adds
   ``(pp - 1) / (virtual_pp * microbatches)`` of its compute (GPipe's is the same);

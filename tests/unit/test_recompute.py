@@ -56,3 +56,30 @@ def test_full_keeps_less_than_selective():
 def test_unknown_mode_is_refused():
     with pytest.raises(ValueError, match="recompute must be one of"):
         nt.LanguageModelModule("tiny", recompute="some")
+
+
+def _vocab_sized_saved(kind: str, mode: str | None) -> list[tuple[int, ...]]:
+    """Shapes of the tensors with a vocabulary-sized dim saved by one training forward."""
+    torch.manual_seed(0)
+    config = presets.get(kind)
+    model = build_model(config).train()
+    set_recompute(model, mode)
+    ids = torch.randint(0, config.vocab_size, (2, 17), generator=torch.Generator().manual_seed(1))
+    shapes = []
+
+    def pack(t):
+        if config.vocab_size in t.shape and not isinstance(t, torch.nn.Parameter):
+            shapes.append(tuple(t.shape))
+        return t
+
+    with saved_tensors_hooks(pack, lambda t: t):
+        out = model(ids[:, :-1], ids[:, 1:])
+    assert out.logits.shape[-1] == config.vocab_size  # the logits are still returned
+    out.total_loss.backward()
+    return shapes
+
+
+@pytest.mark.parametrize("kind", ["tiny", "tiny-dense"])
+def test_full_recompute_keeps_no_logits_or_log_probs_of_the_head_or_mtp(kind):
+    assert _vocab_sized_saved(kind, None)  # without recompute the head's [N, V] are kept
+    assert _vocab_sized_saved(kind, "full") == []
