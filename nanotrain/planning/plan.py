@@ -5,9 +5,8 @@ The step-time model is deliberately simple and stated in full (docs/planning.md)
 * compute: each pipeline stage's FLOPs per step (`flops_per_token_parts` of its layers, plus
   head and MTP on the last stage, times the tokens it sees, split over tp) at
   ``peak_flops * compute_efficiency`` (default 0.5: what well-tuned bf16 training reaches);
-  full recomputation adds one forward of the layers (+1/3 of their FLOPs; its rerun of the
-  head and loss, a third of the head's FLOPs, is left out), selective one
-  forward of each attention block (projections and scores: `attention_flops_per_token` / 3);
+  full recomputation adds one forward of the layers, the head + loss and the MTP modules
+  (+1/3 of their FLOPs), selective one forward of each attention block (projections and scores: `attention_flops_per_token` / 3);
 * pipeline: the slowest stage sets the pace; the 1F1B / interleaved bubble adds
   ``(pp - 1) / (virtual_pp * microbatches)`` of its compute (GPipe's is the same);
 * communication: tp, sequence-parallel, ep and pp traffic sit on the critical path (the code
@@ -147,12 +146,14 @@ def _stage_flops(config: Any, layout: PlanLayout, workload: Workload, chunks: li
     """Training FLOPs per step on one rank of the stage holding `chunks` (recompute included)."""
     parts = _flop_parts(config, workload.seq_len)
     layers = sum(parts.layers[i] for c in chunks for i in c)
+    extras = (parts.head + parts.mtp) if last else 0.0
     if layout.recompute == "full":
-        layers *= 4 / 3  # one more forward of every layer
+        # one more forward of every layer, and of the head + loss and the MTP modules
+        layers, extras = layers * 4 / 3, extras * 4 / 3
     elif layout.recompute == "selective":  # the attention block's forward again
         attention = attention_flops_per_token(config, workload.seq_len)
         layers += sum(attention / 3 for c in chunks for _ in c)
-    per_token = layers + ((parts.head + parts.mtp) if last else 0.0)
+    per_token = layers + extras
     tokens = workload.tokens_per_step / layout.dp  # each dp replica sees its share
     return per_token * tokens / layout.tp
 
