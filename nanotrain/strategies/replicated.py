@@ -117,8 +117,11 @@ class ReplicatedStrategy(Strategy):
         if max_norm is not None:
             # what torch.nn.utils.clip_grad_norm_ does, on the grads the optimizer reads
             coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+            by_dtype: dict[torch.dtype, list[Tensor]] = {}
             for g in grads:
-                g.mul_(coef.to(g.dtype))
+                by_dtype.setdefault(g.dtype, []).append(g)
+            for dtype, group in by_dtype.items():  # one multi-tensor kernel per dtype
+                torch._foreach_mul_(group, coef.to(dtype))
         return norm
 
     def zero_grad(self) -> None:
