@@ -42,7 +42,7 @@ from datetime import timedelta
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
-__all__ = ["AXES", "MeshLayout", "MeshCoords", "ParallelMesh", "validate_layout"]
+__all__ = ["AXES", "MeshLayout", "MeshCoords", "ParallelMesh", "check_sizes", "validate_layout"]
 
 #: Mesh axes, in the order their process groups are created (the same on every rank).
 AXES: tuple[str, ...] = ("tp", "pp", "dp", "ep", "expert_dp", "mp")
@@ -56,7 +56,13 @@ def _fmt(values: list[int]) -> str:
     return ", ".join(str(v) for v in values)
 
 
-def _check_positive_ints(**sizes: int | None) -> None:
+def check_sizes(**sizes: int | None) -> None:
+    """Check that every given parallel size is an int >= 1 (None: not given).
+
+    Raises:
+        TypeError: a size is not an int.
+        ValueError: a size is below 1.
+    """
     for name, value in sizes.items():
         if value is None:
             continue
@@ -109,7 +115,7 @@ def validate_layout(
         TypeError: if a size is not an int.
         ValueError: naming the offending numbers and listing valid alternatives.
     """
-    _check_positive_ints(
+    check_sizes(
         world_size=world_size, tp=tp, pp=pp, ep=ep, dp=dp, num_heads=num_heads,
         num_kv_heads=num_kv_heads, vocab_size=vocab_size, num_experts=num_experts,
         num_layers=num_layers,

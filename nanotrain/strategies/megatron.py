@@ -42,7 +42,7 @@ from torch import Tensor
 
 from nanotrain.parallel.data_parallel import GradBucketSets, backward_order
 from nanotrain.parallel.grads import is_tp_sharded, sequence_parallel_params
-from nanotrain.parallel.mesh import ParallelMesh, validate_layout
+from nanotrain.parallel.mesh import ParallelMesh, check_sizes, validate_layout
 from nanotrain.parallel.pipeline import partition_layers
 from nanotrain.parallel.zero import ZeroOptimizer
 from nanotrain.precision.master import MasterWeights
@@ -52,7 +52,7 @@ from nanotrain.strategies.base import (
     StepOutput,
     Strategy,
 )
-from nanotrain.strategies.layout_checks import check_sizes, model_dims
+from nanotrain.strategies.layout_checks import model_dims
 from nanotrain.strategies.megatron_grads import (
     MegatronGradNorms,
     build_grad_buckets,

@@ -61,10 +61,7 @@ def _ddp_rank(rank: int, world_size: int, root: str) -> list[float]:
 @pytest.mark.skipif(not hasattr(torch, "compile"), reason="needs torch.compile")
 def test_compiled_layers_under_ddp_match_eager_single_process(tmp_path):
     # same global batch of 4 split over 2 ranks: the mean loss per step is the same
-    eager, _ = _fit(tmp_path, False)
-    ranks = run_world(_ddp_rank, 2, str(tmp_path / "ddp"), timeout=240)
-    for losses in ranks:
-        assert losses == pytest.approx(eager, rel=1e-5)
+    _assert_two_ranks_match_eager(tmp_path, _ddp_rank, "ddp", timeout=240)
 
 
 def _tp_rank(rank: int, world_size: int, root: str) -> list[float]:
@@ -75,7 +72,12 @@ def _tp_rank(rank: int, world_size: int, root: str) -> list[float]:
 
 @pytest.mark.skipif(not hasattr(torch, "compile"), reason="needs torch.compile")
 def test_compiled_layers_under_tensor_parallel_match_eager_single_process(tmp_path):
+    _assert_two_ranks_match_eager(tmp_path, _tp_rank, "tp", timeout=300)
+
+
+def _assert_two_ranks_match_eager(tmp_path: Path, rank_fn, name: str, timeout: float) -> None:
+    """Every rank of a 2-rank compiled run logs the losses of the eager single process."""
     eager, _ = _fit(tmp_path, False)
-    ranks = run_world(_tp_rank, 2, str(tmp_path / "tp"), timeout=300)
+    ranks = run_world(rank_fn, 2, str(tmp_path / name), timeout=timeout)
     for losses in ranks:
         assert losses == pytest.approx(eager, rel=1e-5)
