@@ -9,6 +9,11 @@ peak, with `nanotrain.models.accounting.flops_per_token` (6 x active matmul para
 causal attention) and the GPU's dense bf16 peak (H100/H200 SXM 989 TFLOP/s, A100 312; give
 --peak-tflops for others). Without CUDA it checks its arguments, prints the presets' sizes and
 exits 0 without timing anything.
+
+Then (unless --no-sync-check) it fits the tiny DeepSeek model with the Trainer on the GPU in
+bf16-true with its default callbacks, and runs two non-logging steps under
+`torch.cuda.set_sync_debug_mode("error")`: any host-device sync in them raises, and the
+script exits 1 naming it (docs/performance.md, "Host-device synchronizations").
 """
 
 from __future__ import annotations
@@ -61,6 +66,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=20, help="timed steps after 5 warm-up steps")
     p.add_argument("--peak-tflops", type=float, default=None, help="override the GPU's peak")
     p.add_argument("--compile", action="store_true", help="torch.compile each decoder layer")
+    p.add_argument("--no-sync-check", action="store_true", help="skip the Trainer sync check")
     args = p.parse_args(argv)
     for name in ("micro_batch", "seq_len", "steps"):
         if getattr(args, name) < 1:
@@ -125,6 +131,51 @@ def measure(name: str, args: argparse.Namespace, peak: float) -> None:
     torch.cuda.reset_peak_memory_stats()
 
 
+def sync_check(device: str = "cuda") -> bool:
+    """Fit the tiny MoE 6 steps (bf16-true, defaults) with steps 2-4 under sync debug mode
+    "error"; True when none of them synced with the host."""
+    import tempfile
+
+    import nanotrain as nt
+
+    class SyncFree(nt.Callback):
+        def on_train_batch_start(self, trainer, module, batch, batch_idx):
+            if batch_idx in (1, 2, 3):  # steps 2-4: log_every_n_steps=5 logs none of them
+                torch.cuda.set_sync_debug_mode("error")
+
+        def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
+            torch.cuda.set_sync_debug_mode("default")
+
+    class Tokens(torch.utils.data.Dataset):
+        def __len__(self) -> int:
+            return 64
+
+        def __getitem__(self, i: int) -> dict:
+            ids = torch.randint(0, 256, (65,), generator=torch.Generator().manual_seed(i))
+            return {"input_ids": ids[:-1], "labels": ids[1:]}
+
+    with tempfile.TemporaryDirectory() as root:
+        trainer = nt.Trainer(
+            strategy=nt.SingleDeviceStrategy(device),
+            precision="bf16-true",
+            max_steps=6,
+            global_batch_size=8,
+            micro_batch_size=4,
+            log_every_n_steps=5,
+            default_root_dir=root,
+            callbacks=[SyncFree()],
+        )
+        module = nt.LanguageModelModule(model="tiny", vocab_size=256)
+        try:
+            trainer.fit(module, train_dataloaders=Tokens())
+        except RuntimeError as exc:
+            torch.cuda.set_sync_debug_mode("default")
+            print(f"sync check FAILED: a non-logging step synced with the host: {exc}")
+            return False
+    print("sync check: no host-device sync in non-logging steps (Trainer, bf16-true, defaults)")
+    return True
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
     names = list(PRESETS) if args.preset == "all" else [args.preset]
@@ -140,6 +191,8 @@ def main(argv: list[str] | None = None) -> int:
     print("|---|---|---|---|---|---|---|")
     for name in names:
         measure(name, args, peak)
+    if not args.no_sync_check and not sync_check():
+        return 1
     return 0
 
 

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, fields
+from dataclasses import dataclass, field, fields
 from typing import Any
+
+import torch
 
 
 @dataclass
@@ -15,18 +17,62 @@ class TrainState:
         epoch: passes over the training data started so far, minus one (0 in the first).
         steps_in_epoch: optimizer steps taken in the current epoch.
         steps_per_epoch: optimizer steps in one full epoch (set when fitting starts).
-        consumed_samples: samples of all global batches so far.
+        consumed_samples: samples of all global batches so far (a property, see below).
         consumed_tokens: tokens of all global batches so far (0 for non-token data).
         skipped_steps: steps whose optimizer update a callback skipped.
+
+    The step's token and sample totals are device tensors (the strategy counts them with a
+    collective), so `add_consumed` only adds them up on the device; `consumed_samples` and
+    `consumed_tokens` turn the pending sum into Python ints when they are *read* (one
+    device read, then free until the next step). A training step that nobody asks about
+    them (no logging, no `max_tokens`, no checkpoint) never waits for the device.
     """
 
     global_step: int = 0
     epoch: int = 0
     steps_in_epoch: int = 0
     steps_per_epoch: int = 0
-    consumed_samples: int = 0
-    consumed_tokens: int = 0
     skipped_steps: int = 0
+    # host totals [samples, tokens] and the device-side sum not yet read into them
+    _settled: list[int] = field(default_factory=lambda: [0, 0], repr=False, compare=False)
+    _pending: list[torch.Tensor | int] | None = field(default=None, repr=False, compare=False)
+
+    def add_consumed(self, samples: torch.Tensor | int, tokens: torch.Tensor | int) -> None:
+        """Count one step's global samples and tokens without reading them on the host."""
+        step = (samples, tokens)
+        if self._pending is None:
+            self._pending = [0, 0]
+        # a device tensor plus a number (or tensor) stays on the device: no host read
+        self._pending = [total + value for total, value in zip(self._pending, step, strict=True)]
+
+    def _settle(self) -> list[int]:
+        if self._pending is not None:
+            pending = [torch.as_tensor(v, dtype=torch.float64).reshape(()) for v in self._pending]
+            devices = {t.device for t in pending}
+            if len(devices) > 1:  # a count given as a Python number lives on the host
+                pending = [t.cpu() for t in pending]
+            samples, tokens = torch.stack(pending).round().long().tolist()  # one device read
+            self._settled = [self._settled[0] + samples, self._settled[1] + tokens]
+            self._pending = None
+        return self._settled
+
+    @property
+    def consumed_samples(self) -> int:
+        """Samples of all global batches so far (reads the device if a step is pending)."""
+        return self._settle()[0]
+
+    @consumed_samples.setter
+    def consumed_samples(self, value: int) -> None:
+        self._settle()[0] = int(value)
+
+    @property
+    def consumed_tokens(self) -> int:
+        """Tokens of all global batches so far (reads the device if a step is pending)."""
+        return self._settle()[1]
+
+    @consumed_tokens.setter
+    def consumed_tokens(self, value: int) -> None:
+        self._settle()[1] = int(value)
 
     @property
     def fractional_epoch(self) -> float:
@@ -37,11 +83,14 @@ class TrainState:
 
     def state_dict(self) -> dict[str, Any]:
         """The counters as a plain dict (checkpoint-safe: ints only)."""
-        return asdict(self)
+        names = [f.name for f in fields(self) if not f.name.startswith("_")]
+        counters = {name: getattr(self, name) for name in names}
+        counters["consumed_samples"], counters["consumed_tokens"] = self._settle()
+        return counters
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore counters saved by `state_dict`; unknown keys are an error."""
-        known = {f.name for f in fields(self)}
+        known = set(self.state_dict())
         unknown = set(state) - known
         if unknown:
             raise ValueError(f"TrainState got unknown keys {sorted(unknown)}")

@@ -103,6 +103,8 @@ class Trainer(LightningTrainerProperties, EvaluationMethods, CheckpointMethods):
         self.should_stop = False
         self.exit_code = 0  # why fit ended early, see nanotrain.exit_codes (0: normally)
         self._skip_requested = False
+        # whether the step now ending logs (read by callbacks in on_train_batch_end)
+        self.is_log_step = False
         self._train_loader: DataLoader | None = None
         self._train_sampler: Any = None
         self._val_loader: DataLoader | None = None
@@ -145,9 +147,28 @@ class Trainer(LightningTrainerProperties, EvaluationMethods, CheckpointMethods):
         self.should_stop = True
         self.exit_code = self.exit_code or exit_code
 
-    def request_skip_step(self) -> None:
-        """Discard this step's update; valid only inside `on_before_optimizer_step`."""
-        self._skip_requested = True
+    def request_skip_step(self, when: torch.Tensor | None = None) -> None:
+        """Discard this step's update; valid only inside `on_before_optimizer_step`.
+
+        Args:
+            when: None discards it outright (decided on the host). A 0-dim bool tensor on
+                the device discards it only where the tensor is True, decided by the
+                optimizer on the device with no host read; needs
+                `trainer.strategy.can_skip_on_device` (a fused optimizer). Flags of several
+                requests are OR-ed; `step_output.skip_flag` holds the result.
+        """
+        if when is None:
+            self._skip_requested = True
+            return
+        if not self.strategy.can_skip_on_device:
+            raise ValueError(
+                "request_skip_step(when=...) needs an optimizer that can skip an update on the "
+                "device (a fused one, e.g. LanguageModelModule(optimizer_impl='fused')) and no "
+                "fp16 loss scaling; call request_skip_step() to skip on the host instead"
+            )
+        flag = when.reshape(()).bool()
+        out = self.step_output
+        out.skip_flag = flag if out.skip_flag is None else out.skip_flag | flag
 
     # -- hook dispatch ---------------------------------------------------------------------
     def _call(self, hook: str, *args: Any) -> None:
@@ -356,17 +377,17 @@ class Trainer(LightningTrainerProperties, EvaluationMethods, CheckpointMethods):
             self.strategy.skip_step()
             out.skipped = True
         else:
-            self.strategy.optimizer_step()
+            self.strategy.optimizer_step(skip_if=out.skip_flag)
             self._step_scheduler("step")
         self._skip_requested = False
         if out.skipped:
             st.skipped_steps += 1
         st.global_step += 1
         st.steps_in_epoch += 1
-        st.consumed_samples += out.num_samples
-        st.consumed_tokens += out.num_tokens
+        st.add_consumed(out.num_samples, out.num_tokens)  # on the device: no host read
         self._train_sampler.advance(s.micro_batch_size * len(microbatches))
         log_step = st.global_step % s.log_every_n_steps == 0 or self._done()
+        self.is_log_step = log_step
         if log_step:
             self._log_train(out)
         else:

@@ -41,8 +41,20 @@ class NaNGuard(Callback):
     Logged at each bad step: nan_guard/skipped_steps (bad steps so far) and
     nan_guard/consecutive.
 
-    Reading the two values costs one host-device sync per step: a guard has to know before
-    the optimizer steps.
+    Where the check runs (`on_device`):
+
+    - on the device (the default when the optimizer can skip an update there: torch's fused
+      optimizers, which `optimizer_impl="auto"` picks on CUDA): the bad-step test and the
+      skip are decided by the optimizer on the device, so a step never waits for the GPU.
+      The guard reads its device-side counters on logging steps (and when a checkpoint is
+      saved or training ends): that is when bad steps are logged, counted in
+      `trainer.state.skipped_steps`, and when a "stop" (or `max_consecutive`) takes effect.
+      The weights never took a bad update, so the checkpoint written then is a good state;
+      its data position is after the bad batch. The LR schedule moves on at a bad step.
+    - on the host (otherwise, or `on_device=False`): the loss and grad norm are read before
+      the optimizer steps (one host-device sync per step), and a stop happens at the bad
+      step itself, whose checkpoint's data position is before the bad batch (a resume
+      replays it).
 
     Args:
         action: "skip" or "stop".
@@ -50,9 +62,13 @@ class NaNGuard(Callback):
         check_grad_norm: also treat a non-finite grad norm as bad.
         save_checkpoint: write the checkpoint when stopping (the directory is then in
             `self.checkpoint_path`).
+        on_device: None (default) checks on the device when
+            `trainer.strategy.can_skip_on_device`, on the host otherwise; True requires the
+            device check; False always checks on the host.
 
     Raises:
-        ValueError: for an unknown action or max_consecutive < 1.
+        ValueError: for an unknown action or max_consecutive < 1; at the first step, for
+            on_device=True with an optimizer that cannot skip on the device.
     """
 
     def __init__(
@@ -61,6 +77,7 @@ class NaNGuard(Callback):
         max_consecutive: int = 5,
         check_grad_norm: bool = True,
         save_checkpoint: bool = True,
+        on_device: bool | None = None,
     ) -> None:
         if action not in _ACTIONS:
             raise ValueError(f"action must be 'skip' or 'stop', got {action!r}")
@@ -74,6 +91,10 @@ class NaNGuard(Callback):
         self.consecutive = 0
         self.stop_reason: str | None = None
         self.checkpoint_path: Any = None
+        self.on_device = on_device
+        # device mode: [bad steps, consecutive, checks, check index of the last bad one]
+        self._device_counts: torch.Tensor | None = None
+        self._first_check_step = 0
 
     def on_before_optimizer_step(
         self, trainer: Trainer, module: NanoModule, optimizer: torch.optim.Optimizer
@@ -87,6 +108,9 @@ class NaNGuard(Callback):
         values = [out.loss.detach().float().reshape(())]
         if self.check_grad_norm and out.grad_norm is not None:
             values.append(out.grad_norm.detach().float().reshape(()))
+        if self._checks_on_device(trainer):
+            self._check_on_device(trainer, torch.stack(values))
+            return
         loss, norm = (torch.stack(values).tolist() + [0.0])[:2]  # one device sync for both
         if math.isfinite(loss) and math.isfinite(norm):
             self.consecutive = 0
@@ -95,21 +119,77 @@ class NaNGuard(Callback):
         trainer.request_skip_step()
         self.bad_steps += 1
         self.consecutive += 1
+        what = f"loss={loss}, grad_norm={norm if self.check_grad_norm else 'unchecked'}"
+        self._report(trainer, step, f"at step {step} ({what})")
+
+    def _checks_on_device(self, trainer: Trainer) -> bool:
+        if self.on_device is False:
+            return False
+        if self.on_device and not trainer.strategy.can_skip_on_device:
+            raise ValueError(
+                "NaNGuard(on_device=True) needs an optimizer that can skip an update on the "
+                "device (a fused one: LanguageModelModule(optimizer_impl='fused')) and no fp16 "
+                "loss scaling; use on_device=None to fall back to the host check"
+            )
+        return trainer.strategy.can_skip_on_device
+
+    def _check_on_device(self, trainer: Trainer, values: torch.Tensor) -> None:
+        """Skip the update where a value is non-finite and count it, all on the device."""
+        bad = ~torch.isfinite(values).all()
+        if self._device_counts is None:
+            self._first_check_step = trainer.global_step + 1
+            start = [self.bad_steps, self.consecutive, 0, -1]
+            self._device_counts = torch.tensor(start, dtype=torch.long, device=values.device)
+        c = self._device_counts
+        checks = c[2] + 1
+        consecutive = (c[1] + 1) * bad  # back to 0 at a good step
+        last = torch.where(bad, c[2], c[3])  # index of this check, 0-based
+        self._device_counts = torch.stack([c[0] + bad, consecutive, checks, last])
+        trainer.request_skip_step(bad)
+
+    def on_train_batch_end(self, trainer: Trainer, module: NanoModule, *args: Any) -> None:
+        """Device mode: read the counters on logging steps and act on new bad steps."""
+        if trainer.is_log_step:
+            self._settle(trainer)
+
+    def on_train_end(self, trainer: Trainer, module: NanoModule) -> None:
+        """Device mode: account for bad steps since the last logging step."""
+        self._settle(trainer)
+
+    def _settle(self, trainer: Trainer | None) -> None:
+        if self._device_counts is None:
+            return
+        total, consecutive, checks, last = self._device_counts.tolist()  # one device read
+        new = total - self.bad_steps
+        self.bad_steps, self.consecutive = total, consecutive
+        self._device_counts = None  # restarts from the host counters at the next check
+        base = self._first_check_step
+        if new <= 0 or trainer is None:
+            return
+        trainer.state.skipped_steps += new
+        step = base + last
+        self._report(
+            trainer,
+            step,
+            f"in {new} step(s) up to step {trainer.global_step}, the last at step {step}; "
+            "their updates were skipped on the device",
+            now=trainer.global_step,
+        )
+
+    def _report(self, trainer: Trainer, step: int, what: str, now: int | None = None) -> None:
+        """Log the counters at `step` and skip, warn, or stop (checkpoint named after `now`,
+        the current step in device mode, else the bad step)."""
         trainer.log_metrics(
             {"nan_guard/skipped_steps": self.bad_steps, "nan_guard/consecutive": self.consecutive},
             step=step,
         )
-        what = f"loss={loss}, grad_norm={norm if self.check_grad_norm else 'unchecked'}"
+        at = step if now is None else now
         if self.action == "stop":
-            self._stop(trainer, step, f"non-finite values at step {step} ({what})")
+            self._stop(trainer, at, f"non-finite values {what}")
         elif self.consecutive >= self.max_consecutive:
-            self._stop(
-                trainer,
-                step,
-                f"{self.consecutive} bad steps in a row, the last at step {step} ({what})",
-            )
+            self._stop(trainer, at, f"{self.consecutive} bad steps in a row, {what}")
         elif trainer.is_global_zero:
-            log.warning("NaNGuard: skipped the update of step %d: %s", step, what)
+            log.warning("NaNGuard: skipped the update: non-finite values %s", what)
 
     def _stop(self, trainer: Trainer, step: int, reason: str) -> None:
         where = ""
@@ -127,10 +207,14 @@ class NaNGuard(Callback):
         trainer.request_stop(exit_code=EXIT_NONFINITE)
 
     def state_dict(self) -> dict[str, Any]:
-        """Bad-step counters."""
+        """Bad-step counters (device mode: read from the device first)."""
+        if self._device_counts is not None:
+            counts = self._device_counts.tolist()
+            return {"bad_steps": counts[0], "consecutive": counts[1]}
         return {"bad_steps": self.bad_steps, "consecutive": self.consecutive}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restore the counters of `state_dict`."""
         self.bad_steps = int(state_dict["bad_steps"])
         self.consecutive = int(state_dict["consecutive"])
+        self._device_counts = None

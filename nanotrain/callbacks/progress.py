@@ -105,6 +105,7 @@ class ProgressBar(Callback):
         self._start_time = 0.0
         self._start_step = self._start_tokens = 0
         self._shown: dict[str, float] = {}
+        self._rich_text = ""
 
     def _resolve_mode(self, trainer: Trainer) -> str:
         if not trainer.is_global_zero or self.mode == "off":
@@ -166,11 +167,13 @@ class ProgressBar(Callback):
         if is_log_step:
             self._shown = shown_metrics(trainer)
         if self._active == "rich":
+            if is_log_step or not self._rich_text:  # the text reads the device: log steps only
+                self._rich_text = self._metrics_text(trainer, with_eta=False)
             self._progress.update(
                 self._task,
                 completed=trainer.global_step,
                 total=total_steps(trainer),
-                metrics=self._metrics_text(trainer, with_eta=False),
+                metrics=self._rich_text,
             )
         elif is_log_step:
             self._write(self._metrics_text(trainer, with_eta=True))

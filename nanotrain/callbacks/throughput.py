@@ -136,11 +136,13 @@ class ThroughputMonitor(Callback):
     ) -> None:
         """Count the step; on log steps compute and log the window's rates."""
         self._steps += 1
-        self._samples += outputs.num_samples
-        self._tokens += outputs.num_tokens
+        # device tensors: summed on the device, read only on the log step below
+        self._samples = self._samples + outputs.num_samples
+        self._tokens = self._tokens + outputs.num_tokens
         every = self.log_every_n_steps or trainer.settings.log_every_n_steps
         if trainer.global_step % every or self._window_start is None:
             return
+        self._samples, self._tokens = (float(v) for v in (self._samples, self._tokens))
         device = trainer.strategy.root_device
         if device.type == "cuda":
             torch.cuda.synchronize(device)

@@ -36,6 +36,8 @@ def nonfinite_parts(trainer: Trainer, model_state: Mapping[str, Any]) -> list[st
                 break
     out = trainer.step_output
     skipped = getattr(out, "skipped", False) or getattr(trainer, "_skip_requested", False)
+    flag = getattr(out, "skip_flag", None)
+    skipped = skipped or (flag is not None and bool(flag))  # skipped on the device
     if out is not None and not skipped and not math.isfinite(float(out.loss.detach().float())):
         parts.append("loss")
     return parts

@@ -52,8 +52,12 @@ class StepOutput:
         loss: scalar tensor, the training objective over the whole global batch (every
             microbatch of every data-parallel rank; with loss terms, the weighted sum of each
             term's global mean), on every rank.
-        num_tokens: tokens in the global batch, as counted by `NanoModule.count_tokens`.
-        num_samples: samples in the global batch.
+        num_tokens: tokens in the global batch, as counted by `NanoModule.count_tokens`: a
+            0-dim float64 tensor on the root device (whole numbers). It stays on the device
+            so that a step needs no host read; `trainer.state.consumed_tokens` is the
+            running total as a Python int.
+        num_samples: samples in the global batch, the same kind of tensor
+            (`trainer.state.consumed_samples`: the running total).
         grad_norm: global L2 norm of the gradients before clipping, set by
             `Strategy.clip_grad_norm_` (None until then).
         metrics: extra scalar tensors a strategy reports, logged by the Trainer: the global
@@ -61,15 +65,40 @@ class StepOutput:
             `nanotrain.loss_terms`).
         skipped: True when the update was discarded: by the precision plugin (an fp16
             overflow on any rank, known when `forward_backward` returns) or at a callback's
-            request (`Trainer.request_skip_step`).
+            request (`Trainer.request_skip_step()`).
+        skip_flag: a 0-dim bool device tensor when a callback asked to skip the update
+            only where a device-side condition holds (`Trainer.request_skip_step(when)`);
+            True where the update was discarded. None otherwise.
     """
 
     loss: Tensor
-    num_tokens: int
-    num_samples: int
+    num_tokens: Tensor
+    num_samples: Tensor
     grad_norm: Tensor | None = None
     metrics: dict[str, Tensor] = field(default_factory=dict)
     skipped: bool = False
+    skip_flag: Tensor | None = None
+
+
+@contextlib.contextmanager
+def skip_on_device(optimizer: torch.optim.Optimizer, skip_if: Tensor | None) -> Iterator[None]:
+    """Within the block, `optimizer.step()` is a no-op where `skip_if` (0-dim bool tensor) is
+    True, with no host read: torch's fused optimizers take the flag GradScaler hands them
+    (`found_inf`) and skip the update and the step count on the device."""
+    if skip_if is None:
+        yield
+        return
+    if not getattr(optimizer, "_step_supports_amp_scaling", False):
+        raise ValueError(
+            f"{type(optimizer).__name__} cannot skip an update on the device; use a fused "
+            "optimizer (e.g. AdamW(fused=True), LanguageModelModule(optimizer_impl='fused')) "
+            "or request the skip on the host (Trainer.request_skip_step())"
+        )
+    optimizer.found_inf = skip_if.float().reshape(())  # type: ignore[attr-defined]
+    try:
+        yield
+    finally:
+        del optimizer.found_inf  # type: ignore[attr-defined]
 
 
 class Strategy(ABC):
@@ -209,11 +238,30 @@ class Strategy(ABC):
     def clip_grad_norm_(self, max_norm: float | None) -> Tensor:
         """Return the global grad norm (before clipping); clip to `max_norm` unless None."""
 
-    def optimizer_step(self) -> None:
+    @property
+    def can_skip_on_device(self) -> bool:
+        """Whether `optimizer_step(skip_if=...)` can drop an update without a host read: the
+        optimizer takes a device-side "found inf" flag (torch's fused optimizers, e.g.
+        ``AdamW(fused=True)``, which `optimizer_impl="auto"` picks on CUDA) and no loss
+        scaler decides skips on the host."""
+        optimizer = self.optimizer_setup.optimizer if self.optimizer_setup else None
+        return (
+            optimizer is not None
+            and bool(getattr(optimizer, "_step_supports_amp_scaling", False))
+            and not self.precision.uses_loss_scaling
+        )
+
+    def optimizer_step(self, skip_if: Tensor | None = None) -> None:
         """Apply the optimizer update (on fp32 masters when the precision keeps them; skipped
-        after an fp16 overflow), then zero the gradients."""
+        after an fp16 overflow), then zero the gradients.
+
+        Args:
+            skip_if: a 0-dim bool device tensor; where it is True the optimizer leaves the
+                weights and its state as they were, decided on the device (needs
+                `can_skip_on_device`).
+        """
         if not self.precision.skip_step:
-            with named_range("nanotrain/optimizer_step"):
+            with named_range("nanotrain/optimizer_step"), skip_on_device(self.optimizer, skip_if):
                 if self._master_holder is not None:
                     self._master_holder.step()
                 else:

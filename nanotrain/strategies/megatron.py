@@ -51,6 +51,7 @@ from nanotrain.strategies.base import (
     DataShard,
     StepOutput,
     Strategy,
+    skip_on_device,
 )
 from nanotrain.strategies.layout_checks import model_dims
 from nanotrain.strategies.megatron_grads import (
@@ -359,11 +360,10 @@ class MegatronStrategy(MegatronGradNorms, Strategy):
         if self.precision.uses_loss_scaling:
             self._unscale_grads()
         loss, terms = accumulator.finish(self, sums)
-        num_tokens, num_samples = weighed.host_totals()
         return StepOutput(
             loss=loss,
-            num_tokens=num_tokens,
-            num_samples=num_samples,
+            num_tokens=weighed.tokens,
+            num_samples=weighed.samples,
             metrics={**terms, **self.precision.step_metrics()},
             skipped=self.precision.skip_step,
         )
@@ -407,12 +407,13 @@ class MegatronStrategy(MegatronGradNorms, Strategy):
             )
         return super().predict_step(module, batch, batch_idx)
 
-    def optimizer_step(self) -> None:
+    def optimizer_step(self, skip_if: Tensor | None = None) -> None:
         """Update (sharded under ZeRO, then parameters all-gathered; on fp32 masters when the
-        precision keeps them; skipped on every rank after an fp16 overflow) and zero the
+        precision keeps them; skipped on every rank after an fp16 overflow, or where the
+        device flag `skip_if` is True: see `Strategy.optimizer_step`) and zero the
         gradients."""
         if not self.precision.skip_step:
-            with named_range("nanotrain/optimizer_step"):
+            with named_range("nanotrain/optimizer_step"), skip_on_device(self.optimizer, skip_if):
                 if self._zero is not None:
                     self._zero.step()
                 elif self._master_holder is not None:

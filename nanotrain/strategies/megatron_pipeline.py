@@ -172,11 +172,13 @@ class PipelineEngine:
         return terms
 
     @staticmethod
-    def _replayed(row: Tensor) -> ModelOutput:
+    def _replayed(row: Tensor, has_mtp: bool) -> ModelOutput:
         def f(col: int) -> Tensor:
             return row[col].float()
 
-        mtp = f(_MTP) if row[_HAS_MTP] > 0 else None
+        # whether there is an MTP loss is the model's (static) config: reading the row's
+        # flag would wait for the device
+        mtp = f(_MTP) if has_mtp else None
         count = row[_COUNT].long()
         return ModelOutput(None, f(_LM), f(_AUX), mtp, f(_TOTAL), count)
 
@@ -226,9 +228,10 @@ class PipelineEngine:
         with named_range("nanotrain/grad_reduction"):
             grads.finish()
         terms = self._global_terms(terms, over_dp=True)
+        has_mtp = _has_mtp(stage)
         with torch.no_grad():
             for m, batch in enumerate(microbatches):
-                stage.replay(self._replayed(terms[m]))
+                stage.replay(self._replayed(terms[m], has_mtp))
                 module.training_step(batch, batch_idx)
         return self.sum_over_stages(accumulator.sums)
 
@@ -251,7 +254,7 @@ class PipelineEngine:
         actions = forward_only(1, self.mesh.pp_size, self.mesh.pp_rank, self.virtual_pp)
         run_schedule(actions, self._comm(stage, batch, dtype), step, forward_only=True)
         terms = self._global_terms(terms, over_dp=False)
-        stage.replay(self._replayed(terms[0]))
+        stage.replay(self._replayed(terms[0], _has_mtp(stage)))
         with torch.no_grad():
             return module.validation_step(batch, batch_idx)
 
@@ -283,3 +286,8 @@ class PipelineEngine:
             for name, value in part.items():
                 merged.setdefault(name, value)
         return merged
+
+
+def _has_mtp(stage: PipelineStage) -> bool:
+    """Whether the pipelined model computes an MTP loss (on its last stage, in training)."""
+    return stage.training and getattr(stage.config, "mtp_depth", 0) > 0

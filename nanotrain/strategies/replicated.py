@@ -45,6 +45,10 @@ class ReplicatedStrategy(Strategy):
         super().__init__()
         self._step_runner: nn.Module | None = None
         self._main_grads: MainGrads | None = None  # fp32 accumulation for bf16 parameters
+        # every parameter of the module, listed once: walking the module tree each step is a
+        # measurable part of a small model's step (the grads are looked up each step, so
+        # freezing or unfreezing during training is still seen)
+        self._all_params: list[nn.Parameter] = []
 
     def _wrap(self, module: NanoModule) -> nn.Module:
         """Return the module whose forward runs one training microbatch."""
@@ -52,6 +56,7 @@ class ReplicatedStrategy(Strategy):
 
     def setup_module(self, module: NanoModule) -> None:
         super().setup_module(module)
+        self._all_params = list(module.parameters())
         if self.precision.master_weights:
             self._main_grads = MainGrads(list(self.parameters()))
         self._step_runner = self._wrap(module)
@@ -96,21 +101,20 @@ class ReplicatedStrategy(Strategy):
         if self._main_grads is not None:
             self._reduce_main_grads(self._main_grads.buffer)
         if precision.uses_loss_scaling:
-            grads = [grad_of(p) for p in self.parameters()]
+            grads = [grad_of(p) for p in self._all_params]
             precision.unscale_grads_([g for g in grads if g is not None], self._found_inf_groups())
         loss, terms = accumulator.finish(self)
-        num_tokens, num_samples = weighed.host_totals()
         return StepOutput(
             loss=loss,
-            num_tokens=num_tokens,
-            num_samples=num_samples,
+            num_tokens=weighed.tokens,
+            num_samples=weighed.samples,
             metrics={**terms, **precision.step_metrics()},
             skipped=precision.skip_step,
         )
 
     def clip_grad_norm_(self, max_norm: float | None) -> Tensor:
         """Global L2 grad norm over this (already synchronized) replica's gradients; clip if asked."""
-        grads = [g for g in (grad_of(p) for p in self.parameters()) if g is not None]
+        grads = [g for g in map(grad_of, self._all_params) if g is not None]
         if not grads:
             return torch.zeros((), device=self.root_device)
         norm = torch.nn.utils.get_total_norm(grads, norm_type=2.0)
@@ -132,6 +136,7 @@ class ReplicatedStrategy(Strategy):
 
     def teardown(self) -> None:
         self._step_runner = None
+        self._all_params = []
         if self._main_grads is not None:
             self._main_grads.remove()
             self._main_grads = None

@@ -14,7 +14,7 @@ Two modes, picked by the module:
   (`NanoModule.count_tokens`) as ``t[m] * R / T``; ``1 / M`` each when the data has no tokens.
 
 Every count stays a device tensor: weighing adds no host-device synchronization; the totals
-become Python ints only in `MicrobatchWeights.host_totals`.
+become Python ints only when `TrainState.consumed_tokens` / `consumed_samples` are read.
 """
 
 from __future__ import annotations
@@ -60,11 +60,6 @@ class MicrobatchWeights:
         """One-loss mode's per-microbatch weights as floats (reads the device: tests only)."""
         return self.scales[:, 0].tolist()
 
-    def host_totals(self) -> tuple[int, int]:
-        """(tokens, samples) of the global batch as Python ints: one device read."""
-        tokens, samples = torch.stack([self.tokens, self.samples]).round().long().tolist()
-        return int(tokens), int(samples)
-
 
 def _as_counts(value: Any, device: torch.device) -> Tensor:
     """A count (Python number or tensor, any device) as float64 [n] on `device`, with no
@@ -72,6 +67,71 @@ def _as_counts(value: Any, device: torch.device) -> Tensor:
     if isinstance(value, Tensor) and value.device.type != "cpu":
         return value.to(device=device, dtype=torch.float64).reshape(-1)
     return host_to_device([float(v) for v in torch.as_tensor(value).reshape(-1).tolist()], device)
+
+
+def _on_host(value: Any) -> bool:
+    """Whether a count is known on the host (None, a number or a CPU tensor)."""
+    return not isinstance(value, Tensor) or value.device.type == "cpu"
+
+
+def _host_values(count: Any) -> list[float]:
+    """A host count (number or CPU tensor) as a flat list of floats."""
+    if isinstance(count, Tensor):
+        return [float(v) for v in count.reshape(-1).tolist()]
+    return [float(count)]
+
+
+def _check_lengths(module: Any, lengths: set[int]) -> None:
+    if len(lengths) != 1:
+        raise ValueError(
+            f"{type(module).__name__}.loss_counts must return a tensor of the same length "
+            "for every microbatch (one count per loss term)"
+        )
+
+
+def _host_rows(module: Any, raw: list | None, raw_tokens: list) -> tuple[list, list]:
+    """(counts [M][K], tokens [M]) as Python floats, from counts known on the host."""
+    tokens = [sum(_host_values(t)) for t in raw_tokens]
+    if raw is None:
+        return [[t] for t in tokens], tokens
+    rows = [_host_values(c) for c in raw]
+    _check_lengths(module, {len(r) for r in rows})
+    return rows, tokens
+
+
+def _weigh_on_host(
+    rows: list, tokens: list, samples: float, uses_terms: bool, device: torch.device
+) -> MicrobatchWeights:
+    """`weigh_microbatches` for one data-parallel replica with counts known on the host:
+    the same arithmetic in Python floats, copied to `device` as one tensor."""
+    m, k = len(rows), len(rows[0])
+    global_counts = [sum(r[j] for r in rows) for j in range(k)]
+    # data without tokens (one-loss mode, no count): the plain mean over microbatches
+    absent = 0.0 if uses_terms else 1.0 / m
+    scales = [
+        [r[j] / global_counts[j] if global_counts[j] > 0 else absent for j in range(k)]
+        for r in rows
+    ]
+    flat = [v for r in scales for v in r] + global_counts + [sum(tokens), samples]
+    t = host_to_device(flat, device)
+    n = m * k
+    return MicrobatchWeights(t[:n].view(m, k), t[n : n + k], t[n + k], t[n + k + 1], uses_terms, 1)
+
+
+def _device_counts(
+    module: Any, raw: list | None, raw_tokens: list, samples: float, device: torch.device
+) -> tuple[Tensor, Tensor]:
+    """(counts [M, K], local sums [K + 2]) from counts of which some live on the device,
+    without reading them."""
+    tokens = torch.cat([_as_counts(t, device) for t in raw_tokens])
+    if raw is None:
+        counts_mk = tokens[:, None]
+    else:
+        counts = [_as_counts(c, device) for c in raw]
+        _check_lengths(module, {c.numel() for c in counts})
+        counts_mk = torch.stack(counts)
+    samples_t = host_to_device([samples], device)
+    return counts_mk, torch.cat([counts_mk.sum(0), tokens.sum().reshape(1), samples_t])
 
 
 def weigh_microbatches(
@@ -90,29 +150,29 @@ def weigh_microbatches(
     device = strategy.root_device
     raw = [module.loss_counts(mb) for mb in microbatches]
     uses_terms = raw[0] is not None
-    tokens = torch.cat([_as_counts(module.count_tokens(mb), device) for mb in microbatches])
+    if uses_terms and any(c is None for c in raw):
+        raise ValueError(
+            f"{type(module).__name__}.loss_counts returned None for some microbatches of "
+            "a step and counts for others; return counts for every microbatch"
+        )
+    raw_tokens = [module.count_tokens(mb) for mb in microbatches]
     samples = float(sum(module.count_samples(mb) for mb in microbatches))
-    if uses_terms:
-        if any(c is None for c in raw):
-            raise ValueError(
-                f"{type(module).__name__}.loss_counts returned None for some microbatches of "
-                "a step and counts for others; return counts for every microbatch"
-            )
-        counts = [_as_counts(c, device) for c in raw]
-        if len({c.numel() for c in counts}) != 1:
-            raise ValueError(
-                f"{type(module).__name__}.loss_counts must return a tensor of the same length "
-                "for every microbatch (one count per loss term)"
-            )
-        counts_mk = torch.stack(counts)
+    replicas = strategy.data_shard().count
+    if all(map(_on_host, raw + raw_tokens)):
+        rows, tokens = _host_rows(module, raw if uses_terms else None, raw_tokens)
+        if replicas == 1:  # nothing to reduce: every number is known here
+            return _weigh_on_host(rows, tokens, samples, uses_terms, device)
+        n, k = len(rows), len(rows[0])
+        sums = [sum(r[j] for r in rows) for j in range(k)]
+        flat = host_to_device([v for r in rows for v in r] + sums + [sum(tokens), samples], device)
+        counts_mk, local = flat[: n * k].view(n, k), flat[n * k :]
     else:
-        counts_mk = tokens[:, None]
-    samples_t = host_to_device([samples], device)
-    local = torch.cat([counts_mk.sum(0), tokens.sum().reshape(1), samples_t])
+        counts_mk, local = _device_counts(
+            module, raw if uses_terms else None, raw_tokens, samples, device
+        )
     total = strategy.reduce(local, op="sum")
     k = counts_mk.shape[1]
     global_counts, total_tokens, total_samples = total[:k], total[k], total[k + 1]
-    replicas = strategy.data_shard().count
     present = global_counts > 0
     scales = counts_mk * replicas / torch.where(present, global_counts, 1.0)
     scales = torch.where(present, scales, torch.zeros_like(scales))

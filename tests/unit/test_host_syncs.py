@@ -12,14 +12,13 @@ from nanotrain.sync_guard import HostSyncCounter
 from tests.unit.test_callbacks_moe_load import RandomTokens
 
 # Reads allowed in a non-logging step, each a known and documented one (docs/performance.md):
-# - `_as_counts` turns a *CPU* count into a device tensor; on a GPU the counts `count_tokens`
-#   returns are device tensors and take the branch that reads nothing (on this CPU-only test
-#   every tensor is a host tensor, so the counter sees the CPU branch);
-# - `host_totals`: the step's global token and sample counts as Python ints (TrainState,
-#   max_tokens, the sampler position): one read of two numbers per step;
-# - the default NaNGuard's check of the loss and grad norm, which must be decided on the host
-#   before the update (one read of two numbers per step; leave NaNGuard out to drop it).
-ALLOWED = ("(_as_counts)", "(host_totals)", "(on_before_optimizer_step)")
+# `_host_values` reads counts that are *CPU* tensors (the host branch of the step's
+# weighing); on a GPU the counts `count_tokens` returns are device tensors and take the
+# branch that reads nothing (on this CPU-only test every tensor is a host tensor, so the
+# counter sees the CPU branch). The step's token and
+# sample totals stay on the device (`TrainState.add_consumed`), and the default NaNGuard
+# decides on the device with the fused optimizer, so neither is allowed here.
+ALLOWED = ("(_host_values)",)
 
 
 class _Record(nt.Callback):
@@ -86,3 +85,24 @@ def test_logged_means_are_weighted_by_batch_size_without_reading_the_device():
         mean.update(torch.tensor(3.0), 6.0)  # a batch of 6 with mean loss 3
     assert c.records == []
     assert float(mean.compute()) == (1.0 * 2 + 3.0 * 6) / 8
+
+
+def test_train_state_counts_on_the_device_and_reads_once_when_asked():
+    from nanotrain.state import TrainState
+
+    state = TrainState()
+    steps = [(torch.tensor(8.0, dtype=torch.float64), torch.tensor(96.0, dtype=torch.float64))]
+    steps.append((8, torch.tensor(100.0, dtype=torch.float64)))  # samples may come as an int
+    with HostSyncCounter() as c:
+        for samples, tokens in steps:
+            state.add_consumed(samples, tokens)
+    assert c.records == []
+    with HostSyncCounter() as c:
+        assert (state.consumed_samples, state.consumed_tokens) == (16, 196)
+    assert len(c.records) == 1  # both totals in one read, then nothing pending
+    saved = state.state_dict()
+    assert saved["consumed_samples"] == 16 and saved["consumed_tokens"] == 196
+    resumed = TrainState()
+    resumed.load_state_dict(saved)
+    resumed.add_consumed(8, 4)
+    assert (resumed.consumed_samples, resumed.consumed_tokens) == (24, 200)
