@@ -6,7 +6,9 @@ time per step after a warm-up is compared. Run:
 
     python benchmarks/overhead.py --steps 500 --rounds 5
 
-Prints a table with each runner's ms/step and its ratio to the plain loop.
+Each run's figure is its median step-to-step time after the warm-up. Prints a table with
+each runner's median over rounds, its ratio to the plain loop's, and the median of the
+per-round ratios ("paired": each round's runners run back to back).
 """
 
 from __future__ import annotations
@@ -51,20 +53,25 @@ def make_data(num_samples: int, width: int) -> TensorDataset:
 
 
 class _StepClock:
-    """Timestamps the start of step `warmup` and the end of training (shared by all runners)."""
+    """Timestamps the start of every step from `warmup` on and the end of training (shared by
+    all runners); a run's figure is the median step-to-step time, so a moment when another
+    process takes the core costs the steps it hit, not the run."""
 
     def __init__(self, warmup: int) -> None:
-        self.warmup, self.start, self.end = warmup, None, None
+        self.warmup, self.stamps = warmup, []
 
     def at_batch_start(self, batch_idx: int) -> None:
-        if batch_idx == self.warmup:
-            self.start = time.perf_counter()
+        if batch_idx >= self.warmup:
+            self.stamps.append(time.perf_counter())
 
     def at_train_end(self) -> None:
-        self.end = time.perf_counter()
+        self.stamps.append(time.perf_counter())
 
     def ms_per_step(self, steps: int) -> float:
-        return 1e3 * (self.end - self.start) / (steps - self.warmup)
+        assert len(self.stamps) == steps - self.warmup + 1, "one stamp per timed step + end"
+        return 1e3 * statistics.median(
+            b - a for a, b in zip(self.stamps, self.stamps[1:], strict=False)
+        )
 
 
 def run_plain(data: TensorDataset, batch: int, steps: int, warmup: int, width: int) -> float:
@@ -192,11 +199,16 @@ def main() -> None:
         f"steps={args.steps} warmup={args.warmup} rounds={args.rounds} batch={args.batch} "
         f"width={args.width} threads={args.threads} torch={torch.__version__}"
     )
-    print(f"{'runner':<18} {'ms/step (median)':>17} {'vs plain':>9}   all rounds (ms/step)")
+    print(
+        f"{'runner':<18} {'ms/step (median)':>17} {'vs plain':>9} {'paired':>7}"
+        "   all rounds (ms/step)"
+    )
     for name, values in times.items():
         med = statistics.median(values)
+        # the same round's plain loop ran moments before: its ratio cancels slow drifts
+        paired = statistics.median(v / p for v, p in zip(values, times["plain loop"], strict=True))
         rounds = " ".join(f"{v:.3f}" for v in values)
-        print(f"{name:<18} {med:>17.3f} {med / base:>9.3f}   {rounds}")
+        print(f"{name:<18} {med:>17.3f} {med / base:>9.3f} {paired:>7.3f}   {rounds}")
 
 
 if __name__ == "__main__":

@@ -105,13 +105,14 @@ class NaNGuard(Callback):
             # Already discarded by the precision plugin (an fp16 overflow: the loss scale
             # halves and the next step retries), which is dynamic loss scaling working.
             return
-        values = [out.loss.detach().float().reshape(())]
-        if self.check_grad_norm and out.grad_norm is not None:
-            values.append(out.grad_norm.detach().float().reshape(()))
+        checked = [out.loss] + ([out.grad_norm] if self.check_grad_norm else [])
+        checked = [v for v in checked if v is not None]
         if self._checks_on_device(trainer):
-            self._check_on_device(trainer, torch.stack(values))
+            self._check_on_device(trainer, torch.stack([v.detach().float() for v in checked]))
             return
-        loss, norm = (torch.stack(values).tolist() + [0.0])[:2]  # one device sync for both
+        # the first read waits for the device; the second finds it idle
+        loss = float(checked[0])
+        norm = float(checked[1]) if len(checked) > 1 else 0.0
         if math.isfinite(loss) and math.isfinite(norm):
             self.consecutive = 0
             return

@@ -46,6 +46,8 @@ class MicrobatchWeights:
         tokens, samples: 0-dim float64 tensors, totals over the global batch.
         uses_terms: True in loss-terms mode.
         replicas: R, the number of data-parallel replicas.
+        host_scales: `scales` as Python floats when they were computed on the host (one
+            replica, counts known on the host), else None.
     """
 
     scales: Tensor
@@ -54,6 +56,7 @@ class MicrobatchWeights:
     samples: Tensor
     uses_terms: bool
     replicas: int
+    host_scales: list[list[float]] | None = None
 
     @property
     def weights(self) -> list[float]:
@@ -115,7 +118,9 @@ def _weigh_on_host(
     flat = [v for r in scales for v in r] + global_counts + [sum(tokens), samples]
     t = host_to_device(flat, device)
     n = m * k
-    return MicrobatchWeights(t[:n].view(m, k), t[n : n + k], t[n + k], t[n + k + 1], uses_terms, 1)
+    return MicrobatchWeights(
+        t[:n].view(m, k), t[n : n + k], t[n + k], t[n + k + 1], uses_terms, 1, scales
+    )
 
 
 def _device_counts(
@@ -223,6 +228,10 @@ class LossAccumulator:
         scale = self.weighed.scales[m]
         if not self.weighed.uses_terms:
             loss = extract_loss(output)
+            host = self.weighed.host_scales
+            if host is not None and host[m][0] == 1.0:  # x * 1.0 == x: skip the multiplies
+                self.sums += loss.detach().double()
+                return loss
             self.sums += loss.detach().double() * scale
             return loss * scale[0].to(loss.dtype)
         terms = output.get("loss_terms") if isinstance(output, dict) else None
@@ -253,7 +262,10 @@ class LossAccumulator:
             (loss: 0-dim float32, identical on every rank; {metric name: 0-dim tensor}).
         """
         local = self.sums if sums is None else sums
-        global_values = strategy.reduce(local, op="sum") / self.weighed.replicas
+        if self.weighed.replicas == 1:  # nothing to reduce over (and x / 1 == x)
+            global_values = local
+        else:
+            global_values = strategy.reduce(local, op="sum") / self.weighed.replicas
         if self.terms is None:
             return global_values.sum().float(), {}
         weights = self.terms.weight_tensor(global_values.device)
