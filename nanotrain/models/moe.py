@@ -9,8 +9,9 @@ only has to change where tokens go (an all-to-all between `dispatch` and `expert
     combine            y_sorted, weights    -> y [N, H] (weighted scatter-add in token order)
 
 With an expert-parallel group, `experts` becomes `run_experts_parallel` (all-to-all to the
-ranks owning the experts and back, `nanotrain.parallel.expert`); with a capacity factor,
-`dispatch` leaves out the copies over each expert's capacity.
+ranks owning the experts and back, `nanotrain.parallel.expert`). With a capacity factor the
+copies go to fixed-size expert slots instead (`nanotrain.models.capacity_dispatch`), leaving
+out those over each expert's capacity, with no host read.
 """
 
 from __future__ import annotations
@@ -24,6 +25,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from nanotrain.models.capacity_dispatch import (
+    combine_from_slots,
+    dispatch_to_slots,
+    run_experts_in_slots,
+    slot_positions,
+)
 from nanotrain.models.config import DeepSeekConfig
 from nanotrain.models.expert_compute import grouped_mm_available, grouped_swiglu, looped_swiglu
 from nanotrain.models.layers import SwiGLU
@@ -34,7 +41,6 @@ from nanotrain.parallel.collectives import (
     reduce_from_tensor_parallel_region,
 )
 from nanotrain.parallel.expert import (
-    capacity_keep_mask,
     expert_range,
     mark_expert_params,
     run_experts_parallel,
@@ -269,8 +275,9 @@ class DeepSeekMoE(nn.Module):
     The routed experts' parameters are always tagged with `mark_expert_params`.
 
     `config.capacity_factor` f (None = dropless) caps each expert at
-    C = ceil(f * N * K / E) copies of this rank's N tokens, dropping the rest before dispatch
-    (policy: `capacity_keep_mask`), in training and evaluation alike.
+    C = ceil(f * N * K / E) copies of this rank's N tokens, dropping the rest (policy:
+    `capacity_keep_mask`), in training and evaluation alike; the kept copies run in fixed
+    E x C slots (`nanotrain.models.capacity_dispatch`).
 
     Shapes: forward(x [B, T, H]) -> (y [B, T, H], aux_loss scalar). aux_loss is the
     sequence-wise balance loss times alpha (0 when alpha is 0 or in eval mode).
@@ -340,10 +347,16 @@ class DeepSeekMoE(nn.Module):
         h = x.reshape(b * t, hidden)
         topk_idx, topk_weight, scores = self.gate(h)
         capacity = self.capacity(b * t)
-        keep = None if capacity is None else capacity_keep_mask(topk_idx, topk_weight, e, capacity)
-        d = dispatch(h, topk_idx, e, keep)
-        y_sorted = run_experts_parallel(d.x, d.counts, self.experts, self.ep_group)
-        y = combine(y_sorted, d, topk_weight, b * t).view(b, t, hidden)
+        keep = None
+        if capacity is None:  # dropless: copies sorted by expert, as many as were routed
+            d = dispatch(h, topk_idx, e)
+            y_sorted = run_experts_parallel(d.x, d.counts, self.experts, self.ep_group)
+            y = combine(y_sorted, d, topk_weight, b * t).view(b, t, hidden)
+        else:  # fixed E x C slots: no step reads the device (`capacity_dispatch`)
+            position, keep = slot_positions(topk_idx, topk_weight, e, capacity)
+            x_slots = dispatch_to_slots(h, topk_idx, position, e * capacity)
+            y_slots = run_experts_in_slots(x_slots, e, capacity, self.experts, self.ep_group)
+            y = combine_from_slots(y_slots, position, topk_weight, b * t).view(b, t, hidden)
         if self.shared_experts is not None:
             y = y + self.shared_experts(x)
         aux = x.new_zeros((), dtype=torch.float32)

@@ -40,6 +40,7 @@ __all__ = [
     "ExpertSplits",
     "all_to_all",
     "capacity_keep_mask",
+    "capacity_ranks",
     "expert_range",
     "exchange_splits",
     "is_expert_param",
@@ -94,16 +95,25 @@ def capacity_keep_mask(
     Args: topk_idx [N, K] int64; topk_weight [N, K]; capacity >= 0.
     Returns: keep [N*K] bool, indexed by the flat slot ``token * K + k``.
     """
+    return capacity_ranks(topk_idx, topk_weight, num_experts) < capacity
+
+
+def capacity_ranks(topk_idx: torch.Tensor, topk_weight: torch.Tensor, num_experts: int) -> Tensor:
+    """Each routing choice's rank among its expert's copies in `capacity_keep_mask`'s order
+    (highest weight first, ties in token order, then choice order); 0-based.
+
+    Args: topk_idx [N, K] int64; topk_weight [N, K].
+    Returns: [N*K] int64, indexed by the flat slot ``token * K + k``.
+    """
     flat = topk_idx.reshape(-1)
     # by weight (descending; stable, so ties stay in slot = token order), then by expert
     by_weight = torch.argsort(topk_weight.detach().reshape(-1), descending=True, stable=True)
     order = by_weight[torch.argsort(flat[by_weight], stable=True)]
     counts = torch.bincount(flat, minlength=num_experts)
     starts = torch.cumsum(counts, 0) - counts
-    rank_in_expert = torch.arange(flat.numel(), device=flat.device) - starts[flat[order]]
-    keep = torch.empty_like(flat, dtype=torch.bool)
-    keep[order] = rank_in_expert < capacity
-    return keep
+    ranks = torch.empty_like(flat)
+    ranks[order] = torch.arange(flat.numel(), device=flat.device) - starts[flat[order]]
+    return ranks
 
 
 def _all_to_all_raw(

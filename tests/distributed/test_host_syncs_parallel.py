@@ -1,5 +1,7 @@
 """Non-logging training steps wait for the device nowhere under DDP and MegatronStrategy
-(tp, sequence parallel, pp with 1F1B, ZeRO-2), as on one device (tests/unit/test_host_syncs.py).
+(tp, sequence parallel, pp with 1F1B, ZeRO-2, and ep with a capacity factor), as on one device
+(tests/unit/test_host_syncs.py). Dropless expert parallelism is left out on purpose: its
+all-to-all takes the exchanged split sizes as host ints (docs/performance.md).
 
 Each layout fits the tiny MoE model on a 2-rank gloo world with the fused AdamW that
 `optimizer_impl="auto"` picks on CUDA and the device-offset expert path CUDA bf16 takes, and
@@ -24,14 +26,22 @@ LAYOUTS = {
     "tp=2 sp": lambda: MegatronStrategy(tp=2, sequence_parallel=True),
     "pp=2 1f1b": lambda: MegatronStrategy(pp=2),
     "dp=2 zero2": lambda: MegatronStrategy(zero_stage=2),
+    "ep=2 capacity": lambda: MegatronStrategy(ep=2),
 }
+# fixed-size expert slots (`nanotrain.models.capacity_dispatch`) need no split exchange
+OVERRIDES = {"ep=2 capacity": {"capacity_factor": 1.0}}
 
 
 def _syncs(rank: int, world_size: int, root: str) -> dict[str, list]:
     moe.grouped_mm_available = lambda x, w: True  # this forked rank only
     found = {}
     for i, (name, make) in enumerate(LAYOUTS.items()):
-        module = nt.LanguageModelModule(model="tiny", vocab_size=257, optimizer_impl="fused")
+        module = nt.LanguageModelModule(
+            model="tiny",
+            vocab_size=257,
+            optimizer_impl="fused",
+            model_overrides=OVERRIDES.get(name, {}),
+        )
         record = _Record(steps=(1, 2))  # steps 2 and 3 of 4: 1 and 4 log
         trainer = nt.Trainer(
             strategy=make(),

@@ -125,7 +125,9 @@ def test_a_large_capacity_factor_drops_nothing_and_equals_dropless():
     dropless = hand_routed_layer(capacity_config(capacity_factor=None)).train()
     roomy = hand_routed_layer(capacity_config(capacity_factor=4.0)).train()  # C = 6 >= 4 copies
     x = token_inputs(TOKENS)
-    torch.testing.assert_close(roomy(x)[0], dropless(x)[0], rtol=0, atol=0)
+    # the same sums through fixed-size slots instead of exact-size groups: equal up to the
+    # GEMMs' fp32 summation order
+    torch.testing.assert_close(roomy(x)[0], dropless(x)[0], rtol=1e-5, atol=1e-7)
     assert roomy.dropped_tokens.item() == 0
 
 

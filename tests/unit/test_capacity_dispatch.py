@@ -1,0 +1,91 @@
+"""Fixed-size expert slots (`nanotrain.models.capacity_dispatch`): the same outputs and
+gradients as sorting the kept copies by expert, and no host read in a whole MoE layer."""
+
+from __future__ import annotations
+
+import torch
+
+from nanotrain.models.build import init_weights
+from nanotrain.models.capacity_dispatch import (
+    combine_from_slots,
+    dispatch_to_slots,
+    run_experts_in_slots,
+    slot_positions,
+)
+from nanotrain.models.moe import DeepSeekMoE, GroupedExperts, combine, dispatch
+from nanotrain.parallel.expert import capacity_keep_mask
+from nanotrain.sync_guard import HostSyncCounter
+from tests.unit.test_expert_capacity import capacity_config
+
+N, K, E, H = 24, 2, 8, 16
+
+
+def _routing(seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    # skewed: experts 0 and 1 get most copies, so a capacity drops some and leaves slots empty
+    logits = torch.randn(N, E, generator=g) + torch.tensor([3.0, 2.0] + [0.0] * (E - 2))
+    weight, idx = logits.softmax(-1).topk(K, dim=-1)
+    return idx, weight
+
+
+def _experts(seed: int) -> GroupedExperts:
+    experts = GroupedExperts(E, H, 8)
+    g = torch.Generator().manual_seed(seed)
+    for p in experts.parameters():
+        with torch.no_grad():
+            p.copy_(0.3 * torch.randn(p.shape, generator=g))
+    return experts
+
+
+def _grads(out: torch.Tensor, *tensors: torch.Tensor) -> list[torch.Tensor]:
+    probe = torch.randn(out.shape, generator=torch.Generator().manual_seed(9))
+    return list(torch.autograd.grad((out * probe).sum(), tensors))
+
+
+def test_slots_match_sorted_kept_copies_with_drops_and_empty_experts():
+    idx, weight = _routing(0)
+    capacity = 4  # expert 0 and 1 overflow, others have empty slots
+    h = torch.randn(N, H, generator=torch.Generator().manual_seed(1), requires_grad=True)
+    w = weight.clone().requires_grad_()
+    experts = _experts(2)
+    params = list(experts.parameters())
+
+    keep = capacity_keep_mask(idx, w, E, capacity)
+    d = dispatch(h, idx, E, keep)
+    reference = combine(experts(d.x, d.counts.tolist()), d, w, N)
+
+    position, kept = slot_positions(idx, w, E, capacity)
+    assert kept.tolist() == keep.tolist()
+    assert 0 < int((~kept).sum()) and int(kept.sum()) < E * capacity  # drops and empty slots
+    x_slots = dispatch_to_slots(h, idx, position, E * capacity)
+    y = combine_from_slots(
+        run_experts_in_slots(x_slots, E, capacity, experts, None), position, w, N
+    )
+
+    torch.testing.assert_close(y, reference, rtol=1e-5, atol=1e-6)
+    for got, want in zip(_grads(y, h, w, *params), _grads(reference, h, w, *params), strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_each_kept_copy_sits_in_its_experts_slots_in_priority_order():
+    idx, weight = _routing(3)
+    capacity = 3
+    position, keep = slot_positions(idx, weight, E, capacity)
+    flat, w = idx.reshape(-1), weight.reshape(-1)
+    for e in range(E):
+        mine = (flat == e).nonzero().flatten()
+        order = sorted(mine.tolist(), key=lambda s: (-float(w[s]), s))  # weight, then slot
+        for rank, slot in enumerate(order):
+            expected = e * capacity + rank if rank < capacity else E * capacity
+            assert int(position[slot]) == expected and bool(keep[slot]) == (rank < capacity)
+
+
+def test_a_moe_layer_with_a_capacity_never_reads_the_device():
+    layer = DeepSeekMoE(capacity_config(hidden_size=H, capacity_factor=1.0)).train()
+    init_weights(layer, torch.Generator().manual_seed(0))
+    x = torch.randn(2, 6, H, generator=torch.Generator().manual_seed(1), requires_grad=True)
+    with HostSyncCounter() as c:
+        y, aux = layer(x)
+        (y.square().sum() + aux).backward()
+    assert c.records == [], c.records
+    assert int(layer.dropped_tokens) > 0  # the capacity did drop copies
