@@ -87,7 +87,8 @@ class Callback:
         """Gradients are accumulated over all microbatches, reduced across replicas and
         clipped; `trainer.step_output` holds the step's global loss and the grad norm measured
         before clipping. The optimizer has not stepped. `trainer.request_skip_step()` here
-        discards this step's update."""
+        discards this step's update; `trainer.request_skip_step(flag)` discards it where the
+        0-dim device tensor `flag` is True, without a host read (fused optimizers only)."""
 
     def on_train_batch_end(
         self,
