@@ -24,9 +24,13 @@ table shows the max/mean expert load (1.0 = perfectly balanced), averaged over t
 layers, early and late in the run.
 
 (c) Expert scaling. One `GroupedExperts` layer, fwd+bwd on 4,096 token copies (H=128, expert
-width 64, so the FLOPs are the same at every size) with 8, 32 and 128 local experts, the
-former per-expert indexing and today's computation alternated in one run (median of
---rounds). `--only-scaling` runs just this table (seconds).
+width 64, so the FLOPs are the same at every size) with 8, 32 and 128 local experts, equal
+groups (balanced routing), one thread, fp32. Three computations alternated in one run (median
+of --rounds): the first per-expert loop that indexed the stacks (`w[e]`, quadratic in E), the
+per-expert loop over `unbind` views (`looped_swiglu`, linear in E, still what unequal groups
+run) and the layer itself (`GroupedExperts.forward`: for equal groups the batched GEMMs of
+`batched_swiglu`, a constant number of ops). The last column is the layer's time at E over
+its time at the smallest E. `--only-scaling` runs just this table (seconds).
 """
 
 from __future__ import annotations
@@ -44,6 +48,7 @@ import torch.distributed as dist
 
 import nanotrain.parallel.expert as expert
 from nanotrain.models import build_model, presets
+from nanotrain.models.expert_compute import looped_swiglu
 from nanotrain.models.moe import GroupedExperts, combine, dispatch
 from nanotrain.parallel import ParallelMesh
 
@@ -198,29 +203,48 @@ def _indexed_swiglu(x: torch.Tensor, sizes: list[int], ex: GroupedExperts) -> to
     return torch.cat(out)
 
 
+def _expert_forward(
+    name: str, x: torch.Tensor, sizes: list[int], ex: GroupedExperts
+) -> torch.Tensor:
+    """One of the three computations table (c) compares: "indexed", "loop" or "now"."""
+    if name == "indexed":
+        return _indexed_swiglu(x, sizes, ex)
+    if name == "loop":
+        return looped_swiglu(x, sizes, ex.gate_proj, ex.up_proj, ex.down_proj)
+    return ex(x, sizes)
+
+
 def scaling_table(rounds: int, experts: tuple[int, ...] = (8, 32, 128)) -> None:
     """(c) fwd+bwd of one expert layer at fixed tokens and FLOPs, by number of local experts."""
     n, h, inter = 4096, 128, 64
     print(f"\n(c) one expert layer fwd+bwd, {n} token copies, H={h}, expert width {inter}, fp32")
-    print("| local experts | indexed per expert (before) ms | unbind once (now) ms |")
-    print("|---|---|---|")
+    print(
+        "| local experts | indexed per expert (first) ms | unbind loop (before) ms "
+        "| GroupedExperts (now: batched) ms | now / now at smallest E |"
+    )
+    print("|---|---|---|---|---|")
     torch.set_num_threads(1)
+    base = None
     for e in experts:
         ex = GroupedExperts(e, h, inter)
         for p in ex.parameters():
             torch.nn.init.normal_(p, std=0.02)
         sizes = [n // e] * e
         x = torch.randn(n, h, requires_grad=True)
-        times: dict[str, list[float]] = {"old": [], "new": []}
-        for _ in range(rounds):  # alternate the two so box noise hits both alike
-            for name in ("old", "new"):
+        times: dict[str, list[float]] = {k: [] for k in ("indexed", "loop", "now")}
+        for _ in range(rounds):  # alternate them so box noise hits all alike
+            for name in times:
                 t0 = time.perf_counter()
-                y = _indexed_swiglu(x, sizes, ex) if name == "old" else ex(x, sizes)
-                y.sum().backward()
+                _expert_forward(name, x, sizes, ex).sum().backward()
                 times[name].append(time.perf_counter() - t0)
                 ex.zero_grad(set_to_none=True)
-        old, new = (1e3 * statistics.median(times[k]) for k in ("old", "new"))
-        print(f"| {e} | {old:.1f} | {new:.1f} |")
+                x.grad = None
+        ms = {k: 1e3 * statistics.median(v) for k, v in times.items()}
+        base = base or ms["now"]
+        print(
+            f"| {e} | {ms['indexed']:.1f} | {ms['loop']:.1f} | {ms['now']:.1f} "
+            f"| {ms['now'] / base:.2f}x |"
+        )
 
 
 def main() -> None:

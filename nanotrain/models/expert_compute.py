@@ -1,6 +1,6 @@
 """How the routed experts' SwiGLU MLPs are computed on token copies sorted by expert.
 
-Two paths give the same result for `GroupedExperts.forward`:
+Three paths give the same result for `GroupedExperts.forward`:
 
 * `looped_swiglu` (every device and dtype): the stacked weights [E, out, in] are split into E
   views ONCE per call (`unbind`), then each expert runs three matmuls on its slice of rows.
@@ -8,6 +8,11 @@ Two paths give the same result for `GroupedExperts.forward`:
   gradient of the whole stack for every expert, a cost quadratic in E; `unbind`'s backward
   stacks the E gradients once, so the cost is linear in E. It needs the slice sizes as host
   integers (one `tolist()` when they come as a tensor).
+* `batched_swiglu` (every expert has the same number of rows, e.g. balanced routing): the rows
+  are a [E, C, H] view and each of the nine GEMMs of forward + backward is ONE `torch.bmm` over
+  all experts, inside one autograd Function, so the number of ops (and their per-call cost)
+  does not grow with E. Its backward writes each weight gradient once, in the stack's own
+  [E, out, in] layout (no per-expert pieces to stack, no transposed copies).
 * `grouped_swiglu` (CUDA, bfloat16, `torch.nn.functional.grouped_mm` available): three grouped
   GEMMs over all experts at once with device-side offsets (the cumulative counts), so the
   expert computation never waits for the host.
@@ -81,3 +86,59 @@ def grouped_swiglu(
     g = F.grouped_mm(x, gate_proj.transpose(-2, -1), offs=offs)  # (M, I)
     u = F.grouped_mm(x, up_proj.transpose(-2, -1), offs=offs)
     return F.grouped_mm(F.silu(g) * u, down_proj.transpose(-2, -1), offs=offs)  # (M, H)
+
+
+def equal_group_rows(sizes: Sequence[int]) -> int | None:
+    """The common group size when every expert has the same number of rows (> 0), else None."""
+    if not sizes or sizes[0] == 0 or any(n != sizes[0] for n in sizes):
+        return None
+    return int(sizes[0])
+
+
+class _BatchedSwiGLU(torch.autograd.Function):
+    """SwiGLU of E experts with C rows each as batched GEMMs; see `batched_swiglu`."""
+
+    @staticmethod
+    def forward(ctx, x, num_experts, gate_proj, up_proj, down_proj):  # noqa: ANN001, ANN205
+        xb = x.view(num_experts, -1, x.shape[-1])  # (E, C, H), no copy
+        g = torch.bmm(xb, gate_proj.transpose(1, 2))  # (E, C, I)
+        u = torch.bmm(xb, up_proj.transpose(1, 2))
+        sg = F.silu(g)
+        a = sg * u
+        y = torch.bmm(a, down_proj.transpose(1, 2))  # (E, C, H)
+        # the same activations the per-expert autograd graph keeps (g, silu(g), u, a; x is
+        # the caller's), so switching paths changes neither memory nor recompute
+        ctx.save_for_backward(xb, g, u, sg, a, gate_proj, up_proj, down_proj)
+        return y.view(x.shape)
+
+    @staticmethod
+    def backward(ctx, grad_y):  # noqa: ANN001, ANN205
+        xb, g, u, sg, a, gate_proj, up_proj, down_proj = ctx.saved_tensors
+        # a gradient from e.g. y.sum() is an expanded (stride 0) view: the GEMMs want rows
+        dy = grad_y.contiguous().view(a.shape[0], a.shape[1], -1)  # (E, C, H)
+        # each weight gradient is computed in its parameter's layout, as autograd's mm does
+        # per expert (grad_out^T @ input): [E, out, in] written once, nothing to transpose
+        grad_down = torch.bmm(dy.transpose(1, 2), a)  # (E, H, I)
+        da = torch.bmm(dy, down_proj)  # (E, C, I)
+        dg = torch.ops.aten.silu_backward(da * u, g)
+        du = da * sg
+        grad_gate = torch.bmm(dg.transpose(1, 2), xb)  # (E, I, H)
+        grad_up = torch.bmm(du.transpose(1, 2), xb)
+        dx = torch.bmm(dg, gate_proj).add_(torch.bmm(du, up_proj))  # (E, C, H)
+        return dx.view(-1, xb.shape[-1]), None, grad_gate, grad_up, grad_down
+
+
+def batched_swiglu(
+    x: torch.Tensor,
+    num_experts: int,
+    gate_proj: torch.Tensor,
+    up_proj: torch.Tensor,
+    down_proj: torch.Tensor,
+) -> torch.Tensor:
+    """SwiGLU of E experts that all get C rows, by batched GEMMs (a constant number of ops).
+
+    Args: x [E*C, H] rows sorted by expert (contiguous); num_experts: E;
+        gate_proj, up_proj [E, I, H]; down_proj [E, H, I].
+    Returns: [E*C, H].
+    """
+    return _BatchedSwiGLU.apply(x.contiguous(), num_experts, gate_proj, up_proj, down_proj)

@@ -32,7 +32,13 @@ from nanotrain.models.capacity_dispatch import (
     slot_positions,
 )
 from nanotrain.models.config import DeepSeekConfig
-from nanotrain.models.expert_compute import grouped_mm_available, grouped_swiglu, looped_swiglu
+from nanotrain.models.expert_compute import (
+    batched_swiglu,
+    equal_group_rows,
+    grouped_mm_available,
+    grouped_swiglu,
+    looped_swiglu,
+)
 from nanotrain.models.layers import SwiGLU
 from nanotrain.models.recompute import is_recomputing
 from nanotrain.parallel.collectives import (
@@ -190,13 +196,27 @@ class GroupedExperts(nn.Module):
         return {name: t[self.expert_offset : stop] for name, t in full.items()}
 
     def forward(self, x: torch.Tensor, counts: torch.Tensor | Sequence[int]) -> torch.Tensor:
-        # CUDA bf16: grouped GEMMs with device offsets, no host sync. Elsewhere: a loop over
-        # the experts, linear in their number, that needs the sizes on the host (one tolist()
-        # when they come as a tensor). See `nanotrain.models.expert_compute`.
+        # CUDA bf16: grouped GEMMs with device offsets, no host sync. Elsewhere the sizes come
+        # to the host (one tolist() when they are a tensor): equal groups run as batched GEMMs
+        # (a constant number of ops), others as a loop over the experts, linear in their
+        # number. See `nanotrain.models.expert_compute`.
         if isinstance(counts, torch.Tensor) and grouped_mm_available(x, self.gate_proj):
             return grouped_swiglu(x, counts, self.gate_proj, self.up_proj, self.down_proj)
         sizes = counts.tolist() if isinstance(counts, torch.Tensor) else list(counts)
+        if equal_group_rows(sizes) is not None and self._batched_allowed(x):
+            return batched_swiglu(x, len(sizes), self.gate_proj, self.up_proj, self.down_proj)
         return looped_swiglu(x, sizes, self.gate_proj, self.up_proj, self.down_proj)
+
+    @staticmethod
+    def _batched_allowed(x: torch.Tensor) -> bool:
+        # The loop's per-expert `x @ W.T` is what autocast casts and what the fp8/fp4
+        # emulation's torch-function mode intercepts, and what dynamo traces: under any of
+        # them keep the loop, so those keep seeing the form they handle.
+        return not (
+            torch.is_autocast_enabled(x.device.type)
+            or torch._C._is_torch_function_mode_enabled()
+            or torch.compiler.is_compiling()
+        )
 
 
 def combine(

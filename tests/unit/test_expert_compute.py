@@ -7,7 +7,13 @@ import torch
 import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from nanotrain.models.expert_compute import grouped_mm_available, grouped_swiglu, looped_swiglu
+from nanotrain.models.expert_compute import (
+    batched_swiglu,
+    equal_group_rows,
+    grouped_mm_available,
+    grouped_swiglu,
+    looped_swiglu,
+)
 from nanotrain.models.moe import GroupedExperts
 
 E, H, INTER = 16, 8, 6
@@ -117,3 +123,112 @@ def test_grouped_mm_matches_loop_on_cuda():
     gr = torch.autograd.grad(ref.float().sum(), [x, ex.gate_proj])
     for a, b in zip(gy, gr, strict=True):
         torch.testing.assert_close(a.float(), b.float(), rtol=2e-2, atol=2e-2)
+
+
+def test_equal_group_rows_only_for_equal_nonempty_groups():
+    assert equal_group_rows([4, 4, 4]) == 4
+    assert equal_group_rows([4, 3, 4]) is None
+    assert equal_group_rows([0, 0]) is None
+    assert equal_group_rows([]) is None
+
+
+@pytest.mark.parametrize("rows", [1, 7, 40])
+def test_batched_matches_the_loop_values_and_grads(rows):
+    ex = _experts(h=32, inter=16)
+    sizes = [rows] * E
+    x = torch.randn(sum(sizes), 32, requires_grad=True)
+    y = ex(x, torch.tensor(sizes))  # equal groups: the layer takes the batched path
+    ref = looped_swiglu(x, sizes, ex.gate_proj, ex.up_proj, ex.down_proj)
+    torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(batched_swiglu(x, E, *ex.parameters()), y, rtol=0, atol=0)
+    g = torch.randn_like(y)
+    got = torch.autograd.grad(y, [x, *ex.parameters()], g)
+    want = torch.autograd.grad(ref, [x, *ex.parameters()], g)
+    for a, b in zip(got, want, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+def test_batched_takes_an_expanded_gradient():
+    # y.sum().backward() hands the Function a stride-0 gradient
+    ex = _experts(h=32, inter=16)
+    x = torch.randn(E * 3, 32, requires_grad=True)
+    ex(x, [3] * E).sum().backward()
+    grads = [x.grad, *(p.grad for p in ex.parameters())]
+    ex.zero_grad()
+    x.grad = None
+    looped_swiglu(x, [3] * E, *ex.parameters()).sum().backward()
+    for a, b in zip(grads, [x.grad, *(p.grad for p in ex.parameters())], strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+def test_uneven_and_empty_groups_still_match_the_reference():
+    # unequal groups (dropless routing, empty experts) keep the loop: exact, zero grads
+    ex = _experts(h=32, inter=16)
+    sizes = [7, 0, 1, 40, 0, 3] + [2] * (E - 6)
+    x = torch.randn(sum(sizes), 32, requires_grad=True)
+    y = ex(x, sizes)
+    torch.testing.assert_close(y, _reference(x, sizes, ex), rtol=0, atol=0)
+    grads = torch.autograd.grad(y.square().sum(), list(ex.parameters()))
+    assert all(g[1].abs().sum() == 0 and g[4].abs().sum() == 0 for g in grads)
+
+
+def test_batched_keeps_the_loop_under_autocast_and_function_modes():
+    class _Seen(torch.overrides.TorchFunctionMode):
+        def __init__(self):
+            super().__init__()
+            self.funcs = set()
+
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            self.funcs.add(func)
+            return func(*args, **(kwargs or {}))
+
+    ex = _experts(h=32, inter=16)
+    x = torch.randn(E * 2, 32)
+    with _Seen() as seen:  # e.g. the fp8 emulation intercepts the per-expert x @ W.T
+        ex(x, [2] * E)
+    names = {getattr(f, "__name__", "") for f in seen.funcs}
+    assert "bmm" not in names and "matmul" in names
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # autocast casts each x @ W.T
+        y = ex(x, [2] * E)
+        ref = looped_swiglu(x, [2] * E, ex.gate_proj, ex.up_proj, ex.down_proj)
+    assert y.dtype == torch.bfloat16
+    torch.testing.assert_close(y, ref, rtol=0, atol=0)
+
+
+class _CountOps(TorchDispatchMode):
+    """Counts dispatched ops, and those that write a new tensor as large as a weight stack."""
+
+    def __init__(self, stack_numel: int):
+        super().__init__()
+        self.stack_numel, self.ops, self.stack_sized = stack_numel, 0, 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        self.ops += 1
+        inputs = {a.untyped_storage().data_ptr() for a in args if isinstance(a, torch.Tensor)}
+        if (
+            isinstance(out, torch.Tensor)
+            and out.numel() == self.stack_numel
+            and out.untyped_storage().data_ptr() not in inputs  # not a view (transpose)
+        ):
+            self.stack_sized += 1
+        return out
+
+
+def _count_fwd_bwd(num_experts: int) -> _CountOps:
+    torch.manual_seed(0)
+    ex = GroupedExperts(num_experts, 16, 8)
+    rows = 64 // num_experts  # same tokens (and FLOPs) at every size
+    x = torch.randn(64, 16, requires_grad=True)
+    mode = _CountOps(num_experts * 8 * 16)
+    with mode:
+        ex(x, [rows] * num_experts).sum().backward()
+    return mode
+
+
+def test_batched_op_count_does_not_grow_with_the_experts():
+    # A per-expert op anywhere (a loop, or indexing w[e] with its stack-sized zero gradient
+    # per expert) would make these counts grow with E; batched GEMMs keep them constant.
+    small, large = _count_fwd_bwd(2), _count_fwd_bwd(32)
+    assert large.ops == small.ops, (small.ops, large.ops)
+    assert large.stack_sized <= 3, large.stack_sized  # each weight gradient written once
