@@ -155,6 +155,38 @@ def apply_rope(
     return torch.cat((a * cos - b * sin, b * cos + a * sin), dim=-1)
 
 
+def interleaved_rope_tables(
+    cos: torch.Tensor, sin: torch.Tensor, skip: int, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Tables for `rope_tail`: rotate the last 2 * cos.shape[-1] dims (adjacent pairs), keep
+    the first `skip` dims as they are.
+
+    Args: cos, sin: [T, r // 2] from `rope_cos_sin`; skip: width of the unrotated head (even).
+    Returns: (c, s), each [T, 1, skip + r] in `dtype`: c = [1 .. 1 | c0 c0 c1 c1 ..],
+        s = [0 .. 0 | -s0 s0 -s1 s1 ..].
+    """
+    t = cos.shape[0]
+    c = torch.cat((cos.new_ones(t, skip), cos.repeat_interleave(2, dim=-1)), dim=-1)
+    s = torch.cat((sin.new_zeros(t, skip), torch.stack((-sin, sin), dim=-1).flatten(-2)), -1)
+    return c[:, None, :].to(dtype), s[:, None, :].to(dtype)
+
+
+def rope_tail(x: torch.Tensor, c: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+    """Interleaved RoPE of x's last dims and identity on the rest, in four elementwise ops.
+
+    x * c + pair_swap(x) * s with the tables of `interleaved_rope_tables`: on a rotated pair
+    (a, b) that is (a cos - b sin, b cos + a sin), the same products and sums as `apply_rope`
+    (so the same floats), and x itself on the first `skip` dims (x * 1 + y * 0). Used for MLA's
+    queries [q^C | q^R]: rotating q^R in place of the whole head avoids splitting it off and
+    concatenating it back (a copy forward and one backward per layer).
+
+    Args: x: [B, T, heads, dim] with dim even; c, s: [T, 1, dim].
+    Returns: tensor like x.
+    """
+    swapped = x.unflatten(-1, (-1, 2)).flip(-1).flatten(-2)  # (x1, x0, x3, x2, ...)
+    return x * c + swapped * s
+
+
 class SwiGLU(nn.Module):
     """SwiGLU MLP: down(silu(gate(x)) * up(x)); gate/up column-parallel, down row-parallel.
 
