@@ -18,8 +18,8 @@ from nanotrain.models.layers import (
     RMSNorm,
     apply_rope,
     divide_evenly,
-    interleaved_rope_tables,
     rope_tail,
+    rope_tail_table,
     softmax_scale,
     tp_size_of,
 )
@@ -49,13 +49,17 @@ def causal_attention(
             q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True, scale=scale
         )  # (B, n, T, d_v)
         return y.transpose(1, 2).reshape(b, t, n * dv)
-    qh = q.transpose(1, 2).reshape(b * n, t, -1)  # (B*n, T, d_qk)
-    kh = k.permute(0, 2, 3, 1).reshape(b * n, -1, t)  # (B*n, d_qk, T)
-    vh = v.transpose(1, 2).reshape(b * n, t, dv)
-    mask = torch.full((t, t), float("-inf"), dtype=q.dtype, device=q.device).triu_(1)
-    probs = torch.baddbmm(mask, qh, kh, alpha=scale).softmax(dim=-1)  # (B*n, T, T)
-    y = torch.bmm(probs, vh).view(b, n, t, dv)
-    return y.transpose(1, 2).reshape(b, t, n * dv)
+    # bf16/fp16 run in fp32, as SDPA's CPU math fallback does (also under autocast, which
+    # would otherwise run baddbmm and bmm in bf16)
+    work = q.dtype if q.dtype in (torch.float32, torch.float64) else torch.float32
+    with torch.autocast("cpu", enabled=False):
+        qh = q.transpose(1, 2).reshape(b * n, t, -1).to(work)  # (B*n, T, d_qk)
+        kh = k.permute(0, 2, 3, 1).reshape(b * n, -1, t).to(work)  # (B*n, d_qk, T)
+        vh = v.transpose(1, 2).reshape(b * n, t, dv).to(work)
+        mask = torch.full((t, t), float("-inf"), dtype=work, device=q.device).triu_(1)
+        probs = torch.baddbmm(mask, qh, kh, alpha=scale).softmax(dim=-1)  # (B*n, T, T)
+        y = torch.bmm(probs, vh).view(b, n, t, dv)
+    return y.transpose(1, 2).reshape(b, t, n * dv).to(q.dtype)
 
 
 class DenseAttention(nn.Module):
@@ -202,10 +206,9 @@ class MLAttention(nn.Module):
         q = q.view(b, t, n, self.nope_dim + self.rope_dim)
         if self.interleaved and self.nope_dim % 2 == 0:
             # rotate q^R inside the whole head [q^C | q^R]: no split and cat back
-            c, s = interleaved_rope_tables(cos, sin, self.nope_dim, q.dtype)
-            q = rope_tail(q, c, s)  # (B, T, n, qk_head_dim)
-            tail = slice(self.nope_dim, None)
-            k_rope = rope_tail(k_rope.unsqueeze(2), c[..., tail], s[..., tail])  # (B, T, 1, r)
+            table = rope_tail_table(cos, sin, self.nope_dim)  # (T, 1, qk_head_dim / 2)
+            q = rope_tail(q, table)  # (B, T, n, qk_head_dim)
+            k_rope = rope_tail(k_rope.unsqueeze(2), table[..., self.nope_dim // 2 :])  # (B,T,1,r)
         else:
             q_nope, q_rope = q.split([self.nope_dim, self.rope_dim], dim=-1)
             q_rope = apply_rope(q_rope, cos, sin, interleaved=self.interleaved)
