@@ -1,8 +1,14 @@
 """Speed of the nano-train seed default configuration (examples/configs/nano_train_seed.yaml).
 
 Times the model's training step (forward, backward, AdamW step; fp32, one CPU thread) on random
-tokens of the config's batch 16 x 32 and prints ms/step and tokens/s. It uses whichever
-nanotrain is on PYTHONPATH, so two trees can be compared side by side in one shell:
+tokens of the config's batch 16 x 32 and prints ms/step and tokens/s. The model and its
+optimizer are built the way `nanotrain fit` builds them from the config: a
+`LanguageModelModule` from the config's `model.init_args` (so the config's `optimizer_impl`,
+`recompute` and `compile_layers` apply), its `configure_model()` and the AdamW of its
+`configure_optimizers()` (two parameter groups, the config's AdamW kernel; the LR schedule is
+not stepped, gradients are not clipped). With `compile_layers` the first steps also compile:
+their time is printed as warm-up. It uses whichever nanotrain is on PYTHONPATH, so two trees
+can be compared side by side in one shell (both then read THIS script's config):
 
     for i in 1 2 3; do PYTHONPATH=/path/to/old python benchmarks/seed.py;
                        PYTHONPATH=$PWD python benchmarks/seed.py; done
@@ -19,7 +25,7 @@ import torch
 import yaml
 
 import nanotrain
-from nanotrain.models import build_model, presets
+from nanotrain import LanguageModelModule
 
 CONFIG = Path(__file__).resolve().parent.parent / "examples" / "configs" / "nano_train_seed.yaml"
 
@@ -31,13 +37,16 @@ def main() -> None:
     torch.set_num_threads(1)
     torch.manual_seed(0)
     cfg = yaml.safe_load(CONFIG.read_text())
-    overrides = cfg["model"]["init_args"]["model_overrides"]
-    config = presets.get(cfg["model"]["init_args"]["model"], **overrides)
     batch, seq = cfg["trainer"]["global_batch_size"], cfg["data"]["init_args"]["seq_len"]
-    model = build_model(config)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    module = LanguageModelModule(**cfg["model"]["init_args"])
+    module.configure_model()
+    model, config = module.model, module.config
+    opt = module.configure_optimizers()["optimizer"]
     times = []
+    warmup_start = time.perf_counter()
     for i in range(args.steps + 3):
+        if i == 3:
+            warmup = time.perf_counter() - warmup_start
         tokens = torch.randint(0, config.vocab_size, (batch, seq + 1))
         t0 = time.perf_counter()
         out = model(tokens[:, :-1], tokens[:, 1:])
@@ -49,7 +58,11 @@ def main() -> None:
     ms = 1e3 * statistics.median(times)
     params = sum(p.numel() for p in model.parameters())
     where = Path(nanotrain.__file__).resolve().parent.parent
-    print(f"{where}: {params:,} params, {ms:.1f} ms/step, {batch * seq / ms * 1e3:,.0f} tokens/s")
+    kernel = next((k for k in ("fused", "foreach") if opt.defaults.get(k)), "default")
+    print(
+        f"{where}: {params:,} params, {ms:.1f} ms/step, {batch * seq / ms * 1e3:,.0f} tokens/s "
+        f"(AdamW kernel: {kernel}; warm-up: 3 steps in {warmup:.1f} s)"
+    )
 
 
 if __name__ == "__main__":

@@ -1,7 +1,8 @@
 """Causal self-attention: `DenseAttention` (MHA/GQA/MQA) and `MLAttention` (DeepSeek MLA).
 
-Both run on `torch.nn.functional.scaled_dot_product_attention` with `is_causal=True` and take
-the rotary tables `(cos, sin)` computed once per forward by the model.
+Both run on `torch.nn.functional.scaled_dot_product_attention` with `is_causal=True` (MLA on
+CPU: the same math by hand, see `causal_attention`) and take the rotary tables `(cos, sin)`
+computed once per forward by the model.
 """
 
 from __future__ import annotations
@@ -13,9 +14,52 @@ import torch.nn.functional as F
 from torch import nn
 
 from nanotrain.models.config import DeepSeekConfig, DenseConfig
-from nanotrain.models.layers import RMSNorm, apply_rope, divide_evenly, softmax_scale, tp_size_of
+from nanotrain.models.layers import (
+    RMSNorm,
+    apply_rope,
+    divide_evenly,
+    rope_tail,
+    rope_tail_table,
+    softmax_scale,
+    tp_size_of,
+)
 from nanotrain.parallel.collectives import enter_tensor_parallel_region
 from nanotrain.parallel.tensor import ColumnParallelLinear, RowParallelLinear
+
+
+def causal_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """softmax(scale * q k^T + causal mask) v per head, heads merged into the last dim.
+
+    On CPU with a value width other than the query/key width (MLA), SDPA has no fused kernel
+    and runs its math fallback; this computes the same products by hand (one baddbmm that
+    scales and masks, softmax, bmm) and skips that fallback's guard against fully masked rows
+    (an `all` and a `where` over the [B, heads, T, T] scores per call), which a causal mask
+    never produces: every row keeps its diagonal. Elsewhere it calls SDPA, whose fused kernels
+    do not store the [T, T] probabilities.
+
+    Args: q, k [B, T, heads, d_qk]; v [B, T, heads, d_v] (any strides).
+    Returns: [B, T, heads * d_v].
+    """
+    b, t, n, _ = q.shape
+    dv = v.shape[-1]
+    if q.device.type != "cpu" or q.shape[-1] == dv:
+        y = F.scaled_dot_product_attention(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True, scale=scale
+        )  # (B, n, T, d_v)
+        return y.transpose(1, 2).reshape(b, t, n * dv)
+    # bf16/fp16 run in fp32, as SDPA's CPU math fallback does (also under autocast, which
+    # would otherwise run baddbmm and bmm in bf16)
+    work = q.dtype if q.dtype in (torch.float32, torch.float64) else torch.float32
+    with torch.autocast("cpu", enabled=False):
+        qh = q.transpose(1, 2).reshape(b * n, t, -1).to(work)  # (B*n, T, d_qk)
+        kh = k.permute(0, 2, 3, 1).reshape(b * n, -1, t).to(work)  # (B*n, d_qk, T)
+        vh = v.transpose(1, 2).reshape(b * n, t, dv).to(work)
+        mask = torch.full((t, t), float("-inf"), dtype=work, device=q.device).triu_(1)
+        probs = torch.baddbmm(mask, qh, kh, alpha=scale).softmax(dim=-1)  # (B*n, T, T)
+        y = torch.bmm(probs, vh).view(b, n, t, dv)
+    return y.transpose(1, 2).reshape(b, t, n * dv).to(q.dtype)
 
 
 class DenseAttention(nn.Module):
@@ -142,6 +186,9 @@ class MLAttention(nn.Module):
         parts = [self.kv_a_layernorm(c_kv), k_rope]  # (B, T_local, kv_lora_rank), (.., rope)
         if self.q_lora_rank is not None:
             parts.insert(0, self.q_a_layernorm(self.q_a_proj(x)))  # (B, T_local, q_lora_rank)
+        if tp_size_of(self.tp_group) == 1:
+            # entering the region is the identity: skip the cat and its split (two copies)
+            return tuple(parts) if self.q_lora_rank is not None else (None, *parts)
         latents = enter_tensor_parallel_region(
             torch.cat(parts, dim=-1), self.tp_group, sequence_parallel=self.sequence_parallel
         )  # (B, T, [q_lora_rank +] kv_lora_rank + rope_dim)
@@ -157,15 +204,17 @@ class MLAttention(nn.Module):
         b, t, _ = c_kv.shape  # the whole sequence from here to o_proj
         q = self.q_proj(x) if q_latent is None else self.q_b_proj(q_latent)
         q = q.view(b, t, n, self.nope_dim + self.rope_dim)
-        q_nope, q_rope = q.split([self.nope_dim, self.rope_dim], dim=-1)
-        q_rope = apply_rope(q_rope, cos, sin, interleaved=self.interleaved)
-        k_rope = apply_rope(k_rope.unsqueeze(2), cos, sin, interleaved=self.interleaved)
+        if self.interleaved and self.nope_dim % 2 == 0:
+            # rotate q^R inside the whole head [q^C | q^R]: no split and cat back
+            table = rope_tail_table(cos, sin, self.nope_dim)  # (T, 1, qk_head_dim / 2)
+            q = rope_tail(q, table)  # (B, T, n, qk_head_dim)
+            k_rope = rope_tail(k_rope.unsqueeze(2), table[..., self.nope_dim // 2 :])  # (B,T,1,r)
+        else:
+            q_nope, q_rope = q.split([self.nope_dim, self.rope_dim], dim=-1)
+            q_rope = apply_rope(q_rope, cos, sin, interleaved=self.interleaved)
+            q = torch.cat((q_nope, q_rope), dim=-1)  # (B, T, n, qk_head_dim)
+            k_rope = apply_rope(k_rope.unsqueeze(2), cos, sin, interleaved=self.interleaved)
         kv = self.kv_b_proj(c_kv).view(b, t, n, self.nope_dim + self.v_dim)
         k_nope, v = kv.split([self.nope_dim, self.v_dim], dim=-1)
-
-        q = torch.cat((q_nope, q_rope), dim=-1)  # (B, T, n, qk_head_dim)
         k = torch.cat((k_nope, k_rope.expand(b, t, n, self.rope_dim)), dim=-1)
-        q, k, v = (z.transpose(1, 2) for z in (q, k, v))  # (B, n, T, dim)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale)
-        y = y.transpose(1, 2).reshape(b, t, n * self.v_dim)
-        return self.o_proj(y)
+        return self.o_proj(causal_attention(q, k, v, self.scale))  # (B, T, n * v_dim) in

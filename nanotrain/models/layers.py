@@ -155,6 +155,44 @@ def apply_rope(
     return torch.cat((a * cos - b * sin, b * cos + a * sin), dim=-1)
 
 
+def rope_tail_table(cos: torch.Tensor, sin: torch.Tensor, skip: int) -> torch.Tensor:
+    """Rotation factors for `rope_tail`: 1 on the first `skip` dims, cos + i sin on the rest.
+
+    Args: cos, sin: [T, r // 2] from `rope_cos_sin`; skip: width of the unrotated head (even).
+    Returns: complex64 [T, 1, skip // 2 + r // 2], one factor per adjacent pair of dims.
+    """
+    t = cos.shape[0]
+    real = torch.cat((cos.new_ones(t, skip // 2), cos), dim=-1)
+    imag = torch.cat((sin.new_zeros(t, skip // 2), sin), dim=-1)
+    return torch.complex(real.float(), imag.float())[:, None, :]
+
+
+def rope_tail(x: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+    """Interleaved RoPE of x's last dims and identity on the first ones, in one multiply.
+
+    Each adjacent pair (a, b) read as a + ib times its factor cos + i sin is
+    (a cos - b sin) + i(a sin + b cos): `apply_rope(interleaved=True)` in one complex multiply
+    (the same products and sums; equal floats, or an ulp apart where the complex kernel fuses
+    a multiply-add), and a pair times 1 + 0i is itself. Used for MLA's queries [q^C | q^R]: rotating q^R inside the whole head avoids
+    splitting it off and concatenating it back (a copy forward and one backward per layer),
+    and the complex multiply replaces rope's seven elementwise kernels. Dtypes without a
+    complex counterpart (bf16, fp16) take the same math as x * c + pair_swap(x) * s.
+
+    Args: x: [B, T, heads, dim] (dim even); table: [T, 1, dim // 2] from `rope_tail_table`.
+    Returns: tensor like x.
+    """
+    pairs = x.unflatten(-1, (-1, 2))  # (B, T, heads, dim/2, 2)
+    if x.dtype in (torch.float32, torch.float64):
+        if pairs.storage_offset() % 2 or any(st % 2 for st in pairs.stride()[:-1]):
+            pairs = pairs.contiguous()  # view_as_complex needs whole pairs in memory
+        ctype = torch.complex128 if x.dtype == torch.float64 else torch.complex64
+        rotated = torch.view_as_complex(pairs) * table.to(ctype)
+        return torch.view_as_real(rotated).flatten(-2)
+    c = table.real.repeat_interleave(2, dim=-1).to(x.dtype)  # (T, 1, dim): c0 c0 c1 c1 ..
+    s = torch.stack((-table.imag, table.imag), dim=-1).flatten(-2).to(x.dtype)  # -s0 s0 ..
+    return x * c + pairs.flip(-1).flatten(-2) * s
+
+
 class SwiGLU(nn.Module):
     """SwiGLU MLP: down(silu(gate(x)) * up(x)); gate/up column-parallel, down row-parallel.
 
