@@ -30,9 +30,12 @@ of --rounds): the first per-expert loop that indexed the stacks (`w[e]`, quadrat
 per-expert loop over `unbind` views (`looped_swiglu`, linear in E, still what unequal groups
 run) and the layer itself (`GroupedExperts.forward`: for equal groups the batched GEMMs of
 `batched_swiglu`, a constant number of ops). Backward starts from a fixed dense gradient.
-The last two columns are the layer's time at E over its own time at the smallest E, and over
-the fastest of the loop and the layer at the smallest E. `--only-scaling` runs just this
-table (seconds).
+Then the layer's time at E over its own time at the smallest E, and over the fastest of the
+loop and the layer at the smallest E. The last column is a floor for that ratio set by memory
+traffic alone: at fixed FLOPs only the weights grow with E, and one step streams them three
+times (read forward, read again for the input gradient, write their gradient), so it cannot
+run faster than the smallest E's time plus the extra bytes over this machine's measured
+copy bandwidth (one thread, a 256 MiB copy). `--only-scaling` runs just this table (seconds).
 """
 
 from __future__ import annotations
@@ -216,6 +219,21 @@ def _expert_forward(
     return ex(x, sizes)
 
 
+def copy_bandwidth(mib: int = 256, rounds: int = 5) -> float:
+    """Bytes per second one thread moves in a large tensor copy (bytes read + written)."""
+    src = torch.ones(mib * 2**20 // 4)
+    dst = torch.empty_like(src)
+    dst.copy_(src)  # touch the pages first
+    best = min(_timed(lambda: dst.copy_(src)) for _ in range(rounds))
+    return 2 * src.numel() * 4 / best
+
+
+def _timed(fn) -> float:  # noqa: ANN001
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
 def scaling_table(rounds: int, experts: tuple[int, ...] = (8, 32, 128)) -> None:
     """(c) fwd+bwd of one expert layer at fixed tokens and FLOPs, by number of local experts."""
     n, h, inter = 4096, 128, 64
@@ -223,10 +241,12 @@ def scaling_table(rounds: int, experts: tuple[int, ...] = (8, 32, 128)) -> None:
     print(
         "| local experts | indexed per expert (first) ms | unbind loop (before) ms "
         "| GroupedExperts (now: batched) ms | now / now at smallest E "
-        "| now / fastest at smallest E |"
+        "| now / fastest at smallest E | memory-traffic floor of that ratio |"
     )
-    print("|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|")
     torch.set_num_threads(1)
+    bandwidth = copy_bandwidth()
+    weight_bytes = {e: 3 * e * h * inter * 4 for e in experts}  # gate, up, down stacks
     base = best = None
     # a dense upstream gradient, as a layer inside a model gets (y.sum() would hand backward
     # an expanded stride-0 tensor, which no real loss produces)
@@ -248,10 +268,13 @@ def scaling_table(rounds: int, experts: tuple[int, ...] = (8, 32, 128)) -> None:
         ms = {k: 1e3 * statistics.median(v) for k, v in times.items()}
         base = base or ms["now"]
         best = best or min(ms["loop"], ms["now"])
+        extra_ms = 1e3 * 3 * (weight_bytes[e] - weight_bytes[experts[0]]) / bandwidth
         print(
             f"| {e} | {ms['indexed']:.1f} | {ms['loop']:.1f} | {ms['now']:.1f} "
-            f"| {ms['now'] / base:.2f}x | {ms['now'] / best:.2f}x |"
+            f"| {ms['now'] / base:.2f}x | {ms['now'] / best:.2f}x "
+            f"| {(best + extra_ms) / best:.2f}x |"
         )
+    print(f"copy bandwidth, one thread: {bandwidth / 1e9:.1f} GB/s")
 
 
 def main() -> None:

@@ -2,8 +2,9 @@
 
 Each `DecoderLayer` is compiled in place (`nn.Module.compile`), so parameter names, state
 dicts and checkpoints are unchanged and the embedding, the head and the pipeline executor stay
-eager. Inside a MoE layer the data-dependent parts (the expert split sizes) break the graph
-and run eagerly; the dense parts around them are compiled.
+eager. A MoE layer with a capacity factor (fixed expert slots) is one graph; a dropless one
+breaks the graph where the expert split sizes come to the host, and the parts around that
+are compiled.
 """
 
 from __future__ import annotations

@@ -173,16 +173,19 @@ def rope_tail(x: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
     Each adjacent pair (a, b) read as a + ib times its factor cos + i sin is
     (a cos - b sin) + i(a sin + b cos): `apply_rope(interleaved=True)` in one complex multiply
     (the same products and sums; equal floats, or an ulp apart where the complex kernel fuses
-    a multiply-add), and a pair times 1 + 0i is itself. Used for MLA's queries [q^C | q^R]: rotating q^R inside the whole head avoids
-    splitting it off and concatenating it back (a copy forward and one backward per layer),
+    a multiply-add), and a pair times 1 + 0i is itself. Used for MLA's queries [q^C | q^R]:
+    rotating q^R inside the whole head avoids splitting it off and concatenating it back (a
+    copy forward and one backward per layer),
     and the complex multiply replaces rope's seven elementwise kernels. Dtypes without a
-    complex counterpart (bf16, fp16) take the same math as x * c + pair_swap(x) * s.
+    complex counterpart (bf16, fp16), and torch.compile (inductor generates no code for
+    complex numbers; it fuses the real form into one kernel), take the same math as
+    x * c + pair_swap(x) * s.
 
     Args: x: [B, T, heads, dim] (dim even); table: [T, 1, dim // 2] from `rope_tail_table`.
     Returns: tensor like x.
     """
     pairs = x.unflatten(-1, (-1, 2))  # (B, T, heads, dim/2, 2)
-    if x.dtype in (torch.float32, torch.float64):
+    if x.dtype in (torch.float32, torch.float64) and not torch.compiler.is_compiling():
         if pairs.storage_offset() % 2 or any(st % 2 for st in pairs.stride()[:-1]):
             pairs = pairs.contiguous()  # view_as_complex needs whole pairs in memory
         ctype = torch.complex128 if x.dtype == torch.float64 else torch.complex64

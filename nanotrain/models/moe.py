@@ -47,6 +47,7 @@ from nanotrain.parallel.collectives import (
     reduce_from_tensor_parallel_region,
 )
 from nanotrain.parallel.expert import (
+    expert_counts,
     expert_range,
     mark_expert_params,
     run_experts_parallel,
@@ -215,7 +216,6 @@ class GroupedExperts(nn.Module):
         return not (
             torch.is_autocast_enabled(x.device.type)
             or torch._C._is_torch_function_mode_enabled()
-            or torch.compiler.is_compiling()
         )
 
 
@@ -383,7 +383,7 @@ class DeepSeekMoE(nn.Module):
         if self.training:
             if not is_recomputing():  # a recomputed forward must not count its tokens again
                 # routing demand over all E experts (the router is replicated), drops or not
-                self.expert_load += torch.bincount(topk_idx.reshape(-1), minlength=e)
+                self.expert_load += expert_counts(topk_idx.reshape(-1), e)
                 if keep is not None:
                     self.dropped_tokens += keep.numel() - keep.sum()
             if self.config.aux_loss_alpha > 0:

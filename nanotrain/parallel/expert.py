@@ -41,6 +41,7 @@ __all__ = [
     "all_to_all",
     "capacity_keep_mask",
     "capacity_ranks",
+    "expert_counts",
     "expert_range",
     "exchange_splits",
     "is_expert_param",
@@ -98,6 +99,16 @@ def capacity_keep_mask(
     return capacity_ranks(topk_idx, topk_weight, num_experts) < capacity
 
 
+def expert_counts(flat_idx: Tensor, num_experts: int) -> Tensor:
+    """How many entries of `flat_idx` [M] (int64 expert ids) name each expert: [E] int64.
+
+    `torch.bincount` with a fixed length, by a scatter-add: bincount's output shape depends on
+    the data, which makes torch.compile break the graph there.
+    """
+    counts = torch.zeros(num_experts, dtype=torch.long, device=flat_idx.device)
+    return counts.scatter_add_(0, flat_idx, torch.ones_like(flat_idx))
+
+
 def capacity_ranks(topk_idx: torch.Tensor, topk_weight: torch.Tensor, num_experts: int) -> Tensor:
     """Each routing choice's rank among its expert's copies in `capacity_keep_mask`'s order
     (highest weight first, ties in token order, then choice order); 0-based.
@@ -109,7 +120,7 @@ def capacity_ranks(topk_idx: torch.Tensor, topk_weight: torch.Tensor, num_expert
     # by weight (descending; stable, so ties stay in slot = token order), then by expert
     by_weight = torch.argsort(topk_weight.detach().reshape(-1), descending=True, stable=True)
     order = by_weight[torch.argsort(flat[by_weight], stable=True)]
-    counts = torch.bincount(flat, minlength=num_experts)
+    counts = expert_counts(flat, num_experts)
     starts = torch.cumsum(counts, 0) - counts
     ranks = torch.empty_like(flat)
     ranks[order] = torch.arange(flat.numel(), device=flat.device) - starts[flat[order]]

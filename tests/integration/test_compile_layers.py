@@ -81,3 +81,53 @@ def _assert_two_ranks_match_eager(tmp_path: Path, rank_fn, name: str, timeout: f
     ranks = run_world(rank_fn, 2, str(tmp_path / name), timeout=timeout)
     for losses in ranks:
         assert losses == pytest.approx(eager, rel=1e-5)
+
+
+def _capacity_moe_module(compiled: bool | dict) -> nt.LanguageModelModule:
+    overrides = {"capacity_factor": 1.0, "mtp_depth": 0}
+    return nt.LanguageModelModule(
+        "tiny", vocab_size=257, model_overrides=overrides, compile_layers=compiled
+    )
+
+
+@pytest.mark.skipif(not hasattr(torch, "compile"), reason="needs torch.compile")
+def test_deepseek_layer_with_capacity_experts_compiles_into_one_graph():
+    # MLA attention (its rope) and the MoE block on fixed E x C slots (routing, slot ranks,
+    # load counters, batched experts) trace as one graph: a graph break would split the layer
+    # into pieces that run eagerly in between
+    torch.manual_seed(0)
+    module = _capacity_moe_module(False)
+    module.configure_model()
+    model = module.model
+    moe_layer = model.layers[-1]
+    assert hasattr(moe_layer.mlp, "experts")
+    h = torch.randn(2, 16, model.config.hidden_size)
+    cos, sin = model.rope(16, h.device)
+    explanation = torch._dynamo.explain(moe_layer)(h, cos, sin)
+    assert explanation.graph_break_count == 0, explanation.break_reasons
+    assert explanation.graph_count == 1
+
+
+@pytest.mark.skipif(not hasattr(torch, "compile"), reason="needs torch.compile")
+def test_compiled_deepseek_with_capacity_experts_matches_eager(tmp_path):
+    def fit(compiled):
+        torch.manual_seed(0)
+        module = _capacity_moe_module(compiled)
+        losses = _Losses()
+        trainer = nt.Trainer(
+            strategy=nt.SingleDeviceStrategy("cpu"),
+            max_steps=3,
+            global_batch_size=4,
+            micro_batch_size=2,
+            default_root_dir=str(tmp_path / str(bool(compiled))),
+            loggers=[],
+            callbacks=[losses],
+            seed=0,
+        )
+        trainer.fit(module, train_dataloaders=RandomTokens(16))
+        return losses.losses, module.model.layers[-1].mlp.expert_load.clone()
+
+    eager, eager_load = fit(False)
+    compiled, compiled_load = fit(AOT_EAGER)
+    assert compiled == pytest.approx(eager, rel=1e-5)
+    assert torch.equal(compiled_load, eager_load)  # the load counter still counts in a graph
