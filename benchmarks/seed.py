@@ -8,7 +8,9 @@ optimizer are built the way `nanotrain fit` builds them from the config: a
 `configure_optimizers()` (two parameter groups, the config's AdamW kernel; the LR schedule is
 not stepped, gradients are not clipped). With `compile_layers` the first steps also compile:
 their time is printed as warm-up. It uses whichever nanotrain is on PYTHONPATH, so two trees
-can be compared side by side in one shell (both then read THIS script's config):
+can be compared side by side in one shell (both then read THIS script's config; a tree whose
+LanguageModelModule lacks some of the config's arguments, such as `optimizer_impl` or
+`compile_layers` before issue 18, runs without them and the line says which it ignored):
 
     for i in 1 2 3; do PYTHONPATH=/path/to/old python benchmarks/seed.py;
                        PYTHONPATH=$PWD python benchmarks/seed.py; done
@@ -17,6 +19,7 @@ can be compared side by side in one shell (both then read THIS script's config):
 from __future__ import annotations
 
 import argparse
+import inspect
 import statistics
 import time
 from pathlib import Path
@@ -38,7 +41,10 @@ def main() -> None:
     torch.manual_seed(0)
     cfg = yaml.safe_load(CONFIG.read_text())
     batch, seq = cfg["trainer"]["global_batch_size"], cfg["data"]["init_args"]["seq_len"]
-    module = LanguageModelModule(**cfg["model"]["init_args"])
+    known = inspect.signature(LanguageModelModule.__init__).parameters
+    init_args = cfg["model"]["init_args"]
+    ignored = sorted(set(init_args) - set(known))
+    module = LanguageModelModule(**{k: v for k, v in init_args.items() if k in known})
     module.configure_model()
     model, config = module.model, module.config
     opt = module.configure_optimizers()["optimizer"]
@@ -62,6 +68,7 @@ def main() -> None:
     print(
         f"{where}: {params:,} params, {ms:.1f} ms/step, {batch * seq / ms * 1e3:,.0f} tokens/s "
         f"(AdamW kernel: {kernel}; warm-up: 3 steps in {warmup:.1f} s)"
+        + (f"; this tree ignores {', '.join(ignored)}" if ignored else "")
     )
 
 
