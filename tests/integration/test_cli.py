@@ -105,6 +105,27 @@ def test_print_config_shows_resolved_defaults(capsys):
     assert "LanguageModelModule" in printed and "TokenDataModule" in printed
 
 
+@pytest.mark.parametrize("name", sorted(p.name for p in (REPO / "examples/configs").glob("*.yaml")))
+def test_every_example_config_parses(name, capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["fit", "--config", str(REPO / "examples/configs" / name), "--print_config"])
+    assert exc.value.code == 0
+    assert "LanguageModelModule" in capsys.readouterr().out
+
+
+def test_seed_config_builds_the_seed_projects_model():
+    # the nano-train seed project's default model has 2,173,792 parameters (issue 18)
+    import yaml
+
+    import nanotrain as nt
+
+    cfg = yaml.safe_load((REPO / "examples/configs/nano_train_seed.yaml").read_text())
+    init_args = dict(cfg["model"]["init_args"], compile_layers=False)
+    module = nt.LanguageModelModule(**init_args)
+    module.configure_model()
+    assert sum(p.numel() for p in module.model.parameters()) == 2_173_792
+
+
 def test_missing_data_path_is_a_clear_error(tmp_path):
     result = run_cli(
         [
