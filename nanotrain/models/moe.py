@@ -211,11 +211,10 @@ class GroupedExperts(nn.Module):
     @staticmethod
     def _batched_allowed(x: torch.Tensor) -> bool:
         # The loop's per-expert `x @ W.T` is what autocast casts and what the fp8/fp4
-        # emulation's torch-function mode intercepts, and what dynamo traces: under any of
-        # them keep the loop, so those keep seeing the form they handle.
+        # emulation's torch-function mode intercepts: under either keep the loop, so they
+        # keep seeing the form they handle. (torch.compile traces the batched Function.)
         return not (
-            torch.is_autocast_enabled(x.device.type)
-            or torch._C._is_torch_function_mode_enabled()
+            torch.is_autocast_enabled(x.device.type) or torch._C._is_torch_function_mode_enabled()
         )
 
 
