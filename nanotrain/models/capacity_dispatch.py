@@ -1,22 +1,30 @@
 """Routed experts with a capacity: token copies placed in fixed-size expert slots.
 
-With a capacity factor every expert accepts at most C copies of this rank's tokens, so the
-routed path can have fixed shapes: a buffer of E x C slots (zeros where an expert got fewer
-than C copies). Nothing about it depends on how many copies each expert got, so no step of
-it reads the device: not the selection of the kept copies (a boolean mask would need a
-`nonzero`), not the expert-parallel all-to-all (its split sizes are E_local x C rows per
-peer, known in advance), not the expert computation (C rows per expert).
+With a capacity factor every expert accepts at most C copies from each group of tokens (a
+MoE layer makes each sequence a group), so the routed path can have fixed shapes: a buffer
+of E x G x C slots for G groups (zeros where an expert got fewer than C copies of a group).
+Nothing about it depends on how many copies each expert got, so no step of it reads the
+device: not the selection of the kept copies (a boolean mask would need a `nonzero`), not
+the expert-parallel all-to-all (its split sizes are E_local x G x C rows per peer, known in
+advance), not the expert computation (G x C rows per expert).
 
-    slot_positions     topk_idx, topk_weight -> position [N*K]: slot e*C + r of each choice
-                                                (r: its rank among expert e's copies), E*C
-                                                for a dropped one
-    dispatch_to_slots  h, position           -> x_slots [E*C, H]
-    experts                                  -> y_slots [E*C, H] (`run_experts_in_slots`)
+    slot_positions     topk_idx, topk_weight -> position [N*K]: slot (e*G + g)*C + r of each
+                                                choice (g: its token's group, r: its rank
+                                                among expert e's copies from group g),
+                                                E*G*C for a dropped one
+    dispatch_to_slots  h, position           -> x_slots [E*G*C, H]
+    experts                                  -> y_slots [E*G*C, H] (`run_experts_in_slots`)
     combine_from_slots y_slots, weights      -> y [N, H]
 
-Which copies are kept is `capacity_keep_mask`'s policy (highest routing weight first, then
-token order); an empty slot holds zeros, which the SwiGLU experts map to zeros, so it adds
-nothing to any output or gradient. The cost is computing E*C rows however the load falls.
+Which copies are kept is `capacity_keep_mask`'s policy (per group, highest routing weight
+first, then token order); an empty slot holds zeros, which the SwiGLU experts map to zeros,
+so it adds nothing to any output or gradient. The cost is computing E*G*C rows however the
+load falls.
+
+Why a group per sequence: which copies a capacity drops depends on which tokens compete
+for the same slots. Groups that never cross a sequence make that independent of how the
+batch is cut into microbatches and data-parallel shards, so a model with a capacity factor
+computes the same loss on one process as under any dp, ep or pp layout.
 """
 
 from __future__ import annotations
@@ -24,27 +32,39 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
+import torch.distributed as dist
 from torch import Tensor
 
 from nanotrain.parallel.collectives import group_size
 from nanotrain.parallel.expert import all_to_all, capacity_ranks
 
-__all__ = ["combine_from_slots", "dispatch_to_slots", "run_experts_in_slots", "slot_positions"]
+__all__ = [
+    "combine_from_slots",
+    "dispatch_to_slots",
+    "peer_slot_counts",
+    "run_experts_in_slots",
+    "slot_positions",
+]
 
 
 def slot_positions(
-    topk_idx: Tensor, topk_weight: Tensor, num_experts: int, capacity: int
+    topk_idx: Tensor, topk_weight: Tensor, num_experts: int, capacity: int, groups: int = 1
 ) -> tuple[Tensor, Tensor]:
-    """Where each routing choice goes in the E x C slot buffer.
+    """Where each routing choice goes in the E x G x C slot buffer.
 
-    Args: topk_idx [N, K] int64; topk_weight [N, K]; capacity C >= 0.
-    Returns: (position [N*K] int64: ``e * C + rank`` for a kept copy, ``E * C`` (one past
-        the end) for a dropped one; keep [N*K] bool), indexed by the flat slot ``token * K + k``.
+    Args: topk_idx [N, K] int64; topk_weight [N, K]; capacity C >= 0 per expert and group;
+        groups G: equal runs of consecutive tokens (G divides N), each with its own C slots
+        per expert.
+    Returns: (position [N*K] int64: ``(e * G + g) * C + rank`` for a kept copy of a token of
+        group g, ``E * G * C`` (one past the end) for a dropped one; keep [N*K] bool),
+        indexed by the flat slot ``token * K + k``.
     """
-    flat = topk_idx.reshape(-1)
-    rank = capacity_ranks(topk_idx, topk_weight, num_experts)
+    n, k = topk_idx.shape
+    rank = capacity_ranks(topk_idx, topk_weight, num_experts, groups)
     keep = rank < capacity
-    position = torch.where(keep, flat * capacity + rank, num_experts * capacity)
+    group = torch.arange(n * k, device=topk_idx.device) // (k * (n // groups))
+    slot = (topk_idx.reshape(-1) * groups + group) * capacity + rank
+    position = torch.where(keep, slot, num_experts * groups * capacity)
     return position, keep
 
 
@@ -52,8 +72,9 @@ def dispatch_to_slots(h: Tensor, topk_idx: Tensor, position: Tensor, num_slots: 
     """Copy each kept token into its slot; empty slots hold zeros.
 
     Args: h [N, H]; topk_idx [N, K] (for K); position [N*K] from `slot_positions`;
-        num_slots E*C.
-    Returns: x_slots [E*C, H] (differentiable: the gradient of a slot flows to its token).
+        num_slots: the buffer's rows, E*G*C.
+    Returns: x_slots [num_slots, H] (differentiable: the gradient of a slot flows to its
+        token).
     """
     n, k = topk_idx.shape
     # source[s] = the token in slot s, or n (an appended zero row) for an empty slot; dropped
@@ -70,7 +91,7 @@ def combine_from_slots(
     """Weighted sum of each token's expert outputs: y_t = sum_k g_{t,k} y_slot(t,k); a dropped
     choice contributes nothing.
 
-    Args: y_slots [E*C, H]; position [N*K]; topk_weight [N, K]; num_tokens N.
+    Args: y_slots [E*G*C, H]; position [N*K]; topk_weight [N, K]; num_tokens N.
     Returns: [N, H] in y_slots' dtype.
     """
     k = topk_weight.shape[1]
@@ -79,33 +100,61 @@ def combine_from_slots(
     return (padded[position] * w).view(num_tokens, k, -1).sum(dim=1)
 
 
+def peer_slot_counts(slots_per_expert: int, group: object | None) -> list[int]:
+    """Every rank's slots per expert over the expert-parallel `group` (one small all-gather
+    and one host read). Needed only when ranks may hold batches of different shapes, as in a
+    last, partial evaluation batch; training batches all have the micro batch's shape."""
+    p = group_size(group)
+    if p == 1:
+        return [slots_per_expert]
+    mine = torch.tensor([slots_per_expert], dtype=torch.int64, device=_group_device(group))
+    gathered = torch.empty(p, dtype=torch.int64, device=mine.device)
+    dist.all_gather_into_tensor(gathered, mine, group=group)
+    return gathered.tolist()
+
+
+def _group_device(group: object) -> torch.device:
+    # gloo groups move CPU tensors, NCCL groups CUDA tensors of this rank's device
+    if dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
 def run_experts_in_slots(
     x_slots: Tensor,
     num_experts: int,
-    capacity: int,
+    slots_per_expert: int,
     experts: Callable[[Tensor, list[int]], Tensor],
     group: object | None,
+    peer_slots: list[int] | None = None,
 ) -> Tensor:
     """The experts over the slot buffer, sending each expert's slots to the rank that owns
-    it and back (equal all-to-all splits: no size exchange, no host read).
+    it and back (all-to-all splits known in advance: no size exchange, no host read).
 
     Args:
-        x_slots: [E*C, H], expert e's slots at rows [e*C, (e+1)*C).
+        x_slots: [E*S, H], expert e's slots at rows [e*S, (e+1)*S).
         num_experts: E, all routed experts (over every rank of `group`).
-        capacity: C.
+        slots_per_expert: S (G x C: groups times capacity).
         experts: this rank's local experts, ``experts(x [R, H] sorted by local expert,
             rows per local expert as ints) -> [R, H]``.
         group: the expert-parallel group of P ranks (None or one rank: all experts local).
-    Returns: y_slots [E*C, H] in x_slots' row order.
+        peer_slots: S of every rank of `group` in rank order (`peer_slot_counts`), when the
+            ranks' batches may differ in shape; None: every rank has this rank's S.
+    Returns: y_slots [E*S, H] in x_slots' row order.
     """
     p = group_size(group)
     if p == 1:
-        return experts(x_slots, [capacity] * num_experts)
+        return experts(x_slots, [slots_per_expert] * num_experts)
     e_local, hidden = num_experts // p, x_slots.shape[-1]
-    splits = [e_local * capacity] * p
-    x_recv = all_to_all(x_slots, splits, splits, group)  # (source rank, local expert, slot)
-    by_expert = x_recv.view(p, e_local, capacity, hidden).transpose(0, 1)
-    y = experts(by_expert.reshape(-1, hidden), [p * capacity] * e_local)
-    y = y.view(e_local, p, capacity, hidden).transpose(0, 1).reshape(-1, hidden)
+    peers = peer_slots or [slots_per_expert] * p
+    send = [e_local * slots_per_expert] * p
+    recv = [e_local * s for s in peers]
+    x_recv = all_to_all(x_slots, recv, send, group)  # (source rank, local expert, slot)
+    # regroup by local expert: expert j gets every source's slots for it, in rank order
+    blocks = [b.view(e_local, s, hidden) for b, s in zip(x_recv.split(recv), peers, strict=True)]
+    by_expert = torch.cat(blocks, dim=1)  # (local expert, all sources' slots)
+    y = experts(by_expert.reshape(-1, hidden), [sum(peers)] * e_local)
+    y = y.view(e_local, sum(peers), hidden).split(peers, dim=1)
+    y = torch.cat([part.reshape(-1, hidden) for part in y])  # back to (source rank, ...)
     # anchored on x_recv: a rank whose experts' slots are all empty still joins the backward
-    return all_to_all(y, splits, splits, group, anchor=x_recv)
+    return all_to_all(y, send, recv, group, anchor=x_recv)

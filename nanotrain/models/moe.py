@@ -28,6 +28,7 @@ from torch import nn
 from nanotrain.models.capacity_dispatch import (
     combine_from_slots,
     dispatch_to_slots,
+    peer_slot_counts,
     run_experts_in_slots,
     slot_positions,
 )
@@ -294,9 +295,12 @@ class DeepSeekMoE(nn.Module):
     The routed experts' parameters are always tagged with `mark_expert_params`.
 
     `config.capacity_factor` f (None = dropless) caps each expert at
-    C = ceil(f * N * K / E) copies of this rank's N tokens, dropping the rest (policy:
-    `capacity_keep_mask`), in training and evaluation alike; the kept copies run in fixed
-    E x C slots (`nanotrain.models.capacity_dispatch`).
+    C = ceil(f * T * K / E) copies of each sequence's T tokens, dropping the rest (policy:
+    `capacity_keep_mask`, one group per sequence), in training and evaluation alike; the
+    kept copies run in fixed E x B x C slots (`nanotrain.models.capacity_dispatch`). Per
+    sequence, so the drops do not depend on how the batch is split over microbatches or
+    data-parallel ranks; under sequence parallelism T is this rank's T / tp tokens of each
+    sequence, so there the drops do depend on tp.
 
     Shapes: forward(x [B, T, H]) -> (y [B, T, H], aux_loss scalar). aux_loss is the
     sequence-wise balance loss times alpha (0 when alpha is 0 or in eval mode).
@@ -352,7 +356,8 @@ class DeepSeekMoE(nn.Module):
         self.dropped_tokens.zero_()
 
     def capacity(self, num_tokens: int) -> int | None:
-        """Copies each expert accepts from `num_tokens` tokens (None: dropless)."""
+        """Copies each expert accepts from a group of `num_tokens` tokens, ceil(f * N * K / E)
+        (None: dropless). The forward's groups are its sequences."""
         c = self.config
         if c.capacity_factor is None:
             return None
@@ -365,16 +370,21 @@ class DeepSeekMoE(nn.Module):
         e = self.config.n_routed_experts
         h = x.reshape(b * t, hidden)
         topk_idx, topk_weight, scores = self.gate(h)
-        capacity = self.capacity(b * t)
+        capacity = self.capacity(t)  # per sequence: see the class docstring
         keep = None
         if capacity is None:  # dropless: copies sorted by expert, as many as were routed
             d = dispatch(h, topk_idx, e)
             y_sorted = run_experts_parallel(d.x, d.counts, self.experts, self.ep_group)
             y = combine(y_sorted, d, topk_weight, b * t).view(b, t, hidden)
         else:  # fixed E x C slots: no step reads the device (`capacity_dispatch`)
-            position, keep = slot_positions(topk_idx, topk_weight, e, capacity)
-            x_slots = dispatch_to_slots(h, topk_idx, position, e * capacity)
-            y_slots = run_experts_in_slots(x_slots, e, capacity, self.experts, self.ep_group)
+            position, keep = slot_positions(topk_idx, topk_weight, e, capacity, groups=b)
+            x_slots = dispatch_to_slots(h, topk_idx, position, e * b * capacity)
+            # evaluation batches may differ in shape between ranks (a last, partial batch):
+            # then learn the peers' slot counts; training micro batches all have one shape
+            peers = None if self.training else peer_slot_counts(b * capacity, self.ep_group)
+            y_slots = run_experts_in_slots(
+                x_slots, e, b * capacity, self.experts, self.ep_group, peers
+            )
             y = combine_from_slots(y_slots, position, topk_weight, b * t).view(b, t, hidden)
         if self.shared_experts is not None:
             y = y + self.shared_experts(x)

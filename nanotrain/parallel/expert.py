@@ -83,24 +83,31 @@ def expert_range(num_experts: int, ep_size: int, ep_rank: int) -> tuple[int, int
 
 
 def capacity_keep_mask(
-    topk_idx: torch.Tensor, topk_weight: torch.Tensor, num_experts: int, capacity: int
+    topk_idx: torch.Tensor,
+    topk_weight: torch.Tensor,
+    num_experts: int,
+    capacity: int,
+    groups: int = 1,
 ) -> torch.Tensor:
-    """Which routing choices fit an expert capacity of `capacity` copies per expert.
+    """Which routing choices fit an expert capacity of `capacity` copies per expert and group.
 
     Applied before dispatch, so the all-to-all carries only the kept copies.
 
-    Policy: each expert keeps the `capacity` copies with the highest routing weight; equal
-    weights are kept in token order (then choice order). Dropped copies simply do not
-    contribute to their token's output (the other choices' weights are not renormalized).
+    Policy: the N tokens form `groups` equal runs of consecutive tokens (a MoE layer uses one
+    group per sequence); within each group, each expert keeps the `capacity` copies with the
+    highest routing weight; equal weights are kept in token order (then choice order).
+    Dropped copies simply do not contribute to their token's output (the other choices'
+    weights are not renormalized).
 
-    Args: topk_idx [N, K] int64; topk_weight [N, K]; capacity >= 0.
+    Args: topk_idx [N, K] int64; topk_weight [N, K]; capacity >= 0; groups divides N.
     Returns: keep [N*K] bool, indexed by the flat slot ``token * K + k``.
     """
-    return capacity_ranks(topk_idx, topk_weight, num_experts) < capacity
+    return capacity_ranks(topk_idx, topk_weight, num_experts, groups) < capacity
 
 
 def expert_counts(flat_idx: Tensor, num_experts: int) -> Tensor:
-    """How many entries of `flat_idx` [M] (int64 expert ids) name each expert: [E] int64.
+    """How many entries of `flat_idx` [M] (int64 ids in [0, num_experts)) name each id:
+    [num_experts] int64.
 
     `torch.bincount` with a fixed length, by a scatter-add: bincount's output shape depends on
     the data, which makes torch.compile break the graph there.
@@ -109,18 +116,27 @@ def expert_counts(flat_idx: Tensor, num_experts: int) -> Tensor:
     return counts.scatter_add_(0, flat_idx, torch.ones_like(flat_idx))
 
 
-def capacity_ranks(topk_idx: torch.Tensor, topk_weight: torch.Tensor, num_experts: int) -> Tensor:
-    """Each routing choice's rank among its expert's copies in `capacity_keep_mask`'s order
-    (highest weight first, ties in token order, then choice order); 0-based.
+def capacity_ranks(
+    topk_idx: torch.Tensor, topk_weight: torch.Tensor, num_experts: int, groups: int = 1
+) -> Tensor:
+    """Each routing choice's rank among the copies of its expert in its token group, in
+    `capacity_keep_mask`'s order (highest weight first, ties in token order, then choice
+    order); 0-based.
 
-    Args: topk_idx [N, K] int64; topk_weight [N, K].
+    Args: topk_idx [N, K] int64; topk_weight [N, K]; groups: equal runs of consecutive
+        tokens ranked separately (must divide N).
     Returns: [N*K] int64, indexed by the flat slot ``token * K + k``.
     """
-    flat = topk_idx.reshape(-1)
-    # by weight (descending; stable, so ties stay in slot = token order), then by expert
+    n, k = topk_idx.shape
+    if n % groups:
+        raise ValueError(f"{n} tokens do not split into {groups} equal capacity groups")
+    # one bucket per (group, expert): token t's copies fall into group t // (N / groups)
+    group_of_slot = torch.arange(n * k, device=topk_idx.device) // (k * (n // groups))
+    flat = group_of_slot * num_experts + topk_idx.reshape(-1)
+    # by weight (descending; stable, so ties stay in slot = token order), then by bucket
     by_weight = torch.argsort(topk_weight.detach().reshape(-1), descending=True, stable=True)
     order = by_weight[torch.argsort(flat[by_weight], stable=True)]
-    counts = expert_counts(flat, num_experts)
+    counts = expert_counts(flat, groups * num_experts)
     starts = torch.cumsum(counts, 0) - counts
     ranks = torch.empty_like(flat)
     ranks[order] = torch.arange(flat.numel(), device=flat.device) - starts[flat[order]]

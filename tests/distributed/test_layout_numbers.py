@@ -5,9 +5,12 @@ DeepSeek preset with MTP and a sizeable sequence-wise balance loss, so the LM, M
 terms each average over a different count (tokens, MTP targets, sequences). One process with
 micro batch 2 is the reference; one process with micro batch 8, and dp=2 (DDP and Megatron),
 tp=2 (with and without sequence parallelism), pp=2 (stage 0 holds no MoE layer), ep=2 (world
-2), ep=2 × expert-dp=2 with ZeRO-1 and interleaved pp=2 × virtual 2 × dp=2 (world 4) must give the same per-step loss and grad norm, the same logged `train/*` and `moe/*`
-scalars at every step, the same weights after the run, and the same `val/loss` on a validation
-set of 13 samples read whole, with `limit_val_batches=1` (global batches) and with a fraction.
+2), ep=2 × expert-dp=2 with ZeRO-1 and interleaved pp=2 × virtual 2 × dp=2 (world 4) must
+give the same per-step loss and grad norm, the same logged `train/*` and `moe/*` scalars at
+every step, the same weights after the run, and the same `val/loss` on a validation set of
+13 samples read whole, with `limit_val_batches=1` (global batches) and with a fraction.
+The same holds with a capacity factor that drops copies, under micro batch 8, DDP, pp=2
+and ep=2 (the drops are decided per sequence).
 """
 
 from __future__ import annotations
@@ -80,7 +83,9 @@ def _gather_over_stages(strategy: Any, named: dict[str, Any]) -> dict[str, Any]:
     return {k: v for part in parts for k, v in part.items()}
 
 
-def fit(strategy: Any, root: str, micro_batch_size: int = 2) -> dict[str, Any]:
+def fit(
+    strategy: Any, root: str, micro_batch_size: int = 2, capacity_factor: float | None = None
+) -> dict[str, Any]:
     """`STEPS` steps (global batch 8, seed 3, log every step), then one validation per limit."""
     logged = Logged()
     module = nt.LanguageModelModule(
@@ -90,7 +95,11 @@ def fit(strategy: Any, root: str, micro_batch_size: int = 2) -> dict[str, Any]:
         warmup_steps=1,
         # 4 layers (layer 0 dense, 1-3 MoE); a balance loss large enough that weighing it by
         # tokens instead of sequences shows
-        model_overrides={"num_layers": 4, "aux_loss_alpha": 0.05},
+        model_overrides={
+            "num_layers": 4,
+            "aux_loss_alpha": 0.05,
+            "capacity_factor": capacity_factor,
+        },
     )
     trainer = nt.Trainer(
         strategy=strategy,
@@ -186,3 +195,31 @@ def test_every_logged_number_is_layout_independent(tmp_path):
             assert len(result) == (6 if world == 2 else 2)
             for layout, got in result.items():
                 assert_same(got, reference, f"{layout}, rank {rank}")
+
+
+def _world2_capacity(rank: int, world_size: int, root: str) -> dict[str, dict]:
+    layouts = {
+        "ddp dp=2": nt.strategies.DDPStrategy,
+        "pp=2": lambda: MegatronStrategy(pp=2, pipeline_layout=[1, 3]),
+        "ep=2": lambda: MegatronStrategy(ep=2),
+    }
+    return {
+        name: fit(make(), f"{root}/{i}", capacity_factor=0.5)
+        for i, (name, make) in enumerate(layouts.items())
+    }
+
+
+def test_capacity_drops_are_layout_independent(tmp_path):
+    # Which copies a capacity drops depends on which tokens compete for the slots; the MoE
+    # layer makes each sequence its own group, so microbatching and dp/ep/pp sharding do not
+    # change the drops (sequence parallelism does: it splits the sequences)
+    torch.set_num_threads(1)
+    reference = fit(nt.SingleDeviceStrategy("cpu"), str(tmp_path / "ref"), capacity_factor=0.5)
+    dropped = [v for k, v in reference["scalars"][0].items() if k.endswith("dropped_fraction")]
+    assert dropped and max(dropped) > 0.05  # the capacity really drops copies
+    mb8 = fit(nt.SingleDeviceStrategy("cpu"), str(tmp_path / "m8"), 8, capacity_factor=0.5)
+    assert_same(mb8, reference, "capacity, mb=8")
+    for rank, result in enumerate(run_world(_world2_capacity, 2, str(tmp_path), timeout=300)):
+        assert len(result) == 3
+        for layout, got in result.items():
+            assert_same(got, reference, f"capacity, {layout}, rank {rank}")

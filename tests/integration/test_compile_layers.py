@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import nanotrain as nt
+from nanotrain.models.transformer import DecoderLayer
 from tests.distributed.spawn import run_world
 from tests.unit.test_callbacks_moe_load import RandomTokens
 
@@ -26,9 +27,18 @@ class _Losses(nt.Callback):
         self.losses.append(float(outputs.loss))
 
 
-def _fit(tmp_path, compiled: bool | dict, strategy=None) -> tuple[list[float], list[str]]:
+# the tiny DeepSeek model with MoE on fixed expert slots (no MTP)
+CAPACITY_MOE = {"preset": "tiny", "overrides": {"capacity_factor": 1.0, "mtp_depth": 0}}
+
+
+def _fit(
+    tmp_path, compiled: bool | dict, strategy=None, preset: str = "tiny-dense", overrides=None
+) -> tuple[list[float], list[str], nt.LanguageModelModule]:
+    """Three steps of `preset`; (losses, parameter names, the module)."""
     torch.manual_seed(0)
-    module = nt.LanguageModelModule("tiny-dense", vocab_size=257, compile_layers=compiled)
+    module = nt.LanguageModelModule(
+        preset, vocab_size=257, model_overrides=overrides, compile_layers=compiled
+    )
     losses = _Losses()
     trainer = nt.Trainer(
         strategy=strategy or nt.SingleDeviceStrategy("cpu"),
@@ -41,15 +51,15 @@ def _fit(tmp_path, compiled: bool | dict, strategy=None) -> tuple[list[float], l
         seed=0,
     )
     trainer.fit(module, train_dataloaders=RandomTokens(16))
-    layers = list(module.model.layers)
-    assert all((layer._compiled_call_impl is not None) == bool(compiled) for layer in layers)
-    return losses.losses, list(module.model.state_dict())
+    layers = [m for m in module.model.modules() if isinstance(m, DecoderLayer)]
+    assert layers and all((m._compiled_call_impl is not None) == bool(compiled) for m in layers)
+    return losses.losses, list(module.model.state_dict()), module
 
 
 @pytest.mark.skipif(not hasattr(torch, "compile"), reason="needs torch.compile")
 def test_compiled_layers_match_eager_losses(tmp_path):
-    eager, names = _fit(tmp_path, False)
-    compiled, compiled_names = _fit(tmp_path, True)
+    eager, names, _ = _fit(tmp_path, False)
+    compiled, compiled_names, _ = _fit(tmp_path, True)
     assert compiled_names == names  # checkpoints stay interchangeable
     assert compiled == pytest.approx(eager, rel=1e-5)
 
@@ -75,19 +85,16 @@ def test_compiled_layers_under_tensor_parallel_match_eager_single_process(tmp_pa
     _assert_two_ranks_match_eager(tmp_path, _tp_rank, "tp", timeout=300)
 
 
-def _assert_two_ranks_match_eager(tmp_path: Path, rank_fn, name: str, timeout: float) -> None:
-    """Every rank of a 2-rank compiled run logs the losses of the eager single process."""
-    eager, _ = _fit(tmp_path, False)
+def _assert_two_ranks_match_eager(
+    tmp_path: Path, rank_fn, name: str, timeout: float, model: dict | None = None
+) -> None:
+    """Every rank of a 2-rank compiled run logs the losses of the eager single process of
+    the same model (`model`: `_fit`'s preset and overrides)."""
+    model = model or {}
+    eager = _fit(tmp_path, False, **model)[0]
     ranks = run_world(rank_fn, 2, str(tmp_path / name), timeout=timeout)
     for losses in ranks:
         assert losses == pytest.approx(eager, rel=1e-5)
-
-
-def _capacity_moe_module(compiled: bool | dict) -> nt.LanguageModelModule:
-    overrides = {"capacity_factor": 1.0, "mtp_depth": 0}
-    return nt.LanguageModelModule(
-        "tiny", vocab_size=257, model_overrides=overrides, compile_layers=compiled
-    )
 
 
 @pytest.mark.skipif(not hasattr(torch, "compile"), reason="needs torch.compile")
@@ -96,7 +103,9 @@ def test_deepseek_layer_with_capacity_experts_compiles_into_one_graph():
     # load counters, batched experts) trace as one graph: a graph break would split the layer
     # into pieces that run eagerly in between
     torch.manual_seed(0)
-    module = _capacity_moe_module(False)
+    module = nt.LanguageModelModule(
+        "tiny", vocab_size=257, model_overrides=CAPACITY_MOE["overrides"]
+    )
     module.configure_model()
     model = module.model
     moe_layer = model.layers[-1]
@@ -110,24 +119,33 @@ def test_deepseek_layer_with_capacity_experts_compiles_into_one_graph():
 
 @pytest.mark.skipif(not hasattr(torch, "compile"), reason="needs torch.compile")
 def test_compiled_deepseek_with_capacity_experts_matches_eager(tmp_path):
-    def fit(compiled):
-        torch.manual_seed(0)
-        module = _capacity_moe_module(compiled)
-        losses = _Losses()
-        trainer = nt.Trainer(
-            strategy=nt.SingleDeviceStrategy("cpu"),
-            max_steps=3,
-            global_batch_size=4,
-            micro_batch_size=2,
-            default_root_dir=str(tmp_path / str(bool(compiled))),
-            loggers=[],
-            callbacks=[losses],
-            seed=0,
-        )
-        trainer.fit(module, train_dataloaders=RandomTokens(16))
-        return losses.losses, module.model.layers[-1].mlp.expert_load.clone()
-
-    eager, eager_load = fit(False)
-    compiled, compiled_load = fit(AOT_EAGER)
+    eager, _, eager_module = _fit(tmp_path, False, **CAPACITY_MOE)
+    compiled, _, compiled_module = _fit(tmp_path, AOT_EAGER, **CAPACITY_MOE)
     assert compiled == pytest.approx(eager, rel=1e-5)
-    assert torch.equal(compiled_load, eager_load)  # the load counter still counts in a graph
+    # the load counter still counts inside a graph
+    loads = [m.model.layers[-1].mlp.expert_load for m in (eager_module, compiled_module)]
+    assert torch.equal(*loads)
+
+
+def _pp_rank(rank: int, world_size: int, root: str) -> list[float]:
+    from nanotrain.strategies.megatron import MegatronStrategy
+
+    return _fit(Path(root), AOT_EAGER, MegatronStrategy(pp=2), **CAPACITY_MOE)[0]
+
+
+@pytest.mark.skipif(not hasattr(torch, "compile"), reason="needs torch.compile")
+def test_compiled_layers_under_pipeline_parallel_match_eager_single_process(tmp_path):
+    # each stage compiles its own layers; the executor between them stays eager
+    _assert_two_ranks_match_eager(tmp_path, _pp_rank, "pp", timeout=300, model=CAPACITY_MOE)
+
+
+def _ep_rank(rank: int, world_size: int, root: str) -> list[float]:
+    from nanotrain.strategies.megatron import MegatronStrategy
+
+    return _fit(Path(root), AOT_EAGER, MegatronStrategy(ep=2), **CAPACITY_MOE)[0]
+
+
+@pytest.mark.skipif(not hasattr(torch, "compile"), reason="needs torch.compile")
+def test_compiled_layers_under_expert_parallel_match_eager_single_process(tmp_path):
+    # the all-to-all of the expert slots breaks the graph; the rest of the layer compiles
+    _assert_two_ranks_match_eager(tmp_path, _ep_rank, "ep", timeout=300, model=CAPACITY_MOE)

@@ -3,6 +3,7 @@ gradients as sorting the kept copies by expert, and no host read in a whole MoE 
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from nanotrain.models.build import init_weights
@@ -67,17 +68,29 @@ def test_slots_match_sorted_kept_copies_with_drops_and_empty_experts():
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
 
 
-def test_each_kept_copy_sits_in_its_experts_slots_in_priority_order():
+@pytest.mark.parametrize("groups", [1, 2, 3])
+def test_each_kept_copy_sits_in_its_experts_slots_in_priority_order(groups):
+    # groups: equal runs of consecutive tokens (a MoE layer's sequences), each with its own
+    # C slots per expert at rows (e * G + g) * C ..
     idx, weight = _routing(3)
     capacity = 3
-    position, keep = slot_positions(idx, weight, E, capacity)
+    position, keep = slot_positions(idx, weight, E, capacity, groups)
     flat, w = idx.reshape(-1), weight.reshape(-1)
-    for e in range(E):
-        mine = (flat == e).nonzero().flatten()
-        order = sorted(mine.tolist(), key=lambda s: (-float(w[s]), s))  # weight, then slot
-        for rank, slot in enumerate(order):
-            expected = e * capacity + rank if rank < capacity else E * capacity
-            assert int(position[slot]) == expected and bool(keep[slot]) == (rank < capacity)
+    group_of = torch.arange(N * K) // (K * N // groups)
+    for g in range(groups):
+        for e in range(E):
+            mine = ((flat == e) & (group_of == g)).nonzero().flatten()
+            order = sorted(mine.tolist(), key=lambda s: (-float(w[s]), s))  # weight, then slot
+            for rank, slot in enumerate(order):
+                kept = rank < capacity
+                expected = (e * groups + g) * capacity + rank if kept else E * groups * capacity
+                assert int(position[slot]) == expected and bool(keep[slot]) == kept
+
+
+def test_capacity_groups_must_split_the_tokens_evenly():
+    idx, weight = _routing(3)
+    with pytest.raises(ValueError, match="equal capacity groups"):
+        slot_positions(idx, weight, E, 3, groups=5)  # 24 tokens
 
 
 def test_a_moe_layer_with_a_capacity_never_reads_the_device():

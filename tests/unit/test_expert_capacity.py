@@ -113,6 +113,19 @@ def test_capacity_drops_and_output_match_hand_routing():
     assert layer.dropped_tokens.item() == 0 and layer.expert_load.sum().item() == 0
 
 
+def test_capacity_is_per_sequence_so_batching_does_not_change_the_drops():
+    # TOKENS overflow expert 0; the reversed sequence keeps other copies. Batched together,
+    # each sequence still gets its own C slots per expert: its output is what it gets alone
+    layer = hand_routed_layer(capacity_config()).train()
+    full = dict(layer.experts.named_parameters())
+    both = torch.cat([token_inputs(TOKENS), token_inputs(TOKENS[::-1])])  # [2, N, 16]
+    y, _ = layer(both)
+    torch.testing.assert_close(y[0], expected_output(full, TOKENS, KEPT), rtol=1e-5, atol=1e-7)
+    reversed_alone = expected_output(full, TOKENS[::-1], KEPT_REVERSED)
+    torch.testing.assert_close(y[1], reversed_alone, rtol=1e-5, atol=1e-7)
+    assert layer.dropped_tokens.item() == 2 * DROPPED
+
+
 def test_capacity_applies_in_eval_but_is_counted_only_in_training():
     layer = hand_routed_layer(capacity_config()).eval()
     y, _ = layer(token_inputs(TOKENS))
