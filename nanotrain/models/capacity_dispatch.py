@@ -100,24 +100,20 @@ def combine_from_slots(
     return (padded[position] * w).view(num_tokens, k, -1).sum(dim=1)
 
 
-def peer_slot_counts(slots_per_expert: int, group: object | None) -> list[int]:
+def peer_slot_counts(
+    slots_per_expert: int, group: object | None, device: torch.device
+) -> list[int]:
     """Every rank's slots per expert over the expert-parallel `group` (one small all-gather
-    and one host read). Needed only when ranks may hold batches of different shapes, as in a
-    last, partial evaluation batch; training batches all have the micro batch's shape."""
+    on `device`, the device the group's backend moves, and one host read). Needed only when
+    ranks may hold batches of different shapes, as in a last, partial evaluation batch;
+    training batches all have the micro batch's shape."""
     p = group_size(group)
     if p == 1:
         return [slots_per_expert]
-    mine = torch.tensor([slots_per_expert], dtype=torch.int64, device=_group_device(group))
-    gathered = torch.empty(p, dtype=torch.int64, device=mine.device)
+    mine = torch.tensor([slots_per_expert], dtype=torch.int64, device=device)
+    gathered = torch.empty(p, dtype=torch.int64, device=device)
     dist.all_gather_into_tensor(gathered, mine, group=group)
     return gathered.tolist()
-
-
-def _group_device(group: object) -> torch.device:
-    # gloo groups move CPU tensors, NCCL groups CUDA tensors of this rank's device
-    if dist.get_backend(group) == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
 
 
 def run_experts_in_slots(

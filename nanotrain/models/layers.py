@@ -175,11 +175,10 @@ def rope_tail(x: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
     (the same products and sums; equal floats, or an ulp apart where the complex kernel fuses
     a multiply-add), and a pair times 1 + 0i is itself. Used for MLA's queries [q^C | q^R]:
     rotating q^R inside the whole head avoids splitting it off and concatenating it back (a
-    copy forward and one backward per layer),
-    and the complex multiply replaces rope's seven elementwise kernels. Dtypes without a
-    complex counterpart (bf16, fp16), and torch.compile (inductor generates no code for
-    complex numbers; it fuses the real form into one kernel), take the same math as
-    x * c + pair_swap(x) * s.
+    copy forward and one backward per layer), and the complex multiply replaces rope's seven
+    elementwise kernels. Dtypes without a complex counterpart (bf16, fp16), and
+    torch.compile (inductor generates no code for complex numbers; it fuses the real form
+    into one kernel), take the same math as x * c + pair_swap(x) * s.
 
     Args: x: [B, T, heads, dim] (dim even); table: [T, 1, dim // 2] from `rope_tail_table`.
     Returns: tensor like x.

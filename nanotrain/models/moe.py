@@ -376,12 +376,14 @@ class DeepSeekMoE(nn.Module):
             d = dispatch(h, topk_idx, e)
             y_sorted = run_experts_parallel(d.x, d.counts, self.experts, self.ep_group)
             y = combine(y_sorted, d, topk_weight, b * t).view(b, t, hidden)
-        else:  # fixed E x C slots: no step reads the device (`capacity_dispatch`)
+        else:  # fixed E x B x C slots: training reads nothing from the device
             position, keep = slot_positions(topk_idx, topk_weight, e, capacity, groups=b)
             x_slots = dispatch_to_slots(h, topk_idx, position, e * b * capacity)
             # evaluation batches may differ in shape between ranks (a last, partial batch):
             # then learn the peers' slot counts; training micro batches all have one shape
-            peers = None if self.training else peer_slot_counts(b * capacity, self.ep_group)
+            peers = None
+            if not self.training:
+                peers = peer_slot_counts(b * capacity, self.ep_group, x.device)
             y_slots = run_experts_in_slots(
                 x_slots, e, b * capacity, self.experts, self.ep_group, peers
             )
