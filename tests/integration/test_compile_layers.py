@@ -120,11 +120,22 @@ def test_deepseek_layer_with_capacity_experts_compiles_into_one_graph():
 @pytest.mark.skipif(not hasattr(torch, "compile"), reason="needs torch.compile")
 def test_compiled_deepseek_with_capacity_experts_matches_eager(tmp_path):
     eager, _, eager_module = _fit(tmp_path, False, **CAPACITY_MOE)
-    compiled, _, compiled_module = _fit(tmp_path, AOT_EAGER, **CAPACITY_MOE)
+    compiled, _, compiled_module = _fit(tmp_path, True, **CAPACITY_MOE)  # inductor
     assert compiled == pytest.approx(eager, rel=1e-5)
     # the load counter still counts inside a graph
     loads = [m.model.layers[-1].mlp.expert_load for m in (eager_module, compiled_module)]
     assert torch.equal(*loads)
+
+
+def _sp_rank(rank: int, world_size: int, root: str) -> list[float]:
+    from nanotrain.strategies.megatron import MegatronStrategy
+
+    return _fit(Path(root), AOT_EAGER, MegatronStrategy(tp=2, sequence_parallel=True))[0]
+
+
+@pytest.mark.skipif(not hasattr(torch, "compile"), reason="needs torch.compile")
+def test_compiled_layers_under_sequence_parallel_match_eager_single_process(tmp_path):
+    _assert_two_ranks_match_eager(tmp_path, _sp_rank, "sp", timeout=300)
 
 
 def _pp_rank(rank: int, world_size: int, root: str) -> list[float]:
