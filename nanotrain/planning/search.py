@@ -16,6 +16,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from nanotrain.parallel.layout_checks import divisors
 from nanotrain.planning.gpus import GPUSpec
 from nanotrain.planning.layout import PlanLayout, Workload, balanced_pipeline_layout
 from nanotrain.planning.plan import Plan, plan_layout
@@ -40,10 +41,6 @@ class SearchResult:
     rejected: list[Rejected]
 
 
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
-
-
 def _candidates(
     config: Any,
     world: int,
@@ -52,10 +49,10 @@ def _candidates(
 ) -> Iterator[PlanLayout]:
     heads = config.num_heads
     experts = getattr(config, "n_routed_experts", 0) or 0
-    for tp in _divisors(world):
+    for tp in divisors(world):
         if tp > gpu.gpus_per_node or heads % tp:
             continue
-        for pp in _divisors(world // tp):
+        for pp in divisors(world // tp):
             if pp > config.num_layers:
                 continue
             dp = world // (tp * pp)
@@ -64,7 +61,7 @@ def _candidates(
                     layout = balanced_pipeline_layout(config.num_layers, pp * vpp)
                 except ValueError:
                     continue
-                for ep in _divisors(dp) if experts else [1]:
+                for ep in divisors(dp) if experts else [1]:
                     if experts and experts % ep:
                         continue
                     for zero in zero_stages:
