@@ -43,6 +43,8 @@ from nanotrain.models.expert_compute import (
 from nanotrain.models.layers import SwiGLU
 from nanotrain.models.recompute import is_recomputing
 from nanotrain.parallel.collectives import (
+    all_gather_along_dim,
+    gather_from_sequence_parallel_region,
     group_rank,
     group_size,
     reduce_from_tensor_parallel_region,
@@ -298,9 +300,8 @@ class DeepSeekMoE(nn.Module):
     C = ceil(f * T * K / E) copies of each sequence's T tokens, dropping the rest (policy:
     `capacity_keep_mask`, one group per sequence), in training and evaluation alike; the
     kept copies run in fixed E x B x C slots (`nanotrain.models.capacity_dispatch`). Per
-    sequence, so the drops do not depend on how the batch is split over microbatches or
-    data-parallel ranks; under sequence parallelism T is this rank's T / tp tokens of each
-    sequence, so there the drops do depend on tp.
+    whole sequence, so the drops do not depend on the layout: under sequence parallelism the
+    routed part gathers the sequences first (see `_routed_in_slots`).
 
     Shapes: forward(x [B, T, H]) -> (y [B, T, H], aux_loss scalar). aux_loss is the
     sequence-wise balance loss times alpha (0 when alpha is 0 or in eval mode).
@@ -370,24 +371,13 @@ class DeepSeekMoE(nn.Module):
         e = self.config.n_routed_experts
         h = x.reshape(b * t, hidden)
         topk_idx, topk_weight, scores = self.gate(h)
-        capacity = self.capacity(t)  # per sequence: see the class docstring
         keep = None
-        if capacity is None:  # dropless: copies sorted by expert, as many as were routed
+        if self.config.capacity_factor is None:  # dropless: copies sorted by expert
             d = dispatch(h, topk_idx, e)
             y_sorted = run_experts_parallel(d.x, d.counts, self.experts, self.ep_group)
             y = combine(y_sorted, d, topk_weight, b * t).view(b, t, hidden)
-        else:  # fixed E x B x C slots: training reads nothing from the device
-            position, keep = slot_positions(topk_idx, topk_weight, e, capacity, groups=b)
-            x_slots = dispatch_to_slots(h, topk_idx, position, e * b * capacity)
-            # evaluation batches may differ in shape between ranks (a last, partial batch):
-            # then learn the peers' slot counts; training micro batches all have one shape
-            peers = None
-            if not self.training:
-                peers = peer_slot_counts(b * capacity, self.ep_group, x.device)
-            y_slots = run_experts_in_slots(
-                x_slots, e, b * capacity, self.experts, self.ep_group, peers
-            )
-            y = combine_from_slots(y_slots, position, topk_weight, b * t).view(b, t, hidden)
+        else:  # fixed slots: training reads nothing from the device
+            y, keep = self._routed_in_slots(x, topk_idx, topk_weight)
         if self.shared_experts is not None:
             y = y + self.shared_experts(x)
         aux = x.new_zeros((), dtype=torch.float32)
@@ -401,3 +391,42 @@ class DeepSeekMoE(nn.Module):
                 alpha = self.config.aux_loss_alpha
                 aux = sequence_balance_loss(scores, topk_idx, b, alpha, self.sequence_group)
         return y, aux
+
+    def _routed_in_slots(
+        self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weight: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The routed experts on fixed E x B x C slots, C per whole sequence.
+
+        Args: x [B, T, H] (T / tp under sequence parallelism); topk_idx, topk_weight
+            [B*T, K] of x's tokens.
+        Returns: (y [B, T, H], keep [B*T*K] bool of x's tokens' routing choices).
+        """
+        b, t, hidden = x.shape
+        k = topk_idx.shape[-1]
+        group = self.sequence_group
+        tp = group_size(group)
+        if tp > 1:
+            # This rank holds T / tp tokens of each sequence. Drops are decided per whole
+            # sequence, as on one rank, so gather the sequences: the routed experts then run
+            # on all T tokens on every tp rank, as tensor parallelism without SP does. The
+            # gathers' backward reduce-scatters the partial gradients of this rank's outputs.
+            x = gather_from_sequence_parallel_region(x, group, 1)
+            topk_weight = gather_from_sequence_parallel_region(topk_weight.view(b, t, k), group)
+            topk_idx = all_gather_along_dim(topk_idx.view(b, t, k), 1, group)
+        full_t, e = x.shape[1], self.config.n_routed_experts
+        capacity = self.capacity(full_t)
+        idx, weight = topk_idx.reshape(-1, k), topk_weight.reshape(-1, k)
+        position, keep = slot_positions(idx, weight, e, capacity, groups=b)
+        x_slots = dispatch_to_slots(x.reshape(-1, hidden), idx, position, e * b * capacity)
+        # evaluation batches may differ in shape between ranks (a last, partial batch):
+        # then learn the peers' slot counts; training micro batches all have one shape
+        peers = None
+        if not self.training:
+            peers = peer_slot_counts(b * capacity, self.ep_group, x.device)
+        y_slots = run_experts_in_slots(x_slots, e, b * capacity, self.experts, self.ep_group, peers)
+        y = combine_from_slots(y_slots, position, weight, b * full_t).view(b, full_t, hidden)
+        if tp > 1:  # this rank's tokens: slicing sends no gradient to the others' outputs
+            start = group_rank(group) * t
+            y = y[:, start : start + t]
+            keep = keep.view(b, full_t, k)[:, start : start + t].reshape(-1)
+        return y, keep

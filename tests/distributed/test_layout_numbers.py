@@ -9,8 +9,8 @@ tp=2 (with and without sequence parallelism), pp=2 (stage 0 holds no MoE layer),
 give the same per-step loss and grad norm, the same logged `train/*` and `moe/*` scalars at
 every step, the same weights after the run, and the same `val/loss` on a validation set of
 13 samples read whole, with `limit_val_batches=1` (global batches) and with a fraction.
-The same holds with a capacity factor that drops copies, under micro batch 8, DDP, pp=2
-and ep=2 (the drops are decided per sequence).
+The same holds with a capacity factor that drops copies, under micro batch 8, DDP, tp=2
+with sequence parallelism, pp=2 and ep=2 (the drops are decided per whole sequence).
 """
 
 from __future__ import annotations
@@ -200,6 +200,8 @@ def test_every_logged_number_is_layout_independent(tmp_path):
 def _world2_capacity(rank: int, world_size: int, root: str) -> dict[str, dict]:
     layouts = {
         "ddp dp=2": nt.strategies.DDPStrategy,
+        # each rank holds half of every sequence: the MoE gathers whole sequences to drop
+        "tp=2 sp": lambda: MegatronStrategy(tp=2, sequence_parallel=True),
         "pp=2": lambda: MegatronStrategy(pp=2, pipeline_layout=[1, 3]),
         "ep=2": lambda: MegatronStrategy(ep=2),
     }
@@ -211,8 +213,8 @@ def _world2_capacity(rank: int, world_size: int, root: str) -> dict[str, dict]:
 
 def test_capacity_drops_are_layout_independent(tmp_path):
     # Which copies a capacity drops depends on which tokens compete for the slots; the MoE
-    # layer makes each sequence its own group, so microbatching and dp/ep/pp sharding do not
-    # change the drops (sequence parallelism does: it splits the sequences)
+    # layer makes each whole sequence its own group, so microbatching, dp/ep/pp sharding and
+    # sequence parallelism do not change the drops
     torch.set_num_threads(1)
     reference = fit(nt.SingleDeviceStrategy("cpu"), str(tmp_path / "ref"), capacity_factor=0.5)
     dropped = [v for k, v in reference["scalars"][0].items() if k.endswith("dropped_fraction")]
@@ -220,6 +222,6 @@ def test_capacity_drops_are_layout_independent(tmp_path):
     mb8 = fit(nt.SingleDeviceStrategy("cpu"), str(tmp_path / "m8"), 8, capacity_factor=0.5)
     assert_same(mb8, reference, "capacity, mb=8")
     for rank, result in enumerate(run_world(_world2_capacity, 2, str(tmp_path), timeout=300)):
-        assert len(result) == 3
+        assert len(result) == 4
         for layout, got in result.items():
             assert_same(got, reference, f"capacity, {layout}, rank {rank}")
