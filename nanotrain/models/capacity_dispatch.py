@@ -32,19 +32,12 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
-import torch.distributed as dist
 from torch import Tensor
 
 from nanotrain.parallel.collectives import group_size
 from nanotrain.parallel.expert import all_to_all, capacity_ranks
 
-__all__ = [
-    "combine_from_slots",
-    "dispatch_to_slots",
-    "peer_slot_counts",
-    "run_experts_in_slots",
-    "slot_positions",
-]
+__all__ = ["combine_from_slots", "dispatch_to_slots", "run_experts_in_slots", "slot_positions"]
 
 
 def slot_positions(
@@ -98,22 +91,6 @@ def combine_from_slots(
     padded = torch.cat([y_slots, y_slots.new_zeros(1, y_slots.shape[-1])])
     w = topk_weight.reshape(-1, 1).to(y_slots.dtype)
     return (padded[position] * w).view(num_tokens, k, -1).sum(dim=1)
-
-
-def peer_slot_counts(
-    slots_per_expert: int, group: object | None, device: torch.device
-) -> list[int]:
-    """Every rank's slots per expert over the expert-parallel `group` (one small all-gather
-    on `device`, the device the group's backend moves, and one host read). Needed only when
-    ranks may hold batches of different shapes, as in a last, partial evaluation batch;
-    training batches all have the micro batch's shape."""
-    p = group_size(group)
-    if p == 1:
-        return [slots_per_expert]
-    mine = torch.tensor([slots_per_expert], dtype=torch.int64, device=device)
-    gathered = torch.empty(p, dtype=torch.int64, device=device)
-    dist.all_gather_into_tensor(gathered, mine, group=group)
-    return gathered.tolist()
 
 
 def run_experts_in_slots(

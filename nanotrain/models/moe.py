@@ -28,7 +28,6 @@ from torch import nn
 from nanotrain.models.capacity_dispatch import (
     combine_from_slots,
     dispatch_to_slots,
-    peer_slot_counts,
     run_experts_in_slots,
     slot_positions,
 )
@@ -53,6 +52,7 @@ from nanotrain.parallel.expert import (
     expert_counts,
     expert_range,
     mark_expert_params,
+    peer_slot_counts,
     run_experts_parallel,
 )
 

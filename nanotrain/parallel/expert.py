@@ -46,6 +46,7 @@ __all__ = [
     "exchange_splits",
     "is_expert_param",
     "mark_expert_params",
+    "peer_slot_counts",
     "run_experts_parallel",
 ]
 
@@ -141,6 +142,22 @@ def capacity_ranks(
     ranks = torch.empty_like(flat)
     ranks[order] = torch.arange(flat.numel(), device=flat.device) - starts[flat[order]]
     return ranks
+
+
+def peer_slot_counts(
+    slots_per_expert: int, group: ProcessGroup | None, device: torch.device
+) -> list[int]:
+    """Every rank's slots per expert over the expert-parallel `group` (one small all-gather
+    on `device`, the device the group's backend moves, and one host read). Needed only when
+    ranks may hold batches of different shapes, as in a last, partial evaluation batch;
+    training batches all have the micro batch's shape."""
+    p = group_size(group)
+    if p == 1:
+        return [slots_per_expert]
+    mine = torch.tensor([slots_per_expert], dtype=torch.int64, device=device)
+    gathered = torch.empty(p, dtype=torch.int64, device=device)
+    dist.all_gather_into_tensor(gathered, mine, group=group)
+    return gathered.tolist()
 
 
 def _all_to_all_raw(
