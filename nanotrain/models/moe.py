@@ -285,11 +285,12 @@ class DeepSeekMoE(nn.Module):
     (int64 scalar, same rules) counts the copies a capacity limit dropped.
 
     Tensor parallelism splits the shared experts' width; the router is replicated. With
-    `sequence_parallel` every part runs on this rank's tokens [B, T / tp, H],
-    `expert_load` counts only those tokens (sum it over tp: `nanotrain.models.balance.moe_balance_step` does), the
-    balance loss sums its per-sequence statistics over tp, and the router's and routed
-    experts' grads are partial sums over tp (the strategy sums the grads of tp-replicated
-    parameters).
+    `sequence_parallel` every part runs on this rank's tokens [B, T / tp, H] (except, with a
+    capacity factor, the routed experts, which run on the gathered whole sequences),
+    `expert_load` counts only those tokens (sum it over tp:
+    `nanotrain.models.balance.moe_balance_step` does), the balance loss sums its
+    per-sequence statistics over tp, and the router's and routed experts' grads are partial
+    sums over tp (the strategy sums the grads of tp-replicated parameters).
 
     Expert parallelism (`ep_group` of P ranks) gives this rank only the routed experts
     [ep_rank * E / P, (ep_rank + 1) * E / P); the router still scores all E, and token copies

@@ -144,6 +144,9 @@ def capacity_ranks(
     return ranks
 
 
+# Eager even inside a compiled layer: traced, the collective and the host read that follows
+# it were ordered differently on ranks with different batch shapes, and validation hung
+@torch.compiler.disable
 def peer_slot_counts(
     slots_per_expert: int, group: ProcessGroup | None, device: torch.device
 ) -> list[int]:

@@ -32,9 +32,15 @@ CAPACITY_MOE = {"preset": "tiny", "overrides": {"capacity_factor": 1.0, "mtp_dep
 
 
 def _fit(
-    tmp_path, compiled: bool | dict, strategy=None, preset: str = "tiny-dense", overrides=None
+    tmp_path,
+    compiled: bool | dict,
+    strategy=None,
+    preset: str = "tiny-dense",
+    overrides=None,
+    val_samples: int = 0,
 ) -> tuple[list[float], list[str], nt.LanguageModelModule]:
-    """Three steps of `preset`; (losses, parameter names, the module)."""
+    """Three steps of `preset`, then (with `val_samples`) one validation whose `val/loss`
+    joins the losses; (losses, parameter names, the module)."""
     torch.manual_seed(0)
     module = nt.LanguageModelModule(
         preset, vocab_size=257, model_overrides=overrides, compile_layers=compiled
@@ -51,6 +57,9 @@ def _fit(
         seed=0,
     )
     trainer.fit(module, train_dataloaders=RandomTokens(16))
+    if val_samples:
+        val = trainer.validate(module, dataloaders=RandomTokens(val_samples))
+        losses.losses.append(val["val/loss"])
     layers = [m for m in module.model.modules() if isinstance(m, DecoderLayer)]
     assert layers and all((m._compiled_call_impl is not None) == bool(compiled) for m in layers)
     return losses.losses, list(module.model.state_dict()), module
@@ -138,6 +147,19 @@ def test_compiled_layers_under_sequence_parallel_match_eager_single_process(tmp_
     _assert_two_ranks_match_eager(tmp_path, _sp_rank, "sp", timeout=300)
 
 
+def _sp_moe_rank(rank: int, world_size: int, root: str) -> list[float]:
+    from nanotrain.strategies.megatron import MegatronStrategy
+
+    strategy = MegatronStrategy(tp=2, sequence_parallel=True)
+    return _fit(Path(root), AOT_EAGER, strategy, **CAPACITY_MOE)[0]
+
+
+@pytest.mark.skipif(not hasattr(torch, "compile"), reason="needs torch.compile")
+def test_compiled_capacity_moe_under_sequence_parallel_matches_eager_single_process(tmp_path):
+    # the MoE gathers whole sequences over tp inside the compiled layer
+    _assert_two_ranks_match_eager(tmp_path, _sp_moe_rank, "sp_moe", timeout=300, model=CAPACITY_MOE)
+
+
 def _pp_rank(rank: int, world_size: int, root: str) -> list[float]:
     from nanotrain.strategies.megatron import MegatronStrategy
 
@@ -153,10 +175,14 @@ def test_compiled_layers_under_pipeline_parallel_match_eager_single_process(tmp_
 def _ep_rank(rank: int, world_size: int, root: str) -> list[float]:
     from nanotrain.strategies.megatron import MegatronStrategy
 
-    return _fit(Path(root), AOT_EAGER, MegatronStrategy(ep=2), **CAPACITY_MOE)[0]
+    strategy = MegatronStrategy(ep=2)
+    return _fit(Path(root), AOT_EAGER, strategy, **CAPACITY_MOE, val_samples=5)[0]
 
 
 @pytest.mark.skipif(not hasattr(torch, "compile"), reason="needs torch.compile")
 def test_compiled_layers_under_expert_parallel_match_eager_single_process(tmp_path):
-    # the all-to-all of the expert slots breaks the graph; the rest of the layer compiles
-    _assert_two_ranks_match_eager(tmp_path, _ep_rank, "ep", timeout=300, model=CAPACITY_MOE)
+    # The all-to-all of the expert slots breaks the graph; the rest of the layer compiles.
+    # Validation on 5 samples (global batches of 4) ends with one sample on rank 0 and a
+    # padding batch of two on rank 1: the ranks exchange their slot counts, eagerly
+    model = dict(CAPACITY_MOE, val_samples=5)
+    _assert_two_ranks_match_eager(tmp_path, _ep_rank, "ep", timeout=300, model=model)
