@@ -35,7 +35,7 @@ import torch
 from torch import Tensor
 
 from nanotrain.parallel.collectives import group_size
-from nanotrain.parallel.expert import all_to_all, capacity_ranks
+from nanotrain.parallel.expert import all_to_all, capacity_buckets, ranks_in_buckets
 
 __all__ = ["combine_from_slots", "dispatch_to_slots", "run_experts_in_slots", "slot_positions"]
 
@@ -52,12 +52,10 @@ def slot_positions(
         group g, ``E * G * C`` (one past the end) for a dropped one; keep [N*K] bool),
         indexed by the flat slot ``token * K + k``.
     """
-    n, k = topk_idx.shape
-    rank = capacity_ranks(topk_idx, topk_weight, num_experts, groups)
+    bucket = capacity_buckets(topk_idx, groups)  # e * G + g
+    rank = ranks_in_buckets(bucket, topk_weight, num_experts * groups)
     keep = rank < capacity
-    group = torch.arange(n * k, device=topk_idx.device) // (k * (n // groups))
-    slot = (topk_idx.reshape(-1) * groups + group) * capacity + rank
-    position = torch.where(keep, slot, num_experts * groups * capacity)
+    position = torch.where(keep, bucket * capacity + rank, num_experts * groups * capacity)
     return position, keep
 
 

@@ -39,6 +39,7 @@ from nanotrain.parallel.collectives import group_size
 __all__ = [
     "ExpertSplits",
     "all_to_all",
+    "capacity_buckets",
     "capacity_keep_mask",
     "capacity_ranks",
     "expert_counts",
@@ -47,6 +48,7 @@ __all__ = [
     "is_expert_param",
     "mark_expert_params",
     "peer_slot_counts",
+    "ranks_in_buckets",
     "run_experts_parallel",
 ]
 
@@ -117,31 +119,46 @@ def expert_counts(flat_idx: Tensor, num_experts: int) -> Tensor:
     return counts.scatter_add_(0, flat_idx, torch.ones_like(flat_idx))
 
 
+def capacity_buckets(topk_idx: torch.Tensor, num_groups: int) -> Tensor:
+    """The (expert, token group) bucket of each routing choice, ``e * G + g``: the tokens form
+    G equal runs of consecutive tokens, ranked separately for the capacity.
+
+    Args: topk_idx [N, K] int64; num_groups G (must divide N).
+    Returns: [N*K] int64 in [0, E*G), indexed by the flat slot ``token * K + k``.
+    """
+    n, k = topk_idx.shape
+    if n % num_groups:
+        raise ValueError(f"{n} tokens do not split into {num_groups} equal capacity groups")
+    group = torch.arange(n * k, device=topk_idx.device) // (k * (n // num_groups))
+    return topk_idx.reshape(-1) * num_groups + group
+
+
+def ranks_in_buckets(bucket: Tensor, topk_weight: Tensor, num_buckets: int) -> Tensor:
+    """Each routing choice's 0-based rank in its bucket (`capacity_buckets`), in
+    `capacity_keep_mask`'s order: highest weight first, ties in token order, then choice
+    order. bucket [N*K]; topk_weight [N, K]. Returns [N*K] int64."""
+    # by weight (descending; stable, so ties stay in slot = token order), then by bucket
+    by_weight = torch.argsort(topk_weight.detach().reshape(-1), descending=True, stable=True)
+    order = by_weight[torch.argsort(bucket[by_weight], stable=True)]
+    counts = expert_counts(bucket, num_buckets)
+    starts = torch.cumsum(counts, 0) - counts
+    ranks = torch.empty_like(bucket)
+    ranks[order] = torch.arange(bucket.numel(), device=bucket.device) - starts[bucket[order]]
+    return ranks
+
+
 def capacity_ranks(
     topk_idx: torch.Tensor, topk_weight: torch.Tensor, num_experts: int, groups: int = 1
 ) -> Tensor:
-    """Each routing choice's rank among the copies of its expert in its token group, in
-    `capacity_keep_mask`'s order (highest weight first, ties in token order, then choice
-    order); 0-based.
+    """Each routing choice's rank among the copies of its expert in its token group
+    (`ranks_in_buckets` of `capacity_buckets`); 0-based.
 
     Args: topk_idx [N, K] int64; topk_weight [N, K]; groups: equal runs of consecutive
         tokens ranked separately (must divide N).
     Returns: [N*K] int64, indexed by the flat slot ``token * K + k``.
     """
-    n, k = topk_idx.shape
-    if n % groups:
-        raise ValueError(f"{n} tokens do not split into {groups} equal capacity groups")
-    # one bucket per (group, expert): token t's copies fall into group t // (N / groups)
-    group_of_slot = torch.arange(n * k, device=topk_idx.device) // (k * (n // groups))
-    flat = group_of_slot * num_experts + topk_idx.reshape(-1)
-    # by weight (descending; stable, so ties stay in slot = token order), then by bucket
-    by_weight = torch.argsort(topk_weight.detach().reshape(-1), descending=True, stable=True)
-    order = by_weight[torch.argsort(flat[by_weight], stable=True)]
-    counts = expert_counts(flat, groups * num_experts)
-    starts = torch.cumsum(counts, 0) - counts
-    ranks = torch.empty_like(flat)
-    ranks[order] = torch.arange(flat.numel(), device=flat.device) - starts[flat[order]]
-    return ranks
+    bucket = capacity_buckets(topk_idx, groups)
+    return ranks_in_buckets(bucket, topk_weight, num_experts * groups)
 
 
 # Eager even inside a compiled layer: traced, the collective and the host read that follows
