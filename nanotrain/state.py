@@ -8,6 +8,18 @@ from typing import Any
 import torch
 
 
+def _settled_counter(index: int, doc: str) -> property:
+    """A property over entry `index` of `TrainState._settle()` ([samples, tokens])."""
+
+    def get(state: TrainState) -> int:
+        return state._settle()[index]
+
+    def set_(state: TrainState, value: int) -> None:
+        state._settle()[index] = int(value)
+
+    return property(get, set_, doc=doc)
+
+
 @dataclass
 class TrainState:
     """Where training stands; identical on every rank.
@@ -56,23 +68,12 @@ class TrainState:
             self._pending = None
         return self._settled
 
-    @property
-    def consumed_samples(self) -> int:
-        """Samples of all global batches so far (reads the device if a step is pending)."""
-        return self._settle()[0]
-
-    @consumed_samples.setter
-    def consumed_samples(self, value: int) -> None:
-        self._settle()[0] = int(value)
-
-    @property
-    def consumed_tokens(self) -> int:
-        """Tokens of all global batches so far (reads the device if a step is pending)."""
-        return self._settle()[1]
-
-    @consumed_tokens.setter
-    def consumed_tokens(self, value: int) -> None:
-        self._settle()[1] = int(value)
+    consumed_samples = _settled_counter(
+        0, "Samples of all global batches so far (reads the device if a step is pending)."
+    )
+    consumed_tokens = _settled_counter(
+        1, "Tokens of all global batches so far (reads the device if a step is pending)."
+    )
 
     @property
     def fractional_epoch(self) -> float:
