@@ -10,6 +10,12 @@ import torch
 
 from nanotrain import model_io
 from nanotrain.loss_terms import LossTerms
+from nanotrain.models.compile import (
+    check_compile_options,
+    compile_layers,
+    compile_model,
+    compile_options,
+)
 from nanotrain.models.recompute import check_recompute, set_recompute
 from nanotrain.module import NanoModule
 from nanotrain.optim_kernels import adamw_kernel_kwargs
@@ -72,6 +78,9 @@ class LanguageModelModule(NanoModule):
             (`nanotrain.models.recompute`, docs/performance.md).
         compile_layers: torch.compile each decoder layer (`nanotrain.models.compile`): True,
             or a dict of `torch.compile` arguments (e.g. ``{"backend": "aot_eager"}``).
+        compile_model: torch.compile the whole model (embedding, layers, head and loss) as one
+            graph instead, the faster choice when the model is not split into pipeline
+            stages (pp=1); same values as `compile_layers`, and only one of the two.
     """
 
     def __init__(
@@ -89,10 +98,12 @@ class LanguageModelModule(NanoModule):
         optimizer_impl: str = "auto",
         recompute: str | None = None,
         compile_layers: bool | dict[str, Any] = False,
+        compile_model: bool | dict[str, Any] = False,
     ) -> None:
         super().__init__()
         adamw_kernel_kwargs(optimizer_impl, [])  # validate before any work
         check_recompute(recompute)
+        check_compile_options(compile_layers, compile_model)
         if lr <= 0 or min_lr < 0 or min_lr > lr:
             raise ValueError(f"need 0 <= min_lr <= lr and lr > 0, got lr={lr}, min_lr={min_lr}")
         if warmup_steps < 0:
@@ -152,7 +163,13 @@ class LanguageModelModule(NanoModule):
         strategy = getattr(self._nano_trainer, "strategy", None)
         sequence_parallel = bool(getattr(strategy, "sequence_parallel", False))
         mesh = self.mesh
-        if mesh is not None and mesh.pp_size > 1:
+        pp_size = mesh.pp_size if mesh is not None else 1
+        check_compile_options(
+            self.hparams.get("compile_layers", False),
+            self.hparams.get("compile_model", False),
+            pp_size,
+        )
+        if pp_size > 1:
             from nanotrain.models.stages import build_pipeline_stage
 
             # only this rank's pipeline stage; the strategy runs the schedule over the stages
@@ -169,12 +186,10 @@ class LanguageModelModule(NanoModule):
                 self.config, mesh=mesh, device="cpu", sequence_parallel=sequence_parallel
             )
         set_recompute(self.model, self.hparams.get("recompute"))
-        compile_options = self.hparams.get("compile_layers")
-        if compile_options:
-            from nanotrain.models.compile import compile_layers
-
-            options = compile_options if isinstance(compile_options, dict) else {}
-            compile_layers(self.model, **options)
+        if self.hparams.get("compile_layers"):
+            compile_layers(self.model, **compile_options(self.hparams["compile_layers"]))
+        if self.hparams.get("compile_model"):
+            compile_model(self.model, **compile_options(self.hparams["compile_model"]))
         if self._pretrained is not None:
             self._load_pretrained()
 

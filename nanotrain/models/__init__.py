@@ -12,7 +12,7 @@ See docs/models.md for the architecture, the presets and the FLOPs formula.
 from nanotrain.models import presets
 from nanotrain.models.accounting import active_params, flops_per_token, total_params
 from nanotrain.models.build import build_model, init_weights
-from nanotrain.models.compile import compile_layers
+from nanotrain.models.compile import compile_layers, compile_model
 from nanotrain.models.config import DeepSeekConfig, DenseConfig, ModelConfig
 from nanotrain.models.deepseek import DeepSeekV3
 from nanotrain.models.lazy import LazyTensor, open_safetensors
@@ -33,6 +33,7 @@ __all__ = [
     "active_params",
     "build_model",
     "compile_layers",
+    "compile_model",
     "flops_per_token",
     "init_weights",
     "open_safetensors",

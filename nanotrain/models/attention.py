@@ -206,9 +206,9 @@ class MLAttention(nn.Module):
         q = q.view(b, t, n, self.nope_dim + self.rope_dim)
         if self.interleaved and self.nope_dim % 2 == 0:
             # rotate q^R inside the whole head [q^C | q^R]: no split and cat back
-            table = rope_tail_table(cos, sin, self.nope_dim)  # (T, 1, qk_head_dim / 2)
+            table = rope_tail_table(cos, sin, self.nope_dim)  # (T, 1, qk_head_dim / 2, 2)
             q = rope_tail(q, table)  # (B, T, n, qk_head_dim)
-            k_rope = rope_tail(k_rope.unsqueeze(2), table[..., self.nope_dim // 2 :])  # (B,T,1,r)
+            k_rope = rope_tail(k_rope.unsqueeze(2), table[:, :, self.nope_dim // 2 :])  # B,T,1,r
         else:
             q_nope, q_rope = q.split([self.nope_dim, self.rope_dim], dim=-1)
             q_rope = apply_rope(q_rope, cos, sin, interleaved=self.interleaved)

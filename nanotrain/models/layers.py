@@ -159,12 +159,14 @@ def rope_tail_table(cos: torch.Tensor, sin: torch.Tensor, skip: int) -> torch.Te
     """Rotation factors for `rope_tail`: 1 on the first `skip` dims, cos + i sin on the rest.
 
     Args: cos, sin: [T, r // 2] from `rope_cos_sin`; skip: width of the unrotated head (even).
-    Returns: complex64 [T, 1, skip // 2 + r // 2], one factor per adjacent pair of dims.
+    Returns: float32 [T, 1, skip // 2 + r // 2, 2], one factor (real, imaginary) per adjacent
+    pair of dims. Real-valued, so torch.compile can fuse building it (inductor generates no
+    code for complex numbers); eager `rope_tail` views it as complex without a copy.
     """
     t = cos.shape[0]
     real = torch.cat((cos.new_ones(t, skip // 2), cos), dim=-1)
     imag = torch.cat((sin.new_zeros(t, skip // 2), sin), dim=-1)
-    return torch.complex(real.float(), imag.float())[:, None, :]
+    return torch.stack((real.float(), imag.float()), dim=-1)[:, None]
 
 
 def rope_tail(x: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
@@ -180,18 +182,20 @@ def rope_tail(x: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
     torch.compile (inductor generates no code for complex numbers; it fuses the real form
     into one kernel), take the same math as x * c + pair_swap(x) * s.
 
-    Args: x: [B, T, heads, dim] (dim even); table: [T, 1, dim // 2] from `rope_tail_table`.
+    Args: x: [B, T, heads, dim] (dim even); table: [T, 1, dim // 2, 2] from `rope_tail_table`
+        (or a slice of one along dim 2).
     Returns: tensor like x.
     """
     pairs = x.unflatten(-1, (-1, 2))  # (B, T, heads, dim/2, 2)
     if x.dtype in (torch.float32, torch.float64) and not torch.compiler.is_compiling():
         if pairs.storage_offset() % 2 or any(st % 2 for st in pairs.stride()[:-1]):
             pairs = pairs.contiguous()  # view_as_complex needs whole pairs in memory
-        ctype = torch.complex128 if x.dtype == torch.float64 else torch.complex64
-        rotated = torch.view_as_complex(pairs) * table.to(ctype)
+        factors = torch.view_as_complex(table.to(x.dtype))
+        rotated = torch.view_as_complex(pairs) * factors
         return torch.view_as_real(rotated).flatten(-2)
-    c = table.real.repeat_interleave(2, dim=-1).to(x.dtype)  # (T, 1, dim): c0 c0 c1 c1 ..
-    s = torch.stack((-table.imag, table.imag), dim=-1).flatten(-2).to(x.dtype)  # -s0 s0 ..
+    cos, sin = table[..., 0], table[..., 1]
+    c = cos.repeat_interleave(2, dim=-1).to(x.dtype)  # (T, 1, dim): c0 c0 c1 c1 ..
+    s = torch.stack((-sin, sin), dim=-1).flatten(-2).to(x.dtype)  # -s0 s0 ..
     return x * c + pairs.flip(-1).flatten(-2) * s
 
 

@@ -38,12 +38,14 @@ def _fit(
     preset: str = "tiny-dense",
     overrides=None,
     val_samples: int = 0,
+    scope: str = "layers",
 ) -> tuple[list[float], list[str], nt.LanguageModelModule]:
     """Three steps of `preset`, then (with `val_samples`) one validation whose `val/loss`
-    joins the losses; (losses, parameter names, the module)."""
+    joins the losses; (losses, parameter names, the module). `scope`: "layers" passes
+    `compiled` as compile_layers, "model" as compile_model."""
     torch.manual_seed(0)
     module = nt.LanguageModelModule(
-        preset, vocab_size=257, model_overrides=overrides, compile_layers=compiled
+        preset, vocab_size=257, model_overrides=overrides, **{f"compile_{scope}": compiled}
     )
     losses = _Losses()
     trainer = nt.Trainer(
@@ -61,7 +63,9 @@ def _fit(
         val = trainer.validate(module, dataloaders=RandomTokens(val_samples))
         losses.losses.append(val["val/loss"])
     layers = [m for m in module.model.modules() if isinstance(m, DecoderLayer)]
-    assert layers and all((m._compiled_call_impl is not None) == bool(compiled) for m in layers)
+    compiled_layers = bool(compiled) and scope == "layers"
+    assert layers and all((m._compiled_call_impl is not None) == compiled_layers for m in layers)
+    assert (module.model._compiled_call_impl is not None) == (bool(compiled) and scope == "model")
     return losses.losses, list(module.model.state_dict()), module
 
 

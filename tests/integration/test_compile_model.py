@@ -1,0 +1,78 @@
+"""compile_model=True (the whole model as one graph) trains and validates like eager: one
+process with inductor, 2 ranks under DDP and tp=2 with sequence parallelism with aot_eager
+(see test_compile_layers.py for why); bad combinations fail before any work."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+import nanotrain as nt
+from nanotrain.models.compile import check_compile_options
+from tests.distributed.spawn import run_world
+from tests.integration.test_compile_layers import AOT_EAGER, CAPACITY_MOE, _fit
+
+needs_compile = pytest.mark.skipif(not hasattr(torch, "compile"), reason="needs torch.compile")
+
+
+@needs_compile
+def test_whole_model_with_capacity_experts_traces_as_one_graph():
+    # embedding, MLA layers, MoE on fixed slots, final norm, head and masked CE: one graph,
+    # so nothing between the layers runs eagerly
+    torch.manual_seed(0)
+    module = nt.LanguageModelModule(
+        "tiny", vocab_size=257, model_overrides=CAPACITY_MOE["overrides"]
+    )
+    module.configure_model()
+    ids = torch.randint(0, 257, (2, 17))
+    explanation = torch._dynamo.explain(module.model)(ids[:, :-1], ids[:, 1:])
+    assert explanation.graph_break_count == 0, explanation.break_reasons
+    assert explanation.graph_count == 1
+
+
+@needs_compile
+def test_compiled_model_matches_eager_in_training_and_validation(tmp_path):
+    # inductor; validation on 5 samples ends with a batch of one (a second shape)
+    model = dict(CAPACITY_MOE, val_samples=5)
+    eager, names, eager_module = _fit(tmp_path, False, **model)
+    compiled, compiled_names, compiled_module = _fit(tmp_path, True, scope="model", **model)
+    assert compiled_names == names  # checkpoints stay interchangeable
+    assert compiled == pytest.approx(eager, rel=1e-5)
+    loads = [m.model.layers[-1].mlp.expert_load for m in (eager_module, compiled_module)]
+    assert torch.equal(*loads)
+
+
+def _rank(rank: int, world_size: int, root: str, layout: str) -> list[float]:
+    from nanotrain.strategies.megatron import MegatronStrategy
+
+    strategy = (
+        nt.strategies.DDPStrategy()
+        if layout == "ddp"
+        else MegatronStrategy(tp=2, sequence_parallel=True)
+    )
+    return _fit(Path(root), AOT_EAGER, strategy, scope="model", **CAPACITY_MOE)[0]
+
+
+@needs_compile
+@pytest.mark.parametrize("layout", ["ddp", "tp2_sp"])
+def test_compiled_model_on_two_ranks_matches_eager_single_process(tmp_path, layout):
+    # tp2_sp puts the vocab-parallel embedding and cross-entropy collectives and the MoE's
+    # all-gather of whole sequences inside the compiled forward
+    eager = _fit(tmp_path, False, **CAPACITY_MOE)[0]
+    ranks = run_world(_rank, 2, str(tmp_path / layout), layout, timeout=300)
+    for losses in ranks:
+        assert losses == pytest.approx(eager, rel=1e-5)
+
+
+def test_compile_options_are_checked_before_any_work():
+    with pytest.raises(ValueError, match="choose one"):
+        nt.LanguageModelModule("tiny", compile_layers=True, compile_model=True)
+    with pytest.raises(ValueError, match="compile_model must be True, False or a dict"):
+        nt.LanguageModelModule("tiny", compile_model="yes")
+    # the pipeline check runs in configure_model, once the strategy's mesh is known
+    with pytest.raises(ValueError, match="pp=2 splits it into pipeline stages.*compile_layers"):
+        check_compile_options(False, True, pp_size=2)
+    check_compile_options(True, False, pp_size=2)  # per-layer compile works with stages
+    check_compile_options({"backend": "aot_eager"}, False)
