@@ -14,6 +14,9 @@ LanguageModelModule lacks some of the config's arguments, such as `optimizer_imp
 
     for i in 1 2 3; do PYTHONPATH=/path/to/old python benchmarks/seed.py;
                        PYTHONPATH=$PWD python benchmarks/seed.py; done
+
+`--compile none|layers|model` replaces the config's compile choice (its `compile_layers` and
+`compile_model`), to compare eager, per-layer and whole-model compilation on one tree.
 """
 
 from __future__ import annotations
@@ -36,6 +39,12 @@ CONFIG = Path(__file__).resolve().parent.parent / "examples" / "configs" / "nano
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--steps", type=int, default=20, help="timed steps (after 3 warm-up)")
+    parser.add_argument(
+        "--compile",
+        choices=["config", "none", "layers", "model"],
+        default="config",
+        help="what to torch.compile (default: as the config says)",
+    )
     args = parser.parse_args()
     torch.set_num_threads(1)
     torch.manual_seed(0)
@@ -43,6 +52,9 @@ def main() -> None:
     batch, seq = cfg["trainer"]["global_batch_size"], cfg["data"]["init_args"]["seq_len"]
     known = inspect.signature(LanguageModelModule.__init__).parameters
     init_args = cfg["model"]["init_args"]
+    if args.compile != "config":
+        init_args["compile_layers"] = args.compile == "layers"
+        init_args["compile_model"] = args.compile == "model"
     ignored = sorted(set(init_args) - set(known))
     module = LanguageModelModule(**{k: v for k, v in init_args.items() if k in known})
     module.configure_model()
@@ -68,6 +80,7 @@ def main() -> None:
     print(
         f"{where}: {params:,} params, {ms:.1f} ms/step, {batch * seq / ms * 1e3:,.0f} tokens/s "
         f"(AdamW kernel: {kernel}; warm-up: 3 steps in {warmup:.1f} s)"
+        + (f"; compile: {args.compile}" if args.compile != "config" else "")
         + (f"; this tree ignores {', '.join(ignored)}" if ignored else "")
     )
 

@@ -120,7 +120,7 @@ def test_seed_config_builds_the_seed_projects_model():
     import nanotrain as nt
 
     cfg = yaml.safe_load((REPO / "examples/configs/nano_train_seed.yaml").read_text())
-    init_args = dict(cfg["model"]["init_args"], compile_layers=False)
+    init_args = dict(cfg["model"]["init_args"], compile_layers=False, compile_model=False)
     module = nt.LanguageModelModule(**init_args)
     module.configure_model()
     assert sum(p.numel() for p in module.model.parameters()) == 2_173_792

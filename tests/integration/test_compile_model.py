@@ -1,5 +1,5 @@
 """compile_model=True (the whole model as one graph) trains and validates like eager: one
-process with inductor, 2 ranks under DDP and tp=2 with sequence parallelism with aot_eager
+process with inductor, 2 ranks under DDP, tp=2 with sequence parallelism and ep=2 with aot_eager
 (see test_compile_layers.py for why); bad combinations fail before any work."""
 
 from __future__ import annotations
@@ -47,20 +47,26 @@ def test_compiled_model_matches_eager_in_training_and_validation(tmp_path):
 def _rank(rank: int, world_size: int, root: str, layout: str) -> list[float]:
     from nanotrain.strategies.megatron import MegatronStrategy
 
-    strategy = (
-        nt.strategies.DDPStrategy()
-        if layout == "ddp"
-        else MegatronStrategy(tp=2, sequence_parallel=True)
-    )
-    return _fit(Path(root), AOT_EAGER, strategy, scope="model", **CAPACITY_MOE)[0]
+    strategy = {
+        "ddp": nt.strategies.DDPStrategy,
+        "tp2_sp": lambda: MegatronStrategy(tp=2, sequence_parallel=True),
+        "ep2": lambda: MegatronStrategy(ep=2),
+    }[layout]()
+    return _fit(Path(root), AOT_EAGER, strategy, scope="model", **_model(layout))[0]
+
+
+def _model(layout: str) -> dict:
+    # under ep, validation on 5 samples (global batches of 4) leaves rank 0 one sample and
+    # rank 1 a padding batch of two: the ranks exchange their expert slot counts
+    return dict(CAPACITY_MOE, val_samples=5) if layout == "ep2" else CAPACITY_MOE
 
 
 @needs_compile
-@pytest.mark.parametrize("layout", ["ddp", "tp2_sp"])
+@pytest.mark.parametrize("layout", ["ddp", "tp2_sp", "ep2"])
 def test_compiled_model_on_two_ranks_matches_eager_single_process(tmp_path, layout):
     # tp2_sp puts the vocab-parallel embedding and cross-entropy collectives and the MoE's
-    # all-gather of whole sequences inside the compiled forward
-    eager = _fit(tmp_path, False, **CAPACITY_MOE)[0]
+    # all-gather of whole sequences inside the compiled forward; ep2 the expert all-to-all
+    eager = _fit(tmp_path, False, **_model(layout))[0]
     ranks = run_world(_rank, 2, str(tmp_path / layout), layout, timeout=300)
     for losses in ranks:
         assert losses == pytest.approx(eager, rel=1e-5)
