@@ -121,10 +121,11 @@ class _BatchedSwiGLU(torch.autograd.Function):
         grad_down = torch.bmm(dy.transpose(1, 2), a)  # (E, H, I)
         da = torch.bmm(dy, down_proj)  # (E, C, I)
         dg = torch.ops.aten.silu_backward(da * u, g)
-        du = da * sg
+        du = da.mul_(sg)  # da's last use: no new buffer
         grad_gate = torch.bmm(dg.transpose(1, 2), xb)  # (E, I, H)
         grad_up = torch.bmm(du.transpose(1, 2), xb)
-        dx = torch.bmm(dg, gate_proj).add_(torch.bmm(du, up_proj))  # (E, C, H)
+        # the second product accumulates into the first inside the GEMM (no temporary)
+        dx = torch.bmm(dg, gate_proj).baddbmm_(du, up_proj)  # (E, C, H)
         return dx.view(-1, xb.shape[-1]), None, grad_gate, grad_up, grad_down
 
 
