@@ -17,7 +17,6 @@ out those over each expert's capacity, with no host read.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -32,13 +31,7 @@ from nanotrain.models.capacity_dispatch import (
     slot_positions,
 )
 from nanotrain.models.config import DeepSeekConfig
-from nanotrain.models.expert_compute import (
-    batched_swiglu,
-    equal_group_rows,
-    grouped_mm_available,
-    grouped_swiglu,
-    looped_swiglu,
-)
+from nanotrain.models.expert_compute import GroupedExperts
 from nanotrain.models.layers import SwiGLU
 from nanotrain.models.recompute import is_recomputing
 from nanotrain.parallel.collectives import (
@@ -50,7 +43,6 @@ from nanotrain.parallel.collectives import (
 )
 from nanotrain.parallel.expert import (
     expert_counts,
-    expert_range,
     mark_expert_params,
     peer_slot_counts,
     run_experts_parallel,
@@ -147,78 +139,6 @@ def dispatch(
     token_index = slot // k
     counts = torch.bincount(flat[slot], minlength=num_experts)
     return Dispatched(h[token_index], counts, token_index, slot)
-
-
-class GroupedExperts(nn.Module):
-    """The routed experts this rank holds: SwiGLU MLPs with stacked weights.
-
-    Under expert parallelism (`ep_size` > 1) this is the slice of global experts
-    ``[expert_offset, expert_offset + num_local_experts)`` of all `num_experts`; the stacked
-    weights' dim 0 is that slice (`ep_partition_dims`), so initialization and checkpoints
-    can map it to and from the full stack.
-
-    Parameters (HF layout): gate_proj, up_proj [E_local, moe_inter, H];
-    down_proj [E_local, H, moe_inter].
-    Shapes: forward(x [M, H] sorted by local expert, counts [E_local] tensor or ints) -> [M, H].
-    """
-
-    ep_partition_dims = {"gate_proj": 0, "up_proj": 0, "down_proj": 0}
-
-    def __init__(
-        self,
-        num_experts: int,
-        hidden: int,
-        inter: int,
-        *,
-        ep_size: int = 1,
-        ep_rank: int = 0,
-        device: Any = None,
-    ):
-        super().__init__()
-        start, stop = expert_range(num_experts, ep_size, ep_rank)
-        self.num_experts, self.ep_size, self.ep_rank = num_experts, ep_size, ep_rank
-        self.expert_offset, self.num_local_experts = start, stop - start
-        e = self.num_local_experts
-        self.gate_proj = nn.Parameter(torch.empty(e, inter, hidden, device=device))
-        self.up_proj = nn.Parameter(torch.empty(e, inter, hidden, device=device))
-        self.down_proj = nn.Parameter(torch.empty(e, hidden, inter, device=device))
-
-    def _apply(self, fn: Any, recurse: bool = True) -> GroupedExperts:
-        # Materializing from meta (`to_empty`) or converting may replace the Parameter
-        # objects, which drops the expert tag the strategy looks for: put it back.
-        out = super()._apply(fn, recurse)
-        mark_expert_params(self)
-        return out
-
-    def full_shape(self, name: str) -> tuple[int, ...]:
-        """Shape of parameter `name` stacked over all `num_experts` experts."""
-        return (self.num_experts, *getattr(self, name).shape[1:])
-
-    def shard_full_state_dict(self, full: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """This rank's experts (rows [expert_offset, + num_local_experts)) of full stacks."""
-        stop = self.expert_offset + self.num_local_experts
-        return {name: t[self.expert_offset : stop] for name, t in full.items()}
-
-    def forward(self, x: torch.Tensor, counts: torch.Tensor | Sequence[int]) -> torch.Tensor:
-        # CUDA bf16: grouped GEMMs with device offsets, no host sync. Elsewhere the sizes come
-        # to the host (one tolist() when they are a tensor): equal groups run as batched GEMMs
-        # (a constant number of ops), others as a loop over the experts, linear in their
-        # number. See `nanotrain.models.expert_compute`.
-        if isinstance(counts, torch.Tensor) and grouped_mm_available(x, self.gate_proj):
-            return grouped_swiglu(x, counts, self.gate_proj, self.up_proj, self.down_proj)
-        sizes = counts.tolist() if isinstance(counts, torch.Tensor) else list(counts)
-        if equal_group_rows(sizes) is not None and self._batched_allowed(x):
-            return batched_swiglu(x, len(sizes), self.gate_proj, self.up_proj, self.down_proj)
-        return looped_swiglu(x, sizes, self.gate_proj, self.up_proj, self.down_proj)
-
-    @staticmethod
-    def _batched_allowed(x: torch.Tensor) -> bool:
-        # The loop's per-expert `x @ W.T` is what autocast casts and what the fp8/fp4
-        # emulation's torch-function mode intercepts: under either keep the loop, so they
-        # keep seeing the form they handle. (torch.compile traces the batched Function.)
-        return not (
-            torch.is_autocast_enabled(x.device.type) or torch._C._is_torch_function_mode_enabled()
-        )
 
 
 def combine(

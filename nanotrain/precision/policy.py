@@ -55,7 +55,7 @@ def is_plain_linear(module: nn.Module) -> bool:
 
 
 def is_grouped_experts(module: nn.Module) -> bool:
-    """True for the MoE layer's routed experts (`nanotrain.models.moe.GroupedExperts`)."""
+    """True for the MoE layer's routed experts (`nanotrain.models.expert_compute.GroupedExperts`)."""
     from nanotrain.models.moe import GroupedExperts
 
     return isinstance(module, GroupedExperts)
