@@ -1,14 +1,17 @@
 """Model FLOPs utilization (MFU) of a ~1B dense and a ~1B MoE model in bf16 on one GPU.
 
-    python benchmarks/gpu.py                      # both presets, 20 timed steps each
-    python benchmarks/gpu.py --preset dense-1b --micro-batch 8 --seq-len 2048 --compile
+    python benchmarks/gpu.py                      # both presets, eager and compiled
+    python benchmarks/gpu.py --preset dense-1b --micro-batch 8 --seq-len 2048 --compile model
 
 Each step is forward + backward + fused AdamW on bf16 weights over one micro-batch of random
 tokens; time is measured with CUDA events after warm-up. MFU = flops_per_token x tokens/s /
 peak, with `nanotrain.models.accounting.flops_per_token` (6 x active matmul parameters +
 causal attention) and the GPU's dense bf16 peak (H100/H200 SXM 989 TFLOP/s, A100 312; give
---peak-tflops for others). Without CUDA it checks its arguments, prints the presets' sizes and
-exits 0 without timing anything.
+--peak-tflops for others). `--compile` lists what to run each preset as, one table row each:
+"none" (eager), "layers" (torch.compile per decoder layer) and "model" (the whole model as one
+graph), as `LanguageModelModule(compile_layers=...)` / `compile_model=...` compile it; the
+default runs eager and the compiled model side by side. Without CUDA it checks its arguments,
+prints the presets' sizes and exits 0 without timing anything.
 
 Then (unless --no-sync-check) it fits the tiny DeepSeek model with the Trainer on the GPU in
 bf16-true with its default callbacks, and runs two non-logging steps under
@@ -26,6 +29,7 @@ import torch
 
 from nanotrain.models import build_model, presets
 from nanotrain.models.accounting import active_params, flops_per_token, total_params
+from nanotrain.models.compile import compile_layers, compile_model
 
 #: name -> (base preset, overrides)
 PRESETS = {
@@ -65,7 +69,11 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seq-len", type=int, default=2048)
     p.add_argument("--steps", type=int, default=20, help="timed steps after 5 warm-up steps")
     p.add_argument("--peak-tflops", type=float, default=None, help="override the GPU's peak")
-    p.add_argument("--compile", action="store_true", help="torch.compile each decoder layer")
+    p.add_argument(
+        "--compile",
+        default="none,model",
+        help="comma-separated runs per preset: none (eager), layers, model (default: none,model)",
+    )
     p.add_argument("--no-sync-check", action="store_true", help="skip the Trainer sync check")
     args = p.parse_args(argv)
     for name in ("micro_batch", "seq_len", "steps"):
@@ -73,6 +81,10 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
             p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if args.peak_tflops is not None and args.peak_tflops <= 0:
         p.error(f"--peak-tflops must be > 0, got {args.peak_tflops}")
+    args.compile = [c.strip() for c in args.compile.split(",") if c.strip()]
+    unknown = sorted(set(args.compile) - {"none", "layers", "model"})
+    if unknown or not args.compile:
+        p.error(f"--compile takes none, layers and/or model (comma-separated), got {unknown}")
     return args
 
 
@@ -93,14 +105,16 @@ def peak_tflops(args: argparse.Namespace) -> float:
     raise ValueError(f"unknown peak for {name!r}: pass --peak-tflops (dense bf16 TFLOP/s)")
 
 
-def measure(name: str, args: argparse.Namespace, peak: float) -> None:
-    """Time `args.steps` training steps of preset `name` and print tokens/s and MFU."""
+def measure(name: str, compile_as: str, args: argparse.Namespace, peak: float) -> None:
+    """Time `args.steps` training steps of preset `name` compiled as `compile_as` ("none",
+    "layers" or "model") and print tokens/s and MFU."""
     config = config_of(name, args.seq_len)
     torch.manual_seed(0)
     model = build_model(config, device="cuda").to(torch.bfloat16)
-    if args.compile:
-        for i, layer in enumerate(model.layers):
-            model.layers[i] = torch.compile(layer)
+    if compile_as == "layers":
+        compile_layers(model)
+    elif compile_as == "model":
+        compile_model(model)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
     b, t = args.micro_batch, args.seq_len
     tokens = torch.randint(0, config.vocab_size, (b, t + 1), device="cuda")
@@ -124,11 +138,9 @@ def measure(name: str, args: argparse.Namespace, peak: float) -> None:
     mfu = flops_per_token(config, t) * tps / (peak * 1e12)
     mem = torch.cuda.max_memory_allocated() / 2**30
     print(
-        f"| {name} | {total_params(config) / 1e9:.2f}B / {active_params(config) / 1e9:.2f}B | "
-        f"{b}x{t} | {seconds * 1e3:.1f} | {tps:,.0f} | {100 * mfu:.1f}% | {mem:.1f} |"
+        f"| {name} | {compile_as} | {total_params(config) / 1e9:.2f}B / "
+        f"{active_params(config) / 1e9:.2f}B | {b}x{t} | {seconds * 1e3:.1f} | {tps:,.0f} | {100 * mfu:.1f}% | {mem:.1f} |"
     )
-    torch.cuda.empty_cache()
-    torch.cuda.reset_peak_memory_stats()
 
 
 def sync_check(device: str = "cuda") -> bool:
@@ -187,10 +199,16 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     peak = peak_tflops(args)
     print(f"\n{torch.cuda.get_device_name()}, bf16 peak {peak:.0f} TFLOP/s, {time.strftime('%F')}")
-    print("| preset | params total / active | batch | ms/step | tokens/s | MFU | peak GiB |")
-    print("|---|---|---|---|---|---|---|")
+    print(
+        "| preset | compile | params total / active | batch | ms/step | tokens/s | MFU | peak GiB |"
+    )
+    print("|---|---|---|---|---|---|---|---|")
     for name in names:
-        measure(name, args, peak)
+        for compile_as in args.compile:
+            measure(name, compile_as, args, peak)
+            torch._dynamo.reset()  # each run compiles its own model afresh
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats()
     if not args.no_sync_check and not sync_check():
         return 1
     return 0

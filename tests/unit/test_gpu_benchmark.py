@@ -20,6 +20,14 @@ def test_bad_arguments_exit_with_the_flag_named(capsys):
     assert "--seq-len must be >= 1" in capsys.readouterr().err
 
 
+def test_compile_runs_are_parsed_and_checked(capsys):
+    assert gpu.parse([]).compile == ["none", "model"]
+    assert gpu.parse(["--compile", "layers, model"]).compile == ["layers", "model"]
+    with pytest.raises(SystemExit):
+        gpu.parse(["--compile", "model,fast"])
+    assert "--compile takes none, layers and/or model" in capsys.readouterr().err
+
+
 def test_presets_are_about_one_billion_parameters():
     sizes = {n: gpu.total_params(gpu.config_of(n, 2048)) for n in gpu.PRESETS}
     assert all(0.9e9 < s < 1.2e9 for s in sizes.values()), sizes
