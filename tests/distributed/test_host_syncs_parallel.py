@@ -15,7 +15,7 @@ from collections import Counter
 import pytest
 
 import nanotrain as nt
-import nanotrain.models.moe as moe
+import nanotrain.models.expert_compute as expert_compute
 from nanotrain.strategies.megatron import MegatronStrategy
 from tests.distributed.spawn import run_world
 from tests.unit.test_callbacks_moe_load import RandomTokens
@@ -33,7 +33,7 @@ OVERRIDES = {"ep=2 capacity": {"capacity_factor": 1.0}}
 
 
 def _syncs(rank: int, world_size: int, root: str) -> dict[str, list]:
-    moe.grouped_mm_available = lambda x, w: True  # this forked rank only
+    expert_compute.grouped_mm_available = lambda x, w: True  # this forked rank only
     found = {}
     for i, (name, make) in enumerate(LAYOUTS.items()):
         module = nt.LanguageModelModule(

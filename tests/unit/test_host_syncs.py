@@ -7,7 +7,7 @@ from collections import Counter
 import torch
 
 import nanotrain as nt
-import nanotrain.models.moe as moe
+import nanotrain.models.expert_compute as expert_compute
 from nanotrain.sync_guard import HostSyncCounter
 from tests.unit.test_callbacks_moe_load import RandomTokens
 
@@ -58,7 +58,7 @@ def test_counter_sees_item_bool_tolist_and_nonzero():
 def test_non_logging_steps_of_the_tiny_moe_have_no_host_sync(tmp_path, monkeypatch):
     # Take the device-offset expert path (the one CUDA bf16 takes) on CPU, and the fused AdamW
     # that "auto" picks on CUDA (torch's loop AdamW reads its CPU step counter by design).
-    monkeypatch.setattr(moe, "grouped_mm_available", lambda x, w: True)
+    monkeypatch.setattr(expert_compute, "grouped_mm_available", lambda x, w: True)
     module = nt.LanguageModelModule(model="tiny", vocab_size=257, optimizer_impl="fused")
     record = _Record(steps=(1, 2))  # steps 2 and 3 of 4: 1 and 4 log
     trainer = nt.Trainer(
