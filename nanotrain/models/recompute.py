@@ -58,6 +58,11 @@ def recomputed(fn: Callable[..., Any], *args: Any) -> Any:
     """`fn(*args)` without keeping its activations when autograd records; else a plain call."""
     if not torch.is_grad_enabled():
         return fn(*args)
+    if torch.compiler.is_compiling():
+        # torch.compile turns the region into a graph whose backward recomputes only pure ops
+        # (a buffer update such as the MoE load count happens once, in forward), and it takes
+        # no context_fn but its own selective-recompute modes
+        return checkpoint(fn, *args, use_reentrant=False)
     return checkpoint(fn, *args, use_reentrant=False, context_fn=_contexts)
 
 

@@ -39,13 +39,18 @@ def _fit(
     overrides=None,
     val_samples: int = 0,
     scope: str = "layers",
+    recompute: str | None = None,
 ) -> tuple[list[float], list[str], nt.LanguageModelModule]:
     """Three steps of `preset`, then (with `val_samples`) one validation whose `val/loss`
     joins the losses; (losses, parameter names, the module). `scope`: "layers" passes
     `compiled` as compile_layers, "model" as compile_model."""
     torch.manual_seed(0)
     module = nt.LanguageModelModule(
-        preset, vocab_size=257, model_overrides=overrides, **{f"compile_{scope}": compiled}
+        preset,
+        vocab_size=257,
+        model_overrides=overrides,
+        recompute=recompute,
+        **{f"compile_{scope}": compiled},
     )
     losses = _Losses()
     trainer = nt.Trainer(
