@@ -342,7 +342,7 @@ class DeepSeekMoE(nn.Module):
         # evaluation batches may differ in shape between ranks (a last, partial batch):
         # then learn the peers' slot counts; training micro batches all have one shape
         peers = None
-        if not self.training:
+        if not self.training and group_size(self.ep_group) > 1:  # (eager: breaks a graph)
             peers = peer_slot_counts(b * capacity, self.ep_group, x.device)
         y_slots = run_experts_in_slots(x_slots, e, b * capacity, self.experts, self.ep_group, peers)
         y = combine_from_slots(y_slots, position, weight, b * full_t).view(b, full_t, hidden)

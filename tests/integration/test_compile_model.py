@@ -30,6 +30,11 @@ def test_whole_model_with_capacity_experts_traces_as_one_graph():
     explanation = torch._dynamo.explain(module.model)(ids[:, :-1], ids[:, 1:])
     assert explanation.graph_break_count == 0, explanation.break_reasons
     assert explanation.graph_count == 1
+    # evaluation too (no slot-count exchange without expert parallelism)
+    module.model.eval()
+    with torch.no_grad():
+        explanation = torch._dynamo.explain(module.model)(ids[:, :-1], ids[:, 1:])
+    assert explanation.graph_break_count == 0, explanation.break_reasons
 
 
 @needs_compile
