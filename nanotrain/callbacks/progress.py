@@ -76,8 +76,10 @@ class ProgressBar(Callback):
     `val/loss`) and its bits per byte, and names the objective with its auxiliary terms
     `total_loss`; other modules show their objective as `loss` (see `shown_metrics`). The
     values shown are those the Trainer logged at the last log step (reading them every step
-    would sync the device);
-    tokens/s and ETA come from the bar's own clock since training (re)started.
+    would sync the device).
+    tokens/s, s/step and the ETA come from the bar's own clock over the steps since its
+    previous update (since training (re)started for the first), so a slow start such as
+    torch.compile's first steps does not hold the rate down for the rest of the run.
 
     Args:
         mode: "auto", "rich", "plain" or "off".
@@ -104,6 +106,8 @@ class ProgressBar(Callback):
         self._task: Any = None
         self._start_time = 0.0
         self._start_step = self._start_tokens = 0
+        # (time, step, tokens) at the bar's previous update: the rate's window starts there
+        self._mark: tuple[float, int, int] = (0.0, 0, 0)
         self._shown: dict[str, float] = {}
         self._rich_text = ""
 
@@ -126,6 +130,7 @@ class ProgressBar(Callback):
         self._start_time = self.clock()
         self._start_step = trainer.global_step
         self._start_tokens = trainer.state.consumed_tokens
+        self._mark = (self._start_time, self._start_step, self._start_tokens)
         if self._active == "rich":
             from rich.console import Console
             from rich.progress import (
@@ -195,15 +200,17 @@ class ProgressBar(Callback):
         parts += [f"{k} {v:.4f}" for k, v in self._shown.items()]
         optimizer = trainer.strategy.optimizer
         parts.append(f"lr {float(optimizer.param_groups[0]['lr']):.2e}")
-        elapsed = self.clock() - self._start_time
-        steps_done = step - self._start_step
+        now, consumed = self.clock(), trainer.state.consumed_tokens
+        mark_time, mark_step, mark_tokens = self._mark
+        elapsed, steps_done = now - mark_time, step - mark_step
         if elapsed > 0 and steps_done > 0:
-            tokens = trainer.state.consumed_tokens - self._start_tokens
+            tokens = consumed - mark_tokens
             if tokens:
                 parts.append(f"{tokens / elapsed:,.0f} tok/s")
             parts.append(f"{elapsed / steps_done:.3f} s/step")
             if with_eta and total:
                 parts.append(f"ETA {_format_duration((total - step) * elapsed / steps_done)}")
+            self._mark = (now, step, consumed)
         return " | ".join(parts)
 
     def on_train_end(self, trainer: Trainer, module: NanoModule) -> None:

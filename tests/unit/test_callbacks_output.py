@@ -60,6 +60,28 @@ def test_plain_lines_show_step_loss_lr_rate_and_eta(tmp_path):
     assert lines[3] == "done: 4 steps in 0:00:02"
 
 
+class SlowFirstStep(nt.Callback):
+    """Step 1 takes 10 s (a compile, say), every later step 0.5 s."""
+
+    def __init__(self, clock: FakeClock) -> None:
+        self.clock = clock
+
+    def on_train_batch_start(self, trainer, module, batch, batch_idx):
+        self.clock.now += 10.0 if trainer.global_step == 0 else 0.5
+
+
+def test_rate_and_eta_come_from_the_steps_since_the_previous_line(tmp_path):
+    clock, stream = FakeClock(), io.StringIO()
+    bar = ProgressBar(stream=stream, clock=clock)
+    trainer = make_trainer(tmp_path, callbacks=[SlowFirstStep(clock), bar], max_steps=6)
+    trainer.fit(Tokens(lr=0.05), BlobsData())
+    rates = [line.split(" | ")[-3:] for line in stream.getvalue().splitlines()[:3]]
+    # steps 1-2 took 10.5 s; steps 3-4 and 5-6 took 1 s each (80 tokens per step)
+    assert rates[0] == ["15 tok/s", "5.250 s/step", "ETA 0:00:21"]
+    assert rates[1] == ["160 tok/s", "0.500 s/step", "ETA 0:00:01"]
+    assert rates[2] == ["160 tok/s", "0.500 s/step", "ETA 0:00:00"]
+
+
 def test_bar_is_silent_on_other_ranks_and_plain_off_a_terminal():
     assert ProgressBar()._resolve_mode(SimpleNamespace(is_global_zero=False)) == "off"
     assert (
