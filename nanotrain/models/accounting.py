@@ -154,11 +154,16 @@ class FlopParts:
         layers: one entry per decoder layer (matmuls + attention scores).
         head: the output head of the main model.
         mtp: all MTP modules, their head applications included (0 without MTP).
+        routed: the part of each `layers` entry spent in routed experts (0 for dense layers),
+            which tensor parallelism does not split (see `nanotrain.planning.plan`).
+        mtp_routed: the part of `mtp` spent in routed experts.
     """
 
     layers: tuple[float, ...]
     head: float
     mtp: float
+    routed: tuple[float, ...] = ()
+    mtp_routed: float = 0.0
 
     @property
     def total(self) -> float:
@@ -187,15 +192,17 @@ def flops_per_token_parts(
         qk = v = c.head_dim
     keys_per_query = seq_len / 2 if causal else seq_len
     scores = 6.0 * c.num_heads * (qk + v) * keys_per_query
-    layers = []
+    layers, routed = [], []
     for i in range(c.num_layers):
         part = _layer(c, _is_moe(c, i))
         layers.append(6.0 * (part.dense + part.experts_active) + scores)
-    mtp = 0.0
+        routed.append(6.0 * part.experts_active)
+    mtp = mtp_routed = 0.0
     if include_mtp and isinstance(c, DeepSeekConfig) and c.mtp_depth > 0:
         m = mtp_params(c)
         mtp = 6.0 * (m.dense + m.experts_active) + c.mtp_depth * (head + scores)
-    return FlopParts(tuple(layers), head, mtp)
+        mtp_routed = 6.0 * m.experts_active
+    return FlopParts(tuple(layers), head, mtp, tuple(routed), mtp_routed)
 
 
 def attention_flops_per_token(

@@ -3,7 +3,10 @@
 The step-time model is deliberately simple and stated in full (docs/planning.md):
 
 * compute: each pipeline stage's FLOPs per step (`flops_per_token_parts` of its layers, plus
-  head and MTP on the last stage, times the tokens it sees, split over tp) at
+  head and MTP on the last stage, times the tokens it sees, split over tp except the routed
+  experts', which every tp rank computes for all its tokens unless sequence parallelism
+  gives it only its own, dropless: `routed_rows_per_copy`; a capacity factor prices its
+  E x C slots) at
   ``peak_flops * compute_efficiency`` (default 0.5: what well-tuned bf16 training reaches);
   full recomputation adds one forward of the layers, the head + loss and the MTP modules
   (+1/3 of their FLOPs), selective one forward of each attention block (projections and scores: `attention_flops_per_token` / 3);
@@ -23,6 +26,7 @@ GPU's memory.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -147,15 +151,33 @@ def _stage_flops(config: Any, layout: PlanLayout, workload: Workload, chunks: li
     parts = _flop_parts(config, workload.seq_len)
     layers = sum(parts.layers[i] for c in chunks for i in c)
     extras = (parts.head + parts.mtp) if last else 0.0
+    routed = sum(parts.routed[i] for c in chunks for i in c) + (parts.mtp_routed if last else 0.0)
     if layout.recompute == "full":
         # one more forward of every layer, and of the head + loss and the MTP modules
-        layers, extras = layers * 4 / 3, extras * 4 / 3
+        layers, extras, routed = layers * 4 / 3, extras * 4 / 3, routed * 4 / 3
     elif layout.recompute == "selective":  # the attention block's forward again
         attention = attention_flops_per_token(config, workload.seq_len)
         layers += sum(attention / 3 for c in chunks for _ in c)
-    per_token = layers + extras
+    split = layers + extras - routed  # tensor parallelism divides all of this
     tokens = workload.tokens_per_step / layout.dp  # each dp replica sees its share
-    return per_token * tokens / layout.tp
+    return (split / layout.tp + routed * routed_rows_per_copy(config, layout, workload)) * tokens
+
+
+def routed_rows_per_copy(config: Any, layout: PlanLayout, workload: Workload) -> float:
+    """Rows the routed experts compute on one tp rank per routed token copy of its replica.
+
+    The routed experts are replicated over tp (`DeepSeekMoE`): without sequence parallelism
+    every tp rank runs them on all of its replica's tokens (1); with it each runs only its own
+    T / tp tokens (1 / tp), unless a capacity factor makes it gather the whole sequences
+    first (1 again). A capacity factor f runs E x C slots per sequence of S tokens,
+    C = ceil(f S K / E), whether filled or not: E C / (S K) rows per copy (about f)."""
+    rows = 1.0
+    f = getattr(config, "capacity_factor", None)
+    if f is not None:
+        s, k, e = workload.seq_len, config.num_experts_per_tok, config.n_routed_experts
+        rows = e * math.ceil(f * s * k / e) / (s * k)
+    own_tokens_only = layout.sequence_parallel and f is None
+    return rows / layout.tp if own_tokens_only else rows
 
 
 _FLOPS: dict[tuple[str, int], FlopParts] = {}

@@ -48,6 +48,34 @@ def test_selective_recompute_adds_a_forward_of_each_attention_block():
     assert sel.largest.activations.peak < none.largest.activations.peak
 
 
+@pytest.mark.parametrize(
+    ("tp", "sp", "capacity", "rows_per_copy"),
+    [
+        (1, False, None, 1.0),
+        (2, False, None, 1.0),  # replicated routed experts: every tp rank runs all tokens
+        (2, True, None, 0.5),  # sequence parallel, dropless: each tp rank its own tokens
+        (2, True, 1.0, 1.0),  # sequence parallel with a capacity: whole sequences again
+        (2, False, 2.0, 2.0),  # a capacity of 2: E x C slots hold twice the copies
+        (4, True, 1.25, 1.25),
+    ],
+)
+def test_tp_splits_every_flop_but_the_routed_experts_it_replicates(tp, sp, capacity, rows_per_copy):
+    """deepseek-100m without MTP by hand: the routed experts run K experts of three H x I
+    matrices per token in every MoE layer; E = 16 divides S x K x f at S = 1024 here."""
+    config = presets.get("deepseek-100m", mtp_depth=0, capacity_factor=capacity)
+    s, tokens = 1024, 8 * 1024
+    work = Workload(seq_len=s, micro_batch_size=1, global_batch_size=8, precision="bf16-true")
+    layout = PlanLayout(tp=tp, sequence_parallel=sp)
+    plan = plan_layout(config, layout, work, GPUS["h100"], compute_efficiency=0.4)
+    moe_layers = config.num_layers - config.first_k_dense_replace
+    h, inter, k = config.hidden_size, config.moe_intermediate_size, config.num_experts_per_tok
+    routed = 6 * k * 3 * h * inter * moe_layers
+    total = flops_per_token(config, s)
+    rank_flops = ((total - routed) / tp + routed * rows_per_copy) * tokens
+    assert plan.time_parts["compute"] == pytest.approx(rank_flops / (989.4e12 * 0.4))
+    assert plan.flops_per_step == pytest.approx(total * tokens)  # model FLOPs: no slots, no tp
+
+
 @pytest.mark.parametrize("vpp,micro", [(1, 1), (2, 1), (1, 2)])
 def test_pipeline_bubble_is_pp_minus_one_over_vpp_microbatches(vpp, micro):
     config = presets.get("dense-100m")
