@@ -26,6 +26,7 @@ cast lives as long as the microbatch's graph), which we count under "weight_copi
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -218,22 +219,42 @@ def _moe(led: Ledger, c: Any, d: Dims, dt: Dtypes, ep: int, training: bool) -> N
         led.add("moe", t * k * F32 + t * F32)
     if training and c.aux_loss_alpha > 0:
         led.add("moe", t * F32 + 2 * d.b * e * F32)  # balance loss: score sums, [B, E] stats
-    # dispatch: token_index; the sorted copies (fp32 under autocast, which casts them again);
-    # under ep the received copies replace them and the regroup permutations are saved
-    led.add("moe", copies * I64 * (1 if ep == 1 else 3))
-    # the experts' gate and up matmuls read the sorted copies (each casts its own under autocast)
-    _gemm_inputs(led, "moe", dt, 2, copies * h, dt.norm_out)
-    _swiglu(led, "moe", dt, copies, h, c.moe_intermediate_size)
+    if getattr(c, "capacity_factor", None) is None:
+        # dispatch: token_index; the sorted copies (fp32 under autocast, which casts them
+        # again); under ep the received copies replace them and the regroup permutations
+        # are saved
+        led.add("moe", copies * I64 * (1 if ep == 1 else 3))
+        rows = copies
+    else:
+        rows = _capacity_slots(c, d)
+        led.add("moe", (rows + 1) * I64)  # dispatch: each slot's source token (or none)
+    # the experts' gate and up matmuls read their rows (each casts its own under autocast)
+    _gemm_inputs(led, "moe", dt, 2, rows * h, dt.norm_out)
+    _swiglu(led, "moe", dt, rows, h, c.moe_intermediate_size)
     if dt.cast_copies:  # _swiglu counted one expert's weights; the rank holds E / ep
         led.add("weight_copies", (e // ep - 1) * 3 * h * c.moe_intermediate_size * g)
-    # combine: slot, the gate weights per copy, the expert outputs and the weighted outputs
-    led.add("moe", copies * I64 + copies * g + 2 * copies * h * g)
+    if getattr(c, "capacity_factor", None) is None:
+        # combine: slot, the gate weights per copy, the expert outputs and the weighted outputs
+        led.add("moe", copies * I64 + copies * g + 2 * copies * h * g)
+    else:
+        # combine: each choice's slot, its gate weight and its gathered output; under sequence
+        # parallelism for every token of the gathered sequences (d.n, not this rank's d.t)
+        whole = d.n * k
+        led.add("moe", whole * I64 + whole * g + whole * h * g)
     if c.n_shared_experts > 0:
         shared = c.n_shared_experts * c.moe_intermediate_size
         # the router's fp32 input is the same storage only without sp, casts or bf16 norms
         if d.sp or dt.cast_copies or dt.norm_out != F32:
             _gemm_inputs(led, "moe", dt, 2, d.n * h, dt.norm_out)
         _swiglu(led, "moe", dt, d.n, h, shared // d.tp)
+
+
+def _capacity_slots(c: Any, d: Dims) -> int:
+    """Expert slots of one microbatch with a capacity factor f: E x B x C, C = ceil(f S K / E)
+    per whole sequence of S tokens (`DeepSeekMoE.capacity`), filled or not; under sequence
+    parallelism every tp rank runs them all (the layer gathers the sequences)."""
+    e, k = c.n_routed_experts, c.num_experts_per_tok
+    return e * d.b * math.ceil(c.capacity_factor * d.s * k / e)
 
 
 def decoder_layer(

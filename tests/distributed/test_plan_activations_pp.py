@@ -95,9 +95,15 @@ LAYOUTS = {
     "deepseek tp2 sp": ("tiny", dict(tp=2, sequence_parallel=True), None),
     "dense tp2 sp": ("tiny-dense", dict(tp=2, sequence_parallel=True), None),
     "deepseek ep2 (real routing, predicted balanced)": ("tiny", dict(dp=2, ep=2), None),
+    "deepseek tp2 sp capacity": ("tiny", dict(tp=2, sequence_parallel=True), None),
+    "deepseek ep2 capacity": ("tiny", dict(dp=2, ep=2), None),
     "deepseek 1f1b bf16-mixed": ("tiny", dict(pp=2), None, "bf16-mixed"),
     "dense interleaved bf16-true": ("tiny-dense", dict(pp=2, virtual_pp=2), None, "bf16-true"),
 }
+
+
+# model overrides of some layouts (the rest: none)
+OVERRIDES = {name: {"capacity_factor": 1.25} for name in LAYOUTS if name.endswith("capacity")}
 
 
 def _unpack_layout(name: str) -> tuple[str, dict, str | None, str]:
@@ -113,7 +119,7 @@ def _measure(rank: int, world_size: int, root: str) -> dict[str, int]:
             preset,
             vocab_size=VOCAB,
             recompute=recompute,
-            model_overrides={"num_layers": LAYERS},
+            model_overrides={"num_layers": LAYERS, **OVERRIDES.get(name, {})},
         )
         trainer = nt.Trainer(
             strategy=MegatronStrategy(**kwargs),
@@ -143,7 +149,7 @@ def measured(tmp_path_factory) -> list[dict[str, int]]:
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_schedule_peak_matches_a_pipeline_step(measured, name):
     preset, kwargs, recompute, precision = _unpack_layout(name)
-    config = presets.get(preset, vocab_size=VOCAB, num_layers=LAYERS)
+    config = presets.get(preset, vocab_size=VOCAB, num_layers=LAYERS, **OVERRIDES.get(name, {}))
     layout = PlanLayout(recompute=recompute, **{"dp": 1, **kwargs})
     workload = Workload(SEQ, MICRO, GLOBAL, precision=precision)
     for rank, peaks in enumerate(measured):

@@ -48,10 +48,10 @@ class SavedBytes:
         self._hooks.__exit__(*exc)
 
 
-def measure(preset: str, precision: str, recompute: str | None) -> int:
+def measure(preset: str, precision: str, recompute: str | None, **overrides) -> int:
     """Saved bytes of one training forward of `preset` (seq 64, micro batch 2) on CPU."""
     torch.manual_seed(0)
-    config = presets.get(preset)
+    config = presets.get(preset, **overrides)
     model = build_model(config, device="cpu")
     plugin = resolve_precision(precision)
     plugin.setup_module(model, torch.device("cpu"), is_global_zero=False)
@@ -65,12 +65,12 @@ def measure(preset: str, precision: str, recompute: str | None) -> int:
     return saved.total
 
 
-def predict(preset: str, precision: str, recompute: str | None) -> ActivationEstimate:
+def predict(preset: str, precision: str, recompute: str | None, **overrides) -> ActivationEstimate:
     layout = PlanLayout(recompute=recompute)
     workload = Workload(
         seq_len=SEQ, micro_batch_size=MICRO, global_batch_size=MICRO, precision=precision
     )
-    return activation_estimate(presets.get(preset), layout, workload, device="cpu")
+    return activation_estimate(presets.get(preset, **overrides), layout, workload, device="cpu")
 
 
 @pytest.mark.parametrize("precision", ["32-true", "bf16-true", "bf16-mixed"])
@@ -80,6 +80,16 @@ def test_per_microbatch_bytes_match_a_cpu_forward(preset, recompute, precision):
     measured = measure(preset, precision, recompute)
     predicted = predict(preset, precision, recompute).per_microbatch
     assert predicted == pytest.approx(measured, rel=0.10), (predicted, measured)
+
+
+@pytest.mark.parametrize("precision", ["32-true", "bf16-mixed"])
+@pytest.mark.parametrize("capacity", [1.0, 1.25, 2.0])
+def test_capacity_slots_match_a_cpu_forward(capacity, precision):
+    # E x B x C slots, not T x K copies: C = ceil(f S K / E) = 16, 20 and 32 per sequence
+    # at f = 1, 1.25 and 2 (S = 64, K = 2, E = 8)
+    measured = measure("tiny", precision, None, capacity_factor=capacity)
+    predicted = predict("tiny", precision, None, capacity_factor=capacity).per_microbatch
+    assert predicted == pytest.approx(measured, rel=0.01), (predicted, measured)
 
 
 def test_detail_adds_up_and_full_recompute_reports_its_transient():
