@@ -28,6 +28,7 @@ tensor, a point-to-point send N, an all-to-all the rows that leave the rank.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -196,29 +197,37 @@ def _ep(
     config: Any, layout: PlanLayout, workload: Workload, rank: RankModel, dt: WireDtypes
 ) -> _Tally:
     """Split exchange, dispatch and combine all-to-alls (each again in backward; the forward
-    ones again under full recompute), balanced routing."""
+    ones again under full recompute), balanced routing. With a capacity factor: the E x B x C
+    slots of whole sequences, and no split exchange (the splits are known)."""
     tally, ep = _Tally(), layout.ep
     layers = _moe_layers(config, layout, rank)
     if ep == 1 or layers == 0:
         return tally
     tokens = workload.micro_batch_size * workload.seq_len
-    if layout.sequence_parallel:
-        tokens //= layout.tp
     ring = (ep - 1) / ep
-    rows = tokens * config.num_experts_per_tok * ring  # copies that leave the rank
-    splits = ring * config.n_routed_experts * 8  # int64 counts per expert
+    f = getattr(config, "capacity_factor", None)
+    if f is None:
+        if layout.sequence_parallel:
+            tokens //= layout.tp
+        copies = tokens * config.num_experts_per_tok
+        splits, split_calls = ring * config.n_routed_experts * 8, 1  # int64 counts per expert
+    else:
+        e, k = config.n_routed_experts, config.num_experts_per_tok
+        copies = e * workload.micro_batch_size * math.ceil(f * workload.seq_len * k / e)
+        splits, split_calls = 0.0, 0
+    rows = copies * ring  # copies (or slots) that leave the rank
     forward = splits + rows * config.hidden_size * (dt.act + dt.matmul)
     backward = rows * config.hidden_size * (dt.act + dt.matmul)
-    per_layer, calls = forward + backward, 5
+    per_layer, calls = forward + backward, 4 + split_calls
     if layout.recompute == "full":
-        per_layer, calls = per_layer + forward, calls + 3
+        per_layer, calls = per_layer + forward, calls + 2 + split_calls
     micro = workload.num_microbatches(layout)
     tally.add(
         micro * layers * per_layer,
         micro * layers * calls,
         f"{micro} microbatches x {layers} MoE layers x {rows:.0f} token copies out of "
-        f"{tokens * config.num_experts_per_tok} sent to other ep ranks (dispatch + combine, "
-        "forward + backward) + split sizes",
+        f"{copies} sent to other ep ranks (dispatch + combine, forward + backward)"
+        + (" + split sizes" if split_calls else ""),
     )
     return tally
 

@@ -86,6 +86,17 @@ def _layer_colls(
     if moe and sp and config.aux_loss_alpha > 0:
         # the sequence-wise balance loss sums [2, b, E] fp32 statistics over tp (forward only)
         out.append(TpCollective("all_reduce", 2 * batch * config.n_routed_experts, 4, False, "mlp"))
+    if moe and sp and getattr(config, "capacity_factor", None) is not None:
+        # capacity per whole sequence: the MoE gathers its input and the routing (fp32 weights,
+        # their grads reduce-scattered back; int64 choices) before its slots
+        copies = tokens * config.num_experts_per_tok
+        out += [
+            TpCollective("all_gather", tokens * h, dt.act, False, "mlp"),
+            TpCollective("reduce_scatter", tokens * h, dt.act, True, "mlp"),
+            TpCollective("all_gather", copies, 4, False, "mlp"),
+            TpCollective("reduce_scatter", copies, 4, True, "mlp"),
+            TpCollective("all_gather", copies, 8, False, "mlp"),
+        ]
     return out
 
 

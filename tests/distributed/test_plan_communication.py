@@ -33,6 +33,7 @@ from tests.distributed.test_megatron import LM_VOCAB, SEQ, RandomTokens
 MICRO, GLOBAL = 2, 8
 MEASURED = ("tp", "pp", "ep", "dp", "expert_dp", "embedding")
 BF16_MIXED, BF16_TRUE = {"precision": "bf16-mixed"}, {"precision": "bf16-true"}
+CAPACITY, FULL = {"overrides": {"capacity_factor": 1.25}}, {"recompute": "full"}
 
 
 def balanced_select(self: TopKRouter, choice: torch.Tensor) -> torch.Tensor:
@@ -129,6 +130,16 @@ WORLD2 = {
     ),
     "deepseek ep=2 (dp=2)": ("tiny", dict(ep=2), {}),
     "deepseek ep=2 full recompute": ("tiny", dict(ep=2), {"recompute": "full"}),
+    # a capacity: fixed E x B x C slots, no split exchange; under SP the whole sequences and
+    # their routing are gathered over tp
+    "deepseek ep=2 capacity": ("tiny", dict(ep=2), CAPACITY),
+    "deepseek ep=2 capacity full recompute": ("tiny", dict(ep=2), {**CAPACITY, **FULL}),
+    "deepseek tp=2 sp capacity": ("tiny", dict(tp=2, sequence_parallel=True), CAPACITY),
+    "deepseek tp=2 sp capacity full recompute": (
+        "tiny",
+        dict(tp=2, sequence_parallel=True),
+        {**CAPACITY, **FULL},
+    ),
     # 16-bit wires: linear outputs in bf16 under autocast, everything bf16 under bf16-true
     "dense tp=2 sp bf16-mixed": ("tiny-dense", dict(tp=2, sequence_parallel=True), BF16_MIXED),
     "deepseek ep=2 bf16-mixed": ("tiny", dict(ep=2), BF16_MIXED),
