@@ -196,6 +196,16 @@ def sequence_balance_loss(
     return alpha * (f * (prob_sum / t)).sum(dim=-1).mean()
 
 
+def expert_capacity(config: Any, num_tokens: int) -> int | None:
+    """Copies each routed expert accepts from a group of `num_tokens` tokens under the config's
+    capacity factor f: ceil(f * N * K / E); None when dropless (no factor, or a dense config).
+    The planner prices the E x C slots per sequence with it too."""
+    f = getattr(config, "capacity_factor", None)
+    if f is None:
+        return None
+    return math.ceil(f * num_tokens * config.num_experts_per_tok / config.n_routed_experts)
+
+
 class DeepSeekMoE(nn.Module):
     """Shared experts + routed experts + router; counts expert load for aux-loss-free balancing.
 
@@ -278,14 +288,9 @@ class DeepSeekMoE(nn.Module):
         self.dropped_tokens.zero_()
 
     def capacity(self, num_tokens: int) -> int | None:
-        """Copies each expert accepts from a group of `num_tokens` tokens, ceil(f * N * K / E)
-        (None: dropless). The forward's groups are its sequences."""
-        c = self.config
-        if c.capacity_factor is None:
-            return None
-        return math.ceil(
-            c.capacity_factor * num_tokens * c.num_experts_per_tok / c.n_routed_experts
-        )
+        """Copies each expert accepts from a group of `num_tokens` tokens (`expert_capacity`).
+        The forward's groups are its sequences."""
+        return expert_capacity(self.config, num_tokens)
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         b, t, hidden = x.shape

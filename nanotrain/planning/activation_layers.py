@@ -26,10 +26,10 @@ cast lives as long as the microbatch's graph), which we count under "weight_copi
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Any
 
+from nanotrain.models.moe import expert_capacity
 from nanotrain.parallel.tensor import pad_vocab_size
 
 __all__ = [
@@ -250,11 +250,10 @@ def _moe(led: Ledger, c: Any, d: Dims, dt: Dtypes, ep: int, training: bool) -> N
 
 
 def _capacity_slots(c: Any, d: Dims) -> int:
-    """Expert slots of one microbatch with a capacity factor f: E x B x C, C = ceil(f S K / E)
-    per whole sequence of S tokens (`DeepSeekMoE.capacity`), filled or not; under sequence
-    parallelism every tp rank runs them all (the layer gathers the sequences)."""
-    e, k = c.n_routed_experts, c.num_experts_per_tok
-    return e * d.b * math.ceil(c.capacity_factor * d.s * k / e)
+    """Expert slots of one microbatch with a capacity factor: E x B x C, C per whole sequence
+    of S tokens (`expert_capacity`), filled or not; under sequence parallelism every tp rank
+    runs them all (the layer gathers the sequences)."""
+    return c.n_routed_experts * d.b * expert_capacity(c, d.s)
 
 
 def decoder_layer(

@@ -28,12 +28,12 @@ tensor, a point-to-point send N, an all-to-all the rows that leave the rank.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
+from nanotrain.models.moe import expert_capacity
 from nanotrain.parallel.data_parallel import FlatLayout
 from nanotrain.parallel.tensor import pad_vocab_size
 from nanotrain.planning.communication_tp import (
@@ -205,15 +205,14 @@ def _ep(
         return tally
     tokens = workload.micro_batch_size * workload.seq_len
     ring = (ep - 1) / ep
-    f = getattr(config, "capacity_factor", None)
-    if f is None:
+    capacity = expert_capacity(config, workload.seq_len)
+    if capacity is None:
         if layout.sequence_parallel:
             tokens //= layout.tp
         copies = tokens * config.num_experts_per_tok
         splits, split_calls = ring * config.n_routed_experts * 8, 1  # int64 counts per expert
-    else:
-        e, k = config.n_routed_experts, config.num_experts_per_tok
-        copies = e * workload.micro_batch_size * math.ceil(f * workload.seq_len * k / e)
+    else:  # E x B x C slots of whole sequences
+        copies = config.n_routed_experts * workload.micro_batch_size * capacity
         splits, split_calls = 0.0, 0
     rows = copies * ring  # copies (or slots) that leave the rank
     forward = splits + rows * config.hidden_size * (dt.act + dt.matmul)

@@ -26,7 +26,6 @@ GPU's memory.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -37,6 +36,7 @@ from nanotrain.models.accounting import (
     flops_per_token_parts,
     total_params,
 )
+from nanotrain.models.moe import expert_capacity
 from nanotrain.parallel.mesh import MeshLayout
 from nanotrain.planning.activations import ActivationEstimate, activation_estimate
 from nanotrain.planning.communication import CommEstimate, comm_estimate
@@ -171,13 +171,10 @@ def routed_rows_per_copy(config: Any, layout: PlanLayout, workload: Workload) ->
     T / tp tokens (1 / tp), unless a capacity factor makes it gather the whole sequences
     first (1 again). A capacity factor f runs E x C slots per sequence of S tokens,
     C = ceil(f S K / E), whether filled or not: E C / (S K) rows per copy (about f)."""
-    rows = 1.0
-    f = getattr(config, "capacity_factor", None)
-    if f is not None:
-        s, k, e = workload.seq_len, config.num_experts_per_tok, config.n_routed_experts
-        rows = e * math.ceil(f * s * k / e) / (s * k)
-    own_tokens_only = layout.sequence_parallel and f is None
-    return rows / layout.tp if own_tokens_only else rows
+    capacity = expert_capacity(config, workload.seq_len)
+    if capacity is None:
+        return 1 / layout.tp if layout.sequence_parallel else 1.0
+    return config.n_routed_experts * capacity / (workload.seq_len * config.num_experts_per_tok)
 
 
 _FLOPS: dict[tuple[str, int], FlopParts] = {}
