@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import warnings
 from typing import Any
 
 import torch
@@ -185,6 +186,7 @@ class LanguageModelModule(NanoModule):
             self.model = build_model(
                 self.config, mesh=mesh, device="cpu", sequence_parallel=sequence_parallel
             )
+        self._warn_replicated_experts(mesh, sequence_parallel)
         set_recompute(self.model, self.hparams.get("recompute"))
         if self.hparams.get("compile_layers"):
             compile_layers(self.model, **compile_options(self.hparams["compile_layers"]))
@@ -192,6 +194,15 @@ class LanguageModelModule(NanoModule):
             compile_model(self.model, **compile_options(self.hparams["compile_model"]))
         if self._pretrained is not None:
             self._load_pretrained()
+
+    def _warn_replicated_experts(self, mesh: Any, sequence_parallel: bool) -> None:
+        """Warn (global rank 0) when the layout repeats the routed experts on every tp rank."""
+        from nanotrain.models.build import replicated_expert_compute
+
+        tp_size = mesh.tp_size if mesh is not None else 1
+        message = replicated_expert_compute(self.config, tp_size, sequence_parallel)
+        if message is not None and mesh.rank == 0:
+            warnings.warn(message, stacklevel=2)
 
     def _load_pretrained(self) -> None:
         """Copy the pretrained folder's full tensors into the model just built: under a

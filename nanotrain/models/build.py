@@ -69,6 +69,43 @@ def build_model(
     return model
 
 
+def replicated_expert_compute(
+    config: DenseConfig | DeepSeekConfig, tp_size: int, sequence_parallel: bool
+) -> str | None:
+    """Why this layout makes every tensor-parallel rank run the same routed experts on the
+    same tokens, or None when it does not.
+
+    Routed experts are not split over tp (ep splits them). Each tp rank therefore runs them on
+    the tokens it holds: all of its replica's tokens without sequence parallelism, or with a
+    `capacity_factor` (capacity is counted per whole sequence, so the MoE layer gathers the
+    sequence first); only sequence parallelism with dropless routing gives each tp rank its
+    own T / tp tokens. Megatron-LM requires sequence parallelism for MoE with tp for this
+    reason.
+
+    Args: config: the model config; tp_size: tensor-parallel ranks; sequence_parallel: the
+        strategy's flag.
+    Returns: a message that names the cost and the fix, or None.
+    """
+    if not isinstance(config, DeepSeekConfig) or tp_size < 2:
+        return None
+    if config.first_k_dense_replace >= config.num_layers:
+        return None  # every layer dense (MTP blocks then are too)
+    if sequence_parallel and config.capacity_factor is None:
+        return None
+    if not sequence_parallel:
+        cause = "without sequence parallelism"
+        fix = "pass sequence_parallel=True to MegatronStrategy"
+    else:
+        cause = f"with capacity_factor={config.capacity_factor} (a capacity per whole sequence)"
+        fix = "train dropless (capacity_factor=None) under sequence parallelism"
+    return (
+        f"the routed experts are replicated over the {tp_size} tensor-parallel ranks and, "
+        f"{cause}, every tp rank runs them on the same tokens: {tp_size}x the routed-expert "
+        f"FLOPs for no gain. To split that work, {fix}, or move the expert capacity to expert "
+        "parallelism (ep) instead of tp."
+    )
+
+
 @torch.no_grad()
 def init_weights(model: nn.Module, generator: torch.Generator | None = None) -> None:
     """Initialize every parameter and buffer in module-definition order.
