@@ -19,6 +19,7 @@ become Python ints only when `TrainState.consumed_tokens` / `consumed_samples` a
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -48,6 +49,9 @@ class MicrobatchWeights:
         replicas: R, the number of data-parallel replicas.
         host_scales: `scales` as Python floats when they were computed on the host (one
             replica, counts known on the host), else None.
+
+    Weights computed on the host are cached and shared by every step with the same counts:
+    treat them, and the `StepOutput.num_tokens` / `num_samples` taken from them, as read-only.
     """
 
     scales: Tensor
@@ -56,7 +60,7 @@ class MicrobatchWeights:
     samples: Tensor
     uses_terms: bool
     replicas: int
-    host_scales: list[list[float]] | None = None
+    host_scales: tuple[tuple[float, ...], ...] | None = None
 
     @property
     def weights(self) -> list[float]:
@@ -102,19 +106,24 @@ def _host_rows(module: Any, raw: list | None, raw_tokens: list) -> tuple[list, l
     return rows, tokens
 
 
+@functools.lru_cache(maxsize=8)
 def _weigh_on_host(
-    rows: list, tokens: list, samples: float, uses_terms: bool, device: torch.device
+    rows: tuple, tokens: tuple, samples: float, uses_terms: bool, device: torch.device
 ) -> MicrobatchWeights:
     """`weigh_microbatches` for one data-parallel replica with counts known on the host:
-    the same arithmetic in Python floats, copied to `device` as one tensor."""
+    the same arithmetic in Python floats, copied to `device` as one tensor.
+
+    Cached: a run's steps mostly repeat the same counts (fixed batch and sequence sizes), and
+    building these small tensors every step was a third of the Trainer's own per-step time on
+    a small model (docs/benchmarks.md)."""
     m, k = len(rows), len(rows[0])
     global_counts = [sum(r[j] for r in rows) for j in range(k)]
     # data without tokens (one-loss mode, no count): the plain mean over microbatches
     absent = 0.0 if uses_terms else 1.0 / m
-    scales = [
-        [r[j] / global_counts[j] if global_counts[j] > 0 else absent for j in range(k)]
+    scales = tuple(
+        tuple(r[j] / global_counts[j] if global_counts[j] > 0 else absent for j in range(k))
         for r in rows
-    ]
+    )
     flat = [v for r in scales for v in r] + global_counts + [sum(tokens), samples]
     t = host_to_device(flat, device)
     n = m * k
@@ -166,7 +175,9 @@ def weigh_microbatches(
     if all(map(_on_host, raw + raw_tokens)):
         rows, tokens = _host_rows(module, raw if uses_terms else None, raw_tokens)
         if replicas == 1:  # nothing to reduce: every number is known here
-            return _weigh_on_host(rows, tokens, samples, uses_terms, device)
+            return _weigh_on_host(
+                tuple(map(tuple, rows)), tuple(tokens), samples, uses_terms, device
+            )
         n, k = len(rows), len(rows[0])
         sums = [sum(r[j] for r in rows) for j in range(k)]
         flat = host_to_device([v for r in rows for v in r] + sums + [sum(tokens), samples], device)
@@ -216,8 +227,21 @@ class LossAccumulator:
 
     def __init__(self, weighed: MicrobatchWeights) -> None:
         self.weighed = weighed
-        self.sums: Tensor = torch.zeros_like(weighed.global_counts)
+        self._sums: Tensor | None = None
+        # a microbatch whose host scale is exactly 1 (one microbatch, one replica), kept
+        # as is until a sum is needed: then the step's loss is that loss, with no tensor op
+        self._unit_loss: Tensor | None = None
         self.terms: LossTerms | None = None
+
+    @property
+    def sums(self) -> Tensor:
+        """[K] float64: each term summed over the microbatches so far, times their scales."""
+        if self._sums is None:
+            self._sums = torch.zeros_like(self.weighed.global_counts)
+        if self._unit_loss is not None:
+            self._sums.add_(self._unit_loss.double())
+            self._unit_loss = None
+        return self._sums
 
     def objective(self, m: int, output: Any) -> Tensor:
         """The scalar microbatch `m` backpropagates, given its `training_step` output.
@@ -225,15 +249,19 @@ class LossAccumulator:
         Raises:
             TypeError: in loss-terms mode, when the output carries no `LossTerms`.
         """
-        scale = self.weighed.scales[m]
         if not self.weighed.uses_terms:
             loss = extract_loss(output)
             host = self.weighed.host_scales
             if host is not None and host[m][0] == 1.0:  # x * 1.0 == x: skip the multiplies
-                self.sums += loss.detach().double()
+                if self._sums is None and self._unit_loss is None:
+                    self._unit_loss = loss.detach()
+                else:
+                    self.sums.add_(loss.detach().double())
                 return loss
-            self.sums += loss.detach().double() * scale
+            scale = self.weighed.scales[m]
+            self.sums.add_(loss.detach().double() * scale)
             return loss * scale[0].to(loss.dtype)
+        scale = self.weighed.scales[m]
         terms = output.get("loss_terms") if isinstance(output, dict) else None
         if not isinstance(terms, LossTerms):
             raise TypeError(
@@ -247,7 +275,7 @@ class LossAccumulator:
             )
         self.terms = terms
         values = terms.values
-        self.sums += values.detach().double() * scale
+        self.sums.add_(values.detach().double() * scale)
         factor = terms.weight_tensor(scale.device) * scale
         return (values * factor.to(values.dtype)).sum()
 
@@ -261,6 +289,11 @@ class LossAccumulator:
         Returns:
             (loss: 0-dim float32, identical on every rank; {metric name: 0-dim tensor}).
         """
+        if sums is None and self._sums is None and self._unit_loss is not None:
+            # one microbatch at scale 1 on one replica: 0 + x summed once and cast back to
+            # float32 is x itself
+            loss = self._unit_loss.float()
+            return (loss if loss.dim() == 0 else loss.reshape(())), {}
         local = self.sums if sums is None else sums
         if self.weighed.replicas == 1:  # nothing to reduce over (and x / 1 == x)
             global_values = local

@@ -136,6 +136,50 @@ def test_each_term_is_weighed_by_its_own_global_count():
         acc.objective(1, torch.tensor(1.0))
 
 
+class _TokenCount(nt.NanoModule):
+    """One-loss mode, weighed by the nonzero entries of each microbatch as its tokens."""
+
+    def count_tokens(self, batch):
+        return int((batch != 0).sum())
+
+
+def _step_loss(batches, losses):
+    """(step loss, backpropagated objectives) of one replica's microbatches, weighed on the host."""
+    strategy = nt.SingleDeviceStrategy("cpu")
+    acc = LossAccumulator(weigh_microbatches(strategy, _TokenCount(), batches))
+    objectives = [acc.objective(m, loss) for m, loss in enumerate(losses)]
+    return acc.finish(strategy)[0], objectives
+
+
+def test_one_microbatch_at_scale_one_reports_its_own_loss_bit_for_bit():
+    loss = torch.tensor(1.0 / 3.0, requires_grad=True)
+    step_loss, (objective,) = _step_loss([torch.tensor([[1, 2]])], [loss])
+    assert objective is loss  # backpropagated unscaled
+    assert step_loss.dtype == torch.float32 and step_loss.dim() == 0
+    assert step_loss.item() == loss.item()  # x * 1, summed in float64, back to float32
+    bf16 = torch.tensor(1.0 / 3.0, dtype=torch.bfloat16)
+    assert _step_loss([torch.tensor([[1]])], [bf16])[0] == bf16.double().float()
+
+
+def test_a_unit_scale_microbatch_then_others_sums_every_weighed_loss():
+    # all 3 tokens in the first microbatch: scales 1 and 0; then 1/4, 3/4 and 0
+    a, b = torch.tensor(2.0), torch.tensor(5.0)
+    step_loss, objectives = _step_loss([torch.tensor([[1, 1, 1]]), torch.tensor([[0]])], [a, b])
+    assert step_loss.item() == 2.0 and objectives[1].item() == 0.0
+    batches = [torch.tensor([[1, 0]]), torch.tensor([[1, 1, 1]]), torch.tensor([[0, 0]])]
+    c = torch.tensor(7.0)
+    step_loss, _ = _step_loss(batches, [a, b, c])
+    assert step_loss.item() == pytest.approx(2.0 / 4 + 5.0 * 3 / 4)
+
+
+def test_host_weights_are_reused_while_the_counts_repeat():
+    strategy, module = nt.SingleDeviceStrategy("cpu"), _TokenCount()
+    first = weigh_microbatches(strategy, module, [torch.tensor([[1, 2]])])
+    assert weigh_microbatches(strategy, module, [torch.tensor([[3, 4]])]) is first
+    other = weigh_microbatches(strategy, module, [torch.tensor([[3, 0]])])
+    assert other is not first and other.tokens.item() == 1.0 and first.tokens.item() == 2.0
+
+
 # -- what the user reads ---------------------------------------------------------------------
 def test_progress_bar_leads_with_the_lm_loss_and_names_the_total(tmp_path):
     trainer = make_trainer(tmp_path)
