@@ -43,6 +43,8 @@ __all__ = [
     "embedding",
     "head_and_loss",
     "mtp_block",
+    "rotates_whole_heads",
+    "saves_rope_tables",
 ]
 
 I64, F32 = 8, 4  # bytes per int64 / fp32 element
@@ -156,6 +158,36 @@ def _rope_copies(led: Ledger, d: Dims, rope_dim: int, g: int, calls: int) -> Non
         led.add("rope", calls * 2 * d.s * (rope_dim // 2) * g)
 
 
+def rotates_whole_heads(c: Any) -> bool:
+    """Whether MLA applies RoPE by `rope_tail` over the whole query head (interleaved RoPE and
+    an even no-RoPE width), building its rotation table in every layer, rather than by
+    `apply_rope` on the chunk's cos / sin tables (models/attention.py)."""
+    return bool(c.rope_interleave) and c.qk_nope_head_dim % 2 == 0
+
+
+def saves_rope_tables(c: Any, dt: Dtypes, recompute: str | None) -> bool:
+    """Whether one microbatch keeps its chunk's cos / sin tables: every checkpoint takes them
+    as inputs, and fp32 `apply_rope` saves views of them; MLA's whole-head rotation saves a
+    table of its own per layer instead (`_mla_rope`)."""
+    if recompute is not None:
+        return True
+    return dt.gemm == F32 and not (hasattr(c, "kv_lora_rank") and rotates_whole_heads(c))
+
+
+def _mla_rope(led: Ledger, c: Any, d: Dims, g: int) -> None:
+    """What MLA's RoPE saves in one layer (sequence s: attention runs on whole sequences)."""
+    r = c.qk_rope_head_dim
+    if not rotates_whole_heads(c):
+        _rope_copies(led, d, r, g, calls=2)
+    elif g == F32:
+        # the complex multiply saves the layer's table [s, 1, qk_head_dim / 2, 2] (the key's
+        # factors are a slice of it)
+        led.add("rope", d.s * c.qk_head_dim * F32)
+    else:
+        # without complex numbers: cos and sin factors [s, 1, width] per call, query then key
+        led.add("rope", 2 * d.s * (c.qk_head_dim + r) * g)
+
+
 def _mla_attention(led: Ledger, c: Any, d: Dims, dt: Dtypes) -> None:
     n, t, tp, g = d.n, d.t, d.tp, dt.gemm
     h, heads = c.hidden_size, c.num_heads // tp
@@ -173,9 +205,11 @@ def _mla_attention(led: Ledger, c: Any, d: Dims, dt: Dtypes) -> None:
     if wq is not None:
         _norm(led, t, wq, g, stored_width=wq)
         weights += h * wq
-    # the latents [RMSNorm(c_Q) | RMSNorm(c_KV) | k^R], all-gathered under sp, feed q_b / kv_b
+    # q_b / kv_b read the latents: under tp one entered buffer [RMSNorm(c_Q) | RMSNorm(c_KV) |
+    # k^R] (all-gathered under sp) that both save; at tp = 1 the two norm outputs themselves
+    # (k^R is then a view of kv_a's output, saved by its norm)
     latent_bytes = max(dt.param, g)
-    width = (wq or 0) + wkv + r
+    width = (wq or 0) + wkv + (r if tp > 1 else 0)
     if dt.cast_copies:
         led.add("attention", n * ((wq or 0) + wkv) * g)
     else:
@@ -185,7 +219,7 @@ def _mla_attention(led: Ledger, c: Any, d: Dims, dt: Dtypes) -> None:
     else:
         weights += wq * heads * dqk
     weights += wkv * heads * (nope + dv) + heads * dv * h
-    _rope_copies(led, d, r, g, calls=2)
+    _mla_rope(led, c, d, g)
     kernel = "fused" if dqk == dv else d.kernel_for_unequal_dims
     if kernel == "fused":
         # q and k are fresh cats; v is a view of kv_b's output [N, heads*(nope+dv)]; o_proj
@@ -334,7 +368,7 @@ def mtp_block(led: Ledger, c: Any, d: Dims, dt: Dtypes, ep: int, recompute: str 
     block, rebuilt = decoder_layer(c, moe, d, block_dt, ep, recompute)
     for part, nbytes in block.items():
         sub.add(part, nbytes)
-    if recompute is not None or dt.gemm == F32:
+    if saves_rope_tables(c, dt, recompute):
         sub.add("rope", 2 * d.s * (c.qk_rope_head_dim // 2) * F32)  # tables made again
     rebuilt = max(rebuilt, head_and_loss(sub, c, d, block_dt, "mtp", recompute))
     for part, nbytes in sub.items():

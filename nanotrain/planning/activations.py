@@ -23,6 +23,7 @@ from nanotrain.planning.activation_layers import (
     embedding,
     head_and_loss,
     mtp_block,
+    saves_rope_tables,
 )
 from nanotrain.planning.layout import PlanLayout, Workload
 
@@ -120,7 +121,7 @@ def _chunk(
         for part, nbytes in part_bytes.items():
             led.add(part, nbytes)
         transient = max(transient, rebuilt)
-    if layers and (recompute is not None or dt.gemm == F32):
+    if layers and saves_rope_tables(config, dt, recompute):
         led.add("rope", 2 * d.s * (rope_dim // 2) * F32)  # the chunk's cos / sin tables
     if last:
         transient = max(transient, head_and_loss(led, config, d, dt, "logits", recompute))

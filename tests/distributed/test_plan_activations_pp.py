@@ -5,8 +5,9 @@ GPipe, 1F1B and interleaved 1F1B (virtual_pp=2) at pp=2, with and without recomp
 tp=2 with and without sequence parallelism. During the step every tensor autograd saves for
 backward is wrapped in a holder that counts its storage (once, parameters excluded) while
 autograd keeps it; the highest count is the measured peak of live saved activations, which
-`activation_estimate(...).saved_peak` predicts (the bytes recomputation rebuilds inside
-backward are not handed to these hooks, so `transient` is not part of the comparison).
+`activation_estimate(...).saved_peak` predicts to 0.2% (2% under ep with real routing). The
+bytes recomputation rebuilds inside backward are not handed to these hooks, so `transient` is
+not part of the comparison.
 """
 
 from __future__ import annotations
@@ -155,7 +156,10 @@ def test_schedule_peak_matches_a_pipeline_step(measured, name):
     for rank, peaks in enumerate(measured):
         pp_rank = rank if layout.pp > 1 else 0
         estimate = activation_estimate(config, layout, workload, pp_rank, device="cpu")
-        assert estimate.saved_peak == pytest.approx(peaks[name], rel=0.10), (
+        # real routing under ep moves ~1% of the expert rows between ranks; the rest are
+        # exact to the loss terms' few weight bytes (docs/planning.md)
+        rel = 0.02 if "real routing" in name else 0.002
+        assert estimate.saved_peak == pytest.approx(peaks[name], rel=rel), (
             rank,
             estimate.saved_peak,
             peaks[name],

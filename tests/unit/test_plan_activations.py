@@ -79,7 +79,9 @@ def predict(preset: str, precision: str, recompute: str | None, **overrides) -> 
 def test_per_microbatch_bytes_match_a_cpu_forward(preset, recompute, precision):
     measured = measure(preset, precision, recompute)
     predicted = predict(preset, precision, recompute).per_microbatch
-    assert predicted == pytest.approx(measured, rel=0.10), (predicted, measured)
+    # byte-exact on torch 2.13; the small slack only spares a future torch that saves one more
+    # small tensor, while a change to what our layers save (a few KiB per layer) still fails
+    assert predicted == pytest.approx(measured, rel=0.002), (predicted, measured)
 
 
 @pytest.mark.parametrize("precision", ["32-true", "bf16-mixed"])
@@ -89,7 +91,7 @@ def test_capacity_slots_match_a_cpu_forward(capacity, precision):
     # at f = 1, 1.25 and 2 (S = 64, K = 2, E = 8)
     measured = measure("tiny", precision, None, capacity_factor=capacity)
     predicted = predict("tiny", precision, None, capacity_factor=capacity).per_microbatch
-    assert predicted == pytest.approx(measured, rel=0.01), (predicted, measured)
+    assert predicted == pytest.approx(measured, rel=0.002), (predicted, measured)
 
 
 def test_detail_adds_up_and_full_recompute_reports_its_transient():
