@@ -25,10 +25,10 @@ layers, early and late in the run.
 
 (c) Expert scaling. One `GroupedExperts` layer, fwd+bwd on 4,096 token copies (H=128, expert
 width 64, so the FLOPs are the same at every size) with 8, 32 and 128 local experts, equal
-groups (balanced routing), one thread, fp32. Three computations alternated in one run (median
-of --rounds): the first per-expert loop that indexed the stacks (`w[e]`, quadratic in E), the
-per-expert loop over `unbind` views (`looped_swiglu`, linear in E, still what unequal groups
-run) and the layer itself (`GroupedExperts.forward`: for equal groups the batched GEMMs of
+groups (balanced routing), one thread, fp32. Three computations at every size, every one of
+them in every round (median of --rounds): the first per-expert loop that indexed the stacks
+(`w[e]`, quadratic in E), the per-expert loop over `unbind` views (`looped_swiglu`, linear in
+E, still what unequal groups run) and the layer itself (`GroupedExperts.forward`: for equal groups the batched GEMMs of
 `batched_swiglu`, a constant number of ops). Backward starts from a fixed dense gradient.
 Then the layer's time at E over its own time at the smallest E, and over the fastest of the
 loop and the layer at the smallest E. The last column is a floor for that ratio set by memory
@@ -247,31 +247,35 @@ def scaling_table(rounds: int, experts: tuple[int, ...] = (8, 32, 128)) -> None:
     torch.set_num_threads(1)
     bandwidth = copy_bandwidth()
     weight_bytes = {e: 3 * e * h * inter * 4 for e in experts}  # gate, up, down stacks
-    base = best = None
     # a dense upstream gradient, as a layer inside a model gets (y.sum() would hand backward
     # an expanded stride-0 tensor, which no real loss produces)
     grad_out = torch.randn(n, h, generator=torch.Generator().manual_seed(1))
+    layers = {}
     for e in experts:
         ex = GroupedExperts(e, h, inter)
         for p in ex.parameters():
             torch.nn.init.normal_(p, std=0.02)
-        sizes = [n // e] * e
-        x = torch.randn(n, h, requires_grad=True)
-        times: dict[str, list[float]] = {k: [] for k in ("indexed", "loop", "now")}
-        for _ in range(rounds):  # alternate them so box noise hits all alike
-            for name in times:
+        layers[e] = (ex, torch.randn(n, h, requires_grad=True), [n // e] * e)
+    paths = ("indexed", "loop", "now")
+    times: dict[tuple[int, str], list[float]] = {(e, k): [] for e in experts for k in paths}
+    # every size and path in every round, so a slow spell of the box hits all of them alike
+    # and the ratios compare times taken side by side
+    for _ in range(rounds):
+        for e, (ex, x, sizes) in layers.items():
+            for name in paths:
                 t0 = time.perf_counter()
                 _expert_forward(name, x, sizes, ex).backward(grad_out)
-                times[name].append(time.perf_counter() - t0)
+                times[e, name].append(time.perf_counter() - t0)
                 ex.zero_grad(set_to_none=True)
                 x.grad = None
-        ms = {k: 1e3 * statistics.median(v) for k, v in times.items()}
-        base = base or ms["now"]
-        best = best or min(ms["loop"], ms["now"])
+    ms = {key: 1e3 * statistics.median(v) for key, v in times.items()}
+    base = ms[experts[0], "now"]
+    best = min(ms[experts[0], "loop"], base)
+    for e in experts:
         extra_ms = 1e3 * 3 * (weight_bytes[e] - weight_bytes[experts[0]]) / bandwidth
         print(
-            f"| {e} | {ms['indexed']:.1f} | {ms['loop']:.1f} | {ms['now']:.1f} "
-            f"| {ms['now'] / base:.2f}x | {ms['now'] / best:.2f}x "
+            f"| {e} | {ms[e, 'indexed']:.1f} | {ms[e, 'loop']:.1f} | {ms[e, 'now']:.1f} "
+            f"| {ms[e, 'now'] / base:.2f}x | {ms[e, 'now'] / best:.2f}x "
             f"| {(best + extra_ms) / best:.2f}x |"
         )
     print(f"copy bandwidth, one thread: {bandwidth / 1e9:.1f} GB/s")
