@@ -35,7 +35,12 @@ loop and the layer at the smallest E. The last column is a floor for that ratio 
 traffic alone: at fixed FLOPs only the weights grow with E, and one step streams them three
 times (read forward, read again for the input gradient, write their gradient), so it cannot
 run faster than the smallest E's time plus the extra bytes over this machine's measured
-copy bandwidth (one thread, a 256 MiB copy). `--only-scaling` runs just this table (seconds).
+copy bandwidth (one thread, a 256 MiB copy).
+
+(d) Unequal groups. As (c), with the 4,096 rows routed by skewed probabilities (groups of
+different sizes, some empty, as dropless routing leaves them): the unbind loop against the
+layer, which runs such groups as grouped GEMMs (`grouped_swiglu`) where the installed torch
+has them on the CPU, else the same loop. `--only-scaling` runs just (c) and (d) (seconds).
 """
 
 from __future__ import annotations
@@ -234,6 +239,66 @@ def _timed(fn) -> float:  # noqa: ANN001
     return time.perf_counter() - t0
 
 
+def _median_ms(
+    layers: dict[int, tuple[GroupedExperts, torch.Tensor, list[int]]],
+    paths: tuple[str, ...],
+    grad_out: torch.Tensor,
+    rounds: int,
+) -> dict[tuple[int, str], float]:
+    """Median fwd+bwd ms of every (experts, path); every one runs in every round, so a slow
+    spell of the box hits all of them alike and their ratios compare times taken side by side."""
+    times: dict[tuple[int, str], list[float]] = {(e, k): [] for e in layers for k in paths}
+    for _ in range(rounds):
+        for e, (ex, x, sizes) in layers.items():
+            for name in paths:
+                t0 = time.perf_counter()
+                _expert_forward(name, x, sizes, ex).backward(grad_out)
+                times[e, name].append(time.perf_counter() - t0)
+                ex.zero_grad(set_to_none=True)
+                x.grad = None
+    return {key: 1e3 * statistics.median(v) for key, v in times.items()}
+
+
+def _expert_layers(
+    experts: tuple[int, ...], n: int, h: int, inter: int, dropless: bool
+) -> dict[int, tuple[GroupedExperts, torch.Tensor, list[int]]]:
+    """A layer, its input rows and their group sizes per number of experts: n // e rows each,
+    or (dropless) n rows drawn by skewed routing probabilities, so groups differ and some
+    are empty, as dropless routing leaves them."""
+    layers = {}
+    g = torch.Generator().manual_seed(2)
+    for e in experts:
+        ex = GroupedExperts(e, h, inter)
+        for p in ex.parameters():
+            torch.nn.init.normal_(p, std=0.02)
+        if dropless:
+            probs = torch.rand(e, generator=g) ** 3
+            drawn = torch.multinomial(probs, n, replacement=True, generator=g)
+            sizes = torch.bincount(drawn, minlength=e).tolist()
+        else:
+            sizes = [n // e] * e
+        layers[e] = (ex, torch.randn(n, h, requires_grad=True), sizes)
+    return layers
+
+
+def dropless_table(rounds: int, experts: tuple[int, ...] = (8, 32, 128)) -> None:
+    """(d) as (c), with unequal groups: the unbind loop against the layer's grouped GEMMs."""
+    n, h, inter = 4096, 128, 64
+    print(f"\n(d) unequal groups (dropless routing), {n} token copies, H={h}, width {inter}, fp32")
+    print("| local experts | empty experts | largest group | unbind loop ms "
+          "| GroupedExperts ms | loop / layer | layer / layer at smallest E |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|")
+    torch.set_num_threads(1)
+    layers = _expert_layers(experts, n, h, inter, dropless=True)
+    grad_out = torch.randn(n, h, generator=torch.Generator().manual_seed(1))
+    ms = _median_ms(layers, ("loop", "now"), grad_out, rounds)
+    for e, (_, _, sizes) in layers.items():
+        print(
+            f"| {e} | {sizes.count(0)} | {max(sizes)} | {ms[e, 'loop']:.1f} | {ms[e, 'now']:.1f} "
+            f"| {ms[e, 'loop'] / ms[e, 'now']:.2f}x | {ms[e, 'now'] / ms[experts[0], 'now']:.2f}x |"
+        )
+
+
 def scaling_table(rounds: int, experts: tuple[int, ...] = (8, 32, 128)) -> None:
     """(c) fwd+bwd of one expert layer at fixed tokens and FLOPs, by number of local experts."""
     n, h, inter = 4096, 128, 64
@@ -250,25 +315,8 @@ def scaling_table(rounds: int, experts: tuple[int, ...] = (8, 32, 128)) -> None:
     # a dense upstream gradient, as a layer inside a model gets (y.sum() would hand backward
     # an expanded stride-0 tensor, which no real loss produces)
     grad_out = torch.randn(n, h, generator=torch.Generator().manual_seed(1))
-    layers = {}
-    for e in experts:
-        ex = GroupedExperts(e, h, inter)
-        for p in ex.parameters():
-            torch.nn.init.normal_(p, std=0.02)
-        layers[e] = (ex, torch.randn(n, h, requires_grad=True), [n // e] * e)
-    paths = ("indexed", "loop", "now")
-    times: dict[tuple[int, str], list[float]] = {(e, k): [] for e in experts for k in paths}
-    # every size and path in every round, so a slow spell of the box hits all of them alike
-    # and the ratios compare times taken side by side
-    for _ in range(rounds):
-        for e, (ex, x, sizes) in layers.items():
-            for name in paths:
-                t0 = time.perf_counter()
-                _expert_forward(name, x, sizes, ex).backward(grad_out)
-                times[e, name].append(time.perf_counter() - t0)
-                ex.zero_grad(set_to_none=True)
-                x.grad = None
-    ms = {key: 1e3 * statistics.median(v) for key, v in times.items()}
+    layers = _expert_layers(experts, n, h, inter, dropless=False)
+    ms = _median_ms(layers, ("indexed", "loop", "now"), grad_out, rounds)
     base = ms[experts[0], "now"]
     best = min(ms[experts[0], "loop"], base)
     for e in experts:
@@ -286,9 +334,10 @@ def main() -> None:
     parser.add_argument("--iters", type=int, default=10, help="timed dispatches per ep size")
     parser.add_argument("--steps", type=int, default=200, help="training steps per run in (b)")
     parser.add_argument("--rounds", type=int, default=5, help="timed rounds per size in (c)")
-    parser.add_argument("--only-scaling", action="store_true", help="run only table (c)")
+    parser.add_argument("--only-scaling", action="store_true", help="run only tables (c) and (d)")
     args = parser.parse_args()
     scaling_table(args.rounds)
+    dropless_table(args.rounds)
     if args.only_scaling:
         return
     dispatch_table(args.iters)

@@ -14,9 +14,15 @@ Three paths give the same result for `GroupedExperts.forward`:
   all experts, inside one autograd Function, so the number of ops (and their per-call cost)
   does not grow with E. Its backward writes each weight gradient once, in the stack's own
   [E, out, in] layout (no per-expert pieces to stack, no transposed copies).
-* `grouped_swiglu` (CUDA, bfloat16, `torch.nn.functional.grouped_mm` available): three grouped
-  GEMMs over all experts at once with device-side offsets (the cumulative counts), so the
-  expert computation never waits for the host.
+* `grouped_swiglu` (`torch.nn.functional.grouped_mm`: CUDA bf16, or CPU fp32 / bf16 where the
+  installed torch runs it): three grouped GEMMs over all experts at once with offsets from the
+  cumulative counts. On CUDA the offsets stay on the device, so the expert computation never
+  waits for the host; on CPU it runs unequal groups (dropless routing) about twice as fast as
+  the loop at 128 experts, with no Python loop over the experts.
+
+`GroupedExperts.forward` picks: CUDA grouped GEMM without reading the sizes; else, with the
+sizes on the host (free on CPU), batched GEMMs for equal groups, the grouped GEMM for unequal
+ones, the loop where neither runs (autocast, the fp8/fp4 emulations, unaligned widths).
 """
 
 from __future__ import annotations
@@ -32,20 +38,42 @@ from nanotrain.parallel.expert import expert_range, mark_expert_params
 
 
 def grouped_mm_available(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether `grouped_swiglu` can run: CUDA bf16 inputs and a torch with `F.grouped_mm`.
-
-    The grouped GEMM kernels take bf16 on CUDA devices of compute capability 8.0 or newer, and
-    need every row stride to be a multiple of 16 bytes: hidden and expert width multiples of 8.
+    """Whether `grouped_swiglu` can run on x and the stacked weights: a torch with
+    `F.grouped_mm`, x and the weights of one dtype, and
+      - on CUDA: bf16 on a device of compute capability 8.0 or newer;
+      - on CPU: fp32 or bf16, where the installed torch implements it (probed at import).
+    The kernels need every row stride to be a multiple of 16 bytes: hidden and expert width
+    multiples of 8 in bf16, of 4 in fp32.
     """
-    return (
-        hasattr(F, "grouped_mm")
-        and weight.shape[-1] % 8 == 0
-        and weight.shape[-2] % 8 == 0
-        and x.is_cuda
-        and x.dtype == torch.bfloat16
-        and weight.dtype == torch.bfloat16
-        and torch.cuda.get_device_capability(x.device) >= (8, 0)
-    )
+    if not hasattr(F, "grouped_mm") or x.dtype != weight.dtype:
+        return False
+    per_16_bytes = 16 // x.element_size()
+    if weight.shape[-1] % per_16_bytes or weight.shape[-2] % per_16_bytes:
+        return False
+    if x.is_cuda:
+        return x.dtype == torch.bfloat16 and torch.cuda.get_device_capability(x.device) >= (8, 0)
+    return x.device.type == "cpu" and x.dtype in CPU_GROUPED_MM_DTYPES
+
+
+def _cpu_grouped_mm_runs(dtype: torch.dtype) -> bool:
+    """Whether this torch computes `F.grouped_mm` (with its backward) on CPU in `dtype`."""
+    if not hasattr(F, "grouped_mm"):
+        return False
+    try:
+        x = torch.ones(4, 8, dtype=dtype, requires_grad=True)
+        w = torch.ones(2, 8, 8, dtype=dtype, requires_grad=True)
+        offs = torch.tensor([2, 4], dtype=torch.int32)
+        F.grouped_mm(x, w.transpose(-2, -1), offs=offs).backward(torch.ones(4, 8, dtype=dtype))
+    except (RuntimeError, NotImplementedError):
+        return False
+    return bool(w.grad is not None and (w.grad == 2).all())  # each weight sees 2 rows of ones
+
+
+# Probed at import (a few tiny GEMMs), not at first use: the first use may be inside a
+# torch.compile trace, which would have to trace the probe too.
+CPU_GROUPED_MM_DTYPES = frozenset(
+    d for d in (torch.float32, torch.bfloat16) if _cpu_grouped_mm_runs(d)
+)
 
 
 def looped_swiglu(
@@ -81,16 +109,38 @@ def grouped_swiglu(
 ) -> torch.Tensor:
     """SwiGLU of every expert by three grouped GEMMs with device offsets (no host sync).
 
-    Args: x [M, H] bf16 CUDA rows sorted by expert; counts [E] integer tensor on x's device;
-        gate_proj, up_proj [E, I, H]; down_proj [E, H, I] (bf16).
-    Returns: [M, H] bf16.
+    Args: x [M, H] rows sorted by expert (see `grouped_mm_available` for devices and dtypes);
+        counts [E] integer tensor on x's device; gate_proj, up_proj [E, I, H];
+        down_proj [E, H, I] (x's dtype).
+    Returns: [M, H].
     """
     # offs[i] = end row of expert i (int32, non-decreasing); out = x_e @ W_e^T per group, so the
     # right operand is the stack transposed to [E, in, out]
     offs = torch.cumsum(counts, 0, dtype=torch.int32)
     g = F.grouped_mm(x, gate_proj.transpose(-2, -1), offs=offs)  # (M, I)
     u = F.grouped_mm(x, up_proj.transpose(-2, -1), offs=offs)
-    return F.grouped_mm(F.silu(g) * u, down_proj.transpose(-2, -1), offs=offs)  # (M, H)
+    y = F.grouped_mm(F.silu(g) * u, down_proj.transpose(-2, -1), offs=offs)  # (M, H)
+    return _DenseGrad.apply(y)
+
+
+class _DenseGrad(torch.autograd.Function):
+    """Identity whose backward hands on a dense gradient: grouped_mm's backward refuses the
+    expanded stride-0 gradient that e.g. `y.sum()` produces."""
+
+    @staticmethod
+    def forward(ctx, y):  # noqa: ANN001, ANN205
+        return y.view_as(y)
+
+    @staticmethod
+    def backward(ctx, grad):  # noqa: ANN001, ANN205
+        return grad.contiguous()
+
+
+def reads_sizes_first(x: torch.Tensor) -> bool:
+    """Whether `GroupedExperts` reads the group sizes on the host before choosing a path: on
+    CPU the read costs nothing and equal groups run fastest batched; on CUDA it would wait
+    for the device, so the grouped GEMM takes the counts as device offsets unread."""
+    return not x.is_cuda
 
 
 def equal_group_rows(sizes: Sequence[int]) -> int | None:
@@ -202,15 +252,21 @@ class GroupedExperts(nn.Module):
 
     def forward(self, x: torch.Tensor, counts: torch.Tensor | Sequence[int]) -> torch.Tensor:
         # CUDA bf16: grouped GEMMs with device offsets, no host sync. Elsewhere the sizes come
-        # to the host (one tolist() when they are a tensor): equal groups run as batched GEMMs
-        # (a constant number of ops), others as a loop over the experts, linear in their
-        # number. See `nanotrain.models.expert_compute`.
-        if isinstance(counts, torch.Tensor) and grouped_mm_available(x, self.gate_proj):
-            return grouped_swiglu(x, counts, self.gate_proj, self.up_proj, self.down_proj)
+        # to the host (one tolist() when they are a tensor, free on CPU): equal groups run as
+        # batched GEMMs (a constant number of ops), others as grouped GEMMs where torch runs
+        # them, else as a loop over the experts, linear in their number. See
+        # `nanotrain.models.expert_compute`.
+        weights = (self.gate_proj, self.up_proj, self.down_proj)
+        grouped = grouped_mm_available(x, self.gate_proj) and self._grouped_allowed(x)
+        if grouped and isinstance(counts, torch.Tensor) and not reads_sizes_first(x):
+            return grouped_swiglu(x, counts, *weights)
         sizes = counts.tolist() if isinstance(counts, torch.Tensor) else list(counts)
         if equal_group_rows(sizes) is not None and self._batched_allowed(x):
-            return batched_swiglu(x, len(sizes), self.gate_proj, self.up_proj, self.down_proj)
-        return looped_swiglu(x, sizes, self.gate_proj, self.up_proj, self.down_proj)
+            return batched_swiglu(x, len(sizes), *weights)
+        if grouped:
+            offsets_from = counts if isinstance(counts, torch.Tensor) else torch.tensor(sizes)
+            return grouped_swiglu(x, offsets_from.to(x.device), *weights)
+        return looped_swiglu(x, sizes, *weights)
 
     @staticmethod
     def _batched_allowed(x: torch.Tensor) -> bool:
@@ -220,3 +276,12 @@ class GroupedExperts(nn.Module):
         return not (
             torch.is_autocast_enabled(x.device.type) or torch._C._is_torch_function_mode_enabled()
         )
+
+    @staticmethod
+    def _grouped_allowed(x: torch.Tensor) -> bool:
+        # As for the batched path, except that autocast to x's own dtype (bf16 weights and
+        # inputs under bf16 autocast, as on CUDA) changes nothing the grouped GEMM computes.
+        if torch._C._is_torch_function_mode_enabled():
+            return False
+        device = x.device.type
+        return not torch.is_autocast_enabled(device) or torch.get_autocast_dtype(device) == x.dtype

@@ -34,6 +34,7 @@ OVERRIDES = {"ep=2 capacity": {"capacity_factor": 1.0}}
 
 def _syncs(rank: int, world_size: int, root: str) -> dict[str, list]:
     expert_compute.grouped_mm_available = lambda x, w: True  # this forked rank only
+    expert_compute.reads_sizes_first = lambda x: False
     found = {}
     for i, (name, make) in enumerate(LAYOUTS.items()):
         module = nt.LanguageModelModule(

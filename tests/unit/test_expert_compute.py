@@ -8,6 +8,7 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from nanotrain.models.expert_compute import (
+    CPU_GROUPED_MM_DTYPES,
     batched_swiglu,
     equal_group_rows,
     grouped_mm_available,
@@ -17,6 +18,11 @@ from nanotrain.models.expert_compute import (
 from nanotrain.models.moe import GroupedExperts
 
 E, H, INTER = 16, 8, 6
+
+cpu_grouped_mm_runs = torch.float32 in CPU_GROUPED_MM_DTYPES
+needs_cpu_grouped_mm = pytest.mark.skipif(
+    not cpu_grouped_mm_runs, reason="this torch has no CPU torch.nn.functional.grouped_mm"
+)
 
 
 def _experts(
@@ -85,9 +91,85 @@ def test_backward_builds_each_stack_gradient_once():
     assert mode.count <= 2 * 3, mode.count  # at most a couple per weight, never per expert
 
 
-def test_grouped_path_not_taken_on_cpu():
-    ex = _experts(torch.bfloat16, h=16, inter=8)
-    assert not grouped_mm_available(torch.zeros(2, 16, dtype=torch.bfloat16), ex.gate_proj)
+def test_grouped_gemm_needs_aligned_rows_and_a_supported_dtype():
+    # the kernels read rows in 16-byte steps: fp32 widths multiples of 4, bf16 of 8
+    assert not grouped_mm_available(torch.zeros(2, H), _experts(h=H, inter=6).gate_proj)
+    bf16 = _experts(torch.bfloat16, h=16, inter=4)  # 4 bf16 = 8 bytes per row: unaligned
+    assert not grouped_mm_available(torch.zeros(2, 16, dtype=torch.bfloat16), bf16.gate_proj)
+    fp16 = _experts(torch.float16, h=16, inter=8)
+    assert not grouped_mm_available(torch.zeros(2, 16, dtype=torch.float16), fp16.gate_proj)
+    aligned = _experts(h=16, inter=8)
+    assert not grouped_mm_available(torch.zeros(2, 16, dtype=torch.bfloat16), aligned.gate_proj)
+    assert grouped_mm_available(torch.zeros(2, 16), aligned.gate_proj) == cpu_grouped_mm_runs
+
+
+class _SeenOps(TorchDispatchMode):
+    """Names of the aten ops dispatched, and how many."""
+
+    def __init__(self):
+        super().__init__()
+        self.names: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.names.append(func.__name__)
+        return func(*args, **(kwargs or {}))
+
+
+class _PassThrough(torch.overrides.TorchFunctionMode):
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        return func(*args, **(kwargs or {}))
+
+
+def _unequal_sizes(num_experts: int, rows: int = 128) -> list[int]:
+    # the same tokens at every E, spread unevenly, with empty experts
+    weights = [(e % 3) for e in range(num_experts)]
+    sizes = [rows * w // sum(weights) for w in weights]
+    sizes[0] += rows - sum(sizes)
+    return sizes
+
+
+@needs_cpu_grouped_mm
+@pytest.mark.parametrize("counts_as", [list, torch.tensor])
+def test_unequal_groups_take_one_grouped_gemm_per_weight_on_cpu(counts_as):
+    ex = _experts(h=32, inter=16)
+    sizes = _unequal_sizes(E)
+    x = torch.randn(sum(sizes), 32, requires_grad=True)
+    with _SeenOps() as seen:
+        y = ex(x, counts_as(sizes))
+    assert seen.names.count("_grouped_mm.default") == 3 and "mm.default" not in seen.names
+    ref = looped_swiglu(x, sizes, ex.gate_proj, ex.up_proj, ex.down_proj)
+    torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-6)
+    got = torch.autograd.grad(y.sum(), [x, *ex.parameters()])  # a stride-0 gradient
+    want = torch.autograd.grad(ref.sum(), [x, *ex.parameters()])
+    for a, b in zip(got, want, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    assert sizes[3] == 0 and all(g[3].abs().sum() == 0 for g in got[1:])  # zero, not missing
+
+
+@needs_cpu_grouped_mm
+def test_grouped_op_count_does_not_grow_with_the_experts():
+    counts = []
+    for num_experts in (2, 32):
+        torch.manual_seed(0)
+        ex = GroupedExperts(num_experts, 16, 8)
+        x = torch.randn(128, 16, requires_grad=True)
+        with _SeenOps() as seen:
+            ex(x, _unequal_sizes(num_experts)).sum().backward()
+        counts.append(len(seen.names))
+    assert counts[0] == counts[1], counts
+
+
+@needs_cpu_grouped_mm
+def test_grouped_keeps_the_loop_under_autocast_and_function_modes():
+    ex = _experts(h=32, inter=16)
+    sizes = _unequal_sizes(E)
+    x = torch.randn(sum(sizes), 32)
+    with torch.autocast("cpu", dtype=torch.bfloat16), _SeenOps() as seen:
+        y = ex(x, sizes)
+    assert y.dtype == torch.bfloat16 and "_grouped_mm.default" not in seen.names
+    with _PassThrough(), _SeenOps() as seen:  # as the fp8/fp4 emulation's mode
+        ex(x, sizes)
+    assert "_grouped_mm.default" not in seen.names and "mm.default" in seen.names
 
 
 def test_grouped_swiglu_matches_the_loop_where_torch_runs_it_on_cpu():
@@ -162,10 +244,11 @@ def test_batched_takes_an_expanded_gradient():
 
 
 def test_uneven_and_empty_groups_still_match_the_reference():
-    # unequal groups (dropless routing, empty experts) keep the loop: exact, zero grads
-    ex = _experts(h=32, inter=16)
+    # unequal groups (dropless routing, empty experts) where no grouped GEMM runs (widths
+    # not 16-byte aligned) keep the loop: exact, zero grads
+    ex = _experts(h=30, inter=14)
     sizes = [7, 0, 1, 40, 0, 3] + [2] * (E - 6)
-    x = torch.randn(sum(sizes), 32, requires_grad=True)
+    x = torch.randn(sum(sizes), 30, requires_grad=True)
     y = ex(x, sizes)
     torch.testing.assert_close(y, _reference(x, sizes, ex), rtol=0, atol=0)
     grads = torch.autograd.grad(y.square().sum(), list(ex.parameters()))

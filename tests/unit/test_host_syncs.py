@@ -59,6 +59,7 @@ def test_non_logging_steps_of_the_tiny_moe_have_no_host_sync(tmp_path, monkeypat
     # Take the device-offset expert path (the one CUDA bf16 takes) on CPU, and the fused AdamW
     # that "auto" picks on CUDA (torch's loop AdamW reads its CPU step counter by design).
     monkeypatch.setattr(expert_compute, "grouped_mm_available", lambda x, w: True)
+    monkeypatch.setattr(expert_compute, "reads_sizes_first", lambda x: False)
     module = nt.LanguageModelModule(model="tiny", vocab_size=257, optimizer_impl="fused")
     record = _Record(steps=(1, 2))  # steps 2 and 3 of 4: 1 and 4 log
     trainer = nt.Trainer(
