@@ -137,9 +137,11 @@ class _DenseGrad(torch.autograd.Function):
 
 
 def reads_sizes_first(x: torch.Tensor) -> bool:
-    """Whether `GroupedExperts` reads the group sizes on the host before choosing a path: on
-    CPU the read costs nothing and equal groups run fastest batched; on CUDA it would wait
-    for the device, so the grouped GEMM takes the counts as device offsets unread."""
+    """Whether expert code reads sizes on the host before choosing a path: on CPU the read
+    costs nothing, so `GroupedExperts` reads the group sizes (equal groups run fastest
+    batched) and capacity dispatch under ep exchanges slot counts in training too (ranks may
+    hold batches of different shapes); on CUDA a read would wait for the device, so the
+    grouped GEMM takes the counts as device offsets unread and training trusts one shape."""
     return not x.is_cuda
 
 

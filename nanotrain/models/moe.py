@@ -31,6 +31,7 @@ from nanotrain.models.capacity_dispatch import (
     slot_positions,
 )
 from nanotrain.models.config import DeepSeekConfig
+from nanotrain.models import expert_compute
 from nanotrain.models.expert_compute import GroupedExperts
 from nanotrain.models.layers import SwiGLU
 from nanotrain.models.recompute import is_recomputing
@@ -344,10 +345,13 @@ class DeepSeekMoE(nn.Module):
         idx, weight = topk_idx.reshape(-1, k), topk_weight.reshape(-1, k)
         position, keep = slot_positions(idx, weight, e, capacity, groups=b)
         x_slots = dispatch_to_slots(x.reshape(-1, hidden), idx, position, e * b * capacity)
-        # evaluation batches may differ in shape between ranks (a last, partial batch):
-        # then learn the peers' slot counts; training micro batches all have one shape
+        # Batches may differ in shape between ranks: a last, partial evaluation batch, or
+        # data padded per batch. Learning the peers' slot counts costs a host read, free on
+        # the CPU but a device wait per layer on CUDA, where training relies on the one
+        # micro batch shape instead (docs/parallelism.md). (Eager: breaks a compiled graph.)
         peers = None
-        if not self.training and group_size(self.ep_group) > 1:  # (eager: breaks a graph)
+        exchange = not self.training or expert_compute.reads_sizes_first(x)
+        if exchange and group_size(self.ep_group) > 1:
             peers = peer_slot_counts(b * capacity, self.ep_group, x.device)
         y_slots = run_experts_in_slots(x_slots, e, b * capacity, self.experts, self.ep_group, peers)
         y = combine_from_slots(y_slots, position, weight, b * full_t).view(b, full_t, hidden)

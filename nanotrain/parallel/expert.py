@@ -168,9 +168,9 @@ def peer_slot_counts(
     slots_per_expert: int, group: ProcessGroup | None, device: torch.device
 ) -> list[int]:
     """Every rank's slots per expert over the expert-parallel `group` (one small all-gather
-    on `device`, the device the group's backend moves, and one host read). Needed only when
-    ranks may hold batches of different shapes, as in a last, partial evaluation batch;
-    training batches all have the micro batch's shape."""
+    on `device`, the device the group's backend moves, and one host read). Needed when ranks
+    may hold batches of different shapes: a last, partial evaluation batch, or per-batch
+    padding (exchanged in training only on the CPU, where the read waits for nothing)."""
     p = group_size(group)
     if p == 1:
         return [slots_per_expert]

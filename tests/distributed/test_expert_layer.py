@@ -51,10 +51,12 @@ def rel_err(got: torch.Tensor, ref: torch.Tensor) -> float:
     return float((got - ref).abs().max() / ref.abs().max().clamp_min(1e-30))
 
 
-def rank_inputs(rank: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rank `rank`'s tokens [2, 3, H] and loss weights (6 tokens, 12 copies over 8 experts)."""
+def rank_inputs(rank: int, ragged: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rank `rank`'s tokens [2, 3, H] and loss weights (6 tokens, 12 copies over 8 experts);
+    `ragged`: [2 + rank % 2, 3 + rank, H], so the ranks of a group differ in B and T."""
     g = torch.Generator().manual_seed(100 + rank)
-    return torch.randn(2, 3, 64, generator=g), torch.randn(2, 3, 64, generator=g)
+    shape = (2 + rank % 2, 3 + rank, 64) if ragged else (2, 3, 64)
+    return torch.randn(*shape, generator=g), torch.randn(*shape, generator=g)
 
 
 def loss_of(layer: DeepSeekMoE, x: torch.Tensor, w: torch.Tensor) -> tuple[Any, torch.Tensor]:
@@ -62,8 +64,11 @@ def loss_of(layer: DeepSeekMoE, x: torch.Tensor, w: torch.Tensor) -> tuple[Any, 
     return y, (y * w).sum() + aux
 
 
-def make_layers(mesh: ParallelMesh, biased: bool) -> tuple[DeepSeekMoE, DeepSeekMoE]:
-    config = presets.get("tiny", aux_loss_alpha=0.01)  # 8 experts, top-2, 4 groups of 2
+def make_layers(
+    mesh: ParallelMesh, biased: bool, capacity: float | None = None
+) -> tuple[DeepSeekMoE, DeepSeekMoE]:
+    # 8 experts, top-2, 4 groups of 2
+    config = presets.get("tiny", aux_loss_alpha=0.01, capacity_factor=capacity)
     layers = []
     for group in (None, mesh.ep_group):
         layer = DeepSeekMoE(config, ep_group=group)
@@ -81,16 +86,19 @@ def routed_counts(layer: DeepSeekMoE, x: torch.Tensor) -> torch.Tensor:
     return torch.bincount(topk_idx.flatten(), minlength=layer.config.n_routed_experts)
 
 
-def compare_layer(rank: int, mesh: ParallelMesh, biased: bool) -> dict[str, Any]:
+def compare_layer(
+    rank: int, mesh: ParallelMesh, biased: bool, ragged: bool = False
+) -> dict[str, Any]:
     """Run this rank's tokens through the ep layer and the reference; relative errors and
-    routing facts (see the module docstring)."""
-    ref, layer = make_layers(mesh, biased)
+    routing facts (see the module docstring). `ragged`: a capacity factor, and batches whose
+    shape differs by rank (per-batch padding), which the CPU handles in training too."""
+    ref, layer = make_layers(mesh, biased, capacity=1.0 if ragged else None)
     ex = layer.experts
     own = slice(ex.expert_offset, ex.expert_offset + ex.num_local_experts)
     errs = {
         f"init {n}": rel_err(getattr(ex, n), getattr(ref.experts, n)[own]) for n in EXPERT_PARAMS
     }
-    x, w = rank_inputs(rank)
+    x, w = rank_inputs(rank, ragged)
     x = x.requires_grad_()
     y, loss = loss_of(layer, x, w)
     loss.backward()
@@ -108,7 +116,7 @@ def compare_layer(rank: int, mesh: ParallelMesh, biased: bool) -> dict[str, Any]
     # reference, every ep peer's tokens (they all reach this rank's experts): expert grads
     counts = []
     for peer in mesh.group_ranks("ep"):
-        xp, wp = (x_ref, w) if peer == rank else rank_inputs(peer)
+        xp, wp = (x_ref, w) if peer == rank else rank_inputs(peer, ragged)
         counts.append(routed_counts(ref, xp))
         (loss_ref if peer == rank else loss_of(ref, xp, wp)[1]).backward()
     for n in EXPERT_PARAMS:
@@ -187,6 +195,7 @@ def _layer_checks(rank: int, world_size: int) -> dict[str, Any]:
             out[(ep, biased)] = compare_layer(rank, mesh, biased)
         if ep == 2:
             out["capacity"] = capacity_check(mesh)
+            out["ragged"] = compare_layer(rank, mesh, biased=False, ragged=True)
             out["model"] = model_check(rank, mesh)
     return out
 
@@ -236,3 +245,13 @@ def test_build_model_on_an_ep_mesh_equals_one_process(results):
     for rank, res in enumerate(results):
         bad = {k: v for k, v in res["model"].items() if not v <= 1e-5}
         assert len(res["model"]) == 7 and not bad, f"rank {rank}: {bad}"
+
+
+@pytest.mark.distributed
+def test_capacity_training_batches_may_differ_in_shape_between_cpu_ranks(results):
+    # per-batch padding: ranks of a group hold [2, 3] and [3, 4] (or [2, 5] and [3, 6]) token
+    # batches, in training; the slot counts are exchanged, so nothing aborts, and every
+    # output and gradient is the one-process layer's
+    for rank, res in enumerate(results):
+        bad = {k: v for k, v in res["ragged"]["errs"].items() if not v <= 1e-5}
+        assert not bad, f"rank {rank}: {bad}"
