@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from nanotrain.models import expert_compute
 from nanotrain.models.capacity_dispatch import (
     combine_from_slots,
     dispatch_to_slots,
@@ -31,7 +32,6 @@ from nanotrain.models.capacity_dispatch import (
     slot_positions,
 )
 from nanotrain.models.config import DeepSeekConfig
-from nanotrain.models import expert_compute
 from nanotrain.models.expert_compute import GroupedExperts
 from nanotrain.models.layers import SwiGLU
 from nanotrain.models.recompute import is_recomputing
