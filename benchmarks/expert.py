@@ -40,7 +40,9 @@ copy bandwidth (one thread, a 256 MiB copy).
 (d) Unequal groups. As (c), with the 4,096 rows routed by skewed probabilities (groups of
 different sizes, some empty, as dropless routing leaves them): the unbind loop against the
 layer, which runs such groups as grouped GEMMs (`grouped_swiglu`) where the installed torch
-has them on the CPU, else the same loop. `--only-scaling` runs just (c) and (d) (seconds).
+has them on the CPU, else the same loop. `--only-scaling` runs just (c) and (d) (seconds);
+`--cold` writes 64 MiB before every step of (c), so each step starts with its weights out of
+cache, as a layer of a deep model does (the other layers run in between).
 """
 
 from __future__ import annotations
@@ -244,13 +246,19 @@ def _median_ms(
     paths: tuple[str, ...],
     grad_out: torch.Tensor,
     rounds: int,
+    cold: bool = False,
 ) -> dict[tuple[int, str], float]:
     """Median fwd+bwd ms of every (experts, path); every one runs in every round, so a slow
-    spell of the box hits all of them alike and their ratios compare times taken side by side."""
+    spell of the box hits all of them alike and their ratios compare times taken side by side.
+    `cold`: write 64 MiB (twice a usual last-level cache) before each step, untimed, so the
+    layer finds its weights in memory, as a layer of a deep model does."""
     times: dict[tuple[int, str], list[float]] = {(e, k): [] for e in layers for k in paths}
+    evict = torch.zeros(16 * 2**20) if cold else None
     for _ in range(rounds):
         for e, (ex, x, sizes) in layers.items():
             for name in paths:
+                if evict is not None:
+                    evict.add_(1.0)
                 t0 = time.perf_counter()
                 _expert_forward(name, x, sizes, ex).backward(grad_out)
                 times[e, name].append(time.perf_counter() - t0)
@@ -299,10 +307,13 @@ def dropless_table(rounds: int, experts: tuple[int, ...] = (8, 32, 128)) -> None
         )
 
 
-def scaling_table(rounds: int, experts: tuple[int, ...] = (8, 32, 128)) -> None:
+def scaling_table(rounds: int, experts: tuple[int, ...] = (8, 32, 128), cold: bool = False) -> None:
     """(c) fwd+bwd of one expert layer at fixed tokens and FLOPs, by number of local experts."""
     n, h, inter = 4096, 128, 64
-    print(f"\n(c) one expert layer fwd+bwd, {n} token copies, H={h}, expert width {inter}, fp32")
+    caches = ", caches evicted before every step" if cold else ""
+    print(
+        f"\n(c) one expert layer fwd+bwd, {n} token copies, H={h}, expert width {inter}, fp32{caches}"
+    )
     print(
         "| local experts | indexed per expert (first) ms | unbind loop (before) ms "
         "| GroupedExperts (now: batched) ms | now / now at smallest E "
@@ -316,7 +327,7 @@ def scaling_table(rounds: int, experts: tuple[int, ...] = (8, 32, 128)) -> None:
     # an expanded stride-0 tensor, which no real loss produces)
     grad_out = torch.randn(n, h, generator=torch.Generator().manual_seed(1))
     layers = _expert_layers(experts, n, h, inter, dropless=False)
-    ms = _median_ms(layers, ("indexed", "loop", "now"), grad_out, rounds)
+    ms = _median_ms(layers, ("indexed", "loop", "now"), grad_out, rounds, cold)
     base = ms[experts[0], "now"]
     best = min(ms[experts[0], "loop"], base)
     for e in experts:
@@ -335,8 +346,11 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=200, help="training steps per run in (b)")
     parser.add_argument("--rounds", type=int, default=5, help="timed rounds per size in (c)")
     parser.add_argument("--only-scaling", action="store_true", help="run only tables (c) and (d)")
+    parser.add_argument(
+        "--cold", action="store_true", help="(c): evict the caches before every timed step"
+    )
     args = parser.parse_args()
-    scaling_table(args.rounds)
+    scaling_table(args.rounds, cold=args.cold)
     dropless_table(args.rounds)
     if args.only_scaling:
         return
