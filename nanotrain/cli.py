@@ -2,7 +2,7 @@
 
 `fit` and `validate` follow Lightning CLI conventions: a YAML `--config` with sections
 `trainer`, `model`, `data`, `strategy`, `callbacks`, overridden by dotted flags such as
-`--trainer.max_steps 50` or `--model.init_args.preset tiny`; `--print_config` prints the
+`--trainer.max_steps 50` or `--model.init_args.model tiny`; `--print_config` prints the
 resolved config and exits. Unknown keys and abbreviated flags are errors; a user error prints
 one line (see `nanotrain.cli_errors`; `--debug` for the traceback).
 """

@@ -36,7 +36,8 @@ class TrainerConfig:
         shuffle: shuffle the training data every epoch.
         enable_checkpointing: add the default `ModelCheckpoint` (unless one is passed).
         enable_progress_bar: add the default `ProgressBar` (unless one is passed).
-        enable_monitors: add the default LR, throughput and grad-norm monitors.
+        enable_monitors: add the default LR, throughput, grad-norm and MoE-load monitors
+            and the run report (`RunReport`).
         preemption_signals: signals that make `fit` finish the current step, save a
             checkpoint and return with `exit_code` 75 (`nanotrain.exit_codes.EXIT_PREEMPTED`);
             [] leaves signals alone.
@@ -148,7 +149,6 @@ LIGHTNING_ARGUMENTS = {
     "MegatronStrategy(...); devices come from torchrun",
     "devices": "start one process per device with torchrun --nproc-per-node N",
     "num_nodes": "start the processes with torchrun (--nnodes)",
-    "precision": "see docs/lightning.md (the model's dtype is the module's choice)",
     "accumulate_grad_batches": "set global_batch_size = micro_batch_size × data-parallel "
     "size × accumulation",
     "num_sanity_val_steps": "nanotrain runs no sanity validation; drop it",
