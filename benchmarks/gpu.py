@@ -1,22 +1,26 @@
 """Model FLOPs utilization (MFU) of a ~1B dense and a ~1B MoE model in bf16 on one GPU.
 
-    python benchmarks/gpu.py                      # both presets, eager and compiled
+    python benchmarks/gpu.py                      # sync check, then both presets, eager and compiled
+    python benchmarks/gpu.py --sync-check-only    # seconds: only the host-sync check
     python benchmarks/gpu.py --preset dense-1b --micro-batch 8 --seq-len 2048 --compile model
 
 Each step is forward + backward + fused AdamW on bf16 weights over one micro-batch of random
 tokens; time is measured with CUDA events after warm-up. MFU = flops_per_token x tokens/s /
 peak, with `nanotrain.models.accounting.flops_per_token` (6 x active matmul parameters +
-causal attention) and the GPU's dense bf16 peak (H100/H200 SXM 989 TFLOP/s, A100 312; give
+causal attention) and the GPU's dense bf16 peak from the ThroughputMonitor's table
+(`nanotrain.callbacks.flops`: H100/H200 SXM 989 TFLOP/s, H100 PCIe 756, A100 312; give
 --peak-tflops for others). `--compile` lists what to run each preset as, one table row each:
 "none" (eager), "layers" (torch.compile per decoder layer) and "model" (the whole model as one
 graph), as `LanguageModelModule(compile_layers=...)` / `compile_model=...` compile it; the
 default runs eager and the compiled model side by side. Without CUDA it checks its arguments,
 prints the presets' sizes and exits 0 without timing anything.
 
-Then (unless --no-sync-check) it fits the tiny DeepSeek model with the Trainer on the GPU in
-bf16-true with its default callbacks, and runs two non-logging steps under
-`torch.cuda.set_sync_debug_mode("error")`: any host-device sync in them raises, and the
-script exits 1 naming it (docs/performance.md, "Host-device synchronizations").
+First (unless --no-sync-check) it fits the tiny DeepSeek model with the Trainer on the GPU,
+in bf16-true and in bf16-mixed, with its default callbacks, and runs three non-logging steps
+of each under `torch.cuda.set_sync_debug_mode("warn")`. It prints every host-device sync in
+them with the nanotrain line that caused it (all of them, so one run finds them all). The
+MFU runs still follow, and the script exits 1 if any step synced (docs/performance.md,
+"Host-device synchronizations").
 """
 
 from __future__ import annotations
@@ -24,9 +28,11 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from collections import Counter
 
 import torch
 
+from nanotrain.callbacks.flops import peak_flops_for
 from nanotrain.models import build_model, presets
 from nanotrain.models.accounting import active_params, flops_per_token, total_params
 from nanotrain.models.compile import compile_layers, compile_model
@@ -57,8 +63,6 @@ PRESETS = {
         ),
     ),
 }
-#: dense bf16 peak TFLOP/s by a substring of the device name
-PEAKS = {"H100": 989.0, "H200": 989.0, "A100": 312.0, "L40S": 362.0, "A10G": 70.0}
 
 
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
@@ -75,6 +79,9 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         help="comma-separated runs per preset: none (eager), layers, model (default: none,model)",
     )
     p.add_argument("--no-sync-check", action="store_true", help="skip the Trainer sync check")
+    p.add_argument(
+        "--sync-check-only", action="store_true", help="run only the sync check (seconds)"
+    )
     args = p.parse_args(argv)
     for name in ("micro_batch", "seq_len", "steps"):
         if getattr(args, name) < 1:
@@ -99,10 +106,10 @@ def peak_tflops(args: argparse.Namespace) -> float:
     if args.peak_tflops is not None:
         return args.peak_tflops
     name = torch.cuda.get_device_name()
-    for key, peak in PEAKS.items():
-        if key in name:
-            return peak
-    raise ValueError(f"unknown peak for {name!r}: pass --peak-tflops (dense bf16 TFLOP/s)")
+    peak = peak_flops_for(name, "bf16")  # the ThroughputMonitor's table
+    if peak is None:
+        raise ValueError(f"unknown peak for {name!r}: pass --peak-tflops (dense bf16 TFLOP/s)")
+    return peak / 1e12
 
 
 def measure(name: str, compile_as: str, args: argparse.Namespace, peak: float) -> None:
@@ -143,17 +150,35 @@ def measure(name: str, compile_as: str, args: argparse.Namespace, peak: float) -
     )
 
 
-def sync_check(device: str = "cuda") -> bool:
-    """Fit the tiny MoE 6 steps (bf16-true, defaults) with steps 2-4 under sync debug mode
-    "error"; True when none of them synced with the host."""
+def sync_check(precision: str, device: str = "cuda") -> bool:
+    """Fit the tiny MoE 6 steps in `precision` (default callbacks) with steps 2-4 under sync
+    debug mode "warn", and print every place that synced with the host: the innermost
+    nanotrain line of each (all of them in one run, so one GPU session finds them all).
+    True when there were none."""
     import tempfile
+    import traceback
+    import warnings
 
     import nanotrain as nt
 
-    class SyncFree(nt.Callback):
+    found: list[str] = []
+
+    def record(message, category, filename, lineno, file=None, line=None):  # noqa: ANN001
+        if "synchroniz" not in str(message):
+            return
+        frames = [f for f in traceback.extract_stack()[:-1] if "/nanotrain/" in f.filename]
+        where = (
+            f"{frames[-1].filename}:{frames[-1].lineno} ({frames[-1].name})"
+            if frames
+            else (f"{filename}:{lineno}")
+        )
+        found.append(f"{where}: {str(message).splitlines()[0]}")
+
+    class SyncWatch(nt.Callback):
         def on_train_batch_start(self, trainer, module, batch, batch_idx):
             if batch_idx in (1, 2, 3):  # steps 2-4: log_every_n_steps=5 logs none of them
-                torch.cuda.set_sync_debug_mode("error")
+                torch.cuda.synchronize()  # what is queued before the step is not its sync
+                torch.cuda.set_sync_debug_mode("warn")
 
         def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
             torch.cuda.set_sync_debug_mode("default")
@@ -166,25 +191,30 @@ def sync_check(device: str = "cuda") -> bool:
             ids = torch.randint(0, 256, (65,), generator=torch.Generator().manual_seed(i))
             return {"input_ids": ids[:-1], "labels": ids[1:]}
 
-    with tempfile.TemporaryDirectory() as root:
+    with tempfile.TemporaryDirectory() as root, warnings.catch_warnings():
+        warnings.simplefilter("always")
+        warnings.showwarning = record
         trainer = nt.Trainer(
             strategy=nt.SingleDeviceStrategy(device),
-            precision="bf16-true",
+            precision=precision,
             max_steps=6,
             global_batch_size=8,
             micro_batch_size=4,
             log_every_n_steps=5,
             default_root_dir=root,
-            callbacks=[SyncFree()],
+            callbacks=[SyncWatch()],
         )
         module = nt.LanguageModelModule(model="tiny", vocab_size=256)
         try:
             trainer.fit(module, train_dataloaders=Tokens())
-        except RuntimeError as exc:
+        finally:
             torch.cuda.set_sync_debug_mode("default")
-            print(f"sync check FAILED: a non-logging step synced with the host: {exc}")
-            return False
-    print("sync check: no host-device sync in non-logging steps (Trainer, bf16-true, defaults)")
+    if found:
+        print(f"sync check FAILED ({precision}): non-logging steps synced with the host at")
+        for where, n in Counter(found).items():
+            print(f"  {n}x {where}")
+        return False
+    print(f"sync check: no host-device sync in non-logging steps (Trainer, {precision}, defaults)")
     return True
 
 
@@ -197,6 +227,12 @@ def main(argv: list[str] | None = None) -> int:
     if not torch.cuda.is_available():
         print("no CUDA device: arguments checked, nothing timed (skipped)")
         return 0
+    # the sync check first: it takes seconds, and a failure should not wait for the MFU runs
+    synced = False
+    if not args.no_sync_check:
+        synced = not all([sync_check("bf16-true"), sync_check("bf16-mixed")])
+    if args.sync_check_only:
+        return 1 if synced else 0
     peak = peak_tflops(args)
     print(f"\n{torch.cuda.get_device_name()}, bf16 peak {peak:.0f} TFLOP/s, {time.strftime('%F')}")
     print(
@@ -209,9 +245,7 @@ def main(argv: list[str] | None = None) -> int:
             torch._dynamo.reset()  # each run compiles its own model afresh
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats()
-    if not args.no_sync_check and not sync_check():
-        return 1
-    return 0
+    return 1 if synced else 0
 
 
 if __name__ == "__main__":

@@ -24,6 +24,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from nanotrain.host_copy import host_to_device
+
 __all__ = ["LossTerms"]
 
 
@@ -73,12 +75,3 @@ class LossTerms:
             name: torch.stack([global_values[k] for k in idx]).mean()
             for name, idx in groups.items()
         }
-
-
-def host_to_device(values: list[float], device: torch.device) -> Tensor:
-    """A float64 tensor of `values` on `device`. To a GPU it is copied from pinned memory
-    without blocking, so the host does not wait for the device (a plain copy would)."""
-    tensor = torch.tensor(values, dtype=torch.float64)
-    if device.type != "cuda":
-        return tensor.to(device)
-    return tensor.pin_memory().to(device, non_blocking=True)

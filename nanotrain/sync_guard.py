@@ -30,10 +30,21 @@ SYNC_OPS = frozenset(
         "aten.equal",
         "aten.is_nonzero",
         "aten.allclose",
+        # on CPU these read the data directly, below the dispatcher; on CUDA they read values
+        # back to the host: bincount its input's max, repeat_interleave (repeats given as a
+        # tensor, no output_size) the sum of the repeats
+        "aten.bincount",
     }
 )
 #: Python-level Tensor methods that copy data to the host without an aten op on CPU
 SYNC_METHODS = ("tolist", "numpy")
+
+
+def _unsized_repeat_interleave(func: Any, kwargs: dict[str, Any]) -> bool:
+    """repeat_interleave with tensor repeats and no output_size (the other overloads reach the
+    dispatcher as this one): the output's length is the repeats' sum, which CUDA must read back
+    to allocate the output."""
+    return str(func) == "aten.repeat_interleave.Tensor" and kwargs.get("output_size") is None
 
 
 def _where() -> str:
@@ -58,7 +69,7 @@ class HostSyncCounter(TorchDispatchMode):
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         name = str(func.overloadpacket) if hasattr(func, "overloadpacket") else str(func)
-        if name in SYNC_OPS:
+        if name in SYNC_OPS or _unsized_repeat_interleave(func, kwargs or {}):
             self.records.append((name, _where()))
         return func(*args, **(kwargs or {}))
 

@@ -10,6 +10,7 @@ import torch
 
 from nanotrain.callbacks.base import Callback
 from nanotrain.exit_codes import EXIT_NONFINITE
+from nanotrain.host_copy import host_to_device
 
 if TYPE_CHECKING:
     from nanotrain.module import NanoModule
@@ -140,7 +141,7 @@ class NaNGuard(Callback):
         if self._device_counts is None:
             self._first_check_step = trainer.global_step + 1
             start = [self.bad_steps, self.consecutive, 0, -1]
-            self._device_counts = torch.tensor(start, dtype=torch.long, device=values.device)
+            self._device_counts = host_to_device(start, values.device, torch.long)
         c = self._device_counts
         checks = c[2] + 1
         consecutive = (c[1] + 1) * bad  # back to 0 at a good step

@@ -7,6 +7,11 @@ handler); after every optimizer step the ranks agree whether any of them receive
 one-integer all-reduce, so that they all stop at the same step even when the signal reached
 them at different moments), then every rank saves a checkpoint of that step and `fit` returns
 with `trainer.exit_code == EXIT_PREEMPTED`.
+
+On a GPU the host would have to wait for the device to read the all-reduced flag, after every
+step. So there each step's flag is read one step later: it is ready by then (it was queued
+before the next step's work), the host runs ahead as usual, and the ranks stop after the step
+that follows the signal (one step later than on CPU, where a read costs nothing).
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ import torch
 import torch.distributed as dist
 
 from nanotrain.exit_codes import EXIT_PREEMPTED
+from nanotrain.host_copy import host_to_device
 
 if TYPE_CHECKING:
     from nanotrain.trainer import Trainer
@@ -52,10 +58,14 @@ class PreemptionWatch:
     worker thread) the watch stays inactive and says so in a warning-level log line.
     """
 
-    def __init__(self, names: list[str]) -> None:
+    def __init__(self, names: list[str], defer_reads: bool | None = None) -> None:
+        """`defer_reads`: read each step's agreed flag after the next step (None: on CUDA,
+        where reading it at once would make the host wait for the device)."""
         self.signals = signal_numbers(names)
         self.received: int | None = None
+        self.defer_reads = defer_reads
         self._previous: dict[signal.Signals, Any] = {}
+        self._pending: tuple[torch.Tensor, Any] | None = None  # last step's flag, unread
 
     def install(self) -> PreemptionWatch:
         """Install the handlers (remembering the previous ones); returns self."""
@@ -79,13 +89,36 @@ class PreemptionWatch:
 
     def agreed(self, trainer: Trainer) -> int | None:
         """The signal any rank received (collective when there are several ranks; call on
-        every rank after the same step), or None."""
+        every rank after the same step), or None. With deferred reads, the answer is the
+        previous call's agreement (None at the first call)."""
         local = int(self.received or 0)
-        if trainer.world_size > 1 and dist.is_available() and dist.is_initialized():
-            flag = torch.tensor(local, device=trainer.strategy.root_device)
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-            local = int(flag)
-        return local or None
+        if trainer.world_size == 1 or not (dist.is_available() and dist.is_initialized()):
+            return local or None
+        device = trainer.strategy.root_device
+        flag = host_to_device([local], device, torch.int64)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        defer = device.type == "cuda" if self.defer_reads is None else self.defer_reads
+        if not defer:
+            return int(flag.item()) or None
+        previous, self._pending = self._pending, _start_read(flag)
+        if previous is None:
+            return None
+        host, ready = previous
+        if ready is not None:
+            ready.synchronize()  # queued a step ago: done by now, unless the host ran ahead
+        return int(host.item()) or None
+
+
+def _start_read(flag: torch.Tensor) -> tuple[torch.Tensor, Any]:
+    """Start copying `flag` to the host: (host tensor, CUDA event that marks the copy done,
+    None off CUDA)."""
+    if flag.device.type != "cuda":
+        return flag, None
+    host = torch.empty(flag.shape, dtype=flag.dtype, pin_memory=True)
+    host.copy_(flag, non_blocking=True)
+    ready = torch.cuda.Event()
+    ready.record()
+    return host, ready
 
 
 def stop_if_preempted(trainer: Trainer, watch: PreemptionWatch | None) -> None:

@@ -138,7 +138,8 @@ def dispatch(
     if keep is not None:
         slot = slot[keep[slot]]
     token_index = slot // k
-    counts = torch.bincount(flat[slot], minlength=num_experts)
+    # not torch.bincount: on CUDA it reads its input's max back to the host
+    counts = expert_counts(flat[slot], num_experts)
     return Dispatched(h[token_index], counts, token_index, slot)
 
 

@@ -286,7 +286,10 @@ def _regroup_order(recv_counts: list[list[int]], device: torch.device) -> Tensor
     rank), both stable in the rows' arrival order."""
     p, e_local = len(recv_counts), len(recv_counts[0])
     sizes = torch.tensor([c for row in recv_counts for c in row], device=device)
-    block = torch.repeat_interleave(torch.arange(p * e_local, device=device), sizes)
+    total = sum(sum(row) for row in recv_counts)  # given, so CUDA need not read it back
+    block = torch.repeat_interleave(
+        torch.arange(p * e_local, device=device), sizes, output_size=total
+    )
     source, expert = block // e_local, block % e_local
     return torch.argsort(expert * p + source, stable=True)
 

@@ -19,6 +19,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed import ProcessGroup
 
+from nanotrain.host_copy import host_to_device
 from nanotrain.parallel.collectives import all_gather_along_dim, group_size
 from nanotrain.parallel.tensor import VocabParallelEmbedding, _TensorParallelModule
 
@@ -123,7 +124,7 @@ def reduced_square_norms(
     for i, g in owned:
         sq[i] += g.detach().double().pow(2).sum()
     if not count_replicated:
-        sq = sq * torch.tensor(list(tp_sharded), dtype=sq.dtype, device=device)
+        sq = sq * host_to_device([float(s) for s in tp_sharded], device, sq.dtype)
     for group in groups:
         if group_size(group) > 1:
             dist.all_reduce(sq, group=group)

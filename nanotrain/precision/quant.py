@@ -43,6 +43,8 @@ GRANULARITIES = ("tensor", "tile", "block")
 TILE = 128
 FP4_E2M1_MAX = 6.0
 _E2M1_GRID = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
+# the grid per device, copied once: a copy per call would make the host wait on a GPU
+_GRIDS: dict[torch.device, Tensor] = {}
 _TINY = 1e-30  # an all-zero group gets scale 1 instead of a division by zero
 
 
@@ -137,7 +139,9 @@ def qdq_fp8(x: Tensor, fmt: str = "e4m3", granularity: str = "tensor") -> Tensor
 
 def _round_e2m1(v: Tensor) -> Tensor:
     """Nearest e2m1 value of ``|v| <= 6`` (ties to the even code, i.e. the smaller mantissa)."""
-    grid = _E2M1_GRID.to(v.device)
+    grid = _GRIDS.get(v.device)
+    if grid is None:
+        grid = _GRIDS[v.device] = _E2M1_GRID.to(v.device)
     a = v.abs().clamp(max=FP4_E2M1_MAX)
     hi = torch.bucketize(a, grid).clamp(max=len(grid) - 1)  # first grid point >= a
     lo = (hi - 1).clamp(min=0)

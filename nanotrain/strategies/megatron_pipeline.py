@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from nanotrain.host_copy import host_to_device
 from nanotrain.models.stages import PipelineStage
 from nanotrain.models.transformer import ModelOutput
 from nanotrain.parallel.grads import all_reduce_coalesced
@@ -263,10 +264,8 @@ class PipelineEngine:
         copy counted on the first stage instead."""
         shared = {id(p) for p in self.shared_params(module)}
         skip = not self.mesh.is_first_stage
-        return torch.tensor(
-            [0.0 if skip and id(p) in shared else 1.0 for p in params],
-            dtype=torch.float64,
-            device=self.device,
+        return host_to_device(
+            [0.0 if skip and id(p) in shared else 1.0 for p in params], self.device
         )
 
     def sum_over_stages(self, value: Tensor) -> Tensor:

@@ -16,7 +16,8 @@ class SingleDeviceStrategy(ReplicatedStrategy):
     """Train in one process on one device.
 
     Args:
-        device: "cpu", "cuda", "cuda:1", a `torch.device`, or None to pick CUDA when available.
+        device: "cpu", "cuda" (the current CUDA device), "cuda:1", a `torch.device`, or None
+            to pick CUDA when available.
     """
 
     def __init__(self, device: str | torch.device | None = None) -> None:
@@ -27,6 +28,10 @@ class SingleDeviceStrategy(ReplicatedStrategy):
                 f"SingleDeviceStrategy(device={str(self._device)!r}) but CUDA is not available; "
                 "pass device='cpu' or leave device unset"
             )
+        if self._device.type == "cuda" and self._device.index is None:
+            # "cuda" means the current device; torch.cuda.set_device and the checkpoint's
+            # device records need its index
+            self._device = torch.device("cuda", torch.cuda.current_device())
 
     @property
     def root_device(self) -> torch.device:

@@ -27,7 +27,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor
 
-from nanotrain.loss_terms import LossTerms, host_to_device
+from nanotrain.host_copy import host_to_device
+from nanotrain.loss_terms import LossTerms
 
 if TYPE_CHECKING:
     from nanotrain.module import NanoModule

@@ -190,14 +190,22 @@ def test_grouped_swiglu_matches_the_loop_where_torch_runs_it_on_cpu():
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="grouped_mm needs a CUDA GPU")
 def test_grouped_mm_matches_loop_on_cuda():
-    ex = _experts(torch.bfloat16, "cuda")
+    # widths multiples of 8: the bf16 kernels want 16-byte row strides
+    ex = _experts(torch.bfloat16, "cuda", h=16, inter=16)
     if not grouped_mm_available(
-        torch.zeros(1, H, dtype=torch.bfloat16, device="cuda"), ex.gate_proj
+        torch.zeros(1, 16, dtype=torch.bfloat16, device="cuda"), ex.gate_proj
     ):
         pytest.skip("this GPU has no bf16 grouped GEMM (compute capability < 8.0)")
     sizes = _sizes()
     x = torch.randn(sum(sizes), 16, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     counts = torch.tensor(sizes, device="cuda")
+    torch.cuda.synchronize()
+    # the layer takes the grouped path with the counts as device offsets: no host sync
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        ex(x, counts).float().sum().backward()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
     y = grouped_swiglu(x, counts, ex.gate_proj, ex.up_proj, ex.down_proj)
     ref = looped_swiglu(x, sizes, ex.gate_proj, ex.up_proj, ex.down_proj)
     torch.testing.assert_close(y, ref, rtol=2e-2, atol=2e-2)

@@ -46,11 +46,17 @@ def test_counter_sees_item_bool_tolist_and_nonzero():
         t.tolist()
         t.nonzero()
         t + 1  # not a sync
+        torch.bincount(t, minlength=4)  # CUDA reads the max
+        torch.repeat_interleave(t, t)  # CUDA reads the sum of the repeats
+        torch.repeat_interleave(t, t, output_size=6)  # not a sync: the size is given
+        t.repeat_interleave(2)  # not a sync: integer repeats
     assert [name for name, _ in c.records] == [
         "aten._local_scalar_dense",
         "aten._local_scalar_dense",
         "Tensor.tolist",
         "aten.nonzero",
+        "aten.bincount",
+        "aten.repeat_interleave",
     ]
     assert torch.Tensor.tolist is not None and "patched" not in torch.Tensor.tolist.__name__
 
