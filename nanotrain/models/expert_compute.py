@@ -22,7 +22,9 @@ Three paths give the same result for `GroupedExperts.forward`:
 
 `GroupedExperts.forward` picks: CUDA grouped GEMM without reading the sizes; else, with the
 sizes on the host (free on CPU), batched GEMMs for equal groups, the grouped GEMM for unequal
-ones, the loop where neither runs (autocast, the fp8/fp4 emulations, unaligned widths).
+ones, the loop where neither runs (the fp8/fp4 emulations, unaligned widths). Under autocast
+(bf16-mixed) x and the weights are first cast to autocast's dtype, as autocast would cast each
+matmul's inputs, so the same paths run there too.
 """
 
 from __future__ import annotations
@@ -40,7 +42,9 @@ from nanotrain.parallel.expert import expert_range, mark_expert_params
 def grouped_mm_available(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether `grouped_swiglu` can run on x and the stacked weights: a torch with
     `F.grouped_mm`, x and the weights of one dtype, and
-      - on CUDA: bf16 on a device of compute capability 8.0 or newer;
+      - on CUDA: bf16 on a device of compute capability 8.0 or newer (torch's CUTLASS
+        kernels, which take the offsets on the device, run on 9.x and 10.x; on older GPUs
+        torch's fallback copies the offsets to the host, a sync, and loops in C++);
       - on CPU: fp32 or bf16, where the installed torch implements it (probed at import).
     The kernels need every row stride to be a multiple of 16 bytes: hidden and expert width
     multiples of 8 in bf16, of 4 in fp32.
@@ -134,6 +138,23 @@ class _DenseGrad(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):  # noqa: ANN001, ANN205
         return grad.contiguous()
+
+
+def _as_autocast_would(
+    x: torch.Tensor, weights: tuple[torch.Tensor, ...]
+) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
+    """Under autocast, x and the weight stacks in autocast's dtype, as autocast casts every
+    matmul's inputs (bf16-mixed: x arrives in fp32 from the norm, the weights are fp32), so
+    the grouped GEMM, which needs one dtype, can run (on CUDA it is the path without a host
+    sync). Unchanged without autocast, or under a torch-function mode (the fp8/fp4
+    emulations intercept the loop's matmuls themselves)."""
+    device = x.device.type
+    if not torch.is_autocast_enabled(device) or torch._C._is_torch_function_mode_enabled():
+        return x, weights
+    dtype = torch.get_autocast_dtype(device)
+    if x.dtype == dtype and all(w.dtype == dtype for w in weights):
+        return x, weights
+    return x.to(dtype), tuple(w.to(dtype) for w in weights)
 
 
 def reads_sizes_first(x: torch.Tensor) -> bool:
@@ -258,12 +279,12 @@ class GroupedExperts(nn.Module):
         # batched GEMMs (a constant number of ops), others as grouped GEMMs where torch runs
         # them, else as a loop over the experts, linear in their number. See
         # `nanotrain.models.expert_compute`.
-        weights = (self.gate_proj, self.up_proj, self.down_proj)
-        grouped = grouped_mm_available(x, self.gate_proj) and self._grouped_allowed(x)
+        x, weights = _as_autocast_would(x, (self.gate_proj, self.up_proj, self.down_proj))
+        grouped = grouped_mm_available(x, weights[0]) and self._kernels_allowed(x)
         if grouped and isinstance(counts, torch.Tensor) and not reads_sizes_first(x):
             return grouped_swiglu(x, counts, *weights)
         sizes = counts.tolist() if isinstance(counts, torch.Tensor) else list(counts)
-        if equal_group_rows(sizes) is not None and self._batched_allowed(x):
+        if equal_group_rows(sizes) is not None and self._kernels_allowed(x):
             return batched_swiglu(x, len(sizes), *weights)
         if grouped:
             offsets_from = counts if isinstance(counts, torch.Tensor) else torch.tensor(sizes)
@@ -271,18 +292,12 @@ class GroupedExperts(nn.Module):
         return looped_swiglu(x, sizes, *weights)
 
     @staticmethod
-    def _batched_allowed(x: torch.Tensor) -> bool:
-        # The loop's per-expert `x @ W.T` is what autocast casts and what the fp8/fp4
-        # emulation's torch-function mode intercepts: under either keep the loop, so they
-        # keep seeing the form they handle. (torch.compile traces the batched Function.)
-        return not (
-            torch.is_autocast_enabled(x.device.type) or torch._C._is_torch_function_mode_enabled()
-        )
-
-    @staticmethod
-    def _grouped_allowed(x: torch.Tensor) -> bool:
-        # As for the batched path, except that autocast to x's own dtype (bf16 weights and
-        # inputs under bf16 autocast, as on CUDA) changes nothing the grouped GEMM computes.
+    def _kernels_allowed(x: torch.Tensor) -> bool:
+        # The fp8/fp4 emulations' torch-function mode intercepts the loop's per-expert
+        # `x @ W.T`: under it keep the loop, so it sees the form it handles. Under autocast
+        # x and the weights are already in autocast's dtype (`_as_autocast_would`), so the
+        # batched and grouped GEMMs compute what autocast's per-expert matmuls would.
+        # (torch.compile traces the batched Function.)
         if torch._C._is_torch_function_mode_enabled():
             return False
         device = x.device.type
