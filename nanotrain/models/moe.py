@@ -77,6 +77,10 @@ class TopKRouter(nn.Module):
     sigmoid (V3), its best score for softmax (V2). Selected weights are
     normalized to sum to one when `norm_topk_prob`, then multiplied by `routed_scaling_factor`.
 
+    The bias stays float32 when the model is cast (`model.to(torch.bfloat16)`, bf16-true):
+    its updates (gamma = 1e-3 a step) are smaller than bf16's spacing once |b| >= 0.5, so in
+    bf16 the balancing would stall.
+
     Shapes: h [N, H] -> topk_idx [N, K] int64, topk_weight [N, K] float32, scores [N, E] float32.
     """
 
@@ -86,6 +90,14 @@ class TopKRouter(nn.Module):
         e = config.n_routed_experts
         self.weight = nn.Parameter(torch.empty(e, config.hidden_size, device=device))
         self.register_buffer("e_score_correction_bias", torch.zeros(e, device=device))
+
+    def _apply(self, fn: Any, recurse: bool = True) -> TopKRouter:
+        bias = self.e_score_correction_bias
+        out = super()._apply(fn, recurse)
+        moved = self.e_score_correction_bias
+        if moved.dtype != bias.dtype and bias.dtype == torch.float32 and not bias.is_meta:
+            self.e_score_correction_bias = bias.to(moved.device)  # the fp32 values, moved
+        return out
 
     def scores(self, h: torch.Tensor) -> torch.Tensor:
         """Affinities s [N, E] in float32 (sigmoid or softmax of the router logits)."""

@@ -144,6 +144,23 @@ def test_expert_load_counts_training_forwards_and_bias_update_resets_it():
     assert moe.expert_load.sum().item() == 0
 
 
+def test_balancing_bias_stays_fp32_when_the_model_is_cast_to_bf16():
+    # bf16-true casts the model; a 1e-3 bias step is below bf16's spacing at |b| >= 0.5
+    moe = _random_moe(_config())
+    with torch.no_grad():
+        moe.gate.e_score_correction_bias.fill_(0.75)
+    moe.to(torch.bfloat16)
+    assert moe.gate.weight.dtype == torch.bfloat16
+    assert moe.gate.e_score_correction_bias.dtype == torch.float32
+    moe(torch.randn(2, 3, 16, dtype=torch.bfloat16))
+    before = moe.gate.e_score_correction_bias.clone()
+    update_bias([moe], speed=1e-3)
+    moved = (moe.gate.e_score_correction_bias - before).abs()
+    assert moved.max() == pytest.approx(1e-3, rel=1e-3)  # every step lands
+    assert moe.to(torch.float64).gate.e_score_correction_bias.dtype == torch.float32
+    assert moe.gate.weight.dtype == torch.float64
+
+
 def test_aux_loss_free_balancing_lowers_max_over_mean_load():
     speed = 0.01
     moe = _random_moe(_config(n_shared_experts=0, bias_update_speed=speed), seed=1)
