@@ -68,19 +68,26 @@ class DynamicLossScaler:
         size-1 groups are skipped). Every rank of them must call this at the same point.
         """
         grads = [g for g in grads if g is not None and g.numel() > 0]
-        inv = 1.0 / self.scale
-        flags = [(~torch.isfinite(g)).any() for g in grads]
-        local = torch.stack(flags).any() if flags else torch.tensor(False)
+        device = grads[0].device if grads else torch.device("cpu")
+        local = torch.zeros(1, device=device)  # 1.0 where this rank's grads hold inf/NaN
+        # torch's fused check-and-unscale (GradScaler's), one launch per device and dtype
+        # instead of an isfinite reduction and a multiply per gradient
+        by_kind: dict[tuple[torch.device, torch.dtype], list[Tensor]] = {}
         for g in grads:
-            g.mul_(inv)
-        flag = local.to(torch.float32).reshape(1)
-        if grads:
-            flag = flag.to(grads[0].device)
+            by_kind.setdefault((g.device, g.dtype), []).append(g)
+        for (where, _), same in by_kind.items():
+            found = local if where == device else torch.zeros(1, device=where)
+            inv = torch.full((1,), 1.0 / self.scale, device=where)
+            torch._amp_foreach_non_finite_check_and_unscale_(same, found, inv)
+            if found is not local:
+                local.copy_(torch.maximum(local, found.to(device)))
+        flag = local.clone()
         for group in groups:
             if group is not None and dist.get_world_size(group) > 1:
                 dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
-        self.local_found_inf = bool(local)
-        self.found_inf = bool(flag.item() > 0)
+        local_bad, any_bad = torch.cat([local, flag]).tolist()  # the step's one host read
+        self.local_found_inf = local_bad > 0
+        self.found_inf = any_bad > 0
         return self.found_inf
 
     def update(self) -> None:
