@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 from typing import Any
 
 import torch
@@ -84,6 +85,16 @@ def _check_support(te: Any, recipe: str) -> None:
             f"Transformer Engine cannot run the {recipe!r} fp8 recipe on this GPU: {reason}; "
             "pick another recipe (e.g. 'delayed' or 'current' on Hopper, 'mxfp8' on Blackwell)"
         )
+
+
+def te_fp8_context(te: Any, recipe: Any) -> contextlib.AbstractContextManager:
+    """Transformer Engine's fp8 region for `recipe`: `te.autocast(recipe=...)` where this TE
+    has it (the newer name), else `te.fp8_autocast(fp8_recipe=...)`. `te`: the imported
+    `transformer_engine.pytorch`."""
+    autocast = getattr(te, "autocast", None)
+    if autocast is not None and "recipe" in inspect.signature(autocast).parameters:
+        return autocast(enabled=True, recipe=recipe)
+    return te.fp8_autocast(enabled=True, fp8_recipe=recipe)
 
 
 class TransformerEnginePrecision(BF16Mixed):
@@ -162,8 +173,7 @@ class TransformerEnginePrecision(BF16Mixed):
     def forward_context(self) -> contextlib.AbstractContextManager:
         stack = contextlib.ExitStack()
         stack.enter_context(super().forward_context())
-        autocast = getattr(self.te, "fp8_autocast", None) or self.te.autocast
-        stack.enter_context(autocast(enabled=True, fp8_recipe=self.recipe))
+        stack.enter_context(te_fp8_context(self.te, self.recipe))
         return stack
 
     def peak_precision(self) -> str:

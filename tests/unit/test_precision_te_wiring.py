@@ -5,6 +5,7 @@ TE's own numerics are not exercised (tests/unit/test_precision.py has the GPU+TE
 
 from __future__ import annotations
 
+import contextlib
 import sys
 import types
 
@@ -127,3 +128,30 @@ def test_policy_layers_run_their_gemm_through_te_sharing_the_weight(fake_te, mon
     assert FakeLinear.calls == 2 * 2 * 14
     assert all(type(r).__name__ == "DelayedScaling" for r in FakeAutocast.recipes)
     assert rec.losses[1] < rec.losses[0] + 1.0 and all(torch.isfinite(torch.tensor(rec.losses)))
+
+
+def test_fp8_region_uses_the_newer_autocast_where_transformer_engine_has_it():
+    from nanotrain.precision.te import te_fp8_context
+
+    seen = []
+
+    def new_autocast(enabled=True, calibrating=False, recipe=None, amax_reduction_group=None):
+        seen.append(("autocast", recipe))
+        return contextlib.nullcontext()
+
+    def old_autocast(enabled=True, calibrating=False, fp8_recipe=None, fp8_group=None):
+        seen.append(("fp8_autocast", fp8_recipe))
+        return contextlib.nullcontext()
+
+    with te_fp8_context(
+        types.SimpleNamespace(autocast=new_autocast, fp8_autocast=old_autocast), "r1"
+    ):
+        pass
+    with te_fp8_context(types.SimpleNamespace(fp8_autocast=old_autocast), "r2"):
+        pass
+    # an `autocast` without a recipe argument is not TE's fp8 one: keep fp8_autocast
+    with te_fp8_context(
+        types.SimpleNamespace(autocast=lambda enabled=True: None, fp8_autocast=old_autocast), "r3"
+    ):
+        pass
+    assert seen == [("autocast", "r1"), ("fp8_autocast", "r2"), ("fp8_autocast", "r3")]
