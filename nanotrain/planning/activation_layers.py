@@ -262,8 +262,10 @@ def _moe(led: Ledger, c: Any, d: Dims, dt: Dtypes, ep: int, training: bool) -> N
     else:
         rows = _capacity_slots(c, d)
         led.add("moe", (rows + 1) * I64)  # dispatch: each slot's source token (or none)
-    # the experts' gate and up matmuls read their rows (each casts its own under autocast)
-    _gemm_inputs(led, "moe", dt, 2, rows * h, dt.norm_out)
+    # the experts' gate and up GEMMs read their rows; under autocast the layer casts them once
+    # for both (`GroupedExperts` casts its input as autocast would; the fp8/fp4 emulations'
+    # per-expert loop casts per matmul instead, one copy more, approximated alike)
+    _gemm_inputs(led, "moe", dt, 1, rows * h, dt.norm_out)
     _swiglu(led, "moe", dt, rows, h, c.moe_intermediate_size)
     if dt.cast_copies:  # _swiglu counted one expert's weights; the rank holds E / ep
         led.add("weight_copies", (e // ep - 1) * 3 * h * c.moe_intermediate_size * g)
