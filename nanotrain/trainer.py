@@ -271,6 +271,9 @@ class Trainer(LightningTrainerProperties, TrainStepMethods, EvaluationMethods, C
             if at_start and self._val_loader is not None:
                 self._run_validation()
             self._train_loop()
+            # a signal in the last step, when its flag is read a step late (CUDA, several
+            # ranks): still save and stop with "preempted"
+            stop_if_preempted(self, self._preemption, final=True)
             if self.metric_book.has_epoch_values():  # stopped mid-epoch: write what it logged
                 self.log_metrics(self.metric_book.close_epoch()[0])
             last_validated = self._last_val_step == self.state.global_step

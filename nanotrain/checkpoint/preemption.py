@@ -87,10 +87,11 @@ class PreemptionWatch:
     def _handle(self, signum: int, frame: Any) -> None:
         self.received = signum
 
-    def agreed(self, trainer: Trainer) -> int | None:
+    def agreed(self, trainer: Trainer, final: bool = False) -> int | None:
         """The signal any rank received (collective when there are several ranks; call on
         every rank after the same step), or None. With deferred reads, the answer is the
-        previous call's agreement (None at the first call)."""
+        previous call's agreement (None at the first call); `final` (after the last step)
+        reads this call's too, so a signal in the last step is not lost."""
         local = int(self.received or 0)
         if trainer.world_size == 1 or not (dist.is_available() and dist.is_initialized()):
             return local or None
@@ -101,12 +102,10 @@ class PreemptionWatch:
         if not defer:
             return int(flag.item()) or None
         previous, self._pending = self._pending, _start_read(flag)
-        if previous is None:
-            return None
-        host, ready = previous
-        if ready is not None:
-            ready.synchronize()  # queued a step ago: done by now, unless the host ran ahead
-        return int(host.item()) or None
+        agreed = _finish_read(previous)
+        if final:
+            agreed, self._pending = max(agreed, _finish_read(self._pending)), None
+        return agreed or None
 
 
 def _start_read(flag: torch.Tensor) -> tuple[torch.Tensor, Any]:
@@ -117,17 +116,27 @@ def _start_read(flag: torch.Tensor) -> tuple[torch.Tensor, Any]:
     host = torch.empty(flag.shape, dtype=flag.dtype, pin_memory=True)
     host.copy_(flag, non_blocking=True)
     ready = torch.cuda.Event()
-    ready.record()
+    ready.record(torch.cuda.current_stream(flag.device))
     return host, ready
 
 
-def stop_if_preempted(trainer: Trainer, watch: PreemptionWatch | None) -> None:
+def _finish_read(pending: tuple[torch.Tensor, Any] | None) -> int:
+    """The value of a read `_start_read` began (0 for none)."""
+    if pending is None:
+        return 0
+    host, ready = pending
+    if ready is not None:
+        ready.synchronize()  # queued a step ago: done by now, unless the host ran ahead
+    return int(host.item())
+
+
+def stop_if_preempted(trainer: Trainer, watch: PreemptionWatch | None, final: bool = False) -> None:
     """After a step: if a preemption signal arrived on any rank, save a checkpoint of this
     step (through the ModelCheckpoint callback when there is one, so that its retention and
     `last` pointer apply) and stop with `EXIT_PREEMPTED`."""
     if watch is None or not watch.signals or trainer.should_stop:
         return
-    signum = watch.agreed(trainer)
+    signum = watch.agreed(trainer, final)
     if signum is None:
         return
     from nanotrain.callbacks.checkpoint import ModelCheckpoint

@@ -152,8 +152,11 @@ def _as_autocast_would(
     if not torch.is_autocast_enabled(device) or torch._C._is_torch_function_mode_enabled():
         return x, weights
     dtype = torch.get_autocast_dtype(device)
-    if x.dtype == dtype and all(w.dtype == dtype for w in weights):
-        return x, weights
+    tensors = (x, *weights)
+    if any(t.dtype not in (torch.float32, dtype) for t in tensors) or all(
+        t.dtype == dtype for t in tensors
+    ):
+        return x, weights  # autocast casts fp32 only (fp64 stays fp64), or nothing to cast
     return x.to(dtype), tuple(w.to(dtype) for w in weights)
 
 

@@ -95,7 +95,7 @@ class TopKRouter(nn.Module):
         bias = self.e_score_correction_bias
         out = super()._apply(fn, recurse)
         moved = self.e_score_correction_bias
-        if moved.dtype != bias.dtype and bias.dtype == torch.float32 and not bias.is_meta:
+        if moved.dtype != bias.dtype and bias.dtype == torch.float32:
             self.e_score_correction_bias = bias.to(moved.device)  # the fp32 values, moved
         return out
 

@@ -69,15 +69,15 @@ class DynamicLossScaler:
         """
         grads = [g for g in grads if g is not None and g.numel() > 0]
         device = grads[0].device if grads else torch.device("cpu")
-        local = torch.zeros(1, device=device)  # 1.0 where this rank's grads hold inf/NaN
+        local = torch.zeros(1, dtype=torch.float32, device=device)  # 1.0: inf/NaN here
         # torch's fused check-and-unscale (GradScaler's), one launch per device and dtype
         # instead of an isfinite reduction and a multiply per gradient
         by_kind: dict[tuple[torch.device, torch.dtype], list[Tensor]] = {}
         for g in grads:
             by_kind.setdefault((g.device, g.dtype), []).append(g)
         for (where, _), same in by_kind.items():
-            found = local if where == device else torch.zeros(1, device=where)
-            inv = torch.full((1,), 1.0 / self.scale, device=where)
+            found = local if where == device else torch.zeros(1, dtype=local.dtype, device=where)
+            inv = torch.full((1,), 1.0 / self.scale, dtype=torch.float32, device=where)
             torch._amp_foreach_non_finite_check_and_unscale_(same, found, inv)
             if found is not local:
                 local.copy_(torch.maximum(local, found.to(device)))

@@ -26,6 +26,24 @@ def _answers(rank: int, world_size: int, defer: bool) -> list[int | None]:
     return answers
 
 
+def _last_step_signal(rank: int, world_size: int) -> list[int | None]:
+    trainer = SimpleNamespace(
+        world_size=world_size, strategy=SimpleNamespace(root_device=torch.device("cpu"))
+    )
+    watch = PreemptionWatch(["SIGTERM"], defer_reads=True)
+    answers = [watch.agreed(trainer), watch.agreed(trainer)]
+    if rank == 0:
+        watch.received = signal.SIGTERM  # during the last step
+    answers.append(watch.agreed(trainer))  # after the last step: read a step late...
+    answers.append(watch.agreed(trainer, final=True))  # ...so the Trainer's final check reads it
+    return answers
+
+
+def test_a_signal_in_the_last_step_is_read_by_the_final_check():
+    for answers in run_world(_last_step_signal, 2):
+        assert answers == [None, None, None, int(signal.SIGTERM)]
+
+
 def test_ranks_agree_on_a_signal_at_once_or_one_step_later():
     term = int(signal.SIGTERM)
     at_once = [None, None, term, term, term]
