@@ -31,7 +31,8 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from nanotrain.parallel.pipeline import PipelineComm, run_schedule  # noqa: E402
+from nanotrain.parallel.mesh import MeshLayout  # noqa: E402
+from nanotrain.parallel.pipeline import PipelineComm, open_channels, run_schedule  # noqa: E402
 from nanotrain.parallel.schedules import SCHEDULES  # noqa: E402
 from tests.distributed.spawn import run_world  # noqa: E402
 
@@ -57,6 +58,15 @@ class SavedBytes:
         return t
 
 
+def _comm(rank: int, world: int, v: int, shape: tuple[int, ...]) -> PipelineComm:
+    """This rank's transfers over one group per direction, as MegatronStrategy sets them up."""
+    order = MeshLayout(pp=world).pipeline_channels()
+    groups = {pair: dist.new_group(sorted(pair)) for pair in order}  # every rank, in order
+    mine = {pair: g for pair, g in groups.items() if rank in pair}
+    open_channels(order, mine, rank, torch.device("cpu"))
+    return PipelineComm(list(range(world)), rank, v, shape, torch.float32, "cpu", channels=mine)
+
+
 def _bench(rank: int, world: int, schedule: str, m: int, v: int) -> dict:
     torch.manual_seed(rank)
     chunks = [
@@ -69,7 +79,7 @@ def _bench(rank: int, world: int, schedule: str, m: int, v: int) -> dict:
         )
         for _ in range(v)
     ]
-    comm = PipelineComm(list(range(world)), rank, v, (TOKENS, HIDDEN), torch.float32, "cpu")
+    comm = _comm(rank, world, v, (TOKENS, HIDDEN))
     data = torch.randn(TOKENS, HIDDEN)
     busy = [0.0]
 
@@ -112,7 +122,7 @@ class _Sleep(torch.autograd.Function):
 
 
 def _sleep_bench(rank: int, world: int, schedule: str, m: int, v: int, f: float) -> float:
-    comm = PipelineComm(list(range(world)), rank, v, (4,), torch.float32, "cpu")
+    comm = _comm(rank, world, v, (4,))
     w = torch.ones(4, requires_grad=True)
 
     def forward_step(mb: int, c: int, inp):

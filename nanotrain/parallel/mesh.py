@@ -142,6 +142,23 @@ class MeshLayout:
             return [sorted(r(t, d, p) for p in range(pp) for t in range(tp)) for d in range(dp)]
         raise ValueError(f"unknown mesh axis {axis!r}; choose one of {AXES}")
 
+    def pipeline_channels(self) -> list[tuple[int, int]]:
+        """Every (sender, receiver) pair of neighbouring pipeline stages, both directions and
+        the last-to-first wrap that interleaved schedules use, in creation order. Each gets
+        a two-rank group of its own (`ParallelMesh.pp_channels`): on NCCL the transfers of
+        one group run one after another, so a send in one direction would otherwise hold up
+        a receive in the other, and interleaved schedules could deadlock."""
+        if self.pp == 1:
+            return []
+        pairs: list[tuple[int, int]] = []
+        for ranks in self.groups("pp"):
+            for i in range(self.pp):
+                a, b = ranks[i], ranks[(i + 1) % self.pp]
+                for pair in ((a, b), (b, a)):
+                    if pair not in pairs:
+                        pairs.append(pair)
+        return pairs
+
     def group_of(self, axis: str, rank: int) -> list[int]:
         """The global ranks of the ``axis`` group that contains ``rank`` (the same list as
         the one in `groups`, computed from the rank's coordinates alone)."""
@@ -176,6 +193,8 @@ class ParallelMesh:
         layout: the axis sizes.
         rank: this process's global rank.
         groups: axis name -> this rank's process group (missing axes are ``None``).
+        channels: (sender, receiver) -> the two-rank group of that pipeline channel, for the
+            channels this rank is in (`MeshLayout.pipeline_channels`).
     """
 
     def __init__(
@@ -183,6 +202,7 @@ class ParallelMesh:
         layout: MeshLayout,
         rank: int,
         groups: Mapping[str, ProcessGroup | None] | None = None,
+        channels: Mapping[tuple[int, int], ProcessGroup] | None = None,
     ) -> None:
         self.layout = layout
         self.coords = layout.coords(rank)
@@ -191,6 +211,7 @@ class ParallelMesh:
         if unknown:
             raise ValueError(f"unknown mesh axes {sorted(unknown)}; choose from {AXES}")
         self._groups = {axis: groups.get(axis) for axis in AXES}
+        self.pp_channels: dict[tuple[int, int], ProcessGroup] = dict(channels or {})
 
     @classmethod
     def single(cls) -> ParallelMesh:
@@ -272,7 +293,12 @@ class ParallelMesh:
                 group = new_group(ranks)
                 if coords.rank in ranks:
                     groups[axis] = group
-        return cls(layout, rank, groups)
+        channels = {}
+        for pair in layout.pipeline_channels():
+            group = new_group(sorted(pair))
+            if coords.rank in pair:
+                channels[pair] = group
+        return cls(layout, rank, groups, channels)
 
     # -- groups, sizes and coordinates -------------------------------------------------------
 

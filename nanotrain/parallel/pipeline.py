@@ -11,29 +11,38 @@ forward receives its input activation from the previous virtual stage, runs the 
 sends the output on; a backward receives the gradient of that output from the next virtual
 stage, backpropagates the output and this chunk's own loss term (MoE balance losses, and on
 the last stage the LM and MTP losses) and sends the input's gradient back. Every transfer is
-point-to-point between neighbouring stages, batched (`dist.batch_isend_irecv`): the sends
-left over from the previous action go out together with the receive the next action needs.
-Shapes are known up front (``[micro_batch, seq_len (/ tp under SP), hidden]``), so receive
-buffers are allocated without a shape handshake. Sends are never waited on before the end of
-the step (only receives block), so any schedule whose per-rank order respects the data
-dependencies runs without deadlock. Messages are told apart by tag (microbatch, edge,
-direction), so several can be in flight between the same two ranks.
+point-to-point between neighbouring stages; a send goes out as soon as its tensor exists and
+only receives are waited on. Shapes are known up front (``[micro_batch, seq_len (/ tp under
+SP), hidden]``), so receive buffers are allocated without a shape handshake.
+
+Deadlock freedom. Each direction between two neighbouring ranks (and the last-to-first wrap
+of interleaved schedules) is a channel with a two-rank process group of its own
+(`MeshLayout.pipeline_channels`). On NCCL the transfers of one group run one after another,
+and a large send does not finish before its receive has started: with one group for both
+directions, a send waiting for its peer could hold up the receive that the peer's own send
+waits for (interleaved 1F1B and GPipe with virtual stages did deadlock so once activations
+outgrow NCCL's buffers). With one group per direction every channel is a queue whose order
+the receiver follows, so any schedule whose per-rank order respects the data dependencies
+runs (`tests/unit/test_pipeline_channels.py` replays every schedule's transfers under these
+rules). Tags (microbatch, edge, direction) tell messages apart on gloo; NCCL matches by order.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
+from torch.distributed import ProcessGroup
 
 from nanotrain.parallel.schedules import Action
 from nanotrain.profiling import named_range
 
 __all__ = [
     "PipelineComm",
+    "open_channels",
     "ScheduleStats",
     "partition_layers",
     "run_schedule",
@@ -107,6 +116,9 @@ class PipelineComm:
         pp_rank: this rank's stage index.
         num_chunks: local chunks (virtual_pp).
         shape, dtype, device: of every activation and activation gradient sent.
+        channels: (sender, receiver) global ranks -> that channel's two-rank group
+            (`ParallelMesh.pp_channels`); None: every transfer on the default group, which
+            is safe on gloo only (see the module docstring).
     """
 
     def __init__(
@@ -117,11 +129,18 @@ class PipelineComm:
         shape: Sequence[int],
         dtype: torch.dtype,
         device: torch.device,
+        channels: Mapping[tuple[int, int], ProcessGroup] | None = None,
     ) -> None:
         self.pp_ranks, self.pp_rank = list(pp_ranks), pp_rank
         self.pp = len(self.pp_ranks)
         self.num_virtual = self.pp * num_chunks
         self.shape, self.dtype, self.device = tuple(shape), dtype, device
+        self.channels = dict(channels or {})
+        self.rank = self.pp_ranks[pp_rank]
+
+    def _op(self, op: Callable, tensor: Tensor, peer: int, tag: int) -> dist.P2POp:
+        pair = (self.rank, peer) if op is dist.isend else (peer, self.rank)
+        return dist.P2POp(op, tensor, peer, group=self.channels.get(pair), tag=tag)
 
     def virtual_stage(self, chunk: int) -> int:
         """Virtual stage index of local ``chunk``."""
@@ -147,27 +166,44 @@ class PipelineComm:
         k = self.virtual_stage(chunk)
         buf = torch.empty(self.shape, dtype=self.dtype, device=self.device)
         tag = self._tag(microbatch, k - 1, False)
-        return buf, dist.P2POp(dist.irecv, buf, self._peer(k - 1), tag=tag)
+        return buf, self._op(dist.irecv, buf, self._peer(k - 1), tag)
 
     def send_forward(self, microbatch: int, chunk: int, output: Tensor) -> dist.P2POp:
         """Op sending ``chunk``'s output activation to the next stage."""
         k = self.virtual_stage(chunk)
         tag = self._tag(microbatch, k, False)
-        return dist.P2POp(dist.isend, output.detach().contiguous(), self._peer(k + 1), tag=tag)
+        return self._op(dist.isend, output.detach().contiguous(), self._peer(k + 1), tag)
 
     def recv_backward(self, microbatch: int, chunk: int) -> tuple[Tensor, dist.P2POp]:
         """Buffer and op receiving the gradient of ``chunk``'s output from the next stage."""
         k = self.virtual_stage(chunk)
         buf = torch.empty(self.shape, dtype=self.dtype, device=self.device)
-        return buf, dist.P2POp(
-            dist.irecv, buf, self._peer(k + 1), tag=self._tag(microbatch, k, True)
-        )
+        return buf, self._op(dist.irecv, buf, self._peer(k + 1), self._tag(microbatch, k, True))
 
     def send_backward(self, microbatch: int, chunk: int, grad: Tensor) -> dist.P2POp:
         """Op sending the gradient of ``chunk``'s input to the previous stage."""
         k = self.virtual_stage(chunk)
         tag = self._tag(microbatch, k - 1, True)
-        return dist.P2POp(dist.isend, grad.contiguous(), self._peer(k - 1), tag=tag)
+        return self._op(dist.isend, grad.contiguous(), self._peer(k - 1), tag)
+
+
+def open_channels(
+    order: Sequence[tuple[int, int]],
+    channels: Mapping[tuple[int, int], ProcessGroup],
+    rank: int,
+    device: torch.device,
+) -> None:
+    """Send one element over every pipeline channel this rank is in, in the global `order`
+    (`MeshLayout.pipeline_channels`; every rank walks the same list). NCCL connects a group at
+    its first transfer, and both ranks wait there for each other: connecting them all up
+    front, in one order, keeps that wait from crossing the schedule's own transfers (the
+    earliest unconnected channel always has both its ranks waiting on it)."""
+    one = torch.zeros(1, device=device)
+    for src, dst in order:
+        if rank == src:
+            dist.send(one, dst, group=channels[(src, dst)])
+        elif rank == dst:
+            dist.recv(one, src, group=channels[(src, dst)])
 
 
 @dataclass
@@ -189,30 +225,24 @@ class ScheduleStats:
 ForwardStep = Callable[[int, int, Tensor | None], tuple[Tensor | None, Tensor | None]]
 
 
-class _Sender:
-    """Sends wait to go out with the next receive (one batched call); handles are kept until
-    `finish` so that the tensors stay alive until delivered."""
+class _Transfers:
+    """Posts every send at once (on its channel's group) and waits on receives; the sends'
+    handles are kept until `finish` so that their tensors stay alive until delivered."""
 
     def __init__(self) -> None:
-        self.pending: list[dist.P2POp] = []
-        self.works: list[dist.Work] = []
+        self.sends: list[dist.Work] = []
 
-    def exchange(self, recv: dist.P2POp | None = None) -> None:
-        ops = self.pending + ([recv] if recv is not None else [])
-        self.pending = []
-        if not ops:
-            return
-        works = dist.batch_isend_irecv(ops)
-        if recv is not None:
-            works[-1].wait()
-        self.works += works[: len(ops) - (recv is not None)]
-        self.works = [w for w in self.works if not w.is_completed()]
+    def send(self, op: dist.P2POp) -> None:
+        self.sends.append(dist.isend(op.tensor, op.peer, group=op.group, tag=op.tag))
+        self.sends = [w for w in self.sends if not w.is_completed()]
+
+    def receive(self, op: dist.P2POp) -> None:
+        dist.irecv(op.tensor, op.peer, group=op.group, tag=op.tag).wait()
 
     def finish(self) -> None:
-        self.exchange()
-        for work in self.works:
+        for work in self.sends:
             work.wait()
-        self.works = []
+        self.sends = []
 
 
 def run_schedule(
@@ -241,16 +271,7 @@ def run_schedule(
     Returns:
         `ScheduleStats` of this run.
     """
-    sender, stats = _Sender(), ScheduleStats()
-
-    def receives_next(i: int) -> bool:
-        """Whether action i + 1 starts with a receive (so a pending send can go with it)."""
-        if i + 1 >= len(actions):
-            return False
-        nxt = actions[i + 1]
-        c = nxt.chunk
-        return not comm.is_first(c) if nxt.kind == "F" else not comm.is_last(c)
-
+    transfers, stats = _Transfers(), ScheduleStats()
     held: dict[tuple[int, int], tuple[Tensor | None, Tensor | None, Tensor | None]] = {}
     last_b = max((i for i, a in enumerate(actions) if a.kind == "B"), default=-1)
     for i, action in enumerate(actions):
@@ -259,18 +280,13 @@ def run_schedule(
             inp = None
             if not comm.is_first(c):
                 inp, op = comm.recv_forward(m, c)
-                sender.exchange(op)
+                transfers.receive(op)
                 inp.requires_grad_(not forward_only)
             stage_range = named_range(f"nanotrain/stage{comm.virtual_stage(c)}/forward/mb{m}")
             with torch.set_grad_enabled(not forward_only), stage_range:
                 out, loss = forward_step(m, c, inp)
             if out is not None and not comm.is_last(c):
-                sender.pending.append(comm.send_forward(m, c, out))
-                if not receives_next(i):
-                    # no receive to pair it with: send now, or the next stage idles until
-                    # this rank's next receive (GPipe's first stage would send nothing until
-                    # all its forwards were done)
-                    sender.exchange()
+                transfers.send(comm.send_forward(m, c, out))
             stats.forwards += 1
             if not forward_only:
                 held[(m, c)] = (inp, out, loss)
@@ -281,7 +297,7 @@ def run_schedule(
         grad = None
         if not comm.is_last(c):
             grad, op = comm.recv_backward(m, c)
-            sender.exchange(op)
+            transfers.receive(op)
         inp, out, loss = held.pop((m, c))
         if i == last_b and before_last_backward is not None:
             before_last_backward()
@@ -289,11 +305,9 @@ def run_schedule(
             _backward(out, grad, loss, 1.0 if loss_scales is None else loss_scales[m])
         if inp is not None:
             g = inp.grad if inp.grad is not None else torch.zeros_like(inp)
-            sender.pending.append(comm.send_backward(m, c, g))
-            if not receives_next(i):
-                sender.exchange()
+            transfers.send(comm.send_backward(m, c, g))
         stats.backwards += 1
-    sender.finish()
+    transfers.finish()
     assert not held, f"schedule left forwards without a backward: {sorted(held)}"
     return stats
 

@@ -28,7 +28,7 @@ from nanotrain.host_copy import host_to_device
 from nanotrain.models.stages import PipelineStage
 from nanotrain.models.transformer import ModelOutput
 from nanotrain.parallel.grads import all_reduce_coalesced
-from nanotrain.parallel.pipeline import PipelineComm, ScheduleStats, run_schedule
+from nanotrain.parallel.pipeline import PipelineComm, ScheduleStats, open_channels, run_schedule
 from nanotrain.parallel.schedules import SCHEDULES, forward_only
 from nanotrain.precision.base import Precision
 from nanotrain.precision.master import grad_of
@@ -111,6 +111,7 @@ class PipelineEngine:
         self.mesh, self.schedule, self.virtual_pp = mesh, schedule, virtual_pp
         self.device, self.embedding_group = device, embedding_group
         self.last_stats: ScheduleStats | None = None
+        open_channels(mesh.layout.pipeline_channels(), mesh.pp_channels, mesh.rank, device)
 
     @staticmethod
     def stage_of(module: NanoModule) -> PipelineStage:
@@ -136,7 +137,15 @@ class PipelineEngine:
     def _comm(self, stage: PipelineStage, batch: Any, dtype: torch.dtype) -> PipelineComm:
         shape = stage.activation_shape(_input_ids(batch).shape)
         ranks = self.mesh.group_ranks("pp")
-        return PipelineComm(ranks, self.mesh.pp_rank, self.virtual_pp, shape, dtype, self.device)
+        return PipelineComm(
+            ranks,
+            self.mesh.pp_rank,
+            self.virtual_pp,
+            shape,
+            dtype,
+            self.device,
+            channels=self.mesh.pp_channels,
+        )
 
     def _forward_step(self, stage, step_fn, batches, terms: Tensor, objective=None):
         def forward_step(m: int, chunk: int, inp: Tensor | None):

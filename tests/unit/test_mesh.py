@@ -199,10 +199,13 @@ def test_build_creates_every_group_in_a_fixed_order_and_keeps_its_own() -> None:
         return tuple(ranks)  # stands in for a ProcessGroup
 
     mesh = ParallelMesh.build(tp=2, pp=2, world_size=8, rank=5, new_group=fake_new_group)
-    # Every rank creates every group (4 tp, 4 pp, 4 dp, 8 ep, 4 expert-dp, 2 mp), in AXES order.
-    assert len(created) == 4 + 4 + 4 + 8 + 4 + 2
+    # Every rank creates every group (4 tp, 4 pp, 4 dp, 8 ep, 4 expert-dp, 2 mp), in AXES order,
+    # then one group per direction of every pipeline (2 stages: 2 channels x 4 pipelines).
+    assert len(created) == 4 + 4 + 4 + 8 + 4 + 2 + 8
     assert created[:4] == [[0, 1], [2, 3], [4, 5], [6, 7]]
     assert created[4:8] == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    assert created[-8:] == [[0, 4], [0, 4], [1, 5], [1, 5], [2, 6], [2, 6], [3, 7], [3, 7]]
+    assert mesh.pp_channels == {(1, 5): (1, 5), (5, 1): (1, 5)}
     assert mesh.tp_group == (4, 5) and mesh.pp_group == (1, 5) and mesh.dp_group == (5, 7)
     assert mesh.ep_group == (5,) and mesh.expert_dp_group == (5, 7)
     assert mesh.mp_group == (0, 1, 4, 5)
@@ -227,3 +230,12 @@ def test_group_of_is_the_group_in_groups_that_holds_the_rank(tp, pp, dp, ep):
             assert layout.group_of(axis, rank) == next(
                 g for g in layout.groups(axis) if rank in g
             ), (axis, rank)
+
+
+def test_pipeline_channels_are_every_neighbouring_direction_once():
+    four = MeshLayout(pp=4)
+    assert four.pipeline_channels() == [
+        (0, 1), (1, 0), (1, 2), (2, 1), (2, 3), (3, 2), (3, 0), (0, 3),
+    ]  # fmt: skip
+    assert MeshLayout(pp=2).pipeline_channels() == [(0, 1), (1, 0)]
+    assert MeshLayout(tp=2).pipeline_channels() == []
