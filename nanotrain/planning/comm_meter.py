@@ -189,8 +189,9 @@ class CommMeter:
     @classmethod
     def for_strategy(cls, strategy: Any, **kwargs: Any) -> CommMeter:
         """A meter naming a `MegatronStrategy`'s groups (after `setup_environment`): "tp",
-        "pp", "dp", "ep", "expert_dp" and, under pipelining, "embedding" (the first and last
-        stage's group, which sums a shared embedding's gradient)."""
+        "pp" (with the pipeline's per-direction channels), "dp", "ep", "expert_dp" and, under
+        pipelining, "embedding" (the first and last stage's group, which sums a shared
+        embedding's gradient)."""
         mesh = strategy.mesh
         groups = {
             "tp": mesh.tp_group,
@@ -203,7 +204,10 @@ class CommMeter:
         if pipeline is not None:
             groups["embedding"] = pipeline.embedding_group
         peers = {r: "pp" for r in mesh.group_ranks("pp") if r != mesh.rank}
-        return cls(groups, peers=peers, **kwargs)
+        meter = cls(groups, peers=peers, **kwargs)
+        # the pipeline's transfers go over one two-rank group per direction
+        meter.names.update({id(g): "pp" for g in mesh.pp_channels.values()})
+        return meter
 
     def name_of(self, group: Any) -> str:
         """The name a call on `group` is filed under."""
