@@ -121,8 +121,12 @@ def reduced_square_norms(
     grad norm is ``result.sum().sqrt()``.
     """
     sq = torch.zeros(num_params, dtype=torch.float64, device=device)
-    for i, g in owned:
-        sq[i] += g.detach().double().pow(2).sum()
+    if owned:
+        # one multi-tensor kernel for every piece's norm (accumulated in float64, as the
+        # sum of squares was), not an upcast copy and three kernels per piece
+        norms = torch._foreach_norm([g.detach() for _, g in owned], 2, dtype=torch.float64)
+        where = host_to_device([i for i, _ in owned], device, torch.int64)
+        sq.index_add_(0, where, torch.stack(norms).square())
     if not count_replicated:
         sq = sq * host_to_device([float(s) for s in tp_sharded], device, sq.dtype)
     for group in groups:
@@ -137,8 +141,11 @@ def clip_grads_(grads: Sequence[Tensor], total_norm: Tensor, max_norm: float) ->
     if not grads:
         return
     coef = (max_norm / (total_norm.double() + 1e-6)).clamp(max=1.0)
+    by_dtype: dict[torch.dtype, list[Tensor]] = {}
     for g in grads:
-        g.mul_(coef.to(g.dtype))
+        by_dtype.setdefault(g.dtype, []).append(g)
+    for dtype, same in by_dtype.items():
+        torch._foreach_mul_(same, coef.to(dtype))  # one multi-tensor kernel per dtype
 
 
 @torch.no_grad()
