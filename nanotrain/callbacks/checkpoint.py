@@ -16,6 +16,7 @@ from nanotrain.checkpoint.async_save import PendingSave
 from nanotrain.checkpoint.collective import attempt, raise_first_failure
 from nanotrain.checkpoint.commit import check_writable
 from nanotrain.checkpoint.health import gather_nonfinite
+from nanotrain.checkpoint.step_flag import StepFlag
 
 if TYPE_CHECKING:
     from nanotrain.module import NanoModule
@@ -97,6 +98,7 @@ class ModelCheckpoint(Callback):
         self._last_saved_step: int | None = None
         self._clock: Callable[[], float] = time.monotonic  # seconds; replaceable in tests
         self._last_save_time = self._clock()
+        self._time_due = StepFlag()  # rank 0's clock says "save", agreed by every rank
         self._warned_missing_monitor = False
         self.last_model_path = ""
 
@@ -139,8 +141,13 @@ class ModelCheckpoint(Callback):
         due = self.every_n_steps is not None and step % self.every_n_steps == 0
         if self.every_n_minutes is not None:
             # Clocks differ between ranks: rank 0 decides, so that every rank saves together.
-            elapsed = self._clock() - self._last_save_time
-            due = trainer.strategy.broadcast_object(due or elapsed >= 60 * self.every_n_minutes)
+            # It posts the step at which its clock said "save"; on GPUs that is read a step
+            # late, and a save since that step (e.g. the one it caused) makes it moot.
+            late = self._clock() - self._last_save_time >= 60 * self.every_n_minutes
+            mine = step if late and trainer.is_global_zero else 0
+            device = trainer.strategy.root_device
+            said = self._time_due.agree(mine, trainer.world_size, device)
+            due = due or said > (self._last_saved_step or 0)
         if due and self._last_saved_step != step:
             self.save_now(trainer)
 

@@ -8,10 +8,8 @@ one-integer all-reduce, so that they all stop at the same step even when the sig
 them at different moments), then every rank saves a checkpoint of that step and `fit` returns
 with `trainer.exit_code == EXIT_PREEMPTED`.
 
-On a GPU the host would have to wait for the device to read the all-reduced flag, after every
-step. So there each step's flag is read one step later: it is ready by then (it was queued
-before the next step's work), the host runs ahead as usual, and the ranks stop after the step
-that follows the signal (one step later than on CPU, where a read costs nothing).
+On a GPU the flag is read one step late (`nanotrain.checkpoint.step_flag`), so the ranks stop
+after the step that follows the signal (on CPU, where a read costs nothing, at once).
 """
 
 from __future__ import annotations
@@ -21,11 +19,8 @@ import signal
 import threading
 from typing import TYPE_CHECKING, Any
 
-import torch
-import torch.distributed as dist
-
+from nanotrain.checkpoint.step_flag import StepFlag
 from nanotrain.exit_codes import EXIT_PREEMPTED
-from nanotrain.host_copy import host_to_device
 
 if TYPE_CHECKING:
     from nanotrain.trainer import Trainer
@@ -63,9 +58,8 @@ class PreemptionWatch:
         where reading it at once would make the host wait for the device)."""
         self.signals = signal_numbers(names)
         self.received: int | None = None
-        self.defer_reads = defer_reads
+        self._flag = StepFlag(defer_reads)
         self._previous: dict[signal.Signals, Any] = {}
-        self._pending: tuple[torch.Tensor, Any] | None = None  # last step's flag, unread
 
     def install(self) -> PreemptionWatch:
         """Install the handlers (remembering the previous ones); returns self."""
@@ -93,41 +87,8 @@ class PreemptionWatch:
         previous call's agreement (None at the first call); `final` (after the last step)
         reads this call's too, so a signal in the last step is not lost."""
         local = int(self.received or 0)
-        if trainer.world_size == 1 or not (dist.is_available() and dist.is_initialized()):
-            return local or None
         device = trainer.strategy.root_device
-        flag = host_to_device([local], device, torch.int64)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        defer = device.type == "cuda" if self.defer_reads is None else self.defer_reads
-        if not defer:
-            return int(flag.item()) or None
-        previous, self._pending = self._pending, _start_read(flag)
-        agreed = _finish_read(previous)
-        if final:
-            agreed, self._pending = max(agreed, _finish_read(self._pending)), None
-        return agreed or None
-
-
-def _start_read(flag: torch.Tensor) -> tuple[torch.Tensor, Any]:
-    """Start copying `flag` to the host: (host tensor, CUDA event that marks the copy done,
-    None off CUDA)."""
-    if flag.device.type != "cuda":
-        return flag, None
-    host = torch.empty(flag.shape, dtype=flag.dtype, pin_memory=True)
-    host.copy_(flag, non_blocking=True)
-    ready = torch.cuda.Event()
-    ready.record(torch.cuda.current_stream(flag.device))
-    return host, ready
-
-
-def _finish_read(pending: tuple[torch.Tensor, Any] | None) -> int:
-    """The value of a read `_start_read` began (0 for none)."""
-    if pending is None:
-        return 0
-    host, ready = pending
-    if ready is not None:
-        ready.synchronize()  # queued a step ago: done by now, unless the host ran ahead
-    return int(host.item())
+        return self._flag.agree(local, trainer.world_size, device, final) or None
 
 
 def stop_if_preempted(trainer: Trainer, watch: PreemptionWatch | None, final: bool = False) -> None:

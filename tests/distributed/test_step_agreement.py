@@ -1,5 +1,6 @@
-"""Ranks agree on a preemption signal that reached only one of them, at once or (as on CUDA,
-where an immediate read would make the host wait for the device) one step later, and every
+"""Decisions every rank takes at the same step (`nanotrain.checkpoint.step_flag`): a preemption
+signal that reached one rank, and rank 0's clock for timed checkpoints. Read at once or (as on
+CUDA, where an immediate read would make the host wait for the device) one step later, every
 rank gets the same answer at the same step."""
 
 from __future__ import annotations
@@ -51,3 +52,32 @@ def test_ranks_agree_on_a_signal_at_once_or_one_step_later():
         assert answers == at_once
     for answers in run_world(_answers, 2, True):
         assert answers == [None, *at_once[:-1]]
+
+
+def _timed_saves(rank: int, world_size: int, root: str) -> list[str]:
+    import nanotrain as nt
+    from nanotrain.callbacks.checkpoint import ModelCheckpoint
+    from nanotrain.checkpoint.step_flag import StepFlag
+    from tests.toy import Classifier
+    from tests.unit.test_checkpoint import data, make_trainer
+
+    now = {"t": 0.0}
+
+    class Clock(nt.Callback):
+        def on_train_batch_start(self, trainer, module, batch, batch_idx) -> None:
+            now["t"] = 40.0 * (trainer.global_step + 1)  # step s ends at 40·s seconds
+
+    ckpt = ModelCheckpoint(every_n_minutes=1.5, save_last=False)
+    ckpt._clock = lambda: now["t"]
+    ckpt._time_due = StepFlag(defer_reads=True)  # as on GPUs
+    trainer = make_trainer(root, 8, [Clock(), ckpt], strategy=nt.DDPStrategy())
+    trainer.fit(Classifier(), data())
+    return sorted(p.name for p in trainer.checkpoint_dir.iterdir() if p.is_dir())
+
+
+def test_timed_checkpoints_read_a_step_late_save_once_each(tmp_path):
+    # rank 0's clock first says "save" at step 3 (120 s), read after step 4, which saves (160 s);
+    # the flag rank 0 posted at step 4, before that save, is moot; the clock next says "save"
+    # at step 7 (280 s), read after step 8
+    for saved in run_world(_timed_saves, 2, str(tmp_path)):
+        assert saved == ["step-00000004", "step-00000008"]
