@@ -56,21 +56,14 @@ def test_ranks_agree_on_a_signal_at_once_or_one_step_later():
 
 def _timed_saves(rank: int, world_size: int, root: str) -> list[str]:
     import nanotrain as nt
-    from nanotrain.callbacks.checkpoint import ModelCheckpoint
     from nanotrain.checkpoint.step_flag import StepFlag
     from tests.toy import Classifier
     from tests.unit.test_checkpoint import data, make_trainer
+    from tests.unit.test_checkpoint_callback import timed_checkpoint
 
-    now = {"t": 0.0}
-
-    class Clock(nt.Callback):
-        def on_train_batch_start(self, trainer, module, batch, batch_idx) -> None:
-            now["t"] = 40.0 * (trainer.global_step + 1)  # step s ends at 40·s seconds
-
-    ckpt = ModelCheckpoint(every_n_minutes=1.5, save_last=False)
-    ckpt._clock = lambda: now["t"]
+    clock, ckpt = timed_checkpoint()  # step s ends at 40·s seconds, save every 90 s
     ckpt._time_due = StepFlag(defer_reads=True)  # as on GPUs
-    trainer = make_trainer(root, 8, [Clock(), ckpt], strategy=nt.DDPStrategy())
+    trainer = make_trainer(root, 8, [clock, ckpt], strategy=nt.DDPStrategy())
     trainer.fit(Classifier(), data())
     return sorted(p.name for p in trainer.checkpoint_dir.iterdir() if p.is_dir())
 

@@ -78,16 +78,29 @@ def test_state_survives_resume_and_retention_continues(tmp_path):
     assert saved_steps(trainer) == ["step-00000002", "step-00000006"]
 
 
-def test_every_n_minutes_follows_the_clock(tmp_path):
-    now = {"t": 0.0}
+class StepClock(nt.Callback):
+    """A clock that reads 40·s seconds at the end of step s (`clock()`)."""
 
-    class Clock(nt.Callback):
-        def on_train_batch_start(self, trainer, module, batch, batch_idx) -> None:
-            now["t"] = 40.0 * (trainer.global_step + 1)  # step s ends at 40·s seconds
+    def __init__(self) -> None:
+        self.now = 0.0
 
+    def clock(self) -> float:
+        return self.now
+
+    def on_train_batch_start(self, trainer, module, batch, batch_idx) -> None:
+        self.now = 40.0 * (trainer.global_step + 1)
+
+
+def timed_checkpoint() -> tuple[StepClock, ModelCheckpoint]:
+    """A ModelCheckpoint every 1.5 minutes of a `StepClock`, and that clock."""
+    clock = StepClock()
     ckpt = ModelCheckpoint(every_n_minutes=1.5, save_last=False)
-    ckpt._clock = lambda: now["t"]
-    trainer = run(tmp_path, 7, Clock(), ckpt)
+    ckpt._clock = clock.clock
+    return clock, ckpt
+
+
+def test_every_n_minutes_follows_the_clock(tmp_path):
+    trainer = run(tmp_path, 7, *timed_checkpoint())
     # 90 s after the start (t=0) first passes at step 3 (120 s); then 90 s after 120 s at
     # step 6 (240 s); step 7 (280 s) is only 40 s later.
     assert saved_steps(trainer) == ["step-00000003", "step-00000006"]
