@@ -124,6 +124,7 @@ class ModelCheckpoint(Callback):
     def setup(self, trainer: Trainer, module: NanoModule, stage: str) -> None:
         self.dirpath = self._user_dirpath or trainer.checkpoint_dir
         self._last_save_time = self._clock()
+        self._time_due = StepFlag(self._time_due.defer_reads)  # nothing left from a last run
         if stage == "fit":
             # An unwritable folder is an error now, not after the first hours of training.
             error = attempt(lambda: check_writable(self.dirpath))[1]
