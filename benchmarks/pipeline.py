@@ -31,7 +31,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from nanotrain.parallel.mesh import MeshLayout  # noqa: E402
+from nanotrain.parallel.mesh import ParallelMesh  # noqa: E402
 from nanotrain.parallel.pipeline import PipelineComm, open_channels, run_schedule  # noqa: E402
 from nanotrain.parallel.schedules import SCHEDULES  # noqa: E402
 from tests.distributed.spawn import run_world  # noqa: E402
@@ -60,11 +60,11 @@ class SavedBytes:
 
 def _comm(rank: int, world: int, v: int, shape: tuple[int, ...]) -> PipelineComm:
     """This rank's transfers over one group per direction, as MegatronStrategy sets them up."""
-    order = MeshLayout(pp=world).pipeline_channels()
-    groups = {pair: dist.new_group(sorted(pair)) for pair in order}  # every rank, in order
-    mine = {pair: g for pair, g in groups.items() if rank in pair}
-    open_channels(order, mine, rank, torch.device("cpu"))
-    return PipelineComm(list(range(world)), rank, v, shape, torch.float32, "cpu", channels=mine)
+    mesh = ParallelMesh.build(pp=world)
+    open_channels(mesh.layout.pipeline_channels(), mesh.pp_channels, rank, torch.device("cpu"))
+    return PipelineComm(
+        list(range(world)), rank, v, shape, torch.float32, "cpu", channels=mesh.pp_channels
+    )
 
 
 def _bench(rank: int, world: int, schedule: str, m: int, v: int) -> dict:
