@@ -29,8 +29,13 @@ import argparse
 import sys
 import time
 from collections import Counter
+from pathlib import Path
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # also when loaded by file path
+
+from nccl_check import Tokens, one_rank_world  # noqa: E402 (benchmarks/nccl_check.py)
 
 from nanotrain.callbacks.flops import peak_flops_for
 from nanotrain.models import build_model, presets
@@ -82,6 +87,9 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--sync-check-only", action="store_true", help="run only the sync check (seconds)"
     )
+    p.add_argument(
+        "--profile", action="store_true", help="also print each run's 15 costliest CUDA kernels"
+    )
     args = p.parse_args(argv)
     for name in ("micro_batch", "seq_len", "steps"):
         if getattr(args, name) < 1:
@@ -112,9 +120,9 @@ def peak_tflops(args: argparse.Namespace) -> float:
     return peak / 1e12
 
 
-def measure(name: str, compile_as: str, args: argparse.Namespace, peak: float) -> None:
-    """Time `args.steps` training steps of preset `name` compiled as `compile_as` ("none",
-    "layers" or "model") and print tokens/s and MFU."""
+def _training_step(name: str, compile_as: str, args: argparse.Namespace):
+    """A closure running one training step of preset `name` compiled as `compile_as` ("none",
+    "layers" or "model") on bf16 weights with fused AdamW, and the model's config."""
     config = config_of(name, args.seq_len)
     torch.manual_seed(0)
     model = build_model(config, device="cuda").to(torch.bfloat16)
@@ -123,14 +131,24 @@ def measure(name: str, compile_as: str, args: argparse.Namespace, peak: float) -
     elif compile_as == "model":
         compile_model(model)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
-    b, t = args.micro_batch, args.seq_len
-    tokens = torch.randint(0, config.vocab_size, (b, t + 1), device="cuda")
+    tokens = torch.randint(
+        0, config.vocab_size, (args.micro_batch, args.seq_len + 1), device="cuda"
+    )
 
     def step() -> None:
         model(tokens[:, :-1], tokens[:, 1:]).total_loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
 
+    return step, config
+
+
+def measure(name: str, compile_as: str, args: argparse.Namespace, peak: float) -> str:
+    """Time `args.steps` training steps of preset `name` compiled as `compile_as` ("none",
+    "layers" or "model") and print tokens/s and MFU as a table row; returns the table of its
+    costliest CUDA kernels with --profile, else ""."""
+    step, config = _training_step(name, compile_as, args)
+    b, t = args.micro_batch, args.seq_len
     for _ in range(5):
         step()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -146,15 +164,33 @@ def measure(name: str, compile_as: str, args: argparse.Namespace, peak: float) -
     mem = torch.cuda.max_memory_allocated() / 2**30
     print(
         f"| {name} | {compile_as} | {total_params(config) / 1e9:.2f}B / "
-        f"{active_params(config) / 1e9:.2f}B | {b}x{t} | {seconds * 1e3:.1f} | {tps:,.0f} | {100 * mfu:.1f}% | {mem:.1f} |"
+        f"{active_params(config) / 1e9:.2f}B | {b}x{t} | {seconds * 1e3:.1f} | {tps:,.0f} | {100 * mfu:.1f}% | {mem:.1f} |",
+        flush=True,
     )
+    return profile(step, f"{name} ({compile_as}, {b}x{t})") if args.profile else ""
 
 
-def sync_check(precision: str, device: str = "cuda") -> bool:
-    """Fit the tiny MoE 6 steps in `precision` (default callbacks) with steps 2-4 under sync
-    debug mode "warn", and print every place that synced with the host: the innermost
-    nanotrain line of each (all of them in one run, so one GPU session finds them all).
-    True when there were none."""
+SYNC_STRATEGIES = ("single", "ddp", "megatron")
+
+
+def _strategy(name: str):
+    """The strategy `name` of SYNC_STRATEGIES, and the backend of the one-rank group it needs
+    made for it (None: it makes its own, or needs none)."""
+    import nanotrain as nt
+
+    if name == "single":
+        return nt.SingleDeviceStrategy("cuda"), None
+    if name == "ddp":
+        return nt.DDPStrategy(), None
+    return nt.MegatronStrategy(zero_stage=1), "nccl"
+
+
+def sync_check(precision: str, strategy: str = "single") -> bool:
+    """Fit the tiny MoE 6 steps in `precision` (default callbacks) under `strategy` (one of
+    SYNC_STRATEGIES, one rank on NCCL for ddp and megatron) with steps 2-4 under sync debug
+    mode "warn", and print every place that synced with the host: the innermost nanotrain line
+    of each (all of them in one run, so one GPU session finds them all). True when there were
+    none."""
     import tempfile
     import traceback
     import warnings
@@ -183,19 +219,16 @@ def sync_check(precision: str, device: str = "cuda") -> bool:
         def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
             torch.cuda.set_sync_debug_mode("default")
 
-    class Tokens(torch.utils.data.Dataset):
-        def __len__(self) -> int:
-            return 64
-
-        def __getitem__(self, i: int) -> dict:
-            ids = torch.randint(0, 256, (65,), generator=torch.Generator().manual_seed(i))
-            return {"input_ids": ids[:-1], "labels": ids[1:]}
-
-    with tempfile.TemporaryDirectory() as root, warnings.catch_warnings():
+    chosen, backend = _strategy(strategy)
+    with (
+        tempfile.TemporaryDirectory() as root,
+        warnings.catch_warnings(),
+        one_rank_world(backend),
+    ):
         warnings.simplefilter("always")
         warnings.showwarning = record
         trainer = nt.Trainer(
-            strategy=nt.SingleDeviceStrategy(device),
+            strategy=chosen,
             precision=precision,
             max_steps=6,
             global_batch_size=8,
@@ -210,12 +243,28 @@ def sync_check(precision: str, device: str = "cuda") -> bool:
         finally:
             torch.cuda.set_sync_debug_mode("default")
     if found:
-        print(f"sync check FAILED ({precision}): non-logging steps synced with the host at")
+        print(f"sync check FAILED ({strategy}, {precision}): non-logging steps synced at")
         for where, n in Counter(found).items():
             print(f"  {n}x {where}")
         return False
-    print(f"sync check: no host-device sync in non-logging steps (Trainer, {precision}, defaults)")
+    print(f"sync check: no host-device sync in non-logging steps ({strategy}, {precision})")
     return True
+
+
+def profile(step, title: str) -> str:
+    """The table of the 15 CUDA kernels that take the most time over 3 calls of `step`."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    torch.cuda.synchronize()
+    with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(3):
+            step()
+        torch.cuda.synchronize()
+    table = prof.key_averages().table(
+        sort_by="cuda_time_total", row_limit=15, max_name_column_width=70
+    )
+    return f"\n{title}: the CUDA kernels of 3 steps\n{table}"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -230,7 +279,12 @@ def main(argv: list[str] | None = None) -> int:
     # the sync check first: it takes seconds, and a failure should not wait for the MFU runs
     synced = False
     if not args.no_sync_check:
-        synced = not all([sync_check("bf16-true"), sync_check("bf16-mixed")])
+        results = [
+            sync_check(precision, strategy)
+            for strategy in SYNC_STRATEGIES
+            for precision in ("bf16-true", "bf16-mixed")
+        ]
+        synced = not all(results)
     if args.sync_check_only:
         return 1 if synced else 0
     peak = peak_tflops(args)
@@ -239,12 +293,15 @@ def main(argv: list[str] | None = None) -> int:
         "| preset | compile | params total / active | batch | ms/step | tokens/s | MFU | peak GiB |"
     )
     print("|---|---|---|---|---|---|---|---|")
+    profiles = []
     for name in names:
         for compile_as in args.compile:
-            measure(name, compile_as, args, peak)
+            profiles.append(measure(name, compile_as, args, peak))
             torch._dynamo.reset()  # each run compiles its own model afresh
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats()
+    for table in filter(None, profiles):
+        print(table)
     return 1 if synced else 0
 
 

@@ -99,7 +99,9 @@ class MegatronStrategy(MegatronGradNorms, Strategy):
         sequence_parallel: shard norm/residual activations along the sequence over tp; the
             model must build its tensor-parallel layers with ``sequence_parallel=True``.
         bucket_size_mb: size of one gradient bucket (one collective) in MiB.
-        backend: "nccl", "gloo" or None (NCCL when CUDA is available).
+        backend: "nccl", "gloo" or None (NCCL when CUDA is available). One process started
+            without torchrun needs no group and trains on GPU `LOCAL_RANK` (0) when CUDA is
+            available, on the CPU with ``backend="gloo"`` or without CUDA.
         timeout_s: collective timeout in seconds for the groups this strategy creates.
         virtual_pp: model chunks per pipeline rank (interleaved 1F1B when > 1).
         schedule: "gpipe", "1f1b" or "interleaved_1f1b"; None picks 1F1B (interleaved when
@@ -216,7 +218,10 @@ class MegatronStrategy(MegatronGradNorms, Strategy):
                 timeout=datetime.timedelta(seconds=self.timeout_s),
             )
             self._owns_process_group = True
-        use_cuda = (dist.get_backend() == "nccl") if dist.is_initialized() else False
+        if dist.is_initialized():
+            use_cuda = dist.get_backend() == "nccl"
+        else:  # one process, no group: the GPU when there is one, unless gloo was asked for
+            use_cuda = torch.cuda.is_available() and self.backend != "gloo"
         if use_cuda:
             self._device = torch.device("cuda", self.local_rank)
             torch.cuda.set_device(self._device)

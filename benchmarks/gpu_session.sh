@@ -1,0 +1,44 @@
+#!/usr/bin/env bash
+# Every GPU check of this repository in one command, for a short lease of one GPU machine:
+#   bash benchmarks/gpu_session.sh [OUT_DIR]      (logs go to OUT_DIR, default $OUT or /tmp/gpu)
+# 1. the CUDA-only tests (they skip on CPU machines), 2. the host-sync check of the Trainer
+# under single/DDP/Megatron in bf16-true and bf16-mixed, 3. the NCCL check of every strategy
+# that fits on one GPU, 4. MFU of the ~1B dense and MoE presets, eager and compiled, with each
+# run's costliest kernels. Each part has its own time limit, so one slow part cannot starve
+# the others; the summary at the end repeats the result lines of every part.
+set -u
+cd "$(dirname "$0")/.."
+out="${1:-${OUT:-/tmp/gpu}}"
+mkdir -p "$out"
+export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+
+part() {  # part NAME SECONDS COMMAND...: run with a time limit, log to $out/NAME.log
+    local name=$1 limit=$2
+    shift 2
+    local t0=$SECONDS
+    timeout "$limit" "$@" >"$out/$name.log" 2>&1
+    echo "== $name: exit $? in $((SECONDS - t0)) s" | tee -a "$out/$name.log"
+}
+
+{
+    nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv
+    python3 -c "import torch, lightning; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'lightning', lightning.__version__, 'grouped_mm', hasattr(torch.nn.functional, 'grouped_mm'))"
+    python3 -c "import transformer_engine; print('transformer_engine', transformer_engine.__version__)" 2>&1 | tail -1
+} >"$out/env.log" 2>&1
+cat "$out/env.log"
+
+part tests 120 python3 -m pytest -q -p no:cacheprovider -x \
+    tests/unit/test_expert_compute.py tests/unit/test_layout_numbers.py \
+    tests/unit/test_callbacks_monitors.py tests/unit/test_single_device.py \
+    tests/unit/test_megatron_device.py tests/unit/test_precision.py tests/unit/test_gpu_benchmark.py
+part sync 120 python3 benchmarks/gpu.py --sync-check-only
+part nccl 120 python3 benchmarks/nccl_check.py
+part dense 170 python3 benchmarks/gpu.py --no-sync-check --preset dense-1b --compile none,model --steps 10 --profile
+part moe 170 python3 benchmarks/gpu.py --no-sync-check --preset moe-1b --compile none,model --steps 10 --profile
+
+echo "== summary"
+grep -h "passed\|failed\|error" "$out/tests.log" | tail -3
+grep -h "^sync check\|^  [0-9]*x " "$out/sync.log"
+grep -h "matches single\|bf16-mixed  \|NCCL check\|Error" "$out/nccl.log"
+grep -h "^| \|Error" "$out/dense.log" "$out/moe.log"
+grep -h "^== " "$out"/*.log
