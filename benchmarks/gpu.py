@@ -16,19 +16,25 @@ default runs eager and the compiled model side by side. Without CUDA it checks i
 prints the presets' sizes and exits 0 without timing anything.
 
 First (unless --no-sync-check) it fits the tiny DeepSeek model with the Trainer on the GPU,
-in bf16-true and in bf16-mixed, with its default callbacks, and runs three non-logging steps
-of each under `torch.cuda.set_sync_debug_mode("warn")`. It prints every host-device sync in
-them with the nanotrain line that caused it (all of them, so one run finds them all). The
-MFU runs still follow, and the script exits 1 if any step synced (docs/performance.md,
-"Host-device synchronizations").
+under SingleDeviceStrategy, DDPStrategy and MegatronStrategy (one NCCL rank), in bf16-true and
+in bf16-mixed, with its default callbacks, and runs six non-logging steps of each under
+`torch.cuda.set_sync_debug_mode("warn")`. It prints every host-device sync in
+them with the nanotrain line that caused it and the steps it came in (all of them, so one run
+finds them all; a sync on a thread without Python, such as DDP's reducer, is counted from
+stderr). The MFU runs still follow, and the script exits 1 if any step after the second
+synced: step 2 is reported but not failed, since torch's DDP rebuilds its buckets there once
+(docs/performance.md, "Host-device synchronizations").
+
+`benchmarks/gpu_session.sh` runs this with the CUDA tests and `benchmarks/nccl_check.py` as
+one command for a short GPU lease.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
-from collections import Counter
 from pathlib import Path
 
 import torch
@@ -185,22 +191,35 @@ def _strategy(name: str):
     return nt.MegatronStrategy(zero_stage=1), "nccl"
 
 
+#: the steps (batch_idx) the sync check watches: none of them logs (max_steps 8, logging every
+#: 8th step), and the first step, which sets everything up, is not among them
+WATCHED_STEPS = range(1, 7)
+#: step 2 (batch_idx 1) is reported but not failed: torch's DDP rebuilds its gradient buckets
+#: once, after the first iteration (its reducer syncs twice there, on an H100 under
+#: bf16-mixed); the steady state is steps 3-7
+WARM_UP_STEPS = {2}
+_SYNC_MESSAGE = "called a synchronizing CUDA operation"
+
+
 def sync_check(precision: str, strategy: str = "single") -> bool:
-    """Fit the tiny MoE 6 steps in `precision` (default callbacks) under `strategy` (one of
-    SYNC_STRATEGIES, one rank on NCCL for ddp and megatron) with steps 2-4 under sync debug
-    mode "warn", and print every place that synced with the host: the innermost nanotrain line
-    of each (all of them in one run, so one GPU session finds them all). True when there were
-    none."""
+    """Fit the tiny MoE 8 steps in `precision` (default callbacks) under `strategy` (one of
+    SYNC_STRATEGIES, one rank on NCCL for ddp and megatron) with steps 2-7 under sync debug
+    mode "warn", and print every place that synced with the host and in which steps: the
+    innermost nanotrain line of each (all of them in one run, so one GPU session finds them
+    all). A sync on a thread without Python (DDP's reducer runs its hooks on autograd's
+    device threads) reaches only stderr, where it is counted per step. True when none came
+    after the warm-up step (WARM_UP_STEPS)."""
     import tempfile
     import traceback
     import warnings
 
     import nanotrain as nt
 
-    found: list[str] = []
+    found: dict[str, list[int]] = {}
+    step = [-1]
 
     def record(message, category, filename, lineno, file=None, line=None):  # noqa: ANN001
-        if "synchroniz" not in str(message):
+        if _SYNC_MESSAGE not in str(message):
             return
         frames = [f for f in traceback.extract_stack()[:-1] if "/nanotrain/" in f.filename]
         where = (
@@ -208,16 +227,40 @@ def sync_check(precision: str, strategy: str = "single") -> bool:
             if frames
             else (f"{filename}:{lineno}")
         )
-        found.append(f"{where}: {str(message).splitlines()[0]}")
+        found.setdefault(where, []).append(step[0] + 1)
 
     class SyncWatch(nt.Callback):
+        """Sync debug mode "warn" over the watched steps, stderr sent to a file meanwhile."""
+
+        def __init__(self, log: str) -> None:
+            self.log, self.saved_fd = log, None
+
         def on_train_batch_start(self, trainer, module, batch, batch_idx):
-            if batch_idx in (1, 2, 3):  # steps 2-4: log_every_n_steps=5 logs none of them
+            if batch_idx in WATCHED_STEPS:
                 torch.cuda.synchronize()  # what is queued before the step is not its sync
+                step[0] = batch_idx
+                sys.stderr.flush()
+                self.saved_fd = os.dup(2)
+                with open(self.log, "w") as f:
+                    os.dup2(f.fileno(), 2)
                 torch.cuda.set_sync_debug_mode("warn")
 
         def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
+            if self.saved_fd is None:  # not a watched step
+                return
+            torch.cuda.synchronize()  # the step's work on other threads is done and reported
             torch.cuda.set_sync_debug_mode("default")
+            self.restore()
+            with open(self.log) as f:
+                n = sum(_SYNC_MESSAGE in line for line in f)
+            found.setdefault("stderr only (a thread without Python)", []).extend([step[0] + 1] * n)
+
+        def restore(self) -> None:
+            if self.saved_fd is not None:
+                sys.stderr.flush()
+                os.dup2(self.saved_fd, 2)
+                os.close(self.saved_fd)
+                self.saved_fd = None
 
     chosen, backend = _strategy(strategy)
     with (
@@ -227,26 +270,31 @@ def sync_check(precision: str, strategy: str = "single") -> bool:
     ):
         warnings.simplefilter("always")
         warnings.showwarning = record
+        watch = SyncWatch(f"{root}/stderr.log")
         trainer = nt.Trainer(
             strategy=chosen,
             precision=precision,
-            max_steps=6,
+            max_steps=8,
             global_batch_size=8,
             micro_batch_size=4,
-            log_every_n_steps=5,
+            log_every_n_steps=8,
             default_root_dir=root,
-            callbacks=[SyncWatch()],
+            callbacks=[watch],
         )
         module = nt.LanguageModelModule(model="tiny", vocab_size=256)
         try:
             trainer.fit(module, train_dataloaders=Tokens())
         finally:
             torch.cuda.set_sync_debug_mode("default")
+            watch.restore()
+    found = {where: steps for where, steps in found.items() if steps}
+    steady = any(set(steps) - WARM_UP_STEPS for steps in found.values())
     if found:
-        print(f"sync check FAILED ({strategy}, {precision}): non-logging steps synced at")
-        for where, n in Counter(found).items():
-            print(f"  {n}x {where}")
-        return False
+        verdict = "FAILED" if steady else "passed, with syncs in the warm-up step only"
+        print(f"sync check {verdict} ({strategy}, {precision}): non-logging steps synced at")
+        for where, steps in found.items():
+            print(f"  {len(steps)}x {where}, in steps {sorted(set(steps))}")
+        return not steady
     print(f"sync check: no host-device sync in non-logging steps ({strategy}, {precision})")
     return True
 

@@ -64,5 +64,12 @@ def compile_layers(model: nn.Module, **compile_kwargs: Any) -> int:
 
 
 def compile_model(model: nn.Module, **compile_kwargs: Any) -> None:
-    """Compile `model`'s whole forward in place (`compile_kwargs` go to `torch.compile`)."""
+    """Compile `model`'s whole forward in place (`compile_kwargs` go to `torch.compile`).
+
+    A nanotrain model keeps its rotary tables on its device from here on
+    (`CausalLM.keep_rope_tables`): built inside the graph, inductor would recompute them in
+    every layer.
+    """
+    if hasattr(model, "keep_rope_tables"):
+        model.keep_rope_tables()
     model.compile(**compile_kwargs)

@@ -45,7 +45,8 @@ def grouped_mm_available(x: torch.Tensor, weight: torch.Tensor) -> bool:
       - on CUDA: bf16 on a device of compute capability 8.0 or newer (torch's CUTLASS
         kernels, which take the offsets on the device, run on 9.x and 10.x; on older GPUs
         torch's fallback copies the offsets to the host, a sync, and loops in C++);
-      - on CPU: fp32 or bf16, where the installed torch implements it (probed at import).
+      - on CPU: fp32 or bf16, where the installed torch implements it (probed at import);
+        bf16 only inside torch.compile, whose shape function refuses fp32.
     The kernels need every row stride to be a multiple of 16 bytes: hidden and expert width
     multiples of 8 in bf16, of 4 in fp32.
     """
@@ -56,6 +57,8 @@ def grouped_mm_available(x: torch.Tensor, weight: torch.Tensor) -> bool:
         return False
     if x.is_cuda:
         return x.dtype == torch.bfloat16 and torch.cuda.get_device_capability(x.device) >= (8, 0)
+    if x.dtype != torch.bfloat16 and torch.compiler.is_compiling():
+        return False  # torch.compile's shape function for grouped_mm refuses fp32 (torch 2.13)
     return x.device.type == "cpu" and x.dtype in CPU_GROUPED_MM_DTYPES
 
 

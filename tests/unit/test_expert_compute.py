@@ -211,6 +211,26 @@ def test_grouped_swiglu_matches_the_loop_where_torch_runs_it_on_cpu():
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
 
+@needs_cpu_grouped_mm
+def test_unequal_groups_compile_in_fp32_on_cpu():
+    # eager takes the CPU grouped GEMM here, but torch.compile's shape function for grouped_mm
+    # refuses fp32: compiled, the layer must take another path (it failed to trace before)
+    ex = _experts(h=16, inter=8)
+    sizes = _sizes()
+    x = torch.randn(sum(sizes), 16, requires_grad=True)
+    counts = torch.tensor(sizes)
+    torch._dynamo.reset()
+    y = torch.compile(ex, backend="aot_eager")(x, counts)
+    torch._dynamo.reset()
+    ref = looped_swiglu(x, sizes, ex.gate_proj, ex.up_proj, ex.down_proj)
+    torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-6)
+    g = torch.randn_like(y)
+    got = torch.autograd.grad(y, [x, *ex.parameters()], g)
+    want = torch.autograd.grad(ref, [x, *ex.parameters()], g)
+    for a, b in zip(got, want, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="grouped_mm needs a CUDA GPU")
 def test_grouped_mm_matches_loop_on_cuda():
     # widths multiples of 8: the bf16 kernels want 16-byte row strides

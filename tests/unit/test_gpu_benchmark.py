@@ -37,3 +37,34 @@ def test_presets_are_about_one_billion_parameters():
 def test_without_cuda_it_skips_cleanly(capsys):
     assert gpu.main(["--preset", "moe-1b"]) == 0
     assert "nothing timed (skipped)" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    ("sync_steps", "passes"), [((), True), ((2,), True), ((2, 4), False), ((5,), False)]
+)
+def test_sync_check_counts_syncs_reported_only_on_stderr(monkeypatch, capsys, sync_steps, passes):
+    # The check itself on CPU: torch.cuda's calls stubbed, and "sync debug mode" stands in for
+    # a sync on a thread without Python, which torch reports only on stderr (fd 2), in the
+    # steps given. Step 2 (DDP's one-time bucket rebuild) is reported but not failed.
+    import os
+
+    import nanotrain as nt
+
+    step = {"n": 0}
+
+    def set_mode(mode):
+        if mode == "warn":
+            step["n"] += 1
+            if step["n"] + 1 in sync_steps:  # watching starts at step 2
+                os.write(2, b"[rank0]: Warning: called a synchronizing CUDA operation\n")
+
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
+    monkeypatch.setattr(torch.cuda, "set_sync_debug_mode", set_mode)
+    monkeypatch.setattr(gpu, "_strategy", lambda name: (nt.SingleDeviceStrategy("cpu"), None))
+    assert gpu.sync_check("32", "single") is passes
+    out = capsys.readouterr().out
+    if sync_steps:
+        assert f"{len(sync_steps)}x stderr only" in out
+        assert f"in steps {sorted(sync_steps)}" in out
+    else:
+        assert "no host-device sync" in out

@@ -257,5 +257,6 @@ def test_setting_up_the_same_module_twice_does_not_nest_wrappers(tmp_path):
         orig_init(self, *args, **kwargs)
 
     with unittest.mock.patch.object(_LinearMode, "__init__", spy), torch.no_grad():
-        layer(torch.randn(1, 2, layer.weight.shape[1]))
+        # the model is where the default strategy put it (the GPU on a CUDA machine)
+        layer(torch.randn(1, 2, layer.weight.shape[1], device=layer.weight.device))
     assert len(entered) == 1  # one quantizing mode per call, not one per setup
