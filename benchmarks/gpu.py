@@ -22,7 +22,8 @@ in bf16-mixed, with its default callbacks, and runs six non-logging steps of eac
 them with the nanotrain line that caused it and the steps it came in (all of them, so one run
 finds them all; a sync on a thread without Python, such as DDP's reducer, is counted from
 stderr). The MFU runs still follow, and the script exits 1 if any step after the second
-synced: step 2 is reported but not failed, since torch's DDP rebuilds its buckets there once
+synced: step 2 is reported but not failed, since torch's DDP rebuilds its buckets once after
+the first iteration, the likely source of the two syncs seen there on an H100
 (docs/performance.md, "Host-device synchronizations").
 
 `benchmarks/gpu_session.sh` runs this with the CUDA tests and `benchmarks/nccl_check.py` as
@@ -195,8 +196,8 @@ def _strategy(name: str):
 #: 8th step), and the first step, which sets everything up, is not among them
 WATCHED_STEPS = range(1, 7)
 #: step 2 (batch_idx 1) is reported but not failed: torch's DDP rebuilds its gradient buckets
-#: once, after the first iteration (its reducer syncs twice there, on an H100 under
-#: bf16-mixed); the steady state is steps 3-7
+#: once, after the first iteration, the likely source of the two syncs seen there (on a thread
+#: without Python, DDP under bf16-mixed on an H100); the steady state is steps 3-7
 WARM_UP_STEPS = {2}
 _SYNC_MESSAGE = "called a synchronizing CUDA operation"
 
