@@ -2,6 +2,7 @@
 
     python benchmarks/gpu.py                      # sync check, then both presets, eager and compiled
     python benchmarks/gpu.py --sync-check-only    # seconds: only the host-sync check
+    python benchmarks/gpu.py --no-sync-check --experts-only   # expert layer by number of experts
     python benchmarks/gpu.py --preset dense-1b --micro-batch 8 --seq-len 2048 --compile model
 
 Each step is forward + backward + fused AdamW on bf16 weights over one micro-batch of random
@@ -96,6 +97,11 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument(
         "--profile", action="store_true", help="also print each run's 15 costliest CUDA kernels"
+    )
+    p.add_argument(
+        "--experts-only",
+        action="store_true",
+        help="time only one expert layer by number of local experts (8, 32, 128)",
     )
     args = p.parse_args(argv)
     for name in ("micro_batch", "seq_len", "steps"):
@@ -316,6 +322,85 @@ def profile(step, title: str) -> str:
     return f"\n{title}: the CUDA kernels of 3 steps\n{table}"
 
 
+def _device_ms(fn, device: torch.device, repeats: int) -> float:
+    """Median milliseconds of `fn()` over `repeats` calls after 3 warm-up calls (CUDA events on
+    a GPU, the host clock elsewhere)."""
+    import statistics
+
+    for _ in range(3):
+        fn()
+    times = []
+    for _ in range(repeats):
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            torch.cuda.synchronize()
+            times.append(start.elapsed_time(end))
+        else:
+            t0 = time.perf_counter()
+            fn()
+            times.append(1e3 * (time.perf_counter() - t0))
+    return statistics.median(times)
+
+
+def _copy_bandwidth(device: torch.device, mib: int = 256) -> float:
+    """Bytes per second a large copy on `device` moves (bytes read + written)."""
+    src = torch.ones(mib * 2**20 // 4, device=device)
+    dst = torch.empty_like(src)
+    return 2 * src.numel() * 4 / (_device_ms(lambda: dst.copy_(src), device, 5) / 1e3)
+
+
+def expert_scaling(
+    device: str = "cuda",
+    dtype: torch.dtype = torch.bfloat16,
+    rows: int = 32768,
+    hidden: int = 1024,
+    width: int = 704,
+    experts: tuple[int, ...] = (8, 32, 128),
+    repeats: int = 20,
+) -> dict[int, float]:
+    """fwd+bwd of one `GroupedExperts` layer at fixed rows and FLOPs (each row goes through one
+    expert of `width`; equal groups) by number of local experts, as benchmarks/expert.py's
+    table (c) on the CPU; defaults: moe-1b's shapes (4 x 2048 tokens x top-4). Prints each
+    time, its ratio to the smallest E's, and the floor of that ratio that memory alone sets:
+    the weights grow with E and a step reads them twice and writes their gradients once, at
+    the device's measured copy bandwidth. Returns ms per number of experts."""
+    from nanotrain.models.moe import GroupedExperts
+
+    dev = torch.device(device)
+    bandwidth = _copy_bandwidth(dev)
+    grad_out = torch.randn(rows, hidden, device=dev, dtype=dtype)
+    ms = {}
+    for e in experts:
+        torch.manual_seed(0)
+        layer = GroupedExperts(e, hidden, width, device=dev).to(dtype)
+        for p in layer.parameters():
+            torch.nn.init.normal_(p, std=0.02)
+        x = torch.randn(rows, hidden, device=dev, dtype=dtype, requires_grad=True)
+        counts = torch.full((e,), rows // e, device=dev)
+
+        def step(layer=layer, x=x, counts=counts) -> None:
+            layer(x, counts).backward(grad_out)
+            layer.zero_grad(set_to_none=True)
+            x.grad = None
+
+        ms[e] = _device_ms(step, dev, repeats)
+    size = torch.finfo(dtype).bits // 8
+    base = experts[0]
+    print(f"\nexpert layer fwd+bwd, {rows} rows, hidden {hidden}, width {width}, {dtype}, {device}")
+    print("| local experts | ms | / smallest E | memory floor of that ratio |")
+    print("|---|---|---|---|")
+    for e in experts:
+        extra = 3 * 3 * (e - base) * hidden * width * size / bandwidth * 1e3  # ms
+        print(
+            f"| {e} | {ms[e]:.2f} | {ms[e] / ms[base]:.2f}x | {(ms[base] + extra) / ms[base]:.2f}x |"
+        )
+    print(f"copy bandwidth: {bandwidth / 1e9:.0f} GB/s")
+    return ms
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
     names = list(PRESETS) if args.preset == "all" else [args.preset]
@@ -335,6 +420,9 @@ def main(argv: list[str] | None = None) -> int:
         ]
         synced = not all(results)
     if args.sync_check_only:
+        return 1 if synced else 0
+    if args.experts_only:
+        expert_scaling()
         return 1 if synced else 0
     peak = peak_tflops(args)
     print(f"\n{torch.cuda.get_device_name()}, bf16 peak {peak:.0f} TFLOP/s, {time.strftime('%F')}")

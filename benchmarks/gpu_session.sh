@@ -4,8 +4,9 @@
 # 1. the CUDA-only tests (they skip on CPU machines), 2. the host-sync check of the Trainer
 # under single/DDP/Megatron in bf16-true and bf16-mixed, 3. the NCCL check of every strategy
 # that fits on one GPU, 4. MFU of the ~1B dense and MoE presets, eager and compiled, with each
-# run's costliest kernels. Each part has its own time limit, so one slow part cannot starve
-# the others; the summary at the end repeats the result lines of every part.
+# run's costliest kernels, 5. one expert layer's time by number of local experts. Each part has
+# its own time limit, so one slow part cannot starve the others; the summary at the end repeats
+# the result lines of every part. Eight log files: the most a lent machine sends back.
 set -u
 cd "$(dirname "$0")/.."
 out="${1:-${OUT:-/tmp/gpu}}"
@@ -40,10 +41,11 @@ part nccl 120 python3 benchmarks/nccl_check.py
 part dense 170 python3 benchmarks/gpu.py --no-sync-check --preset dense-1b --compile none,model --steps 10 --profile
 part dense8 120 python3 benchmarks/gpu.py --no-sync-check --preset dense-1b --micro-batch 8 --compile model --steps 10
 part moe 170 python3 benchmarks/gpu.py --no-sync-check --preset moe-1b --compile none,model --steps 10 --profile
+part experts 60 python3 benchmarks/gpu.py --no-sync-check --experts-only
 
 echo "== summary"
 grep -h "passed\|failed\|error" "$out/tests.log" | tail -3
 grep -h "^sync check\|^  [0-9]*x " "$out/sync.log"
 grep -h "matches single\|bf16-mixed  \|NCCL check\|Error" "$out/nccl.log"
-grep -h "^| \|Error" "$out/dense.log" "$out/dense8.log" "$out/moe.log"
+grep -h "^| \|Error\|bandwidth" "$out/dense.log" "$out/dense8.log" "$out/moe.log" "$out/experts.log"
 grep -h "^== " "$out"/*.log

@@ -68,3 +68,12 @@ def test_sync_check_counts_syncs_reported_only_on_stderr(monkeypatch, capsys, sy
         assert f"in steps {sorted(sync_steps)}" in out
     else:
         assert "no host-device sync" in out
+
+
+def test_expert_scaling_times_every_size_and_prints_the_floor(capsys):
+    # the GPU expert table's code path, on the CPU at toy sizes
+    ms = gpu.expert_scaling("cpu", torch.float32, rows=256, hidden=16, width=8, repeats=2)
+    assert sorted(ms) == [8, 32, 128] and all(t > 0 for t in ms.values())
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| 128 |")]
+    floor = float(rows[0].split("|")[4].strip().rstrip("x"))
+    assert floor > 1.0  # 16x the weight bytes cannot cost nothing
