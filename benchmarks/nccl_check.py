@@ -5,13 +5,15 @@
 
 One GPU holds one NCCL rank (NCCL refuses two ranks on one device), so each strategy runs at
 world size 1 on the NCCL backend: `DDPStrategy()` and `MegatronStrategy()` with ZeRO 0, 1 and 2
-join a real NCCL process group, wrap the model, reduce gradients and metrics, and save and
-load sharded checkpoints through NCCL collectives. Each fits the tiny DeepSeek model 4 steps in
-fp32 (TF32 off), which must give the losses and grad norms of `SingleDeviceStrategy("cuda")`
-(rtol 1e-5: one rank sums the same microbatches in the same order), then fits 2 steps, saves,
-and resumes to step 4, which must repeat the straight run's last two losses exactly. A
-bf16-mixed fit under Megatron with ZeRO-2 must stay within 2% of the fp32 losses. Prints one table
-row per run and exits 1 on any mismatch. Without CUDA it prints that it skipped and exits 0.
+join a real NCCL process group (and `MegatronStrategy()` runs once more in one process with no
+group, where it must still pick the GPU), wrap the model, reduce gradients and metrics, and
+save and load sharded checkpoints through NCCL collectives. Each fits the tiny DeepSeek model
+4 steps in fp32 (TF32 off), which must give the losses and grad norms of
+`SingleDeviceStrategy("cuda")` (rtol 1e-5: one rank sums the same microbatches in the same
+order), then fits 2 steps, saves, and resumes to step 4, which must repeat the straight run's
+last two losses exactly. A bf16-mixed fit under Megatron with ZeRO-2 must stay within 2% of
+the fp32 losses. Prints one table row per run (with the device it trained on) and exits 1 on
+any mismatch or a run off the GPU. Without CUDA it prints that it skipped and exits 0.
 """
 
 from __future__ import annotations
@@ -44,14 +46,15 @@ class Tokens(torch.utils.data.Dataset):
 
 
 class StepNumbers(nt.Callback):
-    """Each step's global loss and grad norm, by step."""
+    """Each step's global loss and grad norm, by step; the device and process-group backend."""
 
     def __init__(self) -> None:
         self.losses: dict[int, float] = {}
         self.grad_norms: dict[int, float] = {}
-        self.backend = "no process group"
+        self.backend, self.device = "no process group", "?"
 
     def on_train_start(self, trainer, module) -> None:
+        self.device = str(trainer.strategy.root_device)
         if torch.distributed.is_initialized():
             self.backend = torch.distributed.get_backend()
 
@@ -68,16 +71,24 @@ def one_rank_world(backend: str | None = None) -> Iterator[None]:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    os.environ.update(
-        RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)
-    )
-    if backend is not None:
-        torch.distributed.init_process_group(backend, rank=0, world_size=1)
+    world = dict(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1")
+    world["MASTER_PORT"] = str(port)
+    saved = {name: os.environ.get(name) for name in world}
+    os.environ.update(world)
     try:
-        yield
-    finally:
         if backend is not None:
-            torch.distributed.destroy_process_group()
+            torch.distributed.init_process_group(backend, rank=0, world_size=1)
+        try:
+            yield
+        finally:
+            if backend is not None:
+                torch.distributed.destroy_process_group()
+    finally:  # the caller's environment back
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
 
 def fit(strategy, root: str, max_steps: int, precision: str = "32", ckpt_path=None, group=None):
@@ -122,6 +133,7 @@ def main(argv: list[str] | None = None) -> int:
     backend = "nccl" if device == "cuda" else "gloo"
     layouts = {  # name -> (strategy factory, the group to make for it)
         "DDPStrategy()": (nt.DDPStrategy, None),  # makes its own group
+        "MegatronStrategy(), no group": (nt.MegatronStrategy, None),  # one process, no group
         "MegatronStrategy()": (nt.MegatronStrategy, backend),
         "MegatronStrategy(zero_stage=1)": (lambda: nt.MegatronStrategy(zero_stage=1), backend),
         "MegatronStrategy(zero_stage=2)": (lambda: nt.MegatronStrategy(zero_stage=2), backend),
@@ -143,13 +155,14 @@ def main(argv: list[str] | None = None) -> int:
             same = _close(losses, ref_losses, 1e-5) and _close(norms, ref_norms, 1e-5)
             tail = [resumed.losses[s] for s in sorted(resumed.losses)]
             exact = tail == losses[2:]
-            ok = ok and same and exact
+            placed = straight.device.startswith(device)  # the GPU on a GPU machine
+            ok = ok and same and exact and placed
             worst = max(
                 abs(x - y) / abs(y)
                 for x, y in zip(losses + norms, ref_losses + ref_norms, strict=True)
             )
             print(
-                f"{name:34s} backend={straight.backend} "
+                f"{name:34s} {straight.device}, backend={straight.backend} "
                 f"matches single: {same} (max rel diff {worst:.1e}); resume exact: {exact}"
             )
         mixed = fit(

@@ -45,7 +45,7 @@ def test_without_cuda_it_skips_cleanly(capsys):
 def test_sync_check_counts_syncs_reported_only_on_stderr(monkeypatch, capsys, sync_steps, passes):
     # The check itself on CPU: torch.cuda's calls stubbed, and "sync debug mode" stands in for
     # a sync on a thread without Python, which torch reports only on stderr (fd 2), in the
-    # steps given. Step 2 (DDP's one-time bucket rebuild) is reported but not failed.
+    # steps given. Step 2 (one-time work) is reported but not failed.
     import os
 
     import nanotrain as nt
