@@ -12,6 +12,14 @@ cd "$(dirname "$0")/.."
 out="${1:-${OUT:-/tmp/gpu}}"
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+# Packages a bare GPU image lacks (jsonargparse, for the CLI test) can travel as wheels in .whl/
+# (ignored by git; name it in the device call's carry), downloaded beforehand with
+#   pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+#       --platform manylinux2014_x86_64 -d .whl jsonargparse docstring-parser typeshed-client
+if compgen -G ".whl/*.whl" >/dev/null; then
+    python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl &&
+        export PYTHONPATH="$PYTHONPATH:/tmp/site"
+fi
 
 part() {  # part NAME SECONDS COMMAND...: run with a time limit, log to $out/NAME.log
     local name=$1 limit=$2
