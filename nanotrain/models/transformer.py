@@ -182,6 +182,12 @@ class CausalLM(nn.Module):
         """Rotary tables (cos, sin), each float32 [seq_len, rope_dim // 2]: computed per
         forward, or sliced from the tables `keep_rope_tables` keeps on the model's device."""
         tables = self._rope_tables
+        if self._keep_rope and (tables is None or tables[0].device != device):
+            # parameters that arrived without a move (load_state_dict(assign=True) after a
+            # meta build): make the tables now, outside any graph being traced
+            if not torch.compiler.is_compiling():
+                self._make_rope_tables()
+                tables = self._rope_tables
         if tables is not None and tables[0].device == device and seq_len <= len(tables[0]):
             return tables[0][:seq_len], tables[1][:seq_len]
         c = self.config
@@ -205,9 +211,12 @@ class CausalLM(nn.Module):
         self._rope_tables = None
         if device is not None:
             c = self.config
-            self._rope_tables = rope_cos_sin(
-                c.max_seq_len, self.rope_dim, c.rope_theta, c.rope_scaling, device
-            )
+            # a move inside torch.inference_mode() would otherwise make inference tensors,
+            # which a later training step's backward refuses to save
+            with torch.inference_mode(False):
+                self._rope_tables = rope_cos_sin(
+                    c.max_seq_len, self.rope_dim, c.rope_theta, c.rope_scaling, device
+                )
 
     def _apply(self, fn: Any, recurse: bool = True) -> CausalLM:
         # .to(device) / .cuda() / to_empty(): make the kept tables again where the parameters

@@ -333,6 +333,12 @@ class GradBuckets:
             hook.remove()
         self._hooks = []
 
+    def remove(self) -> None:
+        """Unregister the hooks and drop the buffer with every view of it (teardown; the
+        counterpart of `nanotrain.precision.MainGrads.remove`)."""
+        self.remove_hooks()
+        self.release()
+
 
 class GradBucketSets:
     """Several `GradBuckets` (each over its own group) driven as one, e.g. dense weights over

@@ -68,7 +68,7 @@ class DynamicLossScaler:
         size-1 groups are skipped). Every rank of them must call this at the same point.
         """
         grads = [g for g in grads if g is not None and g.numel() > 0]
-        device = grads[0].device if grads else torch.device("cpu")
+        device = grads[0].device if grads else _device_without_grads(groups)
         local = torch.zeros(1, dtype=torch.float32, device=device)  # 1.0: inf/NaN here
         # torch's fused check-and-unscale (GradScaler's), one launch per device and dtype
         # instead of an isfinite reduction and a multiply per gradient
@@ -116,3 +116,12 @@ class DynamicLossScaler:
         self.scale = float(state["scale"])
         self.growth_tracker = int(state["growth_tracker"])
         self.skipped_steps = int(state.get("skipped_steps", 0))
+
+
+def _device_without_grads(groups: Sequence[Any]) -> torch.device:
+    """Where a rank holding no gradient keeps its found-inf flag: it still joins the flag's
+    all-reduce, and NCCL reduces only CUDA tensors (gloo only CPU ones)."""
+    for group in groups:
+        if group is not None and dist.get_backend(group) == "nccl":
+            return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")

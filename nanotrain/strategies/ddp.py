@@ -11,7 +11,9 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from nanotrain.parallel.data_parallel import FlatLayout, GradBuckets, backward_order
 from nanotrain.strategies.base import DataShard
+from nanotrain.strategies.megatron_grads import bucket_numel_for
 from nanotrain.strategies.rendezvous import init_process_group
 from nanotrain.strategies.replicated import ReplicatedStrategy, TrainingStepWrapper
 
@@ -138,24 +140,32 @@ class DDPStrategy(ReplicatedStrategy):
             ddp.register_comm_hook(dist.group.WORLD, hook)
         return ddp
 
-    def _reduce_main_grads(self, buffer: Tensor) -> None:
-        """Average the fp32 main grads over every process, in the precision's reduce dtype."""
-        wire = (
-            buffer
-            if buffer.dtype == self.precision.reduce_dtype
-            else buffer.to(self.precision.reduce_dtype)
+    def _make_main_grads(self, module: Any) -> GradBuckets:
+        # fp32 main grads in buckets, each all-reduced (in the precision's reduce dtype) as
+        # soon as backward of the last microbatch completes it, so the reduction overlaps the
+        # rest of backward as DDP's own buckets do for fp32 and autocast
+        params = backward_order(module)
+        bucket_numel = bucket_numel_for(params[0].element_size(), self.bucket_cap_mb)
+        return GradBuckets(
+            FlatLayout(params, self.world_size, bucket_numel),
+            dist.group.WORLD,
+            grad_dtype=torch.float32,
+            reduce_dtype=self.precision.reduce_dtype,
         )
-        wire.div_(self.world_size)
-        dist.all_reduce(wire)
-        if wire is not buffer:
-            buffer.copy_(wire)
+
+    def _reduce_main_grads(self) -> None:
+        assert isinstance(self._main_grads, GradBuckets)
+        self._main_grads.finish()  # launch the buckets left (e.g. unused parameters), wait
 
     def _found_inf_groups(self) -> list[Any]:
         return [dist.group.WORLD]
 
     def _sync_context(self, is_last_microbatch: bool) -> contextlib.AbstractContextManager:
         assert self._step_runner is not None
-        if is_last_microbatch or self._main_grads is not None:
+        if isinstance(self._main_grads, GradBuckets):
+            self._main_grads.set_sync(is_last_microbatch)
+            return contextlib.nullcontext()
+        if is_last_microbatch:
             return contextlib.nullcontext()
         return self._step_runner.no_sync()
 

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor, nn
 
+from nanotrain.parallel.data_parallel import GradBuckets
 from nanotrain.precision.master import MainGrads, MasterWeights, grad_of
 from nanotrain.profiling import named_range
 from nanotrain.strategies.base import StepOutput, Strategy
@@ -44,7 +45,8 @@ class ReplicatedStrategy(Strategy):
     def __init__(self) -> None:
         super().__init__()
         self._step_runner: nn.Module | None = None
-        self._main_grads: MainGrads | None = None  # fp32 accumulation for bf16 parameters
+        # fp32 accumulation for bf16 parameters: `MainGrads`, or DDP's bucketed `GradBuckets`
+        self._main_grads: MainGrads | GradBuckets | None = None
         # every parameter of the module, listed once: walking the module tree each step is a
         # measurable part of a small model's step (the grads are looked up each step, so
         # freezing or unfreezing during training is still seen)
@@ -58,7 +60,7 @@ class ReplicatedStrategy(Strategy):
         super().setup_module(module)
         self._all_params = list(module.parameters())
         if self.precision.master_weights:
-            self._main_grads = MainGrads(list(self.parameters()))
+            self._main_grads = self._make_main_grads(module)
         self._step_runner = self._wrap(module)
 
     def setup_optimizers(self, module: NanoModule) -> OptimizerSetup:
@@ -69,8 +71,12 @@ class ReplicatedStrategy(Strategy):
             self._master_holder = MasterWeights(setup.optimizer)
         return setup
 
-    def _reduce_main_grads(self, buffer: Tensor) -> None:
-        """Average the fp32 main-grad buffer over replicas (nothing for one process)."""
+    def _make_main_grads(self, module: NanoModule) -> MainGrads | GradBuckets:
+        """The fp32 gradients of the low-precision parameters (one flat buffer)."""
+        return MainGrads(list(self.parameters()))
+
+    def _reduce_main_grads(self) -> None:
+        """Average the fp32 main grads over replicas (nothing for one process)."""
 
     def _found_inf_groups(self) -> list[Any]:
         """Groups over which an fp16 overflow is reduced (every rank that holds gradients)."""
@@ -99,7 +105,7 @@ class ReplicatedStrategy(Strategy):
                 with named_range("nanotrain/backward"):
                     precision.scale_loss(accumulator.objective(i, output)).backward()
         if self._main_grads is not None:
-            self._reduce_main_grads(self._main_grads.buffer)
+            self._reduce_main_grads()
         if precision.uses_loss_scaling:
             grads = [grad_of(p) for p in self._all_params]
             precision.unscale_grads_([g for g in grads if g is not None], self._found_inf_groups())

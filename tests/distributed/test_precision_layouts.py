@@ -15,7 +15,8 @@ import pytest
 import torch
 
 import nanotrain as nt
-from nanotrain.precision import BF16Mixed, FP16Mixed, resolve_precision
+from nanotrain.parallel.data_parallel import GradBuckets
+from nanotrain.precision import BF16Mixed, BF16True, FP16Mixed, resolve_precision
 from nanotrain.strategies.ddp import DDPStrategy
 from nanotrain.strategies.megatron import MegatronStrategy
 from tests.distributed.spawn import run_world
@@ -79,6 +80,25 @@ def _run_cases(rank: int, world: int, root: str) -> dict:
         plugin = BF16Mixed(reduce_dtype=torch.bfloat16)
         _, rec = fit(plugin, make(), steps=STEPS, root=f"{root}/{key}")
         out[key] = rec.losses
+    # bf16-true under DDP: fp32 main grads in many small buckets, each launched from the
+    # gradient hooks while backward still runs (recorded), on the fp32 and the bf16 wire
+    launched_in_backward = []
+    launch = GradBuckets._launch
+
+    def recording_launch(self, b):
+        launched_in_backward.append(torch._C._current_graph_task_id() != -1)
+        return launch(self, b)
+
+    GradBuckets._launch = recording_launch
+    try:
+        for key, plugin in (("ddp_buckets", "bf16-true"), ("ddp_buckets_bf16_wire", None)):
+            plugin = plugin or BF16True(reduce_dtype=torch.bfloat16)
+            strategy = DDPStrategy(bucket_cap_mb=0.01)
+            _, rec = fit(plugin, strategy, steps=STEPS, root=f"{root}/{key}")
+            out[key] = rec.losses
+    finally:
+        GradBuckets._launch = launch
+    out["launched_in_backward"] = launched_in_backward
     # bf16-true under ZeRO-2: 4 steps straight vs 2 + resume + 2 (fp32 masters restored)
     straight = fit("bf16-true", MegatronStrategy(zero_stage=2), steps=4, root=f"{root}/s")[1]
     saver = SaveAtEnd(f"{root}/r/ckpt")
@@ -122,5 +142,14 @@ def test_precisions_under_ddp_zero_and_ep_match_one_process(tmp_path, references
         torch.testing.assert_close(got, ref, rtol=BF16_TOL, atol=0, msg=key)
         fp32_wire = torch.tensor(results[0][same_layout])
         assert not torch.equal(got[1:], fp32_wire[1:]), f"{key}: the bf16 wire changed nothing"
+    # DDP bf16-true: the bucketed, overlapped reduction sums the same two fp32 values per
+    # element as one all-reduce of the whole buffer (CASES 1)
+    assert results[0]["ddp_buckets"] == results[0][1]
+    launched = results[0]["launched_in_backward"]
+    assert len(launched) >= 2 * 4 * STEPS and all(launched), "buckets waited for backward"
+    got = torch.tensor(results[0]["ddp_buckets_bf16_wire"])
+    ref = torch.tensor(references[("bf16-true", "tiny-dense")])
+    torch.testing.assert_close(got, ref, rtol=BF16_TOL, atol=0)
+    assert not torch.equal(got[1:], torch.tensor(results[0][1])[1:]), "bf16 wire changed nothing"
     straight, resumed = results[0]["resume"]
     assert resumed == straight[2:]  # exact: the fp32 masters came back from the checkpoint

@@ -152,3 +152,19 @@ def test_emulated_gemm_quantizes_linear_and_expert_matmul_forms_alike():
     grad_out = q(torch.full((5, 130), 2.0))
     torch.testing.assert_close(w.grad, grad_out.T @ q(x.detach()))
     torch.testing.assert_close(x.grad, grad_out @ q(w.detach()))
+
+
+def test_loss_scaler_flag_of_a_rank_without_gradients_lives_where_its_backend_reduces(
+    monkeypatch,
+):
+    """A rank holding no gradient shard still joins the found-inf all-reduce: under NCCL its
+    flag must be a CUDA tensor (a CPU one makes NCCL raise), under gloo a CPU one."""
+    from nanotrain.precision import scaler
+
+    nccl, gloo = object(), object()
+    monkeypatch.setattr(scaler.dist, "get_backend", lambda g: "nccl" if g is nccl else "gloo")
+    monkeypatch.setattr(scaler.torch.cuda, "current_device", lambda: 3)
+    assert scaler._device_without_grads([None, gloo, nccl]) == torch.device("cuda", 3)
+    assert scaler._device_without_grads([gloo]) == torch.device("cpu")
+    assert scaler._device_without_grads([]) == torch.device("cpu")
+    assert not DynamicLossScaler().unscale_([], [None])  # no grads, nothing to reduce

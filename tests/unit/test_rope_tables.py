@@ -74,3 +74,32 @@ def test_compile_model_keeps_the_tables_and_a_plain_model_does_not():
     assert model._rope_tables is None  # eager models compute them per forward
     compile_model(model, backend="eager")
     assert model._rope_tables is not None
+
+
+def test_tables_made_when_parameters_arrive_without_a_move():
+    """A meta build loaded with `load_state_dict(assign=True)` never calls `_apply`: the first
+    forward makes the tables on the parameters' device."""
+    ids = torch.randint(0, 64, (2, 9))
+    source = _model()
+    expected = source(ids[:, :-1], ids[:, 1:]).total_loss
+    model = _model(device="meta")
+    model.keep_rope_tables()
+    assert model._rope_tables is None
+    model.load_state_dict(source.state_dict(), assign=True)
+    model.tie_weights()
+    assert torch.equal(model(ids[:, :-1], ids[:, 1:]).total_loss, expected)
+    assert model._rope_tables is not None and model._rope_tables[0].device.type == "cpu"
+
+
+def test_tables_made_in_inference_mode_still_train():
+    """Moving a model inside `torch.inference_mode()` (e.g. during evaluation) must not leave
+    inference tensors that a later training step's backward refuses."""
+    ids = torch.randint(0, 64, (2, 9))
+    model = _model()
+    model.keep_rope_tables()
+    with torch.inference_mode():
+        model.to("cpu", torch.float32)
+        model(ids[:, :-1], ids[:, 1:])
+    assert not model._rope_tables[0].is_inference()
+    model(ids[:, :-1], ids[:, 1:]).total_loss.backward()
+    assert model.embed_tokens.weight.grad is not None
