@@ -6,6 +6,7 @@ copy counted once), clipping, per-parameter norms and gathered tensors for callb
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import torch
@@ -41,6 +42,9 @@ def check_built_model(
 ) -> None:
     """Refuse a built model whose parameters do not match the layout the strategy reduces.
 
+    Warns (rank 0) when tp > 1 without ``sequence_parallel`` on a model with routed experts,
+    whose computation every tp rank would then repeat.
+
     Raises:
         ValueError: no trainable parameter; ``sequence_parallel`` with tp > 1 but no
             sequence-parallel layer (its replicated grads would be summed over tp twice over);
@@ -57,6 +61,14 @@ def check_built_model(
                 "layer; build its layers with sequence_parallel=True (from the strategy's "
                 "`sequence_parallel`) or use sequence_parallel=False"
             )
+    if mesh.tp_size > 1 and not sequence_parallel and expert_param_ids(module) and mesh.rank == 0:
+        warnings.warn(
+            f"tp={mesh.tp_size} without sequence_parallel: every tp rank routes the same "
+            "tokens and runs the same routed-expert computation (tp-fold repeated expert "
+            "FLOPs); pass sequence_parallel=True so that each tp rank routes 1/tp of the "
+            "tokens (Megatron-Core requires it for MoE with tensor parallelism)",
+            stacklevel=3,
+        )
     # A pipeline stage may hold no MoE layer at all, so only a whole model is checked.
     if mesh.ep_size > 1 and mesh.pp_size == 1 and not expert_param_ids(module):
         raise ValueError(
