@@ -1,6 +1,7 @@
 """Every user error of the `nanotrain` command is one line on stderr (rank 0 only) with exit
-code 2; `--debug` / NANOTRAIN_DEBUG=1 give the traceback. Run as real subprocesses, launched
-together to save wall time."""
+code 2; `--debug` / NANOTRAIN_DEBUG=1 give the traceback. Errors that need data, a model or
+torchrun run as real subprocesses, launched together to save wall time; argument errors run
+in-process (a process each would only repeat the imports)."""
 
 from __future__ import annotations
 
@@ -56,10 +57,7 @@ def runs(tmp_path_factory) -> dict[str, subprocess.CompletedProcess]:
     tokenizer = deepseek_style_tokenizer(tmp)
     root = ["--trainer.default_root_dir", str(tmp / "runs")]
     cases = {
-        "virtual_pp": ["fit", "--strategy", "megatron", "--strategy.init_args.virtual_pp", "0"],
         "strategy": ["fit", "--strategy", "bogus"],
-        "prefix": ["fit", "--trainer.max_step", "5"],
-        "limit_val": ["fit", "--trainer.max_steps", "1", "--trainer.limit_val_batches", "1.5"],
         "seq_len": ["fit", "--trainer.max_steps", "1", "--data.init_args.seq_len", "512",
                     *SMALL_DEMO, *root],
         "token_ids": ["fit", "--trainer.max_steps", "1", "--data.init_args.data_path", str(data),
@@ -68,7 +66,6 @@ def runs(tmp_path_factory) -> dict[str, subprocess.CompletedProcess]:
                    "--tokenizer", str(tokenizer)],
         "eos": ["prepare", "--inputs", str(corpus), "--out", str(tmp / "p2"),
                 "--tokenizer", str(tokenizer), "--eos_token", DEEPSEEK_EOS],
-        "debug_flag": ["fit", "--debug", "--strategy", "bogus"],
         # not an error: LightningCLI habits on a real run
         "ok": ["fit", "--seed_everything", "7", "--trainer.max_steps", "2", *SMALL_DEMO,
                "--trainer.default_root_dir", str(tmp / "ok_runs"),
@@ -108,22 +105,42 @@ EXPECTED = {
 }
 
 
-@pytest.mark.parametrize("case", list(EXPECTED))
-def test_user_error_is_one_line_with_exit_code_2(runs, case):
-    result = runs[case]
-    assert result.returncode == 2, result.stderr[-2000:]
-    lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1, result.stderr[-2000:]
+# errors found while parsing or building the Trainer, before any data or model: checked
+# in-process (a real process each would only repeat the imports; "strategy" above is one)
+IN_PROCESS = {
+    "virtual_pp": ["fit", "--strategy", "megatron", "--strategy.init_args.virtual_pp", "0"],
+    "prefix": ["fit", "--trainer.max_step", "5"],
+    "limit_val": ["fit", "--trainer.max_steps", "1", "--trainer.limit_val_batches", "1.5"],
+}
+
+
+def _assert_one_line_error(returncode: int, stderr: str, case: str) -> None:
+    assert returncode == 2, stderr[-2000:]
+    lines = stderr.strip().splitlines()
+    assert len(lines) == 1, stderr[-2000:]
     assert lines[0].startswith("nanotrain: error: ") and lines[0].endswith(HINT)
     assert EXPECTED[case] in lines[0]
 
 
-def test_debug_flag_and_env_show_the_traceback(runs, monkeypatch):
-    result = runs["debug_flag"]
-    assert result.returncode == 1
-    assert "Traceback (most recent call last)" in result.stderr
-    assert result.stderr.strip().endswith("ValueError: " + EXPECTED["strategy"])
-    # the environment variable does the same (in-process: the error propagates)
+@pytest.mark.parametrize("case", [c for c in EXPECTED if c not in IN_PROCESS])
+def test_user_error_is_one_line_with_exit_code_2(runs, case):
+    result = runs[case]
+    _assert_one_line_error(result.returncode, result.stderr, case)
+
+
+@pytest.mark.parametrize("case", list(IN_PROCESS))
+def test_argument_error_is_one_line_with_exit_code_2_in_process(case, capsys, monkeypatch):
+    monkeypatch.delenv("NANOTRAIN_DEBUG", raising=False)
+    returncode = main(IN_PROCESS[case])
+    _assert_one_line_error(returncode, capsys.readouterr().err, case)
+
+
+def test_debug_flag_and_env_show_the_traceback(monkeypatch):
+    # in-process the error propagates (a process then prints its traceback, exit code 1)
+    monkeypatch.delenv("NANOTRAIN_DEBUG", raising=False)
+    with pytest.raises(ValueError, match="unknown strategy 'bogus'"):
+        main(["fit", "--debug", "--strategy", "bogus"])
+    # the environment variable does the same
     monkeypatch.setenv("NANOTRAIN_DEBUG", "1")
     with pytest.raises(ValueError, match="unknown strategy 'bogus'"):
         main(["fit", "--strategy", "bogus"])
