@@ -12,7 +12,8 @@ save and load sharded checkpoints through NCCL collectives. Each fits the tiny D
 `SingleDeviceStrategy("cuda")` (rtol 1e-5: one rank sums the same microbatches in the same
 order), then fits 2 steps, saves, and resumes to step 4, which must repeat the straight run's
 last two losses exactly. A bf16-mixed fit under Megatron with ZeRO-2 must stay within 2% of
-the fp32 losses. Prints one table row per run (with the device it trained on) and exits 1 on
+the fp32 losses, and `DDPStrategy()` in bf16-true (fp32 main grads in buckets) must give
+`SingleDeviceStrategy`'s bf16-true losses. Prints one table row per run (with the device it trained on) and exits 1 on
 any mismatch or a run off the GPU. Without CUDA it prints that it skipped and exits 0.
 """
 
@@ -172,6 +173,14 @@ def main(argv: list[str] | None = None) -> int:
         good = _close(losses, ref_losses, 2e-2)  # bf16 matmuls: within 2% of fp32
         ok = ok and good
         print(f"{'Megatron zero2 bf16-mixed':34s} losses {[f'{x:.4f}' for x in losses]}: {good}")
+        # bf16-true: DDP's fp32 main grads in buckets reduced from backward's hooks (one rank:
+        # nothing to sum) must give what one process's fp32 main grads give
+        single = fit(nt.SingleDeviceStrategy(device), f"{root}/bf16t1", STEPS, "bf16-true")
+        ddp = fit(nt.DDPStrategy(), f"{root}/bf16t2", STEPS, "bf16-true")
+        expected, losses = ([r.losses[s] for s in sorted(r.losses)] for r in (single, ddp))
+        good = _close(losses, expected, 1e-5) and ddp.device.startswith(device)
+        ok = ok and good
+        print(f"{'DDPStrategy() bf16-true':34s} {ddp.device}, matches single bf16-true: {good}")
     print("NCCL check " + ("passed" if ok else "FAILED"))
     return 0 if ok else 1
 
