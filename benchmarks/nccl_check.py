@@ -12,9 +12,11 @@ save and load sharded checkpoints through NCCL collectives. Each fits the tiny D
 `SingleDeviceStrategy("cuda")` (rtol 1e-5: one rank sums the same microbatches in the same
 order), then fits 2 steps, saves, and resumes to step 4, which must repeat the straight run's
 last two losses exactly. A bf16-mixed fit under Megatron with ZeRO-2 must stay within 2% of
-the fp32 losses, and `DDPStrategy()` in bf16-true (fp32 main grads in buckets) must give
-`SingleDeviceStrategy`'s bf16-true losses. Prints one table row per run (with the device it trained on) and exits 1 on
-any mismatch or a run off the GPU. Without CUDA it prints that it skipped and exits 0.
+the fp32 losses, and `DDPStrategy()` in bf16-true (fp32 main grads in buckets; one rank sends
+nothing, so this runs the bucket hooks on CUDA, not the NCCL reduction) must give
+`SingleDeviceStrategy`'s bf16-true losses. Prints one table row per run (with the device it
+trained on) and exits 1 on any mismatch or a run off the GPU. Without CUDA it prints that it
+skipped and exits 0.
 """
 
 from __future__ import annotations

@@ -114,6 +114,12 @@ def masked_mean_ce(
     return per_token.sum() / count.clamp(min=1), count
 
 
+def _remake_kept_rope_tables(model: CausalLM, incompatible_keys: Any) -> None:
+    """load_state_dict post-hook: the kept rotary tables follow the loaded parameters."""
+    if model._keep_rope:
+        model._make_rope_tables()
+
+
 class CausalLM(nn.Module):
     """Embedding, decoder layers, final norm and LM head; subclasses choose the layers.
 
@@ -160,6 +166,9 @@ class CausalLM(nn.Module):
         # (cos, sin) for max_seq_len positions, kept under torch.compile: `keep_rope_tables`
         self._keep_rope = False
         self._rope_tables: tuple[torch.Tensor, torch.Tensor] | None = None
+        # parameters can arrive without a move (load_state_dict(assign=True) after a meta
+        # build): make the kept tables then, outside any graph torch.compile traces
+        self.register_load_state_dict_post_hook(_remake_kept_rope_tables)
 
     def tie_weights(self) -> None:
         """Make `lm_head.weight` the embedding's tensor when `config.tie_word_embeddings`.
@@ -182,12 +191,6 @@ class CausalLM(nn.Module):
         """Rotary tables (cos, sin), each float32 [seq_len, rope_dim // 2]: computed per
         forward, or sliced from the tables `keep_rope_tables` keeps on the model's device."""
         tables = self._rope_tables
-        if self._keep_rope and (tables is None or tables[0].device != device):
-            # parameters that arrived without a move (load_state_dict(assign=True) after a
-            # meta build): make the tables now, outside any graph being traced
-            if not torch.compiler.is_compiling():
-                self._make_rope_tables()
-                tables = self._rope_tables
         if tables is not None and tables[0].device == device and seq_len <= len(tables[0]):
             return tables[0][:seq_len], tables[1][:seq_len]
         c = self.config

@@ -120,7 +120,7 @@ class DynamicLossScaler:
 
 def _device_without_grads(groups: Sequence[Any]) -> torch.device:
     """Where a rank holding no gradient keeps its found-inf flag: it still joins the flag's
-    all-reduce, and NCCL reduces only CUDA tensors (gloo only CPU ones)."""
+    all-reduce: a CUDA tensor on an NCCL group (NCCL reduces nothing else), else a CPU one."""
     for group in groups:
         if group is not None and dist.get_backend(group) == "nccl":
             return torch.device("cuda", torch.cuda.current_device())

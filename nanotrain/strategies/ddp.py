@@ -40,10 +40,16 @@ class DDPStrategy(ReplicatedStrategy):
     uses a process group that is already initialized. Uses NCCL on GPU and gloo on CPU.
     Gradients are synchronized only on the last microbatch of each optimizer step.
 
+    With low-precision parameters (bf16-true) torch's DDP is not used: the fp32 main grads live
+    in one flat buffer cut into buckets of `bucket_cap_mb` MiB of parameters (`GradBuckets`,
+    as MegatronStrategy's data parallelism), each all-reduced in the precision's reduce dtype
+    as soon as the last microbatch's backward completes it; parameters that get no gradient
+    need no flag there (their buckets are sent after backward).
+
     Args:
         backend: "nccl", "gloo" or None (pick from the device).
         find_unused_parameters: forwarded to DDP; needed when some parameters get no gradient.
-        bucket_cap_mb: DDP gradient bucket size.
+        bucket_cap_mb: gradient bucket size in MiB (DDP's, or of bf16 parameters as above).
         timeout_s: process-group timeout in seconds.
     """
 
@@ -145,6 +151,8 @@ class DDPStrategy(ReplicatedStrategy):
         # soon as backward of the last microbatch completes it, so the reduction overlaps the
         # rest of backward as DDP's own buckets do for fp32 and autocast
         params = backward_order(module)
+        if not params:
+            raise ValueError("DDPStrategy found no trainable parameters after configure_model")
         bucket_numel = bucket_numel_for(params[0].element_size(), self.bucket_cap_mb)
         return GradBuckets(
             FlatLayout(params, self.world_size, bucket_numel),

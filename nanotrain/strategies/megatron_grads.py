@@ -42,8 +42,8 @@ def check_built_model(
 ) -> None:
     """Refuse a built model whose parameters do not match the layout the strategy reduces.
 
-    Warns (rank 0) when tp > 1 without ``sequence_parallel`` on a model with routed experts,
-    whose computation every tp rank would then repeat.
+    Warns (on the first rank of each pipeline stage holding routed experts) when tp > 1
+    without ``sequence_parallel``: every tp rank would repeat the experts' computation.
 
     Raises:
         ValueError: no trainable parameter; ``sequence_parallel`` with tp > 1 but no
@@ -61,13 +61,16 @@ def check_built_model(
                 "layer; build its layers with sequence_parallel=True (from the strategy's "
                 "`sequence_parallel`) or use sequence_parallel=False"
             )
-    if mesh.tp_size > 1 and not sequence_parallel and expert_param_ids(module) and mesh.rank == 0:
+    # once per pipeline stage that holds routed experts (its first rank): rank 0's stage
+    # may hold only dense layers
+    first_of_stage = mesh.coords.tp_rank == 0 and mesh.coords.dp_rank == 0
+    if mesh.tp_size > 1 and not sequence_parallel and first_of_stage and expert_param_ids(module):
         warnings.warn(
             f"tp={mesh.tp_size} without sequence_parallel: every tp rank routes the same "
             "tokens and runs the same routed-expert computation (tp-fold repeated expert "
             "FLOPs); pass sequence_parallel=True so that each tp rank routes 1/tp of the "
             "tokens (Megatron-Core requires it for MoE with tensor parallelism)",
-            stacklevel=3,
+            stacklevel=2,
         )
     # A pipeline stage may hold no MoE layer at all, so only a whole model is checked.
     if mesh.ep_size > 1 and mesh.pp_size == 1 and not expert_param_ids(module):

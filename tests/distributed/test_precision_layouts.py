@@ -20,7 +20,7 @@ from nanotrain.precision import BF16Mixed, BF16True, FP16Mixed, resolve_precisio
 from nanotrain.strategies.ddp import DDPStrategy
 from nanotrain.strategies.megatron import MegatronStrategy
 from tests.distributed.spawn import run_world
-from tests.precision_helpers import fit
+from tests.precision_helpers import VOCAB, fit
 
 STEPS = 3
 # Measured max relative loss differences against one process over 3 steps: bf16 ~1.5e-4
@@ -66,6 +66,14 @@ class SaveAtEnd(nt.Callback):
         self.path = trainer.save_checkpoint(self.path)
 
 
+class WithUnusedParameter(nt.LanguageModelModule):
+    """The tiny dense model plus a trainable parameter that no loss depends on."""
+
+    def __init__(self) -> None:
+        super().__init__("tiny-dense", vocab_size=VOCAB, lr=1e-2, warmup_steps=2)
+        self.spare = torch.nn.Parameter(torch.zeros(8))
+
+
 def _run_cases(rank: int, world: int, root: str) -> dict:
     out = {}
     for i, (_case, name, factory, make, preset, _) in enumerate(CASES):
@@ -81,24 +89,36 @@ def _run_cases(rank: int, world: int, root: str) -> dict:
         _, rec = fit(plugin, make(), steps=STEPS, root=f"{root}/{key}")
         out[key] = rec.losses
     # bf16-true under DDP: fp32 main grads in many small buckets, each launched from the
-    # gradient hooks while backward still runs (recorded), on the fp32 and the bf16 wire
-    launched_in_backward = []
+    # gradient hooks while backward still runs (recorded per run): on the fp32 and the bf16
+    # wire, with two microbatches per rank, and with a parameter that never gets a gradient
+    launches: list[bool] = []  # per bucket launch: inside backward?
     launch = GradBuckets._launch
 
     def recording_launch(self, b):
-        launched_in_backward.append(torch._C._current_graph_task_id() != -1)
+        launches.append(torch._C._current_graph_task_id() != -1)
         return launch(self, b)
 
+    runs = {
+        "ddp_buckets": ("bf16-true", 2, None),
+        "ddp_buckets_bf16_wire": (BF16True(reduce_dtype=torch.bfloat16), 2, None),
+        "ddp_buckets_accumulated": ("bf16-true", 1, None),
+        "ddp_buckets_unused": ("bf16-true", 2, WithUnusedParameter()),
+    }
     GradBuckets._launch = recording_launch
     try:
-        for key, plugin in (("ddp_buckets", "bf16-true"), ("ddp_buckets_bf16_wire", None)):
-            plugin = plugin or BF16True(reduce_dtype=torch.bfloat16)
-            strategy = DDPStrategy(bucket_cap_mb=0.01)
-            _, rec = fit(plugin, strategy, steps=STEPS, root=f"{root}/{key}")
-            out[key] = rec.losses
+        for key, (plugin, micro, module) in runs.items():
+            launches.clear()
+            _, rec = fit(
+                plugin,
+                DDPStrategy(bucket_cap_mb=0.01),
+                steps=STEPS,
+                root=f"{root}/{key}",
+                micro_batch=micro,
+                module=module,
+            )
+            out[key] = (rec.losses, list(launches))
     finally:
         GradBuckets._launch = launch
-    out["launched_in_backward"] = launched_in_backward
     # bf16-true under ZeRO-2: 4 steps straight vs 2 + resume + 2 (fp32 masters restored)
     straight = fit("bf16-true", MegatronStrategy(zero_stage=2), steps=4, root=f"{root}/s")[1]
     saver = SaveAtEnd(f"{root}/r/ckpt")
@@ -142,14 +162,23 @@ def test_precisions_under_ddp_zero_and_ep_match_one_process(tmp_path, references
         torch.testing.assert_close(got, ref, rtol=BF16_TOL, atol=0, msg=key)
         fp32_wire = torch.tensor(results[0][same_layout])
         assert not torch.equal(got[1:], fp32_wire[1:]), f"{key}: the bf16 wire changed nothing"
-    # DDP bf16-true: the bucketed, overlapped reduction sums the same two fp32 values per
-    # element as one all-reduce of the whole buffer (CASES 1)
-    assert results[0]["ddp_buckets"] == results[0][1]
-    launched = results[0]["launched_in_backward"]
+    # DDP bf16-true: small buckets sum the same two fp32 values per element as CASES 1's one
+    # 25 MB bucket, and every bucket is sent from backward's hooks, once per step
+    losses, launched = results[0]["ddp_buckets"]
+    assert losses == results[0][1]
     assert len(launched) >= 2 * 4 * STEPS and all(launched), "buckets waited for backward"
-    got = torch.tensor(results[0]["ddp_buckets_bf16_wire"])
+    buckets = len(launched) // STEPS
     ref = torch.tensor(references[("bf16-true", "tiny-dense")])
-    torch.testing.assert_close(got, ref, rtol=BF16_TOL, atol=0)
-    assert not torch.equal(got[1:], torch.tensor(results[0][1])[1:]), "bf16 wire changed nothing"
+    got, _ = results[0]["ddp_buckets_bf16_wire"]
+    torch.testing.assert_close(torch.tensor(got), ref, rtol=BF16_TOL, atol=0)
+    assert not torch.equal(torch.tensor(got[1:]), torch.tensor(losses[1:])), "bf16 wire: no change"
+    # two microbatches per rank: the first only accumulates, the last sends each bucket once
+    got, launched = results[0]["ddp_buckets_accumulated"]
+    torch.testing.assert_close(torch.tensor(got), ref, rtol=BF16_TOL, atol=0)
+    assert len(launched) == buckets * STEPS and all(launched)
+    # a parameter without a gradient holds its bucket back until after backward (`finish`)
+    got, launched = results[0]["ddp_buckets_unused"]
+    assert got == losses
+    assert len(launched) > buckets * STEPS and not all(launched) and any(launched)
     straight, resumed = results[0]["resume"]
     assert resumed == straight[2:]  # exact: the fp32 masters came back from the checkpoint

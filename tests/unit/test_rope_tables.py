@@ -77,18 +77,20 @@ def test_compile_model_keeps_the_tables_and_a_plain_model_does_not():
 
 
 def test_tables_made_when_parameters_arrive_without_a_move():
-    """A meta build loaded with `load_state_dict(assign=True)` never calls `_apply`: the first
-    forward makes the tables on the parameters' device."""
+    """A meta build loaded with `load_state_dict(assign=True)` never calls `_apply`: loading
+    makes the tables on the parameters' device, before any (compiled) forward would trace
+    around their absence."""
     ids = torch.randint(0, 64, (2, 9))
     source = _model()
     expected = source(ids[:, :-1], ids[:, 1:]).total_loss
     model = _model(device="meta")
-    model.keep_rope_tables()
+    compile_model(model, backend="eager")
     assert model._rope_tables is None
     model.load_state_dict(source.state_dict(), assign=True)
     model.tie_weights()
-    assert torch.equal(model(ids[:, :-1], ids[:, 1:]).total_loss, expected)
     assert model._rope_tables is not None and model._rope_tables[0].device.type == "cpu"
+    assert not any("cos" in op or "sin" in op for op in _graph_ops(model, ids))
+    assert torch.equal(model(ids[:, :-1], ids[:, 1:]).total_loss, expected)
 
 
 def test_tables_made_in_inference_mode_still_train():
