@@ -21,6 +21,7 @@ skipped and exits 0.
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import os
 import socket
@@ -126,8 +127,9 @@ def _close(a: list[float], b: list[float], rtol: float) -> bool:
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    device = "cpu" if "--cpu" in argv else "cuda"  # --cpu: the same checks on gloo (a dry run)
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--cpu", action="store_true", help="the same checks on gloo (a dry run)")
+    device = "cpu" if parser.parse_args(argv).cpu else "cuda"
     if device == "cuda" and not torch.cuda.is_available():
         print("no CUDA device: nothing checked (skipped)")
         return 0

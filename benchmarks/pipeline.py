@@ -21,6 +21,7 @@ m=8 (``--f-ms``, default 60). A schedule at its theoretical bubble prints 1.00.
 
 from __future__ import annotations
 
+import argparse
 import statistics
 import sys
 import time
@@ -159,9 +160,14 @@ def sleep_table(f_ms: float) -> None:
 
 
 def main() -> None:
-    if "--sleep" in sys.argv:
-        i = sys.argv.index("--f-ms") if "--f-ms" in sys.argv else -1
-        sleep_table(float(sys.argv[i + 1]) if i >= 0 else 60.0)
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument(
+        "--sleep", action="store_true", help="time the executor with sleep-based stage compute"
+    )
+    parser.add_argument("--f-ms", type=float, default=60.0, help="--sleep: forward time F (ms)")
+    args = parser.parse_args()
+    if args.sleep:
+        sleep_table(args.f_ms)
         return
     rows = [
         "| pp | m | schedule | step ms | bubble measured | bubble theory | peak act. MiB (stage 0) |"
