@@ -3,6 +3,7 @@
     python benchmarks/gpu.py                      # sync check, then both presets, eager and compiled
     python benchmarks/gpu.py --sync-check-only    # seconds: only the host-sync check
     python benchmarks/gpu.py --no-sync-check --experts-only   # expert layer by number of experts
+    python benchmarks/gpu.py --find-syncs ddp:bf16-mixed      # where each sync comes from
     python benchmarks/gpu.py --preset dense-1b --micro-batch 8 --seq-len 2048 --compile model
 
 Each step is forward + backward + fused AdamW on bf16 weights over one micro-batch of random
@@ -11,9 +12,10 @@ peak, with `nanotrain.models.accounting.flops_per_token` (6 x active matmul para
 causal attention) and the GPU's dense bf16 peak from the ThroughputMonitor's table
 (`nanotrain.callbacks.flops`: H100/H200 SXM 989 TFLOP/s, H100 PCIe 756, A100 312; give
 --peak-tflops for others). `--compile` lists what to run each preset as, one table row each:
-"none" (eager), "layers" (torch.compile per decoder layer) and "model" (the whole model as one
-graph), as `LanguageModelModule(compile_layers=...)` / `compile_model=...` compile it; the
-default runs eager and the compiled model side by side. Without CUDA it checks its arguments,
+"none" (eager), "layers" (torch.compile per decoder layer), "model" (the whole model as one
+graph), as `LanguageModelModule(compile_layers=...)` / `compile_model=...` compile it, and
+"cudagraphs" (the whole model with `mode="reduce-overhead"`: its graphs replayed as CUDA graphs,
+one launch each); the default runs eager and the compiled model side by side. Without CUDA it checks its arguments,
 prints the presets' sizes and exits 0 without timing anything.
 
 First (unless --no-sync-check) it fits the tiny DeepSeek model with the Trainer on the GPU,
@@ -26,6 +28,12 @@ stderr). The MFU runs still follow, and the script exits 1 if any step after the
 synced: step 2 is reported but not failed, since one-time work can still happen there (DDP
 synced twice in step 2 on an H100, never later; docs/performance.md, "Host-device
 synchronizations").
+
+`--find-syncs ddp:bf16-mixed` profiles steps 2-14 of that fit instead and prints each blocking
+CUDA runtime call in them (`SYNC_CALLS`) with its thread, enclosing ops and Python functions, and
+steps: the source of a sync that sync debug mode reports only on stderr, and the syncs it does
+not report at all (DDP's waits on CUDA events). It exits 1 on any after step 11 (torch's DDP
+times steps 2-11 for its statistics).
 
 `benchmarks/gpu_session.sh` runs this with the CUDA tests and `benchmarks/nccl_check.py` as
 one command for a short GPU lease.
@@ -90,6 +98,12 @@ PRESETS = {
 }
 
 
+#: what --compile can run each preset as: eager, torch.compile per decoder layer, the whole
+#: model as one graph, and the whole model under CUDA graphs (torch.compile's
+#: mode="reduce-overhead": each compiled graph is replayed with one launch)
+COMPILE_RUNS = ("none", "layers", "model", "cudagraphs")
+
+
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
     """Parse and check the arguments (ValueError-style errors through argparse)."""
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -101,7 +115,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--compile",
         default="none,model",
-        help="comma-separated runs per preset: none (eager), layers, model (default: none,model)",
+        help="comma-separated runs per preset: none (eager), layers, model, cudagraphs "
+        "(default: none,model)",
     )
     p.add_argument("--no-sync-check", action="store_true", help="skip the Trainer sync check")
     p.add_argument(
@@ -109,6 +124,14 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument(
         "--profile", action="store_true", help="also print each run's 15 costliest CUDA kernels"
+    )
+    p.add_argument(
+        "--find-syncs",
+        action="append",
+        default=[],
+        metavar="STRATEGY:PRECISION",
+        help="profile steps 2-14 of the sync check's fit (e.g. ddp:bf16-mixed) and print where "
+        "each host sync in them comes from; fails on one after step 11; repeatable; runs only that",
     )
     p.add_argument(
         "--experts-only",
@@ -122,9 +145,16 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     if args.peak_tflops is not None and args.peak_tflops <= 0:
         p.error(f"--peak-tflops must be > 0, got {args.peak_tflops}")
     args.compile = [c.strip() for c in args.compile.split(",") if c.strip()]
-    unknown = sorted(set(args.compile) - {"none", "layers", "model"})
+    unknown = sorted(set(args.compile) - set(COMPILE_RUNS))
     if unknown or not args.compile:
-        p.error(f"--compile takes none, layers and/or model (comma-separated), got {unknown}")
+        p.error(f"--compile takes {', '.join(COMPILE_RUNS)} (comma-separated), got {unknown}")
+    for item in args.find_syncs:
+        strategy, _, precision = item.partition(":")
+        if strategy not in SYNC_STRATEGIES or not precision:
+            p.error(
+                f"--find-syncs takes STRATEGY:PRECISION with a strategy of {SYNC_STRATEGIES}, "
+                f"e.g. ddp:bf16-mixed; got {item!r}"
+            )
     return args
 
 
@@ -155,12 +185,16 @@ def _training_step(name: str, compile_as: str, args: argparse.Namespace):
         compile_layers(model)
     elif compile_as == "model":
         compile_model(model)
+    elif compile_as == "cudagraphs":
+        compile_model(model, mode="reduce-overhead")
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
     tokens = torch.randint(
         0, config.vocab_size, (args.micro_batch, args.seq_len + 1), device="cuda"
     )
 
     def step() -> None:
+        if compile_as == "cudagraphs":  # a new iteration: the last one's graph outputs are free
+            torch.compiler.cudagraph_mark_step_begin()
         model(tokens[:, :-1], tokens[:, 1:]).total_loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
@@ -318,6 +352,118 @@ def sync_check(precision: str, strategy: str = "single") -> bool:
     return True
 
 
+#: CUDA runtime calls that block the host until the GPU catches up (`.item()`, a blocking
+#: device-to-host copy and an explicit synchronize end in one of them)
+SYNC_CALLS = (
+    "cudaStreamSynchronize",
+    "cudaDeviceSynchronize",
+    "cudaEventSynchronize",
+    "cudaMemcpy",
+)
+
+
+#: the last step in which torch's DDP may still wait on CUDA events: it times steps 2-11 for
+#: its runtime statistics (not configurable; DDPStrategy turns off the later samples)
+WARM_UP_LAST = 11
+
+
+def sync_sources(
+    precision: str,
+    strategy: str = "ddp",
+    steps: range = range(2, 15),
+    calls: tuple[str, ...] = SYNC_CALLS,
+) -> dict[str, list[int]]:
+    """Where the host syncs of training steps come from, including those sync debug mode does
+    not see (it reports only syncs that go through torch's own synchronize calls, and those of
+    a thread without Python only on stderr): fit the tiny MoE as `sync_check` does, under
+    `strategy` and `precision`, logging only after `steps`; profile `steps` (CPU and CUDA
+    activities, Python stacks) and print each call of `calls` in them with its thread, its
+    enclosing ops and Python functions (innermost first) and the steps it came in. Returns
+    {that description: [step of each call]}."""
+    import tempfile
+
+    from torch.profiler import ProfilerActivity, record_function
+    from torch.profiler import profile as torch_profile
+
+    import nanotrain as nt
+
+    activities = [ProfilerActivity.CPU]
+    if torch.cuda.is_available():
+        activities.append(ProfilerActivity.CUDA)
+    prof = torch_profile(activities=activities, with_stack=True)
+    ranges: dict[int, record_function] = {}
+
+    class Watch(nt.Callback):
+        """Profiles `steps`, each inside a range named after it, to place each call in time
+        (steps counted here: batch_idx starts again at 0 in each epoch)."""
+
+        n = 0
+
+        def on_train_batch_start(self, trainer, module, batch, batch_idx):
+            self.n += 1
+            n = self.n
+            if n == steps[0]:
+                if torch.cuda.is_available():
+                    torch.cuda.synchronize()  # the earlier steps' work is not in the window
+                prof.start()
+            if n in steps:
+                ranges[n] = record_function(f"sync_sources/step {n}")
+                ranges[n].__enter__()
+
+        def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
+            n = self.n
+            if n in ranges:
+                ranges[n].__exit__(None, None, None)
+            if n == steps[-1]:
+                prof.stop()
+
+        def on_train_end(self, trainer, module):
+            if (
+                self.n < steps[-1]
+            ):  # a run shorter than the window: the profiler must not outlive it
+                prof.stop()
+
+    chosen, backend = _strategy(strategy)
+    with tempfile.TemporaryDirectory() as root, one_rank_world(backend):
+        trainer = nt.Trainer(
+            strategy=chosen,
+            precision=precision,
+            max_steps=steps[-1] + 1,
+            global_batch_size=8,
+            micro_batch_size=4,
+            log_every_n_steps=steps[-1] + 1,
+            default_root_dir=root,
+            callbacks=[Watch()],
+        )
+        module = nt.LanguageModelModule(model="tiny", vocab_size=256)
+        trainer.fit(module, train_dataloaders=Tokens())
+    events = prof.events()
+    windows = [
+        (int(e.name.rsplit(" ", 1)[1]), e.time_range.start, e.time_range.end)
+        for e in events
+        if e.name.startswith("sync_sources/step ")
+    ]
+    found: dict[str, list[int]] = {}
+    for event in events:
+        if event.name not in calls:
+            continue
+        chain, parent = [], event.cpu_parent
+        while parent is not None:
+            chain.append(parent.name)
+            parent = parent.cpu_parent
+        where = f"{event.name} (thread {event.thread}) in: " + " <- ".join(chain or ["no op"])
+        t = event.time_range.start
+        step = next((n for n, start, end in windows if start <= t <= end), 0)  # 0: between
+        found.setdefault(where, []).append(step)
+    total = sum(len(v) for v in found.values())
+    print(
+        f"\nsync sources ({strategy}, {precision}, steps {steps[0]}-{steps[-1]}): {total} call(s)"
+    )
+    for where, in_steps in found.items():
+        print(f"  {len(in_steps)}x {where}, in steps {sorted(set(in_steps))}")
+    return found
+
+
 def profile(step, title: str) -> str:
     """The table of the 15 CUDA kernels that take the most time over 3 calls of `step`."""
     from torch.profiler import ProfilerActivity
@@ -422,6 +568,18 @@ def main(argv: list[str] | None = None) -> int:
     if not torch.cuda.is_available():
         print("no CUDA device: arguments checked, nothing timed (skipped)")
         return 0
+    if args.find_syncs:
+        steady = False
+        for item in args.find_syncs:
+            strategy, _, precision = item.partition(":")
+            found = sync_sources(precision, strategy)
+            late = sorted({n for steps in found.values() for n in steps if n > WARM_UP_LAST})
+            steady |= bool(late)
+            print(
+                f"  steady state (steps after {WARM_UP_LAST}): "
+                + (f"syncs in {late}" if late else "no sync")
+            )
+        return 1 if steady else 0
     # the sync check first: it takes seconds, and a failure should not wait for the MFU runs
     synced = False
     if not args.no_sync_check:

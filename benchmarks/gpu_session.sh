@@ -1,10 +1,13 @@
 #!/usr/bin/env bash
 # Every GPU check of this repository in one command, for a short lease of one GPU machine:
-#   bash benchmarks/gpu_session.sh [OUT_DIR]      (logs go to OUT_DIR, default $OUT or /tmp/gpu)
+#   bash benchmarks/gpu_session.sh [OUT_DIR [PART...]]   (logs go to OUT_DIR, default $OUT or
+#   /tmp/gpu; PARTs, e.g. `tests sync nccl`, run only those parts; default all)
 # 1. the CUDA-only tests (they skip on CPU machines), 2. the host-sync check of the Trainer
-# under single/DDP/Megatron in bf16-true and bf16-mixed, 3. the NCCL check of every strategy
-# that fits on one GPU, 4. MFU of the ~1B dense and MoE presets, eager and compiled, with each
-# run's costliest kernels, 5. one expert layer's time by number of local experts. Each part has
+# under single/DDP/Megatron in bf16-true and bf16-mixed, and where DDP bf16-mixed's step-2 syncs
+# come from (profiled), 3. the NCCL check of every strategy that fits on one GPU, 4. one expert
+# layer's time by number of local experts, 5. MFU of the ~1B MoE preset compiled, with and
+# without CUDA graphs, with each run's costliest kernels, and of the ~1B dense preset compiled
+# (eager runs: `python benchmarks/gpu.py --no-sync-check`). Each part has
 # its own time limit, so one slow part cannot starve the others; the summary at the end repeats
 # the result lines of every part. Eight log files: the most a lent machine sends back.
 set -u
@@ -21,9 +24,13 @@ if compgen -G ".whl/*.whl" >/dev/null; then
         export PYTHONPATH="$PYTHONPATH:/tmp/site"
 fi
 
+wanted=("${@:2}")
 part() {  # part NAME SECONDS COMMAND...: run with a time limit, log to $out/NAME.log
     local name=$1 limit=$2
     shift 2
+    if [ ${#wanted[@]} -gt 0 ] && [[ " ${wanted[*]} " != *" $name "* ]]; then
+        return
+    fi
     local t0=$SECONDS
     timeout "$limit" "$@" >"$out/$name.log" 2>&1
     echo "== $name: exit $? in $((SECONDS - t0)) s" | tee -a "$out/$name.log"
@@ -45,15 +52,18 @@ part tests 120 python3 -m pytest -q -p no:cacheprovider "${skip[@]}" \
     tests/unit/test_callbacks_monitors.py tests/unit/test_single_device.py \
     tests/unit/test_megatron_device.py tests/unit/test_precision.py tests/unit/test_gpu_benchmark.py
 part sync 120 python3 benchmarks/gpu.py --sync-check-only
+part syncsource 150 python3 benchmarks/gpu.py --find-syncs ddp:bf16-mixed --find-syncs ddp:bf16-true \
+    --find-syncs single:bf16-mixed --find-syncs single:bf16-true \
+    --find-syncs megatron:bf16-mixed --find-syncs megatron:bf16-true
 part nccl 120 python3 benchmarks/nccl_check.py
-part dense 170 python3 benchmarks/gpu.py --no-sync-check --preset dense-1b --compile none,model --steps 10 --profile
-part dense8 120 python3 benchmarks/gpu.py --no-sync-check --preset dense-1b --micro-batch 8 --compile model --steps 10
-part moe 170 python3 benchmarks/gpu.py --no-sync-check --preset moe-1b --compile none,model --steps 10 --profile
-part experts 60 python3 benchmarks/gpu.py --no-sync-check --experts-only
-
+part experts 90 python3 benchmarks/gpu.py --no-sync-check --experts-only
+part moe 200 python3 benchmarks/gpu.py --no-sync-check --preset moe-1b --compile model,cudagraphs --steps 10 --profile
+part dense 120 python3 benchmarks/gpu.py --no-sync-check --preset dense-1b --compile model --steps 10
 echo "== summary"
+exec 2>/dev/null  # parts not run have no log
 grep -h "passed\|failed\|error" "$out/tests.log" | tail -3
 grep -h "^sync check\|^  [0-9]*x " "$out/sync.log"
-grep -h "matches single\|bf16-mixed  \|NCCL check\|Error" "$out/nccl.log"
-grep -h "^| \|Error\|bandwidth" "$out/dense.log" "$out/dense8.log" "$out/moe.log" "$out/experts.log"
+grep -h "^sync sources\|^  [0-9]*x \|^  steady" "$out/syncsource.log" | cut -c1-400
+grep -h "matches single\|bf16-mixed  \|bf16-true  \|NCCL check\|Error" "$out/nccl.log"
+grep -h "^| \|Error\|bandwidth\|skipping cudagraphs" "$out/dense.log" "$out/moe.log" "$out/experts.log"
 grep -h "^== " "$out"/*.log

@@ -17,6 +17,8 @@ from nanotrain.strategies.megatron_grads import bucket_numel_for
 from nanotrain.strategies.rendezvous import init_process_group
 from nanotrain.strategies.replicated import ReplicatedStrategy, TrainingStepWrapper
 
+#: a DDP runtime-statistics sample rate no run reaches (the reducer takes a C int)
+_NEVER = 2**31 - 1
 _REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "mean": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}
 
 
@@ -37,7 +39,8 @@ class DDPStrategy(ReplicatedStrategy):
     """One model replica per process; gradients averaged across processes by DDP.
 
     Reads torchrun's environment (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT), or
-    uses a process group that is already initialized. Uses NCCL on GPU and gloo on CPU.
+    uses a process group that is already initialized. Uses NCCL on GPU and gloo on CPU; an
+    NCCL group it creates is bound to GPU LOCAL_RANK (`device_id`).
     Gradients are synchronized only on the last microbatch of each optimizer step.
 
     With low-precision parameters (bf16-true) torch's DDP is not used: the fp32 main grads live
@@ -77,6 +80,7 @@ class DDPStrategy(ReplicatedStrategy):
                 rank=rank,
                 world_size=world,
                 timeout=datetime.timedelta(seconds=self.timeout_s),
+                local_rank=_env_int("LOCAL_RANK", rank),
             )
             self._owns_process_group = True
         if dist.get_backend() == "nccl":
@@ -139,6 +143,11 @@ class DDPStrategy(ReplicatedStrategy):
             find_unused_parameters=self.find_unused_parameters,
             bucket_cap_mb=self.bucket_cap_mb,
         )
+        # DDP times its own steps for its debug statistics: steps 2-11, then every 100th by
+        # default. On CUDA each such step makes the host wait, at the start of forward, on the
+        # previous step's CUDA events (8 cudaEventSynchronize per step on an H100), which sync
+        # debug mode does not report. The first ten cannot be turned off; the rest can.
+        ddp._set_ddp_runtime_logging_sample_rate(_NEVER)
         if self.precision.reduce_dtype != torch.float32:
             from nanotrain.precision.comm import low_precision_allreduce_hook
 

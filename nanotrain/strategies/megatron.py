@@ -216,6 +216,7 @@ class MegatronStrategy(MegatronGradNorms, Strategy):
                 rank=rank,
                 world_size=world,
                 timeout=datetime.timedelta(seconds=self.timeout_s),
+                local_rank=_env_int("LOCAL_RANK"),
             )
             self._owns_process_group = True
         if dist.is_initialized():

@@ -19,21 +19,34 @@ from __future__ import annotations
 import datetime
 import os
 
+import torch
 import torch.distributed as dist
 
 __all__ = ["init_process_group"]
 
 
 def init_process_group(
-    backend: str, rank: int | None, world_size: int | None, timeout: datetime.timedelta
+    backend: str,
+    rank: int | None,
+    world_size: int | None,
+    timeout: datetime.timedelta,
+    local_rank: int | None = None,
 ) -> None:
     """`dist.init_process_group(backend, rank, world_size, timeout)` from torchrun's
     environment (MASTER_ADDR/MASTER_PORT), with a store whose keys are private to this restart
-    attempt when the elastic agent shares its store with the workers."""
+    attempt when the elastic agent shares its store with the workers.
+
+    On NCCL the group is bound to GPU `local_rank` (`device_id`, default: `rank`): NCCL then
+    sets up its communicator at once, on the right GPU, rather than at the first collective,
+    subgroups are split from it, and `barrier()` knows its device instead of guessing (torch
+    warns "devices used by this process are currently unknown" without it)."""
+    kwargs = dict(rank=rank, world_size=world_size, timeout=timeout)
+    if backend == "nccl":
+        kwargs["device_id"] = torch.device("cuda", rank if local_rank is None else local_rank)
     restart = os.environ.get("TORCHELASTIC_RESTART_COUNT")
     shared = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == str(True)
     if not (shared and restart is not None and rank is not None and world_size is not None):
-        dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timeout)
+        dist.init_process_group(backend, **kwargs)
         return
     client = dist.TCPStore(
         os.environ["MASTER_ADDR"],
@@ -43,4 +56,4 @@ def init_process_group(
         timeout=timeout,
     )
     store = dist.PrefixStore(f"nanotrain/restart_{restart}", client)
-    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
+    dist.init_process_group(backend, store=store, **kwargs)

@@ -25,7 +25,7 @@ def test_compile_runs_are_parsed_and_checked(capsys):
     assert gpu.parse(["--compile", "layers, model"]).compile == ["layers", "model"]
     with pytest.raises(SystemExit):
         gpu.parse(["--compile", "model,fast"])
-    assert "--compile takes none, layers and/or model" in capsys.readouterr().err
+    assert "--compile takes none, layers, model, cudagraphs" in capsys.readouterr().err
 
 
 def test_presets_are_about_one_billion_parameters():
@@ -77,3 +77,30 @@ def test_expert_scaling_times_every_size_and_prints_the_floor(capsys):
     rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| 128 |")]
     floor = float(rows[0].split("|")[4].strip().rstrip("x"))
     assert floor > 1.0  # 16x the weight bytes cannot cost nothing
+
+
+def test_sync_sources_names_each_call_with_its_step_and_enclosing_ops(monkeypatch, capsys):
+    # --find-syncs on CPU: an op every training step runs (the loss's log-softmax) stands in
+    # for a blocking CUDA runtime call; each must be found in each profiled step with the
+    # ops around it, the Trainer's forward range among them.
+    import nanotrain as nt
+
+    monkeypatch.setattr(gpu, "_strategy", lambda name: (nt.SingleDeviceStrategy("cpu"), None))
+    # steps 8 and 9: the 64-sequence data set ends after step 8 and the next epoch begins
+    found = gpu.sync_sources("32", "single", steps=range(8, 10), calls=("aten::_log_softmax",))
+    out = capsys.readouterr().out
+    assert found, out
+    assert all(where.startswith("aten::_log_softmax (thread ") for where in found)
+    assert all("nanotrain/forward" in where for where in found), list(found)
+    # two micro-batches a step: the op runs at least twice in each of steps 8 and 9, and no
+    # call is placed outside them
+    steps = [n for in_steps in found.values() for n in in_steps]
+    assert steps.count(8) >= 2 and steps.count(9) >= 2 and set(steps) == {8, 9}
+    assert f"{len(steps)} call(s)" in out
+
+
+def test_find_syncs_takes_strategy_and_precision(capsys):
+    assert gpu.parse(["--find-syncs", "ddp:bf16-mixed"]).find_syncs == ["ddp:bf16-mixed"]
+    with pytest.raises(SystemExit):
+        gpu.parse(["--find-syncs", "fsdp:bf16-mixed"])
+    assert "--find-syncs takes STRATEGY:PRECISION" in capsys.readouterr().err

@@ -1,0 +1,59 @@
+"""The strategies bind an NCCL default group to their GPU (`device_id`), and only NCCL ones
+(checked with `torch.distributed.init_process_group` stubbed: no GPU here)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import nanotrain as nt
+
+
+class _Stop(Exception):
+    """Raised by the stub: the test needs only the call's arguments."""
+
+
+@pytest.fixture
+def init_calls(monkeypatch):
+    calls = []
+
+    def fake_init(backend, **kwargs):
+        calls.append((backend, kwargs))
+        raise _Stop
+
+    monkeypatch.setattr(dist, "init_process_group", fake_init)
+    monkeypatch.setattr(dist, "is_initialized", lambda: False)
+    for name, value in {"RANK": "5", "WORLD_SIZE": "8", "LOCAL_RANK": "1"}.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.delenv("TORCHELASTIC_USE_AGENT_STORE", raising=False)
+    return calls
+
+
+@pytest.mark.parametrize(
+    "make", [lambda b: nt.DDPStrategy(backend=b), lambda b: nt.MegatronStrategy(backend=b)]
+)
+def test_nccl_group_is_bound_to_the_local_gpu(init_calls, make):
+    # rank 5 of 8 with LOCAL_RANK 1 drives GPU 1 (its node's second), not GPU 5
+    with pytest.raises(_Stop):
+        make("nccl").setup_environment()
+    ((backend, kwargs),) = init_calls
+    assert backend == "nccl" and kwargs["rank"] == 5 and kwargs["world_size"] == 8
+    assert kwargs["device_id"] == torch.device("cuda", 1)
+
+
+@pytest.mark.parametrize(
+    "make", [lambda b: nt.DDPStrategy(backend=b), lambda b: nt.MegatronStrategy(backend=b)]
+)
+def test_gloo_group_gets_no_device(init_calls, make):
+    with pytest.raises(_Stop):
+        make("gloo").setup_environment()
+    ((backend, kwargs),) = init_calls
+    assert backend == "gloo" and "device_id" not in kwargs
+
+
+def test_without_local_rank_the_global_rank_names_the_gpu(init_calls, monkeypatch):
+    monkeypatch.delenv("LOCAL_RANK")
+    with pytest.raises(_Stop):
+        nt.DDPStrategy(backend="nccl").setup_environment()
+    assert init_calls[0][1]["device_id"] == torch.device("cuda", 5)
