@@ -78,8 +78,9 @@ class ProgressBar(Callback):
     values shown are those the Trainer logged at the last log step (reading them every step
     would sync the device).
     tokens/s, s/step and the ETA come from the bar's own clock over the steps since its
-    previous update (since training (re)started for the first), so a slow start such as
-    torch.compile's first steps does not hold the rate down for the rest of the run.
+    previous update (for the first, since the end of the first step after training
+    (re)started), so a slow start such as torch.compile's first step skews neither the first
+    ETA nor the rate for the rest of the run.
 
     Args:
         mode: "auto", "rich", "plain" or "off".
@@ -182,6 +183,11 @@ class ProgressBar(Callback):
             )
         elif is_log_step:
             self._write(self._metrics_text(trainer, with_eta=True))
+        if trainer.global_step == self._start_step + 1 and self._mark[1] == self._start_step:
+            # the rate starts after the first step of this (re)start: that step carries CUDA's
+            # start-up and torch.compile's compilation, and would skew the first rate and ETA
+            # (it reads the device, which the first step does anyway: it checks the token ids)
+            self._mark = (self.clock(), trainer.global_step, trainer.state.consumed_tokens)
 
     def on_validation_end(self, trainer: Trainer, module: NanoModule) -> None:
         """Print the validation metrics shown in the progress bar (plain mode)."""

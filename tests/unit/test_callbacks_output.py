@@ -76,8 +76,9 @@ def test_rate_and_eta_come_from_the_steps_since_the_previous_line(tmp_path):
     trainer = make_trainer(tmp_path, callbacks=[SlowFirstStep(clock), bar], max_steps=6)
     trainer.fit(Tokens(lr=0.05), BlobsData())
     rates = [line.split(" | ")[-3:] for line in stream.getvalue().splitlines()[:3]]
-    # steps 1-2 took 10.5 s; steps 3-4 and 5-6 took 1 s each (80 tokens per step)
-    assert rates[0] == ["15 tok/s", "5.250 s/step", "ETA 0:00:21"]
+    # step 1 took 10 s and is left out; step 2 took 0.5 s, steps 3-4 and 5-6 1 s each
+    # (80 tokens per step); at step 2, four steps of 0.5 s are left
+    assert rates[0] == ["160 tok/s", "0.500 s/step", "ETA 0:00:02"]
     assert rates[1] == ["160 tok/s", "0.500 s/step", "ETA 0:00:01"]
     assert rates[2] == ["160 tok/s", "0.500 s/step", "ETA 0:00:00"]
 
