@@ -27,7 +27,9 @@ class ThroughputMonitor(Callback):
     """Measures how fast training runs, averaged over the steps between two log steps.
 
     The clock runs from the end of one logged step to the end of the next, so data loading
-    and every callback count; validation time is taken out. On CUDA the device is
+    and every callback count; validation time is taken out. The first window starts at the
+    end of the first step after training (re)started, which carries CUDA's start-up and
+    torch.compile's compilation (unless that step is itself a log step). On CUDA the device is
     synchronized on log steps only (the timing must include queued kernels; other steps stay
     free of host-device syncs).
 
@@ -82,6 +84,7 @@ class ThroughputMonitor(Callback):
         self._flops: float | None = None
         self._reset_window(None)
         self._validation_started: float | None = None
+        self._start_step = 0  # the step training (re)started from
 
     def _reset_window(self, start: float | None) -> None:
         self._window_start = start
@@ -112,7 +115,8 @@ class ThroughputMonitor(Callback):
             )
 
     def on_train_start(self, trainer: Trainer, module: NanoModule) -> None:
-        """Start the first window."""
+        """Start the first window (it restarts after the first step)."""
+        self._start_step = trainer.global_step
         self._reset_window(self.clock())
 
     def on_validation_start(self, trainer: Trainer, module: NanoModule) -> None:
@@ -140,17 +144,29 @@ class ThroughputMonitor(Callback):
         self._samples = self._samples + outputs.num_samples
         self._tokens = self._tokens + outputs.num_tokens
         every = self.log_every_n_steps or trainer.settings.log_every_n_steps
+        first = trainer.global_step == self._start_step + 1
+        if first and trainer.global_step % every:
+            # the first step after (re)start carries CUDA's start-up and torch.compile's
+            # compilation: the first window starts after it (the step reads the device anyway)
+            self._synchronize(trainer)
+            self._reset_window(self.clock())
+            return
         if trainer.global_step % every or self._window_start is None:
             return
         self._samples, self._tokens = (float(v) for v in (self._samples, self._tokens))
-        device = trainer.strategy.root_device
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
+        self._synchronize(trainer)
         now = self.clock()
         elapsed = now - self._window_start - self._paused
         if elapsed > 0:
             trainer.log_metrics(self.compute(elapsed, trainer.world_size))
         self._reset_window(now)
+
+    @staticmethod
+    def _synchronize(trainer: Trainer) -> None:
+        """Wait for the queued kernels (CUDA), so that the clock includes them."""
+        device = trainer.strategy.root_device
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
 
     def compute(self, elapsed: float, num_devices: int) -> dict[str, float]:
         """The metrics of the current window, `elapsed` seconds long, over `num_devices`."""

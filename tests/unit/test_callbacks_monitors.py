@@ -156,6 +156,23 @@ def test_mfu_and_rates_match_the_formula_with_a_fake_clock(tmp_path):
     assert "throughput/mfu" not in logged[1]
 
 
+def test_first_window_leaves_out_the_first_step(tmp_path):
+    # step 1 takes 10 s more (a compile, say): before, the first window's rates counted it
+    clock = FakeClock()
+
+    class SlowFirstStep(nt.Callback):
+        def on_train_batch_start(self, trainer, module, batch, batch_idx):
+            clock.now += 10.0 if trainer.global_step == 0 else 0.0
+
+    monitor = ThroughputMonitor(peak_flops_per_device=1e6, log_every_n_steps=2, clock=clock)
+    trainer = make_trainer(tmp_path, callbacks=[SlowFirstStep(), AdvanceClock(clock, 0.5), monitor])
+    trainer.fit(TokenClassifier(), BlobsData())
+    logged = metrics_by_step(trainer)
+    for step in (2, 4):  # the first window is step 2 alone, the second steps 3-4
+        assert logged[step]["throughput/step_time"] == pytest.approx(0.5)
+        assert logged[step]["throughput/tokens_per_sec"] == pytest.approx(8 * 10 / 0.5)
+
+
 def test_mfu_is_not_logged_on_cpu_without_a_peak(tmp_path):
     trainer = make_trainer(tmp_path, max_steps=1, callbacks=[ThroughputMonitor()])
     with pytest.warns(UserWarning, match="peak_flops_per_device"):
