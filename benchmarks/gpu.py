@@ -14,26 +14,27 @@ causal attention) and the GPU's dense bf16 peak from the ThroughputMonitor's tab
 --peak-tflops for others). `--compile` lists what to run each preset as, one table row each:
 "none" (eager), "layers" (torch.compile per decoder layer), "model" (the whole model as one
 graph), as `LanguageModelModule(compile_layers=...)` / `compile_model=...` compile it, and
-"cudagraphs" (the whole model with `mode="reduce-overhead"`: its graphs replayed as CUDA graphs,
-one launch each); the default runs eager and the compiled model side by side. Without CUDA it checks its arguments,
-prints the presets' sizes and exits 0 without timing anything.
+"cudagraphs" (the whole model with `mode="reduce-overhead"`: its graphs replayed as CUDA
+graphs, one launch each); the default runs eager and the compiled model side by side. Without
+CUDA it checks its arguments, prints the presets' sizes and exits 0 without timing anything.
 
 First (unless --no-sync-check) it fits the tiny DeepSeek model with the Trainer on the GPU,
 under SingleDeviceStrategy, DDPStrategy and MegatronStrategy (one NCCL rank), in bf16-true and
 in bf16-mixed, with its default callbacks, and runs six non-logging steps of each under
 `torch.cuda.set_sync_debug_mode("warn")`. It prints every host-device sync in
 them with the nanotrain line that caused it and the steps it came in (all of them, so one run
-finds them all; a sync on a thread without Python, such as DDP's reducer, is counted from
-stderr). The MFU runs still follow, and the script exits 1 if any step after the second
-synced: step 2 is reported but not failed, since one-time work can still happen there (DDP
-synced twice in step 2 on an H100, never later; docs/performance.md, "Host-device
-synchronizations").
+finds them all; a sync that torch reports only on stderr, from C++ code or a thread without
+Python, is counted from there). The MFU runs still follow, and the script exits 1 if any step
+after the second synced: step 2 is reported but not failed, since one-time work can still
+happen there (torch's DDP rebuilds its gradient buckets in step 2's forward, with two syncs;
+docs/performance.md, "Host-device synchronizations").
 
 `--find-syncs ddp:bf16-mixed` profiles steps 2-14 of that fit instead and prints each blocking
-CUDA runtime call in them (`SYNC_CALLS`) with its thread, enclosing ops and Python functions, and
-steps: the source of a sync that sync debug mode reports only on stderr, and the syncs it does
-not report at all (DDP's waits on CUDA events). It exits 1 on any after step 11 (torch's DDP
-times steps 2-11 for its statistics).
+CUDA runtime call in them (`SYNC_CALLS`) with its thread, its enclosing ops (and Python
+functions, where the profiler links them) and its steps: the source of a sync that sync debug
+mode reports only on stderr, and the syncs it does not report at all (DDP's waits on CUDA
+events). It exits 1 on any after the warm-up (`warm_up_last`: step 11 under torch's DDP, whose
+runtime statistics wait on events through step 11; step 2 otherwise).
 
 `benchmarks/gpu_session.sh` runs this with the CUDA tests and `benchmarks/nccl_check.py` as
 one command for a short GPU lease.
@@ -43,6 +44,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import sys
 import time
 from pathlib import Path
@@ -53,6 +55,7 @@ from nanotrain.callbacks.flops import peak_flops_for
 from nanotrain.models import build_model, presets
 from nanotrain.models.accounting import active_params, flops_per_token, total_params
 from nanotrain.models.compile import compile_layers, compile_model
+from nanotrain.precision import resolve_precision
 
 
 def _load_nccl_check():
@@ -131,7 +134,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         default=[],
         metavar="STRATEGY:PRECISION",
         help="profile steps 2-14 of the sync check's fit (e.g. ddp:bf16-mixed) and print where "
-        "each host sync in them comes from; fails on one after step 11; repeatable; runs only that",
+        "each host sync in them comes from; fails on one after the warm-up (step 11 under "
+        "torch's DDP, else 2); repeatable; runs only that",
     )
     p.add_argument(
         "--experts-only",
@@ -155,6 +159,10 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
                 f"--find-syncs takes STRATEGY:PRECISION with a strategy of {SYNC_STRATEGIES}, "
                 f"e.g. ddp:bf16-mixed; got {item!r}"
             )
+        try:
+            resolve_precision(precision)
+        except ValueError as err:
+            p.error(f"--find-syncs {item!r}: {err}")
     return args
 
 
@@ -176,8 +184,8 @@ def peak_tflops(args: argparse.Namespace) -> float:
 
 
 def _training_step(name: str, compile_as: str, args: argparse.Namespace):
-    """A closure running one training step of preset `name` compiled as `compile_as` ("none",
-    "layers" or "model") on bf16 weights with fused AdamW, and the model's config."""
+    """A closure running one training step of preset `name` compiled as `compile_as` (one of
+    COMPILE_RUNS) on bf16 weights with fused AdamW, and the model's config."""
     config = config_of(name, args.seq_len)
     torch.manual_seed(0)
     model = build_model(config, device="cuda").to(torch.bfloat16)
@@ -203,8 +211,8 @@ def _training_step(name: str, compile_as: str, args: argparse.Namespace):
 
 
 def measure(name: str, compile_as: str, args: argparse.Namespace, peak: float) -> str:
-    """Time `args.steps` training steps of preset `name` compiled as `compile_as` ("none",
-    "layers" or "model") and print tokens/s and MFU as a table row; returns the table of its
+    """Time `args.steps` training steps of preset `name` compiled as `compile_as` (one of
+    COMPILE_RUNS) and print tokens/s and MFU as a table row; returns the table of its
     costliest CUDA kernels with --profile, else ""."""
     step, config = _training_step(name, compile_as, args)
     b, t = args.micro_batch, args.seq_len
@@ -248,8 +256,8 @@ def _strategy(name: str):
 #: 8th step), and the first step, which sets everything up, is not among them
 WATCHED_STEPS = range(1, 7)
 #: step 2 (batch_idx 1) is reported but not failed: one-time work can still happen there
-#: (on an H100, DDP under bf16-mixed synced twice in step 2, on a thread without Python, and
-#: never later); the check fails on syncs in the steady state, steps 3-7
+#: (on an H100 torch's DDP synced twice in step 2's forward, rebuilding its gradient buckets,
+#: and never later in sync debug mode's view); the check fails on syncs in steps 3-7
 WARM_UP_STEPS = {2}
 _SYNC_MESSAGE = "called a synchronizing CUDA operation"
 
@@ -259,9 +267,9 @@ def sync_check(precision: str, strategy: str = "single") -> bool:
     SYNC_STRATEGIES, one rank on NCCL for ddp and megatron) with steps 2-7 under sync debug
     mode "warn", and print every place that synced with the host and in which steps: the
     innermost nanotrain line of each (all of them in one run, so one GPU session finds them
-    all). A sync on a thread without Python (DDP's reducer runs its hooks on autograd's
-    device threads) reaches only stderr, where it is counted per step. True when none came
-    after the warm-up step (WARM_UP_STEPS)."""
+    all). A sync that torch reports only on stderr (from C++ code such as DDP's forward, or a
+    thread without Python) is counted per step from there. True when none came after the
+    warm-up step (WARM_UP_STEPS)."""
     import tempfile
     import traceback
     import warnings
@@ -306,7 +314,9 @@ def sync_check(precision: str, strategy: str = "single") -> bool:
             self.restore()
             with open(self.log) as f:
                 n = sum(_SYNC_MESSAGE in line for line in f)
-            found.setdefault("stderr only (a thread without Python)", []).extend([step[0] + 1] * n)
+            found.setdefault("stderr only (C++ code or a thread without Python)", []).extend(
+                [step[0] + 1] * n
+            )
 
         def restore(self) -> None:
             if self.saved_fd is not None:
@@ -362,9 +372,20 @@ SYNC_CALLS = (
 )
 
 
-#: the last step in which torch's DDP may still wait on CUDA events: it times steps 2-11 for
-#: its runtime statistics (not configurable; DDPStrategy turns off the later samples)
-WARM_UP_LAST = 11
+def warm_up_last(strategy: str, precision: str) -> int:
+    """The last step whose host syncs `--find-syncs` reports without failing: 11 where torch's
+    DDP runs (DDPStrategy in every precision but bf16-true), whose runtime statistics wait on
+    CUDA events at the start of each of the first ten synchronized steps after a (re)start,
+    steps 2-11; else 2 (one-time work may still happen in step 2)."""
+    return 11 if strategy == "ddp" and precision != "bf16-true" else 2
+
+
+def late_syncs(found: dict[str, list[int]], last: int) -> list[int]:
+    """The steps after `last` in which `sync_sources` found a call (`found` as it returns)."""
+    return sorted({n for steps in found.values() for n in steps if n > last})
+
+
+_ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")
 
 
 def sync_sources(
@@ -374,12 +395,14 @@ def sync_sources(
     calls: tuple[str, ...] = SYNC_CALLS,
 ) -> dict[str, list[int]]:
     """Where the host syncs of training steps come from, including those sync debug mode does
-    not see (it reports only syncs that go through torch's own synchronize calls, and those of
-    a thread without Python only on stderr): fit the tiny MoE as `sync_check` does, under
-    `strategy` and `precision`, logging only after `steps`; profile `steps` (CPU and CUDA
-    activities, Python stacks) and print each call of `calls` in them with its thread, its
-    enclosing ops and Python functions (innermost first) and the steps it came in. Returns
-    {that description: [step of each call]}."""
+    not see (it reports only syncs that go through torch's own synchronize calls, and some of
+    those only on stderr): fit the tiny MoE as `sync_check` does, under `strategy` and
+    `precision`, logging only after `steps`; profile `steps` (CPU and CUDA activities, Python
+    stacks) and print each call of `calls` in them with its thread, its enclosing ops (and
+    Python functions, where the profiler links them; innermost first) and the steps it came
+    in. A step's share of time runs from the end of the one before (data loading and the
+    callbacks between steps count) to its own end. Returns {that description: [step of each
+    call]}."""
     import tempfile
 
     from torch.profiler import ProfilerActivity, record_function
@@ -397,31 +420,32 @@ def sync_sources(
         """Profiles `steps`, each inside a range named after it, to place each call in time
         (steps counted here: batch_idx starts again at 0 in each epoch)."""
 
-        n = 0
+        n, recording = 0, False
 
         def on_train_batch_start(self, trainer, module, batch, batch_idx):
             self.n += 1
-            n = self.n
-            if n == steps[0]:
+            if self.n == steps[0]:
                 if torch.cuda.is_available():
                     torch.cuda.synchronize()  # the earlier steps' work is not in the window
                 prof.start()
-            if n in steps:
-                ranges[n] = record_function(f"sync_sources/step {n}")
-                ranges[n].__enter__()
+                self.recording = True
+            if self.n in steps:
+                ranges[self.n] = record_function(f"sync_sources/step {self.n}")
+                ranges[self.n].__enter__()
 
         def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
-            n = self.n
-            if n in ranges:
-                ranges[n].__exit__(None, None, None)
-            if n == steps[-1]:
-                prof.stop()
+            if self.n in ranges:
+                ranges[self.n].__exit__(None, None, None)
+            if self.n == steps[-1]:
+                self.stop()
 
         def on_train_end(self, trainer, module):
-            if (
-                self.n < steps[-1]
-            ):  # a run shorter than the window: the profiler must not outlive it
+            self.stop()  # a run shorter than the window: the profiler must not outlive it
+
+        def stop(self) -> None:
+            if self.recording:
                 prof.stop()
+                self.recording = False
 
     chosen, backend = _strategy(strategy)
     with tempfile.TemporaryDirectory() as root, one_rank_world(backend):
@@ -438,26 +462,30 @@ def sync_sources(
         module = nt.LanguageModelModule(model="tiny", vocab_size=256)
         trainer.fit(module, train_dataloaders=Tokens())
     events = prof.events()
-    windows = [
-        (int(e.name.rsplit(" ", 1)[1]), e.time_range.start, e.time_range.end)
+    ends = sorted(
+        (e.time_range.end, int(e.name.rsplit(" ", 1)[1]))
         for e in events
         if e.name.startswith("sync_sources/step ")
-    ]
+    )
     found: dict[str, list[int]] = {}
+    after = 0  # calls after the last step: the profiler's own when it stops
     for event in events:
         if event.name not in calls:
             continue
+        step = next((n for end, n in ends if event.time_range.start <= end), None)
+        if step is None:
+            after += 1
+            continue
         chain, parent = [], event.cpu_parent
-        while parent is not None:
-            chain.append(parent.name)
+        while parent is not None and not parent.name.startswith("sync_sources/step "):
+            chain.append(_ADDRESS.sub("", parent.name))
             parent = parent.cpu_parent
         where = f"{event.name} (thread {event.thread}) in: " + " <- ".join(chain or ["no op"])
-        t = event.time_range.start
-        step = next((n for n, start, end in windows if start <= t <= end), 0)  # 0: between
         found.setdefault(where, []).append(step)
     total = sum(len(v) for v in found.values())
     print(
         f"\nsync sources ({strategy}, {precision}, steps {steps[0]}-{steps[-1]}): {total} call(s)"
+        + (f"; {after} after the last step (the profiler's own)" if after else "")
     )
     for where, in_steps in found.items():
         print(f"  {len(in_steps)}x {where}, in steps {sorted(set(in_steps))}")
@@ -573,10 +601,11 @@ def main(argv: list[str] | None = None) -> int:
         for item in args.find_syncs:
             strategy, _, precision = item.partition(":")
             found = sync_sources(precision, strategy)
-            late = sorted({n for steps in found.values() for n in steps if n > WARM_UP_LAST})
+            last = warm_up_last(strategy, precision)
+            late = late_syncs(found, last)
             steady |= bool(late)
             print(
-                f"  steady state (steps after {WARM_UP_LAST}): "
+                f"  steady state (steps after {last}): "
                 + (f"syncs in {late}" if late else "no sync")
             )
         return 1 if steady else 0

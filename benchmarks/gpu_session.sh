@@ -3,8 +3,8 @@
 #   bash benchmarks/gpu_session.sh [OUT_DIR [PART...]]   (logs go to OUT_DIR, default $OUT or
 #   /tmp/gpu; PARTs, e.g. `tests sync nccl`, run only those parts; default all)
 # 1. the CUDA-only tests (they skip on CPU machines), 2. the host-sync check of the Trainer
-# under single/DDP/Megatron in bf16-true and bf16-mixed, and where DDP bf16-mixed's step-2 syncs
-# come from (profiled), 3. the NCCL check of every strategy that fits on one GPU, 4. one expert
+# under single/DDP/Megatron in bf16-true and bf16-mixed, and, profiled over steps 2-14, where
+# every blocking CUDA call of those six fits comes from (`gpu.py --find-syncs`), 3. the NCCL check of every strategy that fits on one GPU, 4. one expert
 # layer's time by number of local experts, 5. MFU of the ~1B MoE preset compiled, with and
 # without CUDA graphs, with each run's costliest kernels, and of the ~1B dense preset compiled
 # (eager runs: `python benchmarks/gpu.py --no-sync-check`). Each part has
@@ -13,6 +13,14 @@
 set -u
 cd "$(dirname "$0")/.."
 out="${1:-${OUT:-/tmp/gpu}}"
+wanted=("${@:2}")
+parts=" tests sync syncsource nccl experts moe dense "
+for name in "${wanted[@]}"; do
+    if [[ "$parts" != *" $name "* ]]; then
+        echo "unknown part '$name'; the parts are:$parts" >&2
+        exit 2
+    fi
+done
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 # Packages a bare GPU image lacks (jsonargparse, for the CLI test) can travel as wheels in .whl/
@@ -24,7 +32,6 @@ if compgen -G ".whl/*.whl" >/dev/null; then
         export PYTHONPATH="$PYTHONPATH:/tmp/site"
 fi
 
-wanted=("${@:2}")
 part() {  # part NAME SECONDS COMMAND...: run with a time limit, log to $out/NAME.log
     local name=$1 limit=$2
     shift 2
@@ -52,7 +59,7 @@ part tests 120 python3 -m pytest -q -p no:cacheprovider "${skip[@]}" \
     tests/unit/test_callbacks_monitors.py tests/unit/test_single_device.py \
     tests/unit/test_megatron_device.py tests/unit/test_precision.py tests/unit/test_gpu_benchmark.py
 part sync 120 python3 benchmarks/gpu.py --sync-check-only
-part syncsource 150 python3 benchmarks/gpu.py --find-syncs ddp:bf16-mixed --find-syncs ddp:bf16-true \
+part syncsource 200 python3 benchmarks/gpu.py --find-syncs ddp:bf16-mixed --find-syncs ddp:bf16-true \
     --find-syncs single:bf16-mixed --find-syncs single:bf16-true \
     --find-syncs megatron:bf16-mixed --find-syncs megatron:bf16-true
 part nccl 120 python3 benchmarks/nccl_check.py
@@ -60,10 +67,9 @@ part experts 90 python3 benchmarks/gpu.py --no-sync-check --experts-only
 part moe 200 python3 benchmarks/gpu.py --no-sync-check --preset moe-1b --compile model,cudagraphs --steps 10 --profile
 part dense 120 python3 benchmarks/gpu.py --no-sync-check --preset dense-1b --compile model --steps 10
 echo "== summary"
-exec 2>/dev/null  # parts not run have no log
-grep -h "passed\|failed\|error" "$out/tests.log" | tail -3
-grep -h "^sync check\|^  [0-9]*x " "$out/sync.log"
-grep -h "^sync sources\|^  [0-9]*x \|^  steady" "$out/syncsource.log" | cut -c1-400
-grep -h "matches single\|bf16-mixed  \|bf16-true  \|NCCL check\|Error" "$out/nccl.log"
-grep -h "^| \|Error\|bandwidth\|skipping cudagraphs" "$out/dense.log" "$out/moe.log" "$out/experts.log"
-grep -h "^== " "$out"/*.log
+grep -sh "passed\|failed\|error" "$out/tests.log" | tail -3
+grep -sh "^sync check\|^  [0-9]*x " "$out/sync.log"
+grep -sh "^sync sources\|^  [0-9]*x \|^  steady" "$out/syncsource.log" | cut -c1-400
+grep -sh "matches single\|bf16-mixed  \|bf16-true  \|NCCL check\|Error" "$out/nccl.log"
+grep -sh "^| \|Error\|bandwidth\|skipping cudagraphs" "$out/dense.log" "$out/moe.log" "$out/experts.log"
+grep -sh "^== " "$out"/*.log

@@ -80,7 +80,8 @@ class ProgressBar(Callback):
     tokens/s, s/step and the ETA come from the bar's own clock over the steps since its
     previous update (for the first, since the end of the first step after training
     (re)started), so a slow start such as torch.compile's first step skews neither the first
-    ETA nor the rate for the rest of the run.
+    ETA nor the rate for the rest of the run. A line printed at that first step itself (a
+    resume just before a log step, or `log_every_n_steps=1`) shows no rate.
 
     Args:
         mode: "auto", "rich", "plain" or "off".
@@ -169,6 +170,11 @@ class ProgressBar(Callback):
         """Refresh the bar (rich) or print a line on log steps (plain)."""
         if self._active == "off":
             return
+        if trainer.global_step == self._start_step + 1:
+            # the rate starts after the first step of this (re)start: that step carries CUDA's
+            # start-up and torch.compile's compilation, and would skew the first rate and ETA
+            # (it reads the device, which the first step does anyway: it checks the token ids)
+            self._mark = (self.clock(), trainer.global_step, trainer.state.consumed_tokens)
         is_log_step = trainer.global_step % trainer.settings.log_every_n_steps == 0
         if is_log_step:
             self._shown = shown_metrics(trainer)
@@ -183,11 +189,6 @@ class ProgressBar(Callback):
             )
         elif is_log_step:
             self._write(self._metrics_text(trainer, with_eta=True))
-        if trainer.global_step == self._start_step + 1 and self._mark[1] == self._start_step:
-            # the rate starts after the first step of this (re)start: that step carries CUDA's
-            # start-up and torch.compile's compilation, and would skew the first rate and ETA
-            # (it reads the device, which the first step does anyway: it checks the token ids)
-            self._mark = (self.clock(), trainer.global_step, trainer.state.consumed_tokens)
 
     def on_validation_end(self, trainer: Trainer, module: NanoModule) -> None:
         """Print the validation metrics shown in the progress bar (plain mode)."""

@@ -29,9 +29,9 @@ class ThroughputMonitor(Callback):
     The clock runs from the end of one logged step to the end of the next, so data loading
     and every callback count; validation time is taken out. The first window starts at the
     end of the first step after training (re)started, which carries CUDA's start-up and
-    torch.compile's compilation (unless that step is itself a log step). On CUDA the device is
-    synchronized on log steps only (the timing must include queued kernels; other steps stay
-    free of host-device syncs).
+    torch.compile's compilation; that step logs no throughput, even when it is a log step. On
+    CUDA the device is synchronized on log steps and that first step only (the timing must
+    include queued kernels; other steps stay free of host-device syncs).
 
     Logged (every `log_every_n_steps`):
         throughput/step_time (s), throughput/samples_per_sec (whole job); with token data
@@ -143,14 +143,14 @@ class ThroughputMonitor(Callback):
         # device tensors: summed on the device, read only on the log step below
         self._samples = self._samples + outputs.num_samples
         self._tokens = self._tokens + outputs.num_tokens
-        every = self.log_every_n_steps or trainer.settings.log_every_n_steps
-        first = trainer.global_step == self._start_step + 1
-        if first and trainer.global_step % every:
+        if trainer.global_step == self._start_step + 1:
             # the first step after (re)start carries CUDA's start-up and torch.compile's
-            # compilation: the first window starts after it (the step reads the device anyway)
+            # compilation: the first window starts after it, and the step itself is not logged
+            # even on a log step (it reads the device anyway: it checks the token ids)
             self._synchronize(trainer)
             self._reset_window(self.clock())
             return
+        every = self.log_every_n_steps or trainer.settings.log_every_n_steps
         if trainer.global_step % every or self._window_start is None:
             return
         self._samples, self._tokens = (float(v) for v in (self._samples, self._tokens))

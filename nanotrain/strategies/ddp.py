@@ -143,10 +143,11 @@ class DDPStrategy(ReplicatedStrategy):
             find_unused_parameters=self.find_unused_parameters,
             bucket_cap_mb=self.bucket_cap_mb,
         )
-        # DDP times its own steps for its debug statistics: steps 2-11, then every 100th by
-        # default. On CUDA each such step makes the host wait, at the start of forward, on the
-        # previous step's CUDA events (8 cudaEventSynchronize per step on an H100), which sync
-        # debug mode does not report. The first ten cannot be turned off; the rest can.
+        # DDP times its first ten synchronized steps after each (re)start for its debug
+        # statistics, then one in 100 by default, and reads each timing at the next step's
+        # forward: on CUDA the host waits there on the previous step's CUDA events (8
+        # cudaEventSynchronize on an H100), which sync debug mode does not report. The first
+        # ten cannot be turned off; the later samples can.
         ddp._set_ddp_runtime_logging_sample_rate(_NEVER)
         if self.precision.reduce_dtype != torch.float32:
             from nanotrain.precision.comm import low_precision_allreduce_hook

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import json
 import os
 from types import SimpleNamespace
@@ -17,6 +18,7 @@ from nanotrain.callbacks.flops import normalize_precision, peak_flops_for
 from nanotrain.callbacks.grad_norm import GradNormMonitor, group_name
 from nanotrain.callbacks.lr_monitor import LearningRateMonitor
 from nanotrain.callbacks.memory import MemoryMonitor, process_memory_bytes
+from nanotrain.callbacks.progress import ProgressBar
 from nanotrain.callbacks.throughput import ThroughputMonitor
 from tests.toy import BlobsData, Classifier, blobs, make_trainer
 
@@ -174,10 +176,10 @@ def test_first_window_leaves_out_the_first_step(tmp_path):
 
 
 def test_mfu_is_not_logged_on_cpu_without_a_peak(tmp_path):
-    trainer = make_trainer(tmp_path, max_steps=1, callbacks=[ThroughputMonitor()])
+    trainer = make_trainer(tmp_path, max_steps=2, callbacks=[ThroughputMonitor()])
     with pytest.warns(UserWarning, match="peak_flops_per_device"):
         trainer.fit(TokenClassifier(), BlobsData())
-    logged = metrics_by_step(trainer)[1]
+    logged = metrics_by_step(trainer)[2]  # step 1, the first, is not timed
     assert "throughput/tokens_per_sec" in logged and "throughput/mfu" not in logged
 
 
@@ -250,3 +252,39 @@ def test_cuda_peak_covers_a_large_temporary_of_the_step(tmp_path):
     logged = metrics_by_step(trainer)[1]
     assert logged["memory/peak_allocated_gib"] >= 64 / 1024
     assert logged["memory/peak_reserved_gib"] >= logged["memory/peak_allocated_gib"]
+
+
+def test_after_a_resume_onto_a_log_step_the_first_step_is_not_timed(tmp_path):
+    # a run resumed at step 3 starts with step 4, a log step, which carries the restart's
+    # start-up (10 s here): neither the throughput nor the progress line may time it
+    clock = FakeClock()
+
+    class SlowFirstStepOfEachStart(nt.Callback):
+        def on_train_start(self, trainer, module):
+            self.first = True
+
+        def on_train_batch_start(self, trainer, module, batch, batch_idx):
+            clock.now += 10.0 if self.first else 0.5
+            self.first = False
+
+    def trainer(max_steps, *extra):
+        callbacks = [SlowFirstStepOfEachStart(), *extra]
+        callbacks.append(ThroughputMonitor(peak_flops_per_device=1e6, clock=clock))
+        return make_trainer(
+            tmp_path,
+            max_steps=max_steps,
+            log_every_n_steps=2,
+            enable_checkpointing=True,
+            callbacks=callbacks,
+        )
+
+    trainer(3).fit(TokenClassifier(), BlobsData())
+    stream = io.StringIO()
+    resumed = trainer(8, ProgressBar(mode="plain", stream=stream, clock=clock))
+    resumed.fit(TokenClassifier(), BlobsData(), ckpt_path="last")
+    logged = metrics_by_step(resumed)
+    assert "throughput/step_time" not in logged[4]
+    assert [logged[s]["throughput/step_time"] for s in (6, 8)] == pytest.approx([0.5, 0.5])
+    lines = stream.getvalue().splitlines()
+    assert lines[0].startswith("step 4/8") and "s/step" not in lines[0] and "ETA" not in lines[0]
+    assert lines[1].startswith("step 6/8") and lines[1].endswith("0.500 s/step | ETA 0:00:01")

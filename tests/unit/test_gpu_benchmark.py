@@ -97,6 +97,41 @@ def test_sync_sources_names_each_call_with_its_step_and_enclosing_ops(monkeypatc
     steps = [n for in_steps in found.values() for n in in_steps]
     assert steps.count(8) >= 2 and steps.count(9) >= 2 and set(steps) == {8, 9}
     assert f"{len(steps)} call(s)" in out
+    # one place is one line: no step range or object address splits it
+    assert not any("sync_sources/step" in where or " at 0x" in where for where in found)
+
+
+def test_calls_between_steps_count_to_the_next_step(monkeypatch, capsys):
+    # a sync in a callback before the step's own range opens (data loading and the default
+    # callbacks run there) belongs to that step, not to nowhere
+    import nanotrain as nt
+
+    class SyncBeforeEachStep(nt.Callback):
+        def on_train_batch_start(self, trainer, module, batch, batch_idx):
+            torch.zeros(1).logcumsumexp(0)  # stands in for the sync
+
+    real_trainer = nt.Trainer
+
+    def trainer_with_sync(**kwargs):
+        kwargs["callbacks"] = [SyncBeforeEachStep(), *kwargs["callbacks"]]
+        return real_trainer(**kwargs)
+
+    monkeypatch.setattr(nt, "Trainer", trainer_with_sync)
+    monkeypatch.setattr(gpu, "_strategy", lambda name: (nt.SingleDeviceStrategy("cpu"), None))
+    found = gpu.sync_sources("32", "single", steps=range(2, 5), calls=("aten::logcumsumexp",))
+    steps = sorted(n for in_steps in found.values() for n in in_steps)
+    # step 2's call comes before the profiler starts; steps 3 and 4 have theirs
+    assert steps == [3, 4], (steps, capsys.readouterr().out)
+
+
+def test_find_syncs_fails_after_the_warm_up_of_each_strategy():
+    assert gpu.warm_up_last("ddp", "bf16-mixed") == 11  # torch's DDP: its runtime statistics
+    assert gpu.warm_up_last("ddp", "bf16-true") == 2  # nanotrain's own buckets
+    assert gpu.warm_up_last("megatron", "bf16-mixed") == 2
+    found = {"a": [2, 2, 5], "b": [12]}
+    assert gpu.late_syncs(found, 11) == [12]
+    assert gpu.late_syncs(found, 2) == [5, 12]
+    assert gpu.late_syncs({"a": [2]}, 2) == []
 
 
 def test_find_syncs_takes_strategy_and_precision(capsys):
@@ -104,3 +139,6 @@ def test_find_syncs_takes_strategy_and_precision(capsys):
     with pytest.raises(SystemExit):
         gpu.parse(["--find-syncs", "fsdp:bf16-mixed"])
     assert "--find-syncs takes STRATEGY:PRECISION" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        gpu.parse(["--find-syncs", "ddp:bf17"])
+    assert "unknown precision 'bf17'" in capsys.readouterr().err
