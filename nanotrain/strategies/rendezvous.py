@@ -39,10 +39,22 @@ def init_process_group(
     On NCCL the group is bound to GPU `local_rank` (`device_id`, default: `rank`): NCCL then
     sets up its communicator at once, on the right GPU, rather than at the first collective,
     subgroups are split from it, and `barrier()` knows its device instead of guessing (torch
-    warns "devices used by this process are currently unknown" without it)."""
+    warns "devices used by this process are currently unknown" without it).
+
+    Raises:
+        ValueError: on NCCL, when that GPU index is not among the GPUs this process sees."""
     kwargs = dict(rank=rank, world_size=world_size, timeout=timeout)
     if backend == "nccl":
-        kwargs["device_id"] = torch.device("cuda", rank if local_rank is None else local_rank)
+        index = rank if local_rank is None else local_rank
+        visible = torch.cuda.device_count()
+        if index is not None and index >= visible:
+            raise ValueError(
+                f"this process drives GPU {index} (LOCAL_RANK, else RANK) but {visible} GPU(s) "
+                "are visible to it; launch at most that many processes per node "
+                "(`torchrun --nproc-per-node`), and do not narrow CUDA_VISIBLE_DEVICES to one "
+                "GPU per process (LOCAL_RANK indexes the GPUs each process sees)"
+            )
+        kwargs["device_id"] = torch.device("cuda", index)
     restart = os.environ.get("TORCHELASTIC_RESTART_COUNT")
     shared = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == str(True)
     if not (shared and restart is not None and rank is not None and world_size is not None):

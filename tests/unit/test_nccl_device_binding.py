@@ -23,6 +23,7 @@ def init_calls(monkeypatch):
         raise _Stop
 
     monkeypatch.setattr(dist, "init_process_group", fake_init)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)
     monkeypatch.setattr(dist, "is_initialized", lambda: False)
     for name, value in {"RANK": "5", "WORLD_SIZE": "8", "LOCAL_RANK": "1"}.items():
         monkeypatch.setenv(name, value)
@@ -57,3 +58,17 @@ def test_without_local_rank_the_global_rank_names_the_gpu(init_calls, monkeypatc
     with pytest.raises(_Stop):
         nt.DDPStrategy(backend="nccl").setup_environment()
     assert init_calls[0][1]["device_id"] == torch.device("cuda", 5)
+
+
+@pytest.mark.parametrize(
+    "make", [lambda b: nt.DDPStrategy(backend=b), lambda b: nt.MegatronStrategy(backend=b)]
+)
+def test_a_gpu_index_beyond_the_visible_ones_is_refused_before_joining(
+    init_calls, monkeypatch, make
+):
+    # LOCAL_RANK 1 with one visible GPU (e.g. CUDA_VISIBLE_DEVICES narrowed per process):
+    # a clear error before any rendezvous, instead of NCCL's invalid device ordinal
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    with pytest.raises(ValueError, match="drives GPU 1 .* but 1 GPU"):
+        make("nccl").setup_environment()
+    assert init_calls == []
