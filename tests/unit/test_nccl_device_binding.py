@@ -72,3 +72,19 @@ def test_a_gpu_index_beyond_the_visible_ones_is_refused_before_joining(
     with pytest.raises(ValueError, match="drives GPU 1 .* but 1 GPU"):
         make("nccl").setup_environment()
     assert init_calls == []
+
+
+def test_restarted_worker_on_the_agent_store_is_bound_too(init_calls, monkeypatch):
+    # under torchrun's shared store a restarted worker joins through a per-attempt prefix
+    # store (rendezvous.py); that path must pass the GPU as well
+    monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "True")
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "2")
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", "29500")
+    monkeypatch.setattr(dist, "TCPStore", lambda *a, **k: "agent store")
+    monkeypatch.setattr(dist, "PrefixStore", lambda prefix, store: (prefix, store))
+    with pytest.raises(_Stop):
+        nt.DDPStrategy(backend="nccl").setup_environment()
+    ((backend, kwargs),) = init_calls
+    assert kwargs["store"] == ("nanotrain/restart_2", "agent store")
+    assert kwargs["device_id"] == torch.device("cuda", 1) and kwargs["rank"] == 5
