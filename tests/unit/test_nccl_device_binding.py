@@ -31,38 +31,42 @@ def init_calls(monkeypatch):
     return calls
 
 
-@pytest.mark.parametrize(
-    "make", [lambda b: nt.DDPStrategy(backend=b), lambda b: nt.MegatronStrategy(backend=b)]
+both_strategies = pytest.mark.parametrize(
+    "make",
+    [lambda b: nt.DDPStrategy(backend=b), lambda b: nt.MegatronStrategy(backend=b)],
+    ids=["ddp", "megatron"],
 )
+
+
+def joined(strategy, init_calls) -> tuple[str, dict]:
+    """Run `strategy`'s setup up to the stubbed init; the backend and arguments it passed."""
+    with pytest.raises(_Stop):
+        strategy.setup_environment()
+    ((backend, kwargs),) = init_calls
+    return backend, kwargs
+
+
+@both_strategies
 def test_nccl_group_is_bound_to_the_local_gpu(init_calls, make):
     # rank 5 of 8 with LOCAL_RANK 1 drives GPU 1 (its node's second), not GPU 5
-    with pytest.raises(_Stop):
-        make("nccl").setup_environment()
-    ((backend, kwargs),) = init_calls
+    backend, kwargs = joined(make("nccl"), init_calls)
     assert backend == "nccl" and kwargs["rank"] == 5 and kwargs["world_size"] == 8
     assert kwargs["device_id"] == torch.device("cuda", 1)
 
 
-@pytest.mark.parametrize(
-    "make", [lambda b: nt.DDPStrategy(backend=b), lambda b: nt.MegatronStrategy(backend=b)]
-)
+@both_strategies
 def test_gloo_group_gets_no_device(init_calls, make):
-    with pytest.raises(_Stop):
-        make("gloo").setup_environment()
-    ((backend, kwargs),) = init_calls
+    backend, kwargs = joined(make("gloo"), init_calls)
     assert backend == "gloo" and "device_id" not in kwargs
 
 
 def test_without_local_rank_the_global_rank_names_the_gpu(init_calls, monkeypatch):
     monkeypatch.delenv("LOCAL_RANK")
-    with pytest.raises(_Stop):
-        nt.DDPStrategy(backend="nccl").setup_environment()
-    assert init_calls[0][1]["device_id"] == torch.device("cuda", 5)
+    _, kwargs = joined(nt.DDPStrategy(backend="nccl"), init_calls)
+    assert kwargs["device_id"] == torch.device("cuda", 5)
 
 
-@pytest.mark.parametrize(
-    "make", [lambda b: nt.DDPStrategy(backend=b), lambda b: nt.MegatronStrategy(backend=b)]
-)
+@both_strategies
 def test_a_gpu_index_beyond_the_visible_ones_is_refused_before_joining(
     init_calls, monkeypatch, make
 ):
@@ -83,8 +87,6 @@ def test_restarted_worker_on_the_agent_store_is_bound_too(init_calls, monkeypatc
     monkeypatch.setenv("MASTER_PORT", "29500")
     monkeypatch.setattr(dist, "TCPStore", lambda *a, **k: "agent store")
     monkeypatch.setattr(dist, "PrefixStore", lambda prefix, store: (prefix, store))
-    with pytest.raises(_Stop):
-        nt.DDPStrategy(backend="nccl").setup_environment()
-    ((backend, kwargs),) = init_calls
+    _, kwargs = joined(nt.DDPStrategy(backend="nccl"), init_calls)
     assert kwargs["store"] == ("nanotrain/restart_2", "agent store")
     assert kwargs["device_id"] == torch.device("cuda", 1) and kwargs["rank"] == 5
