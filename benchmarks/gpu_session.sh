@@ -4,12 +4,13 @@
 #   /tmp/gpu; PARTs, e.g. `tests sync nccl`, run only those parts; default all)
 # 1. the CUDA-only tests (they skip on CPU machines), 2. the host-sync check of the Trainer
 # under single/DDP/Megatron in bf16-true and bf16-mixed, and, profiled over steps 2-14, where
-# every blocking CUDA call of those six fits comes from (`gpu.py --find-syncs`), 3. the NCCL check of every strategy that fits on one GPU, 4. one expert
-# layer's time by number of local experts, 5. MFU of the ~1B MoE preset compiled, with and
-# without CUDA graphs, with each run's costliest kernels, and of the ~1B dense preset compiled
-# (eager runs: `python benchmarks/gpu.py --no-sync-check`). Each part has
-# its own time limit, so one slow part cannot starve the others; the summary at the end repeats
-# the result lines of every part. Eight log files: the most a lent machine sends back.
+# every blocking CUDA call of those six fits comes from (`gpu.py --find-syncs`), 3. the NCCL
+# check of every strategy that fits on one GPU, 4. one expert layer's time by number of local
+# experts, 5. MFU of the ~1B MoE preset compiled, with and without CUDA graphs, with each run's
+# costliest kernels, and of the ~1B dense preset compiled (eager runs: `python
+# benchmarks/gpu.py --no-sync-check`). Each part has its own time limit, so one slow part
+# cannot starve the others; the summary at the end repeats the result lines of every part.
+# Eight log files: the most a lent machine sends back.
 set -u
 cd "$(dirname "$0")/.."
 out="${1:-${OUT:-/tmp/gpu}}"
