@@ -79,49 +79,41 @@ def test_expert_scaling_times_every_size_and_prints_the_floor(capsys):
     assert floor > 1.0  # 16x the weight bytes cannot cost nothing
 
 
-def test_sync_sources_names_each_call_with_its_step_and_enclosing_ops(monkeypatch, capsys):
-    # --find-syncs on CPU: an op every training step runs (the loss's log-softmax) stands in
-    # for a blocking CUDA runtime call; each must be found in each profiled step with the
-    # ops around it, the Trainer's forward range among them.
+def test_sync_sources_places_each_call_in_its_step_with_its_enclosing_ops(monkeypatch, capsys):
+    # --find-syncs on CPU, with two ops standing in for blocking CUDA runtime calls: the loss's
+    # log-softmax (inside each step's forward) and one a callback runs before each step's own
+    # range opens (where data loading and the default callbacks run), which must count to that
+    # step, not to nowhere
     import nanotrain as nt
 
-    monkeypatch.setattr(gpu, "_strategy", lambda name: (nt.SingleDeviceStrategy("cpu"), None))
-    # steps 8 and 9: the 64-sequence data set ends after step 8 and the next epoch begins
-    found = gpu.sync_sources("32", "single", steps=range(8, 10), calls=("aten::_log_softmax",))
-    out = capsys.readouterr().out
-    assert found, out
-    assert all(where.startswith("aten::_log_softmax (thread ") for where in found)
-    assert all("nanotrain/forward" in where for where in found), list(found)
-    # two micro-batches a step: the op runs at least twice in each of steps 8 and 9, and no
-    # call is placed outside them
-    steps = [n for in_steps in found.values() for n in in_steps]
-    assert steps.count(8) >= 2 and steps.count(9) >= 2 and set(steps) == {8, 9}
-    assert f"{len(steps)} call(s)" in out
-    # one place is one line: no step range or object address splits it
-    assert not any("sync_sources/step" in where or " at 0x" in where for where in found)
-
-
-def test_calls_between_steps_count_to_the_next_step(monkeypatch, capsys):
-    # a sync in a callback before the step's own range opens (data loading and the default
-    # callbacks run there) belongs to that step, not to nowhere
-    import nanotrain as nt
-
-    class SyncBeforeEachStep(nt.Callback):
+    class CallBeforeEachStep(nt.Callback):
         def on_train_batch_start(self, trainer, module, batch, batch_idx):
-            torch.zeros(1).logcumsumexp(0)  # stands in for the sync
+            torch.zeros(1).logcumsumexp(0)
 
     real_trainer = nt.Trainer
 
-    def trainer_with_sync(**kwargs):
-        kwargs["callbacks"] = [SyncBeforeEachStep(), *kwargs["callbacks"]]
+    def trainer_with_callback(**kwargs):
+        kwargs["callbacks"] = [CallBeforeEachStep(), *kwargs["callbacks"]]
         return real_trainer(**kwargs)
 
-    monkeypatch.setattr(nt, "Trainer", trainer_with_sync)
+    monkeypatch.setattr(nt, "Trainer", trainer_with_callback)
     monkeypatch.setattr(gpu, "_strategy", lambda name: (nt.SingleDeviceStrategy("cpu"), None))
-    found = gpu.sync_sources("32", "single", steps=range(2, 5), calls=("aten::logcumsumexp",))
-    steps = sorted(n for in_steps in found.values() for n in in_steps)
-    # step 2's call comes before the profiler starts; steps 3 and 4 have theirs
-    assert steps == [3, 4], (steps, capsys.readouterr().out)
+    # steps 8 and 9: the 64-sequence data set ends after step 8 and the next epoch begins
+    calls = ("aten::_log_softmax", "aten::logcumsumexp")
+    found = gpu.sync_sources("32", "single", steps=range(8, 10), calls=calls)
+    out = capsys.readouterr().out
+    softmax = {w: n for w, n in found.items() if w.startswith("aten::_log_softmax (thread ")}
+    assert softmax and all("nanotrain/forward" in where for where in softmax), list(found)
+    # two micro-batches a step: at least twice in each of steps 8 and 9, never outside them
+    steps = [n for in_steps in softmax.values() for n in in_steps]
+    assert steps.count(8) >= 2 and steps.count(9) >= 2 and set(steps) == {8, 9}
+    # step 8's callback call comes before the profiler starts; step 9's belongs to step 9
+    before = [n for w, in_steps in found.items() if "logcumsumexp" in w for n in in_steps]
+    assert before == [9], (before, out)
+    total = sum(len(v) for v in found.values())
+    assert f"{total} call(s)" in out
+    # one place is one line: no step range or object address splits it
+    assert not any("sync_sources/step" in where or " at 0x" in where for where in found)
 
 
 def test_find_syncs_fails_after_the_warm_up_of_each_strategy():
