@@ -80,7 +80,7 @@ class DDPStrategy(ReplicatedStrategy):
                 rank=rank,
                 world_size=world,
                 timeout=datetime.timedelta(seconds=self.timeout_s),
-                local_rank=_env_int("LOCAL_RANK", rank),
+                local_rank=self.local_rank,
             )
             self._owns_process_group = True
         if dist.get_backend() == "nccl":

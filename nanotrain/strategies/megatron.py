@@ -216,7 +216,7 @@ class MegatronStrategy(MegatronGradNorms, Strategy):
                 rank=rank,
                 world_size=world,
                 timeout=datetime.timedelta(seconds=self.timeout_s),
-                local_rank=_env_int("LOCAL_RANK"),
+                local_rank=self.local_rank,
             )
             self._owns_process_group = True
         if dist.is_initialized():
