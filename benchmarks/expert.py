@@ -25,13 +25,15 @@ layers, early and late in the run.
 
 (c) Expert scaling. One `GroupedExperts` layer, fwd+bwd on 4,096 token copies (H=128, expert
 width 64, so the FLOPs are the same at every size) with 8, 32 and 128 local experts, equal
-groups (balanced routing), one thread, fp32. Three computations at every size, every one of
+groups (balanced routing), one thread, fp32. Four computations at every size, every one of
 them in every round (median of --rounds): the first per-expert loop that indexed the stacks
 (`w[e]`, quadratic in E), the per-expert loop over `unbind` views (`looped_swiglu`, linear in
-E, still what unequal groups run) and the layer itself (`GroupedExperts.forward`: for equal groups the batched GEMMs of
-`batched_swiglu`, a constant number of ops). Backward starts from a fixed dense gradient.
-Then the layer's time at E over its own time at the smallest E, and over the fastest of the
-loop and the layer at the smallest E. The last column is a floor for that ratio set by memory
+E, still what unequal groups run), `batched_swiglu`'s stages as batched BLAS GEMMs
+(`torch.bmm`, what equal groups ran before the CPU kernel) and the layer itself
+(`GroupedExperts.forward`: for equal groups `batched_swiglu`, on one CPU thread in fp32 by
+the C kernel of `nanotrain.models.expert_gemm_cpu`). Backward starts from a fixed dense
+gradient. Then the layer's time at E over its own time at the smallest E, and over the
+fastest of the four at the smallest E. The last column is a floor for that ratio set by memory
 traffic alone: at fixed FLOPs only the weights grow with E, and one step streams them three
 times (read forward, read again for the input gradient, write their gradient), so it cannot
 run faster than the smallest E's time plus the extra bytes over this machine's measured
@@ -60,7 +62,7 @@ import torch.distributed as dist
 
 import nanotrain.parallel.expert as expert
 from nanotrain.models import build_model, presets
-from nanotrain.models.expert_compute import looped_swiglu
+from nanotrain.models.expert_compute import BmmGemms, _BatchedSwiGLU, looped_swiglu
 from nanotrain.models.moe import GroupedExperts, combine, dispatch
 from nanotrain.parallel import ParallelMesh
 
@@ -218,11 +220,14 @@ def _indexed_swiglu(x: torch.Tensor, sizes: list[int], ex: GroupedExperts) -> to
 def _expert_forward(
     name: str, x: torch.Tensor, sizes: list[int], ex: GroupedExperts
 ) -> torch.Tensor:
-    """One of the three computations table (c) compares: "indexed", "loop" or "now"."""
+    """One of the computations table (c) compares: "indexed", "loop", "bmm" or "now"."""
     if name == "indexed":
         return _indexed_swiglu(x, sizes, ex)
     if name == "loop":
         return looped_swiglu(x, sizes, ex.gate_proj, ex.up_proj, ex.down_proj)
+    if name == "bmm":
+        weights = (ex.gate_proj, ex.up_proj, ex.down_proj)
+        return _BatchedSwiGLU.apply(x.contiguous(), len(sizes), BmmGemms, *weights)
     return ex(x, sizes)
 
 
@@ -315,11 +320,12 @@ def scaling_table(rounds: int, experts: tuple[int, ...] = (8, 32, 128), cold: bo
         f"\n(c) one expert layer fwd+bwd, {n} token copies, H={h}, expert width {inter}, fp32{caches}"
     )
     print(
-        "| local experts | indexed per expert (first) ms | unbind loop (before) ms "
-        "| GroupedExperts (now: batched) ms | now / now at smallest E "
+        "| local experts | indexed per expert (first) ms | unbind loop ms "
+        "| batched BLAS (before) ms | GroupedExperts (now: CPU kernel) ms "
+        "| now / now at smallest E "
         "| now / fastest at smallest E | memory-traffic floor of that ratio |"
     )
-    print("|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|")
     torch.set_num_threads(1)
     bandwidth = copy_bandwidth()
     weight_bytes = {e: 3 * e * h * inter * 4 for e in experts}  # gate, up, down stacks
@@ -327,13 +333,15 @@ def scaling_table(rounds: int, experts: tuple[int, ...] = (8, 32, 128), cold: bo
     # an expanded stride-0 tensor, which no real loss produces)
     grad_out = torch.randn(n, h, generator=torch.Generator().manual_seed(1))
     layers = _expert_layers(experts, n, h, inter, dropless=False)
-    ms = _median_ms(layers, ("indexed", "loop", "now"), grad_out, rounds, cold)
+    paths = ("indexed", "loop", "bmm", "now")
+    ms = _median_ms(layers, paths, grad_out, rounds, cold)
     base = ms[experts[0], "now"]
-    best = min(ms[experts[0], "loop"], base)
+    best = min(ms[experts[0], name] for name in paths)
     for e in experts:
         extra_ms = 1e3 * 3 * (weight_bytes[e] - weight_bytes[experts[0]]) / bandwidth
         print(
-            f"| {e} | {ms[e, 'indexed']:.1f} | {ms[e, 'loop']:.1f} | {ms[e, 'now']:.1f} "
+            f"| {e} | {ms[e, 'indexed']:.1f} | {ms[e, 'loop']:.1f} | {ms[e, 'bmm']:.1f} "
+            f"| {ms[e, 'now']:.1f} "
             f"| {ms[e, 'now'] / base:.2f}x | {ms[e, 'now'] / best:.2f}x "
             f"| {(best + extra_ms) / best:.2f}x |"
         )
