@@ -44,13 +44,18 @@ different sizes, some empty, as dropless routing leaves them): the unbind loop a
 layer, which runs such groups as grouped GEMMs (`grouped_swiglu`) where the installed torch
 has them on the CPU, else the same loop. `--only-scaling` runs just (c) and (d) (seconds);
 `--cold` writes 64 MiB before every step of (c), so each step starts with its weights out of
-cache, as a layer of a deep model does (the other layers run in between).
+cache, as a layer of a deep model does (the other layers run in between). Tables (c) and (d)
+print the minor page faults per step; glibc is first told to keep freed memory in the heap
+(`keep_freed_memory`), else whether a step faults in 4-8 MiB of fresh pages depends on the
+order of earlier allocations, not on the path; `--allocator-default` leaves glibc as it is.
 """
 
 from __future__ import annotations
 
 import argparse
+import ctypes
 import multiprocessing as mp
+import resource
 import socket
 import statistics
 import time
@@ -252,24 +257,54 @@ def _median_ms(
     grad_out: torch.Tensor,
     rounds: int,
     cold: bool = False,
-) -> dict[tuple[int, str], float]:
-    """Median fwd+bwd ms of every (experts, path); every one runs in every round, so a slow
-    spell of the box hits all of them alike and their ratios compare times taken side by side.
-    `cold`: write 64 MiB (twice a usual last-level cache) before each step, untimed, so the
-    layer finds its weights in memory, as a layer of a deep model does."""
+) -> tuple[dict[tuple[int, str], float], dict[tuple[int, str], float]]:
+    """Median fwd+bwd ms, and median minor page faults, of every (experts, path) step; every
+    one runs in every round, so a slow spell of the box hits all of them alike and their
+    ratios compare times taken side by side. `cold`: write 64 MiB (twice a usual last-level
+    cache) before each step, untimed, so the layer finds its weights in memory, as a layer of
+    a deep model does."""
     times: dict[tuple[int, str], list[float]] = {(e, k): [] for e in layers for k in paths}
+    faults: dict[tuple[int, str], list[int]] = {key: [] for key in times}
     evict = torch.zeros(16 * 2**20) if cold else None
     for _ in range(rounds):
         for e, (ex, x, sizes) in layers.items():
             for name in paths:
                 if evict is not None:
                     evict.add_(1.0)
+                faults_before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
                 t0 = time.perf_counter()
                 _expert_forward(name, x, sizes, ex).backward(grad_out)
                 times[e, name].append(time.perf_counter() - t0)
+                faults[e, name].append(
+                    resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults_before
+                )
                 ex.zero_grad(set_to_none=True)
                 x.grad = None
-    return {key: 1e3 * statistics.median(v) for key, v in times.items()}
+    return (
+        {key: 1e3 * statistics.median(v) for key, v in times.items()},
+        {key: statistics.median(v) for key, v in faults.items()},
+    )
+
+
+def keep_freed_memory() -> bool:
+    """Make glibc keep freed memory in the heap (mmap threshold 32 MiB, trim threshold 1 GiB),
+    so a step's fresh multi-MiB buffers reuse pages instead of faulting them in anew. With
+    the defaults, whether a path pays ~1,000-2,000 page faults per step (4-8 MiB of fresh
+    pages) depends on the order of earlier allocations and frees, not on the path, and that
+    noise hid the differences table (c) measures. Returns False where libc is not glibc."""
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        return bool(libc.mallopt(-3, 32 * 2**20)) and bool(libc.mallopt(-1, 2**30))
+    except (OSError, AttributeError):
+        return False
+
+
+def _fault_line(faults: dict[tuple[int, str], float], paths: tuple[str, ...]) -> str:
+    per_path = "; ".join(
+        f"{name} " + "/".join(f"{faults[e, name]:.0f}" for e in sorted({e for e, _ in faults}))
+        for name in paths
+    )
+    return f"minor page faults per step (median, by experts): {per_path}"
 
 
 def _expert_layers(
@@ -304,12 +339,13 @@ def dropless_table(rounds: int, experts: tuple[int, ...] = (8, 32, 128)) -> None
     torch.set_num_threads(1)
     layers = _expert_layers(experts, n, h, inter, dropless=True)
     grad_out = torch.randn(n, h, generator=torch.Generator().manual_seed(1))
-    ms = _median_ms(layers, ("loop", "now"), grad_out, rounds)
+    ms, faults = _median_ms(layers, ("loop", "now"), grad_out, rounds)
     for e, (_, _, sizes) in layers.items():
         print(
             f"| {e} | {sizes.count(0)} | {max(sizes)} | {ms[e, 'loop']:.1f} | {ms[e, 'now']:.1f} "
             f"| {ms[e, 'loop'] / ms[e, 'now']:.2f}x | {ms[e, 'now'] / ms[experts[0], 'now']:.2f}x |"
         )
+    print(_fault_line(faults, ("loop", "now")))
 
 
 def scaling_table(rounds: int, experts: tuple[int, ...] = (8, 32, 128), cold: bool = False) -> None:
@@ -334,7 +370,7 @@ def scaling_table(rounds: int, experts: tuple[int, ...] = (8, 32, 128), cold: bo
     grad_out = torch.randn(n, h, generator=torch.Generator().manual_seed(1))
     layers = _expert_layers(experts, n, h, inter, dropless=False)
     paths = ("indexed", "loop", "bmm", "now")
-    ms = _median_ms(layers, paths, grad_out, rounds, cold)
+    ms, faults = _median_ms(layers, paths, grad_out, rounds, cold)
     base = ms[experts[0], "now"]
     best = min(ms[experts[0], name] for name in paths)
     for e in experts:
@@ -346,6 +382,7 @@ def scaling_table(rounds: int, experts: tuple[int, ...] = (8, 32, 128), cold: bo
             f"| {(best + extra_ms) / best:.2f}x |"
         )
     print(f"copy bandwidth, one thread: {bandwidth / 1e9:.1f} GB/s")
+    print(_fault_line(faults, paths))
 
 
 def main() -> None:
@@ -357,7 +394,14 @@ def main() -> None:
     parser.add_argument(
         "--cold", action="store_true", help="(c): evict the caches before every timed step"
     )
+    parser.add_argument(
+        "--allocator-default",
+        action="store_true",
+        help="(c), (d): leave glibc's mmap/trim thresholds as they are (steps may page-fault)",
+    )
     args = parser.parse_args()
+    if not args.allocator_default:
+        print(f"glibc keeps freed memory (mallopt): {keep_freed_memory()}")
     scaling_table(args.rounds, cold=args.cold)
     dropless_table(args.rounds)
     if args.only_scaling:
