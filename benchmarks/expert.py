@@ -25,15 +25,13 @@ layers, early and late in the run.
 
 (c) Expert scaling. One `GroupedExperts` layer, fwd+bwd on 4,096 token copies (H=128, expert
 width 64, so the FLOPs are the same at every size) with 8, 32 and 128 local experts, equal
-groups (balanced routing), one thread, fp32. Four computations at every size, every one of
+groups (balanced routing), one thread, fp32. Three computations at every size, every one of
 them in every round (median of --rounds): the first per-expert loop that indexed the stacks
 (`w[e]`, quadratic in E), the per-expert loop over `unbind` views (`looped_swiglu`, linear in
-E, still what unequal groups run), `batched_swiglu`'s stages as batched BLAS GEMMs
-(`torch.bmm`, what equal groups ran before the CPU kernel) and the layer itself
-(`GroupedExperts.forward`: for equal groups `batched_swiglu`, on one CPU thread in fp32 by
-the C kernel of `nanotrain.models.expert_gemm_cpu`). Backward starts from a fixed dense
-gradient. Then the layer's time at E over its own time at the smallest E, and over the
-fastest of the four at the smallest E. The last column is a floor for that ratio set by memory
+E, still what unequal groups run) and the layer itself (`GroupedExperts.forward`: for equal groups the batched GEMMs of
+`batched_swiglu`, a constant number of ops). Backward starts from a fixed dense gradient.
+Then the layer's time at E over its own time at the smallest E, and over the fastest of the
+loop and the layer at the smallest E. The last column is a floor for that ratio set by memory
 traffic alone: at fixed FLOPs only the weights grow with E, and one step streams them three
 times (read forward, read again for the input gradient, write their gradient), so it cannot
 run faster than the smallest E's time plus the extra bytes over this machine's measured
@@ -44,18 +42,13 @@ different sizes, some empty, as dropless routing leaves them): the unbind loop a
 layer, which runs such groups as grouped GEMMs (`grouped_swiglu`) where the installed torch
 has them on the CPU, else the same loop. `--only-scaling` runs just (c) and (d) (seconds);
 `--cold` writes 64 MiB before every step of (c), so each step starts with its weights out of
-cache, as a layer of a deep model does (the other layers run in between). Tables (c) and (d)
-print the minor page faults per step; glibc is first told to keep freed memory in the heap
-(`keep_freed_memory`), else whether a step faults in 4-8 MiB of fresh pages depends on the
-order of earlier allocations, not on the path; `--allocator-default` leaves glibc as it is.
+cache, as a layer of a deep model does (the other layers run in between).
 """
 
 from __future__ import annotations
 
 import argparse
-import ctypes
 import multiprocessing as mp
-import resource
 import socket
 import statistics
 import time
@@ -67,7 +60,7 @@ import torch.distributed as dist
 
 import nanotrain.parallel.expert as expert
 from nanotrain.models import build_model, presets
-from nanotrain.models.expert_compute import BmmGemms, _BatchedSwiGLU, looped_swiglu
+from nanotrain.models.expert_compute import looped_swiglu
 from nanotrain.models.moe import GroupedExperts, combine, dispatch
 from nanotrain.parallel import ParallelMesh
 
@@ -225,14 +218,11 @@ def _indexed_swiglu(x: torch.Tensor, sizes: list[int], ex: GroupedExperts) -> to
 def _expert_forward(
     name: str, x: torch.Tensor, sizes: list[int], ex: GroupedExperts
 ) -> torch.Tensor:
-    """One of the computations table (c) compares: "indexed", "loop", "bmm" or "now"."""
+    """One of the three computations table (c) compares: "indexed", "loop" or "now"."""
     if name == "indexed":
         return _indexed_swiglu(x, sizes, ex)
     if name == "loop":
         return looped_swiglu(x, sizes, ex.gate_proj, ex.up_proj, ex.down_proj)
-    if name == "bmm":
-        weights = (ex.gate_proj, ex.up_proj, ex.down_proj)
-        return _BatchedSwiGLU.apply(x.contiguous(), len(sizes), BmmGemms, *weights)
     return ex(x, sizes)
 
 
@@ -257,54 +247,24 @@ def _median_ms(
     grad_out: torch.Tensor,
     rounds: int,
     cold: bool = False,
-) -> tuple[dict[tuple[int, str], float], dict[tuple[int, str], float]]:
-    """Median fwd+bwd ms, and median minor page faults, of every (experts, path) step; every
-    one runs in every round, so a slow spell of the box hits all of them alike and their
-    ratios compare times taken side by side. `cold`: write 64 MiB (twice a usual last-level
-    cache) before each step, untimed, so the layer finds its weights in memory, as a layer of
-    a deep model does."""
+) -> dict[tuple[int, str], float]:
+    """Median fwd+bwd ms of every (experts, path); every one runs in every round, so a slow
+    spell of the box hits all of them alike and their ratios compare times taken side by side.
+    `cold`: write 64 MiB (twice a usual last-level cache) before each step, untimed, so the
+    layer finds its weights in memory, as a layer of a deep model does."""
     times: dict[tuple[int, str], list[float]] = {(e, k): [] for e in layers for k in paths}
-    faults: dict[tuple[int, str], list[int]] = {key: [] for key in times}
     evict = torch.zeros(16 * 2**20) if cold else None
     for _ in range(rounds):
         for e, (ex, x, sizes) in layers.items():
             for name in paths:
                 if evict is not None:
                     evict.add_(1.0)
-                faults_before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
                 t0 = time.perf_counter()
                 _expert_forward(name, x, sizes, ex).backward(grad_out)
                 times[e, name].append(time.perf_counter() - t0)
-                faults[e, name].append(
-                    resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults_before
-                )
                 ex.zero_grad(set_to_none=True)
                 x.grad = None
-    return (
-        {key: 1e3 * statistics.median(v) for key, v in times.items()},
-        {key: statistics.median(v) for key, v in faults.items()},
-    )
-
-
-def keep_freed_memory() -> bool:
-    """Make glibc keep freed memory in the heap (mmap threshold 32 MiB, trim threshold 1 GiB),
-    so a step's fresh multi-MiB buffers reuse pages instead of faulting them in anew. With
-    the defaults, whether a path pays ~1,000-2,000 page faults per step (4-8 MiB of fresh
-    pages) depends on the order of earlier allocations and frees, not on the path, and that
-    noise hid the differences table (c) measures. Returns False where libc is not glibc."""
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-        return bool(libc.mallopt(-3, 32 * 2**20)) and bool(libc.mallopt(-1, 2**30))
-    except (OSError, AttributeError):
-        return False
-
-
-def _fault_line(faults: dict[tuple[int, str], float], paths: tuple[str, ...]) -> str:
-    per_path = "; ".join(
-        f"{name} " + "/".join(f"{faults[e, name]:.0f}" for e in sorted({e for e, _ in faults}))
-        for name in paths
-    )
-    return f"minor page faults per step (median, by experts): {per_path}"
+    return {key: 1e3 * statistics.median(v) for key, v in times.items()}
 
 
 def _expert_layers(
@@ -339,13 +299,12 @@ def dropless_table(rounds: int, experts: tuple[int, ...] = (8, 32, 128)) -> None
     torch.set_num_threads(1)
     layers = _expert_layers(experts, n, h, inter, dropless=True)
     grad_out = torch.randn(n, h, generator=torch.Generator().manual_seed(1))
-    ms, faults = _median_ms(layers, ("loop", "now"), grad_out, rounds)
+    ms = _median_ms(layers, ("loop", "now"), grad_out, rounds)
     for e, (_, _, sizes) in layers.items():
         print(
             f"| {e} | {sizes.count(0)} | {max(sizes)} | {ms[e, 'loop']:.1f} | {ms[e, 'now']:.1f} "
             f"| {ms[e, 'loop'] / ms[e, 'now']:.2f}x | {ms[e, 'now'] / ms[experts[0], 'now']:.2f}x |"
         )
-    print(_fault_line(faults, ("loop", "now")))
 
 
 def scaling_table(rounds: int, experts: tuple[int, ...] = (8, 32, 128), cold: bool = False) -> None:
@@ -356,12 +315,11 @@ def scaling_table(rounds: int, experts: tuple[int, ...] = (8, 32, 128), cold: bo
         f"\n(c) one expert layer fwd+bwd, {n} token copies, H={h}, expert width {inter}, fp32{caches}"
     )
     print(
-        "| local experts | indexed per expert (first) ms | unbind loop ms "
-        "| batched BLAS (before) ms | GroupedExperts (now: CPU kernel) ms "
-        "| now / now at smallest E "
+        "| local experts | indexed per expert (first) ms | unbind loop (before) ms "
+        "| GroupedExperts (now: batched) ms | now / now at smallest E "
         "| now / fastest at smallest E | memory-traffic floor of that ratio |"
     )
-    print("|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|")
     torch.set_num_threads(1)
     bandwidth = copy_bandwidth()
     weight_bytes = {e: 3 * e * h * inter * 4 for e in experts}  # gate, up, down stacks
@@ -369,20 +327,17 @@ def scaling_table(rounds: int, experts: tuple[int, ...] = (8, 32, 128), cold: bo
     # an expanded stride-0 tensor, which no real loss produces)
     grad_out = torch.randn(n, h, generator=torch.Generator().manual_seed(1))
     layers = _expert_layers(experts, n, h, inter, dropless=False)
-    paths = ("indexed", "loop", "bmm", "now")
-    ms, faults = _median_ms(layers, paths, grad_out, rounds, cold)
+    ms = _median_ms(layers, ("indexed", "loop", "now"), grad_out, rounds, cold)
     base = ms[experts[0], "now"]
-    best = min(ms[experts[0], name] for name in paths)
+    best = min(ms[experts[0], "loop"], base)
     for e in experts:
         extra_ms = 1e3 * 3 * (weight_bytes[e] - weight_bytes[experts[0]]) / bandwidth
         print(
-            f"| {e} | {ms[e, 'indexed']:.1f} | {ms[e, 'loop']:.1f} | {ms[e, 'bmm']:.1f} "
-            f"| {ms[e, 'now']:.1f} "
+            f"| {e} | {ms[e, 'indexed']:.1f} | {ms[e, 'loop']:.1f} | {ms[e, 'now']:.1f} "
             f"| {ms[e, 'now'] / base:.2f}x | {ms[e, 'now'] / best:.2f}x "
             f"| {(best + extra_ms) / best:.2f}x |"
         )
     print(f"copy bandwidth, one thread: {bandwidth / 1e9:.1f} GB/s")
-    print(_fault_line(faults, paths))
 
 
 def main() -> None:
@@ -394,14 +349,7 @@ def main() -> None:
     parser.add_argument(
         "--cold", action="store_true", help="(c): evict the caches before every timed step"
     )
-    parser.add_argument(
-        "--allocator-default",
-        action="store_true",
-        help="(c), (d): leave glibc's mmap/trim thresholds as they are (steps may page-fault)",
-    )
     args = parser.parse_args()
-    if not args.allocator_default:
-        print(f"glibc keeps freed memory (mallopt): {keep_freed_memory()}")
     scaling_table(args.rounds, cold=args.cold)
     dropless_table(args.rounds)
     if args.only_scaling:

@@ -51,7 +51,7 @@ from pathlib import Path
 
 import torch
 
-from nanotrain.callbacks.flops import peak_flops_for
+from nanotrain.callbacks.flops import device_peak_flops
 from nanotrain.models import build_model, presets
 from nanotrain.models.accounting import active_params, flops_per_token, total_params
 from nanotrain.models.compile import compile_layers, compile_model
@@ -177,7 +177,7 @@ def peak_tflops(args: argparse.Namespace) -> float:
     if args.peak_tflops is not None:
         return args.peak_tflops
     name = torch.cuda.get_device_name()
-    peak = peak_flops_for(name, "bf16")  # the ThroughputMonitor's table
+    peak = device_peak_flops(torch.device("cuda"), "bf16")  # the ThroughputMonitor's peak
     if peak is None:
         raise ValueError(f"unknown peak for {name!r}: pass --peak-tflops (dense bf16 TFLOP/s)")
     return peak / 1e12

@@ -35,9 +35,10 @@ import torch
 from safetensors.torch import save_file
 
 import nanotrain as nt
-from nanotrain import model_io
 from nanotrain.callbacks.checkpoint import ModelCheckpoint
-from nanotrain.models import build_model, hf_io, lazy, presets
+from nanotrain.interop import hf_io
+from nanotrain.interop import weights as model_io
+from nanotrain.models import build_model, lazy, presets
 from nanotrain.models.sharding import load_full_state_dict
 from nanotrain.parallel.mesh import ParallelMesh
 from tests.distributed.spawn import run_world  # the forked gloo world of the test suite

@@ -17,7 +17,7 @@ import torch
 from torch.autograd.graph import saved_tensors_hooks
 
 from nanotrain.models import build_model, presets
-from nanotrain.models.recompute import set_recompute
+from nanotrain.models.transformer import set_recompute
 
 
 def measure(model: torch.nn.Module, ids: torch.Tensor, mode: str | None) -> tuple[float, float]:

@@ -1,5 +1,5 @@
 """`python -m nanotrain ...` runs the `nanotrain` command (handy under torchrun)."""
 
-from nanotrain.cli import main
+from nanotrain.cli.entry import main
 
 raise SystemExit(main())

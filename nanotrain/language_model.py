@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from nanotrain import model_io
+from nanotrain.interop import weights as model_io
 from nanotrain.loss_terms import LossTerms
 from nanotrain.models.compile import (
     check_compile_options,
@@ -17,9 +17,10 @@ from nanotrain.models.compile import (
     compile_model,
     compile_options,
 )
-from nanotrain.models.recompute import check_recompute, set_recompute
+from nanotrain.models.recompute import check_recompute
+from nanotrain.models.transformer import set_recompute
 from nanotrain.module import NanoModule
-from nanotrain.optim_kernels import adamw_kernel_kwargs
+from nanotrain.runtime.optim_kernels import adamw_kernel_kwargs
 
 IGNORE_INDEX = -100
 
@@ -74,7 +75,7 @@ class LanguageModelModule(NanoModule):
         weight_decay, betas, eps: AdamW settings; weight decay applies to matrices only
             (not norms, biases or the router's correction bias).
         optimizer_impl: AdamW's kernel: "auto" (fused when all parameters are on CUDA, torch's
-            default otherwise), "fused", "foreach" or "loop" (`nanotrain.optim_kernels`).
+            default otherwise), "fused", "foreach" or "loop" (`nanotrain.runtime.optim_kernels`).
         recompute: activation recomputation per decoder layer: None, "full" or "selective"
             (`nanotrain.models.recompute`, docs/performance.md).
         compile_layers: torch.compile each decoder layer (`nanotrain.models.compile`): True,

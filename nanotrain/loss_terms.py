@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from nanotrain.host_copy import host_to_device
+from nanotrain.runtime.host_copy import host_to_device
 
 __all__ = ["LossTerms"]
 

@@ -2,6 +2,7 @@
 
 from nanotrain.callbacks.base import Callback
 from nanotrain.callbacks.checkpoint import ModelCheckpoint
+from nanotrain.callbacks.defaults import default_callbacks
 from nanotrain.callbacks.early_stopping import EarlyStopping
 from nanotrain.callbacks.grad_norm import GradNormMonitor
 from nanotrain.callbacks.lr_monitor import LearningRateMonitor
@@ -14,17 +15,6 @@ from nanotrain.callbacks.progress import ProgressBar
 from nanotrain.callbacks.report import RunReport
 from nanotrain.callbacks.text_sampler import TextSampler
 from nanotrain.callbacks.throughput import ThroughputMonitor
-
-
-def default_callbacks() -> list[Callback]:
-    """The callbacks every Trainer adds unless switched off (see
-    `nanotrain.default_callbacks.default_callbacks`): checkpoint, progress bar, NaN guard, LR,
-    throughput, grad-norm and MoE load monitors
-    (the last logs nothing for a dense model)."""
-    from nanotrain.default_callbacks import default_callbacks as make
-
-    return make()
-
 
 __all__ = [
     "Callback",

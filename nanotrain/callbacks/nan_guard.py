@@ -9,8 +9,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from nanotrain.callbacks.base import Callback
-from nanotrain.exit_codes import EXIT_NONFINITE
-from nanotrain.host_copy import host_to_device
+from nanotrain.runtime.exit_codes import EXIT_NONFINITE
+from nanotrain.runtime.host_copy import host_to_device
 
 if TYPE_CHECKING:
     from nanotrain.module import NanoModule

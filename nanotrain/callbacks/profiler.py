@@ -30,7 +30,7 @@ class TorchProfiler(Callback):
     worker `rank<R>`, span N), a Chrome-trace JSON that Perfetto (ui.perfetto.dev),
     chrome://tracing and TensorBoard (`tensorboard --logdir <run_dir>` with the
     `torch-tb-profiler` plugin installed; the run is called "profiler") open.
-    The strategies label their parts of each step (`nanotrain.profiling.named_range`):
+    The strategies label their parts of each step (`nanotrain.runtime.profiling.named_range`):
     `nanotrain/forward`, `nanotrain/backward`, `nanotrain/grad_reduction`,
     `nanotrain/optimizer_step`, and under pipeline parallelism
     `nanotrain/stage<k>/forward/mb<m>` and `nanotrain/stage<k>/backward/mb<m>` for each

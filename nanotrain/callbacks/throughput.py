@@ -42,7 +42,7 @@ class ThroughputMonitor(Callback):
 
     Args:
         peak_flops_per_device: dense peak FLOP/s of one device. None looks the device up in
-            `nanotrain.callbacks.flops.PEAK_TFLOPS` (GPUs only); on CPU or an unlisted GPU, MFU
+            `nanotrain.callbacks.flops.device_peak_flops` (GPUs only); on CPU or an unlisted GPU, MFU
             is not logged unless you pass it.
         precision: which column of the peak table applies ("bf16", "fp16", "fp8", "tf32",
             "fp32" or a torch dtype): the precision the matmuls run in. None (default) asks

@@ -22,6 +22,7 @@ import torch
 from nanotrain.checkpoint import commit as _commit
 from nanotrain.checkpoint import optim_state, save_load
 from nanotrain.checkpoint.collective import attempt
+from nanotrain.checkpoint.layout import sharded_layout
 
 if TYPE_CHECKING:
     from nanotrain.trainer import Trainer
@@ -39,7 +40,7 @@ class PendingSave:
         self.trainer, self.final = trainer, Path(path)
         payload = trainer.checkpoint_payload()
         strategy = trainer.strategy
-        if save_load.sharded_layout(strategy) is not None and payload.get("optimizer") is not None:
+        if sharded_layout(strategy) is not None and payload.get("optimizer") is not None:
             payload[save_load.EXPORTED_OPTIMIZER] = optim_state.export_state(strategy)
         self.snapshot = save_load.Snapshot.of(trainer, payload)
         self._payload = _to_host(payload)  # the only part the training loop waits for

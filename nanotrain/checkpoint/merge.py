@@ -34,9 +34,13 @@ from safetensors import SafetensorError, safe_open
 from torch import Tensor, nn
 
 from nanotrain.checkpoint import files
+from nanotrain.models.config import DeepSeekConfig, DenseConfig, config_from_dict
 from nanotrain.models.lazy import FileTensor, LazyTensor, SafetensorsFile, concat, in_memory
 from nanotrain.parallel.mesh import MeshLayout
 from nanotrain.parallel.tensor import VocabParallelEmbedding, _TensorParallelModule, pad_vocab_size
+
+# LanguageModelModule keeps the model under this attribute, so its state_dict keys carry it.
+MODULE_PREFIX = "model."
 
 __all__ = ["merge_model_shards", "open_model_shards", "saved_mesh_layout"]
 
@@ -340,10 +344,27 @@ def _merged(
     return merged
 
 
+def checkpoint_config(ckpt: str | Path) -> DeepSeekConfig | DenseConfig:
+    """The model config a LanguageModelModule recorded in its training checkpoint `ckpt`.
+
+    Raises:
+        FileNotFoundError / ValueError: a missing or corrupt checkpoint, or one not written by a
+            LanguageModelModule (no model config inside).
+    """
+    folder = Path(ckpt)
+    files.read_meta(folder)  # a clear error for a folder that is no (complete) checkpoint
+    shared = files.read_torch(folder / files.TRAINER_STATE_FILE)
+    if "model_config" not in shared:
+        raise ValueError(
+            f"{folder} holds no model config; only checkpoints of a LanguageModelModule can be "
+            "exported"
+        )
+    return config_from_dict(shared["model_config"])
+
+
 def _model_from_checkpoint(ckpt: Path) -> nn.Module:
     """The whole LanguageModelModule-shaped model (meta device) of a checkpoint's config, under
     the attribute the module keeps it in, so its state_dict names match the shards'."""
-    from nanotrain.model_io import MODULE_PREFIX, checkpoint_config
     from nanotrain.models.build import build_model
 
     holder = nn.Module()

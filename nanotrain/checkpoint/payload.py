@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from nanotrain.rng import capture_rng_state, restore_rng_state
+from nanotrain.runtime.rng import capture_rng_state, restore_rng_state
 
 if TYPE_CHECKING:
     from nanotrain.trainer import Trainer

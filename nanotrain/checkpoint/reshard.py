@@ -23,6 +23,7 @@ from safetensors import SafetensorError, safe_open
 from torch import Tensor
 
 from nanotrain.checkpoint import files, optim_state
+from nanotrain.checkpoint.layout import sharded_layout
 from nanotrain.checkpoint.merge import (
     _merge_one,
     _model_from_checkpoint,
@@ -250,8 +251,6 @@ def _describe(meta: dict[str, Any]) -> str:
 
 
 def _describe_current(trainer: Trainer) -> str:
-    from nanotrain.checkpoint.save_load import sharded_layout
-
     layout = sharded_layout(trainer.strategy)
     meta = {"layout": layout, "strategy": type(trainer.strategy).__name__}
     return _describe({**meta, "world_size": trainer.world_size})

@@ -25,9 +25,9 @@ from nanotrain.checkpoint.collective import (
     exchange,
     raise_first_failure,
 )
+from nanotrain.checkpoint.layout import sharded_layout
 
 if TYPE_CHECKING:
-    from nanotrain.strategies.base import Strategy
     from nanotrain.trainer import Trainer
 
 # Payload keys whose value differs between ranks; everything else is rank 0's (identical on
@@ -196,20 +196,6 @@ def load_model_weights(path: str | Path) -> dict[str, Any]:
     state: dict[str, Any] = _read_model(ckpt, meta, files.MODEL_FILE)
     state.update(_read_torch(ckpt, meta, files.TRAINER_STATE_FILE).get("model_extra", {}))
     return state
-
-
-def sharded_layout(strategy: Strategy) -> dict[str, Any] | None:
-    """The parallel layout of a strategy that shards the model, or None when every rank holds
-    the whole model (then rank 0 writes one copy for all)."""
-    mesh = strategy.mesh
-    if mesh is None:
-        return None
-    return {
-        "strategy": type(strategy).__name__,
-        "world_size": strategy.world_size,
-        **{axis: int(getattr(mesh, f"{axis}_size", 1)) for axis in ("tp", "pp", "ep", "dp")},
-        "zero_stage": int(getattr(strategy, "zero_stage", 0)),
-    }
 
 
 def _describe_layout(layout: dict[str, Any] | None) -> str:

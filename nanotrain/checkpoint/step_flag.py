@@ -2,7 +2,7 @@
 the host wait for the device.
 
 Used for decisions every rank must take at the same step: whether a preemption signal reached
-any rank (`nanotrain.checkpoint.preemption`), whether rank 0's clock says a timed checkpoint is
+any rank (`nanotrain.trainer.preemption`), whether rank 0's clock says a timed checkpoint is
 due (`ModelCheckpoint(every_n_minutes=...)`). The value is all-reduced on the device. Reading it
 right away would make the host wait for the device to finish the step on a GPU, every step, so
 there each step's value is read after the next step (by when it has long arrived) and the
@@ -16,7 +16,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from nanotrain.host_copy import host_to_device
+from nanotrain.runtime.host_copy import host_to_device
 
 
 class StepFlag:

@@ -16,9 +16,8 @@ from nanotrain.models.compile import compile_layers, compile_model
 from nanotrain.models.config import DeepSeekConfig, DenseConfig, ModelConfig
 from nanotrain.models.deepseek import DeepSeekV3
 from nanotrain.models.lazy import LazyTensor, open_safetensors
-from nanotrain.models.recompute import RECOMPUTE_MODES, set_recompute
-from nanotrain.models.safetensors_writer import save_file_streaming
-from nanotrain.models.transformer import CausalLM, DenseTransformer, ModelOutput
+from nanotrain.models.recompute import RECOMPUTE_MODES
+from nanotrain.models.transformer import CausalLM, DenseTransformer, ModelOutput, set_recompute
 
 __all__ = [
     "RECOMPUTE_MODES",
@@ -38,7 +37,6 @@ __all__ = [
     "init_weights",
     "open_safetensors",
     "presets",
-    "save_file_streaming",
     "set_recompute",
     "total_params",
 ]

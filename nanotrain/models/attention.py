@@ -3,6 +3,13 @@
 Both run on `torch.nn.functional.scaled_dot_product_attention` with `is_causal=True` (MLA on
 CPU: the same math by hand, see `causal_attention`) and take the rotary tables `(cos, sin)`
 computed once per forward by the model.
+
+Shape comments name the dims: B batch; T the whole sequence (every position, as attention
+sees it once inside the tensor-parallel region); T_local this rank's part of it (T / tp under
+sequence parallelism, else T); H hidden; n and n_kv this rank's query and key/value heads
+(num_heads / tp, num_kv_heads / tp). Head widths are named after the attributes holding them
+(head_dim; MLA's nope_dim, rope_dim, v_dim, qk_head_dim = nope_dim + rope_dim, and the latent
+ranks q_lora_rank, kv_lora_rank), or d_qk and d_v in `causal_attention`.
 """
 
 from __future__ import annotations
@@ -48,18 +55,18 @@ def causal_attention(
         y = F.scaled_dot_product_attention(
             q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True, scale=scale
         )  # (B, n, T, d_v)
-        return y.transpose(1, 2).reshape(b, t, n * dv)
+        return y.transpose(1, 2).reshape(b, t, n * dv)  # (B, T, n * d_v)
     # bf16/fp16 run in fp32, as SDPA's CPU math fallback does (also under autocast, which
     # would otherwise run baddbmm and bmm in bf16)
     work = q.dtype if q.dtype in (torch.float32, torch.float64) else torch.float32
     with torch.autocast("cpu", enabled=False):
         qh = q.transpose(1, 2).reshape(b * n, t, -1).to(work)  # (B*n, T, d_qk)
         kh = k.permute(0, 2, 3, 1).reshape(b * n, -1, t).to(work)  # (B*n, d_qk, T)
-        vh = v.transpose(1, 2).reshape(b * n, t, dv).to(work)
-        mask = torch.full((t, t), float("-inf"), dtype=work, device=q.device).triu_(1)
+        vh = v.transpose(1, 2).reshape(b * n, t, dv).to(work)  # (B*n, T, d_v)
+        mask = torch.full((t, t), float("-inf"), dtype=work, device=q.device).triu_(1)  # (T, T)
         probs = torch.baddbmm(mask, qh, kh, alpha=scale).softmax(dim=-1)  # (B*n, T, T)
-        y = torch.bmm(probs, vh).view(b, n, t, dv)
-    return y.transpose(1, 2).reshape(b, t, n * dv).to(q.dtype)
+        y = torch.bmm(probs, vh).view(b, n, t, dv)  # (B, n, T, d_v)
+    return y.transpose(1, 2).reshape(b, t, n * dv).to(q.dtype)  # (B, T, n * d_v)
 
 
 class DenseAttention(nn.Module):
@@ -97,19 +104,22 @@ class DenseAttention(nn.Module):
         self.o_proj = RowParallelLinear(config.num_heads * d, h, **kw)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        # (B, T_local, H) -> (B, T, H): all-gathered along the sequence under sequence parallelism
         x = enter_tensor_parallel_region(x, self.tp_group, sequence_parallel=self.sequence_parallel)
         b, t, _ = x.shape  # the whole sequence from here to o_proj
-        q = self.q_proj(x).view(b, t, self.local_heads, self.head_dim)
-        k = self.k_proj(x).view(b, t, self.local_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(b, t, self.local_kv_heads, self.head_dim)
+        q = self.q_proj(x).view(b, t, self.local_heads, self.head_dim)  # (B, T, n, head_dim)
+        k = self.k_proj(x).view(b, t, self.local_kv_heads, self.head_dim)  # (B, T, n_kv, head_dim)
+        v = self.v_proj(x).view(b, t, self.local_kv_heads, self.head_dim)  # (B, T, n_kv, head_dim)
         q = apply_rope(q, cos, sin, interleaved=False)
         k = apply_rope(k, cos, sin, interleaved=False)
-        # (B, heads, T, head_dim) for SDPA; enable_gqa shares each kv head across its q group
+        # (B, n | n_kv, T, head_dim) for SDPA; enable_gqa shares each kv head across its q group
         q, k, v = (z.transpose(1, 2) for z in (q, k, v))
         gqa = self.local_kv_heads != self.local_heads
+        # (B, n, T, head_dim): softmax(q k^T / sqrt(head_dim) + causal mask) v per head
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+        # heads merged back into the last dim: (B, T, n * head_dim)
         y = y.transpose(1, 2).reshape(b, t, self.local_heads * self.head_dim)
-        return self.o_proj(y)
+        return self.o_proj(y)  # (B, T_local, H): summed over tp (reduce-scattered under SP)
 
 
 class MLAttention(nn.Module):
@@ -183,7 +193,7 @@ class MLAttention(nn.Module):
         uses it (like the latents) for its own heads only, so its grad is summed over tp there.
         """
         c_kv, k_rope = self.kv_a_proj_with_mqa(x).split([self.kv_lora_rank, self.rope_dim], -1)
-        parts = [self.kv_a_layernorm(c_kv), k_rope]  # (B, T_local, kv_lora_rank), (.., rope)
+        parts = [self.kv_a_layernorm(c_kv), k_rope]  # (B, T_local, kv_lora_rank), (.., rope_dim)
         if self.q_lora_rank is not None:
             parts.insert(0, self.q_a_layernorm(self.q_a_proj(x)))  # (B, T_local, q_lora_rank)
         if tp_size_of(self.tp_group) == 1:
@@ -193,28 +203,37 @@ class MLAttention(nn.Module):
             torch.cat(parts, dim=-1), self.tp_group, sequence_parallel=self.sequence_parallel
         )  # (B, T, [q_lora_rank +] kv_lora_rank + rope_dim)
         widths = [p.shape[-1] for p in parts]
-        pieces = latents.split(widths, dim=-1)
+        pieces = latents.split(widths, dim=-1)  # each (B, T, its width)
         if self.q_lora_rank is None:
             return None, *pieces
         return pieces[0], pieces[1], pieces[2]
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         n = self.local_heads
+        # (B, T, q_lora_rank) or None, (B, T, kv_lora_rank), (B, T, rope_dim)
         q_latent, c_kv, k_rope = self._latents(x)
         b, t, _ = c_kv.shape  # the whole sequence from here to o_proj
+        # (B, T, n * qk_head_dim): this rank's heads, each [q^C | q^R]
         q = self.q_proj(x) if q_latent is None else self.q_b_proj(q_latent)
-        q = q.view(b, t, n, self.nope_dim + self.rope_dim)
+        q = q.view(b, t, n, self.nope_dim + self.rope_dim)  # (B, T, n, qk_head_dim)
         if self.interleaved and self.nope_dim % 2 == 0:
             # rotate q^R inside the whole head [q^C | q^R]: no split and cat back
             table = rope_tail_table(cos, sin, self.nope_dim)  # (T, 1, qk_head_dim / 2, 2)
             q = rope_tail(q, table)  # (B, T, n, qk_head_dim)
-            k_rope = rope_tail(k_rope.unsqueeze(2), table[:, :, self.nope_dim // 2 :])  # B,T,1,r
+            # k^R, the one rope key every head shares: (B, T, 1, rope_dim)
+            k_rope = rope_tail(k_rope.unsqueeze(2), table[:, :, self.nope_dim // 2 :])
         else:
+            # q^C (B, T, n, nope_dim) and q^R (B, T, n, rope_dim)
             q_nope, q_rope = q.split([self.nope_dim, self.rope_dim], dim=-1)
             q_rope = apply_rope(q_rope, cos, sin, interleaved=self.interleaved)
             q = torch.cat((q_nope, q_rope), dim=-1)  # (B, T, n, qk_head_dim)
+            # k^R, the one rope key every head shares: (B, T, 1, rope_dim)
             k_rope = apply_rope(k_rope.unsqueeze(2), cos, sin, interleaved=self.interleaved)
+        # [k^C | v] per head: (B, T, n, nope_dim + v_dim)
         kv = self.kv_b_proj(c_kv).view(b, t, n, self.nope_dim + self.v_dim)
+        # k^C (B, T, n, nope_dim) and v (B, T, n, v_dim)
         k_nope, v = kv.split([self.nope_dim, self.v_dim], dim=-1)
+        # [k^C | k^R] with k^R broadcast to every head: (B, T, n, qk_head_dim)
         k = torch.cat((k_nope, k_rope.expand(b, t, n, self.rope_dim)), dim=-1)
-        return self.o_proj(causal_attention(q, k, v, self.scale))  # (B, T, n * v_dim) in
+        # (B, T, n * v_dim) into o_proj, which sums over tp: (B, T_local, H) out
+        return self.o_proj(causal_attention(q, k, v, self.scale))

@@ -7,7 +7,7 @@ message, before any model or process group exists.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, fields
+from dataclasses import asdict, dataclass, fields
 from typing import Any
 
 _YARN_KEYS = {
@@ -277,3 +277,24 @@ class DeepSeekConfig(_BaseConfig):
 
 
 ModelConfig = DenseConfig | DeepSeekConfig
+
+
+_FAMILIES = {"DeepSeekConfig": DeepSeekConfig, "DenseConfig": DenseConfig}
+
+
+def config_to_dict(config: DeepSeekConfig | DenseConfig) -> dict[str, Any]:
+    """A model config as plain JSON values: {"family": class name, "config": fields}."""
+    return {"family": type(config).__name__, "config": asdict(config)}
+
+
+def config_from_dict(data: dict[str, Any]) -> DeepSeekConfig | DenseConfig:
+    """Inverse of `config_to_dict`; raises ValueError for an unknown family or fields."""
+    family = _FAMILIES.get(data.get("family", ""))
+    if family is None:
+        raise ValueError(
+            f"unknown model family {data.get('family')!r}; expected one of {sorted(_FAMILIES)}"
+        )
+    try:
+        return family(**data["config"])
+    except TypeError as exc:
+        raise ValueError(f"model config does not match {family.__name__}: {exc}") from exc

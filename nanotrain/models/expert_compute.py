@@ -13,9 +13,7 @@ Three paths give the same result for `GroupedExperts.forward`:
   are a [E, C, H] view and each of the nine GEMMs of forward + backward is ONE `torch.bmm` over
   all experts, inside one autograd Function, so the number of ops (and their per-call cost)
   does not grow with E. Its backward writes each weight gradient once, in the stack's own
-  [E, out, in] layout (no per-expert pieces to stack, no transposed copies). In fp32 on one
-  CPU thread the GEMMs run in a small C kernel that streams many experts' weights from memory
-  faster than batched BLAS (`nanotrain.models.expert_gemm_cpu`).
+  [E, out, in] layout (no per-expert pieces to stack, no transposed copies).
 * `grouped_swiglu` (`torch.nn.functional.grouped_mm`: CUDA bf16, or CPU fp32 / bf16 where the
   installed torch runs it): three grouped GEMMs over all experts at once with offsets from the
   cumulative counts. On CUDA the offsets stay on the device, so the expert computation never
@@ -38,7 +36,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from nanotrain.models.expert_gemm_cpu import KernelGemms, cpu_kernel_runs
 from nanotrain.parallel.expert import expert_range, mark_expert_params
 
 
@@ -182,48 +179,20 @@ def equal_group_rows(sizes: Sequence[int]) -> int | None:
     return int(sizes[0])
 
 
-class BmmGemms:
-    """The four GEMM stages of `batched_swiglu` as batched BLAS GEMMs (`torch.bmm`), for
-    every device and dtype. Shapes: xb, dx [E, C, H]; gate, up, d_gate, d_up [E, I, H];
-    down, d_down [E, H, I]; g, u, a, da, dg, du [E, C, I]; y, dy [E, C, H]."""
-
-    @staticmethod
-    def gate_up_forward(xb, gate, up):  # noqa: ANN001, ANN205
-        return torch.bmm(xb, gate.transpose(1, 2)), torch.bmm(xb, up.transpose(1, 2))
-
-    @staticmethod
-    def down_forward(a, down):  # noqa: ANN001, ANN205
-        return torch.bmm(a, down.transpose(1, 2))
-
-    @staticmethod
-    def down_backward(dy, a, down):  # noqa: ANN001, ANN205
-        # each weight gradient in its parameter's layout, as autograd's mm does per expert
-        # (grad_out^T @ input): [E, out, in] written once, nothing to transpose
-        return torch.bmm(dy.transpose(1, 2), a), torch.bmm(dy, down)
-
-    @staticmethod
-    def gate_up_backward(dg, du, xb, gate, up):  # noqa: ANN001, ANN205
-        d_gate = torch.bmm(dg.transpose(1, 2), xb)
-        d_up = torch.bmm(du.transpose(1, 2), xb)
-        # the second product accumulates into the first inside the GEMM (no temporary)
-        return d_gate, d_up, torch.bmm(dg, gate).baddbmm_(du, up)
-
-
 class _BatchedSwiGLU(torch.autograd.Function):
-    """SwiGLU of E experts with C rows each by four GEMM stages over all experts (`gemms`:
-    `BmmGemms` or the CPU kernel's `KernelGemms`); see `batched_swiglu`."""
+    """SwiGLU of E experts with C rows each as batched GEMMs; see `batched_swiglu`."""
 
     @staticmethod
-    def forward(ctx, x, num_experts, gemms, gate_proj, up_proj, down_proj):  # noqa: ANN001, ANN205
+    def forward(ctx, x, num_experts, gate_proj, up_proj, down_proj):  # noqa: ANN001, ANN205
         xb = x.view(num_experts, -1, x.shape[-1])  # (E, C, H), no copy
-        g, u = gemms.gate_up_forward(xb, gate_proj, up_proj)  # (E, C, I)
+        g = torch.bmm(xb, gate_proj.transpose(1, 2))  # (E, C, I)
+        u = torch.bmm(xb, up_proj.transpose(1, 2))
         sg = F.silu(g)
         a = sg * u
-        y = gemms.down_forward(a, down_proj)  # (E, C, H)
+        y = torch.bmm(a, down_proj.transpose(1, 2))  # (E, C, H)
         # the same activations the per-expert autograd graph keeps (g, silu(g), u, a; x is
         # the caller's), so switching paths changes neither memory nor recompute
         ctx.save_for_backward(xb, g, u, sg, a, gate_proj, up_proj, down_proj)
-        ctx.gemms = gemms
         return y.view(x.shape)
 
     @staticmethod
@@ -231,11 +200,17 @@ class _BatchedSwiGLU(torch.autograd.Function):
         xb, g, u, sg, a, gate_proj, up_proj, down_proj = ctx.saved_tensors
         # a gradient from e.g. y.sum() is an expanded (stride 0) view: the GEMMs want rows
         dy = grad_y.contiguous().view(a.shape[0], a.shape[1], -1)  # (E, C, H)
-        grad_down, da = ctx.gemms.down_backward(dy, a, down_proj)
+        # each weight gradient is computed in its parameter's layout, as autograd's mm does
+        # per expert (grad_out^T @ input): [E, out, in] written once, nothing to transpose
+        grad_down = torch.bmm(dy.transpose(1, 2), a)  # (E, H, I)
+        da = torch.bmm(dy, down_proj)  # (E, C, I)
         dg = torch.ops.aten.silu_backward(da * u, g)
         du = da.mul_(sg)  # da's last use: no new buffer
-        grad_gate, grad_up, dx = ctx.gemms.gate_up_backward(dg, du, xb, gate_proj, up_proj)
-        return dx.view(-1, xb.shape[-1]), None, None, grad_gate, grad_up, grad_down
+        grad_gate = torch.bmm(dg.transpose(1, 2), xb)  # (E, I, H)
+        grad_up = torch.bmm(du.transpose(1, 2), xb)
+        # the second product accumulates into the first inside the GEMM (no temporary)
+        dx = torch.bmm(dg, gate_proj).baddbmm_(du, up_proj)  # (E, C, H)
+        return dx.view(-1, xb.shape[-1]), None, grad_gate, grad_up, grad_down
 
 
 def batched_swiglu(
@@ -245,18 +220,13 @@ def batched_swiglu(
     up_proj: torch.Tensor,
     down_proj: torch.Tensor,
 ) -> torch.Tensor:
-    """SwiGLU of E experts that all get C rows, by GEMMs over all experts at once (a
-    constant number of ops): the CPU kernel of `nanotrain.models.expert_gemm_cpu` where it
-    runs (fp32, one thread), else batched BLAS.
+    """SwiGLU of E experts that all get C rows, by batched GEMMs (a constant number of ops).
 
     Args: x [E*C, H] rows sorted by expert (contiguous); num_experts: E;
         gate_proj, up_proj [E, I, H]; down_proj [E, H, I].
     Returns: [E*C, H].
     """
-    x = x.contiguous()
-    weights = (gate_proj, up_proj, down_proj)
-    gemms = KernelGemms if cpu_kernel_runs(x, *weights) else BmmGemms
-    return _BatchedSwiGLU.apply(x, num_experts, gemms, *weights)
+    return _BatchedSwiGLU.apply(x.contiguous(), num_experts, gate_proj, up_proj, down_proj)
 
 
 class GroupedExperts(nn.Module):

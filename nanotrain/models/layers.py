@@ -2,6 +2,9 @@
 
 Rotary tables are computed on the fly from the config (a handful of floats per position), so
 a model built on the meta device has no buffer that must be recomputed after materializing.
+
+Shape comments: B batch, T sequence, heads the attention heads of x, dim the rotated width
+(dim / 2 rotation pairs; r in `rope_tail_table`), hidden the model width.
 """
 
 from __future__ import annotations
@@ -76,7 +79,7 @@ def rope_inv_freq(
 
     Returns: float32 tensor [dim // 2].
     """
-    exponents = torch.arange(0, dim, 2, dtype=torch.float32, device=device) / dim
+    exponents = torch.arange(0, dim, 2, dtype=torch.float32, device=device) / dim  # (dim/2,)
     inv_freq = 1.0 / (theta**exponents)
     if rope_scaling is None:
         return inv_freq
@@ -129,6 +132,7 @@ def rope_cos_sin(
     Both are multiplied by `rope_attention_factor(rope_scaling)`.
     """
     inv_freq = rope_inv_freq(dim, theta, rope_scaling, device=device)
+    # (seq_len, dim/2): position p times inv_freq[i]
     angles = torch.outer(torch.arange(seq_len, dtype=torch.float32, device=device), inv_freq)
     factor = rope_attention_factor(rope_scaling)
     return angles.cos() * factor, angles.sin() * factor
@@ -149,10 +153,11 @@ def apply_rope(
     cos = cos[:, None, :].to(x.dtype)  # (T, 1, dim/2) broadcasts over heads
     sin = sin[:, None, :].to(x.dtype)
     if interleaved:
-        a, b = x[..., 0::2], x[..., 1::2]
+        a, b = x[..., 0::2], x[..., 1::2]  # each (B, T, heads, dim/2): even, odd dims
+        # (B, T, heads, dim/2, 2) flattened back to the interleaved (B, T, heads, dim)
         return torch.stack((a * cos - b * sin, b * cos + a * sin), dim=-1).flatten(-2)
-    a, b = x.chunk(2, dim=-1)
-    return torch.cat((a * cos - b * sin, b * cos + a * sin), dim=-1)
+    a, b = x.chunk(2, dim=-1)  # each (B, T, heads, dim/2): first, second half
+    return torch.cat((a * cos - b * sin, b * cos + a * sin), dim=-1)  # (B, T, heads, dim)
 
 
 def rope_tail_table(cos: torch.Tensor, sin: torch.Tensor, skip: int) -> torch.Tensor:
@@ -164,9 +169,9 @@ def rope_tail_table(cos: torch.Tensor, sin: torch.Tensor, skip: int) -> torch.Te
     code for complex numbers); eager `rope_tail` views it as complex without a copy.
     """
     t = cos.shape[0]
-    real = torch.cat((cos.new_ones(t, skip // 2), cos), dim=-1)
-    imag = torch.cat((sin.new_zeros(t, skip // 2), sin), dim=-1)
-    return torch.stack((real.float(), imag.float()), dim=-1)[:, None]
+    real = torch.cat((cos.new_ones(t, skip // 2), cos), dim=-1)  # (T, skip/2 + r/2)
+    imag = torch.cat((sin.new_zeros(t, skip // 2), sin), dim=-1)  # (T, skip/2 + r/2)
+    return torch.stack((real.float(), imag.float()), dim=-1)[:, None]  # (T, 1, skip/2 + r/2, 2)
 
 
 def rope_tail(x: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
@@ -190,13 +195,13 @@ def rope_tail(x: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
     if x.dtype in (torch.float32, torch.float64) and not torch.compiler.is_compiling():
         if pairs.storage_offset() % 2 or any(st % 2 for st in pairs.stride()[:-1]):
             pairs = pairs.contiguous()  # view_as_complex needs whole pairs in memory
-        factors = torch.view_as_complex(table.to(x.dtype))
-        rotated = torch.view_as_complex(pairs) * factors
-        return torch.view_as_real(rotated).flatten(-2)
-    cos, sin = table[..., 0], table[..., 1]
+        factors = torch.view_as_complex(table.to(x.dtype))  # (T, 1, dim/2) complex
+        rotated = torch.view_as_complex(pairs) * factors  # (B, T, heads, dim/2) complex
+        return torch.view_as_real(rotated).flatten(-2)  # (B, T, heads, dim)
+    cos, sin = table[..., 0], table[..., 1]  # each (T, 1, dim/2)
     c = cos.repeat_interleave(2, dim=-1).to(x.dtype)  # (T, 1, dim): c0 c0 c1 c1 ..
-    s = torch.stack((-sin, sin), dim=-1).flatten(-2).to(x.dtype)  # -s0 s0 ..
-    return x * c + pairs.flip(-1).flatten(-2) * s
+    s = torch.stack((-sin, sin), dim=-1).flatten(-2).to(x.dtype)  # (T, 1, dim): -s0 s0 ..
+    return x * c + pairs.flip(-1).flatten(-2) * s  # pairs swapped (b, a): (B, T, heads, dim)
 
 
 class SwiGLU(nn.Module):
@@ -231,4 +236,6 @@ class SwiGLU(nn.Module):
         x = enter_tensor_parallel_region(
             x, self.tp_group, sequence_parallel=self.sequence_parallel
         )  # (B, T, hidden): the whole sequence under sequence parallelism
+        # gate, up: (B, T, intermediate / tp), this rank's columns; down_proj sums over tp to
+        # (B, T, hidden), reduce-scattered to (B, T / tp, hidden) under sequence parallelism
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))

@@ -27,7 +27,6 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
-from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 #: accepted recompute modes
@@ -70,25 +69,3 @@ def check_recompute(mode: str | None) -> None:
     """Raise ValueError for a mode not in `RECOMPUTE_MODES`."""
     if mode not in RECOMPUTE_MODES:
         raise ValueError(f"recompute must be one of {RECOMPUTE_MODES}, got {mode!r}")
-
-
-def set_recompute(model: nn.Module, mode: str | None) -> int:
-    """Set the recompute mode of every decoder layer in `model` (and, for "full", recompute the
-    head and loss of the model or pipeline stage); returns how many layers were set.
-
-    Raises:
-        ValueError: for an unknown mode.
-    """
-    check_recompute(mode)
-    from nanotrain.models.transformer import CausalLM, DecoderLayer
-
-    layers = [m for m in model.modules() if isinstance(m, DecoderLayer)]
-    for layer in layers:
-        layer.recompute = mode
-    models = [m for m in model.modules() if isinstance(m, CausalLM)]
-    full = getattr(model, "full", None)  # a PipelineStage runs its head with the model's methods
-    if isinstance(full, CausalLM):
-        models.append(full)
-    for m in models:
-        m.recompute_head = mode == "full"
-    return len(layers)

@@ -18,7 +18,7 @@ from nanotrain.models.balance import MoEStats, moe_balance_step
 from nanotrain.models.config import DeepSeekConfig, DenseConfig
 from nanotrain.models.layers import RMSNorm, SwiGLU, rope_cos_sin, tp_size_of
 from nanotrain.models.moe import DeepSeekMoE
-from nanotrain.models.recompute import recomputed
+from nanotrain.models.recompute import check_recompute, recomputed
 from nanotrain.parallel.cross_entropy import vocab_parallel_cross_entropy
 from nanotrain.parallel.tensor import ColumnParallelLinear, VocabParallelEmbedding, pad_vocab_size
 
@@ -381,3 +381,23 @@ class DenseTransformer(CausalLM):
         attn = DenseAttention(c, **kw)
         mlp = SwiGLU(c.hidden_size, c.intermediate_size, **kw)
         return DecoderLayer(attn, mlp, c.hidden_size, c.rms_norm_eps, device)
+
+
+def set_recompute(model: nn.Module, mode: str | None) -> int:
+    """Set the recompute mode of every decoder layer in `model` (and, for "full", recompute the
+    head and loss of the model or pipeline stage); returns how many layers were set.
+
+    Raises:
+        ValueError: for an unknown mode.
+    """
+    check_recompute(mode)
+    layers = [m for m in model.modules() if isinstance(m, DecoderLayer)]
+    for layer in layers:
+        layer.recompute = mode
+    models = [m for m in model.modules() if isinstance(m, CausalLM)]
+    full = getattr(model, "full", None)  # a PipelineStage runs its head with the model's methods
+    if isinstance(full, CausalLM):
+        models.append(full)
+    for m in models:
+        m.recompute_head = mode == "full"
+    return len(layers)

@@ -19,9 +19,9 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed import ProcessGroup
 
-from nanotrain.host_copy import host_to_device
 from nanotrain.parallel.collectives import all_gather_along_dim, group_size
 from nanotrain.parallel.tensor import VocabParallelEmbedding, _TensorParallelModule
+from nanotrain.runtime.host_copy import host_to_device
 
 __all__ = [
     "all_reduce_coalesced",

@@ -38,7 +38,7 @@ from torch import Tensor
 from torch.distributed import ProcessGroup
 
 from nanotrain.parallel.schedules import Action
-from nanotrain.profiling import named_range
+from nanotrain.runtime.profiling import named_range
 
 __all__ = [
     "PipelineComm",

@@ -1,8 +1,9 @@
 """GPU specs the planner prices a layout on: peak FLOP/s, memory, and link bandwidths.
 
-Peak FLOP/s are the ThroughputMonitor's own table (`nanotrain.callbacks.flops.PEAK_TFLOPS`:
-dense tensor-core figures; the H800 has the H100 SXM's compute), so a plan's MFU and a run's
-logged MFU use the same denominator. Memory is what `torch.cuda.get_device_properties` reports
+Peak FLOP/s are the datasheets' dense tensor-core figures (the H800 has the H100 SXM's
+compute), the same numbers the ThroughputMonitor divides by on that device
+(`nanotrain.callbacks.flops.device_peak_flops`; a test holds the two equal), so a plan's MFU
+and a run's logged MFU use the same denominator. Memory is what `torch.cuda.get_device_properties` reports
 (a little under the marketing figure: an "80 GB" H100 reports about 79.2 GiB). The node is the
 usual one: 8 GPUs joined by NVLink/NVSwitch (intra-node bandwidth: one direction, per GPU) and
 one 400 Gb/s (50 GB/s) InfiniBand NIC per GPU between nodes (the H800 nodes of the DeepSeek-V3
@@ -14,10 +15,8 @@ from __future__ import annotations
 
 import json
 import math
-import re
 from dataclasses import asdict, dataclass
 
-from nanotrain.callbacks.flops import PEAK_TFLOPS
 from nanotrain.precision import PRECISIONS as PRECISION_PLUGINS
 
 __all__ = ["GPUS", "GPUSpec", "gpu_spec"]
@@ -97,20 +96,26 @@ _FALLBACK = {
 }
 
 
-def _peaks(device_name: str) -> dict[str, float]:
-    """FLOP/s per column of the ThroughputMonitor's table row matching `device_name`."""
-    for pattern, tflops in PEAK_TFLOPS:
-        if re.search(pattern, device_name, re.IGNORECASE):
-            return {k: v * _T for k, v in tflops.items()}
-    raise ValueError(f"no peak-FLOPs entry for {device_name!r}")
+# dense TFLOP/s per column: (fp8, bf16, fp16, tf32, fp32); 0 = none
+_PEAK_TFLOPS = {
+    "a100": (0.0, 312.0, 312.0, 156.0, 19.5),
+    "h100": (1978.9, 989.4, 989.4, 494.7, 66.9),
+    "b200": (4500.0, 2250.0, 2250.0, 1125.0, 75.0),
+}
 
 
-def _spec(name: str, device_name: str, mem_gib: float, nvlink_gb: float, hbm_tb: float,
+def _peaks(kind: str) -> dict[str, float]:
+    """FLOP/s per column of a datasheet row of `_PEAK_TFLOPS`."""
+    columns = ("fp8", "bf16", "fp16", "tf32", "fp32")
+    return {c: v * _T for c, v in zip(columns, _PEAK_TFLOPS[kind], strict=True) if v}
+
+
+def _spec(name: str, compute: str, mem_gib: float, nvlink_gb: float, hbm_tb: float,
           ib_gb: float = 50.0) -> GPUSpec:  # fmt: skip
     return GPUSpec(
         name=name,
         memory_bytes=mem_gib * 2**30,
-        peak_flops=_peaks(device_name),
+        peak_flops=_peaks(compute),
         intra_node_bw=nvlink_gb * _GB,
         inter_node_bw=ib_gb * _GB,
         mem_bw=hbm_tb * 1e12,
@@ -119,11 +124,11 @@ def _spec(name: str, device_name: str, mem_gib: float, nvlink_gb: float, hbm_tb:
 
 #: the built-in table (SXM parts; memory as torch reports it; NVLink one direction per GPU)
 GPUS: dict[str, GPUSpec] = {
-    "a100": _spec("a100", "A100", 79.2, 300, 2.0, ib_gb=25.0),
-    "h100": _spec("h100", "H100", 79.2, 450, 3.35),
-    "h800": _spec("h800", "H100", 79.2, 200, 3.35),  # H100 compute, NVLink cut to 400 GB/s
-    "h200": _spec("h200", "H200", 139.8, 450, 4.8),
-    "b200": _spec("b200", "B200", 178.4, 900, 8.0),
+    "a100": _spec("a100", "a100", 79.2, 300, 2.0, ib_gb=25.0),
+    "h100": _spec("h100", "h100", 79.2, 450, 3.35),
+    "h800": _spec("h800", "h100", 79.2, 200, 3.35),  # H100 compute, NVLink cut to 400 GB/s
+    "h200": _spec("h200", "h100", 139.8, 450, 4.8),
+    "b200": _spec("b200", "b200", 178.4, 900, 8.0),
     "cpu": GPUSpec(  # this repository's test machines: for plans of CPU runs
         name="cpu",
         memory_bytes=24 * 2**30,

@@ -11,6 +11,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from nanotrain.models.recompute import check_recompute
+from nanotrain.parallel.mesh import MeshLayout
 from nanotrain.parallel.pipeline import partition_layers, stage_layers
 from nanotrain.parallel.schedules import SCHEDULES, Action, max_in_flight
 from nanotrain.precision import PRECISIONS as PRECISION_PLUGINS
@@ -24,8 +25,10 @@ PRECISIONS = tuple(PRECISION_PLUGINS)
 
 
 @dataclass(frozen=True)
-class PlanLayout:
-    """A `MegatronStrategy` layout: world = tp * pp * dp, ep carved out of dp.
+class PlanLayout(MeshLayout):
+    """A `MegatronStrategy` layout: the mesh (`MeshLayout`: world = tp * pp * dp, ep carved
+    out of dp, checked by the strategy's own `validate_layout`) and the strategy's settings
+    that change memory and time.
 
     Attributes:
         tp, pp, dp, ep: tensor-, pipeline-, data- and expert-parallel sizes.
@@ -38,10 +41,6 @@ class PlanLayout:
         bucket_size_mb: the strategy's gradient bucket size (ZeRO pads each bucket).
     """
 
-    tp: int = 1
-    pp: int = 1
-    dp: int = 1
-    ep: int = 1
     virtual_pp: int = 1
     zero_stage: int = 0
     sequence_parallel: bool = False
@@ -51,20 +50,11 @@ class PlanLayout:
     bucket_size_mb: float = 25.0
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         if self.pipeline_layout is not None:
             object.__setattr__(self, "pipeline_layout", tuple(self.pipeline_layout))
         object.__setattr__(self, "schedule", pick_schedule(self.schedule, self.virtual_pp))
         check_recompute(self.recompute)
-
-    @property
-    def world_size(self) -> int:
-        """tp * pp * dp."""
-        return self.tp * self.pp * self.dp
-
-    @property
-    def expert_dp(self) -> int:
-        """Ranks holding the same experts (dp / ep): the group expert weights are reduced over."""
-        return self.dp // self.ep
 
     def strategy(self) -> Any:
         """The `MegatronStrategy` of this layout (not set up: no process group is made)."""

@@ -44,7 +44,7 @@ def _public_settings(obj: Any) -> dict[str, Any]:
 def strategy_info(trainer: Trainer) -> dict[str, Any]:
     """Strategy class, its settings, world size, device, data-parallel replicas and, for a
     strategy that shards the model, its layout (as recorded in checkpoints)."""
-    from nanotrain.checkpoint.save_load import sharded_layout
+    from nanotrain.checkpoint.layout import sharded_layout
 
     strategy = trainer.strategy
     return {
@@ -66,8 +66,8 @@ def model_info(module: Any, replicated: bool) -> dict[str, Any]:
     from nanotrain.models.config import DeepSeekConfig, DenseConfig
 
     if isinstance(config, (DeepSeekConfig, DenseConfig)):
-        from nanotrain.model_io import config_to_dict
         from nanotrain.models.accounting import active_params, total_params
+        from nanotrain.models.config import config_to_dict
 
         info["family"] = type(config).__name__
         info["config"] = config_to_dict(config)["config"]

@@ -19,7 +19,7 @@ from torch import Tensor, nn
 
 from nanotrain.precision.base import Precision
 from nanotrain.precision.master import grad_of, load_into
-from nanotrain.profiling import named_range
+from nanotrain.runtime.profiling import named_range
 from nanotrain.strategies.optimizers import OptimizerSetup, parse_optimizer_config
 from nanotrain.strategies.weighting import (  # noqa: F401  (re-exported: strategies use them)
     LossAccumulator,
@@ -279,12 +279,15 @@ class Strategy(ABC):
         """
         if not self.precision.skip_step:
             with named_range("nanotrain/optimizer_step"), skip_on_device(self.optimizer, skip_if):
-                if self._master_holder is not None:
-                    self._master_holder.step()
-                else:
-                    self.optimizer.step()
+                self._updater().step()
         self.zero_grad()
         self.precision.after_step()
+
+    def _updater(self) -> Any:
+        """What `optimizer_step` steps: the fp32 master weights when the precision keeps them
+        (they step the optimizer and copy back into the low-precision parameters), else the
+        optimizer itself."""
+        return self._master_holder if self._master_holder is not None else self.optimizer
 
     def zero_grad(self) -> None:
         """Drop the gradients without stepping (a skipped step)."""

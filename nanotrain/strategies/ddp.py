@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import datetime
-import os
 from typing import Any
 
 import torch
@@ -14,25 +12,18 @@ from torch import Tensor, nn
 from nanotrain.parallel.data_parallel import FlatLayout, GradBuckets, backward_order
 from nanotrain.strategies.base import DataShard
 from nanotrain.strategies.megatron_grads import bucket_numel_for
-from nanotrain.strategies.rendezvous import init_process_group
+from nanotrain.strategies.rendezvous import (
+    join_process_group,
+    launched_local_rank,
+    launched_rank,
+    launched_world_size,
+    process_device,
+)
 from nanotrain.strategies.replicated import ReplicatedStrategy, TrainingStepWrapper
 
 #: a DDP runtime-statistics sample rate no run reaches (the reducer takes a C int)
 _NEVER = 2**31 - 1
 _REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "mean": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}
-
-
-def _env_int(name: str, default: int | None = None) -> int:
-    value = os.environ.get(name)
-    if value is None:
-        if default is None:
-            raise ValueError(
-                f"DDPStrategy needs the environment variable {name}; launch with "
-                "`torchrun --nproc-per-node N ...` (or set RANK, WORLD_SIZE, LOCAL_RANK, "
-                "MASTER_ADDR, MASTER_PORT yourself)"
-            )
-        return default
-    return int(value)
 
 
 class DDPStrategy(ReplicatedStrategy):
@@ -72,22 +63,9 @@ class DDPStrategy(ReplicatedStrategy):
         self._owns_process_group = False
 
     def setup_environment(self) -> None:
-        if not dist.is_initialized():
-            rank, world = _env_int("RANK"), _env_int("WORLD_SIZE")
-            backend = self.backend or ("nccl" if torch.cuda.is_available() else "gloo")
-            init_process_group(  # restarts: see rendezvous.py
-                backend,
-                rank=rank,
-                world_size=world,
-                timeout=datetime.timedelta(seconds=self.timeout_s),
-                local_rank=self.local_rank,
-            )
+        if join_process_group("DDPStrategy", self.backend, self.timeout_s):
             self._owns_process_group = True
-        if dist.get_backend() == "nccl":
-            self._device = torch.device("cuda", self.local_rank)
-            torch.cuda.set_device(self._device)
-        else:
-            self._device = torch.device("cpu")
+        self._device = process_device(self.backend)
 
     @property
     def root_device(self) -> torch.device:
@@ -97,15 +75,15 @@ class DDPStrategy(ReplicatedStrategy):
 
     @property
     def global_rank(self) -> int:
-        return dist.get_rank() if dist.is_initialized() else _env_int("RANK", 0)
+        return launched_rank()
 
     @property
     def local_rank(self) -> int:
-        return _env_int("LOCAL_RANK", self.global_rank)
+        return launched_local_rank()
 
     @property
     def world_size(self) -> int:
-        return dist.get_world_size() if dist.is_initialized() else _env_int("WORLD_SIZE", 1)
+        return launched_world_size()
 
     def data_shard(self) -> DataShard:
         return DataShard(self.global_rank, self.world_size)

@@ -32,7 +32,6 @@ backward) and each microbatch's term is weighed by ``count * dp / global_count``
 from __future__ import annotations
 
 import datetime
-import os
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -46,12 +45,11 @@ from nanotrain.parallel.mesh import ParallelMesh, check_sizes, validate_layout
 from nanotrain.parallel.pipeline import partition_layers
 from nanotrain.parallel.zero import ZeroOptimizer
 from nanotrain.precision.master import MasterWeights
-from nanotrain.profiling import named_range
+from nanotrain.runtime.profiling import named_range
 from nanotrain.strategies.base import (
     DataShard,
     StepOutput,
     Strategy,
-    skip_on_device,
 )
 from nanotrain.strategies.layout_checks import model_dims
 from nanotrain.strategies.megatron_grads import (
@@ -62,18 +60,19 @@ from nanotrain.strategies.megatron_grads import (
 )
 from nanotrain.strategies.megatron_pipeline import PipelineEngine, embedding_groups, pick_schedule
 from nanotrain.strategies.optimizers import OptimizerSetup
-from nanotrain.strategies.rendezvous import init_process_group
+from nanotrain.strategies.rendezvous import (
+    join_process_group,
+    launched_local_rank,
+    launched_rank,
+    launched_world_size,
+    process_device,
+)
 from nanotrain.strategies.weighting import LossAccumulator, weigh_microbatches
 
 if TYPE_CHECKING:
     from nanotrain.module import NanoModule
 
 _REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "mean": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}
-
-
-def _env_int(name: str) -> int | None:
-    value = os.environ.get(name)
-    return None if value is None else int(value)
 
 
 class MegatronStrategy(MegatronGradNorms, Strategy):
@@ -198,36 +197,12 @@ class MegatronStrategy(MegatronGradNorms, Strategy):
     def setup_environment(self) -> None:
         if self._mesh is not None:
             return
-        if dist.is_initialized():
-            world = dist.get_world_size()
-        else:
-            world = _env_int("WORLD_SIZE") or 1
+        world = launched_world_size()
         self.validate_world(world)  # before any process group exists
-        if not dist.is_initialized() and world > 1:
-            rank = _env_int("RANK")
-            if rank is None:
-                raise ValueError(
-                    "MegatronStrategy needs RANK with WORLD_SIZE > 1; launch with "
-                    "`torchrun --nproc-per-node N ...`"
-                )
-            backend = self.backend or ("nccl" if torch.cuda.is_available() else "gloo")
-            init_process_group(  # restarts: see rendezvous.py
-                backend,
-                rank=rank,
-                world_size=world,
-                timeout=datetime.timedelta(seconds=self.timeout_s),
-                local_rank=self.local_rank,
-            )
+        # one process needs no group (unless the user made one)
+        if world > 1 and join_process_group("MegatronStrategy", self.backend, self.timeout_s):
             self._owns_process_group = True
-        if dist.is_initialized():
-            use_cuda = dist.get_backend() == "nccl"
-        else:  # one process, no group: the GPU when there is one, unless gloo was asked for
-            use_cuda = torch.cuda.is_available() and self.backend != "gloo"
-        if use_cuda:
-            self._device = torch.device("cuda", self.local_rank)
-            torch.cuda.set_device(self._device)
-        else:
-            self._device = torch.device("cpu")
+        self._device = process_device(self.backend)
         timeout = datetime.timedelta(seconds=self.timeout_s)
         self._mesh = ParallelMesh.build(self.tp, self.pp, self.ep, self.dp, timeout=timeout)
         if self._mesh.pp_size > 1:
@@ -251,16 +226,15 @@ class MegatronStrategy(MegatronGradNorms, Strategy):
 
     @property
     def global_rank(self) -> int:
-        return dist.get_rank() if dist.is_initialized() else (_env_int("RANK") or 0)
+        return launched_rank()
 
     @property
     def local_rank(self) -> int:
-        local = _env_int("LOCAL_RANK")
-        return self.global_rank if local is None else local
+        return launched_local_rank()
 
     @property
     def world_size(self) -> int:
-        return dist.get_world_size() if dist.is_initialized() else (_env_int("WORLD_SIZE") or 1)
+        return launched_world_size()
 
     def data_shard(self) -> DataShard:
         """``(dp_rank, dp_size)``: tensor-parallel peers read the same samples."""
@@ -413,21 +387,10 @@ class MegatronStrategy(MegatronGradNorms, Strategy):
             )
         return super().predict_step(module, batch, batch_idx)
 
-    def optimizer_step(self, skip_if: Tensor | None = None) -> None:
-        """Update (sharded under ZeRO, then parameters all-gathered; on fp32 masters when the
-        precision keeps them; skipped on every rank after an fp16 overflow, or where the
-        device flag `skip_if` is True: see `Strategy.optimizer_step`) and zero the
-        gradients."""
-        if not self.precision.skip_step:
-            with named_range("nanotrain/optimizer_step"), skip_on_device(self.optimizer, skip_if):
-                if self._zero is not None:
-                    self._zero.step()
-                elif self._master_holder is not None:
-                    self._master_holder.step()
-                else:
-                    self.optimizer.step()
-        self.zero_grad()
-        self.precision.after_step()
+    def _updater(self) -> Any:
+        """Under ZeRO the sharded optimizer (it updates this rank's shard, on fp32 masters when
+        the precision keeps them, then all-gathers the parameters); else as every strategy."""
+        return self._zero if self._zero is not None else super()._updater()
 
     def zero_grad(self) -> None:
         """Zero the gradient buffers (the grads stay views of them)."""

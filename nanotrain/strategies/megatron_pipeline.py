@@ -24,7 +24,6 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from nanotrain.host_copy import host_to_device
 from nanotrain.models.stages import PipelineStage
 from nanotrain.models.transformer import ModelOutput
 from nanotrain.parallel.grads import all_reduce_coalesced
@@ -32,7 +31,8 @@ from nanotrain.parallel.pipeline import PipelineComm, ScheduleStats, open_channe
 from nanotrain.parallel.schedules import SCHEDULES, forward_only
 from nanotrain.precision.base import Precision
 from nanotrain.precision.master import grad_of
-from nanotrain.profiling import named_range
+from nanotrain.runtime.host_copy import host_to_device
+from nanotrain.runtime.profiling import named_range
 
 if TYPE_CHECKING:
     from nanotrain.module import NanoModule

@@ -22,7 +22,15 @@ import os
 import torch
 import torch.distributed as dist
 
-__all__ = ["init_process_group"]
+__all__ = [
+    "env_int",
+    "init_process_group",
+    "join_process_group",
+    "launched_local_rank",
+    "launched_rank",
+    "launched_world_size",
+    "process_device",
+]
 
 
 def init_process_group(
@@ -69,3 +77,68 @@ def init_process_group(
     )
     store = dist.PrefixStore(f"nanotrain/restart_{restart}", client)
     dist.init_process_group(backend, store=store, **kwargs)
+
+
+def env_int(name: str) -> int | None:
+    """An integer environment variable set by the launcher (RANK, WORLD_SIZE, ...), or None."""
+    value = os.environ.get(name)
+    return None if value is None else int(value)
+
+
+def launched_rank() -> int:
+    """This process's global rank: the default group's, else torchrun's RANK, else 0."""
+    return dist.get_rank() if dist.is_initialized() else (env_int("RANK") or 0)
+
+
+def launched_local_rank() -> int:
+    """This process's rank on its machine (which GPU it drives): LOCAL_RANK, else the rank."""
+    local = env_int("LOCAL_RANK")
+    return launched_rank() if local is None else local
+
+
+def launched_world_size() -> int:
+    """Processes in the job: the default group's size, else WORLD_SIZE, else 1."""
+    return dist.get_world_size() if dist.is_initialized() else (env_int("WORLD_SIZE") or 1)
+
+
+def join_process_group(who: str, backend: str | None, timeout_s: float) -> bool:
+    """Join the default process group from the launcher's environment unless this process
+    already is in one (a user's own group is used as it is). Backend: `backend`, else NCCL
+    with CUDA, else gloo. Returns True when this call created the group (the caller then
+    destroys it at teardown).
+
+    Raises:
+        ValueError: RANK or WORLD_SIZE is not set (`who` names the strategy in the message),
+            or as `init_process_group`.
+    """
+    if dist.is_initialized():
+        return False
+    for name in ("RANK", "WORLD_SIZE"):
+        if env_int(name) is None:
+            raise ValueError(
+                f"{who} needs the environment variable {name}; launch with "
+                "`torchrun --nproc-per-node N ...` (or set RANK, WORLD_SIZE, LOCAL_RANK, "
+                "MASTER_ADDR, MASTER_PORT yourself)"
+            )
+    init_process_group(
+        backend or ("nccl" if torch.cuda.is_available() else "gloo"),
+        rank=env_int("RANK"),
+        world_size=env_int("WORLD_SIZE"),
+        timeout=datetime.timedelta(seconds=timeout_s),
+        local_rank=launched_local_rank(),
+    )
+    return True
+
+
+def process_device(backend: str | None) -> torch.device:
+    """The device this process trains on, made current: GPU LOCAL_RANK under an NCCL group
+    (or, with no group, whenever CUDA is there and `backend` is not "gloo"), else the CPU."""
+    if dist.is_initialized():
+        use_cuda = dist.get_backend() == "nccl"
+    else:
+        use_cuda = torch.cuda.is_available() and backend != "gloo"
+    if not use_cuda:
+        return torch.device("cpu")
+    device = torch.device("cuda", launched_local_rank())
+    torch.cuda.set_device(device)
+    return device

@@ -11,7 +11,7 @@ from torch import Tensor, nn
 
 from nanotrain.parallel.data_parallel import GradBuckets
 from nanotrain.precision.master import MainGrads, MasterWeights, grad_of
-from nanotrain.profiling import named_range
+from nanotrain.runtime.profiling import named_range
 from nanotrain.strategies.base import StepOutput, Strategy
 from nanotrain.strategies.optimizers import OptimizerSetup
 from nanotrain.strategies.weighting import LossAccumulator, weigh_microbatches

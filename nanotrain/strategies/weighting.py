@@ -27,8 +27,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor
 
-from nanotrain.host_copy import host_to_device
 from nanotrain.loss_terms import LossTerms
+from nanotrain.runtime.host_copy import host_to_device
 
 if TYPE_CHECKING:
     from nanotrain.module import NanoModule

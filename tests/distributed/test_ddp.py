@@ -6,8 +6,8 @@ import pytest
 import torch
 
 import nanotrain as nt
+from nanotrain.testing import BlobsData, Classifier
 from tests.distributed.spawn import run_world
-from tests.toy import BlobsData, Classifier
 
 pytestmark = pytest.mark.distributed
 

@@ -24,10 +24,11 @@ from safetensors.torch import save_file
 import nanotrain as nt
 from nanotrain.callbacks.checkpoint import ModelCheckpoint
 from nanotrain.checkpoint import merge
-from nanotrain.model_io import export_checkpoint
-from nanotrain.models import lazy, presets, safetensors_writer
-from nanotrain.models.hf import config_to_hf, state_dict_to_hf
-from nanotrain.models.safetensors_writer import save_file_streaming
+from nanotrain.interop import safetensors_writer
+from nanotrain.interop.hf import config_to_hf, state_dict_to_hf
+from nanotrain.interop.safetensors_writer import save_file_streaming
+from nanotrain.interop.weights import export_checkpoint
+from nanotrain.models import lazy, presets
 from tests.distributed.spawn import run_world
 from tests.distributed.test_pretrained_lazy import _CountingFile
 from tests.unit.test_language_model import RandomTokens

@@ -5,7 +5,7 @@ all-to-all takes the exchanged split sizes as host ints (docs/performance.md).
 
 Each layout fits the tiny MoE model on a 2-rank gloo world with the fused AdamW that
 `optimizer_impl="auto"` picks on CUDA and the device-offset expert path CUDA bf16 takes, and
-records every host read (`nanotrain.sync_guard.HostSyncCounter`) during steps 2 and 3 of 4.
+records every host read (`nanotrain.runtime.sync_guard.HostSyncCounter`) during steps 2 and 3 of 4.
 """
 
 from __future__ import annotations

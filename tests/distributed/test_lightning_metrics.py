@@ -10,8 +10,8 @@ from lightning.pytorch.loggers import CSVLogger
 from torch.utils.data import DataLoader, TensorDataset
 
 import nanotrain as nt
+from nanotrain.testing import blobs
 from tests.distributed.spawn import run_world
-from tests.toy import blobs
 from tests.unit.test_lightning_compat import TutorialClassifier, TutorialData, column, read_csv
 
 pytestmark = pytest.mark.distributed

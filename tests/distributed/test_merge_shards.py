@@ -27,7 +27,7 @@ import nanotrain as nt
 from nanotrain.callbacks.checkpoint import ModelCheckpoint
 from nanotrain.checkpoint.merge import merge_model_shards
 from nanotrain.cli import main
-from nanotrain.model_io import export_checkpoint, load_pretrained
+from nanotrain.interop.weights import export_checkpoint, load_pretrained
 from nanotrain.models import build_model, presets
 from tests.distributed.spawn import run_world
 from tests.unit.test_language_model import RandomTokens

@@ -27,8 +27,9 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from nanotrain import model_io
-from nanotrain.models import build_model, hf_io, lazy, presets
+from nanotrain.interop import hf_io
+from nanotrain.interop import weights as model_io
+from nanotrain.models import build_model, lazy, presets
 from nanotrain.models.sharding import load_full_state_dict
 from nanotrain.models.stages import build_pipeline_stage
 from nanotrain.parallel.mesh import ParallelMesh

@@ -25,7 +25,7 @@ from safetensors.torch import load_file
 from torch.utils.data import Dataset
 
 import nanotrain as nt
-from nanotrain import model_io
+from nanotrain.interop import weights as model_io
 from nanotrain.models import build_model, presets
 from nanotrain.models.sharding import load_full_state_dict
 from nanotrain.models.stages import build_pipeline_stage

@@ -9,9 +9,9 @@ import pytest
 
 import nanotrain as nt
 from nanotrain.callbacks import TorchProfiler
-from nanotrain.profiling import named_range, profiler_recording
+from nanotrain.runtime.profiling import named_range, profiler_recording
+from nanotrain.testing import BlobsData, Classifier, make_trainer
 from tests.distributed.spawn import run_world
-from tests.toy import BlobsData, Classifier, make_trainer
 
 
 def range_names(trace: Path) -> set[str]:

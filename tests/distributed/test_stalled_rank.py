@@ -9,9 +9,9 @@ import pytest
 import torch
 
 import nanotrain as nt
-from nanotrain.collective_errors import CollectiveTimeoutError
+from nanotrain.runtime.collective_errors import CollectiveTimeoutError
+from nanotrain.testing import BlobsData, Classifier
 from tests.distributed.spawn import run_world
-from tests.toy import BlobsData, Classifier
 from tests.unit.test_language_model import RandomTokens
 
 pytestmark = pytest.mark.distributed

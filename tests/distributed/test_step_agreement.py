@@ -10,7 +10,7 @@ from types import SimpleNamespace
 
 import torch
 
-from nanotrain.checkpoint.preemption import PreemptionWatch
+from nanotrain.trainer.preemption import PreemptionWatch
 from tests.distributed.spawn import run_world
 
 
@@ -57,7 +57,7 @@ def test_ranks_agree_on_a_signal_at_once_or_one_step_later():
 def _timed_saves(rank: int, world_size: int, root: str) -> list[str]:
     import nanotrain as nt
     from nanotrain.checkpoint.step_flag import StepFlag
-    from tests.toy import Classifier
+    from nanotrain.testing import Classifier
     from tests.unit.test_checkpoint import data, make_trainer
     from tests.unit.test_checkpoint_callback import timed_checkpoint
 

@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 
 import nanotrain as nt
-from nanotrain.exit_codes import EXIT_PREEMPTED
+from nanotrain.runtime.exit_codes import EXIT_PREEMPTED
 
 pytestmark = pytest.mark.distributed
 
@@ -48,7 +48,7 @@ def write_config(config: Path, signum: int, step: int) -> Path:
 trainer: {{max_steps: 8, micro_batch_size: 4, global_batch_size: 16, seed: 3,
           loggers: [jsonl], log_every_n_steps: 1, limit_val_batches: 0}}
 model: {{class_path: tests.unit.test_checkpoint.DropoutAdamClassifier}}
-data: {{class_path: tests.toy.BlobsData, init_args: {{num_train: 64, num_val: 16}}}}
+data: {{class_path: nanotrain.testing.BlobsData, init_args: {{num_train: 64, num_val: 16}}}}
 callbacks:
   - {{class_path: nanotrain.callbacks.checkpoint.ModelCheckpoint, init_args: {{every_n_steps: 2}}}}
   - {{class_path: tests.integration.test_torchrun_restart.SignalRankAt,

@@ -11,10 +11,10 @@ import pytest
 import torch
 
 import nanotrain as nt
+from nanotrain import testing as toy
 from nanotrain.callbacks.early_stopping import EarlyStopping
 from nanotrain.callbacks.nan_guard import NaNGuard
-from tests import toy
-from tests.toy import BlobsData, Classifier
+from nanotrain.testing import BlobsData, Classifier
 
 make_trainer = functools.partial(toy.make_trainer, max_steps=5)
 

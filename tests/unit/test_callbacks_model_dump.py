@@ -13,7 +13,7 @@ from torch.utils.data import TensorDataset
 
 import nanotrain as nt
 from nanotrain.callbacks.model_dump import ModelDump, model_summary, tensor_stats
-from tests.toy import Classifier, blobs
+from nanotrain.testing import Classifier, blobs
 
 
 def expected_stats(tensor: torch.Tensor) -> dict:

@@ -21,8 +21,8 @@ from nanotrain.callbacks.moe_load import (
     moe_load_metrics,
 )
 from nanotrain.models.balance import MoEStats
+from nanotrain.testing import Classifier, blobs, make_trainer
 from tests.distributed.spawn import run_world
-from tests.toy import Classifier, blobs, make_trainer
 
 IDLE = (0.23, 0.30, 0.75)  # the heatmap's blue, as documented in load_heatmap
 HOT = (0.71, 0.02, 0.15)  # its red

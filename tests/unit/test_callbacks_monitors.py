@@ -14,13 +14,14 @@ from torch import nn
 from torch.utils.data import TensorDataset
 
 import nanotrain as nt
-from nanotrain.callbacks.flops import normalize_precision, peak_flops_for
+from nanotrain.callbacks.flops import device_peak_flops, normalize_precision
 from nanotrain.callbacks.grad_norm import GradNormMonitor, group_name
 from nanotrain.callbacks.lr_monitor import LearningRateMonitor
 from nanotrain.callbacks.memory import MemoryMonitor, process_memory_bytes
 from nanotrain.callbacks.progress import ProgressBar
 from nanotrain.callbacks.throughput import ThroughputMonitor
-from tests.toy import BlobsData, Classifier, blobs, make_trainer
+from nanotrain.planning.gpus import GPUS
+from nanotrain.testing import BlobsData, Classifier, blobs, make_trainer
 
 
 def metrics_by_step(trainer: nt.Trainer) -> dict[int, dict]:
@@ -183,16 +184,56 @@ def test_mfu_is_not_logged_on_cpu_without_a_peak(tmp_path):
     assert "throughput/tokens_per_sec" in logged and "throughput/mfu" not in logged
 
 
-def test_peak_table_lookup():
-    assert peak_flops_for("NVIDIA H100 80GB HBM3", "bf16") == pytest.approx(989.4e12)
-    assert peak_flops_for("NVIDIA H100 PCIe", torch.bfloat16) == pytest.approx(756.5e12)
-    assert peak_flops_for("NVIDIA H200", "fp8") == pytest.approx(1978.9e12)
-    assert peak_flops_for("NVIDIA A100-SXM4-80GB", "fp8") is None  # no fp8 on A100
-    assert peak_flops_for("NVIDIA L40S", "bf16") == pytest.approx(362.05e12)
-    assert peak_flops_for("Some Future GPU", "bf16") is None
+@pytest.fixture
+def fake_gpu(monkeypatch):
+    """Name the (absent) CUDA device as torch would, an sm90 part, fp32 matmuls in full fp32."""
+    monkeypatch.setattr(torch, "get_float32_matmul_precision", lambda: "highest")
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (9, 0))
+
+    def named(name):
+        monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: name)
+        return torch.device("cuda", 0)
+
+    return named
+
+
+def test_peaks_come_from_lightning_where_it_knows_the_device(fake_gpu):
+    from lightning.fabric.utilities.throughput import get_available_flops
+
+    device = fake_gpu("NVIDIA A100-SXM4-80GB")
+    assert device_peak_flops(device, "bf16") == get_available_flops(device, torch.bfloat16)
+    assert device_peak_flops(device, "bf16") == pytest.approx(312e12)
+    assert device_peak_flops(device, "fp8") is None  # no fp8 on A100
+    assert device_peak_flops(fake_gpu("NVIDIA H100 80GB HBM3"), torch.bfloat16) == 989.4e12
+    assert device_peak_flops(fake_gpu("Tesla V100-SXM2-16GB"), "fp16") == pytest.approx(125e12)
+    assert device_peak_flops(fake_gpu("Some Future GPU"), "bf16") is None
+    assert device_peak_flops(torch.device("cpu"), "bf16") is None
+
+
+def test_own_rows_cover_what_lightning_lacks_or_misreads(fake_gpu):
+    assert device_peak_flops(fake_gpu("NVIDIA H100 80GB HBM3"), "fp8") == pytest.approx(1978.9e12)
+    assert device_peak_flops(fake_gpu("NVIDIA H200"), "bf16") == pytest.approx(989.4e12)
+    assert device_peak_flops(fake_gpu("NVIDIA H800"), "bf16") == pytest.approx(989.4e12)
+    assert device_peak_flops(fake_gpu("NVIDIA B200"), "bf16") == pytest.approx(2250e12)
+    # Lightning reads "L40S" as the L4 and gives an NVL pair's figure for one H100 NVL
+    assert device_peak_flops(fake_gpu("NVIDIA L40S"), "bf16") == pytest.approx(362.05e12)
+    assert device_peak_flops(fake_gpu("NVIDIA H100 NVL"), "bf16") == pytest.approx(835.5e12)
     assert normalize_precision(torch.float8_e4m3fn) == "fp8"
     with pytest.raises(ValueError, match="unknown precision"):
         normalize_precision("int4")
+
+
+@pytest.mark.parametrize(
+    "kind, device_name",
+    [("a100", "NVIDIA A100-SXM4-80GB"), ("h100", "NVIDIA H100 80GB HBM3"),
+     ("h800", "NVIDIA H800"), ("h200", "NVIDIA H200"), ("b200", "NVIDIA B200")],
+)  # fmt: skip
+def test_the_planner_divides_by_the_peak_a_run_divides_by(fake_gpu, kind, device_name):
+    device = fake_gpu(device_name)
+    for column in ("fp8", "bf16", "fp16", "tf32", "fp32"):
+        assert GPUS[kind].peak_flops.get(column) == pytest.approx(
+            device_peak_flops(device, column)
+        ), column
 
 
 def test_default_precision_follows_the_parameters_dtype():

@@ -11,10 +11,10 @@ import pytest
 import torch
 
 import nanotrain as nt
+from nanotrain import testing as toy
 from nanotrain.callbacks.progress import ProgressBar
 from nanotrain.callbacks.text_sampler import TextSampler
-from tests import toy
-from tests.toy import BlobsData, Classifier
+from nanotrain.testing import BlobsData, Classifier
 
 # progress lines are checked at every second step
 make_trainer = functools.partial(toy.make_trainer, log_every_n_steps=2)

@@ -15,7 +15,7 @@ from nanotrain.models.capacity_dispatch import (
 )
 from nanotrain.models.moe import DeepSeekMoE, GroupedExperts, combine, dispatch
 from nanotrain.parallel.expert import capacity_keep_mask
-from nanotrain.sync_guard import HostSyncCounter
+from nanotrain.runtime.sync_guard import HostSyncCounter
 from tests.unit.test_expert_capacity import capacity_config
 
 N, K, E, H = 24, 2, 8, 16

@@ -15,7 +15,7 @@ import nanotrain as nt
 from nanotrain.callbacks.checkpoint import ModelCheckpoint
 from nanotrain.checkpoint import files as ckpt_files
 from nanotrain.checkpoint import load_checkpoint, load_model_weights, resolve_checkpoint_path
-from tests.toy import BlobsData, Classifier
+from nanotrain.testing import BlobsData, Classifier
 
 
 class DropoutAdamClassifier(Classifier):

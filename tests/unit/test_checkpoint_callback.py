@@ -8,7 +8,7 @@ import torch
 import nanotrain as nt
 from nanotrain.callbacks.checkpoint import ModelCheckpoint
 from nanotrain.checkpoint import load_checkpoint
-from tests.toy import Classifier
+from nanotrain.testing import Classifier
 from tests.unit.test_checkpoint import LossRecorder, data, make_trainer
 
 

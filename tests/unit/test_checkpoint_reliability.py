@@ -19,7 +19,7 @@ import nanotrain as nt
 from nanotrain.callbacks.checkpoint import ModelCheckpoint
 from nanotrain.checkpoint import files as ckpt_files
 from nanotrain.checkpoint.files import UnsafeCheckpointError
-from nanotrain.exit_codes import EXIT_NONFINITE, EXIT_PREEMPTED
+from nanotrain.runtime.exit_codes import EXIT_NONFINITE, EXIT_PREEMPTED
 from tests.unit.test_checkpoint import DropoutAdamClassifier, data, fit, make_trainer
 
 
@@ -220,7 +220,7 @@ def test_nan_stop_exits_non_zero_from_the_command_line(tmp_path):
 trainer: {{max_steps: 5, micro_batch_size: 4, global_batch_size: 16, loggers: [],
           default_root_dir: {tmp_path}, limit_val_batches: 0}}
 model: {{class_path: tests.unit.test_checkpoint_reliability.NaNFrom, init_args: {{start: 3}}}}
-data: {{class_path: tests.toy.BlobsData, init_args: {{num_train: 64, num_val: 16}}}}
+data: {{class_path: nanotrain.testing.BlobsData, init_args: {{num_train: 64, num_val: 16}}}}
 callbacks:
   - {{class_path: nanotrain.callbacks.checkpoint.ModelCheckpoint,
      init_args: {{every_n_steps: 1, save_top_k: 1}}}}

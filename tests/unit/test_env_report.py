@@ -12,9 +12,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from nanotrain import env_report
-from nanotrain.cli import main
-from nanotrain.env_report import collect_environment, format_environment
+from nanotrain.cli import env_report, main
+from nanotrain.cli.env_report import collect_environment, format_environment
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -7,15 +7,15 @@ import json
 import pytest
 import torch
 
-from nanotrain.models.build import build_model
-from nanotrain.models.config import DeepSeekConfig, DenseConfig
-from nanotrain.models.hf import (
+from nanotrain.interop.hf import (
     config_from_hf,
     config_to_hf,
     state_dict_from_hf,
     state_dict_to_hf,
 )
-from nanotrain.models.hf_io import export_hf, import_hf, read_hf_checkpoint
+from nanotrain.interop.hf_io import export_hf, import_hf, read_hf_checkpoint
+from nanotrain.models.build import build_model
+from nanotrain.models.config import DeepSeekConfig, DenseConfig
 
 VOCAB = 50
 

@@ -11,8 +11,8 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from nanotrain import LanguageModelModule  # noqa: E402
-from nanotrain.model_io import import_checkpoint, load_pretrained  # noqa: E402
-from nanotrain.models.hf_io import import_hf  # noqa: E402
+from nanotrain.interop.hf_io import import_hf  # noqa: E402
+from nanotrain.interop.weights import import_checkpoint, load_pretrained  # noqa: E402
 from tests.unit.test_hf_parity import hf_deepseek_config, ids  # noqa: E402
 
 

@@ -12,9 +12,9 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
+from nanotrain.interop.hf_io import export_hf, import_hf  # noqa: E402
 from nanotrain.models.build import build_model  # noqa: E402
 from nanotrain.models.config import DeepSeekConfig, DenseConfig  # noqa: E402
-from nanotrain.models.hf_io import export_hf, import_hf  # noqa: E402
 
 TOL = 1e-5
 VOCAB = 64

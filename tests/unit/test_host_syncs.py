@@ -1,4 +1,4 @@
-"""A non-logging training step never waits for the device (`nanotrain.sync_guard`)."""
+"""A non-logging training step never waits for the device (`nanotrain.runtime.sync_guard`)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import torch
 
 import nanotrain as nt
 import nanotrain.models.expert_compute as expert_compute
-from nanotrain.sync_guard import HostSyncCounter
+from nanotrain.runtime.sync_guard import HostSyncCounter
 from tests.unit.test_callbacks_moe_load import RandomTokens
 
 # Reads allowed in a non-logging step, each a known and documented one (docs/performance.md):
@@ -84,7 +84,7 @@ def test_non_logging_steps_of_the_tiny_moe_have_no_host_sync(tmp_path, monkeypat
 
 
 def test_logged_means_are_weighted_by_batch_size_without_reading_the_device():
-    from nanotrain.metric_book import WeightedMean
+    from nanotrain.trainer.metric_book import WeightedMean
 
     mean = WeightedMean()
     with HostSyncCounter() as c:
@@ -95,7 +95,7 @@ def test_logged_means_are_weighted_by_batch_size_without_reading_the_device():
 
 
 def test_train_state_counts_on_the_device_and_reads_once_when_asked():
-    from nanotrain.state import TrainState
+    from nanotrain.trainer.state import TrainState
 
     state = TrainState()
     steps = [(torch.tensor(8.0, dtype=torch.float64), torch.tensor(96.0, dtype=torch.float64))]

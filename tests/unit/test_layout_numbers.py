@@ -16,7 +16,7 @@ from nanotrain.callbacks.progress import shown_metrics
 from nanotrain.data.sampler import ValidationBatchSampler, validation_sample_count
 from nanotrain.strategies.base import DataShard
 from nanotrain.strategies.weighting import LossAccumulator, weigh_microbatches
-from tests.toy import Classifier, blobs, make_trainer
+from nanotrain.testing import Classifier, blobs, make_trainer
 
 
 # -- validation samples ----------------------------------------------------------------------

@@ -18,7 +18,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import nanotrain as nt
-from tests.toy import blobs
+from nanotrain.testing import blobs
 
 
 class TutorialData(pl.LightningDataModule):
@@ -260,7 +260,7 @@ def test_predict_is_refused_under_pipeline_parallelism():
 
 
 def test_test_without_test_step_or_data_is_a_clear_error(tmp_path):
-    from tests.toy import BlobsData, Classifier
+    from nanotrain.testing import BlobsData, Classifier
 
     with pytest.raises(ValueError, match="Trainer.test needs Classifier.test_step"):
         quiet_trainer(tmp_path).test(Classifier(), BlobsData())

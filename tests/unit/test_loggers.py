@@ -10,7 +10,7 @@ from lightning.pytorch.loggers import CSVLogger, Logger, TensorBoardLogger
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 import nanotrain as nt
-from tests.toy import BlobsData, Classifier, make_trainer
+from nanotrain.testing import BlobsData, Classifier, make_trainer
 from tests.unit.test_lightning_compat import read_csv
 
 

@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 
-from tests.toy import BlobsData, Classifier, make_trainer
+from nanotrain.testing import BlobsData, Classifier, make_trainer
 
 
 class LogsEverywhere(Classifier):

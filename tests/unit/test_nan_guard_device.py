@@ -10,11 +10,11 @@ import pytest
 import torch
 
 import nanotrain as nt
+from nanotrain import testing as toy
 from nanotrain.callbacks.nan_guard import NaNGuard
+from nanotrain.runtime.sync_guard import HostSyncCounter
 from nanotrain.strategies.base import skip_on_device
-from nanotrain.sync_guard import HostSyncCounter
-from tests import toy
-from tests.toy import BlobsData
+from nanotrain.testing import BlobsData
 from tests.unit.test_callbacks_control import NaNLossAt, ParamSnapshots, fake_save
 from tests.unit.test_host_syncs import ALLOWED
 
@@ -102,7 +102,7 @@ def test_device_stop_happens_at_the_next_logging_step_with_good_weights(tmp_path
     assert trainer.global_step == 4  # found when step 4 logged
     assert [(p.name, step) for p, step in saved] == [("nan-step-4", 4)]
     assert "non-finite values in 1 step(s) up to step 4, the last at step 2" in guard.stop_reason
-    assert trainer.exit_code == nt.exit_codes.EXIT_NONFINITE
+    assert trainer.exit_code == nt.EXIT_NONFINITE
     assert all(torch.isfinite(p).all() for p in snaps.final)
 
 

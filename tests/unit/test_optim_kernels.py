@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from nanotrain.language_model import LanguageModelModule
-from nanotrain.optim_kernels import adamw_kernel_kwargs
+from nanotrain.runtime.optim_kernels import adamw_kernel_kwargs
 
 
 def test_kernel_kwargs_per_impl():

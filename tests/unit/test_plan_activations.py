@@ -13,7 +13,7 @@ import torch
 
 from nanotrain.models import presets
 from nanotrain.models.build import build_model
-from nanotrain.models.recompute import set_recompute
+from nanotrain.models.transformer import set_recompute
 from nanotrain.planning.activations import ActivationEstimate, activation_estimate
 from nanotrain.planning.layout import PlanLayout, Workload
 from nanotrain.precision import resolve_precision

@@ -135,12 +135,16 @@ def test_balanced_pipeline_layout():
         (PlanLayout(tp=3), "tp=3"),
         (PlanLayout(ep=3, dp=3), "ep=3"),
         (PlanLayout(pp=3), "num_layers=2"),
-        (PlanLayout(ep=2, dp=1), "ep=2 does not divide dp=1"),
     ],
 )
 def test_layouts_that_do_not_divide_are_refused(layout, match):
     with pytest.raises(ValueError, match=match):
         rank_models(presets.get("tiny"), layout)
+
+
+def test_a_mesh_that_does_not_divide_is_refused_when_the_layout_is_made():
+    with pytest.raises(ValueError, match="ep=2 does not divide dp=1"):
+        PlanLayout(ep=2, dp=1)
 
 
 def test_unknown_gpu_and_bad_spec_are_refused():

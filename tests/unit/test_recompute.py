@@ -9,7 +9,7 @@ from torch.autograd.graph import saved_tensors_hooks
 
 import nanotrain as nt
 from nanotrain.models import build_model, presets
-from nanotrain.models.recompute import set_recompute
+from nanotrain.models.transformer import set_recompute
 
 
 def _step(mode, kind="tiny"):

@@ -21,7 +21,7 @@ from nanotrain.callbacks import (
 from nanotrain.cli import main
 from nanotrain.report import build_report
 from nanotrain.report.plots import Series, line_chart, nice_ticks
-from tests.toy import BlobsData, Classifier, make_trainer
+from nanotrain.testing import BlobsData, Classifier, make_trainer
 
 
 def logged(run_dir) -> list[dict]:

@@ -10,8 +10,8 @@ import torch
 from torch.utils.data import IterableDataset, TensorDataset
 
 import nanotrain as nt
-from tests import toy
-from tests.toy import BlobsData, Classifier, HookRecorder
+from nanotrain import testing as toy
+from nanotrain.testing import BlobsData, Classifier, HookRecorder
 
 # these tests read TensorBoard too
 make_trainer = functools.partial(toy.make_trainer, loggers=["tensorboard", "jsonl"])

@@ -20,7 +20,7 @@ from typing import Any
 
 from lightning.pytorch.loggers import CSVLogger, Logger, TensorBoardLogger
 
-from nanotrain.trainer_config import LOGGER_NAMES
+from nanotrain.trainer.config import LOGGER_NAMES
 
 __all__ = ["LOGGER_NAMES", "JSONLinesLogger", "LoggerGroup", "make_loggers", "user_loggers"]
 

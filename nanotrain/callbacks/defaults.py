@@ -3,6 +3,14 @@
 from __future__ import annotations
 
 from nanotrain.callbacks.base import Callback
+from nanotrain.callbacks.checkpoint import ModelCheckpoint
+from nanotrain.callbacks.grad_norm import GradNormMonitor
+from nanotrain.callbacks.lr_monitor import LearningRateMonitor
+from nanotrain.callbacks.moe_load import MoELoadMonitor
+from nanotrain.callbacks.nan_guard import NaNGuard
+from nanotrain.callbacks.progress import ProgressBar
+from nanotrain.callbacks.report import RunReport
+from nanotrain.callbacks.throughput import ThroughputMonitor
 
 
 def default_callbacks(
@@ -20,17 +28,6 @@ def default_callbacks(
       (with `enable_monitors`; the last logs nothing for a dense model) and `RunReport()`
       (report.md, report.json and pictures in the run directory at the end of fit).
     """
-    from nanotrain.callbacks import (
-        GradNormMonitor,
-        LearningRateMonitor,
-        ModelCheckpoint,
-        MoELoadMonitor,
-        NaNGuard,
-        ProgressBar,
-        RunReport,
-        ThroughputMonitor,
-    )
-
     callbacks: list[Callback] = []
     if enable_checkpointing:
         callbacks.append(ModelCheckpoint(every_n_steps=100, save_top_k=3))
@@ -63,8 +60,6 @@ def with_defaults(
     Raises:
         TypeError: an entry is not a nanotrain Callback.
     """
-    from nanotrain.callbacks import ModelCheckpoint
-
     for cb in user:
         if not isinstance(cb, Callback):
             raise TypeError(

@@ -20,7 +20,7 @@ import threading
 from typing import TYPE_CHECKING, Any
 
 from nanotrain.checkpoint.step_flag import StepFlag
-from nanotrain.exit_codes import EXIT_PREEMPTED
+from nanotrain.runtime.exit_codes import EXIT_PREEMPTED
 
 if TYPE_CHECKING:
     from nanotrain.trainer import Trainer

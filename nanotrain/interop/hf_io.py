@@ -1,7 +1,7 @@
 """Hugging Face checkpoint files: write (`export_hf`) and read (`read_hf_checkpoint`,
 `import_hf`) a transformers folder of config.json + safetensors.
 
-The key and config mapping lives in `nanotrain.models.hf`; this module only moves tensors
+The key and config mapping lives in `nanotrain.interop.hf`; this module only moves tensors
 between that mapping and files. Pickled `.bin` weights are never read.
 """
 
@@ -16,17 +16,17 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from nanotrain.models.build import build_model
-from nanotrain.models.config import DeepSeekConfig
-from nanotrain.models.hf import (
+from nanotrain.interop.hf import (
     ModelConfig,
     config_from_hf,
     config_to_hf,
     state_dict_from_hf,
     state_dict_to_hf,
 )
+from nanotrain.interop.safetensors_writer import save_file_streaming
+from nanotrain.models.build import build_model
+from nanotrain.models.config import DeepSeekConfig
 from nanotrain.models.lazy import LazyTensor, materialize_all, open_safetensors
-from nanotrain.models.safetensors_writer import save_file_streaming
 from nanotrain.models.transformer import CausalLM
 
 

@@ -30,7 +30,7 @@ class TrainStepMethods:
         """End training after the current step (final validation and end hooks still run).
 
         Every rank must request it at the same step (decide from reduced values). A non-zero
-        `exit_code` (see `nanotrain.exit_codes`) says the run ended early for that reason;
+        `exit_code` (see `nanotrain.runtime.exit_codes`) says the run ended early for that reason;
         `trainer.exit_code` keeps the first one and `nanotrain fit` exits with it.
         """
         self.should_stop = True

@@ -39,7 +39,7 @@ class TrainerConfig:
         enable_monitors: add the default LR, throughput, grad-norm and MoE-load monitors
             and the run report (`RunReport`).
         preemption_signals: signals that make `fit` finish the current step, save a
-            checkpoint and return with `exit_code` 75 (`nanotrain.exit_codes.EXIT_PREEMPTED`);
+            checkpoint and return with `exit_code` 75 (`nanotrain.runtime.exit_codes.EXIT_PREEMPTED`);
             [] leaves signals alone.
         validate_at_start: also validate before the first step of a fresh run (step 0), so
             the validation curve starts at the untrained loss; the final validation at the
@@ -111,7 +111,7 @@ class TrainerConfig:
                 "other Lightning loggers pass the object: Trainer(logger=...) or --trainer.logger)"
             )
 
-        from nanotrain.checkpoint.preemption import signal_numbers
+        from nanotrain.trainer.preemption import signal_numbers
 
         signal_numbers(self.preemption_signals)  # raises ValueError for an unknown name
 

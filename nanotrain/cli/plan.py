@@ -39,7 +39,7 @@ def parse_count(text: str | int) -> int:
 
 
 def _config(model: str) -> Any:
-    from nanotrain import model_io
+    from nanotrain.interop import weights as model_io
     from nanotrain.models import presets
 
     if model_io.is_pretrained_folder(model):
@@ -52,7 +52,7 @@ _LAYOUT_FLAGS = ("tp", "pp", "ep", "dp", "virtual_pp", "sequence_parallel", "sch
 
 
 def _parser() -> Any:
-    from nanotrain.cli import new_parser
+    from nanotrain.cli.parser import new_parser
 
     p = new_parser(prog="nanotrain plan", description=run_plan.__doc__)
 

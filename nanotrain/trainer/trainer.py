@@ -1,8 +1,8 @@
 """Trainer: one fixed loop for every strategy, emitting Lightning-named hook events.
 
 The loop over epochs and steps is here; one optimizer step's hooks and bookkeeping are in
-`nanotrain.train_step`, validation in `nanotrain.validation`, test/predict in
-`nanotrain.evaluation_loops`, checkpoint methods in `nanotrain.checkpoint.trainer_methods`.
+`nanotrain.trainer.train_step`, validation in `nanotrain.trainer.validation`, test/predict in
+`nanotrain.trainer.evaluation`, checkpoint methods in `nanotrain.trainer.checkpoint_methods`.
 
 The loop never asks how the job is parallelized: the strategy answers every layout question
 (`data_shard`, `reduce`, `clip_grad_norm_`, state dicts).
@@ -14,29 +14,30 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from lightning.fabric.utilities.seed import seed_everything
 from torch.utils.data import DataLoader
 
 from nanotrain.callbacks.base import Callback
-from nanotrain.checkpoint.preemption import PreemptionWatch, stop_if_preempted
-from nanotrain.checkpoint.trainer_methods import CheckpointMethods
-from nanotrain.collective_errors import explain_timeout
-from nanotrain.default_callbacks import with_defaults
-from nanotrain.evaluation_loops import EvaluationMethods, finish_epoch
-from nanotrain.exit_codes import EXIT_PREEMPTED
-from nanotrain.loaders import build_loaders
-from nanotrain.loggers import LoggerGroup, make_loggers, user_loggers
-from nanotrain.metric_book import MetricBook
+from nanotrain.callbacks.defaults import with_defaults
 from nanotrain.module import NanoModule, adopt_lightning_module
 from nanotrain.precision import Precision, resolve_precision
-from nanotrain.rng import seed_everything, set_deterministic
-from nanotrain.run_dir import default_config, write_config
-from nanotrain.state import TrainState
+from nanotrain.runtime.collective_errors import explain_timeout
+from nanotrain.runtime.exit_codes import EXIT_PREEMPTED
+from nanotrain.runtime.rng import set_deterministic
 from nanotrain.strategies import Strategy, resolve_strategy
 from nanotrain.strategies.base import StepOutput
-from nanotrain.train_step import TrainStepMethods
-from nanotrain.trainer_config import TrainerConfig, unknown_setting_error
-from nanotrain.trainer_properties import LightningTrainerProperties
-from nanotrain.validation import run_validation, to_float
+from nanotrain.trainer.checkpoint_methods import CheckpointMethods
+from nanotrain.trainer.config import TrainerConfig, unknown_setting_error
+from nanotrain.trainer.evaluation import EvaluationMethods, finish_epoch
+from nanotrain.trainer.loaders import build_loaders
+from nanotrain.trainer.loggers import LoggerGroup, make_loggers, user_loggers
+from nanotrain.trainer.metric_book import MetricBook, to_float
+from nanotrain.trainer.preemption import PreemptionWatch, stop_if_preempted
+from nanotrain.trainer.properties import LightningTrainerProperties
+from nanotrain.trainer.run_dir import default_config, write_config
+from nanotrain.trainer.state import TrainState
+from nanotrain.trainer.train_step import TrainStepMethods
+from nanotrain.trainer.validation import run_validation
 
 
 class Trainer(LightningTrainerProperties, TrainStepMethods, EvaluationMethods, CheckpointMethods):
@@ -47,7 +48,7 @@ class Trainer(LightningTrainerProperties, TrainStepMethods, EvaluationMethods, C
     they are validated at construction. Besides those:
         strategy: a Strategy instance or "auto" | "single" | "ddp".
         callbacks: callbacks, run in this order at every hook, added to the defaults
-            (`nanotrain.default_callbacks`; one of the same class replaces the default).
+            (`nanotrain.callbacks.defaults`; one of the same class replaces the default).
         logger: as Lightning's: True (the loggers named in `loggers`), False (none), or a
             `lightning.pytorch.loggers.Logger` / a list of them (TensorBoardLogger, CSVLogger,
             WandbLogger, MLFlowLogger, ...); written by global rank 0 only.
@@ -99,7 +100,7 @@ class Trainer(LightningTrainerProperties, TrainStepMethods, EvaluationMethods, C
         self._current_fx: str | None = None  # the hook running now (for self.log defaults)
         self._eval_loader: DataLoader | None = None
         self.should_stop = False
-        self.exit_code = 0  # why fit ended early, see nanotrain.exit_codes (0: normally)
+        self.exit_code = 0  # why fit ended early, see nanotrain.runtime.exit_codes (0: normally)
         self._skip_requested = False
         # whether the step now ending logs (read by callbacks in on_train_batch_end)
         self.is_log_step = False
@@ -172,7 +173,7 @@ class Trainer(LightningTrainerProperties, TrainStepMethods, EvaluationMethods, C
         if datamodule is not None:
             datamodule.trainer = self
         self._plan_run_dir(ckpt_path)
-        seed_everything(s.seed)
+        seed_everything(s.seed, verbose=False)
         set_deterministic(s.deterministic)
         self._book = MetricBook(
             lambda: self.strategy.root_device, self.strategy.metric_process_group

@@ -1,4 +1,5 @@
-"""Seeding, and capturing/restoring every random number generator of a process."""
+"""Deterministic kernels, and capturing/restoring every random number generator of a process
+(seeding itself is Lightning's `seed_everything`)."""
 
 from __future__ import annotations
 
@@ -8,13 +9,6 @@ from typing import Any
 
 import numpy as np
 import torch
-
-
-def seed_everything(seed: int) -> None:
-    """Seed Python's `random`, NumPy and torch (CPU and every CUDA device) with `seed`."""
-    random.seed(seed)
-    np.random.seed(seed % 2**32)
-    torch.manual_seed(seed)
 
 
 def set_deterministic(enabled: bool) -> None:

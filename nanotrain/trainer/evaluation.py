@@ -14,7 +14,7 @@ import torch
 import torchmetrics
 from torch.utils.data import DataLoader, Dataset, IterableDataset, Sampler
 
-from nanotrain.metric_book import MetricBook
+from nanotrain.trainer.metric_book import MetricBook, to_float
 
 if TYPE_CHECKING:
     from nanotrain.trainer import Trainer
@@ -134,8 +134,6 @@ def run_test(trainer: Trainer, dataloaders: Any) -> list[dict[str, float]]:
     Raises:
         ValueError: the module has no `test_step` or there is no test data.
     """
-    from nanotrain.validation import to_float
-
     module = trainer.module
     if not _defines(module, "test_step"):
         raise ValueError(f"Trainer.test needs {type(module).__name__}.test_step(batch, batch_idx)")

@@ -10,40 +10,19 @@ accepted wherever a weights folder is.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import json
 from pathlib import Path
 from typing import Any
 
 from torch import Tensor
 
-from nanotrain.models.config import DeepSeekConfig, DenseConfig
+from nanotrain.checkpoint.merge import MODULE_PREFIX, checkpoint_config
+from nanotrain.interop.safetensors_writer import save_file_streaming
+from nanotrain.models.config import DeepSeekConfig, DenseConfig, config_from_dict, config_to_dict
 from nanotrain.models.lazy import LazyTensor, materialize_all, open_safetensors
-from nanotrain.models.safetensors_writer import save_file_streaming
 
 CONFIG_FILE = "model_config.json"
 WEIGHTS_FILE = "model.safetensors"
-# LanguageModelModule keeps the model under this attribute, so its state_dict keys carry it.
-MODULE_PREFIX = "model."
-_FAMILIES = {"DeepSeekConfig": DeepSeekConfig, "DenseConfig": DenseConfig}
-
-
-def config_to_dict(config: DeepSeekConfig | DenseConfig) -> dict[str, Any]:
-    """A model config as plain JSON values: {"family": class name, "config": fields}."""
-    return {"family": type(config).__name__, "config": dataclasses.asdict(config)}
-
-
-def config_from_dict(data: dict[str, Any]) -> DeepSeekConfig | DenseConfig:
-    """Inverse of `config_to_dict`; raises ValueError for an unknown family or fields."""
-    family = _FAMILIES.get(data.get("family", ""))
-    if family is None:
-        raise ValueError(
-            f"unknown model family {data.get('family')!r}; expected one of {sorted(_FAMILIES)}"
-        )
-    try:
-        return family(**data["config"])
-    except TypeError as exc:
-        raise ValueError(f"model config does not match {family.__name__}: {exc}") from exc
 
 
 def save_weights(
@@ -103,7 +82,7 @@ def open_pretrained(
             raise FileNotFoundError(f"{folder / WEIGHTS_FILE} not found next to {CONFIG_FILE}")
         return config, open_safetensors(folder / WEIGHTS_FILE)
     if (folder / "config.json").is_file():
-        from nanotrain.models.hf_io import load_hf_weights
+        from nanotrain.interop.hf_io import load_hf_weights
 
         # the same reading as import_hf (e.g. MTP layers announced but absent are dropped)
         return load_hf_weights(folder, stacklevel=stacklevel + 1, lazy=True)
@@ -111,26 +90,6 @@ def open_pretrained(
         f"{folder} is not a model folder: expected {CONFIG_FILE} (from `nanotrain import`) or "
         "a transformers config.json"
     )
-
-
-def checkpoint_config(ckpt: str | Path) -> DeepSeekConfig | DenseConfig:
-    """The model config a LanguageModelModule recorded in its training checkpoint `ckpt`.
-
-    Raises:
-        FileNotFoundError / ValueError: a missing or corrupt checkpoint, or one not written by a
-            LanguageModelModule (no model config inside).
-    """
-    from nanotrain.checkpoint import files
-
-    folder = Path(ckpt)
-    files.read_meta(folder)  # a clear error for a folder that is no (complete) checkpoint
-    shared = files.read_torch(folder / files.TRAINER_STATE_FILE)
-    if "model_config" not in shared:
-        raise ValueError(
-            f"{folder} holds no model config; only checkpoints of a LanguageModelModule can be "
-            "exported"
-        )
-    return config_from_dict(shared["model_config"])
 
 
 def checkpoint_model(ckpt: str | Path) -> tuple[DeepSeekConfig | DenseConfig, dict[str, Tensor]]:
@@ -197,7 +156,7 @@ def export_checkpoint(ckpt: str | Path, out: str | Path, to: str = "hf") -> Path
     """
     if to not in EXPORT_FORMATS:
         raise ValueError(f"unknown export format to={to!r}; choose one of {EXPORT_FORMATS}")
-    from nanotrain.models.hf_io import export_hf
+    from nanotrain.interop.hf_io import export_hf
 
     # lazily: each tensor is merged from its shards when the writer reaches it, then dropped
     with contextlib.ExitStack() as stack:

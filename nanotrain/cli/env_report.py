@@ -1,7 +1,7 @@
 """`nanotrain env`: what this machine offers nanotrain, and the usual misconfigurations.
 
 Collects torch and its CUDA/NCCL/gloo support, Transformer Engine, the GPUs with their memory
-and the peak TFLOP/s that MFU is computed against (`nanotrain.callbacks.flops.PEAK_TFLOPS`),
+and the peak TFLOP/s that MFU is computed against (`nanotrain.callbacks.flops.device_peak_flops`: Lightning's table plus our own rows),
 CPU threads, and the strategy, device and backend nanotrain picks by default; then checks them
 for problems that waste a run (`environment_warnings`).
 """
@@ -18,7 +18,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from nanotrain.callbacks.flops import peak_flops_for
+from nanotrain.callbacks.flops import device_peak_flops
 
 __all__ = [
     "FP8_MIN_CC",
@@ -76,7 +76,7 @@ def gpu_info() -> list[dict[str, Any]]:
         props = torch.cuda.get_device_properties(index)
         peaks = {}
         for precision in _PRECISIONS:
-            flops = peak_flops_for(name, precision)
+            flops = device_peak_flops(torch.device("cuda", index), precision)
             peaks[precision] = None if flops is None else flops / 1e12
         gpus.append(
             {

@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
-import torch
-
-from nanotrain.metric_book import MetricBook
+from nanotrain.trainer.metric_book import MetricBook, to_float
 
 if TYPE_CHECKING:
     from nanotrain.trainer import Trainer
@@ -17,12 +15,12 @@ def run_validation(trainer: Trainer) -> dict[str, float]:
     the validation hooks; log the reduced metrics at the current step and return them.
     Training-step metrics logged so far are kept aside.
 
-    The loader reads the same samples under any layout (`nanotrain.loaders.validation_loader`,
+    The loader reads the same samples under any layout (`nanotrain.trainer.loaders.validation_loader`,
     which also applies `limit_val_batches`). Its padding batches (a shard with fewer samples
     than another, from `batch_sampler.num_real_batches` on) run the forward, which can be a
     collective, but what they log is discarded, the module's Metric objects are left as
     they were, and no batch hook sees them."""
-    from nanotrain.evaluation_loops import finish_epoch, padding_step
+    from nanotrain.trainer.evaluation import finish_epoch, padding_step
 
     module = trainer.module
     was_training = module.training
@@ -65,10 +63,3 @@ def val_batch_limit(limit: int | float | None, available: int) -> int:
     if isinstance(limit, float) and limit <= 1.0:
         return max(1, int(available * limit)) if limit > 0 else 0
     return min(int(limit), available)
-
-
-def to_float(value: Any) -> float:
-    """A Python float from a tensor or number."""
-    if isinstance(value, torch.Tensor):
-        return float(value.detach().float().item())
-    return float(value)

@@ -238,3 +238,10 @@ class MetricBook:
                 entry.metric.reset()
         self._epoch = _Scope()
         return result
+
+
+def to_float(value: Any) -> float:
+    """A Python float from a tensor or number."""
+    if isinstance(value, torch.Tensor):
+        return float(value.detach().float().item())
+    return float(value)

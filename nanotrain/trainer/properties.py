@@ -11,9 +11,9 @@ if TYPE_CHECKING:
     from torch.utils.data import DataLoader
 
     from nanotrain.module import NanoModule
-    from nanotrain.state import TrainState
     from nanotrain.strategies import Strategy
-    from nanotrain.trainer_config import TrainerConfig
+    from nanotrain.trainer.config import TrainerConfig
+    from nanotrain.trainer.state import TrainState
 
 
 # hooks in which `self.log` defaults to on_step=True (as in Lightning); None = inside a step
@@ -150,7 +150,7 @@ class LightningTrainerProperties:
         """Validation batches per run on this process, one entry per loader (as Lightning);
         nanotrain's own validation loader has `limit_val_batches` applied already and its
         padding batches (which log nothing) are not counted."""
-        from nanotrain.validation import val_batch_limit
+        from nanotrain.trainer.validation import val_batch_limit
 
         loader = self._val_loader
         if loader is None:

@@ -1,15 +1,8 @@
-"""The `nanotrain` command: fit | validate | prepare | plan | export | import | env | report.
-
-`fit` and `validate` follow Lightning CLI conventions: a YAML `--config` with sections
-`trainer`, `model`, `data`, `strategy`, `callbacks`, overridden by dotted flags such as
-`--trainer.max_steps 50` or `--model.init_args.model tiny`; `--print_config` prints the
-resolved config and exits. Unknown keys and abbreviated flags are errors; a user error prints
-one line (see `nanotrain.cli_errors`; `--debug` for the traceback).
-"""
+"""The commands of `nanotrain`: fit / validate (build the objects from the parsed config and
+run them), prepare, export, import, env and report. `plan` is in `plan.py`."""
 
 from __future__ import annotations
 
-import sys
 import warnings
 from argparse import SUPPRESS
 from typing import Any
@@ -19,56 +12,18 @@ from jsonargparse import ActionConfigFile, ArgumentParser, lazy_instance
 from lightning.pytorch.loggers import Logger
 
 from nanotrain.callbacks.base import Callback
-from nanotrain.cli_errors import run_reporting_user_errors
+from nanotrain.cli.parser import expand_strategy_alias, new_parser
+from nanotrain.data import TokenDataModule
+from nanotrain.language_model import LanguageModelModule
 from nanotrain.module import NanoModule
 from nanotrain.strategies import Strategy
-from nanotrain.trainer_config import TrainerConfig
-
-STRATEGY_ALIASES = {
-    "auto": None,
-    "single": "nanotrain.strategies.SingleDeviceStrategy",
-    "ddp": "nanotrain.strategies.DDPStrategy",
-    "megatron": "nanotrain.strategies.MegatronStrategy",
-}
+from nanotrain.trainer.config import TrainerConfig
 
 
-def _strategy_value(value: str) -> str:
-    """An alias as its class path; anything that is neither an alias nor a dotted class path
-    (nor YAML / a dict) is refused with the list of aliases."""
-    if value in STRATEGY_ALIASES:
-        return STRATEGY_ALIASES[value] or "null"
-    if "." not in value and not value.lstrip().startswith(("{", "null")):
-        raise ValueError(
-            f"unknown strategy {value!r}: use one of the aliases "
-            f"{', '.join(STRATEGY_ALIASES)} or a class path such as "
-            "nanotrain.strategies.MegatronStrategy"
-        )
-    return value
-
-
-def _expand_strategy_alias(argv: list[str]) -> list[str]:
-    """Let `--strategy ddp` stand for `--strategy nanotrain.strategies.DDPStrategy`."""
-    out: list[str] = []
-    for i, arg in enumerate(argv):
-        if i > 0 and argv[i - 1] == "--strategy":
-            out.append(_strategy_value(arg))
-        elif arg.startswith("--strategy="):
-            out.append("--strategy=" + _strategy_value(arg.split("=", 1)[1]))
-        else:
-            out.append(arg)
-    return out
-
-
-def new_parser(**kwargs: Any) -> ArgumentParser:
-    """A jsonargparse parser that raises on errors (reported in one line by `main`) and takes
-    no abbreviated flags (`--trainer.max_step` is an error, not `--trainer.max_steps`)."""
-    return ArgumentParser(exit_on_error=False, allow_abbrev=False, **kwargs)
-
-
-def _run_parser(stage: str) -> ArgumentParser:
-    from nanotrain.data import TokenDataModule
-    from nanotrain.language_model import LanguageModelModule
-
+def run_parser(stage: str) -> ArgumentParser:
+    """The parser of `nanotrain fit` or `nanotrain validate` (`stage`): `--config` YAML,
+    sections trainer / strategy / model / data / callbacks, `--ckpt_path`, and for fit the
+    planner flags."""
     parser = new_parser(prog=f"nanotrain {stage}", description=f"nanotrain {stage}")
     parser.add_argument("--config", action=ActionConfigFile, help="YAML config file")
     parser.add_argument(
@@ -135,12 +90,23 @@ def _run_parser(stage: str) -> ArgumentParser:
     return parser
 
 
+def run_fit(argv: list[str]) -> Any:
+    """`nanotrain fit`: parse, build, train; returns the Trainer (its `exit_code` is the
+    command's)."""
+    return run_fit_or_validate("fit", argv)
+
+
+def run_validate(argv: list[str]) -> Any:
+    """`nanotrain validate`: parse, build, validate; returns the validation metrics."""
+    return run_fit_or_validate("validate", argv)
+
+
 def run_fit_or_validate(stage: str, argv: list[str]) -> Any:
     """Parse `argv` for `fit`/`validate`, build the objects and run them."""
     from nanotrain.trainer import Trainer
 
-    parser = _run_parser(stage)
-    config = parser.parse_args(_expand_strategy_alias(argv))
+    parser = run_parser(stage)
+    config = parser.parse_args(expand_strategy_alias(argv))
     plan_args = {k: config.pop(k, None) for k in ("plan", "plan_gpu", "ignore_plan")}
     _apply_seed_everything(config)
     resolved = parser.dump(config, format="yaml")
@@ -180,8 +146,8 @@ def _check_plan(objects: Any, settings: dict[str, Any], args: dict[str, Any]) ->
     """
     import torch
 
-    from nanotrain.cli_errors import is_rank_zero
-    from nanotrain.planning.cli_plan import is_megatron, plan_for_run
+    from nanotrain.cli.errors import is_rank_zero
+    from nanotrain.cli.plan import is_megatron, plan_for_run
     from nanotrain.planning.report import format_plan
 
     asked = bool(args.get("plan")) or args.get("plan_gpu") is not None
@@ -291,7 +257,7 @@ def run_export(argv: list[str]) -> None:
     """`nanotrain export --to {hf,nanotrain} --ckpt PATH --out DIR`: a training checkpoint (any
     strategy, sharded MegatronStrategy ones included) as a transformers folder or a nanotrain
     weights folder."""
-    from nanotrain.model_io import EXPORT_FORMATS, export_checkpoint
+    from nanotrain.interop.weights import EXPORT_FORMATS, export_checkpoint
 
     parser = new_parser(prog="nanotrain export", description=run_export.__doc__)
     parser.add_argument("--to", type=str, default="hf", choices=list(EXPORT_FORMATS))
@@ -305,7 +271,7 @@ def run_export(argv: list[str]) -> None:
 def run_import(argv: list[str]) -> None:
     """`nanotrain import --hf DIR --out DIR`: a transformers model as a nanotrain weights folder
     (model_config.json + model.safetensors) to train from with `--model.init_args.model DIR`."""
-    from nanotrain.model_io import import_checkpoint
+    from nanotrain.interop.weights import import_checkpoint
 
     parser = new_parser(prog="nanotrain import", description=run_import.__doc__)
     parser.add_argument(
@@ -321,7 +287,7 @@ def run_env(argv: list[str]) -> None:
     """`nanotrain env [--json] [--ranks_per_machine N]`: torch, CUDA, NCCL, gloo, Transformer
     Engine, GPUs with the peak TFLOP/s used for MFU, CPU threads, default strategy and
     backend, and warnings for common misconfigurations."""
-    from nanotrain.env_report import collect_environment, environment_json, format_environment
+    from nanotrain.cli.env_report import collect_environment, environment_json, format_environment
 
     parser = ArgumentParser(prog="nanotrain env", description=run_env.__doc__)
     parser.add_argument("--json", action="store_true", help="print JSON instead of text")
@@ -346,43 +312,3 @@ def run_report(argv: list[str]) -> None:
     cfg = parser.parse_args(argv)
     write_report(cfg.run_dir)
     print(f"wrote {cfg.run_dir}/{REPORT_MD}")
-
-
-def _run_plan(argv: list[str]) -> None:
-    from nanotrain.planning.cli_plan import run_plan
-
-    run_plan(argv)
-
-
-COMMANDS = {
-    "fit": lambda argv: run_fit_or_validate("fit", argv),
-    "validate": lambda argv: run_fit_or_validate("validate", argv),
-    "prepare": run_prepare,
-    "plan": _run_plan,
-    "export": run_export,
-    "import": run_import,
-    "env": run_env,
-    "report": run_report,
-}
-
-
-def main(argv: list[str] | None = None) -> int:
-    """Entry point of the `nanotrain` console script: runs the command; a user error prints
-    one line on global rank 0 and returns 2 (`--debug` / NANOTRAIN_DEBUG=1: the traceback)."""
-    return run_reporting_user_errors(_main, list(sys.argv[1:] if argv is None else argv))
-
-
-def _main(argv: list[str]) -> int:
-    """Dispatch `argv` to its command."""
-    if not argv or argv[0] in ("-h", "--help") or argv[0] not in COMMANDS:
-        print(f"usage: nanotrain {{{','.join(COMMANDS)}}} [--help] ...", file=sys.stderr)
-        return 0 if argv and argv[0] in ("-h", "--help") else 2
-    result = COMMANDS[argv[0]](argv[1:])
-    if argv[0] == "validate" and isinstance(result, dict):
-        for name, value in sorted(result.items()):
-            print(f"{name}: {value:.6g}")
-    return int(getattr(result, "exit_code", 0) or 0)  # fit: see nanotrain.exit_codes
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())
