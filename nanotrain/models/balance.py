@@ -42,11 +42,12 @@ def reduce_load(
         column).
     Returns: loads [L, E] float64, dropped [L] float64.
     """
+    # (L, E + 1): each layer's loads, then its dropped copies
     stacked = torch.stack([torch.cat([m.expert_load, m.dropped_tokens[None]]) for m in moe_layers])
     if reduce_fn is not None:
         stacked = reduce_fn(stacked)
     stacked = stacked.double()
-    return stacked[:, :-1], stacked[:, -1]
+    return stacked[:, :-1], stacked[:, -1]  # (L, E), (L,)
 
 
 @torch.no_grad()
@@ -93,10 +94,10 @@ def moe_balance_step(
         return stacked if reduce_fn is None else reduce_fn(stacked)
 
     loads, dropped = reduce_load(moe_layers, reduce_all)
-    direction = torch.sign(loads.mean(dim=-1, keepdim=True) - loads)
+    direction = torch.sign(loads.mean(dim=-1, keepdim=True) - loads)  # (L, E): +1 underloaded
     for layer, step in zip(moe_layers, direction, strict=True):
         bias = layer.gate.e_score_correction_bias
         bias += (speed * step).to(bias.dtype)
         layer.reset_load()
-    biases = torch.stack([m.gate.e_score_correction_bias.float() for m in moe_layers])
+    biases = torch.stack([m.gate.e_score_correction_bias.float() for m in moe_layers])  # (L, E)
     return MoEStats(list(layer_ids), loads, dropped, biases)

@@ -25,6 +25,10 @@ Why a group per sequence: which copies a capacity drops depends on which tokens 
 for the same slots. Groups that never cross a sequence make that independent of how the
 batch is cut into microbatches and data-parallel shards, so a model with a capacity factor
 computes the same loss on one process as under any dp, ep or pp layout.
+
+Shape comments: N tokens, K choices per token, H hidden, E routed experts (all ranks'), G
+groups, C capacity per expert and group, S = G*C slots per expert; under expert parallelism
+P ranks each own E_local = E / P experts, and `peers` lists every source rank's S.
 """
 
 from __future__ import annotations
@@ -52,9 +56,9 @@ def slot_positions(
         group g, ``E * G * C`` (one past the end) for a dropped one; keep [N*K] bool),
         indexed by the flat slot ``token * K + k``.
     """
-    bucket = capacity_buckets(topk_idx, groups)  # e * G + g
-    rank = ranks_in_buckets(bucket, topk_weight, num_experts * groups)
-    keep = rank < capacity
+    bucket = capacity_buckets(topk_idx, groups)  # (N*K,): e * G + g
+    rank = ranks_in_buckets(bucket, topk_weight, num_experts * groups)  # (N*K,)
+    keep = rank < capacity  # (N*K,) bool
     position = torch.where(keep, bucket * capacity + rank, num_experts * groups * capacity)
     return position, keep
 
@@ -70,10 +74,10 @@ def dispatch_to_slots(h: Tensor, topk_idx: Tensor, position: Tensor, num_slots: 
     n, k = topk_idx.shape
     # source[s] = the token in slot s, or n (an appended zero row) for an empty slot; dropped
     # choices all write to the extra entry num_slots, which is cut off
-    source = torch.full((num_slots + 1,), n, dtype=torch.long, device=h.device)
+    source = torch.full((num_slots + 1,), n, dtype=torch.long, device=h.device)  # (E*G*C + 1,)
     source[position] = torch.arange(n * k, device=h.device) // k
-    padded = torch.cat([h, h.new_zeros(1, h.shape[-1])])
-    return padded[source[:num_slots]]
+    padded = torch.cat([h, h.new_zeros(1, h.shape[-1])])  # (N + 1, H)
+    return padded[source[:num_slots]]  # (E*G*C, H)
 
 
 def combine_from_slots(
@@ -86,9 +90,9 @@ def combine_from_slots(
     Returns: [N, H] in y_slots' dtype.
     """
     k = topk_weight.shape[1]
-    padded = torch.cat([y_slots, y_slots.new_zeros(1, y_slots.shape[-1])])
-    w = topk_weight.reshape(-1, 1).to(y_slots.dtype)
-    return (padded[position] * w).view(num_tokens, k, -1).sum(dim=1)
+    padded = torch.cat([y_slots, y_slots.new_zeros(1, y_slots.shape[-1])])  # (E*G*C + 1, H)
+    w = topk_weight.reshape(-1, 1).to(y_slots.dtype)  # (N*K, 1)
+    return (padded[position] * w).view(num_tokens, k, -1).sum(dim=1)  # (N, K, H) summed: (N, H)
 
 
 def run_experts_in_slots(
@@ -120,12 +124,15 @@ def run_experts_in_slots(
     peers = peer_slots or [slots_per_expert] * p
     send = [e_local * slots_per_expert] * p
     recv = [e_local * s for s in peers]
-    x_recv = all_to_all(x_slots, recv, send, group)  # (source rank, local expert, slot)
-    # regroup by local expert: expert j gets every source's slots for it, in rank order
+    # (E_local * sum(peers), H), rows ordered (source rank, local expert, slot)
+    x_recv = all_to_all(x_slots, recv, send, group)
+    # regroup by local expert: expert j gets every source's slots for it, in rank order;
+    # one block per source rank: (E_local, that source's S, H)
     blocks = [b.view(e_local, s, hidden) for b, s in zip(x_recv.split(recv), peers, strict=True)]
-    by_expert = torch.cat(blocks, dim=1)  # (local expert, all sources' slots)
-    y = experts(by_expert.reshape(-1, hidden), [sum(peers)] * e_local)
-    y = y.view(e_local, sum(peers), hidden).split(peers, dim=1)
-    y = torch.cat([part.reshape(-1, hidden) for part in y])  # back to (source rank, ...)
+    by_expert = torch.cat(blocks, dim=1)  # (E_local, sum(peers), H): all sources' slots
+    y = experts(by_expert.reshape(-1, hidden), [sum(peers)] * e_local)  # (E_local * sum(peers), H)
+    y = y.view(e_local, sum(peers), hidden).split(peers, dim=1)  # per source: (E_local, S, H)
+    # back to rows ordered (source rank, local expert, slot): (E_local * sum(peers), H)
+    y = torch.cat([part.reshape(-1, hidden) for part in y])
     # anchored on x_recv: a rank whose experts' slots are all empty still joins the backward
-    return all_to_all(y, send, recv, group, anchor=x_recv)
+    return all_to_all(y, send, recv, group, anchor=x_recv)  # (E*S, H)

@@ -8,6 +8,10 @@ h^0 is the main stack's last hidden state (before the final norm). The embedding
 head are the main model's own modules (shared, not copied). The paper writes the concatenation
 as [h; Emb]; the released V3 weights (and HF) put the embedding half first, which we follow so
 `eh_proj` loads unchanged.
+
+Shape comments: B batch, T sequence, H hidden, D the MTP depth (`mtp_depth`). Under sequence
+parallelism the hidden states and embeddings are (B, T / tp, H) on each rank; the rotary
+tables still cover all T positions.
 """
 
 from __future__ import annotations
@@ -97,6 +101,7 @@ class MTPModule(nn.Module):
     def forward(
         self, h_prev: torch.Tensor, emb_next: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        # [RMSNorm(Emb(t_{i+k})); RMSNorm(h^{k-1}_i)]: (B, T, 2H), projected to (B, T, H)
         x = self.eh_proj(torch.cat((self.enorm(emb_next), self.hnorm(h_prev)), dim=-1))
         return self.block(x, cos, sin)
 
@@ -156,12 +161,12 @@ class DeepSeekV3(CausalLM):
         Args: h [B, T, H] ([B, T / tp, H] under sequence parallelism) main-stack output before
         the final norm; input_ids, labels [B, T].
         """
-        cos, sin = self.rope(self.full_seq_len(h), h.device)
+        cos, sin = self.rope(self.full_seq_len(h), h.device)  # each (T, rope_dim / 2), all T
         losses, aux = [], h.new_zeros((), dtype=torch.float32)
         for k, module in enumerate(self.mtp, start=1):
-            emb_next = self.embed(shift_left(input_ids, k, 0))
+            emb_next = self.embed(shift_left(input_ids, k, 0))  # (B, T, H): Emb(token t+k)
             h, block_aux = module(h, emb_next, cos, sin)
-            target = shift_left(labels, k, -100)
+            target = shift_left(labels, k, -100)  # (B, T): token t+k+1, -100 in the last k
             _, loss, _ = self.norm_head_loss(module.norm, h, target)  # logits dropped here
             losses.append(loss)
             aux = aux + block_aux
@@ -185,7 +190,7 @@ class DeepSeekV3(CausalLM):
             run_mtp = self.training
         mtp_loss = per_depth = None
         if labels is not None and run_mtp and len(self.mtp) > 0:
-            per_depth, mtp_aux = self.mtp_losses(h, input_ids, labels)
+            per_depth, mtp_aux = self.mtp_losses(h, input_ids, labels)  # (D,), scalar
             mtp_loss = per_depth.mean()
             aux = aux + mtp_aux
         total = total_loss(loss, aux, mtp_loss, self.config.mtp_loss_weight)

@@ -25,6 +25,10 @@ sizes on the host (free on CPU), batched GEMMs for equal groups, the grouped GEM
 ones, the loop where neither runs (the fp8/fp4 emulations, unaligned widths). Under autocast
 (bf16-mixed) x and the weights are first cast to autocast's dtype, as autocast would cast each
 matmul's inputs, so the same paths run there too.
+
+Shape comments: M rows (token copies) sorted by expert, M_e expert e's rows, E experts (this
+rank's local ones in `GroupedExperts`), C rows per expert on the batched path, H hidden, I an
+expert's width (moe_intermediate_size).
 """
 
 from __future__ import annotations
@@ -96,15 +100,16 @@ def looped_swiglu(
         gate_proj, up_proj [E, I, H]; down_proj [E, H, I].
     Returns: [M, H].
     """
+    # E views each: gates and ups (I, H), downs (H, I)
     gates, ups, downs = gate_proj.unbind(0), up_proj.unbind(0), down_proj.unbind(0)
     outputs = []
-    for e, x_e in enumerate(x.split(list(sizes), dim=0)):
+    for e, x_e in enumerate(x.split(list(sizes), dim=0)):  # x_e: (M_e, H)
         # an expert with no rows still runs (on 0 rows): its weights then get a zero gradient
         # instead of none, so every rank's graph, and hence its backward collectives, has the
         # same shape whatever the routing
         a = F.silu(x_e @ gates[e].T) * (x_e @ ups[e].T)  # (M_e, I)
         outputs.append(a @ downs[e].T)  # (M_e, H)
-    return torch.cat(outputs, dim=0)
+    return torch.cat(outputs, dim=0)  # (M, H)
 
 
 def grouped_swiglu(
@@ -123,9 +128,9 @@ def grouped_swiglu(
     """
     # offs[i] = end row of expert i (int32, non-decreasing); out = x_e @ W_e^T per group, so the
     # right operand is the stack transposed to [E, in, out]
-    offs = torch.cumsum(counts, 0, dtype=torch.int32)
+    offs = torch.cumsum(counts, 0, dtype=torch.int32)  # (E,)
     g = F.grouped_mm(x, gate_proj.transpose(-2, -1), offs=offs)  # (M, I)
-    u = F.grouped_mm(x, up_proj.transpose(-2, -1), offs=offs)
+    u = F.grouped_mm(x, up_proj.transpose(-2, -1), offs=offs)  # (M, I)
     y = F.grouped_mm(F.silu(g) * u, down_proj.transpose(-2, -1), offs=offs)  # (M, H)
     return _DenseGrad.apply(y)
 
@@ -186,14 +191,14 @@ class _BatchedSwiGLU(torch.autograd.Function):
     def forward(ctx, x, num_experts, gate_proj, up_proj, down_proj):  # noqa: ANN001, ANN205
         xb = x.view(num_experts, -1, x.shape[-1])  # (E, C, H), no copy
         g = torch.bmm(xb, gate_proj.transpose(1, 2))  # (E, C, I)
-        u = torch.bmm(xb, up_proj.transpose(1, 2))
+        u = torch.bmm(xb, up_proj.transpose(1, 2))  # (E, C, I)
         sg = F.silu(g)
         a = sg * u
         y = torch.bmm(a, down_proj.transpose(1, 2))  # (E, C, H)
         # the same activations the per-expert autograd graph keeps (g, silu(g), u, a; x is
         # the caller's), so switching paths changes neither memory nor recompute
         ctx.save_for_backward(xb, g, u, sg, a, gate_proj, up_proj, down_proj)
-        return y.view(x.shape)
+        return y.view(x.shape)  # (E*C, H)
 
     @staticmethod
     def backward(ctx, grad_y):  # noqa: ANN001, ANN205
@@ -207,10 +212,10 @@ class _BatchedSwiGLU(torch.autograd.Function):
         dg = torch.ops.aten.silu_backward(da * u, g)
         du = da.mul_(sg)  # da's last use: no new buffer
         grad_gate = torch.bmm(dg.transpose(1, 2), xb)  # (E, I, H)
-        grad_up = torch.bmm(du.transpose(1, 2), xb)
+        grad_up = torch.bmm(du.transpose(1, 2), xb)  # (E, I, H)
         # the second product accumulates into the first inside the GEMM (no temporary)
         dx = torch.bmm(dg, gate_proj).baddbmm_(du, up_proj)  # (E, C, H)
-        return dx.view(-1, xb.shape[-1]), None, grad_gate, grad_up, grad_down
+        return dx.view(-1, xb.shape[-1]), None, grad_gate, grad_up, grad_down  # dx: (E*C, H)
 
 
 def batched_swiglu(

@@ -12,6 +12,12 @@ With an expert-parallel group, `experts` becomes `run_experts_parallel` (all-to-
 ranks owning the experts and back, `nanotrain.parallel.expert`). With a capacity factor the
 copies go to fixed-size expert slots instead (`nanotrain.models.capacity_dispatch`), leaving
 out those over each expert's capacity, with no host read.
+
+Shape comments: B batch; T the positions of each sequence this rank holds (T / tp under
+sequence parallelism); N = B*T tokens; H hidden; K experts per token; E routed experts (all
+of them: the router scores every one); M token copies sent to experts (N*K, fewer when a
+capacity drops some); with a capacity, C copies per expert and sequence and T_full the whole
+sequence (T * tp once gathered under sequence parallelism, else T).
 """
 
 from __future__ import annotations
@@ -101,7 +107,7 @@ class TopKRouter(nn.Module):
 
     def scores(self, h: torch.Tensor) -> torch.Tensor:
         """Affinities s [N, E] in float32 (sigmoid or softmax of the router logits)."""
-        logits = F.linear(h.float(), self.weight.float())
+        logits = F.linear(h.float(), self.weight.float())  # (N, E)
         if self.config.scoring_func == "sigmoid":
             return logits.sigmoid()
         return logits.softmax(dim=-1)
@@ -118,18 +124,18 @@ class TopKRouter(nn.Module):
                 group_score = grouped.topk(best, dim=-1).values.sum(dim=-1)  # (N, groups)
             else:
                 # V2 (softmax): a group's score is its best affinity
-                group_score = grouped.amax(dim=-1)
-            top_groups = group_score.topk(c.topk_group, dim=-1).indices
+                group_score = grouped.amax(dim=-1)  # (N, groups)
+            top_groups = group_score.topk(c.topk_group, dim=-1).indices  # (N, topk_group)
             keep = torch.zeros_like(group_score, dtype=torch.bool).scatter_(1, top_groups, True)
-            choice = grouped.masked_fill(~keep[..., None], float("-inf")).view(n, -1)
-        return choice.topk(c.num_experts_per_tok, dim=-1).indices
+            choice = grouped.masked_fill(~keep[..., None], float("-inf")).view(n, -1)  # (N, E)
+        return choice.topk(c.num_experts_per_tok, dim=-1).indices  # (N, K)
 
     def forward(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         c = self.config
-        scores = self.scores(h)
+        scores = self.scores(h)  # (N, E)
         # the bias only steers which experts are chosen, never the weights (V3 eq. 16)
-        topk_idx = self.select(scores.detach() + self.e_score_correction_bias.float())
-        weight = scores.gather(1, topk_idx)
+        topk_idx = self.select(scores.detach() + self.e_score_correction_bias.float())  # (N, K)
+        weight = scores.gather(1, topk_idx)  # (N, K): the chosen experts' unbiased scores
         if c.norm_topk_prob:
             weight = weight / (weight.sum(dim=-1, keepdim=True) + 1e-20)
         return topk_idx, weight * c.routed_scaling_factor, scores
@@ -145,14 +151,14 @@ def dispatch(
     Returns: `Dispatched` (see its fields; with `keep`, M = kept copies instead of N*K).
     """
     k = topk_idx.shape[1]
-    flat = topk_idx.reshape(-1)
-    slot = torch.argsort(flat, stable=True)  # stable keeps token order within an expert
+    flat = topk_idx.reshape(-1)  # (N*K,), indexed by slot token * K + k
+    slot = torch.argsort(flat, stable=True)  # (N*K,): stable keeps token order within an expert
     if keep is not None:
-        slot = slot[keep[slot]]
-    token_index = slot // k
+        slot = slot[keep[slot]]  # (M,): the kept copies only
+    token_index = slot // k  # (M,)
     # not torch.bincount: on CUDA it reads its input's max back to the host
-    counts = expert_counts(flat[slot], num_experts)
-    return Dispatched(h[token_index], counts, token_index, slot)
+    counts = expert_counts(flat[slot], num_experts)  # (E,)
+    return Dispatched(h[token_index], counts, token_index, slot)  # x: (M, H)
 
 
 def combine(
@@ -163,9 +169,9 @@ def combine(
     Args: y_sorted [N*K, H] in `dispatched` order; topk_weight [N, K]; num_tokens N.
     Returns: [N, H] in y_sorted's dtype.
     """
-    w = topk_weight.reshape(-1)[dispatched.slot].to(y_sorted.dtype)
-    out = y_sorted.new_zeros(num_tokens, y_sorted.shape[-1])
-    return out.index_add(0, dispatched.token_index, y_sorted * w[:, None])
+    w = topk_weight.reshape(-1)[dispatched.slot].to(y_sorted.dtype)  # (M,): each copy's g_{t,k}
+    out = y_sorted.new_zeros(num_tokens, y_sorted.shape[-1])  # (N, H)
+    return out.index_add(0, dispatched.token_index, y_sorted * w[:, None])  # (N, H)
 
 
 def sequence_balance_loss(
@@ -193,18 +199,19 @@ def sequence_balance_loss(
     t_local = n // batch
     probs = scores / scores.sum(dim=-1, keepdim=True)
     prob_sum = probs.view(batch, t_local, e).sum(dim=1)  # (B, E)
-    hits = torch.zeros(batch, e, device=scores.device, dtype=scores.dtype)
+    hits = torch.zeros(batch, e, device=scores.device, dtype=scores.dtype)  # (B, E)
     hits.scatter_add_(
         1,
-        topk_idx.view(batch, t_local * k),
+        topk_idx.view(batch, t_local * k),  # (B, T_local * K): each sequence's choices
         torch.ones_like(hits[:, :1]).expand(-1, t_local * k),
     )
     # Whole-sequence statistics: sum both per-sequence sums over the ranks holding the other
     # parts of each sequence (one all-reduce). Its backward is the identity, which is exact:
     # the loss is linear in each rank's prob_sum, so every rank backpropagates d L / d P into
     # its own tokens, and the router's grad is then summed over tp like any replicated grad.
+    # stats: (2, B, E)
     stats = reduce_from_tensor_parallel_region(torch.stack([hits, prob_sum]), sequence_group)
-    hits, prob_sum = stats.unbind(0)
+    hits, prob_sum = stats.unbind(0)  # each (B, E), over whole sequences
     t = t_local * group_size(sequence_group)
     f = hits * (e / (k * t))
     return alpha * (f * (prob_sum / t)).sum(dim=-1).mean()
@@ -309,15 +316,15 @@ class DeepSeekMoE(nn.Module):
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         b, t, hidden = x.shape
         e = self.config.n_routed_experts
-        h = x.reshape(b * t, hidden)
-        topk_idx, topk_weight, scores = self.gate(h)
+        h = x.reshape(b * t, hidden)  # (N, H)
+        topk_idx, topk_weight, scores = self.gate(h)  # (N, K), (N, K), (N, E)
         keep = None
         if self.config.capacity_factor is None:  # dropless: copies sorted by expert
-            d = dispatch(h, topk_idx, e)
-            y_sorted = run_experts_parallel(d.x, d.counts, self.experts, self.ep_group)
-            y = combine(y_sorted, d, topk_weight, b * t).view(b, t, hidden)
+            d = dispatch(h, topk_idx, e)  # d.x: (N*K, H) sorted by expert
+            y_sorted = run_experts_parallel(d.x, d.counts, self.experts, self.ep_group)  # (N*K, H)
+            y = combine(y_sorted, d, topk_weight, b * t).view(b, t, hidden)  # (B, T, H)
         else:  # fixed slots: training reads nothing from the device
-            y, keep = self._routed_in_slots(x, topk_idx, topk_weight)
+            y, keep = self._routed_in_slots(x, topk_idx, topk_weight)  # (B, T, H), (N*K,)
         if self.shared_experts is not None:
             y = y + self.shared_experts(x)
         aux = x.new_zeros((), dtype=torch.float32)
@@ -350,13 +357,15 @@ class DeepSeekMoE(nn.Module):
             # sequence, as on one rank, so gather the sequences: the routed experts then run
             # on all T tokens on every tp rank, as tensor parallelism without SP does. The
             # gathers' backward reduce-scatters the partial gradients of this rank's outputs.
-            x = gather_from_sequence_parallel_region(x, group, 1)
+            x = gather_from_sequence_parallel_region(x, group, 1)  # (B, T_full, H)
+            # topk_weight, topk_idx: (B, T, K) -> (B, T_full, K)
             topk_weight = gather_from_sequence_parallel_region(topk_weight.view(b, t, k), group)
             topk_idx = all_gather_along_dim(topk_idx.view(b, t, k), 1, group)
         full_t, e = x.shape[1], self.config.n_routed_experts
         capacity = self.capacity(full_t)
-        idx, weight = topk_idx.reshape(-1, k), topk_weight.reshape(-1, k)
-        position, keep = slot_positions(idx, weight, e, capacity, groups=b)
+        idx, weight = topk_idx.reshape(-1, k), topk_weight.reshape(-1, k)  # (B*T_full, K) each
+        position, keep = slot_positions(idx, weight, e, capacity, groups=b)  # (B*T_full*K,) each
+        # (E*B*C, H): expert e's slots are rows [e*B*C, (e+1)*B*C), sequence g's C at g*C
         x_slots = dispatch_to_slots(x.reshape(-1, hidden), idx, position, e * b * capacity)
         # Batches may differ in shape between ranks: a last, partial evaluation batch, or
         # data padded per batch. Learning the peers' slot counts costs a host read, free on
@@ -366,10 +375,12 @@ class DeepSeekMoE(nn.Module):
         exchange = not self.training or expert_compute.reads_sizes_first(x)
         if exchange and group_size(self.ep_group) > 1:
             peers = peer_slot_counts(b * capacity, self.ep_group, x.device)
+        # (E*B*C, H) in x_slots' row order
         y_slots = run_experts_in_slots(x_slots, e, b * capacity, self.experts, self.ep_group, peers)
+        # (B, T_full, H)
         y = combine_from_slots(y_slots, position, weight, b * full_t).view(b, full_t, hidden)
         if tp > 1:  # this rank's tokens: slicing sends no gradient to the others' outputs
             start = group_rank(group) * t
-            y = y[:, start : start + t]
-            keep = keep.view(b, full_t, k)[:, start : start + t].reshape(-1)
+            y = y[:, start : start + t]  # (B, T, H)
+            keep = keep.view(b, full_t, k)[:, start : start + t].reshape(-1)  # (B*T*K,)
         return y, keep

@@ -136,7 +136,7 @@ class PipelineStage(nn.Module):
         chunk, full = self._chunk, self.full
         if self.is_first_chunk(chunk):
             full._check_input(input_ids, labels)
-            h = full.embed(input_ids)
+            h = full.embed(input_ids)  # (B, T, H), (B, T / tp, H) under sequence parallelism
         elif self._input is None:
             raise ValueError(f"chunk {chunk} of stage {self.pp_rank} needs an input activation")
         else:
@@ -144,7 +144,7 @@ class PipelineStage(nn.Module):
         self._input = None
         aux = h.new_zeros((), dtype=torch.float32)
         if self.chunks[chunk]:
-            cos, sin = full.rope(full.full_seq_len(h), h.device)
+            cos, sin = full.rope(full.full_seq_len(h), h.device)  # each (T, rope_dim / 2)
             for i in self.chunks[chunk]:
                 h, layer_aux = self.layers[str(i)](h, cos, sin)
                 aux = aux + layer_aux

@@ -3,6 +3,10 @@
 A model is three separable steps so pipeline parallelism can cut it into stages:
 `embed(input_ids)` -> the `layers` ModuleList (each `layer(h, cos, sin) -> (h, aux_loss)`)
 -> `head_and_loss(h, labels)`.
+
+Shapes: B batch, T sequence, H hidden, V vocabulary (padded to a multiple of tp: the head
+holds V / tp columns per rank). Under sequence parallelism the hidden states between the
+tensor-parallel matmuls are (B, T / tp, H) on each rank.
 """
 
 from __future__ import annotations
@@ -109,6 +113,7 @@ def masked_mean_ce(
 
     Args: logits [B, T, V / tp]; labels [B, T] int64.
     """
+    # (B, T) float32, 0 where labels == -100
     per_token = vocab_parallel_cross_entropy(logits, labels, tp_group, vocab_size=vocab_size)
     count = (labels != -100).sum()
     return per_token.sum() / count.clamp(min=1), count
@@ -240,7 +245,7 @@ class CausalLM(nn.Module):
 
     def run_layers(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """All decoder layers: h [B, T, H] -> (h [B, T, H], summed aux loss)."""
-        cos, sin = self.rope(self.full_seq_len(h), h.device)
+        cos, sin = self.rope(self.full_seq_len(h), h.device)  # each (T, rope_dim / 2), all T
         aux = h.new_zeros((), dtype=torch.float32)
         for layer in self.layers:
             h, layer_aux = layer(h, cos, sin)
@@ -278,7 +283,7 @@ class CausalLM(nn.Module):
     def _norm_head_loss(
         self, norm: nn.Module, h: torch.Tensor, labels: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        logits = self.lm_head(norm(h))
+        logits = self.lm_head(norm(h))  # (B, T, V / tp): h gathered along T first under SP
         loss, count = masked_mean_ce(logits, labels, self.tp_group, self.config.vocab_size)
         return logits, loss, count
 
@@ -301,8 +306,8 @@ class CausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None) -> ModelOutput:
         """input_ids, labels: [B, T] int64 (labels already shifted; -100 = ignore)."""
         self._check_input(input_ids, labels)
-        h, aux = self.run_layers(self.embed(input_ids))
-        logits, loss, count = self.head_and_loss(h, labels)
+        h, aux = self.run_layers(self.embed(input_ids))  # (B, T, H), (B, T / tp, H) under SP
+        logits, loss, count = self.head_and_loss(h, labels)  # logits (B, T, V / tp)
         return ModelOutput(logits, loss, aux, None, total_loss(loss, aux), count)
 
     def indexed_moe_layers(self) -> list[tuple[int, DeepSeekMoE]]:

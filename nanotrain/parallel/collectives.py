@@ -7,6 +7,19 @@ all-reduce in backward (and vice versa) for the tensor-parallel math to be exact
 (Shoeybi et al. 2019, "Megatron-LM", section 3, operators *f* and *g*; Korthikanti et al.
 2022, "Reducing Activation Recomputation", section 4.2, operators *g* and *g-bar*).
 
+Which paper operator each public function is (forward | backward)::
+
+    copy_to_tensor_parallel_region              f      identity        | all-reduce
+    reduce_from_tensor_parallel_region          g      all-reduce      | identity
+    gather_from_sequence_parallel_region        g      all-gather      | reduce-scatter   (SP)
+    reduce_scatter_to_sequence_parallel_region  g-bar  reduce-scatter  | all-gather       (SP)
+    enter_tensor_parallel_region                f, or the SP paper's g under sequence parallelism
+
+The two papers reuse the letter: sequence parallelism replaces Megatron-LM's *f* (entering a
+tensor-parallel region) by its own *g* and Megatron-LM's *g* (leaving it) by *g-bar*. The
+scatter/gather along the last dim and the sequence scatter have no operator in either paper;
+they carry the names of Megatron-Core's ``tensor_parallel/mappings.py``.
+
 Every function is a no-op (returns ``x`` itself) when ``group`` is ``None`` or has one rank,
 so one-process code pays nothing.
 
@@ -138,6 +151,8 @@ def _all_reduce(x: Tensor, group: ProcessGroup | None) -> Tensor:
 
 
 class _CopyToRegion(torch.autograd.Function):
+    """Megatron-LM's *f*: identity forward, all-reduce of the gradient backward."""
+
     @staticmethod
     def forward(ctx, x, group):
         ctx.group = group
@@ -149,6 +164,8 @@ class _CopyToRegion(torch.autograd.Function):
 
 
 class _ReduceFromRegion(torch.autograd.Function):
+    """Megatron-LM's *g*: all-reduce forward, identity backward."""
+
     @staticmethod
     def forward(ctx, x, group):
         return _all_reduce(x, group)
@@ -159,6 +176,8 @@ class _ReduceFromRegion(torch.autograd.Function):
 
 
 class _SplitAlongDim(torch.autograd.Function):
+    """Keep this rank's chunk of ``dim`` forward; all-gather the gradient along ``dim``."""
+
     @staticmethod
     def forward(ctx, x, dim, group):
         ctx.dim, ctx.group = dim, group
@@ -170,6 +189,8 @@ class _SplitAlongDim(torch.autograd.Function):
 
 
 class _GatherAlongDim(torch.autograd.Function):
+    """All-gather along ``dim`` forward; keep this rank's chunk of the gradient backward."""
+
     @staticmethod
     def forward(ctx, x, dim, group):
         ctx.dim, ctx.group = dim, group
@@ -181,6 +202,8 @@ class _GatherAlongDim(torch.autograd.Function):
 
 
 class _GatherAlongDimReduceScatterGrad(torch.autograd.Function):
+    """Sequence parallelism's *g*: all-gather along ``dim`` forward, reduce-scatter backward."""
+
     @staticmethod
     def forward(ctx, x, dim, group):
         ctx.dim, ctx.group = dim, group
@@ -192,6 +215,9 @@ class _GatherAlongDimReduceScatterGrad(torch.autograd.Function):
 
 
 class _ReduceScatterAlongDim(torch.autograd.Function):
+    """Sequence parallelism's *g-bar*: reduce-scatter along ``dim`` forward, all-gather
+    backward."""
+
     @staticmethod
     def forward(ctx, x, dim, group):
         ctx.dim, ctx.group = dim, group
@@ -208,28 +234,48 @@ class _ReduceScatterAlongDim(torch.autograd.Function):
 
 
 def copy_to_tensor_parallel_region(x: Tensor, group: ProcessGroup | None) -> Tensor:
-    """forward: identity; backward: all-reduce (sum) the gradient over ``group``."""
+    """forward: identity; backward: all-reduce (sum) the gradient over ``group``.
+
+    The *f* operator of Megatron-LM (Shoeybi et al. 2019, section 3, figure 3). It enters a
+    tensor-parallel region: the layers after it (column-parallel, each rank holding some output
+    columns) give every rank only a partial gradient of their shared input, which backward sums.
+    """
     if group_size(group) == 1:
         return x
     return _CopyToRegion.apply(x, group)
 
 
 def reduce_from_tensor_parallel_region(x: Tensor, group: ProcessGroup | None) -> Tensor:
-    """forward: all-reduce (sum) over ``group``; backward: identity."""
+    """forward: all-reduce (sum) over ``group``; backward: identity.
+
+    The *g* operator of Megatron-LM (Shoeybi et al. 2019, section 3, figure 3), *f*'s
+    conjugate. It leaves a tensor-parallel region: after a row-parallel layer every rank holds
+    a partial sum of the output, and the sum's gradient is the same for every rank.
+    """
     if group_size(group) == 1:
         return x
     return _ReduceFromRegion.apply(x, group)
 
 
 def scatter_to_tensor_parallel_region(x: Tensor, group: ProcessGroup | None) -> Tensor:
-    """forward: keep this rank's chunk of the last dim; backward: all-gather the last dim."""
+    """forward: keep this rank's chunk of the last dim; backward: all-gather the last dim.
+
+    Megatron-Core's ``scatter_to_tensor_model_parallel_region`` (no operator of the paper): feeds
+    a ``RowParallelLinear`` built with ``input_is_parallel=False`` a replicated input.
+    Shapes: ``[..., d] -> [..., d / tp]``.
+    """
     if group_size(group) == 1:
         return x
     return _SplitAlongDim.apply(x, -1, group)
 
 
 def gather_from_tensor_parallel_region(x: Tensor, group: ProcessGroup | None) -> Tensor:
-    """forward: all-gather the last dim; backward: keep this rank's chunk of the last dim."""
+    """forward: all-gather the last dim; backward: keep this rank's chunk of the last dim.
+
+    Megatron-Core's ``gather_from_tensor_model_parallel_region`` (no operator of the paper): a
+    ``ColumnParallelLinear`` with ``gather_output=True`` uses it to return the whole output.
+    Shapes: ``[..., d / tp] -> [..., d]``.
+    """
     if group_size(group) == 1:
         return x
     return _GatherAlongDim.apply(x, -1, group)
@@ -238,7 +284,11 @@ def gather_from_tensor_parallel_region(x: Tensor, group: ProcessGroup | None) ->
 def scatter_to_sequence_parallel_region(
     x: Tensor, group: ProcessGroup | None, seq_dim: int = 1
 ) -> Tensor:
-    """forward: keep this rank's chunk of ``seq_dim``; backward: all-gather along ``seq_dim``."""
+    """forward: keep this rank's chunk of ``seq_dim``; backward: all-gather along ``seq_dim``.
+
+    Megatron-Core's ``scatter_to_sequence_parallel_region`` (no operator of the paper): turns a
+    replicated ``[batch, seq, ...]`` activation into this rank's ``[batch, seq / tp, ...]``.
+    """
     if group_size(group) == 1:
         return x
     return _SplitAlongDim.apply(x, seq_dim, group)
@@ -247,7 +297,13 @@ def scatter_to_sequence_parallel_region(
 def gather_from_sequence_parallel_region(
     x: Tensor, group: ProcessGroup | None, seq_dim: int = 1
 ) -> Tensor:
-    """forward: all-gather along ``seq_dim``; backward: reduce-scatter along ``seq_dim``."""
+    """forward: all-gather along ``seq_dim``; backward: reduce-scatter along ``seq_dim``.
+
+    The *g* operator of sequence parallelism (Korthikanti et al. 2022, section 4.2.2), which
+    takes the place of Megatron-LM's *f* before a column-parallel layer: the activation goes
+    from ``[batch, seq / tp, ...]`` to ``[batch, seq, ...]``, and each rank's partial input
+    gradient is summed and split back along the sequence in one reduce-scatter.
+    """
     if group_size(group) == 1:
         return x
     return _GatherAlongDimReduceScatterGrad.apply(x, seq_dim, group)
@@ -256,7 +312,13 @@ def gather_from_sequence_parallel_region(
 def reduce_scatter_to_sequence_parallel_region(
     x: Tensor, group: ProcessGroup | None, seq_dim: int = 1
 ) -> Tensor:
-    """forward: reduce-scatter (sum) along ``seq_dim``; backward: all-gather along ``seq_dim``."""
+    """forward: reduce-scatter (sum) along ``seq_dim``; backward: all-gather along ``seq_dim``.
+
+    The *g-bar* operator of sequence parallelism (Korthikanti et al. 2022, section 4.2.2),
+    *g*'s conjugate, which takes the place of Megatron-LM's *g* after a row-parallel layer: the
+    ranks' partial sums ``[batch, seq, ...]`` become this rank's summed
+    ``[batch, seq / tp, ...]``.
+    """
     if group_size(group) == 1:
         return x
     return _ReduceScatterAlongDim.apply(x, seq_dim, group)
@@ -267,6 +329,9 @@ def enter_tensor_parallel_region(
 ) -> Tensor:
     """forward: identity (all-gather along ``seq_dim`` if ``sequence_parallel``); backward:
     all-reduce (reduce-scatter along ``seq_dim``).
+
+    Megatron-LM's *f*, or sequence parallelism's *g* when ``sequence_parallel`` (see
+    `copy_to_tensor_parallel_region`, `gather_from_sequence_parallel_region`).
 
     What a ``ColumnParallelLinear`` does to its input, done once so that several column-parallel
     layers reading the same activation (q/k/v, gate/up) share one collective instead of one each

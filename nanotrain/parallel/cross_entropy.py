@@ -3,6 +3,14 @@
 The logits of a tensor-parallel LM head are split along the vocabulary: rank ``r`` of ``tp``
 holds global ids ``[r*V/tp, (r+1)*V/tp)``. Gathering them would cost a ``[tokens, V]`` buffer
 per rank; instead the softmax normalizer and the target logit are reduced as per-token scalars.
+
+This is Megatron-LM's fusion of the parallel output GEMM with the loss (Shoeybi et al. 2019,
+section 3: "communicating scalar losses instead of logits"): per token, the largest logit is
+all-reduced with MAX over the tensor-parallel group, then the sum of ``exp(logit - max)`` and
+the target's logit (zeroed on every rank but the one owning the target id) are all-reduced with SUM
+in one collective. The backward needs no communication: each rank's logit gradient,
+``softmax - one_hot(target)`` over its own columns, uses only the reduced scalars.
+Shapes below: ``[...]`` the token dims (e.g. ``[B, T]``), ``V/tp`` this rank's columns.
 """
 
 from __future__ import annotations
@@ -19,7 +27,13 @@ __all__ = ["vocab_parallel_cross_entropy"]
 
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):
-    """Cross-entropy over vocab-sharded logits; only ``[...]``-shaped tensors cross ranks."""
+    """Cross-entropy over vocab-sharded logits; only ``[...]``-shaped tensors cross ranks.
+
+    forward: all-reduce (MAX) of the per-token max logit, then one all-reduce (SUM) of the
+    stacked per-token target logit and sum of exponentials over ``group``; loss =
+    log(sum_exp) - target_logit, 0 at ``ignore_index``. backward: local, no collective:
+    ``(softmax - one_hot(target)) * grad_loss`` on this rank's vocab shard.
+    """
 
     @staticmethod
     def forward(ctx, logits, target, group, ignore_index, vocab_size):
@@ -32,17 +46,17 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
             col = torch.arange(rows_per_rank, device=logits.device) + vocab_start
             logits = logits.masked_fill(col >= vocab_size, float("-inf"))
         # Subtracting the global max keeps exp() finite; it cancels out of the loss.
-        logits_max = logits.amax(dim=-1, keepdim=True)
+        logits_max = logits.amax(dim=-1, keepdim=True)  # [..., 1]
         dist.all_reduce(logits_max, op=dist.ReduceOp.MAX, group=group)
         shifted = logits - logits_max  # [..., V/tp]
 
         local_target = target - vocab_start
         outside = (local_target < 0) | (local_target >= rows_per_rank)
         local_target = local_target.masked_fill(outside, 0)
-        target_logit = shifted.gather(-1, local_target.unsqueeze(-1)).squeeze(-1)
+        target_logit = shifted.gather(-1, local_target.unsqueeze(-1)).squeeze(-1)  # [...]
         target_logit = target_logit.masked_fill(outside, 0.0)  # only the owner contributes
         exp = shifted.exp()
-        sum_exp = exp.sum(dim=-1)
+        sum_exp = exp.sum(dim=-1)  # [...], this rank's columns only until the all-reduce
         # One all-reduce for both per-token sums: [2, ...].
         sums = torch.stack([target_logit, sum_exp])
         dist.all_reduce(sums, group=group)
@@ -50,7 +64,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
 
         ignored = target == ignore_index
         loss = (sum_exp.log() - target_logit).masked_fill(ignored, 0.0)
-        softmax = exp.div_(sum_exp.unsqueeze(-1))
+        softmax = exp.div_(sum_exp.unsqueeze(-1))  # [..., V/tp], this rank's columns
         ctx.save_for_backward(softmax, local_target, outside, ignored)
         ctx.logits_dtype = logits_dtype
         return loss

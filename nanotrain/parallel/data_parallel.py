@@ -10,7 +10,8 @@ size ``dp`` so that it splits into ``dp`` equal, contiguous slices::
 
 A post-accumulate-grad hook counts down each bucket's parameters; once a bucket is complete on
 the last microbatch of a step, its collective is launched asynchronously (``all_reduce``, or
-``reduce_scatter`` into a shard buffer for ZeRO-2) while backward continues on earlier layers.
+``reduce_scatter`` into a shard buffer for ZeRO-2) while backward continues on earlier layers
+(PyTorch DDP's gradient bucketing and overlap, Li et al. 2020, "PyTorch Distributed").
 Buckets are launched strictly in index order, as DDP does: ranks with different data (MoE
 routing) can finish gradients in a different order, and collectives on one group must be
 issued in the same order everywhere.

@@ -18,6 +18,15 @@ so the caller's combine sees the copies in exactly the order it sent them (Lepik
 an autograd function whose backward is the reverse all-to-all, so gradients retrace the
 tokens' path. With a group of one rank (or none) nothing here communicates.
 
+In GShard's terms step 2 is the *dispatch* all-to-all and step 5 the *combine* all-to-all;
+Megatron-Core's dispatcher has the same shape (permute by expert, all-to-all, sort by local
+expert, experts, and the reverse), and DeepSeek-V3 (section 3.2.2) trains its DeepSeekMoE
+layers with the same pair of all-to-alls. Here the permutation by expert and the weighted
+combine in token order stay in `nanotrain.models.moe` (`dispatch`, `combine`); this module
+moves the sorted copies between ranks and regroups them (steps 1 to 5). With a capacity
+factor, `nanotrain.models.capacity_dispatch` sends fixed-size slots instead, whose splits are
+known in advance.
+
 Gradients: an expert's weights see only the tokens routed to it from the ``ep`` ranks of its
 group, so its gradient is summed over the *expert-data-parallel* group (the ranks holding the
 same experts), never over the whole data-parallel group. `mark_expert_params` tags those
@@ -260,6 +269,9 @@ class ExpertSplits:
 def exchange_splits(counts: Tensor, group: ProcessGroup) -> ExpertSplits:
     """Exchange per-expert copy counts over the ep group (one small all-to-all, one host sync).
 
+    Step 1 of the module docstring: each rank learns how many copies every peer sends to each
+    of its local experts, which sizes the dispatch all-to-all of the copies themselves.
+
     Args: counts [E] int64, this rank's copies per global expert (E divisible by the group
     size; experts are owned in contiguous blocks of E / P, in rank order).
     Returns: `ExpertSplits`.
@@ -283,7 +295,9 @@ def exchange_splits(counts: Tensor, group: ProcessGroup) -> ExpertSplits:
 
 def _regroup_order(recv_counts: list[list[int]], device: torch.device) -> Tensor:
     """Permutation taking rows ordered (source rank, local expert) to (local expert, source
-    rank), both stable in the rows' arrival order."""
+    rank), both stable in the rows' arrival order (step 3 of the module docstring).
+
+    Returns: [R] int64, R the rows received (``sum`` of `recv_counts`)."""
     p, e_local = len(recv_counts), len(recv_counts[0])
     sizes = torch.tensor([c for row in recv_counts for c in row], device=device)
     total = sum(sum(row) for row in recv_counts)  # given, so CUDA need not read it back
@@ -302,6 +316,9 @@ def run_experts_parallel(
 ) -> Tensor:
     """Send token copies to the ranks owning their experts, run them there, bring them back.
 
+    Steps 1 to 5 of the module docstring: exchange the counts, dispatch all-to-all, regroup
+    by local expert, run the local experts, undo the regrouping and combine all-to-all back.
+
     Args:
         x_sorted: [M, H] this rank's token copies sorted by global expert.
         counts: [E] int64 copies per global expert (sums to M).
@@ -315,12 +332,13 @@ def run_experts_parallel(
     if group_size(group) == 1:
         return experts(x_sorted, counts)
     splits = exchange_splits(counts, group)
+    # dispatch: (R, H), rows ordered (source rank, local expert)
     x_recv = all_to_all(x_sorted, splits.output_splits, splits.input_splits, group)
-    order = _regroup_order(splits.recv_counts, x_sorted.device)
+    order = _regroup_order(splits.recv_counts, x_sorted.device)  # (R,)
     y_local = experts(x_recv[order], splits.local_counts)  # (R, H) by local expert
     inverse = torch.empty_like(order)
     inverse[order] = torch.arange(order.numel(), device=order.device)
     # anchored on x_recv: a rank whose experts got no copies still joins the backward
     return all_to_all(
         y_local[inverse], splits.input_splits, splits.output_splits, group, anchor=x_recv
-    )
+    )  # combine: (M, H) in x_sorted's row order

@@ -5,6 +5,11 @@ Counting rule of the global norm. A parameter is either *tp-sharded* (each tenso
 holds a different slice: its squared norm is summed over the tp group) or *tp-replicated* (every
 tp rank holds the same tensor: counted once, on tp rank 0). Under ZeRO-2 each data-parallel rank
 holds a different slice of every gradient, so the squares are summed over the dp group as well.
+This is Megatron-LM's rule (``param_is_not_tensor_parallel_duplicate`` in its grad-norm
+clipping): every element of the model's gradient is squared exactly once somewhere, and
+summing the per-parameter squares over the groups that hold different shards (then over pp)
+gives every rank the same global norm sqrt(sum of squares), the norm
+`torch.nn.utils.clip_grad_norm_` would compute on the unsharded model.
 The caller passes the groups per parameter set: routed experts, split over expert parallelism,
 add the ep group (and under ZeRO-2 their expert-dp group instead of dp); pipeline stages are
 summed afterwards over the pp group.

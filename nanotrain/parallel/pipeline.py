@@ -2,11 +2,13 @@
 
 Stage partition. The model's layers are cut into ``pp × virtual_pp`` chunks of consecutive
 layers (virtual stages ``0 .. pp·v-1``); virtual stage ``k`` lives on pipeline rank
-``k % pp`` as its local chunk ``k // pp`` (Megatron's interleaved assignment; with v=1 rank r
-simply holds chunk r). The first virtual stage also owns the embedding, the last the final
-norm, the head, the loss and the MTP modules (`nanotrain.models.stages`).
+``k % pp`` as its local chunk ``k // pp`` (Megatron's interleaved assignment, Narayanan et al.
+2021 section 2.2.2; with v=1 rank r simply holds chunk r). The first virtual stage also owns
+the embedding, the last the final norm, the head, the loss and the MTP modules
+(`nanotrain.models.stages`).
 
-Running a schedule. `run_schedule` executes a list of `schedules.Action` on this rank: a
+Running a schedule. `run_schedule` executes a list of `schedules.Action` on this rank (GPipe,
+1F1B or interleaved 1F1B, with their bubbles, in `nanotrain.parallel.schedules`): a
 forward receives its input activation from the previous virtual stage, runs the chunk and
 sends the output on; a backward receives the gradient of that output from the next virtual
 stage, backpropagates the output and this chunk's own loss term (MoE balance losses, and on

@@ -7,13 +7,20 @@ never branch on which one is in use. Timelines for pp=4, m=8 (F = forward, B = b
 numbers = microbatch) are drawn in docs/parallelism.md.
 
 - GPipe (Huang et al. 2019): every forward, then every backward. Simple; holds the
-  activations of all m microbatches at once.
+  activations of all m microbatches at once. Bubble: (p - 1) / m of the ideal (bubble-free)
+  step time, Narayanan et al.'s bubble fraction t_pb / t_id; (p - 1) / (m + p - 1) of the
+  whole step, as GPipe's paper writes it.
 - 1F1B (PipeDream-Flush, Narayanan et al. 2021): ``pp - rank - 1`` warm-up forwards, then
   alternate one forward and one backward, then the cool-down backwards. Same bubble as GPipe,
-  (p - 1) / (m + p - 1), but at most ``pp - rank`` microbatches in flight.
+  (p - 1) / m of the ideal time, (p - 1) / (m + p - 1) of the step, but at most
+  ``pp - rank`` microbatches in flight.
 - Interleaved 1F1B (Megatron-LM, Narayanan et al. 2021 section 2.2): each rank holds
   ``num_chunks`` (v) non-consecutive chunks of layers; the bubble shrinks by v, to
-  (p - 1) / (v·m + p - 1) of the step, for v times more point-to-point traffic.
+  (p - 1) / (v·m) of the ideal time, (p - 1) / (v·m + p - 1) of the step, for v times more
+  point-to-point traffic.
+
+Here p = pp, m = num_microbatches, v = num_chunks, and every stage (every chunk, for v > 1)
+takes the same time per microbatch, as the papers assume.
 
 Pure functions: no process group, no tensors.
 """
@@ -60,7 +67,12 @@ def check_schedule_args(
 
 
 def gpipe(num_microbatches: int, pp_size: int, pp_rank: int, num_chunks: int = 1) -> list[Action]:
-    """All forwards, then all backwards (each chunk in pipeline order)."""
+    """All forwards, then all backwards (each chunk in pipeline order).
+
+    GPipe's schedule (Huang et al. 2019): bubble (p - 1) / m of the ideal step time; holds
+    every microbatch's activations (m · num_chunks microbatch-chunks) before the first
+    backward. Chunks > 1 run GPipe over virtual stages.
+    """
     check_schedule_args(num_microbatches, pp_size, pp_rank, num_chunks)
     chunks = range(num_chunks)
     forwards = [Action("F", m, c) for c in chunks for m in range(num_microbatches)]
@@ -72,6 +84,10 @@ def one_f_one_b(
     num_microbatches: int, pp_size: int, pp_rank: int, num_chunks: int = 1
 ) -> list[Action]:
     """Warm-up forwards, one-forward-one-backward steady state, cool-down backwards.
+
+    PipeDream-Flush's 1F1B (Narayanan et al. 2021): ``min(pp - pp_rank - 1, m)`` warm-up
+    forwards. The bubble is GPipe's, (p - 1) / m of the ideal step time, but a rank holds the
+    activations of at most ``pp - pp_rank`` microbatches instead of m.
 
     Raises:
         ValueError: for num_chunks != 1 (use `interleaved_1f1b`).
@@ -92,6 +108,11 @@ def interleaved_1f1b(
     num_microbatches: int, pp_size: int, pp_rank: int, num_chunks: int = 2
 ) -> list[Action]:
     """Megatron's interleaved 1F1B over ``num_chunks`` virtual stages per rank.
+
+    Narayanan et al. 2021 (section 2.2.2): with v = ``num_chunks`` the bubble is
+    (p - 1) / (v·m) of the ideal step time, v times smaller than 1F1B's, for v times as many
+    point-to-point transfers. Warm-up: ``(pp - pp_rank - 1)·2 + (v - 1)·pp`` forwards (capped
+    at m·v; all of them when m == pp), as in Megatron-LM.
 
     Microbatches go through the chunks in groups of ``pp``: forward k (0 .. m·v-1) is
     microbatch ``(k // (pp·v))·pp + k % pp`` on chunk ``(k // pp) % v``; backward k the same

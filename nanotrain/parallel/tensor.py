@@ -13,6 +13,13 @@ With a tensor-parallel group of ``tp`` ranks:
 * ``VocabParallelEmbedding`` holds rows ``[r*Vp/tp, (r+1)*Vp/tp)`` of the embedding table padded
   to ``Vp``, the vocabulary rounded up to a multiple of ``tp``.
 
+A ``ColumnParallelLinear`` followed by a ``RowParallelLinear`` is Megatron-LM's split of a
+transformer MLP or attention block (Shoeybi et al. 2019, section 3): *f* before the first
+(identity forward, all-reduce backward), *g* after the second (all-reduce forward, identity
+backward), and no communication in between. Under sequence parallelism (Korthikanti et al.
+2022, section 4.2.2) *f* becomes an all-gather along the sequence (*g*) and *g* a
+reduce-scatter (*g-bar*); the operators live in `nanotrain.parallel.collectives`.
+
 Initialisation is layout-independent: each layer draws the *full* tensor from the default RNG
 exactly as ``torch.nn`` would and keeps its own slice. All ranks of a tensor-parallel group must
 therefore hold the same RNG state when layers are built (seed every rank alike). This costs one
@@ -164,13 +171,20 @@ def _init_linear_like_torch(
 class ColumnParallelLinear(_TensorParallelModule):
     """``y = x W^T + b`` with ``W`` split by output rows over the tensor-parallel group.
 
+    Megatron-LM's column split (Shoeybi et al. 2019, section 3, eq. 3): in the paper's
+    ``Y = X A`` (``A = W^T``) the weight is split by columns, ``A = [A_1, ..., A_tp]``, so rank
+    i computes ``Y_i = X A_i`` from the whole input and an elementwise nonlinearity after it
+    (GeLU in the paper; SwiGLU's ``silu(gate) * up`` here) runs on ``Y_i`` without
+    communication.
+
     Parameters: ``weight [out_features // tp, in_features]``, ``bias [out_features // tp]``.
 
     Forward: ``x [..., in_features] -> y [..., out_features // tp]``, or
     ``[..., out_features]`` with ``gather_output=True``. Communication: the input goes through
     *f* (identity forward, all-reduce of its grad in backward). With ``sequence_parallel=True``
     the input is ``[batch, seq // tp, in_features]`` (sequence dim ``seq_dim``) and is
-    all-gathered along the sequence in forward; its grad is reduce-scattered in backward.
+    all-gathered along the sequence in forward; its grad is reduce-scattered in backward (the
+    *g* of Korthikanti et al. 2022).
     With ``shared_input=True`` the layer does no input collective at all: the caller has
     passed the input through ``enter_tensor_parallel_region`` once for every column-parallel
     layer that reads it (q/k/v, gate/up), so the backward sums their grads in one collective
@@ -243,15 +257,21 @@ class ColumnParallelLinear(_TensorParallelModule):
 class RowParallelLinear(_TensorParallelModule):
     """``y = x W^T + b`` with ``W`` split by input columns over the tensor-parallel group.
 
+    Megatron-LM's row split (Shoeybi et al. 2019, section 3): the second GEMM ``Z = Y B``
+    (``B = W^T``) has ``B`` split by rows, ``B = [B_1; ...; B_tp]``, matching the column-split
+    ``Y_i`` a ``ColumnParallelLinear`` left on rank i, so ``Z = sum_i Y_i B_i`` needs one
+    reduction over the group, after this layer, and none between the two.
+
     Parameters: ``weight [out_features, in_features // tp]``, ``bias [out_features]``
     (replicated, added once after the reduction).
 
     Forward: ``x [..., in_features // tp] -> y [..., out_features]``; the partial products are
     summed with *g* (all-reduce forward, identity backward). With ``input_is_parallel=False``
     the input is the full ``[..., in_features]`` and is split first. With
-    ``sequence_parallel=True`` the sum is a reduce-scatter along ``seq_dim`` instead, so the
-    output is ``[batch, seq // tp, out_features]``; the bias grad is then a partial sum over this
-    rank's tokens and must be all-reduced over the group (see ``partial_grad_names``).
+    ``sequence_parallel=True`` the sum is a reduce-scatter along ``seq_dim`` instead (*g-bar*,
+    Korthikanti et al. 2022), so the output is ``[batch, seq // tp, out_features]``; the bias
+    grad is then a partial sum over this rank's tokens and must be all-reduced over the group
+    (see ``partial_grad_names``).
 
     Raises:
         ValueError: if ``in_features`` is not divisible by the group size.
@@ -332,6 +352,11 @@ class VocabParallelEmbedding(_TensorParallelModule):
     sync) ``-> [..., embedding_dim]``. Each rank looks up the ids in its own range, zeroes the
     others and the partial results are all-reduced; with ``sequence_parallel=True`` they are
     reduce-scattered along ``seq_dim`` instead, giving ``[batch, seq // tp, dim]``.
+
+    This is Megatron-LM's input embedding (Shoeybi et al. 2019, section 3): the table is split
+    along the vocabulary and the partial lookups are summed by *g* (all-reduce forward,
+    identity backward), or by sequence parallelism's *g-bar* (reduce-scatter forward,
+    all-gather backward).
     """
 
     tp_partition_dims: ClassVar[dict[str, int | None]] = {"weight": 0}

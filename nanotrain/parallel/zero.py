@@ -1,5 +1,12 @@
 """ZeRO-1 and ZeRO-2 (the distributed optimizer): optimizer state sharded over data parallelism.
 
+Rajbhandari et al. 2020, "ZeRO: Memory Optimizations Toward Training Trillion Parameter
+Models", section 5: stage 1 is the paper's P_os (optimizer states partitioned over the
+data-parallel ranks), stage 2 its P_os+g (gradients partitioned too: each rank keeps the
+reduced gradient of its own slice only). Stage 3 (P_os+g+p, parameters partitioned) is not
+implemented: after the step every rank again holds every parameter. Megatron-LM calls the
+same design its distributed optimizer.
+
 Parameters are moved into one flat buffer with the layout of the gradient buckets
 (`nanotrain.parallel.data_parallel.FlatLayout`): ``param.data`` becomes a view of it. Each
 data-parallel rank owns one equal slice of every bucket. The optimizer the module configured
@@ -18,6 +25,10 @@ One step::
     ZeRO-1: grads all-reduced (every rank has them whole); each rank updates its own pieces
     ZeRO-2: grads reduce-scattered (each rank receives only its own slices); same update
     then:   all-gather every bucket's slices, so every rank again holds all parameters
+
+ZeRO-2 thus splits plain data parallelism's all-reduce into its two halves, reduce-scatter
+(gradients) and all-gather (parameters), and moves the same volume (the paper's section
+7.2.1); ZeRO-1 here all-reduces the gradients and then all-gathers the parameters as well.
 
 Optimizer state (e.g. AdamW's two moments) exists only for the pieces: ``full / dp`` per rank.
 Under expert parallelism the expert weights form a second flat buffer, sharded over the
@@ -127,7 +138,8 @@ class ZeroOptimizer:
         grads: the gradient buckets (one `GradBuckets` or a `GradBucketSets`): ZeRO-1 reads
             each set's full buffer, ZeRO-2 its `shard_grad`; the group of each set is the
             group its parameters and optimizer state are sharded over.
-        stage: 1 or 2.
+        stage: 1 (the paper's P_os: optimizer state sharded) or 2 (P_os+g: gradients
+            reduce-scattered, so each rank also keeps only its slice of them).
         master_dtype: None: update the parameters' pieces in place. A dtype (fp32) different
             from the parameters': keep master copies of this rank's pieces in it (see module).
 
