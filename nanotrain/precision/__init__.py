@@ -1,5 +1,5 @@
 """Precision plugins: fp32, bf16 (mixed and true), fp16 with loss scaling, fp8 through
-Transformer Engine, emulated fp8/fp4, and the per-module policy. See docs/precision.md.
+Transformer Engine or torchao, emulated fp8/fp4, and the per-module policy. See docs/precision.md.
 
 A strategy applies the plugin (`Strategy.precision`); the Trainer only accepts
 ``precision=`` (a name or a plugin) and hands it over.
@@ -17,6 +17,7 @@ from nanotrain.precision.policy import DEEPSEEK_V3_KEEP_HIGH, PrecisionPolicy
 from nanotrain.precision.quant import qdq_fp4, qdq_fp8, rounding_bound
 from nanotrain.precision.scaler import DynamicLossScaler
 from nanotrain.precision.te import TE_RECIPES, TransformerEnginePrecision
+from nanotrain.precision.torchao_fp8 import TORCHAO_RECIPES, TorchaoFloat8
 
 #: the names `resolve_precision` accepts and the plugin each builds (with its defaults)
 PRECISIONS: dict[str, Any] = {
@@ -25,6 +26,7 @@ PRECISIONS: dict[str, Any] = {
     "bf16-true": BF16True,
     "16-mixed": FP16Mixed,
     "transformer-engine": TransformerEnginePrecision,
+    "torchao-float8": TorchaoFloat8,
     "fp8-emulated": EmulatedFP8,
     "fp4-emulated": EmulatedFP4,
 }
@@ -86,6 +88,8 @@ __all__ = [
     "Precision",
     "PrecisionPolicy",
     "TE_RECIPES",
+    "TORCHAO_RECIPES",
+    "TorchaoFloat8",
     "TransformerEnginePrecision",
     "grad_of",
     "precision_name",

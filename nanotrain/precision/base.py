@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -26,7 +27,7 @@ from torch import Tensor, nn
 
 from nanotrain.precision.policy import PrecisionPolicy, describe, write_report
 
-__all__ = ["Precision"]
+__all__ = ["Precision", "SwapLinearMode", "wrap_forward"]
 
 
 class Precision:
@@ -216,4 +217,24 @@ class _UpcastLinear(torch.overrides.TorchFunctionMode):
             x, w = args[0], args[1]
             if isinstance(x, torch.Tensor) and isinstance(w, torch.Tensor) and x.dtype != w.dtype:
                 args = (x.to(w.dtype), *args[1:])
+        return func(*args, **kwargs)
+
+
+class SwapLinearMode(torch.overrides.TorchFunctionMode):
+    """Inside one layer's forward, runs its ``F.linear(x, weight, bias)`` as
+    ``linear(x) + bias``: `linear` is a low-precision GEMM (Transformer Engine's Linear, or
+    torchao's Float8Linear) that shares the layer's `weight` Parameter, so the layer keeps its
+    communication, sharding, names and state dict and only the local GEMM changes."""
+
+    def __init__(self, linear: Callable[[Tensor], Tensor], weight: nn.Parameter) -> None:
+        super().__init__()
+        self.linear, self.weight = linear, weight
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.nn.functional.linear and args[1] is self.weight:
+            bias = args[2] if len(args) > 2 else kwargs.get("bias")
+            y = self.linear(args[0])
+            # as F.linear under autocast: the bias in the output's dtype
+            return y if bias is None else y + bias.to(y.dtype)
         return func(*args, **kwargs)

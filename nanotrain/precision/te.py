@@ -27,10 +27,9 @@ import inspect
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from nanotrain.precision.base import wrap_forward
+from nanotrain.precision.base import SwapLinearMode, wrap_forward
 from nanotrain.precision.mixed import BF16Mixed
 from nanotrain.precision.policy import PrecisionPolicy, is_plain_linear
 
@@ -168,7 +167,7 @@ class TransformerEnginePrecision(BF16Mixed):
         # share the layer's weight: names, sharding and state dict stay nanotrain's
         te_linear.weight = weight
         self._te_linears.append(te_linear)  # not a submodule: no duplicate state-dict entry
-        wrap_forward(layer, functools.partial(_TELinearMode, te_linear, weight))
+        wrap_forward(layer, functools.partial(SwapLinearMode, te_linear, weight))
 
     def forward_context(self) -> contextlib.AbstractContextManager:
         stack = contextlib.ExitStack()
@@ -184,19 +183,3 @@ class TransformerEnginePrecision(BF16Mixed):
             f"fp32 parameters and optimizer state; bf16 autocast; policy-selected linear GEMMs "
             f"in {self.low_precision_format}"
         )
-
-
-class _TELinearMode(torch.overrides.TorchFunctionMode):
-    """Runs the layer's ``F.linear(x, weight, bias)`` as ``te_linear(x) + bias``."""
-
-    def __init__(self, te_linear: Any, weight: nn.Parameter) -> None:
-        super().__init__()
-        self.te_linear, self.weight = te_linear, weight
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func is F.linear and args[1] is self.weight:
-            bias = args[2] if len(args) > 2 else kwargs.get("bias")
-            y = self.te_linear(args[0])
-            return y if bias is None else y + bias
-        return func(*args, **kwargs)
