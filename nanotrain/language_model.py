@@ -16,6 +16,7 @@ from nanotrain.models.compile import (
     compile_layers,
     compile_model,
     compile_options,
+    uses_cuda_graphs,
 )
 from nanotrain.models.recompute import check_recompute
 from nanotrain.models.transformer import set_recompute
@@ -83,6 +84,9 @@ class LanguageModelModule(NanoModule):
         compile_model: torch.compile the whole model (embedding, layers, head and loss) as one
             graph instead, the faster choice when the model is not split into pipeline
             stages (pp=1); same values as `compile_layers`, and only one of the two.
+            ``{"mode": "reduce-overhead"}`` also replays the graphs as CUDA graphs (one GPU,
+            `SingleDeviceStrategy` or a one-rank `MegatronStrategy`; refused at fit start
+            elsewhere, see `nanotrain.models.compile`).
     """
 
     def __init__(
@@ -118,6 +122,7 @@ class LanguageModelModule(NanoModule):
         # the last optimizer step's routing statistics (a MoEStats; None for dense models)
         self.last_moe_stats: Any = None
         self._seq_len: int | None = None
+        self._cuda_graphs = False
 
     # -- model -------------------------------------------------------------------------------
     def _resolve_config(self, vocab_size: int | None, from_data: bool = False) -> Any:
@@ -171,6 +176,12 @@ class LanguageModelModule(NanoModule):
             self.hparams.get("compile_model", False),
             pp_size,
         )
+        self._cuda_graphs = uses_cuda_graphs(
+            self.hparams.get("compile_layers", False), self.hparams.get("compile_model", False)
+        )
+        refusal = strategy.cuda_graphs_refusal() if self._cuda_graphs and strategy else None
+        if refusal is not None:
+            raise ValueError(refusal)
         if pp_size > 1:
             from nanotrain.models.stages import build_pipeline_stage
 
@@ -240,7 +251,18 @@ class LanguageModelModule(NanoModule):
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None) -> Any:
         """input_ids/labels [B, T] → the model's output (logits, loss, aux_loss, mtp_loss...)."""
         self._check_ids(input_ids)
-        return self.model(input_ids, labels)
+        if not self._cuda_graphs:
+            return self.model(input_ids, labels)
+        # every microbatch is a new replay of the graphs; the losses are read after the next
+        # replay has reused the graphs' output memory, so they are copied out of it
+        torch.compiler.cudagraph_mark_step_begin()
+        out = self.model(input_ids, labels)
+        copies = {
+            name: value.clone()
+            for name in ("loss", "aux_loss", "mtp_loss", "total_loss", "num_tokens", "mtp_losses")
+            if isinstance(value := getattr(out, name, None), torch.Tensor)
+        }
+        return dataclasses.replace(out, **copies)
 
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> Any:
         """One microbatch: under the nanotrain Trainer ``{"loss": loss + aux_loss +

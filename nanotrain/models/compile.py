@@ -13,6 +13,11 @@ are unchanged.
   layer boundaries, plans one set of buffers for the whole step and compiles the loss's
   softmax. Not for a model split into pipeline stages (the schedule calls the stages piece by
   piece): there, use `compile_layers`.
+* CUDA graphs (`compile_model={"mode": "reduce-overhead"}`): the compiled graphs are captured
+  once and replayed, so a host-bound step (many small kernels: MoE routing, dispatch) costs
+  its kernel time. `LanguageModelModule` marks each microbatch as a new graph step
+  (`torch.compiler.cudagraph_mark_step_begin`) and refuses, at fit start, strategies that
+  cannot replay graphs (`Strategy.cuda_graphs_refusal`: CPU devices, DDP, several processes).
 """
 
 from __future__ import annotations
@@ -43,6 +48,22 @@ def check_compile_options(layers: CompileOption, model: CompileOption, pp_size: 
             "into pipeline stages that the schedule runs piece by piece; use "
             "compile_layers=True instead (each decoder layer of each stage is compiled)"
         )
+
+
+#: torch.compile modes whose compiled graphs are replayed as CUDA graphs
+CUDA_GRAPH_MODES = ("reduce-overhead", "max-autotune")
+
+
+def uses_cuda_graphs(*options: CompileOption) -> bool:
+    """Whether any compile option asks for CUDA graphs (a mode in `CUDA_GRAPH_MODES`, or
+    inductor's ``triton.cudagraphs`` option)."""
+    for value in options:
+        kwargs = compile_options(value) if value else {}
+        if kwargs.get("mode") in CUDA_GRAPH_MODES:
+            return True
+        if (kwargs.get("options") or {}).get("triton.cudagraphs"):
+            return True
+    return False
 
 
 def compile_options(value: CompileOption) -> dict[str, Any]:

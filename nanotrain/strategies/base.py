@@ -159,6 +159,24 @@ class Strategy(ABC):
         """Which slice of each global batch this process reads (see `DataShard`)."""
         return DataShard()
 
+    def cuda_graphs_refusal(self) -> str | None:
+        """Why a model compiled with CUDA graphs (torch.compile mode "reduce-overhead") cannot
+        train under this strategy, or None when it can: one process on one CUDA device, no
+        collective or gradient hook of a wrapper inside the captured graphs. Asked once the
+        environment is set up."""
+        if self.root_device.type != "cuda":
+            return (
+                f"CUDA graphs need a CUDA device, but this run trains on {self.root_device}; "
+                "drop mode='reduce-overhead' (compile_model=True compiles without graphs)"
+            )
+        if self.world_size > 1:
+            return (
+                f"CUDA graphs under the Trainer run on one GPU, but this run has "
+                f"{self.world_size} processes ({type(self).__name__}); compile without graphs "
+                "(compile_model=True) for multi-GPU runs"
+            )
+        return None
+
     @property
     def metric_process_group(self) -> Any:
         """Process group over which logged metrics with `sync_dist=True` are averaged."""

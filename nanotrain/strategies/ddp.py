@@ -88,6 +88,13 @@ class DDPStrategy(ReplicatedStrategy):
     def data_shard(self) -> DataShard:
         return DataShard(self.global_rank, self.world_size)
 
+    def cuda_graphs_refusal(self) -> str | None:
+        return (
+            "CUDA graphs are not supported under DDPStrategy: torch's DDP reduces gradients "
+            "from hooks that a captured graph cannot replay; use SingleDeviceStrategy('cuda') "
+            "or MegatronStrategy() on one GPU, or compile without graphs (compile_model=True)"
+        )
+
     @property
     def metric_process_group(self) -> Any:
         return dist.group.WORLD
