@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import asdict, dataclass, field, fields
 
 LOGGER_NAMES = ("tensorboard", "csv", "jsonl")
@@ -45,7 +46,8 @@ class TrainerConfig:
             the validation curve starts at the untrained loss; the final validation at the
             last step runs either way.
         precision: "32-true" (default), "bf16-mixed", "bf16-true", "16-mixed",
-            "transformer-engine", "fp8-emulated" or "fp4-emulated" (see docs/precision.md);
+            "transformer-engine", "torchao-float8", "fp8-emulated" or "fp4-emulated" (see
+            docs/precision.md);
             the Trainer also takes a `nanotrain.precision` plugin object.
     """
 
@@ -99,6 +101,12 @@ class TrainerConfig:
                 f"micro_batch_size={self.micro_batch_size}; e.g. use global_batch_size="
                 f"{(self.global_batch_size // self.micro_batch_size + 1) * self.micro_batch_size}"
             )
+        if not isinstance(self.default_root_dir, str | os.PathLike):
+            raise TypeError(
+                f"default_root_dir must be a path (str or pathlib.Path), got "
+                f"{type(self.default_root_dir).__name__}"
+            )
+        self.default_root_dir = os.fspath(self.default_root_dir)  # recorded in config.yaml
         if self.log_every_n_steps <= 0:
             raise ValueError(f"log_every_n_steps must be positive, got {self.log_every_n_steps}")
         if self.gradient_clip_val is not None and self.gradient_clip_val <= 0:

@@ -192,6 +192,15 @@ def test_invalid_trainer_settings_raise_at_construction(tmp_path, kwargs, messag
         make_trainer(tmp_path, **kwargs)
 
 
+def test_a_pathlib_root_dir_is_taken_and_recorded_as_text(tmp_path):
+    trainer = make_trainer(tmp_path, default_root_dir=tmp_path / "root", max_steps=1)
+    trainer.fit(Classifier(), BlobsData())
+    assert (tmp_path / "root" / "default" / "version_0" / "config.yaml").is_file()
+    assert trainer.settings.default_root_dir == str(tmp_path / "root")
+    with pytest.raises(TypeError, match="default_root_dir must be a path"):
+        make_trainer(tmp_path, default_root_dir=3)
+
+
 def test_max_tokens_without_token_counting_is_rejected_before_work(tmp_path):
     trainer = make_trainer(tmp_path, max_steps=None, max_tokens=100)
     with pytest.raises(ValueError, match="count_tokens"):
