@@ -6,12 +6,15 @@
     python benchmarks/gpu.py --find-syncs ddp:bf16-mixed      # where each sync comes from
     python benchmarks/gpu.py --preset dense-1b --micro-batch 8 --seq-len 2048 --compile model
 
-Each step is forward + backward + fused AdamW on bf16 weights over one micro-batch of random
-tokens; time is measured with CUDA events after warm-up. MFU = flops_per_token x tokens/s /
-peak, with `nanotrain.models.accounting.flops_per_token` (6 x active matmul parameters +
-causal attention) and the GPU's dense bf16 peak from the ThroughputMonitor's table
-(`nanotrain.callbacks.flops`: H100/H200 SXM 989 TFLOP/s, H100 PCIe 756, A100 312; give
---peak-tflops for others). `--compile` lists what to run each preset as, one table row each:
+Each step is forward + backward + fused AdamW over one micro-batch of random tokens, with no
+Trainer (the bare loop): on bf16 weights with bf16 AdamW state by default, or with
+`--precision bf16-mixed` / `bf16-true` as the Trainer keeps them (fp32 weights under bf16
+autocast; bf16 weights, fp32 main grads and fp32 masters), the figures `benchmarks/gpu_fit.py`
+sets beside `nanotrain fit`'s own. Time is measured with CUDA events after warm-up. MFU =
+flops_per_token x tokens/s / peak, with `nanotrain.models.accounting.flops_per_token` (6 x
+active matmul parameters + causal attention) and the GPU's dense bf16 peak the
+ThroughputMonitor uses (`nanotrain.callbacks.flops.device_peak_flops`: H100 SXM 989 TFLOP/s,
+A100 312; give --peak-tflops for others). `--compile` lists what to run each preset as, one table row each:
 "none" (eager), "layers" (torch.compile per decoder layer), "model" (the whole model as one
 graph), as `LanguageModelModule(compile_layers=...)` / `compile_model=...` compile it, and
 "cudagraphs" (the whole model with `mode="reduce-overhead"`: its graphs replayed as CUDA
@@ -48,6 +51,7 @@ import re
 import sys
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
@@ -121,6 +125,13 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         help="comma-separated runs per preset: none (eager), layers, model, cudagraphs "
         "(default: none,model)",
     )
+    p.add_argument(
+        "--precision",
+        choices=BARE_PRECISIONS,
+        default="bf16",
+        help="bf16 (bf16 weights and AdamW state, the default), or the Trainer precisions "
+        "bf16-mixed / bf16-true (fp32 masters) to compare with benchmarks/gpu_fit.py",
+    )
     p.add_argument("--no-sync-check", action="store_true", help="skip the Trainer sync check")
     p.add_argument(
         "--sync-check-only", action="store_true", help="run only the sync check (seconds)"
@@ -183,12 +194,24 @@ def peak_tflops(args: argparse.Namespace) -> float:
     return peak / 1e12
 
 
-def _training_step(name: str, compile_as: str, args: argparse.Namespace):
+#: what the bare loop keeps in which dtype (--precision): "bf16" = bf16 weights and bf16 AdamW
+#: state (no masters); "bf16-mixed" and "bf16-true" = the Trainer precisions of those names
+#: (fp32 weights under bf16 autocast; bf16 weights with fp32 main grads and fp32 masters)
+BARE_PRECISIONS = ("bf16", "bf16-mixed", "bf16-true")
+
+
+def _training_step(name: str, compile_as: str, args: argparse.Namespace, device: str = "cuda"):
     """A closure running one training step of preset `name` compiled as `compile_as` (one of
-    COMPILE_RUNS) on bf16 weights with fused AdamW, and the model's config."""
+    COMPILE_RUNS) in `args.precision` (one of BARE_PRECISIONS) with fused AdamW, and the
+    model's config. No Trainer: the bf16-true loop uses the same fp32 main-grad and master
+    pieces the strategies use (`nanotrain.precision.MainGrads`, `MasterWeights`)."""
+    from nanotrain.precision import MainGrads, MasterWeights
+
     config = config_of(name, args.seq_len)
     torch.manual_seed(0)
-    model = build_model(config, device="cuda").to(torch.bfloat16)
+    model = build_model(config, device=device)
+    if args.precision != "bf16-mixed":
+        model = model.to(torch.bfloat16)
     if compile_as == "layers":
         compile_layers(model)
     elif compile_as == "model":
@@ -196,24 +219,45 @@ def _training_step(name: str, compile_as: str, args: argparse.Namespace):
     elif compile_as == "cudagraphs":
         compile_model(model, mode="reduce-overhead")
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+    main_grads = masters = None
+    if args.precision == "bf16-true":
+        main_grads = MainGrads(list(model.parameters()))
+        masters = MasterWeights(opt)
+    autocast = torch.autocast(device, torch.bfloat16, enabled=args.precision == "bf16-mixed")
     tokens = torch.randint(
-        0, config.vocab_size, (args.micro_batch, args.seq_len + 1), device="cuda"
+        0, config.vocab_size, (args.micro_batch, args.seq_len + 1), device=device
     )
 
     def step() -> None:
         if compile_as == "cudagraphs":  # a new iteration: the last one's graph outputs are free
             torch.compiler.cudagraph_mark_step_begin()
-        model(tokens[:, :-1], tokens[:, 1:]).total_loss.backward()
-        opt.step()
+        with autocast:
+            loss = model(tokens[:, :-1], tokens[:, 1:]).total_loss
+        loss.backward()
+        if masters is not None:
+            masters.step()
+            main_grads.zero_()
+        else:
+            opt.step()
         opt.zero_grad(set_to_none=True)
 
     return step, config
 
 
-def measure(name: str, compile_as: str, args: argparse.Namespace, peak: float) -> str:
+class Measurement(NamedTuple):
+    """One bare-loop run: milliseconds per step, tokens/s, MFU (fraction), peak GiB, and the
+    kernel table with --profile ("" otherwise)."""
+
+    ms: float
+    tokens_per_s: float
+    mfu: float
+    peak_gib: float
+    profile: str
+
+
+def measure(name: str, compile_as: str, args: argparse.Namespace, peak: float) -> Measurement:
     """Time `args.steps` training steps of preset `name` compiled as `compile_as` (one of
-    COMPILE_RUNS) and print tokens/s and MFU as a table row; returns the table of its
-    costliest CUDA kernels with --profile, else ""."""
+    COMPILE_RUNS) and print tokens/s and MFU as a table row."""
     step, config = _training_step(name, compile_as, args)
     b, t = args.micro_batch, args.seq_len
     for _ in range(5):
@@ -230,11 +274,19 @@ def measure(name: str, compile_as: str, args: argparse.Namespace, peak: float) -
     mfu = flops_per_token(config, t) * tps / (peak * 1e12)
     mem = torch.cuda.max_memory_allocated() / 2**30
     print(
-        f"| {name} | {compile_as} | {total_params(config) / 1e9:.2f}B / "
-        f"{active_params(config) / 1e9:.2f}B | {b}x{t} | {seconds * 1e3:.1f} | {tps:,.0f} | {100 * mfu:.1f}% | {mem:.1f} |",
+        f"| {name} | {compile_as} | {args.precision} | {total_params(config) / 1e9:.2f}B / "
+        f"{active_params(config) / 1e9:.2f}B | {b}x{t} | {seconds * 1e3:.1f} | {tps:,.0f} "
+        f"| {100 * mfu:.1f}% | {mem:.1f} |",
         flush=True,
     )
-    return profile(step, f"{name} ({compile_as}, {b}x{t})") if args.profile else ""
+    table = profile(step, f"{name} ({compile_as}, {b}x{t})") if args.profile else ""
+    return Measurement(seconds * 1e3, tps, mfu, mem, table)
+
+
+TABLE_HEAD = (
+    "| preset | compile | precision | params total / active | batch | ms/step | tokens/s | MFU "
+    "| peak GiB |\n|---|---|---|---|---|---|---|---|---|"
+)
 
 
 SYNC_STRATEGIES = ("single", "ddp", "megatron")
@@ -625,14 +677,11 @@ def main(argv: list[str] | None = None) -> int:
         return 1 if synced else 0
     peak = peak_tflops(args)
     print(f"\n{torch.cuda.get_device_name()}, bf16 peak {peak:.0f} TFLOP/s, {time.strftime('%F')}")
-    print(
-        "| preset | compile | params total / active | batch | ms/step | tokens/s | MFU | peak GiB |"
-    )
-    print("|---|---|---|---|---|---|---|---|")
+    print(TABLE_HEAD)
     profiles = []
     for name in names:
         for compile_as in args.compile:
-            profiles.append(measure(name, compile_as, args, peak))
+            profiles.append(measure(name, compile_as, args, peak).profile)
             torch._dynamo.reset()  # each run compiles its own model afresh
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats()

@@ -1,21 +1,25 @@
 #!/usr/bin/env bash
 # Every GPU check of this repository in one command, for a short lease of one GPU machine:
 #   bash benchmarks/gpu_session.sh [OUT_DIR [PART...]]   (logs go to OUT_DIR, default $OUT or
-#   /tmp/gpu; PARTs, e.g. `tests sync nccl`, run only those parts; default all)
-# 1. the CUDA-only tests (they skip on CPU machines), 2. the host-sync check of the Trainer
-# under single/DDP/Megatron in bf16-true and bf16-mixed, and, profiled over steps 2-14, where
-# every blocking CUDA call of those six fits comes from (`gpu.py --find-syncs`), 3. the NCCL
-# check of every strategy that fits on one GPU, 4. one expert layer's time by number of local
-# experts, 5. MFU of the ~1B MoE preset compiled, with and without CUDA graphs, with each run's
-# costliest kernels, and of the ~1B dense preset compiled (eager runs: `python
-# benchmarks/gpu.py --no-sync-check`). Each part has its own time limit, so one slow part
-# cannot starve the others; the summary at the end repeats the result lines of every part.
-# Eight log files: the most a lent machine sends back.
+#   /tmp/gpu; PARTs, e.g. `tests fit`, run only those parts; default: the user's-path parts
+#   tests fit fp8 plan graphs)
+# The user's path (`benchmarks/gpu_fit.py`, run reports kept under OUT_DIR/fit/...):
+#   tests   the CUDA-only tests (they skip on CPU machines: torchao fp8, CUDA graphs, ...)
+#   fit     `nanotrain fit` on dense-1b and moe-1b in bf16-true, compiled, beside the bare loop
+#   fp8     dense-3b, bf16-mixed against torchao-float8, 200 steps: tokens/s and loss gap
+#   plan    the planner's memory against the allocator's; the largest micro-batch it allows
+#   graphs  moe-1b under the Trainer with CUDA graphs (bf16-true)
+# Earlier checks, by name only: sync, syncsource (host syncs of the Trainer), nccl (every
+# strategy on one NCCL rank), experts (expert layer by number of experts), moe, dense (the
+# bare loop's MFU). Each part has its own time limit, so one slow part cannot starve the
+# others; the summary at the end repeats the result lines of every part. The default parts'
+# limits add up to 8 minutes; their real times on an H100 have not been measured yet.
 set -u
 cd "$(dirname "$0")/.."
 out="${1:-${OUT:-/tmp/gpu}}"
 wanted=("${@:2}")
-parts=" tests sync syncsource nccl experts moe dense "
+[ ${#wanted[@]} -gt 0 ] || wanted=(tests fit fp8 plan graphs)
+parts=" tests fit fp8 plan graphs sync syncsource nccl experts moe dense "
 for name in "${wanted[@]}"; do
     if [[ "$parts" != *" $name "* ]]; then
         echo "unknown part '$name'; the parts are:$parts" >&2
@@ -24,10 +28,11 @@ for name in "${wanted[@]}"; do
 done
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
-# Packages a bare GPU image lacks (jsonargparse, for the CLI test) can travel as wheels in .whl/
-# (ignored by git; name it in the device call's carry), downloaded beforehand with
+# Packages a bare GPU image lacks (jsonargparse for the CLI, torchao for fp8) can travel as
+# wheels in .whl/ (ignored by git; name it in the device call's carry), downloaded beforehand:
 #   pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
-#       --platform manylinux2014_x86_64 -d .whl jsonargparse docstring-parser typeshed-client
+#       --platform manylinux2014_x86_64 -d .whl jsonargparse docstring-parser typeshed-client \
+#       torchao
 if compgen -G ".whl/*.whl" >/dev/null; then
     python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl &&
         export PYTHONPATH="$PYTHONPATH:/tmp/site"
@@ -55,10 +60,17 @@ cat "$out/env.log"
 skip=()
 python3 -c "import jsonargparse" 2>/dev/null ||
     skip=(--deselect tests/unit/test_precision.py::test_cli_flag_reaches_the_strategy)
-part tests 120 python3 -m pytest -q -p no:cacheprovider "${skip[@]}" \
+part tests 90 python3 -m pytest -q -p no:cacheprovider "${skip[@]}" \
     tests/unit/test_expert_compute.py tests/unit/test_layout_numbers.py \
     tests/unit/test_callbacks_monitors.py tests/unit/test_single_device.py \
-    tests/unit/test_megatron_device.py tests/unit/test_precision.py tests/unit/test_gpu_benchmark.py
+    tests/unit/test_megatron_device.py tests/unit/test_precision.py \
+    tests/unit/test_precision_torchao.py tests/unit/test_cuda_graphs.py
+part fit 150 python3 benchmarks/gpu_fit.py --out "$out/fit" --precision bf16-true
+part fp8 120 python3 benchmarks/gpu_fit.py --out "$out/fit" --preset dense-3b \
+    --precision bf16-mixed,torchao-float8 --steps 200 --log-every 20 --no-bare
+part plan 90 python3 benchmarks/gpu_fit.py --out "$out/fit" --plan-memory --precision bf16-true
+part graphs 30 python3 benchmarks/gpu_fit.py --out "$out/fit" --preset moe-1b \
+    --precision bf16-true --compile cudagraphs --no-bare
 part sync 120 python3 benchmarks/gpu.py --sync-check-only
 part syncsource 200 python3 benchmarks/gpu.py --find-syncs ddp:bf16-mixed --find-syncs ddp:bf16-true \
     --find-syncs single:bf16-mixed --find-syncs single:bf16-true \
@@ -68,6 +80,7 @@ part experts 90 python3 benchmarks/gpu.py --no-sync-check --experts-only
 part moe 200 python3 benchmarks/gpu.py --no-sync-check --preset moe-1b --compile model,cudagraphs --steps 10 --profile
 part dense 120 python3 benchmarks/gpu.py --no-sync-check --preset dense-1b --compile model --steps 10
 echo "== summary"
+grep -sh "^| \|gap of\|largest micro-batch\|exit " "$out/fit.log" "$out/fp8.log" "$out/plan.log" "$out/graphs.log"
 grep -sh "passed\|failed\|error" "$out/tests.log" | tail -3
 grep -sh "^sync check\|^  [0-9]*x " "$out/sync.log"
 grep -sh "^sync sources\|^  [0-9]*x \|^  steady" "$out/syncsource.log" | cut -c1-400

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import json
 from pathlib import Path
 
 import pytest
@@ -134,3 +135,46 @@ def test_find_syncs_takes_strategy_and_precision(capsys):
     with pytest.raises(SystemExit):
         gpu.parse(["--find-syncs", "ddp:bf17"])
     assert "unknown precision 'bf17'" in capsys.readouterr().err
+
+
+def test_the_bare_loop_keeps_the_trainer_precisions_on_the_cpu(monkeypatch):
+    # bf16-true: bf16 weights, fp32 main grads and masters (what the Trainer keeps), so the
+    # bare loop is compared with `nanotrain fit` in the same precision
+    monkeypatch.setitem(gpu.PRESETS, "tiny", ("tiny", {}))
+    args = gpu.parse(["--precision", "bf16-true", "--seq-len", "16", "--micro-batch", "2"])
+    step, config = gpu._training_step("tiny", "none", args, device="cpu")
+    step()
+    assert config.vocab_size > 0
+    with pytest.raises(SystemExit):
+        gpu.parse(["--precision", "fp8"])
+
+
+_FIT_PATH = Path(__file__).resolve().parents[2] / "benchmarks" / "gpu_fit.py"
+_fit_spec = importlib.util.spec_from_file_location("gpu_fit_benchmark", _FIT_PATH)
+gpu_fit = importlib.util.module_from_spec(_fit_spec)
+_fit_spec.loader.exec_module(gpu_fit)
+
+
+def test_gpu_fit_arguments_are_checked(capsys):
+    args = gpu_fit.parse(["--preset", "dense-3b", "--precision", "bf16-mixed,torchao-float8"])
+    assert args.preset == ["dense-3b"] and args.precision == ["bf16-mixed", "torchao-float8"]
+    for bad, message in (
+        (["--preset", "dense-9b"], "--preset takes"),
+        (["--compile", "fast"], "--compile takes none, model, cudagraphs"),
+        (["--steps", "0"], "--steps must be >= 1"),
+    ):
+        with pytest.raises(SystemExit):
+            gpu_fit.parse(bad)
+        assert message in capsys.readouterr().err
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only skip")
+def test_gpu_fit_runs_nanotrain_fit_on_the_cpu_and_keeps_its_logs(tmp_path, capsys):
+    # the user's path itself (the `nanotrain fit` command line the GPU runs use), tiny
+    assert gpu_fit.main(["--smoke", "--out", str(tmp_path)]) == 0
+    kept = tmp_path / "tiny-32-true-none"
+    report = json.loads((kept / "report.json").read_text())
+    assert report["status"] == "finished" and report["training"]["steps"] == 3
+    assert (kept / "tensorboard").is_dir() and (kept / "metrics.jsonl").is_file()
+    assert "| tiny | 32-true | none |" in capsys.readouterr().out
+    assert gpu_fit.main(["--preset", "moe-1b"]) == 0  # no CUDA: arguments only
