@@ -32,7 +32,7 @@ VOCAB = 256  # of the sequence-parallel test model
 # nor the loss.
 LM_VOCAB = 257
 SEQ = 16
-STEPS = 5
+STEPS = 3
 
 
 class RandomTokens(Dataset):

@@ -29,17 +29,17 @@ class StallAt(nt.Callback):
 
 
 def _stall(rank: int, world_size: int, kind: str) -> dict:
-    settings = dict(max_steps=4, loggers=[], seed=0, callbacks=[StallAt(2, 8.0)])
+    settings = dict(max_steps=4, loggers=[], seed=0, callbacks=[StallAt(2, 5.0)])
     if kind == "ddp":
         trainer = nt.Trainer(
-            strategy=nt.DDPStrategy(timeout_s=3),
+            strategy=nt.DDPStrategy(timeout_s=2),
             micro_batch_size=4,
             global_batch_size=8,
             **settings,
         )
         fit = lambda: trainer.fit(Classifier(), BlobsData())  # noqa: E731
     else:
-        strategy = nt.MegatronStrategy(tp=2, timeout_s=3)
+        strategy = nt.MegatronStrategy(tp=2, timeout_s=2)
         trainer = nt.Trainer(strategy=strategy, micro_batch_size=2, global_batch_size=2, **settings)
         module = nt.LanguageModelModule(model="tiny", vocab_size=257)
         fit = lambda: trainer.fit(module, train_dataloaders=RandomTokens(8, 257))  # noqa: E731
@@ -57,8 +57,8 @@ def _stall(rank: int, world_size: int, kind: str) -> dict:
 )
 def test_a_stalled_rank_ends_the_job_with_the_collective_and_group_named(tmp_path, kind, group):
     torch.manual_seed(0)
-    waiting = run_world(_stall, 2, kind, timeout=60, pg_timeout=3)[0]
+    waiting = run_world(_stall, 2, kind, timeout=60, pg_timeout=2)[0]
     assert waiting["type"] == CollectiveTimeoutError.__name__, waiting
     assert f"collective all_reduce over {group}" in waiting["error"]
-    assert "timed out after 3 s (the strategy's timeout_s)" in waiting["error"]
+    assert "timed out after 2 s (the strategy's timeout_s)" in waiting["error"]
     assert waiting["seconds"] < 20

@@ -126,23 +126,12 @@ def test_seed_config_builds_the_seed_projects_model():
     assert sum(p.numel() for p in module.model.parameters()) == 2_173_792
 
 
-def test_missing_data_path_is_a_clear_error(tmp_path):
-    result = run_cli(
-        [
-            "fit",
-            "--trainer.max_steps",
-            "2",
-            "--data.init_args.data_path",
-            str(tmp_path / "nope"),
-            "--trainer.default_root_dir",
-            str(tmp_path / "runs"),
-            "--callbacks",
-            "[]",
-        ],
-        tmp_path,
-    )
-    assert result.returncode != 0
-    assert "nope" in result.stderr and "nanotrain prepare" in result.stderr
+def test_missing_data_path_is_a_clear_error(tmp_path, capsys):
+    argv = ["fit", "--trainer.max_steps", "2", "--data.init_args.data_path", str(tmp_path / "nope"),
+            "--trainer.default_root_dir", str(tmp_path / "runs"), "--callbacks", "[]"]  # fmt: skip
+    assert main(argv) == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert "nope" in line and "nanotrain prepare" in line
 
 
 def test_indivisible_batch_sizes_fail_before_training(tmp_path, capsys):
@@ -163,7 +152,7 @@ def test_indivisible_batch_sizes_fail_before_training(tmp_path, capsys):
         main([*argv, "--debug"])  # --debug lets the exception through
 
 
-def test_prepare_then_fit_and_validate_on_prepared_data(tmp_path):
+def test_prepare_then_fit_and_validate_on_prepared_data(tmp_path, capsys):
     corpus = tmp_path / "corpus"
     corpus.mkdir()
     for i in range(4):
@@ -182,30 +171,9 @@ def test_prepare_then_fit_and_validate_on_prepared_data(tmp_path):
         "--callbacks",
         "[]",
     ]
-    fit = run_cli(
-        [
-            "fit",
-            "--config",
-            "examples/configs/tiny_deepseek.yaml",
-            *common,
-            "--trainer.max_steps",
-            "3",
-            "--trainer.limit_val_batches",
-            "1",
-        ],
-        tmp_path,
-    )
-    assert fit.returncode == 0, fit.stderr[-3000:]
-    validate = run_cli(
-        [
-            "validate",
-            "--config",
-            "examples/configs/tiny_deepseek.yaml",
-            *common,
-            "--trainer.limit_val_batches",
-            "1",
-        ],
-        tmp_path,
-    )
-    assert validate.returncode == 0, validate.stderr[-3000:]
-    assert re.search(r"val/loss: \d", validate.stdout)
+    config = ["--config", str(REPO / "examples/configs/tiny_deepseek.yaml"), *common]
+    limits = ["--trainer.limit_val_batches", "1", "--trainer.enable_progress_bar", "false"]
+    assert main(["fit", *config, "--trainer.max_steps", "3", *limits]) == 0
+    capsys.readouterr()
+    assert main(["validate", *config, *limits]) == 0
+    assert re.search(r"val/loss: \d", capsys.readouterr().out)

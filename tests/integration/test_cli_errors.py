@@ -1,7 +1,7 @@
 """Every user error of the `nanotrain` command is one line on stderr (rank 0 only) with exit
-code 2; `--debug` / NANOTRAIN_DEBUG=1 give the traceback. Errors that need data, a model or
-torchrun run as real subprocesses, launched together to save wall time; argument errors run
-in-process (a process each would only repeat the imports)."""
+code 2; `--debug` / NANOTRAIN_DEBUG=1 give the traceback. The cases run in-process through
+the command's entry point (a process each would only repeat the imports); those that need
+several processes run under torchrun, launched together to save wall time."""
 
 from __future__ import annotations
 
@@ -46,45 +46,54 @@ def deepseek_style_tokenizer(tmp: Path) -> Path:
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory) -> dict[str, subprocess.CompletedProcess]:
+def data(tmp_path_factory) -> dict[str, Path]:
+    """A prepared data folder whose metadata claims a token id (300) the model cannot embed,
+    a corpus, and a tokenizer whose end-of-text token nanotrain does not know."""
     tmp = tmp_path_factory.mktemp("cli_errors")
     corpus = tmp / "corpus.txt"
     corpus.write_text("some text to tokenize.\n" * 400)
-    data = prepare([corpus], tmp / "data", val_fraction=0.25)
-    meta = json.loads((data / "metadata.json").read_text())
+    folder = prepare([corpus], tmp / "data", val_fraction=0.25)
+    meta = json.loads((folder / "metadata.json").read_text())
     meta["max_token_id"] = 300  # as if prepared with a larger tokenizer than the model's
-    (data / "metadata.json").write_text(json.dumps(meta))
-    tokenizer = deepseek_style_tokenizer(tmp)
+    (folder / "metadata.json").write_text(json.dumps(meta))
+    return {
+        "tmp": tmp,
+        "corpus": corpus,
+        "data": folder,
+        "tokenizer": deepseek_style_tokenizer(tmp),
+    }
+
+
+def cases(data: dict[str, Path]) -> dict[str, list[str]]:
+    """The command lines of every user-error case, by name (also those run under torchrun)."""
+    tmp, corpus, tokenizer = data["tmp"], data["corpus"], data["tokenizer"]
     root = ["--trainer.default_root_dir", str(tmp / "runs")]
-    cases = {
+    return {
+        "virtual_pp": ["fit", "--strategy", "megatron", "--strategy.init_args.virtual_pp", "0"],
+        "prefix": ["fit", "--trainer.max_step", "5"],
+        "limit_val": ["fit", "--trainer.max_steps", "1", "--trainer.limit_val_batches", "1.5"],
         "strategy": ["fit", "--strategy", "bogus"],
         "seq_len": ["fit", "--trainer.max_steps", "1", "--data.init_args.seq_len", "512",
                     *SMALL_DEMO, *root],
-        "token_ids": ["fit", "--trainer.max_steps", "1", "--data.init_args.data_path", str(data),
-                      "--model.init_args.vocab_size", "257", *root],
+        "token_ids": ["fit", "--trainer.max_steps", "1", "--data.init_args.data_path",
+                      str(data["data"]), "--model.init_args.vocab_size", "257", *root],
         "no_eos": ["prepare", "--inputs", str(corpus), "--out", str(tmp / "p1"),
                    "--tokenizer", str(tokenizer)],
-        "eos": ["prepare", "--inputs", str(corpus), "--out", str(tmp / "p2"),
-                "--tokenizer", str(tokenizer), "--eos_token", DEEPSEEK_EOS],
-        # not an error: LightningCLI habits on a real run
-        "ok": ["fit", "--seed_everything", "7", "--trainer.max_steps", "2", *SMALL_DEMO,
-               "--trainer.default_root_dir", str(tmp / "ok_runs"),
-               "--trainer.logger", "lightning.pytorch.loggers.CSVLogger",
-               "--trainer.logger.save_dir", str(tmp / "user_csv"),
-               "--callbacks+", "nanotrain.callbacks.TextSampler", "--callbacks.prompts", "[Once]",
-               "--callbacks.every_n_steps", "1", "--callbacks.max_new_tokens", "2"],
     }  # fmt: skip
-    procs = {name: start(args, tmp) for name, args in cases.items()}
+
+
+@pytest.fixture(scope="module")
+def torchrun_runs(data) -> dict[str, subprocess.CompletedProcess]:
+    """The cases that need several processes, launched together under torchrun."""
+    tmp = data["tmp"]
     # raised inside fit, after the process group exists: still one line, from rank 0 only
-    torchrun_args = [*cases["seq_len"], "--trainer.global_batch_size", "2"]
-    torchrun_args += ["--trainer.default_root_dir", str(tmp / "tr_runs")]
-    procs["torchrun"] = start(torchrun_args, tmp, torchrun=2)
+    args = [*cases(data)["seq_len"], "--trainer.global_batch_size", "2"]
+    args += ["--trainer.default_root_dir", str(tmp / "tr_runs")]
+    procs = {"torchrun": start(args, tmp, torchrun=2)}
     results = {}
     for name, proc in procs.items():
         out, err = proc.communicate(timeout=600)
         results[name] = subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
-    results["eos_meta"] = json.loads((tmp / "p2" / "metadata.json").read_text())
-    results["tmp"] = tmp
     return results
 
 
@@ -105,15 +114,6 @@ EXPECTED = {
 }
 
 
-# errors found while parsing or building the Trainer, before any data or model: checked
-# in-process (a real process each would only repeat the imports; "strategy" above is one)
-IN_PROCESS = {
-    "virtual_pp": ["fit", "--strategy", "megatron", "--strategy.init_args.virtual_pp", "0"],
-    "prefix": ["fit", "--trainer.max_step", "5"],
-    "limit_val": ["fit", "--trainer.max_steps", "1", "--trainer.limit_val_batches", "1.5"],
-}
-
-
 def _assert_one_line_error(returncode: int, stderr: str, case: str) -> None:
     assert returncode == 2, stderr[-2000:]
     lines = stderr.strip().splitlines()
@@ -122,16 +122,12 @@ def _assert_one_line_error(returncode: int, stderr: str, case: str) -> None:
     assert EXPECTED[case] in lines[0]
 
 
-@pytest.mark.parametrize("case", [c for c in EXPECTED if c not in IN_PROCESS])
-def test_user_error_is_one_line_with_exit_code_2(runs, case):
-    result = runs[case]
-    _assert_one_line_error(result.returncode, result.stderr, case)
-
-
-@pytest.mark.parametrize("case", list(IN_PROCESS))
-def test_argument_error_is_one_line_with_exit_code_2_in_process(case, capsys, monkeypatch):
+@pytest.mark.parametrize("case", list(EXPECTED))
+def test_user_error_is_one_line_with_exit_code_2(data, case, capsys, monkeypatch):
+    # in-process: the command's own code path (a process each would only repeat the imports)
     monkeypatch.delenv("NANOTRAIN_DEBUG", raising=False)
-    returncode = main(IN_PROCESS[case])
+    monkeypatch.setenv("NANOTRAIN_CACHE", str(data["tmp"] / "cache"))
+    returncode = main(cases(data)[case])
     _assert_one_line_error(returncode, capsys.readouterr().err, case)
 
 
@@ -148,8 +144,8 @@ def test_debug_flag_and_env_show_the_traceback(monkeypatch):
     assert main(["fit", "--strategy", "bogus"]) == 2
 
 
-def test_under_torchrun_only_rank_zero_prints_the_error(runs):
-    result = runs["torchrun"]
+def test_under_torchrun_only_rank_zero_prints_the_error(torchrun_runs):
+    result = torchrun_runs["torchrun"]
     output = result.stdout + result.stderr
     assert result.returncode != 0
     assert output.count("nanotrain: error: ") == 1, output[-3000:]
@@ -158,16 +154,27 @@ def test_under_torchrun_only_rank_zero_prints_the_error(runs):
     assert "nanotrain/" not in "".join(ln for ln in output.splitlines() if "File " in ln)
 
 
-def test_prepare_takes_an_eos_token(runs):
-    assert runs["eos"].returncode == 0, runs["eos"].stderr[-2000:]
-    assert runs["eos_meta"]["tokenizer"]["eos_token"] == DEEPSEEK_EOS
+def test_prepare_takes_an_eos_token(data):
+    out = data["tmp"] / "p2"
+    args = ["prepare", "--inputs", str(data["corpus"]), "--out", str(out)]
+    assert main([*args, "--tokenizer", str(data["tokenizer"]), "--eos_token", DEEPSEEK_EOS]) == 0
+    meta = json.loads((out / "metadata.json").read_text())
+    assert meta["tokenizer"]["eos_token"] == DEEPSEEK_EOS
 
 
-def test_lightning_cli_habits_seed_everything_logger_and_callbacks_plus(runs):
+def test_lightning_cli_habits_seed_everything_logger_and_callbacks_plus(data, monkeypatch):
     import yaml
 
-    assert runs["ok"].returncode == 0, runs["ok"].stderr[-3000:]
-    tmp = runs["tmp"]
+    tmp = data["tmp"]
+    monkeypatch.setenv("NANOTRAIN_CACHE", str(tmp / "cache"))
+    # not an error: LightningCLI habits on a real run
+    code = main(["fit", "--seed_everything", "7", "--trainer.max_steps", "2", *SMALL_DEMO,
+                 "--trainer.default_root_dir", str(tmp / "ok_runs"),
+                 "--trainer.logger", "lightning.pytorch.loggers.CSVLogger",
+                 "--trainer.logger.save_dir", str(tmp / "user_csv"),
+                 "--callbacks+", "nanotrain.callbacks.TextSampler", "--callbacks.prompts", "[Once]",
+                 "--callbacks.every_n_steps", "1", "--callbacks.max_new_tokens", "2"])  # fmt: skip
+    assert code == 0
     (run_dir,) = (tmp / "ok_runs").glob("*/version_*")
     config = yaml.safe_load((run_dir / "config.yaml").read_text())
     assert config["seed_everything"] == 7 and config["trainer"]["seed"] == 7

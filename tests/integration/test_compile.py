@@ -1,0 +1,201 @@
+"""torch.compile trains like eager: `compile_model` (the whole model as one graph) and
+`compile_layers` (each decoder layer), parameter names unchanged, under every layout.
+
+One test compiles with inductor (the default backend: its generated code must reproduce the
+eager losses); the others use the aot_eager backend: dynamo's tracing, graph breaks around the
+collectives and AOT autograd are the same, without inductor's C++ code generation, which on a
+cold cache takes minutes per model on a 2-core machine. The two-rank cases share one forked
+world. Bad combinations fail before any work."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+import nanotrain as nt
+from nanotrain.models.compile import check_compile_options
+from nanotrain.models.transformer import DecoderLayer
+from tests.distributed.spawn import run_world
+from tests.unit.test_callbacks_moe_load import RandomTokens
+
+pytestmark = pytest.mark.skipif(not hasattr(torch, "compile"), reason="needs torch.compile")
+
+AOT_EAGER = {"backend": "aot_eager"}
+# the tiny DeepSeek model with MoE on fixed expert slots (no MTP)
+CAPACITY_MOE = {"preset": "tiny", "overrides": {"capacity_factor": 1.0, "mtp_depth": 0}}
+
+
+class _Losses(nt.Callback):
+    def __init__(self) -> None:
+        self.losses: list[float] = []
+
+    def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
+        self.losses.append(float(outputs.loss))
+
+
+def _fit(
+    tmp_path,
+    compiled: bool | dict,
+    strategy=None,
+    preset: str = "tiny-dense",
+    overrides=None,
+    val_samples: int = 0,
+    scope: str = "layers",
+    recompute: str | None = None,
+) -> tuple[list[float], list[str], nt.LanguageModelModule]:
+    """Three steps of `preset`, then (with `val_samples`) one validation whose `val/loss`
+    joins the losses; (losses, parameter names, the module). `scope`: "layers" passes
+    `compiled` as compile_layers, "model" as compile_model."""
+    torch.manual_seed(0)
+    module = nt.LanguageModelModule(
+        preset,
+        vocab_size=257,
+        model_overrides=overrides,
+        recompute=recompute,
+        **{f"compile_{scope}": compiled},
+    )
+    losses = _Losses()
+    trainer = nt.Trainer(
+        strategy=strategy or nt.SingleDeviceStrategy("cpu"),
+        max_steps=3,
+        global_batch_size=4,
+        micro_batch_size=2,
+        default_root_dir=str(tmp_path / f"{scope}-{bool(compiled)}-{recompute}"),
+        loggers=[],
+        callbacks=[losses],
+        seed=0,
+        enable_progress_bar=False,
+        enable_monitors=False,
+        enable_checkpointing=False,
+    )
+    trainer.fit(module, train_dataloaders=RandomTokens(16))
+    if val_samples:
+        val = trainer.validate(module, dataloaders=RandomTokens(val_samples))
+        losses.losses.append(val["val/loss"])
+    layers = [m for m in module.model.modules() if isinstance(m, DecoderLayer)]
+    compiled_layers = bool(compiled) and scope == "layers"
+    assert layers and all((m._compiled_call_impl is not None) == compiled_layers for m in layers)
+    assert (module.model._compiled_call_impl is not None) == (bool(compiled) and scope == "model")
+    return losses.losses, list(module.model.state_dict()), module
+
+
+def _loads(module: nt.LanguageModelModule) -> torch.Tensor:
+    return module.model.layers[-1].mlp.expert_load
+
+
+def test_a_deepseek_layer_and_the_whole_model_trace_as_one_graph():
+    # MLA attention (its rope), the MoE block on fixed E x C slots (routing, slot ranks, load
+    # counters, batched experts), final norm, head and masked CE: a graph break would leave
+    # pieces that run eagerly in between
+    torch.manual_seed(0)
+    module = nt.LanguageModelModule(
+        "tiny", vocab_size=257, model_overrides=CAPACITY_MOE["overrides"]
+    )
+    module.configure_model()
+    model = module.model
+    h = torch.randn(2, 16, model.config.hidden_size)
+    cos, sin = model.rope(16, h.device)
+    explanation = torch._dynamo.explain(model.layers[-1])(h, cos, sin)
+    assert explanation.graph_break_count == 0, explanation.break_reasons
+    assert explanation.graph_count == 1
+    ids = torch.randint(0, 257, (2, 17))
+    explanation = torch._dynamo.explain(model)(ids[:, :-1], ids[:, 1:])
+    assert explanation.graph_break_count == 0, explanation.break_reasons
+    assert explanation.graph_count == 1
+    # evaluation too (no slot-count exchange without expert parallelism)
+    model.eval()
+    with torch.no_grad():
+        explanation = torch._dynamo.explain(model)(ids[:, :-1], ids[:, 1:])
+    assert explanation.graph_break_count == 0, explanation.break_reasons
+
+
+def test_inductor_compiled_model_with_recompute_matches_eager(tmp_path):
+    # inductor's code for the whole model, a checkpointed region inside the graph (the MoE
+    # load counter, updated in the recomputed layer, counts each token once), and a
+    # validation on 5 samples that ends with a batch of one (a second shape)
+    model = dict(CAPACITY_MOE, val_samples=5)
+    eager, names, eager_module = _fit(tmp_path, False, **model)
+    got, got_names, module = _fit(tmp_path, True, scope="model", recompute="full", **model)
+    assert got_names == names  # checkpoints stay interchangeable
+    assert got == pytest.approx(eager, rel=1e-5)
+    assert torch.equal(_loads(eager_module), _loads(module))
+
+
+@pytest.mark.parametrize(
+    ("scope", "model", "recompute"),
+    [
+        ("layers", {}, None),  # the dense model
+        ("layers", CAPACITY_MOE, None),
+        ("layers", CAPACITY_MOE, "full"),
+        ("model", CAPACITY_MOE, "selective"),
+    ],
+    ids=["layers-dense", "layers-moe", "layers-moe-full", "model-moe-selective"],
+)
+def test_aot_compiled_matches_eager(tmp_path, scope, model, recompute):
+    eager, names, eager_module = _fit(tmp_path, False, **model)
+    got, got_names, module = _fit(tmp_path, AOT_EAGER, scope=scope, recompute=recompute, **model)
+    assert got_names == names
+    assert got == pytest.approx(eager, rel=1e-5)
+    if model:
+        assert torch.equal(_loads(eager_module), _loads(module))
+
+
+# -- two ranks ------------------------------------------------------------------------------------
+
+# case -> (scope, MegatronStrategy kwargs or "ddp", model); under ep, validation on 5 samples
+# (global batches of 4) leaves rank 0 one sample and rank 1 a padding batch of two: the ranks
+# exchange their expert slot counts, eagerly
+TWO_RANK_CASES = {
+    # DDP's bucket hooks around compiled layers / a compiled model
+    "layers ddp": ("layers", "ddp", {}),
+    "model ddp": ("model", "ddp", CAPACITY_MOE),
+    # the vocab-parallel embedding and cross-entropy collectives inside the graph, and the
+    # MoE's all-gather of whole sequences under sequence parallelism
+    "layers tp=2": ("layers", {"tp": 2}, {}),
+    "layers tp=2 sp": ("layers", {"tp": 2, "sequence_parallel": True}, CAPACITY_MOE),
+    "model tp=2 sp": ("model", {"tp": 2, "sequence_parallel": True}, CAPACITY_MOE),
+    # each stage compiles its own layers; the executor between them stays eager
+    "layers pp=2": ("layers", {"pp": 2}, CAPACITY_MOE),
+    # the all-to-all of the expert slots breaks the graph; the rest compiles
+    "model ep=2": ("model", {"ep": 2}, dict(CAPACITY_MOE, val_samples=5)),
+}
+
+
+def _two_rank_cases(rank: int, world_size: int, root: str) -> dict[str, list[float]]:
+    from nanotrain.strategies.megatron import MegatronStrategy
+
+    out = {}
+    for i, (name, (scope, layout, model)) in enumerate(TWO_RANK_CASES.items()):
+        strategy = nt.DDPStrategy() if layout == "ddp" else MegatronStrategy(**layout)
+        out[name] = _fit(Path(root) / str(i), AOT_EAGER, strategy, scope=scope, **model)[0]
+        torch._dynamo.reset()  # the next layout traces its own shapes
+    return out
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory) -> list[dict[str, list[float]]]:
+    root = tmp_path_factory.mktemp("compile_two_ranks")
+    return run_world(_two_rank_cases, 2, str(root), timeout=600)
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("case", list(TWO_RANK_CASES))
+def test_two_compiled_ranks_match_eager_single_process(tmp_path, two_ranks, case):
+    # the same global batch over 2 ranks: the mean loss per step equals one process's
+    eager = _fit(tmp_path, False, **TWO_RANK_CASES[case][2])[0]
+    for ranks_losses in two_ranks:
+        assert ranks_losses[case] == pytest.approx(eager, rel=1e-5)
+
+
+def test_compile_options_are_checked_before_any_work():
+    with pytest.raises(ValueError, match="choose one"):
+        nt.LanguageModelModule("tiny", compile_layers=True, compile_model=True)
+    with pytest.raises(ValueError, match="compile_model must be True, False or a dict"):
+        nt.LanguageModelModule("tiny", compile_model="yes")
+    # the pipeline check runs in configure_model, once the strategy's mesh is known
+    with pytest.raises(ValueError, match="pp=2 splits it into pipeline stages.*compile_layers"):
+        check_compile_options(False, True, pp_size=2)
+    check_compile_options(True, False, pp_size=2)  # per-layer compile works with stages
+    check_compile_options({"backend": "aot_eager"}, False)
