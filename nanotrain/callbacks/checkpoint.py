@@ -17,6 +17,7 @@ from nanotrain.checkpoint.collective import attempt, raise_first_failure
 from nanotrain.checkpoint.commit import check_writable
 from nanotrain.checkpoint.health import gather_nonfinite
 from nanotrain.checkpoint.step_flag import StepFlag
+from nanotrain.runtime.run_files import RunFilesError
 
 if TYPE_CHECKING:
     from nanotrain.module import NanoModule
@@ -127,8 +128,15 @@ class ModelCheckpoint(Callback):
         self._time_due = StepFlag(self._time_due.defer_reads)  # nothing left from a last run
         if stage == "fit":
             # An unwritable folder is an error now, not after the first hours of training.
-            error = attempt(lambda: check_writable(self.dirpath))[1]
+            error = attempt(lambda: self._check_writable(self.dirpath))[1]
             raise_first_failure(trainer.strategy, error, "checking the checkpoint folder")
+
+    @staticmethod
+    def _check_writable(folder: Path) -> None:
+        try:
+            check_writable(folder)
+        except OSError as err:  # its message names the folder and the fix: a user error
+            raise RunFilesError(str(err)) from err
 
     def on_train_batch_end(
         self,

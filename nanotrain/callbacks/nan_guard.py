@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import logging
 import math
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from nanotrain.callbacks.base import Callback
+from nanotrain.checkpoint.files import read_meta
+from nanotrain.checkpoint.resume import newest_finite
 from nanotrain.runtime.exit_codes import EXIT_NONFINITE
 from nanotrain.runtime.host_copy import host_to_device
 
@@ -201,12 +204,31 @@ class NaNGuard(Callback):
             self.checkpoint_path = trainer.save_checkpoint(
                 trainer.checkpoint_dir / f"nan-step-{step}"
             )
-            where = f"; the last good state is saved in {self.checkpoint_path}"
+            where = self._where_to_resume(Path(self.checkpoint_path))
         self.stop_reason = f"NaNGuard stopped training: {reason}{where}"
         if trainer.is_global_zero:
             log.error(self.stop_reason)
         # A NaN stop is a failure for whoever launched the run: `nanotrain fit` exits non-zero.
         trainer.request_stop(exit_code=EXIT_NONFINITE)
+
+    @staticmethod
+    def _where_to_resume(saved: Path) -> str:
+        """The stop message's pointer to the state to resume: the checkpoint just saved when
+        its state is finite, else the newest finite one (the weights may have gone non-finite
+        before a step's loss did)."""
+        try:
+            nonfinite = read_meta(saved).get("nonfinite")
+        except (OSError, ValueError):  # not a checkpoint this process can read back
+            nonfinite = None
+        if not nonfinite:
+            return f"; the last good state is saved in {saved}"
+        good = newest_finite(saved.parent)
+        found = (
+            f"the last finite checkpoint is {good} (ckpt_path='last' resumes it)"
+            if good is not None
+            else "no finite checkpoint exists: start again, or from an earlier run's checkpoint"
+        )
+        return f"; the state at the stop is not finite ({', '.join(nonfinite)}), saved in {saved}; {found}"
 
     def state_dict(self) -> dict[str, Any]:
         """Bad-step counters (device mode: read from the device first)."""

@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 from nanotrain.checkpoint.files import UnsafeCheckpointError
+from nanotrain.runtime.run_files import RunFilesError
 
 if TYPE_CHECKING:
     from nanotrain.strategies.base import Strategy
@@ -25,6 +26,7 @@ _KNOWN_ERRORS: dict[str, type[Exception]] = {
     "ValueError": ValueError,
     "TypeError": TypeError,
     "OSError": OSError,
+    "RunFilesError": RunFilesError,
 }
 
 

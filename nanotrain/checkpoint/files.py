@@ -29,6 +29,7 @@ import errno
 import hashlib
 import json
 import os
+import re
 from pathlib import Path
 from typing import Any
 
@@ -299,6 +300,15 @@ def read_torch(path: Path) -> Any:
         raise FileNotFoundError(
             f"checkpoint file {path} is missing; resume from another checkpoint"
         )
+    with path.open("rb") as f:
+        head = f.read(2)
+    if head[:1] == b"\x80":  # a pickle protocol opcode: not torch.save's zip archive
+        raise UnsafeCheckpointError(
+            f"refused to load {path}: it is a raw pickle (pickle.dump, or torch.save with the "
+            "legacy format), which can run code when loaded; nanotrain reads .pt files only as "
+            "torch.save archives of tensors and plain values. Do not load it unless you know "
+            "where it came from; re-save its tensors with torch.save"
+        )
     try:
         return torch.load(path, map_location="cpu", weights_only=True)
     except Exception as exc:
@@ -311,7 +321,13 @@ def read_torch(path: Path) -> Any:
                 "load the file unless you know where it came from. Checkpoints (callback "
                 "state_dicts included) may hold only tensors, numbers, strings, lists and dicts"
             ) from None
-        raise ValueError(f"checkpoint file {path} is corrupt or truncated ({exc})") from exc
+        # torch's own text may advise weights_only=False, which nanotrain never does
+        detail = str(exc).split(". ")[0].splitlines()[0] if "weights_only" not in str(exc) else ""
+        raise ValueError(
+            f"checkpoint file {path} is corrupt or truncated"
+            + (f" ({detail})" if detail else "")
+            + "; resume from another checkpoint"
+        ) from None
 
 
 class UnsafeCheckpointError(ValueError):
@@ -323,7 +339,10 @@ def refused_global(exc: BaseException) -> str | None:
     `exc` is not such a refusal (then the file is damaged, not unsafe)."""
     # A code payload needs a GLOBAL opcode to reach a callable; damaged bytes give other errors.
     for line in str(exc).splitlines():
-        if "GLOBAL" in line or "Unsupported global" in line:
+        found = re.search(r"GLOBAL [\w.]+", line)
+        if found:  # the refused name only: torch's advice around it is not nanotrain's
+            return found.group(0)
+        if "Unsupported global" in line:
             return line.strip().rstrip(".")
     return None
 
@@ -342,7 +361,13 @@ def read_model(path: Path) -> dict[str, torch.Tensor]:
     try:
         return load_file(str(path), device="cpu")
     except (SafetensorError, OSError, ValueError) as exc:
-        raise ValueError(f"checkpoint file {path} is corrupt or truncated ({exc})") from exc
+        # torch's own text may advise weights_only=False, which nanotrain never does
+        detail = str(exc).split(". ")[0].splitlines()[0] if "weights_only" not in str(exc) else ""
+        raise ValueError(
+            f"checkpoint file {path} is corrupt or truncated"
+            + (f" ({detail})" if detail else "")
+            + "; resume from another checkpoint"
+        ) from None
 
 
 def _is_tensor(value: Any) -> bool:

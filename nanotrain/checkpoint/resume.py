@@ -129,9 +129,8 @@ def find_last(checkpoints_dir: Path) -> Path | None:
     else:
         return None
     if _meta(chosen).get("nonfinite"):
-        finite = [p for p in candidates if not _meta(p).get("nonfinite")]
-        if finite:
-            good = max(finite, key=lambda p: (_meta(p).get("global_step", -1), finite.index(p)))
+        good = newest_finite(checkpoints_dir)
+        if good is not None:
             warnings.warn(
                 f"{chosen} holds a non-finite state ({', '.join(_meta(chosen)['nonfinite'])}); "
                 f"resuming from the newest finite checkpoint {good.name} instead. Pass "
@@ -149,6 +148,16 @@ def _require(found: Path | None, checkpoints_dir: Path) -> Path:
             "checkpoint. Start without ckpt_path, or pass the path of a checkpoint directory"
         )
     return found
+
+
+def newest_finite(checkpoints_dir: Path) -> Path | None:
+    """The newest complete checkpoint in `checkpoints_dir` (by step) whose saved state is
+    finite (meta.json records no "nonfinite" part), or None when there is none."""
+    candidates = _commit.complete_checkpoints(checkpoints_dir)
+    finite = [p for p in candidates if not _meta(p).get("nonfinite")]
+    if not finite:
+        return None
+    return max(finite, key=lambda p: (_meta(p).get("global_step", -1), finite.index(p)))
 
 
 def _meta(ckpt: Path) -> dict[str, Any]:

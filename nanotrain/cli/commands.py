@@ -16,6 +16,7 @@ from nanotrain.cli.parser import expand_strategy_alias, new_parser
 from nanotrain.data import TokenDataModule
 from nanotrain.language_model import LanguageModelModule
 from nanotrain.module import NanoModule
+from nanotrain.runtime.exit_record import ExitRecorder
 from nanotrain.strategies import Strategy
 from nanotrain.trainer.config import TrainerConfig
 
@@ -90,20 +91,24 @@ def run_parser(stage: str) -> ArgumentParser:
     return parser
 
 
-def run_fit(argv: list[str]) -> Any:
+def run_fit(argv: list[str], recorder: ExitRecorder | None = None) -> Any:
     """`nanotrain fit`: parse, build, train; returns the Trainer (its `exit_code` is the
     command's)."""
-    return run_fit_or_validate("fit", argv)
+    return run_fit_or_validate("fit", argv, recorder)
 
 
-def run_validate(argv: list[str]) -> Any:
+def run_validate(argv: list[str], recorder: ExitRecorder | None = None) -> Any:
     """`nanotrain validate`: parse, build, validate; returns the validation metrics."""
-    return run_fit_or_validate("validate", argv)
+    return run_fit_or_validate("validate", argv, recorder)
 
 
-def run_fit_or_validate(stage: str, argv: list[str]) -> Any:
-    """Parse `argv` for `fit`/`validate`, build the objects and run them."""
+def run_fit_or_validate(stage: str, argv: list[str], recorder: ExitRecorder | None = None) -> Any:
+    """Parse `argv` for `fit`/`validate`, build the objects and run them; `recorder` records
+    how the run ended (`exit.json`, see `nanotrain.runtime.exit_record`)."""
     from nanotrain.trainer import Trainer
+
+    if recorder is not None:
+        recorder.start()
 
     parser = run_parser(stage)
     config = parser.parse_args(expand_strategy_alias(argv))
@@ -128,6 +133,8 @@ def run_fit_or_validate(stage: str, argv: list[str]) -> Any:
         logger=objects.instantiated_logger,
         **settings,
     )
+    if recorder is not None:
+        recorder.trainer = trainer  # its run directory gets exit.json too
     if stage == "fit":
         trainer.fit(objects.model, objects.data, ckpt_path=config.ckpt_path)
         return trainer

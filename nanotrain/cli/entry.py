@@ -16,6 +16,7 @@ import importlib
 import sys
 
 from nanotrain.cli.errors import run_reporting_user_errors
+from nanotrain.runtime.exit_record import ExitRecorder
 
 # command -> (module, function taking argv); imported only when that command runs
 COMMANDS = {
@@ -28,6 +29,7 @@ COMMANDS = {
     "env": ("nanotrain.cli.commands", "run_env"),
     "report": ("nanotrain.cli.commands", "run_report"),
 }
+RECORDED = ("fit", "validate")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -36,13 +38,15 @@ def main(argv: list[str] | None = None) -> int:
     return run_reporting_user_errors(_main, list(sys.argv[1:] if argv is None else argv))
 
 
-def _main(argv: list[str]) -> int:
+def _main(argv: list[str], recorder: ExitRecorder) -> int:
     """Dispatch `argv` to its command."""
     if not argv or argv[0] in ("-h", "--help") or argv[0] not in COMMANDS:
         print(f"usage: nanotrain {{{','.join(COMMANDS)}}} [--help] ...", file=sys.stderr)
         return 0 if argv and argv[0] in ("-h", "--help") else 2
     module, function = COMMANDS[argv[0]]
-    result = getattr(importlib.import_module(module), function)(argv[1:])
+    command = getattr(importlib.import_module(module), function)
+    # fit and validate record how they ended (nanotrain.runtime.exit_record)
+    result = command(argv[1:], recorder) if argv[0] in RECORDED else command(argv[1:])
     if argv[0] == "validate" and isinstance(result, dict):
         for name, value in sorted(result.items()):
             print(f"{name}: {value:.6g}")

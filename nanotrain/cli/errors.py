@@ -1,9 +1,18 @@
-"""How the `nanotrain` command reports a user's mistake: one line on global rank 0, exit code 2.
+"""How the `nanotrain` command reports a user's mistake: one line, once per job, exit code 2.
 
-A wrong flag, a bad value or a setting the Trainer refuses is not a bug of nanotrain, so the
-command prints only the message (`nanotrain: error: ...`) instead of a traceback, once per job
-(global rank 0; other ranks exit quietly with the same code). Pass `--debug` or set
-`NANOTRAIN_DEBUG=1` to get the full traceback instead.
+A wrong flag, a bad value, a missing or unwritable file or a setting the Trainer refuses is
+not a bug of nanotrain, so the command prints only the message (`nanotrain: error: ...`)
+instead of a traceback. Pass `--debug` or set `NANOTRAIN_DEBUG=1` to get every rank's full
+traceback instead.
+
+Under torchrun, once per job:
+- an error found before the process group exists (parsing, configuration) is the same on
+  every rank: global rank 0 prints it;
+- an error found later may be found by one rank only (its data, its shard): the first rank
+  to report it through the job's store prints it, the others stay quiet;
+- a rank whose collective fails because another rank left the job (gloo's "Connection closed
+  by peer", NCCL's "remote process exited") prints nothing and exits 1: the rank that left
+  printed its own reason. Its exit record (`nanotrain.runtime.exit_record`) is kept.
 """
 
 from __future__ import annotations
@@ -14,19 +23,33 @@ import re
 import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
+
+from nanotrain.runtime.exit_record import (
+    CRASH_EXIT_CODE,
+    USER_ERROR_EXIT_CODE,
+    ExitRecorder,
+    reason_of_exit_code,
+)
+from nanotrain.runtime.run_files import RunFilesError
 
 DEBUG_FLAG = "--debug"
 DEBUG_ENV = "NANOTRAIN_DEBUG"
-USER_ERROR_EXIT_CODE = 2
 NON_ZERO_RANK_GRACE_S = 2.0
-# what a user's mistake raises: bad values, wrong types, missing files, bad flags
-USER_ERRORS = (ValueError, TypeError, FileNotFoundError, argparse.ArgumentError)
+# what a user's mistake raises: bad values, wrong types, missing or unwritable files, bad flags
+USER_ERRORS = (ValueError, TypeError, FileNotFoundError, RunFilesError, argparse.ArgumentError)
 # jsonargparse explanations around the real message; never the message itself
 _NOISE = re.compile(
     r"^(Expected a <class 'NoneType'>|Does not validate against any of the Union subtypes|"
     r"Subtypes:|Errors:|Given value|Parser key|Expected a path but|Problem with given class_path"
     r"|Validation failed|Not a valid subclass)"
 )
+# what a collective raises when another rank of the job has exited
+_PEER_GONE = re.compile(
+    r"Connection closed by peer|Connection reset by peer|remote process exited|Broken pipe"
+    r"|failed to recv, got 0 bytes|Connection refused"
+)
+_PACKAGE = str(Path(__file__).resolve().parents[1])
 
 
 def debug_requested(argv: list[str]) -> bool:
@@ -34,24 +57,52 @@ def debug_requested(argv: list[str]) -> bool:
     return DEBUG_FLAG in argv or os.environ.get(DEBUG_ENV, "") not in ("", "0", "false")
 
 
-def is_rank_zero() -> bool:
-    """Global rank 0 as torchrun (RANK) or SLURM (SLURM_PROCID) numbers processes."""
+def global_rank() -> int:
+    """This process's global rank as torchrun (RANK) or SLURM (SLURM_PROCID) number it."""
     for name in ("RANK", "SLURM_PROCID"):
         if name in os.environ:
-            return os.environ[name] == "0"
-    return True
+            return int(os.environ[name])
+    return 0
+
+
+def is_rank_zero() -> bool:
+    """Global rank 0 as torchrun (RANK) or SLURM (SLURM_PROCID) numbers processes."""
+    return global_rank() == 0
+
+
+def _chain(exc: BaseException) -> list[BaseException]:
+    """`exc` and the exceptions it was raised from (`__cause__`), outermost first."""
+    chain, seen = [exc], {id(exc)}
+    while exc.__cause__ is not None and id(exc.__cause__) not in seen:
+        exc = exc.__cause__
+        chain.append(exc)
+        seen.add(id(exc))
+    return chain
+
+
+def _raised_by_nanotrain(exc: BaseException) -> bool:
+    tb = exc.__traceback__
+    while tb is not None and tb.tb_next is not None:
+        tb = tb.tb_next
+    return tb is not None and tb.tb_frame.f_code.co_filename.startswith(_PACKAGE)
 
 
 def _root(exc: BaseException) -> BaseException:
-    """The innermost user error an exception was raised from (jsonargparse wraps the
-    ValueError of a class's __init__ in its own error)."""
-    seen = {id(exc)}
-    while exc.__cause__ is not None and id(exc.__cause__) not in seen:
-        if not isinstance(exc.__cause__, USER_ERRORS):
+    """The exception whose message the one line shows: the outermost user error nanotrain
+    raised itself (its message names the file or setting; a library's error beneath it, e.g.
+    JSON's "Invalid control character", does not), else the innermost user error of the chain
+    (jsonargparse wraps the ValueError of a class's __init__ in its own error)."""
+    users = [e for e in _chain(exc) if isinstance(e, USER_ERRORS)]
+    ours = [e for e in users if _raised_by_nanotrain(e)]
+    if ours:
+        return ours[0]
+    chain = _chain(exc)
+    inner = exc
+    for e in chain[1:]:
+        if not isinstance(e, USER_ERRORS):
             break
-        exc = exc.__cause__
-        seen.add(id(exc))
-    return exc
+        inner = e
+    return inner
 
 
 def one_line(exc: BaseException) -> str:
@@ -67,24 +118,76 @@ def one_line(exc: BaseException) -> str:
     return " ".join(lines) or type(exc).__name__
 
 
-def run_reporting_user_errors(main: Callable[[list[str]], int], argv: list[str]) -> int:
-    """Run `main(argv)` (without `--debug`); a user error becomes one line on stderr of global
-    rank 0 and exit code 2, unless debugging was requested (then it propagates)."""
+def peer_gone(exc: BaseException) -> bool:
+    """Whether `exc` says that another rank of the job has exited (its collective lost the
+    connection), rather than what went wrong on this rank."""
+    for e in [*_chain(exc), exc.__context__]:
+        if isinstance(e, RuntimeError | OSError) and _PEER_GONE.search(str(e)):
+            return True
+    return False
+
+
+def _first_to_report() -> bool | None:
+    """Whether this rank is the first of the job to report a user error, through the default
+    process group's store (None: there is no group, so no way to agree)."""
+    try:
+        import torch.distributed as dist  # noqa: PLC0415 - only once an error happened
+
+        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+            return None
+        store = dist.distributed_c10d._get_default_store()
+        return store.add("nanotrain/user_error_reported", 1) == 1
+    except Exception:  # noqa: BLE001 - a store that is gone cannot agree either
+        return None
+
+
+def _print_error(message: str) -> None:
+    print(
+        f"nanotrain: error: {message}  (--debug or {DEBUG_ENV}=1 for the traceback)",
+        file=sys.stderr,
+        flush=True,
+    )
+
+
+def _config_path(argv: list[str]) -> str | None:
+    for i, arg in enumerate(argv):
+        if arg == "--config" and i + 1 < len(argv):
+            return argv[i + 1]
+        if arg.startswith("--config="):
+            return arg.split("=", 1)[1]
+    return None
+
+
+def run_reporting_user_errors(main: Callable[..., int], argv: list[str]) -> int:
+    """Run `main(argv, recorder)` (without `--debug`) and record its outcome; a user error
+    becomes one line on stderr, once per job, and exit code 2, unless debugging was requested
+    (then it propagates on every rank). See the module docstring."""
     debug = debug_requested(argv)
     argv = [a for a in argv if a != DEBUG_FLAG]
+    recorder = ExitRecorder(_config_path(argv), global_rank())
     try:
-        return main(argv)
+        code = main(argv, recorder)
     except USER_ERRORS as exc:
+        recorder.write("user_error", one_line(exc))
         if debug:
             raise
-        if is_rank_zero():
-            print(
-                f"nanotrain: error: {one_line(exc)}  (--debug or {DEBUG_ENV}=1 for the traceback)",
-                file=sys.stderr,
-                flush=True,
-            )
+        first = _first_to_report()
+        if first or (first is None and is_rank_zero()):
+            _print_error(one_line(exc))
         else:
-            # torchrun stops every worker once one exits with an error: give rank 0, which
-            # hit the same error, a moment to print it before this rank's exit ends the job
+            # torchrun stops every worker once one exits with an error: give the rank that
+            # prints the error a moment to do so before this rank's exit ends the job
             time.sleep(NON_ZERO_RANK_GRACE_S)
         return USER_ERROR_EXIT_CODE
+    except BaseException as exc:
+        if isinstance(exc, KeyboardInterrupt | SystemExit):
+            raise
+        if peer_gone(exc) and not debug:
+            recorder.write("crashed", "another rank left the job first", only_over_running=True)
+            return CRASH_EXIT_CODE
+        recorder.write("crashed", f"{type(exc).__name__}: {exc}".splitlines()[0][:500])
+        raise
+    # every rank ends the same way and says so: the first to exit may be the only one that
+    # gets to (torchrun stops the others once one worker has exited with a non-zero code)
+    recorder.write(reason_of_exit_code(code))
+    return code

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import warnings
 from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
@@ -190,10 +191,34 @@ def load_tokenizer(spec: str | os.PathLike[str] | dict[str, Any] | Tokenizer) ->
     return HFTokenizer(path)
 
 
+def _names_a_file(item: str) -> bool:
+    """Whether a str item of `train_bpe` is a file name rather than text: one short line
+    without spaces that names an existing file, or that looks like a path (a separator or a
+    suffix such as .txt)."""
+    if len(item) > 4096 or "\n" in item or not item.strip():
+        return False
+    try:
+        if Path(item).expanduser().is_file():
+            return True
+    except OSError:  # e.g. a name too long for the file system: text
+        return False
+    if " " in item.strip():
+        return False
+    if os.sep in item or Path(item).suffix[1:].isalnum() and len(Path(item).suffix) <= 6:
+        raise ValueError(
+            f"train_bpe got {item!r}, which looks like a file name, but no such file exists; "
+            "pass the paths of existing files (str or pathlib.Path), or texts"
+        )
+    return False
+
+
 def _iter_texts(texts_or_files: Iterable[str | os.PathLike[str]]) -> Iterator[str]:
     for item in texts_or_files:
         if isinstance(item, os.PathLike):
             yield Path(item).read_text(encoding="utf-8")
+        elif isinstance(item, str) and _names_a_file(item):
+            # tokenizers' own habit, train(files=[...]): a file name means the file
+            yield Path(item).expanduser().read_text(encoding="utf-8")
         elif isinstance(item, str):
             yield item
         else:
@@ -215,16 +240,21 @@ def train_bpe(
     vocabulary. Any text can be encoded (byte fallback), and decode(encode(t)) == t.
 
     Args:
-        texts_or_files: items that are ``str`` are texts; ``pathlib.Path`` items are UTF-8
-            files to read.
+        texts_or_files: texts, or UTF-8 files to read: ``pathlib.Path`` items, and ``str``
+            items that name an existing file (as `tokenizers`' ``train(files=[...])``); a
+            ``str`` that looks like a file name of a missing file is an error.
         vocab_size: wanted vocabulary size, at least 258 (bytes + EOS + one merge).
         out_path: where to write ``tokenizer.json`` (parent folders are created).
 
     Returns:
         The trained tokenizer, loaded from ``out_path``.
 
+    Warns:
+        UserWarning: the corpus cannot reach ``vocab_size`` (the size reached is named).
+
     Raises:
-        ValueError: ``vocab_size`` below 258. TypeError: an item is neither str nor Path.
+        ValueError: ``vocab_size`` below 258, or a missing file named by a str item.
+        TypeError: an item is neither str nor Path.
     """
     from tokenizers import Tokenizer as _HFTok
     from tokenizers import decoders, models, pre_tokenizers, trainers
@@ -249,4 +279,12 @@ def train_bpe(
     out = Path(out_path).expanduser()
     out.parent.mkdir(parents=True, exist_ok=True)
     tok.save(str(out))
+    reached = tok.get_vocab_size()
+    if reached < vocab_size:
+        warnings.warn(
+            f"train_bpe: the corpus yielded a vocabulary of {reached} tokens, fewer than the "
+            f"{vocab_size} asked for (it has too few distinct byte pairs to merge); train on "
+            "more text for a larger vocabulary",
+            stacklevel=2,
+        )
     return HFTokenizer(out)

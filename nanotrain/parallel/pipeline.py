@@ -40,6 +40,7 @@ from torch import Tensor
 from torch.distributed import ProcessGroup
 
 from nanotrain.parallel.schedules import Action
+from nanotrain.runtime.collective_errors import CollectiveTimeoutError
 from nanotrain.runtime.profiling import named_range
 
 __all__ = [
@@ -231,15 +232,31 @@ class _Transfers:
     """Posts every send at once (on its channel's group) and waits on receives; the sends'
     handles are kept until `finish` so that their tensors stay alive until delivered."""
 
-    def __init__(self) -> None:
+    def __init__(self, comm: PipelineComm) -> None:
+        self.comm = comm
         self.sends: list[dist.Work] = []
 
     def send(self, op: dist.P2POp) -> None:
         self.sends.append(dist.isend(op.tensor, op.peer, group=op.group, tag=op.tag))
         self.sends = [w for w in self.sends if not w.is_completed()]
 
-    def receive(self, op: dist.P2POp) -> None:
-        dist.irecv(op.tensor, op.peer, group=op.group, tag=op.tag).wait()
+    def receive(self, op: dist.P2POp, what: str) -> None:
+        """Wait for `op` (`what` it brings, for the error); a wait that outlasts the channel's
+        timeout ends in a `CollectiveTimeoutError` naming this stage, the peer and `what`."""
+        work = dist.irecv(op.tensor, op.peer, group=op.group, tag=op.tag)
+        try:
+            work.wait()
+        except RuntimeError as exc:
+            if not any(word in str(exc) for word in ("imed out", "imeout")):
+                raise
+            comm = self.comm
+            peer_stage = comm.pp_ranks.index(op.peer)
+            raise CollectiveTimeoutError(
+                f"pipeline stage {comm.pp_rank} (rank {comm.rank}) waited for {what} from rank "
+                f"{op.peer} (stage {peer_stage}) past the process group's timeout: rank "
+                f"{op.peer} never sent it (stalled, crashed, or running another schedule or "
+                f"number of microbatches). Cause: {exc}"
+            ) from exc
 
     def finish(self) -> None:
         for work in self.sends:
@@ -273,7 +290,7 @@ def run_schedule(
     Returns:
         `ScheduleStats` of this run.
     """
-    transfers, stats = _Transfers(), ScheduleStats()
+    transfers, stats = _Transfers(comm), ScheduleStats()
     held: dict[tuple[int, int], tuple[Tensor | None, Tensor | None, Tensor | None]] = {}
     last_b = max((i for i, a in enumerate(actions) if a.kind == "B"), default=-1)
     for i, action in enumerate(actions):
@@ -282,7 +299,8 @@ def run_schedule(
             inp = None
             if not comm.is_first(c):
                 inp, op = comm.recv_forward(m, c)
-                transfers.receive(op)
+                what = f"microbatch {m}'s input activation (virtual stage {comm.virtual_stage(c)})"
+                transfers.receive(op, what)
                 inp.requires_grad_(not forward_only)
             stage_range = named_range(f"nanotrain/stage{comm.virtual_stage(c)}/forward/mb{m}")
             with torch.set_grad_enabled(not forward_only), stage_range:
@@ -299,7 +317,10 @@ def run_schedule(
         grad = None
         if not comm.is_last(c):
             grad, op = comm.recv_backward(m, c)
-            transfers.receive(op)
+            what = (
+                f"the gradient of microbatch {m}'s output (virtual stage {comm.virtual_stage(c)})"
+            )
+            transfers.receive(op, what)
         inp, out, loss = held.pop((m, c))
         if i == last_b and before_last_backward is not None:
             before_last_backward()

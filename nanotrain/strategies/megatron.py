@@ -61,6 +61,8 @@ from nanotrain.strategies.megatron_grads import (
 from nanotrain.strategies.megatron_pipeline import PipelineEngine, embedding_groups, pick_schedule
 from nanotrain.strategies.optimizers import OptimizerSetup
 from nanotrain.strategies.rendezvous import (
+    DEFAULT_TIMEOUT_S,
+    default_group_timeout_s,
     join_process_group,
     launched_local_rank,
     launched_rank,
@@ -101,7 +103,10 @@ class MegatronStrategy(MegatronGradNorms, Strategy):
         backend: "nccl", "gloo" or None (NCCL when CUDA is available). One process started
             without torchrun needs no group and trains on GPU `LOCAL_RANK` (0) when CUDA is
             available, on the CPU with ``backend="gloo"`` or without CUDA.
-        timeout_s: collective timeout in seconds for the groups this strategy creates.
+        timeout_s: collective timeout in seconds for the groups this strategy creates (a
+            pipeline transfer or collective that waits longer ends in a
+            `CollectiveTimeoutError` naming it). None: the timeout of the default process
+            group when this process is already in one, else 1800.
         virtual_pp: model chunks per pipeline rank (interleaved 1F1B when > 1).
         schedule: "gpipe", "1f1b" or "interleaved_1f1b"; None picks 1F1B (interleaved when
             virtual_pp > 1). See `nanotrain.parallel.schedules`.
@@ -125,7 +130,7 @@ class MegatronStrategy(MegatronGradNorms, Strategy):
         sequence_parallel: bool = False,
         bucket_size_mb: float = 25.0,
         backend: str | None = None,
-        timeout_s: float = 1800.0,
+        timeout_s: float | None = None,
         virtual_pp: int = 1,
         schedule: str | None = None,
         pipeline_layout: Sequence[int] | None = None,
@@ -199,6 +204,8 @@ class MegatronStrategy(MegatronGradNorms, Strategy):
             return
         world = launched_world_size()
         self.validate_world(world)  # before any process group exists
+        if self.timeout_s is None:  # the group the process is in decides, else torch's default
+            self.timeout_s = default_group_timeout_s() or DEFAULT_TIMEOUT_S
         # one process needs no group (unless the user made one)
         if world > 1 and join_process_group("MegatronStrategy", self.backend, self.timeout_s):
             self._owns_process_group = True

@@ -23,6 +23,8 @@ import torch
 import torch.distributed as dist
 
 __all__ = [
+    "DEFAULT_TIMEOUT_S",
+    "default_group_timeout_s",
     "env_int",
     "init_process_group",
     "join_process_group",
@@ -128,6 +130,23 @@ def join_process_group(who: str, backend: str | None, timeout_s: float) -> bool:
         local_rank=launched_local_rank(),
     )
     return True
+
+
+#: the collective timeout of a process group a strategy creates itself (torch's default)
+DEFAULT_TIMEOUT_S = 1800.0
+
+
+def default_group_timeout_s() -> float | None:
+    """The collective timeout of the default process group this process is already in (one
+    the user or a test harness made), or None (no group, or torch does not tell)."""
+    if not dist.is_initialized():
+        return None
+    try:
+        device = torch.device("cuda" if dist.get_backend() == "nccl" else "cpu")
+        backend = dist.distributed_c10d._get_default_group()._get_backend(device)
+        return float(backend.options._timeout.total_seconds())
+    except Exception:  # noqa: BLE001 - private attributes: fall back to the default
+        return None
 
 
 def process_device(backend: str | None) -> torch.device:

@@ -24,6 +24,7 @@ from nanotrain.precision import Precision, resolve_precision
 from nanotrain.runtime.collective_errors import explain_timeout
 from nanotrain.runtime.exit_codes import EXIT_PREEMPTED
 from nanotrain.runtime.rng import set_deterministic
+from nanotrain.runtime.run_files import run_files_error
 from nanotrain.strategies import Strategy, resolve_strategy
 from nanotrain.strategies.base import StepOutput
 from nanotrain.trainer.checkpoint_methods import CheckpointMethods
@@ -199,9 +200,14 @@ class Trainer(LightningTrainerProperties, TrainStepMethods, EvaluationMethods, C
         from nanotrain.checkpoint.collective import attempt, raise_first_failure
 
         def make() -> None:
-            (self.run_dir / "checkpoints").mkdir(parents=True, exist_ok=True)
-            write_config(self.run_dir, self.resolved_config())
-            self.strategy.precision.write_record(self.run_dir)
+            try:
+                (self.run_dir / "checkpoints").mkdir(parents=True, exist_ok=True)
+                write_config(self.run_dir, self.resolved_config())
+                self.strategy.precision.write_record(self.run_dir)
+            except OSError as err:  # read-only, no permission, a file in the way, disk full
+                raise run_files_error(
+                    err, self.run_dir, "the run directory", "--trainer.default_root_dir"
+                ) from err
             names = self.settings.loggers if self._use_named_loggers else []
             self.loggers = make_loggers(self.run_dir, names, self._user_loggers)
             self.loggers.log_hyperparams(self.hyperparameters())

@@ -62,3 +62,36 @@ def test_a_stalled_rank_ends_the_job_with_the_collective_and_group_named(tmp_pat
     assert f"collective all_reduce over {group}" in waiting["error"]
     assert "timed out after 2 s (the strategy's timeout_s)" in waiting["error"]
     assert waiting["seconds"] < 20
+
+
+def _planted_pipeline_deadlock(rank: int, world_size: int) -> dict:
+    """pp=2 where stage 0 sends microbatch 0's activation under microbatch 1's tag (a bug a
+    schedule could have): stage 1 waits for a message that never comes."""
+    from nanotrain.parallel.pipeline import PipelineComm
+
+    strategy = nt.MegatronStrategy(pp=2)  # no timeout given: the test world's (2 s)
+    real = PipelineComm.send_forward
+    PipelineComm.send_forward = lambda self, m, c, out: real(self, m + 1, c, out)
+    trainer = nt.Trainer(strategy=strategy, max_steps=1, micro_batch_size=2, global_batch_size=4,
+                         loggers=[], enable_checkpointing=False, enable_progress_bar=False)  # fmt: skip
+    start = time.monotonic()
+    try:
+        module = nt.LanguageModelModule("tiny", vocab_size=257)
+        trainer.fit(module, train_dataloaders=RandomTokens(8, 257))
+        return {"error": None, "timeout_s": strategy.timeout_s}
+    except BaseException as exc:  # noqa: BLE001 - reported to the test
+        return {"type": type(exc).__name__, "error": str(exc), "seconds": time.monotonic() - start,
+                "timeout_s": strategy.timeout_s}  # fmt: skip
+
+
+def test_a_stalled_pipeline_transfer_names_the_stage_the_peer_and_the_microbatch():
+    # the suite's worlds use a short collective timeout, which MegatronStrategy inherits:
+    # the planted deadlock fails in seconds, not at the harness's limit
+    stage1 = run_world(_planted_pipeline_deadlock, 2, timeout=60, pg_timeout=2)[1]
+    assert stage1["timeout_s"] == 2
+    assert stage1["type"] == CollectiveTimeoutError.__name__, stage1
+    assert (
+        "pipeline stage 1 (rank 1) waited for microbatch 0's input activation (virtual stage 1) "
+        "from rank 0 (stage 0)"
+    ) in stage1["error"]
+    assert stage1["seconds"] < 20

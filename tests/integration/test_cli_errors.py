@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -16,6 +17,7 @@ import pytest
 from nanotrain.cli import main
 from nanotrain.data.prepare import prepare
 from nanotrain.data.tokenizers import train_bpe
+from nanotrain.testing import Classifier
 
 REPO = Path(__file__).resolve().parents[2]
 SMALL_DEMO = ["--data.init_args.demo_max_bytes", "300000"]
@@ -82,6 +84,54 @@ def cases(data: dict[str, Path]) -> dict[str, list[str]]:
     }  # fmt: skip
 
 
+class FailsOnRankOne(Classifier):
+    """A module whose `setup` refuses the data on global rank 1 only, after the process group
+    exists: rank 0 meanwhile waits in the next collective."""
+
+    def setup(self, stage: str) -> None:
+        if self.trainer.global_rank == 1:
+            raise ValueError("rank 1 found a shard it cannot read (planted by the test)")
+
+
+def slurm_recipe(tmp: Path, launch: list[str]) -> list[str]:
+    """docs/checkpointing.md's SLURM script as a bash command, its launch line replaced by
+    `launch` (the SBATCH lines are comments to bash), with a stand-in `scontrol` on PATH that
+    logs its arguments to <tmp>/scontrol.log."""
+    text = (REPO / "docs" / "checkpointing.md").read_text()
+    block = text.split("### SLURM", 1)[1].split("```bash", 1)[1].split("```", 1)[0]
+    lines, skipping = [], False
+    for line in block.strip().splitlines():
+        if line.startswith("srun "):
+            lines.append(" ".join(shlex.quote(a) for a in launch))
+            skipping = line.endswith("\\")
+        elif skipping:
+            skipping = line.endswith("\\")
+        else:
+            lines.append(line)
+    bin_dir = tmp / "bin"
+    bin_dir.mkdir(exist_ok=True)
+    stand_in = bin_dir / "scontrol"
+    stand_in.write_text(f'#!/bin/sh\necho "$@" >> {tmp / "scontrol.log"}\n')
+    stand_in.chmod(0o755)
+    script = tmp / "job.sh"
+    script.write_text("\n".join(lines) + "\n")
+    return ["bash", str(script)]
+
+
+def start_recipe(launch: list[str], tmp: Path) -> subprocess.Popen:
+    environment = {**os.environ, "NANOTRAIN_CACHE": str(tmp / "cache"), "OMP_NUM_THREADS": "1"}
+    environment.update(PYTHONPATH=str(REPO), SLURM_JOB_ID="4242", SLURM_SUBMIT_DIR=str(tmp),
+                       PATH=f"{tmp / 'bin'}:{os.environ['PATH']}")  # fmt: skip
+    return subprocess.Popen(
+        slurm_recipe(tmp, launch), cwd=REPO, env=environment, text=True,
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+    )  # fmt: skip
+
+
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--standalone",
+            "-m", "nanotrain"]  # fmt: skip
+
+
 @pytest.fixture(scope="module")
 def torchrun_runs(data) -> dict[str, subprocess.CompletedProcess]:
     """The cases that need several processes, launched together under torchrun."""
@@ -90,6 +140,19 @@ def torchrun_runs(data) -> dict[str, subprocess.CompletedProcess]:
     args = [*cases(data)["seq_len"], "--trainer.global_batch_size", "2"]
     args += ["--trainer.default_root_dir", str(tmp / "tr_runs")]
     procs = {"torchrun": start(args, tmp, torchrun=2)}
+    # the missing data folder (found by rank 0's prepare_data while rank 1 waits at the
+    # barrier), run through the SLURM recipe: one line, and no requeue
+    (tmp / "slurm").mkdir()
+    missing = ["fit", "--config", "examples/configs/tiny_deepseek.yaml", "--strategy", "ddp",
+               "--data.init_args.data_path", "/nonexistent",
+               "--trainer.default_root_dir", str(tmp / "slurm_runs")]  # fmt: skip
+    procs["data"] = start_recipe([*TORCHRUN, *missing], tmp / "slurm")
+    # found by rank 1 alone, while rank 0 waits in a collective; and the same with --debug
+    rank1 = ["fit", "--model", "tests.integration.test_cli_errors.FailsOnRankOne",
+             "--data", "nanotrain.testing.BlobsData", "--strategy", "ddp",
+             "--trainer.max_steps", "1", "--trainer.default_root_dir", str(tmp / "r1_runs")]  # fmt: skip
+    procs["rank1"] = start(rank1, tmp, torchrun=2)
+    procs["rank1_debug"] = start([*rank1, "--debug"], tmp, torchrun=2)
     results = {}
     for name, proc in procs.items():
         out, err = proc.communicate(timeout=600)
@@ -144,14 +207,42 @@ def test_debug_flag_and_env_show_the_traceback(monkeypatch):
     assert main(["fit", "--strategy", "bogus"]) == 2
 
 
+def _nanotrain_frames(output: str) -> list[str]:
+    # torchrun reports failed workers with a traceback of its own; the ranks must not
+    return [ln for ln in output.splitlines() if "File " in ln and "nanotrain/" in ln]
+
+
 def test_under_torchrun_only_rank_zero_prints_the_error(torchrun_runs):
     result = torchrun_runs["torchrun"]
     output = result.stdout + result.stderr
     assert result.returncode != 0
     assert output.count("nanotrain: error: ") == 1, output[-3000:]
     assert output.count("nanotrain: error: " + EXPECTED["seq_len"]) == 1, output[-3000:]
-    # torchrun reports the failed workers in its own words; no traceback of nanotrain's code
-    assert "nanotrain/" not in "".join(ln for ln in output.splitlines() if "File " in ln)
+    assert not _nanotrain_frames(output), output[-3000:]
+
+
+def test_a_data_error_under_torchrun_is_one_line_and_the_recipe_does_not_requeue(torchrun_runs):
+    result = torchrun_runs["data"]
+    output = result.stdout + result.stderr
+    assert output.count("nanotrain: error: ") == 1, output[-3000:]
+    assert "/nonexistent" in output.split("nanotrain: error: ", 1)[1].splitlines()[0]
+    assert not _nanotrain_frames(output), output[-3000:]
+    record = json.loads((Path(result.args[1]).parent / "exit-4242.json").read_text())
+    assert record["reason"] == "user_error" and "/nonexistent" in record["message"]
+    assert not (Path(result.args[1]).parent / "scontrol.log").exists()  # no requeue
+
+
+def test_an_error_found_by_rank_one_alone_is_printed_once_by_it(torchrun_runs):
+    output = torchrun_runs["rank1"].stdout + torchrun_runs["rank1"].stderr
+    lines = [ln for ln in output.splitlines() if ln.startswith("nanotrain: error: ")]
+    assert lines == [
+        "nanotrain: error: rank 1 found a shard it cannot read (planted by the test)  " + HINT
+    ], output[-3000:]
+    assert not _nanotrain_frames(output), output[-3000:]
+    # --debug: every rank's own traceback (rank 1's error, rank 0's lost connection)
+    debug = torchrun_runs["rank1_debug"].stdout + torchrun_runs["rank1_debug"].stderr
+    assert "planted by the test" in debug and "Connection closed by peer" in debug
+    assert len(_nanotrain_frames(debug)) >= 2, debug[-3000:]
 
 
 def test_prepare_takes_an_eos_token(data):

@@ -26,6 +26,7 @@ from nanotrain.callbacks import ModelCheckpoint
 from nanotrain.runtime.exit_codes import EXIT_PREEMPTED
 from nanotrain.testing import BlobsData
 from tests.distributed.spawn import run_world
+from tests.integration.test_cli_errors import slurm_recipe
 
 pytestmark = pytest.mark.distributed
 
@@ -61,12 +62,20 @@ callbacks:
     return config
 
 
-def torchrun(config: Path, root: Path, *extra: str, **env: str) -> subprocess.CompletedProcess:
+def torchrun(
+    config: Path, root: Path, *extra: str, recipe: Path | None = None, **env: str
+) -> subprocess.CompletedProcess:
+    """The job under torchrun; with `recipe` (a folder), inside docs/checkpointing.md's SLURM
+    script (job id 4242, submitted from `recipe`, with a stand-in scontrol)."""
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2"]
     command += [*extra, "--standalone", "-m", "nanotrain", "fit", "--config", str(config)]
     command += ["--strategy", "ddp"]
     command += ["--trainer.default_root_dir", str(root), "--ckpt_path", "last"]
     environment = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO), **env}
+    if recipe is not None:
+        command = slurm_recipe(recipe, command)
+        environment.update(SLURM_JOB_ID="4242", SLURM_SUBMIT_DIR=str(recipe),
+                           PATH=f"{recipe / 'bin'}:{os.environ['PATH']}")  # fmt: skip
     return subprocess.run(
         command, cwd=REPO, env=environment, capture_output=True, text=True, timeout=300
     )
@@ -116,13 +125,19 @@ def test_torchrun_restarts_after_sigkill_and_sigterm_preempts_with_an_exact_resu
     assert losses(tmp_path / "killed")[8] == expected[8], killed.stderr[-3000:]
     assert_finished(killed, tmp_path / "killed")
 
-    # SIGTERM to rank 1 only, in step 3: every rank saves step 3 and exits with 75.
+    # SIGTERM to rank 1 only, in step 3: every rank saves step 3 and exits with 75, and the
+    # SLURM recipe of docs/checkpointing.md reads "preempted" from the exit record and requeues
     term = write_config(tmp_path / "term.yaml", signal.SIGTERM, step=3)
-    preempted = torchrun(term, tmp_path / "term")
-    assert preempted.returncode != 0
+    job = tmp_path / "job"
+    job.mkdir()
+    preempted = torchrun(term, tmp_path / "term", recipe=job)
     assert f"exitcode: {EXIT_PREEMPTED}" in preempted.stderr or EXIT_ABORT in preempted.stderr
     ckpts = tmp_path / "term" / "default" / "version_0" / "checkpoints"
     assert (ckpts / "last").read_text().strip() == "step-00000003"
+    assert json.loads((job / "exit-4242.json").read_text())["reason"] == "preempted"
+    assert (job / "scontrol.log").read_text().split() == ["requeue", "4242"], preempted.stderr[
+        -3000:
+    ]
     resumed = torchrun(term, tmp_path / "term")  # the same command
     assert_finished(resumed, tmp_path / "term")
     got = losses(tmp_path / "term")

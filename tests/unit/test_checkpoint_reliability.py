@@ -20,6 +20,7 @@ from nanotrain.callbacks.checkpoint import ModelCheckpoint
 from nanotrain.checkpoint import files as ckpt_files
 from nanotrain.checkpoint.files import UnsafeCheckpointError
 from nanotrain.runtime.exit_codes import EXIT_NONFINITE, EXIT_PREEMPTED
+from nanotrain.runtime.run_files import RunFilesError
 from tests.unit.test_checkpoint import DropoutAdamClassifier, data, fit, make_trainer
 
 
@@ -174,7 +175,7 @@ def test_unwritable_checkpoint_folder_is_an_error_at_start(tmp_path, monkeypatch
         make_trainer(tmp_path, 2, [bad, recorder]).fit(DropoutAdamClassifier(), data())
     # A folder without write permission (simulated: this suite may run as root).
     monkeypatch.setattr(os, "access", lambda path, mode: False)
-    with pytest.raises(PermissionError, match="ckpts is not writable|is not writable"):
+    with pytest.raises(RunFilesError, match="ckpts is not writable|is not writable"):
         make_trainer(tmp_path, 2, [ModelCheckpoint(dirpath=tmp_path / "new" / "ckpts")]).fit(
             DropoutAdamClassifier(), data()
         )
@@ -288,3 +289,46 @@ def test_validate_with_last_and_no_checkpoint_is_an_error_that_writes_nothing(tm
     with pytest.raises(FileNotFoundError, match="no checkpoint to validate"):
         trainer.validate(DropoutAdamClassifier(), data(), ckpt_path="last")
     assert listing(tmp_path) == []
+
+
+class WeightsGoNaNAt(nt.Callback):
+    """Turns one weight NaN at the start of step `step` (before its forward), as a blown-up
+    update would: that step's loss, and the state at the stop, are then non-finite."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_train_batch_start(self, trainer, module, batch, batch_idx) -> None:
+        if trainer.global_step + 1 == self.step:
+            with torch.no_grad():
+                next(module.parameters()).view(-1)[0] = float("nan")
+
+
+def test_nan_stop_names_the_checkpoint_that_is_actually_finite(tmp_path):
+    guard = nt.callbacks.NaNGuard(action="stop")
+    ckpt = ModelCheckpoint(every_n_steps=1)
+    trainer = make_trainer(tmp_path, 6, [guard, ckpt, WeightsGoNaNAt(3)])
+    trainer.fit(DropoutAdamClassifier(), data())
+    stopped = trainer.checkpoint_dir / "nan-step-3"
+    assert ckpt_files.read_meta(stopped)["nonfinite"]  # the weights were NaN at the stop
+    assert "last good state" not in guard.stop_reason
+    assert f"saved in {stopped}" in guard.stop_reason
+    assert f"the last finite checkpoint is {trainer.checkpoint_dir / 'step-00000002'}" in (
+        guard.stop_reason
+    )
+
+
+def test_a_raw_pickle_is_reported_as_such_without_torchs_advice(tmp_path):
+    import pickle
+
+    path = tmp_path / "optimizer.pt"
+    path.write_bytes(pickle.dumps({"state": 1}))
+    with pytest.raises(UnsafeCheckpointError, match="it is a raw pickle") as info:
+        ckpt_files.read_torch(path)
+    assert "weights_only" not in str(info.value).replace("weights_only=True", "")
+    truncated = tmp_path / "model.pt"
+    torch.save({"w": torch.ones(3)}, truncated)
+    truncated.write_bytes(truncated.read_bytes()[:40])
+    with pytest.raises(ValueError, match="corrupt or truncated") as info:
+        ckpt_files.read_torch(truncated)
+    assert "weights_only=False" not in str(info.value)

@@ -100,3 +100,25 @@ def test_hf_tokenizer_rejects_a_file_that_is_not_a_tokenizer(tmp_path):
     bad.write_text("{not json")
     with pytest.raises(ValueError, match="cannot read tokenizer"):
         HFTokenizer(bad)
+
+
+def test_a_str_naming_a_file_trains_on_the_file_and_a_missing_one_is_an_error(
+    tmp_path, monkeypatch
+):
+    # tokenizers' own habit, train(files=["a.py"]): a file name means the file, not its text
+    text_file = tmp_path / "a.py"
+    text_file.write_text("def f(x):\n    return x + 1\n" * 200)
+    monkeypatch.chdir(tmp_path)
+    by_name = train_bpe(["a.py"], vocab_size=280, out_path=tmp_path / "n.json")
+    by_path = train_bpe([text_file], vocab_size=280, out_path=tmp_path / "p.json")
+    assert by_name.encode("return x + 1") == by_path.encode("return x + 1")
+    with pytest.raises(ValueError, match="'b.py', which looks like a file name, but no such file"):
+        train_bpe(["b.py"], vocab_size=280, out_path=tmp_path / "m.json")
+    # text that merely has spaces or several lines stays text
+    train_bpe(["hello world. " * 20], vocab_size=270, out_path=tmp_path / "t.json")
+
+
+def test_a_vocabulary_the_corpus_cannot_reach_warns_with_the_size_reached(tmp_path):
+    with pytest.warns(UserWarning, match=r"vocabulary of \d+ tokens, fewer than the 5000 asked"):
+        tok = train_bpe(["aaaa bbbb"], vocab_size=5000, out_path=tmp_path / "t.json")
+    assert tok.vocab_size < 5000
