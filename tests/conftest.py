@@ -4,6 +4,26 @@ The suite runs on 2 shared cores; tiny models gain nothing from a thread pool, a
 pools (pytest plus spawned ranks or CLI subprocesses) oversubscribe the cores badly.
 """
 
+import builtins
+
+import pytest
 import torch
 
 torch.set_num_threads(1)
+
+
+@pytest.fixture
+def failing_import(monkeypatch):
+    """`failing_import(prefix, error)`: from now on, importing a module whose name starts
+    with `prefix` raises `error` (as a missing or broken optional package would)."""
+    real_import = builtins.__import__
+
+    def install(prefix: str, error: BaseException) -> None:
+        def fake_import(name, *args, **kwargs):
+            if name.startswith(prefix):
+                raise error
+            return real_import(name, *args, **kwargs)
+
+        monkeypatch.setattr(builtins, "__import__", fake_import)
+
+    return install

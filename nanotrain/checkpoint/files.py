@@ -321,13 +321,20 @@ def read_torch(path: Path) -> Any:
                 "load the file unless you know where it came from. Checkpoints (callback "
                 "state_dicts included) may hold only tensors, numbers, strings, lists and dicts"
             ) from None
-        # torch's own text may advise weights_only=False, which nanotrain never does
-        detail = str(exc).split(". ")[0].splitlines()[0] if "weights_only" not in str(exc) else ""
-        raise ValueError(
-            f"checkpoint file {path} is corrupt or truncated"
-            + (f" ({detail})" if detail else "")
-            + "; resume from another checkpoint"
-        ) from None
+        raise corrupt_file_error(path, exc) from None
+
+
+def corrupt_file_error(path: Path, exc: BaseException) -> ValueError:
+    """The error for a checkpoint file that cannot be read: its path, the first sentence of
+    the reader's own message (dropped when it advises weights_only=False, which nanotrain
+    never does) and what to do."""
+    text = str(exc).strip()
+    detail = "" if "weights_only" in text else text.split(". ")[0].splitlines()[0]
+    return ValueError(
+        f"checkpoint file {path} is corrupt or truncated"
+        + (f" ({detail})" if detail else "")
+        + "; resume from another checkpoint"
+    )
 
 
 class UnsafeCheckpointError(ValueError):
@@ -361,13 +368,7 @@ def read_model(path: Path) -> dict[str, torch.Tensor]:
     try:
         return load_file(str(path), device="cpu")
     except (SafetensorError, OSError, ValueError) as exc:
-        # torch's own text may advise weights_only=False, which nanotrain never does
-        detail = str(exc).split(". ")[0].splitlines()[0] if "weights_only" not in str(exc) else ""
-        raise ValueError(
-            f"checkpoint file {path} is corrupt or truncated"
-            + (f" ({detail})" if detail else "")
-            + "; resume from another checkpoint"
-        ) from None
+        raise corrupt_file_error(path, exc) from None
 
 
 def _is_tensor(value: Any) -> bool:

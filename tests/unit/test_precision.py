@@ -4,7 +4,6 @@ and the loss-scaler state through a checkpoint."""
 
 from __future__ import annotations
 
-import builtins
 import json
 
 import pytest
@@ -41,30 +40,19 @@ def test_names_resolve_to_plugins_and_bad_values_fail_at_construction():
         PrecisionPolicy(low_precision="*mlp*")
 
 
-def test_transformer_engine_missing_says_what_to_install(monkeypatch):
-    real_import = builtins.__import__
-
-    def no_te(name, *args, **kwargs):
-        if name.startswith("transformer_engine"):
-            raise ImportError("No module named 'transformer_engine'")
-        return real_import(name, *args, **kwargs)
-
-    monkeypatch.setattr(builtins, "__import__", no_te)
+def test_transformer_engine_missing_says_what_to_install(failing_import):
+    failing_import("transformer_engine", ImportError("No module named 'transformer_engine'"))
     with pytest.raises(
         ValueError, match=r"needs Transformer Engine.*pip install \"nanotrain\[te\]\""
     ):
         resolve_precision("transformer-engine")
 
 
-def test_transformer_engine_empty_meta_package_runtime_error_is_caught(monkeypatch):
-    real_import = builtins.__import__
-
-    def empty_meta(name, *args, **kwargs):
-        if name.startswith("transformer_engine"):
-            raise RuntimeError("Found no Transformer Engine framework extension installed")
-        return real_import(name, *args, **kwargs)
-
-    monkeypatch.setattr(builtins, "__import__", empty_meta)
+def test_transformer_engine_empty_meta_package_runtime_error_is_caught(failing_import):
+    failing_import(
+        "transformer_engine",
+        RuntimeError("Found no Transformer Engine framework extension installed"),
+    )
     with pytest.raises(ValueError, match="RuntimeError: Found no Transformer Engine"):
         TransformerEnginePrecision(recipe="blockwise")
 

@@ -3,8 +3,6 @@ plugin (on the CPU through torch._scaled_mm; the GPU test skips without CUDA).""
 
 from __future__ import annotations
 
-import builtins
-
 import pytest
 import torch
 from torch import nn
@@ -106,18 +104,11 @@ def test_megatron_in_one_process_equals_single_device(tmp_path):
     assert single.losses == pytest.approx(megatron.losses, rel=1e-5)
 
 
-def test_unknown_recipe_and_missing_torchao_are_refused_with_the_fix(monkeypatch):
+def test_unknown_recipe_and_missing_torchao_are_refused_with_the_fix(failing_import):
     assert isinstance(nt.precision.resolve_precision("torchao-float8"), TorchaoFloat8)
     with pytest.raises(ValueError, match="unknown torchao fp8 recipe 'blockwise'"):
         TorchaoFloat8("blockwise")
-    real_import = builtins.__import__
-
-    def no_torchao(name, *args, **kwargs):
-        if name.startswith("torchao"):
-            raise ImportError("No module named 'torchao'")
-        return real_import(name, *args, **kwargs)
-
-    monkeypatch.setattr(builtins, "__import__", no_torchao)
+    failing_import("torchao", ImportError("No module named 'torchao'"))
     with pytest.raises(ValueError, match=r"pip install \"nanotrain\[torchao\]\""):
         TorchaoFloat8()
 
