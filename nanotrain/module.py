@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
@@ -159,6 +160,50 @@ class NanoModule(pl.LightningModule):
         if trainer is None:
             return super().optimizers(use_pl_optimizer)
         return trainer.strategy.optimizer
+
+    @classmethod
+    def load_from_checkpoint(  # noqa: D417 - Lightning's arguments
+        cls,
+        checkpoint_path: Any,
+        map_location: Any = None,
+        hparams_file: Any = None,
+        strict: bool | None = None,
+        **kwargs: Any,
+    ) -> Any:
+        """The module rebuilt from a checkpoint, as Lightning's `load_from_checkpoint`: a
+        nanotrain checkpoint (a checkpoint directory, a folder of checkpoints or its `last`
+        file; saved under any layout) gives the module built with its recorded
+        hyperparameters (`kwargs` override them) and its weights, on the CPU, in eval mode
+        (`nanotrain.checkpoint.module_load.load_module`). Any other path (a Lightning `.ckpt`
+        file) is Lightning's own `load_from_checkpoint`."""
+        from nanotrain.checkpoint.module_load import load_module
+
+        path = Path(checkpoint_path) if isinstance(checkpoint_path, str | Path) else None
+        if path is not None and (path.is_dir() or path.name == "last"):
+            if hparams_file is not None:
+                raise ValueError(
+                    "hparams_file is for Lightning .ckpt files; a nanotrain checkpoint records "
+                    "its hyperparameters: pass overrides as keyword arguments"
+                )
+            return load_module(cls, path, strict=strict is not False, **kwargs)
+        return super().load_from_checkpoint(
+            checkpoint_path, map_location, hparams_file, strict, **kwargs
+        )
+
+    def clip_gradients(
+        self,
+        optimizer: Any,
+        gradient_clip_val: float | None = None,
+        gradient_clip_algorithm: str | None = None,
+    ) -> None:
+        """Clip the step's gradients (as `LightningModule.clip_gradients`; call it from
+        `configure_gradient_clipping`). Under nanotrain "norm" clips the global norm over every
+        shard and replica, so the result does not depend on the layout; "value" clamps each
+        element."""
+        trainer = self._nano_trainer
+        if trainer is None:
+            return super().clip_gradients(optimizer, gradient_clip_val, gradient_clip_algorithm)
+        trainer.clip_gradients(gradient_clip_val, gradient_clip_algorithm)
 
     def lr_schedulers(self) -> Any:
         """The LR scheduler, or None."""

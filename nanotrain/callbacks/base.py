@@ -12,9 +12,12 @@ Order for one `fit` (N steps, validation every V steps, E epochs):
     on_fit_start
     on_train_start
       on_train_epoch_start
-        on_train_batch_start → on_before_optimizer_step → on_train_batch_end     (per step)
+        on_train_batch_start → on_before_zero_grad                              (per step)
+          → [per microbatch: on_before_backward → backward → on_after_backward]
+          → on_before_optimizer_step → (clip, optimizer step) → on_train_batch_end
         [every V steps] on_validation_start → on_validation_epoch_start
-                        → (on_validation_batch_end per batch) → on_validation_epoch_end
+                        → (on_validation_batch_start, on_validation_batch_end per batch)
+                        → on_validation_epoch_end
                         → on_validation_end
       [every `check_val_every_n_epoch` epochs] validation as above, then
       on_train_epoch_end                       (only when an epoch ran to completion)
@@ -79,16 +82,34 @@ class Callback:
     ) -> None:
         """Before the forward pass of one optimizer step. `batch` is this rank's list of
         microbatches (already on the device); `batch_idx` is the step index in the epoch.
-        Gradients are zero."""
+        `.grad` still holds the previous step's gradients (zeroed next, after
+        `on_before_zero_grad`)."""
+
+    def on_before_zero_grad(
+        self, trainer: Trainer, module: NanoModule, optimizer: torch.optim.Optimizer
+    ) -> None:
+        """At the start of a step, before its gradients are zeroed (as Lightning, at the start
+        of an accumulation window): `.grad` still holds the previous step's gradients (none
+        before the first step). `optimizer` is the step's `HookOptimizer`."""
+
+    def on_before_backward(self, trainer: Trainer, module: NanoModule, loss: torch.Tensor) -> None:
+        """Before each microbatch's backward. `loss` is the (unscaled) loss backward runs on:
+        the microbatch's share of the step's mean loss. Not under pp > 1 or ZeRO-2."""
+
+    def on_after_backward(self, trainer: Trainer, module: NanoModule) -> None:
+        """After each microbatch's backward: `.grad` holds the gradients accumulated so far;
+        after the step's last microbatch they are reduced across replicas (as under
+        Lightning's DDP). Changing them here changes the update (e.g. zeroing a frozen
+        layer's). Not under pp > 1 or ZeRO-2."""
 
     def on_before_optimizer_step(
         self, trainer: Trainer, module: NanoModule, optimizer: torch.optim.Optimizer
     ) -> None:
-        """Gradients are accumulated over all microbatches, reduced across replicas and
-        clipped; `trainer.step_output` holds the step's global loss and the grad norm measured
-        before clipping. The optimizer has not stepped. `trainer.request_skip_step()` here
-        discards this step's update; `trainer.request_skip_step(flag)` discards it where the
-        0-dim device tensor `flag` is True, without a host read (fused optimizers only)."""
+        """Gradients are accumulated over all microbatches and reduced across replicas, not
+        yet clipped (as Lightning); `trainer.step_output` holds the step's global loss and grad
+        norm. The optimizer has not stepped. `trainer.request_skip_step()` here discards this
+        step's update; `trainer.request_skip_step(flag)` discards it where the 0-dim device
+        tensor `flag` is True, without a host read (fused optimizers only)."""
 
     def on_train_batch_end(
         self,
@@ -98,8 +119,8 @@ class Callback:
         batch: list[Any],
         batch_idx: int,
     ) -> None:
-        """The optimizer and the step-interval LR scheduler have stepped, gradients are
-        zeroed, `trainer.global_step` counts this step, and the step's metrics are logged if
+        """The optimizer and the step-interval LR scheduler have stepped (the gradients are
+        kept until the next step's `on_before_zero_grad`), `trainer.global_step` counts this step, and the step's metrics are logged if
         this was a logging step. `outputs` is the step's `StepOutput`."""
 
     def on_validation_start(self, trainer: Trainer, module: NanoModule) -> None:
@@ -107,6 +128,11 @@ class Callback:
 
     def on_validation_epoch_start(self, trainer: Trainer, module: NanoModule) -> None:
         """Right after `on_validation_start`: a full pass over the validation data begins."""
+
+    def on_validation_batch_start(
+        self, trainer: Trainer, module: NanoModule, batch: Any, batch_idx: int
+    ) -> None:
+        """Before one validation batch's forward (`batch` on the device)."""
 
     def on_validation_batch_end(
         self, trainer: Trainer, module: NanoModule, outputs: Any, batch: Any, batch_idx: int

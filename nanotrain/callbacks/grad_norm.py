@@ -135,16 +135,9 @@ class GradNormMonitor(Callback):
 
     @staticmethod
     def _unclipped_norms(trainer: Trainer) -> dict[str, torch.Tensor]:
-        """Per-parameter norms before clipping. Here the gradients are already clipped, and
-        clipping scales every gradient by one factor: the ratio of the global norm before
-        clipping to the norm of the clipped gradients undoes it."""
-        norms = trainer.strategy.named_grad_norms()
-        out = trainer.step_output
-        if trainer.settings.gradient_clip_val is None or not norms or out.grad_norm is None:
-            return norms
-        clipped_total = torch.stack([n.float() for n in norms.values()]).square().sum().sqrt()
-        scale = out.grad_norm.float() / clipped_total.clamp_min(torch.finfo(torch.float32).tiny)
-        return {name: norm * scale for name, norm in norms.items()}
+        """Per-parameter norms before clipping: in `on_before_optimizer_step` the gradients
+        are not clipped yet (clipping follows the hook, as in Lightning)."""
+        return trainer.strategy.named_grad_norms()
 
     def _flush_global(self, trainer: Trainer) -> dict[str, Any]:
         if not self._pending:

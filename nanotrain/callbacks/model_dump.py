@@ -185,7 +185,7 @@ class ModelDump(Callback):
         - weights.json, grads.json (rank 0): {"step", "tensors": {parameter: tensor_stats}}
           of every trainable parameter's full value (`strategy.full_tensor`) and gradient,
           taken in `on_before_optimizer_step`: weights before the update, gradients
-          accumulated, reduced and clipped (what the optimizer applies).
+          accumulated and reduced, before clipping (as Lightning's `on_before_optimizer_step`).
         - activations.rank<R>.json (every rank): {"step", "rank", "modules": {module:
           stats}}, the statistics of each module's output (first floating tensor) over all of
           this rank's microbatches of the step: what this rank computed, not a global view.

@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import contextlib
 from abc import ABC, abstractmethod
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor, nn
 
+from nanotrain.parallel.grads import clip_grads_
 from nanotrain.precision.base import Precision
 from nanotrain.precision.master import grad_of, load_into
 from nanotrain.runtime.profiling import named_range
@@ -106,6 +107,16 @@ def _skip_on_device(optimizer: torch.optim.Optimizer, skip_if: Tensor) -> Iterat
         yield
     finally:
         del optimizer.found_inf  # type: ignore[attr-defined]
+
+
+@dataclass
+class BackwardHooks:
+    """What runs around each microbatch's backward: `before(loss)` with the (unscaled) loss
+    backward is called on, `after()` once its gradients are in `.grad` (for the last
+    microbatch of a step: reduced across replicas, as under Lightning's DDP)."""
+
+    before: Callable[[Tensor], None]
+    after: Callable[[], None]
 
 
 class Strategy(ABC):
@@ -261,17 +272,51 @@ class Strategy(ABC):
     # -- one optimizer step ------------------------------------------------------------------
     @abstractmethod
     def forward_backward(
-        self, module: NanoModule, microbatches: Sequence[Any], batch_idx: int
+        self,
+        module: NanoModule,
+        microbatches: Sequence[Any],
+        batch_idx: int,
+        hooks: BackwardHooks | None = None,
     ) -> StepOutput:
         """Run forward and backward over this rank's microbatches of one optimizer step.
 
-        Gradients are left in `.grad`, reduced across replicas and scaled so that they are the
-        gradient of the global mean loss. Returns the step's `StepOutput` (no grad norm yet).
+        Gradients are added to `.grad` (zeroed by `zero_grad` before the step), reduced across
+        replicas and scaled so that they are the gradient of the global mean loss. `hooks`
+        run around each microbatch's backward (Lightning's `on_before_backward` /
+        `on_after_backward`; only where `supports_backward_hooks`). Returns the step's
+        `StepOutput` (no grad norm yet).
         """
+
+    @property
+    def supports_backward_hooks(self) -> bool:
+        """Whether `forward_backward` can run `BackwardHooks` around each microbatch's backward
+        (not inside a pipeline schedule, where backward runs per model chunk)."""
+        return True
+
+    @abstractmethod
+    def grads_for_clipping(self) -> list[Tensor]:
+        """The gradients the optimizer reads on this rank (whole ones, or shards: what a
+        clip must scale in place)."""
 
     @abstractmethod
     def clip_grad_norm_(self, max_norm: float | None) -> Tensor:
         """Return the global grad norm (before clipping); clip to `max_norm` unless None."""
+
+    def clip_grads_(
+        self,
+        total_norm: Tensor,
+        max_norm: float | None = None,
+        clip_value: float | None = None,
+    ) -> None:
+        """Clip the gradients in place: scale them by ``min(1, max_norm / (total_norm +
+        1e-6))`` (torch's rule; `total_norm` from `clip_grad_norm_(None)`, the global norm),
+        and/or clamp every element to ``[-clip_value, clip_value]``."""
+        grads = [g for g in self.grads_for_clipping() if g is not None]
+        if max_norm is not None:
+            clip_grads_(grads, total_norm, max_norm)
+        if clip_value is not None:
+            torch._foreach_clamp_min_(grads, -clip_value)
+            torch._foreach_clamp_max_(grads, clip_value)
 
     @property
     def can_skip_on_device(self) -> bool:
@@ -288,7 +333,8 @@ class Strategy(ABC):
 
     def optimizer_step(self, skip_if: Tensor | None = None) -> None:
         """Apply the optimizer update (on fp32 masters when the precision keeps them; skipped
-        after an fp16 overflow), then zero the gradients.
+        after an fp16 overflow). The gradients stay until `zero_grad` (the Trainer zeroes them
+        at the start of the next step, where Lightning does).
 
         Args:
             skip_if: a 0-dim bool device tensor; where it is True the optimizer leaves the
@@ -298,7 +344,6 @@ class Strategy(ABC):
         if not self.precision.skip_step:
             with named_range("nanotrain/optimizer_step"), skip_on_device(self.optimizer, skip_if):
                 self._updater().step()
-        self.zero_grad()
         self.precision.after_step()
 
     def _updater(self) -> Any:
@@ -308,13 +353,13 @@ class Strategy(ABC):
         return self._master_holder if self._master_holder is not None else self.optimizer
 
     def zero_grad(self) -> None:
-        """Drop the gradients without stepping (a skipped step)."""
+        """Drop the gradients (before a step accumulates new ones)."""
         self.optimizer.zero_grad(set_to_none=True)
 
     def skip_step(self) -> None:
-        """Skip this step's update at a callback's request: drop the gradients and let the
-        precision plugin close the step (a dynamic loss scale moves as after any step)."""
-        self.zero_grad()
+        """Skip this step's update at a callback's request: let the precision plugin close the
+        step (a dynamic loss scale moves as after any step); the gradients go at the next
+        `zero_grad`."""
         self.precision.after_step()
 
     def validation_step(self, module: NanoModule, batch: Any, batch_idx: int) -> Any:

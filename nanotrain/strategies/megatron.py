@@ -47,6 +47,7 @@ from nanotrain.parallel.zero import ZeroOptimizer
 from nanotrain.precision.master import MasterWeights
 from nanotrain.runtime.profiling import named_range
 from nanotrain.strategies.base import (
+    BackwardHooks,
     DataShard,
     StepOutput,
     Strategy,
@@ -326,10 +327,14 @@ class MegatronStrategy(MegatronGradNorms, Strategy):
 
     # -- one optimizer step ------------------------------------------------------------------------
     def forward_backward(
-        self, module: NanoModule, microbatches: Sequence[Any], batch_idx: int
+        self,
+        module: NanoModule,
+        microbatches: Sequence[Any],
+        batch_idx: int,
+        hooks: BackwardHooks | None = None,
     ) -> StepOutput:
         """Accumulate the gradient of the mean loss over the global batch's tokens; reduce it
-        over dp (and tp under SP)."""
+        over dp (and tp under SP). `hooks` need `supports_backward_hooks`."""
         grads = self._grads
         assert grads is not None, "setup_module() must run before forward_backward()"
         weighed = weigh_microbatches(self, module, microbatches)
@@ -340,8 +345,10 @@ class MegatronStrategy(MegatronGradNorms, Strategy):
                 module, microbatches, accumulator, batch_idx, grads, self.precision
             )
         else:
-            sums = self._accumulate(module, microbatches, accumulator, batch_idx, grads)
+            sums = self._accumulate(module, microbatches, accumulator, batch_idx, grads, hooks)
         self._reduce_sequence_parallel_grads()
+        if hooks is not None:  # the last microbatch's: its gradients are reduced by now
+            hooks.after()
         if self.zero_stage == 2:
             grads.release()
         if self.precision.uses_loss_scaling:
@@ -362,6 +369,7 @@ class MegatronStrategy(MegatronGradNorms, Strategy):
         accumulator: LossAccumulator,
         batch_idx: int,
         grads: GradBucketSets,
+        hooks: BackwardHooks | None = None,
     ) -> Tensor:
         """Forward and backward of each microbatch in turn; dp reduction on the last one.
         Returns the accumulator's local sums of the (weighed) loss terms."""
@@ -370,8 +378,13 @@ class MegatronStrategy(MegatronGradNorms, Strategy):
             grads.set_sync(i == num_micro - 1)
             with named_range("nanotrain/forward"), self.precision.forward_context():
                 output = module.training_step(microbatch, batch_idx)
+            objective = accumulator.objective(i, output)
+            if hooks is not None:
+                hooks.before(objective)
             with named_range("nanotrain/backward"):
-                self.precision.scale_loss(accumulator.objective(i, output)).backward()
+                self.precision.scale_loss(objective).backward()
+            if hooks is not None and i < num_micro - 1:
+                hooks.after()
         with named_range("nanotrain/grad_reduction"):
             grads.finish()
         return accumulator.sums
@@ -393,6 +406,12 @@ class MegatronStrategy(MegatronGradNorms, Strategy):
                 "the checkpoint with `nanotrain export` and predict from that"
             )
         return super().predict_step(module, batch, batch_idx)
+
+    @property
+    def supports_backward_hooks(self) -> bool:
+        """Not under pp > 1 (backward runs per model chunk inside the schedule) nor ZeRO-2
+        (the reduced gradients live in this rank's shards, not in `.grad`)."""
+        return self.pp == 1 and self.zero_stage < 2
 
     def _updater(self) -> Any:
         """Under ZeRO the sharded optimizer (it updates this rank's shard, on fp32 masters when

@@ -185,6 +185,10 @@ class MegatronGradNorms:
             sq = sq * self._pipeline.square_norm_mask(self.module, self._grads.params)
         return sq
 
+    def grads_for_clipping(self) -> list[Tensor]:
+        """This rank's gradients as the optimizer reads them (whole, or its ZeRO-2 shards)."""
+        return [g for owned, _ in self._grad_sets() for _, g in owned]
+
     def clip_grad_norm_(self, max_norm: float | None) -> Tensor:
         """Global L2 grad norm over every shard (replicated params once, every expert and
         pipeline stage); clip if asked."""

@@ -12,7 +12,7 @@ from torch import Tensor, nn
 from nanotrain.parallel.data_parallel import GradBuckets
 from nanotrain.precision.master import MainGrads, MasterWeights, grad_of
 from nanotrain.runtime.profiling import named_range
-from nanotrain.strategies.base import StepOutput, Strategy
+from nanotrain.strategies.base import BackwardHooks, StepOutput, Strategy
 from nanotrain.strategies.optimizers import OptimizerSetup
 from nanotrain.strategies.weighting import LossAccumulator, weigh_microbatches
 
@@ -87,7 +87,11 @@ class ReplicatedStrategy(Strategy):
         return contextlib.nullcontext()
 
     def forward_backward(
-        self, module: NanoModule, microbatches: Sequence[Any], batch_idx: int
+        self,
+        module: NanoModule,
+        microbatches: Sequence[Any],
+        batch_idx: int,
+        hooks: BackwardHooks | None = None,
     ) -> StepOutput:
         """Accumulate gradients of the objective over the global batch (each loss term, or the
         whole loss, averaged over its global count: `weighting`); reduce its value."""
@@ -102,10 +106,17 @@ class ReplicatedStrategy(Strategy):
                     output = self._step_runner(microbatch, batch_idx)
                 # scaled by the microbatch's share of each global count (times the replicas,
                 # which DDP's average divides out again)
+                objective = accumulator.objective(i, output)
+                if hooks is not None:
+                    hooks.before(objective)
                 with named_range("nanotrain/backward"):
-                    precision.scale_loss(accumulator.objective(i, output)).backward()
+                    precision.scale_loss(objective).backward()
+            if hooks is not None and i < num_micro - 1:
+                hooks.after()
         if self._main_grads is not None:
             self._reduce_main_grads()
+        if hooks is not None:  # the last microbatch's: its gradients are reduced by now
+            hooks.after()
         if precision.uses_loss_scaling:
             grads = [grad_of(p) for p in self._all_params]
             precision.unscale_grads_([g for g in grads if g is not None], self._found_inf_groups())
@@ -118,20 +129,19 @@ class ReplicatedStrategy(Strategy):
             skipped=precision.skip_step,
         )
 
+    def grads_for_clipping(self) -> list[Tensor]:
+        """This replica's (already synchronized) gradients as the optimizer reads them."""
+        return [g for g in map(grad_of, self._all_params) if g is not None]
+
     def clip_grad_norm_(self, max_norm: float | None) -> Tensor:
         """Global L2 grad norm over this (already synchronized) replica's gradients; clip if asked."""
-        grads = [g for g in map(grad_of, self._all_params) if g is not None]
+        grads = self.grads_for_clipping()
         if not grads:
             return torch.zeros((), device=self.root_device)
         norm = torch.nn.utils.get_total_norm(grads, norm_type=2.0)
         if max_norm is not None:
             # what torch.nn.utils.clip_grad_norm_ does, on the grads the optimizer reads
-            coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
-            by_dtype: dict[torch.dtype, list[Tensor]] = {}
-            for g in grads:
-                by_dtype.setdefault(g.dtype, []).append(g)
-            for dtype, group in by_dtype.items():  # one multi-tensor kernel per dtype
-                torch._foreach_mul_(group, coef.to(dtype))
+            self.clip_grads_(norm, max_norm)
         return norm
 
     def zero_grad(self) -> None:

@@ -1,26 +1,54 @@
 """The optimizer step of `nanotrain.Trainer`: one step's hook sequence and bookkeeping, and
 the requests callbacks make during it (stop, skip this update).
 
-Per optimizer step:
+Per optimizer step (Lightning's optimization hooks at Lightning's points, with one step's
+microbatches as one accumulation window):
 
-    on_train_batch_start → out = strategy.forward_backward(microbatches)
-    → strategy.clip_grad_norm_() → on_before_optimizer_step
-    → strategy.optimizer_step(); lr_scheduler.step() → log → on_train_batch_end
-    → validation cadence
+    on_train_batch_start
+    → on_before_zero_grad(optimizer); optimizer_zero_grad(epoch, batch_idx, optimizer)
+    → strategy.forward_backward(microbatches): per microbatch training_step,
+      on_before_backward(loss), backward, on_after_backward() (the last one's gradients
+      reduced across replicas)
+    → on_before_optimizer_step(optimizer) (gradients not yet clipped; the step's norm known)
+    → configure_gradient_clipping(optimizer, gradient_clip_val, gradient_clip_algorithm)
+    → optimizer_step(epoch, batch_idx, optimizer, closure) → strategy's update
+    → lr_scheduler_step(scheduler, None) (step-interval schedulers)
+    → log → on_train_batch_end → validation cadence
 
-Nothing here reads a device value on a step that does not log (docs/performance.md).
+The optimizer the hooks receive is a `HookOptimizer`: its `step` and `zero_grad` go through
+the strategy (fp32 masters, ZeRO shards, gradient buckets); everything else is the real
+optimizer's (`param_groups`, `state`). Nothing here reads a device value on a step that does
+not log (docs/performance.md).
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+import lightning.pytorch as pl
 import torch
 
-from nanotrain.strategies.base import StepOutput
+from nanotrain.callbacks.base import Callback
+from nanotrain.strategies.base import BackwardHooks, StepOutput
+from nanotrain.trainer.hook_optimizer import HookOptimizer
 
 if TYPE_CHECKING:
     from nanotrain.trainer import Trainer
+
+
+#: the hooks that run around each microbatch's backward
+BACKWARD_HOOKS = ("on_before_backward", "on_after_backward")
+
+
+def backward_hooks_refusal(strategy: Any) -> str:
+    """Why `strategy` cannot run `on_before_backward` / `on_after_backward`, and what to do."""
+    return (
+        f"on_before_backward / on_after_backward cannot run under {type(strategy).__name__} "
+        "with this layout: under pipeline parallelism (pp > 1) backward runs per model chunk "
+        "inside the schedule, and under ZeRO-2 the reduced gradients live in this rank's "
+        "shards, not in .grad; move the code to on_before_optimizer_step (the step's gradients, "
+        "reduced, before clipping), or train with pp=1 and zero_stage <= 1"
+    )
 
 
 class TrainStepMethods:
@@ -62,17 +90,25 @@ class TrainStepMethods:
     def _train_step(self: Trainer, microbatches: list[Any]) -> None:
         st, s = self.state, self.settings
         batch_idx = st.steps_in_epoch
+        strategy, module = self.strategy, self.module
         self._call("on_train_batch_start", microbatches, batch_idx)
-        out = self.strategy.forward_backward(self.module, microbatches, batch_idx)
-        out.grad_norm = self.strategy.clip_grad_norm_(s.gradient_clip_val)
+        optimizer = HookOptimizer(strategy)
+        # Lightning zeroes at the start of each accumulation window, after this hook
+        self._call("on_before_zero_grad", optimizer)
+        module.optimizer_zero_grad(st.epoch, batch_idx, optimizer)
+        out = strategy.forward_backward(module, microbatches, batch_idx, self._backward_hooks)
+        out.grad_norm = strategy.clip_grad_norm_(None)  # measured before any clipping
         self.step_output = out
         self._skip_requested = False
-        self._call("on_before_optimizer_step", self.strategy.optimizer)
+        self._call("on_before_optimizer_step", optimizer)
         if self._skip_requested:
-            self.strategy.skip_step()
+            strategy.skip_step()
             out.skipped = True
         else:
-            self.strategy.optimizer_step(skip_if=out.skip_flag)
+            clip_algorithm = "norm" if s.gradient_clip_val is not None else None
+            module.configure_gradient_clipping(optimizer, s.gradient_clip_val, clip_algorithm)
+            optimizer.skip_if = out.skip_flag
+            module.optimizer_step(st.epoch, batch_idx, optimizer, lambda: out.loss)
             self._step_scheduler("step")
         self._skip_requested = False
         if out.skipped:
@@ -104,7 +140,64 @@ class TrainStepMethods:
             return
         count = self.state.global_step if interval == "step" else self.state.epoch
         if (count + (1 if interval == "step" else 0)) % setup.scheduler.frequency == 0:
-            setup.scheduler.scheduler.step()
+            self.module.lr_scheduler_step(setup.scheduler.scheduler, None)
+
+    def clip_gradients(
+        self: Trainer, gradient_clip_val: float | None, gradient_clip_algorithm: str | None
+    ) -> None:
+        """Clip this step's gradients as `LightningModule.clip_gradients` asks: "norm" (the
+        default) scales them to a global norm of at most `gradient_clip_val` (the global norm
+        over every shard: layout-independent), "value" clamps every element to
+        ``[-gradient_clip_val, gradient_clip_val]``. None values take the Trainer's settings.
+
+        Raises:
+            ValueError: a value that contradicts `Trainer(gradient_clip_val=...)` (as
+                Lightning), or an unknown algorithm.
+        """
+        configured = self.settings.gradient_clip_val
+        if gradient_clip_val is None:
+            gradient_clip_val = configured
+        elif configured is not None and configured != gradient_clip_val:
+            raise ValueError(
+                f"Trainer(gradient_clip_val={configured}) and clip_gradients(gradient_clip_val="
+                f"{gradient_clip_val}) disagree; set only one of them"
+            )
+        algorithm = gradient_clip_algorithm or "norm"
+        if algorithm not in ("norm", "value"):
+            raise ValueError(
+                f"gradient_clip_algorithm must be 'norm' or 'value', got {algorithm!r}"
+            )
+        if not gradient_clip_val:
+            return
+        norm = self.step_output.grad_norm
+        if algorithm == "norm":
+            self.strategy.clip_grads_(norm, max_norm=gradient_clip_val)
+        else:
+            self.strategy.clip_grads_(norm, clip_value=gradient_clip_val)
+
+    @property
+    def _uses_backward_hooks(self: Trainer) -> bool:
+        """Whether the module or a callback has `on_before_backward` / `on_after_backward`."""
+        module_cls = type(self.module)
+        for hook in BACKWARD_HOOKS:
+            if getattr(module_cls, hook) is not getattr(pl.LightningModule, hook):
+                return True
+            if any(getattr(type(cb), hook) is not getattr(Callback, hook) for cb in self.callbacks):
+                return True
+        return False
+
+    @property
+    def _backward_hooks(self: Trainer) -> BackwardHooks | None:
+        """`on_before_backward` / `on_after_backward` of the callbacks and the module, when any
+        of them has one (None: nothing to call, the strategy's loop stays as it is)."""
+        if not self._uses_backward_hooks:
+            return None
+        if not self.strategy.supports_backward_hooks:
+            raise ValueError(backward_hooks_refusal(self.strategy))
+        return BackwardHooks(
+            before=lambda loss: self._call("on_before_backward", loss),
+            after=lambda: self._call("on_after_backward"),
+        )
 
     def _log_train(self: Trainer, out: StepOutput) -> None:
         st = self.state

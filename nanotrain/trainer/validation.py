@@ -44,6 +44,7 @@ def run_validation(trainer: Trainer) -> dict[str, float]:
         if real is not None and batch_idx >= real:
             padding_step(trainer, trainer.strategy.validation_step, batch, batch_idx)
             continue
+        trainer._call("on_validation_batch_start", batch, batch_idx)
         output = trainer.strategy.validation_step(module, batch, batch_idx)
         trainer._call("on_validation_batch_end", output, batch, batch_idx)
     logged = finish_epoch(trainer, "on_validation_epoch_end")

@@ -110,6 +110,11 @@ def test_merged_shards_equal_the_tensors_gathered_in_the_run(trained, layout):
         assert merged["model.layers.1.mlp.experts.gate_proj"].shape[0] == config.n_routed_experts
     for name, tensor in gathered.items():
         assert torch.equal(merged[name], tensor), f"{layout}: {name} differs"
+    # Lightning's habit: the module class rebuilds itself from the (sharded) checkpoint
+    module = nt.LanguageModelModule.load_from_checkpoint(trained[layout]["ckpt"])
+    assert not module.training
+    for name, tensor in module.state_dict().items():
+        assert torch.equal(tensor, merged[name]), f"{layout}: {name} differs after loading"
 
 
 @pytest.mark.parametrize("layout", ["pp=2 x tp=2", "dense tied pp=2 x tp=2"])

@@ -1,0 +1,94 @@
+"""Lightning hooks nanotrain does not call: refused at the start of fit, never skipped.
+
+A LightningModule (or a nanotrain Callback) that overrides a hook the nanotrain Trainer does
+not run would train differently from `lightning.Trainer` with no error. `check_hooks` finds
+every such override before any work and raises one `ValueError` naming the hook and what to
+do instead. The hooks nanotrain does run are listed in docs/lightning.md.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import lightning.pytorch as pl
+
+from nanotrain.callbacks.base import Callback
+
+if TYPE_CHECKING:
+    from nanotrain.strategies.base import Strategy
+
+__all__ = ["check_hooks", "UNSUPPORTED_MODULE_HOOKS", "UNSUPPORTED_CALLBACK_HOOKS"]
+
+_MODE = (
+    "nanotrain switches the model between train and eval mode itself (eval, no grad, for "
+    "validation, test and predict); drop the override"
+)
+_TRANSFER = (
+    "the strategy moves each batch to its device (tensors, and lists / tuples / dicts of "
+    "them); move or transform other data in training_step / validation_step instead"
+)
+
+#: LightningModule hooks the nanotrain Trainer does not call -> what to do instead
+UNSUPPORTED_MODULE_HOOKS: dict[str, str] = {
+    "backward": (
+        "nanotrain runs backward itself (the loss weighed by tokens, loss scaling, pipeline "
+        "schedules); put code that runs around it in on_before_backward / on_after_backward"
+    ),
+    "transfer_batch_to_device": _TRANSFER,
+    "on_before_batch_transfer": _TRANSFER,
+    "on_after_batch_transfer": _TRANSFER,
+    "on_validation_model_eval": _MODE,
+    "on_validation_model_train": _MODE,
+    "on_validation_model_zero_grad": _MODE,
+    "on_test_model_eval": _MODE,
+    "on_test_model_train": _MODE,
+    "on_predict_model_eval": _MODE,
+    "configure_callbacks": (
+        "pass the callbacks to Trainer(callbacks=[...]) (nanotrain.callbacks, or your own "
+        "nanotrain.Callback)"
+    ),
+}
+
+#: Lightning Callback hooks a nanotrain Callback may define by habit that nanotrain never runs
+UNSUPPORTED_CALLBACK_HOOKS: dict[str, str] = {
+    "on_sanity_check_start": "nanotrain runs no sanity-check validation; drop the hook",
+    "on_sanity_check_end": "nanotrain runs no sanity-check validation; drop the hook",
+}
+
+
+def _overrides(obj: Any, base: type, name: str) -> bool:
+    own = getattr(type(obj), name, None)
+    return own is not None and own is not getattr(base, name, None)
+
+
+def check_hooks(module: Any, callbacks: list[Callback], strategy: Strategy) -> None:
+    """Raise ValueError at fit start for a hook `module` or a callback overrides that the
+    nanotrain Trainer would not call, or that `strategy`'s layout cannot run."""
+    from nanotrain.trainer.train_step import BACKWARD_HOOKS, backward_hooks_refusal
+
+    for name, instead in UNSUPPORTED_MODULE_HOOKS.items():
+        if _overrides(module, pl.LightningModule, name):
+            raise ValueError(
+                f"{type(module).__name__}.{name} is a Lightning hook the nanotrain Trainer does "
+                f"not call: {instead}"
+            )
+    for callback in callbacks:
+        for name, instead in UNSUPPORTED_CALLBACK_HOOKS.items():
+            if getattr(callback, name, None) is not None:
+                raise ValueError(
+                    f"{type(callback).__name__}.{name} is a Lightning callback hook the nanotrain "
+                    f"Trainer does not call: {instead}"
+                )
+    if not strategy.supports_backward_hooks:
+        users = (
+            [type(module).__name__]
+            if any(_overrides(module, pl.LightningModule, h) for h in BACKWARD_HOOKS)
+            else []
+        )
+        users += [
+            type(cb).__name__
+            for cb in callbacks
+            if any(_overrides(cb, Callback, h) for h in BACKWARD_HOOKS)
+        ]
+        if users:
+            raise ValueError(f"{', '.join(users)}: " + backward_hooks_refusal(strategy))
