@@ -23,6 +23,7 @@ import re
 import sys
 import time
 from collections.abc import Callable
+from datetime import timedelta
 from pathlib import Path
 
 from nanotrain.runtime.exit_record import (
@@ -128,17 +129,27 @@ def peer_gone(exc: BaseException) -> bool:
 
 
 def _first_to_report() -> bool | None:
-    """Whether this rank is the first of the job to report a user error, through the default
-    process group's store (None: there is no group, so no way to agree)."""
+    """Whether this rank is the first of the job to report a user error (None: no way to
+    agree). Asked through torchrun's agent store, which outlives the workers' process group
+    (the Trainer has already torn the group down when the error reaches the command), else
+    through the default group's store while it exists."""
     try:
         import torch.distributed as dist  # noqa: PLC0415 - only once an error happened
 
-        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-            return None
-        store = dist.distributed_c10d._get_default_store()
-        return store.add("nanotrain/user_error_reported", 1) == 1
+        key = f"nanotrain/user_error_reported/{os.environ.get('TORCHELASTIC_RESTART_COUNT', 0)}"
+        if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == str(True):
+            store = dist.TCPStore(
+                os.environ["MASTER_ADDR"],
+                int(os.environ["MASTER_PORT"]),
+                is_master=False,
+                timeout=timedelta(seconds=10),
+            )
+            return store.add(key, 1) == 1
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            return dist.distributed_c10d._get_default_store().add(key, 1) == 1
     except Exception:  # noqa: BLE001 - a store that is gone cannot agree either
         return None
+    return None
 
 
 def _print_error(message: str) -> None:

@@ -187,8 +187,11 @@ def plan_for_run(
     world = int(os.environ.get("WORLD_SIZE", "1"))
     recompute = (getattr(module, "hparams", {}) or {}).get("recompute")
     layout = PlanLayout.from_strategy(strategy, world, recompute=recompute)
-    micro = int(settings.get("micro_batch_size") or 1)
-    gbs = int(settings.get("global_batch_size") or micro * layout.dp)
+    # the micro batch the run will read: the Trainer's, else its data's loaders' (as the
+    # Trainer resolves it: nanotrain.trainer.loaders)
+    micro = int(settings.get("micro_batch_size") or getattr(data, "loader_batch_size", None) or 1)
+    accumulate = int(settings.get("accumulate_grad_batches") or 1)
+    gbs = int(settings.get("global_batch_size") or micro * accumulate * layout.dp)
     seq_len = int(getattr(data, "seq_len", None) or getattr(config, "max_seq_len", 2048))
     # the Trainer's precision as given: a name, an alias or a plugin object
     workload = Workload(seq_len, micro, gbs, settings.get("precision") or "32-true")

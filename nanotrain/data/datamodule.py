@@ -21,9 +21,9 @@ class TokenDataModule(pl.LightningDataModule):
     Batches are ``{"input_ids": LongTensor[B, seq_len], "labels": LongTensor[B, seq_len]}``
     (labels are the inputs shifted by one token; see `TokenShardDataset`).
 
-    Under the nanotrain Trainer the loaders' datasets are re-batched with a
-    `ResumableDistributedSampler`, so ``micro_batch_size`` here is ignored (the Trainer's own
-    applies). Under ``lightning.Trainer`` the loaders are used as they are.
+    Both Trainers read the loaders with their batch size; the nanotrain Trainer reads them in
+    a `ResumableDistributedSampler`'s order (training windows shuffled unless
+    ``shuffle=False``, validation in order).
 
     Args:
         data_path: a folder written by `nanotrain prepare`; None uses the demo corpus (the
@@ -33,8 +33,11 @@ class TokenDataModule(pl.LightningDataModule):
         tokenizer: ``"byte"`` or a ``tokenizer.json`` path, for the demo corpus. A prepared
             ``data_path`` carries its own tokenizer in its metadata, which wins.
         seq_len: tokens per example.
-        micro_batch_size: batch size of the returned DataLoaders.
+        micro_batch_size: batch size of the returned DataLoaders; None: the nanotrain
+            Trainer's ``micro_batch_size`` when it is given one, else 8.
         num_workers: DataLoader worker processes.
+        shuffle: shuffle the training windows every epoch (the training DataLoader's
+            ``shuffle``, which the nanotrain Trainer follows).
         demo_max_bytes: size of the demo corpus in bytes of source text.
 
     Raises:
@@ -48,24 +51,31 @@ class TokenDataModule(pl.LightningDataModule):
         data_path: str | None = None,
         tokenizer: str = "byte",
         seq_len: int = 128,
-        micro_batch_size: int = 8,
+        micro_batch_size: int | None = None,
         num_workers: int = 0,
         demo_max_bytes: int = DEFAULT_DEMO_BYTES,
+        shuffle: bool = True,
     ) -> None:
         super().__init__()
         for name, value, low in (
             ("seq_len", seq_len, 1),
-            ("micro_batch_size", micro_batch_size, 1),
             ("num_workers", num_workers, 0),
             ("demo_max_bytes", demo_max_bytes, 1),
         ):
             if not isinstance(value, int) or value < low:
                 raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
+        if micro_batch_size is not None and (
+            not isinstance(micro_batch_size, int) or micro_batch_size < 1
+        ):
+            raise ValueError(
+                f"micro_batch_size must be an int >= 1 or None, got {micro_batch_size!r}"
+            )
         self.save_hyperparameters()
         self.data_path = data_path
         self.tokenizer_spec = tokenizer
         self.seq_len, self.micro_batch_size = seq_len, micro_batch_size
         self.num_workers, self.demo_max_bytes = num_workers, demo_max_bytes
+        self.shuffle = bool(shuffle)
         self._metadata: dict[str, Any] | None = None
         self._tokenizer: Tokenizer | None = None
         self.train_dataset: TokenShardDataset | None = None
@@ -96,6 +106,15 @@ class TokenDataModule(pl.LightningDataModule):
         """The corpus's ``metadata.json`` (prepares the demo corpus on first use)."""
         return self._metadata if self._metadata is not None else self._ensure_prepared()
 
+    @property
+    def loader_batch_size(self) -> int:
+        """The batch size of the loaders: ``micro_batch_size``, else the nanotrain Trainer's
+        ``micro_batch_size`` when it was given one (so that the two agree), else 8."""
+        if self.micro_batch_size is not None:
+            return self.micro_batch_size
+        requested = getattr(getattr(self, "trainer", None), "requested_settings", None)
+        return getattr(requested, "micro_batch_size", None) or 8
+
     # -- LightningDataModule hooks -------------------------------------------------------------
     def prepare_data(self) -> None:
         """Prepare the demo corpus if needed, or check that ``data_path`` is prepared data."""
@@ -113,13 +132,14 @@ class TokenDataModule(pl.LightningDataModule):
             self.val_dataset = TokenShardDataset(meta, "val", self.seq_len)
 
     def train_dataloader(self) -> DataLoader:
-        """Shuffled training windows, ``micro_batch_size`` per batch, last partial one dropped."""
+        """Training windows (shuffled unless ``shuffle=False``), `loader_batch_size` per batch,
+        last partial one dropped."""
         if self.train_dataset is None:
             self.setup("fit")
         return DataLoader(
             self.train_dataset,
-            batch_size=self.micro_batch_size,
-            shuffle=True,
+            batch_size=self.loader_batch_size,
+            shuffle=self.shuffle,
             drop_last=True,
             num_workers=self.num_workers,
             persistent_workers=self.num_workers > 0,
@@ -133,7 +153,7 @@ class TokenDataModule(pl.LightningDataModule):
             return None
         return DataLoader(
             self.val_dataset,
-            batch_size=self.micro_batch_size,
+            batch_size=self.loader_batch_size,
             shuffle=False,
             num_workers=self.num_workers,
             persistent_workers=self.num_workers > 0,

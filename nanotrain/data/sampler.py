@@ -1,10 +1,19 @@
 """`ResumableDistributedSampler`: the sample order, identical for 1 or N data-parallel shards.
 
-Per epoch, a permutation ``perm`` of ``range(dataset_len)`` is drawn from ``(seed, epoch)``
+Per epoch, a permutation ``perm`` of ``range(dataset_len)`` is drawn from ``seed + epoch``
 (identity without shuffle) and cut into global batches of ``G = global_batch_size``; the last
 incomplete one is dropped. Global batch ``s`` is ``perm[s*G:(s+1)*G]``, and shard ``r`` of ``n``
 reads the entries of that window at offsets ``r, r+n, r+2n, ...``. So the union over shards of
 one optimizer step's samples is exactly the single-process global batch, whatever ``n`` is.
+
+This is `torch.utils.data.DistributedSampler`'s order for the same seed (the permutation
+``torch.randperm(dataset_len)`` of a generator seeded ``seed + epoch``, rank ``r`` reading
+positions ``r, r+n, ...``), which Lightning puts under every DataLoader under DDP: with
+``G = micro_batch_size × n × accumulation`` the microbatches of every rank are Lightning's
+whenever the dataset splits into whole global batches.
+
+`ResumableBatchList` keeps a DataLoader's own batch sampler (a custom ``batch_sampler`` or
+``sampler``) on one data-parallel shard: the batches it yields, in its order, resumable.
 """
 
 from __future__ import annotations
@@ -31,7 +40,8 @@ class ResumableDistributedSampler(torch.utils.data.Sampler[int]):
         shard_index: this shard's index ``r`` in ``[0, shard_count)``.
         shard_count: number of data-parallel shards ``n``; must divide ``G``.
         shuffle: draw a fresh permutation per epoch; otherwise use ``range(dataset_len)``.
-        seed: seed of the permutation, >= 0; epoch ``e`` uses ``(seed, e)``.
+        seed: seed of the permutation, >= 0; epoch ``e`` uses ``seed + e`` (as
+            `DistributedSampler`).
 
     Raises:
         ValueError: ``G`` not divisible by ``n``, ``dataset_len < G``, or an argument out of
@@ -69,6 +79,9 @@ class ResumableDistributedSampler(torch.utils.data.Sampler[int]):
         self.shuffle, self.seed = shuffle, seed
         self.epoch = 0
         self.position = 0
+        # "torch": DistributedSampler's permutation. "numpy": the one of nanotrain before it
+        # matched DistributedSampler, kept so that a checkpoint written then resumes exactly.
+        self.permutation = "torch"
 
     @property
     def num_steps(self) -> int:
@@ -83,8 +96,11 @@ class ResumableDistributedSampler(torch.utils.data.Sampler[int]):
     def epoch_indices(self, epoch: int | None = None) -> np.ndarray:
         """This shard's indices of a whole epoch (default: the current one), shape ``(len,)``."""
         epoch = self.epoch if epoch is None else epoch
-        if self.shuffle:
+        if self.shuffle and self.permutation == "numpy":
             perm = np.random.default_rng([self.seed, epoch]).permutation(self.dataset_len)
+        elif self.shuffle:
+            generator = torch.Generator().manual_seed(self.seed + epoch)
+            perm = torch.randperm(self.dataset_len, generator=generator).numpy()
         else:
             perm = np.arange(self.dataset_len)
         used = perm[: self.num_steps * self.global_batch_size]
@@ -130,6 +146,7 @@ class ResumableDistributedSampler(torch.utils.data.Sampler[int]):
             "global_batch_size": self.global_batch_size,
             "shuffle": self.shuffle,
             "seed": self.seed,
+            "permutation": self.permutation,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -140,12 +157,19 @@ class ResumableDistributedSampler(torch.utils.data.Sampler[int]):
                 differs from this sampler's, or the consumed samples do not split evenly
                 over this sampler's shards.
         """
+        if "batches" in state:
+            raise ValueError(
+                "cannot resume: the checkpoint read the batches of the DataLoader's own "
+                "batch_sampler (or sampler), this run a plain shuffled or sequential order; "
+                "train with the same DataLoader"
+            )
         for key in ("dataset_len", "global_batch_size", "shuffle", "seed"):
             if key in state and state[key] != getattr(self, key):
                 raise ValueError(
                     f"cannot resume: the checkpoint's sampler has {key}={state[key]!r}, this "
                     f"one {getattr(self, key)!r}; the sample order would differ. Use the same "
-                    "data, seq_len, global batch size and seed"
+                    "data, seq_len, global batch size and seed (Trainer(seed=...), or "
+                    "lightning.seed_everything(...) before fit)"
                 )
         consumed = state.get("consumed_global")
         if consumed is None:
@@ -159,6 +183,136 @@ class ResumableDistributedSampler(torch.utils.data.Sampler[int]):
         if position > len(self):
             raise ValueError(f"saved position {position} is past the epoch's end {len(self)}")
         self.epoch, self.position = int(state["epoch"]), position
+        # a state without the key was written before the order became DistributedSampler's
+        self.permutation = state.get("permutation", "numpy")
+
+
+class ResumableBatchList(torch.utils.data.Sampler[list[int]]):
+    """The batches of a DataLoader's own batch sampler, in its order, remembering how far it got
+    (one data-parallel shard only).
+
+    `set_epoch(e)` calls ``set_epoch(e)`` on the batch sampler and on its ``sampler`` where they
+    have one (as Lightning does at each epoch), then draws the epoch's batches from it once and
+    keeps them; `iter()` yields the kept batches after ``position``. The state holds the
+    epoch's batches and the states of the samplers' ``generator`` attributes, so a sampler
+    rebuilt from `state_dict` yields exactly the batches the interrupted run would have read,
+    and later epochs draw as they would have: exact for batch samplers whose order depends on
+    the epoch, on the global RNGs (restored with the checkpoint) or on a ``generator``
+    attribute, which covers torch's samplers.
+
+    Args:
+        batch_sampler: the DataLoader's ``batch_sampler``: an iterable of index lists with
+            ``__len__``.
+        batch_size: the micro batch size the Trainer counts samples in (see `advance`).
+
+    Raises:
+        TypeError: a batch sampler without ``__len__`` (the epoch's length must be known
+            before it is drawn).
+    """
+
+    def __init__(self, batch_sampler: Any, batch_size: int) -> None:
+        try:
+            self.num_batches = len(batch_sampler)
+        except TypeError:
+            raise TypeError(
+                f"the DataLoader's batch sampler {type(batch_sampler).__name__} has no __len__; "
+                "nanotrain needs the number of batches of an epoch before it starts: give it a "
+                "__len__, or pass a plain DataLoader (batch_size=..., shuffle=...)"
+            ) from None
+        self.batch_sampler, self.batch_size = batch_sampler, batch_size
+        self.epoch = 0
+        self.position = 0  # batches consumed in the current epoch
+        self.batches: list[list[int]] | None = None
+
+    def _parts(self) -> list[Any]:
+        parts = [self.batch_sampler]
+        inner = getattr(self.batch_sampler, "sampler", None)
+        if inner is not None and inner is not self.batch_sampler:
+            parts.append(inner)
+        return parts
+
+    def _generators(self) -> list[torch.Generator]:
+        gens = [getattr(part, "generator", None) for part in self._parts()]
+        return [g for g in gens if isinstance(g, torch.Generator)]
+
+    def set_epoch(self, epoch: int) -> None:
+        """Switch to ``epoch``, rewind to its first batch and draw its batches.
+
+        Raises:
+            ValueError: the batch sampler yielded another number of batches than its len().
+        """
+        self.epoch, self.position = int(epoch), 0
+        for part in self._parts():
+            if callable(getattr(part, "set_epoch", None)):
+                part.set_epoch(self.epoch)
+        self.batches = [[int(i) for i in batch] for batch in self.batch_sampler]
+        if len(self.batches) != self.num_batches:
+            raise ValueError(
+                f"the batch sampler {type(self.batch_sampler).__name__} yielded "
+                f"{len(self.batches)} batches in epoch {self.epoch} but its len() is "
+                f"{self.num_batches}; make __len__ return the number of batches it yields"
+            )
+
+    def __iter__(self) -> Iterator[list[int]]:
+        """The current epoch's remaining batches, after ``position``."""
+        if self.batches is None:
+            self.set_epoch(self.epoch)
+        return iter(self.batches[self.position :])
+
+    def __len__(self) -> int:
+        """Batches in a full epoch."""
+        return self.num_batches
+
+    def advance(self, num_samples: int) -> None:
+        """Record that ``num_samples`` more samples (``batch_size`` per batch, as the Trainer
+        counts them) of the current epoch were consumed.
+
+        Raises:
+            ValueError: not whole batches, or past the end of the epoch.
+        """
+        batches, rest = divmod(int(num_samples), self.batch_size)
+        if rest or batches < 0 or self.position + batches > self.num_batches:
+            raise ValueError(
+                f"cannot advance by {num_samples} samples ({self.batch_size} per batch) from "
+                f"batch {self.position} of {self.num_batches}; call set_epoch() for the next "
+                "epoch"
+            )
+        self.position += batches
+
+    def state_dict(self) -> dict[str, Any]:
+        """``{"epoch", "position", "batches", "num_batches", "generators"}``."""
+        return {
+            "epoch": self.epoch,
+            "position": self.position,
+            "batches": self.batches,
+            "num_batches": self.num_batches,
+            "generators": [g.get_state() for g in self._generators()],
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore the epoch, its batches, the position and the samplers' generators.
+
+        Raises:
+            ValueError: the state is not of a `ResumableBatchList`, or of one with another
+                number of batches or generators.
+        """
+        if "batches" not in state:
+            raise ValueError(
+                "cannot resume: the checkpoint read a plain shuffled or sequential order, this "
+                "run the batches of the DataLoader's own batch_sampler (or sampler); train with "
+                "the same DataLoader"
+            )
+        generators = self._generators()
+        if state["num_batches"] != self.num_batches or len(state["generators"]) != len(generators):
+            raise ValueError(
+                f"cannot resume: the checkpoint's batch sampler had {state['num_batches']} "
+                f"batches per epoch, this one {self.num_batches}; the batches would differ. "
+                "Use the same data and DataLoader"
+            )
+        for generator, saved in zip(generators, state["generators"], strict=True):
+            generator.set_state(saved)
+        self.epoch, self.position = int(state["epoch"]), int(state["position"])
+        self.batches = state["batches"]
 
 
 def validation_sample_count(limit: int | float | None, dataset_len: int, global_batch: int) -> int:

@@ -10,16 +10,23 @@ LOGGER_NAMES = ("tensorboard", "csv", "jsonl")
 
 @dataclass
 class TrainerConfig:
-    """Settings of the training loop.
+    """Settings of the training loop, as given. Those left None that the data decides
+    (micro_batch_size, global_batch_size, accumulate_grad_batches, seed, shuffle) are resolved
+    when a stage starts; `trainer.settings` then holds the values the run uses (and records in
+    config.yaml).
 
     Attributes:
         max_steps: stop after this many optimizer steps (None: no step limit).
         max_epochs: stop after this many passes over the training data (None: no limit).
         max_tokens: stop once this many tokens were consumed (needs `count_tokens`).
         global_batch_size: samples per optimizer step over all data-parallel replicas
-            (default: micro_batch_size, i.e. no accumulation on one process).
-        micro_batch_size: samples per forward/backward pass on one process. Gradient
-            accumulation = global_batch_size / (micro_batch_size × data-parallel size).
+            (default: accumulate_grad_batches × micro_batch_size × data-parallel size).
+        micro_batch_size: samples per forward/backward pass on one process (default None: the
+            training DataLoader's batch_size, 1 for a bare Dataset). Set on the Trainer, every
+            DataLoader's batch_size must equal it.
+        accumulate_grad_batches: as Lightning's: an optimizer step every this many
+            microbatches, i.e. global_batch_size = accumulate_grad_batches × micro_batch_size ×
+            data-parallel size (default None: 1, or what global_batch_size implies).
         gradient_clip_val: clip the global grad norm to this (None: measure, don't clip).
         val_check_interval: validate every this many optimizer steps (None: only at the end).
         check_val_every_n_epoch: also validate at the end of every this many completed
@@ -32,9 +39,13 @@ class TrainerConfig:
             (version None: the next free number).
         loggers: which built-in loggers rank 0 writes into the run directory: any of
             "tensorboard", "csv", "jsonl" (Lightning `Logger` objects: `Trainer(logger=...)`).
-        seed: seeds Python, NumPy and torch before the model is built and the data shuffled.
+        seed: seeds Python, NumPy and torch before the model is built and the data shuffled
+            (default None: `lightning.seed_everything`'s seed, the PL_GLOBAL_SEED environment
+            variable, else 0).
         deterministic: use only deterministic kernels (slower; errors on ops without one).
-        shuffle: shuffle the training data every epoch.
+        shuffle: whether the training data is shuffled every epoch (default None: as the
+            training DataLoader's sampler says; a bare Dataset is shuffled). True or False
+            must agree with a DataLoader's sampler.
         enable_checkpointing: add the default `ModelCheckpoint` (unless one is passed).
         enable_progress_bar: add the default `ProgressBar` (unless one is passed).
         enable_monitors: add the default LR, throughput, grad-norm and MoE-load monitors
@@ -55,7 +66,8 @@ class TrainerConfig:
     max_epochs: int | None = None
     max_tokens: int | None = None
     global_batch_size: int | None = None
-    micro_batch_size: int = 1
+    micro_batch_size: int | None = None
+    accumulate_grad_batches: int | None = None
     gradient_clip_val: float | None = None
     val_check_interval: int | None = None
     check_val_every_n_epoch: int | None = 1
@@ -65,9 +77,9 @@ class TrainerConfig:
     name: str = "default"
     version: int | None = None
     loggers: list[str] = field(default_factory=lambda: ["tensorboard", "jsonl"])
-    seed: int = 0
+    seed: int | None = None
     deterministic: bool = False
-    shuffle: bool = True
+    shuffle: bool | None = None
     enable_checkpointing: bool = True
     enable_progress_bar: bool = True
     enable_monitors: bool = True
@@ -85,21 +97,25 @@ class TrainerConfig:
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value <= 0):
                 raise ValueError(f"{name} must be a positive integer or None, got {value!r}")
-        if not isinstance(self.micro_batch_size, int) or self.micro_batch_size <= 0:
+        for name in ("micro_batch_size", "global_batch_size", "accumulate_grad_batches"):
+            value = getattr(self, name)
+            if value is not None and (type(value) is not int or value <= 0):
+                raise ValueError(f"{name} must be a positive integer or None, got {value!r}")
+        micro, total = self.micro_batch_size, self.global_batch_size
+        if micro is not None and total is not None and total % micro:
             raise ValueError(
-                f"micro_batch_size must be a positive integer, got {self.micro_batch_size!r}"
+                f"global_batch_size={total} is not a multiple of micro_batch_size={micro}; "
+                f"e.g. use global_batch_size={(total // micro + 1) * micro}"
             )
-        if self.global_batch_size is None:
-            self.global_batch_size = self.micro_batch_size
-        if not isinstance(self.global_batch_size, int) or self.global_batch_size <= 0:
+        if self.seed is not None and (type(self.seed) is not int or not 0 <= self.seed < 2**32):
             raise ValueError(
-                f"global_batch_size must be a positive integer, got {self.global_batch_size!r}"
+                f"seed must be an integer in [0, 2**32) or None (PL_GLOBAL_SEED, else 0), got "
+                f"{self.seed!r}"
             )
-        if self.global_batch_size % self.micro_batch_size:
+        if self.shuffle is not None and not isinstance(self.shuffle, bool):
             raise ValueError(
-                f"global_batch_size={self.global_batch_size} is not a multiple of "
-                f"micro_batch_size={self.micro_batch_size}; e.g. use global_batch_size="
-                f"{(self.global_batch_size // self.micro_batch_size + 1) * self.micro_batch_size}"
+                f"shuffle must be True, False or None (the DataLoader's sampler decides), got "
+                f"{self.shuffle!r}"
             )
         if not isinstance(self.default_root_dir, str | os.PathLike):
             raise TypeError(
@@ -126,6 +142,32 @@ class TrainerConfig:
     def to_dict(self) -> dict:
         """The settings as a plain dict (for config.yaml)."""
         return asdict(self)
+
+
+def resolve_seed(seed: int | None) -> int:
+    """The run's seed: `seed` when given, else Lightning's global seed (the PL_GLOBAL_SEED
+    environment variable that `lightning.seed_everything(n)` sets), else 0 (Lightning's
+    default).
+
+    Raises:
+        ValueError: PL_GLOBAL_SEED is set but not an integer in [0, 2**32).
+    """
+    if seed is not None:
+        return seed
+    text = os.environ.get("PL_GLOBAL_SEED")
+    if text is None:
+        return 0
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if not 0 <= value < 2**32:
+        raise ValueError(
+            f"the environment variable PL_GLOBAL_SEED={text!r} (lightning.seed_everything's "
+            "seed, which the Trainer uses when it has no seed) is not an integer in [0, 2**32); "
+            "unset it or pass Trainer(seed=...)"
+        )
+    return value
 
 
 def _check_limit_val_batches(limit: int | float | None) -> None:
@@ -157,8 +199,6 @@ LIGHTNING_ARGUMENTS = {
     "MegatronStrategy(...); devices come from torchrun",
     "devices": "start one process per device with torchrun --nproc-per-node N",
     "num_nodes": "start the processes with torchrun (--nnodes)",
-    "accumulate_grad_batches": "set global_batch_size = micro_batch_size × data-parallel "
-    "size × accumulation",
     "num_sanity_val_steps": "nanotrain runs no sanity validation; drop it",
     "limit_train_batches": "use max_steps",
     "gradient_clip_algorithm": "gradient_clip_val clips the global norm; drop it",

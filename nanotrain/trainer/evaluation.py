@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 import lightning.pytorch as pl
 import torch
 import torchmetrics
-from torch.utils.data import DataLoader, Dataset, IterableDataset, Sampler
+from torch.utils.data import DataLoader, Sampler
 
 from nanotrain.trainer.metric_book import MetricBook, to_float
 
@@ -64,23 +64,14 @@ class _EvalBatches(Sampler[list[int]]):
 
 def _eval_loader(trainer: Trainer, source: Any, what: str) -> DataLoader:
     """This rank's share of `source` (a DataLoader or map-style Dataset), in order, every
-    sample once, `micro_batch_size` at a time (a shard's last real batch may be smaller; see
-    `_EvalBatches` for the padding batches)."""
-    if isinstance(source, DataLoader):
-        dataset = source.dataset
-        extra = dict(collate_fn=source.collate_fn, num_workers=source.num_workers)
-    else:
-        dataset, extra = source, {}
-    if not isinstance(dataset, Dataset) or isinstance(dataset, IterableDataset):
-        raise TypeError(
-            f"{what} needs a map-style dataset (with __len__ and __getitem__) or a DataLoader of "
-            f"one; got {type(dataset).__name__}"
-        )
-    shard = trainer.strategy.data_shard()
-    batches = _EvalBatches(
-        len(dataset), trainer.settings.micro_batch_size, shard.index, shard.count
-    )
-    return DataLoader(dataset, batch_sampler=batches, **extra)
+    sample once, the DataLoader's batch size at a time (a shard's last real batch may be
+    smaller; see `_EvalBatches` for the padding batches); see `loaders.evaluation_loader`."""
+    from nanotrain.trainer.loaders import evaluation_loader
+
+    def ordered(length: int, batch_size: int, shard: Any) -> _EvalBatches:
+        return _EvalBatches(length, batch_size, shard.index, shard.count)
+
+    return evaluation_loader(trainer, source, what, ordered)
 
 
 @contextlib.contextmanager
@@ -114,16 +105,15 @@ def padding_step(trainer: Trainer, step: Callable[..., Any], batch: Any, batch_i
 
 
 def _source(trainer: Trainer, dataloaders: Any, hook: str, stage: str) -> Any:
-    if dataloaders is None and trainer.datamodule is not None:
-        if _defines_dm(trainer.datamodule, hook):
-            dataloaders = getattr(trainer.datamodule, hook)()
-    if dataloaders is None:
-        raise ValueError(f"{stage} needs data: a datamodule with {hook}() or dataloaders=...")
-    return dataloaders
+    from nanotrain.trainer.loaders import data_source
 
-
-def _defines_dm(datamodule: Any, name: str) -> bool:
-    return getattr(type(datamodule), name, None) is not getattr(pl.LightningDataModule, name, None)
+    source = data_source(dataloaders, trainer.datamodule, trainer.module, hook)
+    if source is None:
+        raise ValueError(
+            f"{stage} needs data: dataloaders=..., a datamodule with {hook}() or {hook}() on "
+            f"{type(trainer.module).__name__}"
+        )
+    return source
 
 
 def run_test(trainer: Trainer, dataloaders: Any) -> list[dict[str, float]]:
@@ -228,6 +218,9 @@ class EvaluationMethods:
     def _evaluate(
         self: Trainer, stage: str, module: Any, datamodule: Any, loaders: Any, ckpt: Any
     ) -> Any:
+        from nanotrain.trainer.loaders import split_data_arguments
+
+        datamodule, loaders = split_data_arguments(datamodule, loaders)
         try:
             self._setup(module, datamodule, stage, ckpt)
             if ckpt is not None:

@@ -43,6 +43,7 @@ UNSUPPORTED_MODULE_HOOKS: dict[str, str] = {
     "on_test_model_eval": _MODE,
     "on_test_model_train": _MODE,
     "on_predict_model_eval": _MODE,
+    "configure_sharded_model": "Lightning 2.1 renamed it configure_model, which nanotrain calls",
     "configure_callbacks": (
         "pass the callbacks to Trainer(callbacks=[...]) (nanotrain.callbacks, or your own "
         "nanotrain.Callback)"

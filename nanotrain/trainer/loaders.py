@@ -1,140 +1,552 @@
-"""Re-batch a user's DataLoader into microbatches read in the Trainer's resumable order."""
+"""The Trainer's data loaders: a user's DataLoader read as given (its batch size, its sampler's
+order) in a resumable order shared out over the data-parallel shards.
+
+What a DataLoader decides, as under `lightning.Trainer`:
+
+- its ``batch_size`` is the micro batch (unless the Trainer sets ``micro_batch_size``, which
+  must then agree);
+- its sampler the order: a ``SequentialSampler`` (``shuffle=False``) reads in order, a
+  ``RandomSampler`` (``shuffle=True``) a permutation per epoch seeded with the run's seed, a
+  ``DistributedSampler`` its own ``shuffle`` and ``seed``; each in `DistributedSampler`'s order
+  and split (`ResumableDistributedSampler`);
+- any other sampler or batch sampler is read batch for batch as it yields them
+  (`ResumableBatchList`), on one data-parallel shard only;
+- ``collate_fn`` and the worker settings are kept.
+"""
 
 from __future__ import annotations
 
+import functools
+import os
+import warnings
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from torch.utils.data import DataLoader, Dataset, IterableDataset
+from torch.utils.data import (
+    BatchSampler,
+    DataLoader,
+    Dataset,
+    DistributedSampler,
+    IterableDataset,
+    RandomSampler,
+    Sampler,
+    SequentialSampler,
+)
 
 from nanotrain.strategies.base import DataShard
 
+# DataLoader settings kept as the user gave them (the sampler, batch size and generator are
+# the Trainer's: see `rebatch`)
+_KEPT = (
+    "collate_fn",
+    "num_workers",
+    "pin_memory",
+    "worker_init_fn",
+    "timeout",
+    "prefetch_factor",
+    "persistent_workers",
+    "multiprocessing_context",
+    "pin_memory_device",
+)
+
+
+@dataclass
+class DataSource:
+    """What the Trainer reads of a DataLoader or a bare map-style Dataset.
+
+    Attributes:
+        dataset: the map-style dataset.
+        what: "training", "validation", "test" or "predict" (for messages).
+        extra: the DataLoader settings kept (`_KEPT`).
+        batch_size: the DataLoader's batch size (None: a bare Dataset, or a batch sampler
+            without a ``batch_size``).
+        drop_last: the DataLoader's (its batch sampler's) ``drop_last``.
+        shuffle: what its sampler says (None: a bare Dataset or a custom sampler).
+        seed: a `DistributedSampler`'s own seed (None otherwise).
+        distributed: the user's `DistributedSampler`, if any.
+        batch_sampler: the batch sampler to read as it yields batches, when the DataLoader has
+            a custom ``batch_sampler`` or a ``sampler`` other than torch's sequential, random
+            (without replacement, over the whole set) and distributed ones; else None.
+    """
+
+    dataset: Dataset
+    what: str
+    extra: dict[str, Any] = field(default_factory=dict)
+    batch_size: int | None = None
+    drop_last: bool = False
+    shuffle: bool | None = None
+    seed: int | None = None
+    distributed: DistributedSampler | None = None
+    batch_sampler: Any = None
+
+    @property
+    def custom_name(self) -> str:
+        """The class name of the custom sampler (for messages)."""
+        inner = getattr(self.batch_sampler, "sampler", None)
+        if type(self.batch_sampler) is BatchSampler and inner is not None:
+            return f"sampler {type(inner).__name__}"
+        return f"batch_sampler {type(self.batch_sampler).__name__}"
+
+
+def inspect_source(source: DataLoader | Dataset, what: str) -> DataSource:
+    """Read what a DataLoader (or a bare map-style Dataset) says about batches and order.
+
+    Raises:
+        TypeError: an iterable-style dataset or something that is not a map-style dataset.
+        ValueError: an empty dataset, or a DataLoader with ``batch_size=None`` (no batching).
+    """
+    if isinstance(source, DataLoader):
+        dataset = source.dataset
+    else:
+        dataset = source
+    if (
+        isinstance(dataset, IterableDataset)
+        or not hasattr(dataset, "__len__")
+        or not hasattr(dataset, "__getitem__")
+    ):
+        raise TypeError(
+            "nanotrain needs a map-style dataset (with __len__ and __getitem__) so that it can "
+            "shard it across processes and resume at the exact next sample; got "
+            f"{type(dataset).__name__} as the {what} data"
+        )
+    if len(dataset) == 0:
+        raise ValueError(f"the dataset {type(dataset).__name__} is empty; check the data path")
+    if not isinstance(source, DataLoader):
+        return DataSource(dataset, what)
+    data = DataSource(dataset, what, extra={name: getattr(source, name) for name in _KEPT})
+    batches = source.batch_sampler
+    if batches is None:
+        raise ValueError(
+            f"the {what} DataLoader has batch_size=None (no automatic batching); nanotrain "
+            "batches the samples itself: give the DataLoader a batch_size"
+        )
+    size = getattr(batches, "batch_size", None)
+    data.batch_size = size if type(size) is int else None
+    data.drop_last = bool(getattr(batches, "drop_last", False))
+    sampler = batches.sampler if type(batches) is BatchSampler else None
+    if type(sampler) is SequentialSampler:
+        data.shuffle = False
+    elif type(sampler) is RandomSampler and _plain_permutation(sampler):
+        data.shuffle = True
+    elif type(sampler) is DistributedSampler:
+        data.shuffle, data.seed, data.distributed = sampler.shuffle, sampler.seed, sampler
+        data.drop_last = data.drop_last or sampler.drop_last
+    else:
+        data.batch_sampler = batches
+    return data
+
+
+def _plain_permutation(sampler: RandomSampler) -> bool:
+    """A RandomSampler that draws one permutation of the whole set (shuffle=True)."""
+    return not sampler.replacement and sampler._num_samples is None
+
+
+def resolve_micro_batch(requested: int | None, data: DataSource, default: int | None) -> int:
+    """The micro batch size that reads `data`: the Trainer's `requested` one, else the
+    DataLoader's batch_size, else `default` (e.g. the training micro batch for a bare
+    validation Dataset), else 1.
+
+    Raises:
+        ValueError: the Trainer's micro_batch_size and the DataLoader's batch_size differ, or
+            a micro_batch_size is set for a batch sampler that has no batch size.
+    """
+    if requested is None:
+        return data.batch_size or default or 1
+    if data.batch_size is not None and data.batch_size != requested:
+        raise ValueError(
+            f"the {data.what} DataLoader has batch_size={data.batch_size} but the Trainer has "
+            f"micro_batch_size={requested}; they say the same thing and must agree: drop "
+            f"micro_batch_size (the DataLoader's batch_size is then the micro batch) or build "
+            f"the DataLoader with batch_size={requested}"
+        )
+    if data.batch_sampler is not None and data.batch_size is None:
+        raise ValueError(
+            f"the {data.what} DataLoader's {data.custom_name} makes its own batches, which "
+            f"micro_batch_size={requested} cannot resize; drop micro_batch_size"
+        )
+    return requested
+
+
+def resolve_global_batch(requested: Any, micro: int, dp: int) -> tuple[int, int]:
+    """(global_batch_size, accumulate_grad_batches) from the Trainer's settings as given:
+    ``accumulate_grad_batches × micro × dp`` (Lightning's meaning), the given
+    global_batch_size, or ``micro × dp`` (no accumulation).
+
+    Raises:
+        ValueError: accumulate_grad_batches and global_batch_size disagree, or the global
+            batch is not a multiple of micro × dp.
+    """
+    per_step = micro * dp
+    accumulate, total = requested.accumulate_grad_batches, requested.global_batch_size
+    if accumulate is not None:
+        implied = accumulate * per_step
+        if total is not None and total != implied:
+            raise ValueError(
+                f"accumulate_grad_batches={accumulate} means global_batch_size={implied} "
+                f"(accumulate_grad_batches × micro batch {micro} × data-parallel size {dp}), but "
+                f"global_batch_size={total} was given; set only one of them"
+            )
+        return implied, accumulate
+    if total is None:
+        return per_step, 1
+    if total % per_step:
+        raise ValueError(
+            f"global_batch_size={total} is not divisible by micro_batch_size={micro} × "
+            f"data-parallel size {dp}; pick a global batch that is a multiple of {per_step}"
+        )
+    return total, total // per_step
+
+
+def resolve_shuffle(requested: bool | None, data: DataSource) -> bool | None:
+    """Whether the training data is shuffled: the DataLoader's sampler decides, and a Trainer
+    `shuffle` of True/False must agree with it; a bare Dataset follows the Trainer (None:
+    shuffled). None for a custom sampler or batch sampler (it keeps its own order).
+
+    Raises:
+        ValueError: the Trainer's shuffle contradicts the DataLoader's sampler, or is set for
+            a custom sampler.
+    """
+    if data.batch_sampler is not None:
+        if requested is not None:
+            raise ValueError(
+                f"Trainer(shuffle={requested}) cannot reorder the training DataLoader's "
+                f"{data.custom_name}, which decides the order itself; drop the Trainer's "
+                "shuffle"
+            )
+        return None
+    if data.shuffle is None:  # a bare Dataset
+        return True if requested is None else requested
+    if requested is not None and requested != data.shuffle:
+        if data.distributed is not None:
+            sampler = f"DistributedSampler(shuffle={data.shuffle})"
+        elif data.shuffle:
+            sampler = "RandomSampler (shuffle=True)"
+        else:
+            sampler = "SequentialSampler (shuffle=False)"
+        raise ValueError(
+            f"Trainer(shuffle={requested}) contradicts the training DataLoader's {sampler}; "
+            f"the DataLoader decides the order: drop the Trainer's shuffle, or build the "
+            f"DataLoader with shuffle={requested}"
+        )
+    return data.shuffle
+
+
+def warn_if_shuffled(data: DataSource) -> None:
+    """Evaluation data is read in order: say so when its DataLoader asks for shuffling."""
+    if data.shuffle:
+        warnings.warn(
+            f"the {data.what} DataLoader shuffles (shuffle=True), but nanotrain reads "
+            f"{data.what} data in order, every sample once; build it with shuffle=False to "
+            "silence this",
+            UserWarning,
+            stacklevel=5,
+        )
+
+
+def build_loaders(
+    trainer: Any, stage: str, train_source: Any, val_source: Any
+) -> tuple[DataLoader | None, Any, DataLoader | None]:
+    """(train loader, train sampler, val loader) of `trainer` for `stage` ("fit" or
+    "validate"), with the stage's micro_batch_size, global_batch_size,
+    accumulate_grad_batches and shuffle resolved into `trainer.settings` (from the settings
+    as given, `trainer.requested_settings`).
+
+    Sources, as in Lightning: the dataloaders passed, else the datamodule's
+    `train_dataloader()` / `val_dataloader()` where it defines them, else the module's.
+    Validation reads the same samples under any layout (`validation_loader`); it is skipped
+    when `limit_val_batches` is 0 or there is no validation data.
+
+    Raises:
+        ValueError: `fit` without training data, a batch setting that contradicts the
+            DataLoader, a custom sampler under data parallelism (and what `rebatch` raises).
+    """
+    settings, requested = trainer.settings, trainer.requested_settings
+    shard = trainer.strategy.data_shard()
+    module, datamodule = trainer.module, trainer.datamodule
+    train_loader = train_sampler = val_loader = None
+    micro = None
+    if stage == "fit":
+        source = data_source(train_source, datamodule, module, "train_dataloader")
+        if source is None:
+            raise ValueError(
+                "fit needs training data: pass train_dataloaders or a datamodule, or define "
+                f"train_dataloader() on {type(module).__name__}"
+            )
+        data = inspect_source(source, "training")
+        micro = resolve_micro_batch(requested.micro_batch_size, data, None)
+        total, accumulate = resolve_global_batch(requested, micro, shard.count)
+        shuffle = resolve_shuffle(requested.shuffle, data)
+        settings.micro_batch_size, settings.global_batch_size = micro, total
+        settings.accumulate_grad_batches, settings.shuffle = accumulate, shuffle
+        train_loader, train_sampler = rebatch(
+            data,
+            micro_batch_size=micro,
+            global_batch_size=total,
+            shard=shard,
+            shuffle=bool(shuffle),
+            seed=settings.seed if data.seed is None else data.seed,
+            rank=trainer.strategy.global_rank,
+        )
+        _warn_if_samples_left(trainer, data, train_sampler, accumulate)
+    source = data_source(val_source, datamodule, module, "val_dataloader")
+    if source is not None and (stage == "validate" or settings.limit_val_batches != 0):
+        data = inspect_source(source, "validation")
+        batch = resolve_micro_batch(requested.micro_batch_size, data, micro)
+        if stage == "validate":  # no training data: the validation batch sets the numbers
+            total, accumulate = resolve_global_batch(requested, batch, shard.count)
+            settings.micro_batch_size, settings.global_batch_size = batch, total
+            settings.accumulate_grad_batches = accumulate
+        if settings.limit_val_batches != 0:
+            val_loader = validation_loader(data, settings, shard, batch)
+    return train_loader, train_sampler, val_loader
+
+
+def split_data_arguments(datamodule: Any, *loaders: Any) -> tuple[Any, ...]:
+    """(datamodule, *loaders) of a call written in Lightning's argument order.
+
+    Lightning's `fit(model, train_dataloaders, val_dataloaders)`, `validate(model,
+    dataloaders)`, `test(...)` and `predict(...)` take the data second; nanotrain's take the
+    datamodule second. A DataLoader or Dataset (or a list of them) in the datamodule's place
+    is therefore data given positionally, Lightning's way: it moves to the loaders' places.
+
+    Raises:
+        TypeError: data in the datamodule's place and in the last loader place too (no
+            Lightning call has that many).
+    """
+    if not isinstance(datamodule, DataLoader | Dataset | list | tuple):
+        return (datamodule, *loaders)
+    if loaders[-1] is not None:
+        raise TypeError(
+            f"got a {type(datamodule).__name__} as the datamodule and data for every loader "
+            "argument; pass the data by name: fit(module, train_dataloaders=..., "
+            "val_dataloaders=...) or fit(module, datamodule=...)"
+        )
+    return (None, datamodule, *loaders[:-1])
+
+
+def data_source(given: Any, datamodule: Any, module: Any, hook: str) -> Any:
+    """The data of `hook` (e.g. "train_dataloader"), as Lightning picks it: `given` (the
+    dataloaders passed to fit/validate/test/predict), else the datamodule's hook where it
+    defines one, else the module's; None when none has data."""
+    import lightning.pytorch as pl
+
+    if given is not None:
+        return given
+    for owner, base in ((datamodule, pl.LightningDataModule), (module, pl.LightningModule)):
+        if owner is not None and _overrides(owner, hook, base):
+            source = getattr(owner, hook)()
+            if source is not None:
+                return source
+    return None
+
 
 def rebatch(
-    loader_or_dataset: DataLoader | Dataset,
+    data: DataSource,
     *,
     micro_batch_size: int,
     global_batch_size: int,
     shard: DataShard,
     shuffle: bool,
     seed: int,
+    rank: int = 0,
 ) -> tuple[DataLoader, Any]:
-    """Return (loader, sampler): the same dataset, collate function and worker settings, read
-    `micro_batch_size` at a time in the order of a `ResumableDistributedSampler`.
+    """Return (loader, sampler): the data's dataset, collate function and worker settings,
+    read `micro_batch_size` at a time in the order of a `ResumableDistributedSampler`, or,
+    for a custom sampler or batch sampler, its own batches (`ResumableBatchList`).
 
     Raises:
-        TypeError: for an `IterableDataset` (its position cannot be saved for an exact resume)
-            or something that is neither a DataLoader nor a map-style Dataset.
-        ValueError: for an empty dataset or one smaller than a global batch.
+        ValueError: a dataset smaller than a global batch, a DistributedSampler made for
+            another rank or number of replicas, or a custom sampler under data parallelism.
     """
-    from nanotrain.data.sampler import ResumableDistributedSampler
+    from nanotrain.data.sampler import ResumableBatchList, ResumableDistributedSampler
 
-    dataset, extra = _unwrap(loader_or_dataset)
+    extra = dict(data.extra)
+    if os.environ.get("PL_SEED_WORKERS") == "1" and extra.get("worker_init_fn") is None:
+        # as Lightning after seed_everything(workers=True): workers seed themselves from it
+        from lightning.fabric.utilities.seed import pl_worker_init_function
+
+        extra["worker_init_fn"] = functools.partial(pl_worker_init_function, rank=rank)
+    # A generator of its own: otherwise every iter(loader) draws the workers' base seed from
+    # the global torch RNG, so re-creating the iterator (on resume, or for each validation)
+    # would shift the dropout masks of the following steps and break an exact resume.
+    generator = torch.Generator().manual_seed(seed)
+    if data.batch_sampler is not None:
+        _refuse_custom_under_dp(data, shard)
+        sampler = ResumableBatchList(data.batch_sampler, micro_batch_size)
+        loader = DataLoader(data.dataset, batch_sampler=sampler, generator=generator, **extra)
+        return loader, sampler
+    _check_distributed_sampler(data, shard)
     sampler = ResumableDistributedSampler(
-        len(dataset),
+        len(data.dataset),
         global_batch_size=global_batch_size,
         shard_index=shard.index,
         shard_count=shard.count,
         shuffle=shuffle,
         seed=seed,
     )
-    # A generator of its own: otherwise every iter(loader) draws the workers' base seed from
-    # the global torch RNG, so re-creating the iterator (on resume, or for each validation)
-    # would shift the dropout masks of the following steps and break an exact resume.
     loader = DataLoader(
-        dataset,
+        data.dataset,
         batch_size=micro_batch_size,
         sampler=sampler,
         drop_last=True,
-        generator=torch.Generator().manual_seed(seed),
+        generator=generator,
         **extra,
     )
     return loader, sampler
 
 
-def build_loaders(
-    settings: Any, shard: DataShard, datamodule: Any, stage: str, train_source: Any, val_source: Any
-) -> tuple[DataLoader | None, Any, DataLoader | None]:
-    """(train loader, train sampler, val loader) for `stage` ("fit" or "validate").
-
-    Sources default to the datamodule's `train_dataloader()` / `val_dataloader()`. Validation
-    reads the same samples under any layout (`validation_loader`); it is skipped when
-    `limit_val_batches` is 0 or there is no validation data.
-
-    Raises:
-        ValueError: `fit` without training data (and everything `rebatch` raises).
-    """
-    train_loader = train_sampler = val_loader = None
-    if stage == "fit":
-        if train_source is None and datamodule is not None:
-            train_source = datamodule.train_dataloader()
-        if train_source is None:
-            raise ValueError("fit needs training data: pass a datamodule or train_dataloaders")
-        train_loader, train_sampler = rebatch(
-            train_source,
-            micro_batch_size=settings.micro_batch_size,
-            global_batch_size=settings.global_batch_size,
-            shard=shard,
-            shuffle=settings.shuffle,
-            seed=settings.seed,
+def _refuse_custom_under_dp(data: DataSource, shard: DataShard) -> None:
+    if shard.count > 1:
+        raise ValueError(
+            f"the {data.what} DataLoader's {data.custom_name} cannot be shared out over "
+            f"{shard.count} data-parallel replicas exactly and resumably; pass a plain "
+            "DataLoader (batch_size=..., shuffle=True/False) and nanotrain splits each global "
+            "batch over the replicas as DistributedSampler does, or train on one replica"
         )
-    if val_source is None and datamodule is not None and _overrides(datamodule, "val_dataloader"):
-        val_source = datamodule.val_dataloader()
-    if val_source is not None and settings.limit_val_batches != 0:
-        val_loader = validation_loader(val_source, settings, shard)
-    return train_loader, train_sampler, val_loader
 
 
-def validation_loader(source: DataLoader | Dataset, settings: Any, shard: DataShard) -> DataLoader:
+def _check_distributed_sampler(data: DataSource, shard: DataShard) -> None:
+    sampler = data.distributed
+    if sampler is not None and (sampler.num_replicas, sampler.rank) != (shard.count, shard.index):
+        raise ValueError(
+            f"the {data.what} DataLoader's DistributedSampler has num_replicas="
+            f"{sampler.num_replicas}, rank={sampler.rank}, but this process is data-parallel "
+            f"replica {shard.index} of {shard.count}; pass a DataLoader without a "
+            "DistributedSampler (shuffle=True/False): nanotrain shares it out itself"
+        )
+
+
+def _warn_if_samples_left(trainer: Any, data: DataSource, sampler: Any, accumulate: int) -> None:
+    """Warn (global rank 0) when an epoch ends with samples that do not fill a whole global
+    batch and the run will reach the end of an epoch: Lightning trains them as a smaller last
+    batch (or a step of fewer microbatches), nanotrain leaves them out."""
+    from nanotrain.data.sampler import ResumableBatchList
+
+    s = trainer.settings
+    if isinstance(sampler, ResumableBatchList):
+        left, steps = sampler.num_batches % accumulate, sampler.num_batches // accumulate
+        lightning_same = left == 0
+        what = f"{left} batches per epoch that do not fill a step of {accumulate} batches"
+        fix = "use an accumulate_grad_batches that divides the batches of an epoch"
+    else:
+        total = len(data.dataset)
+        left, steps = total % s.global_batch_size, sampler.num_steps
+        dp = sampler.shard_count
+        # with drop_last, Lightning drops each rank's incomplete batch itself; what nanotrain
+        # leaves out then is exactly that when whole steps of full batches remain
+        lightning_same = left == 0 or (
+            data.drop_last
+            and total % dp == 0
+            and (total // dp // s.micro_batch_size) % accumulate == 0
+        )
+        what = f"{left} samples per epoch that do not fill a global batch of {s.global_batch_size}"
+        fix = (
+            "use a dataset whose size is a multiple of the global batch, or "
+            "DataLoader(drop_last=True) without gradient accumulation"
+        )
+    reaches_epoch_end = s.max_steps is None or s.max_steps > steps
+    if lightning_same or not reaches_epoch_end or not trainer.is_global_zero:
+        return
+    warnings.warn(
+        f"the training data leaves {what} ({steps} optimizer steps per epoch); nanotrain "
+        "leaves them out of each epoch, where lightning.Trainer would train them in a last, "
+        f"smaller step. To make the runs the same, {fix}",
+        UserWarning,
+        stacklevel=5,
+    )
+
+
+class FixedBatches(Sampler[list[int]]):
+    """Given batches, in order: a custom batch sampler's batches of one evaluation run. All
+    are real (`num_real_batches`: no padding batches)."""
+
+    def __init__(self, batches: list[list[int]]) -> None:
+        self.batches = batches
+        self.num_real_batches = len(batches)
+
+    def __iter__(self):
+        return iter(self.batches)
+
+    def __len__(self) -> int:
+        return len(self.batches)
+
+
+def validation_loader(
+    source: DataSource | DataLoader | Dataset,
+    settings: Any,
+    shard: DataShard,
+    batch_size: int | None = None,
+) -> DataLoader:
     """The validation loader of this data-parallel shard: the first samples of the set
     (`limit_val_batches` counted in global batches of `global_batch_size`, or a fraction of
-    the set: `validation_sample_count`) dealt over the shards, `micro_batch_size` at a time,
-    none dropped; every shard yields the same number of batches (padding batches from
-    `loader.batch_sampler.num_real_batches` on; see `ValidationBatchSampler`).
+    the set: `validation_sample_count`) dealt over the shards, `batch_size` (default: the
+    micro batch) at a time, none dropped; every shard yields the same number of batches
+    (padding batches from `loader.batch_sampler.num_real_batches` on; see
+    `ValidationBatchSampler`). A custom sampler or batch sampler is read as it yields its
+    batches (one shard only), `limit_val_batches` of them (a count or a fraction).
 
     Raises:
-        TypeError, ValueError: as `rebatch`.
+        TypeError, ValueError: as `inspect_source`; a custom sampler under data parallelism.
     """
     from nanotrain.data.sampler import ValidationBatchSampler, validation_sample_count
 
-    dataset, extra = _unwrap(source)
-    count = validation_sample_count(
-        settings.limit_val_batches, len(dataset), settings.global_batch_size
-    )
-    sampler = ValidationBatchSampler(count, settings.micro_batch_size, shard.index, shard.count)
+    data = source if isinstance(source, DataSource) else inspect_source(source, "validation")
+    warn_if_shuffled(data)
+    batch_size = batch_size or settings.micro_batch_size
     # its own generator, as in `rebatch`: iterating must not draw from the global RNG
     generator = torch.Generator().manual_seed(settings.seed)
-    return DataLoader(dataset, batch_sampler=sampler, generator=generator, **extra)
+    if data.batch_sampler is not None:
+        _refuse_custom_under_dp(data, shard)
+        batches = [list(b) for b in data.batch_sampler]
+        batches = batches[: val_batch_limit(settings.limit_val_batches, len(batches))]
+        sampler: Sampler = FixedBatches(batches)
+    else:
+        count = validation_sample_count(
+            settings.limit_val_batches, len(data.dataset), settings.global_batch_size
+        )
+        sampler = ValidationBatchSampler(count, batch_size, shard.index, shard.count)
+    return DataLoader(data.dataset, batch_sampler=sampler, generator=generator, **data.extra)
 
 
-def _unwrap(loader_or_dataset: DataLoader | Dataset) -> tuple[Dataset, dict[str, Any]]:
-    """(dataset, DataLoader settings to keep) of a DataLoader or map-style Dataset.
+def evaluation_loader(trainer: Any, source: Any, what: str, ordered: Any) -> DataLoader:
+    """The test / predict loader of this shard: `source`'s batch size (the Trainer's
+    micro_batch_size must agree with it; a bare Dataset: the Trainer's micro batch, or that
+    of its last fit, else 1), every sample once in order, built by `ordered(
+    length, batch_size, shard)` (a batch sampler); a custom sampler or batch sampler is read
+    as it yields its batches (one shard only).
 
     Raises:
-        TypeError: for an iterable-style dataset; ValueError: for an empty one.
+        TypeError, ValueError: as `inspect_source` and `resolve_micro_batch`; a custom
+            sampler under data parallelism.
     """
-    if isinstance(loader_or_dataset, DataLoader):
-        dataset = loader_or_dataset.dataset
-        extra = dict(
-            collate_fn=loader_or_dataset.collate_fn,
-            num_workers=loader_or_dataset.num_workers,
-            pin_memory=loader_or_dataset.pin_memory,
-        )
+    data = inspect_source(source, what)
+    warn_if_shuffled(data)
+    shard = trainer.strategy.data_shard()
+    if data.batch_sampler is not None:
+        _refuse_custom_under_dp(data, shard)
+        batches: Sampler = FixedBatches([list(b) for b in data.batch_sampler])
     else:
-        dataset, extra = loader_or_dataset, {}
-    if isinstance(dataset, IterableDataset) or not hasattr(dataset, "__len__"):
-        raise TypeError(
-            "nanotrain needs a map-style dataset (with __len__ and __getitem__) so that it can "
-            "shard it across processes and resume at the exact next sample; got "
-            f"{type(dataset).__name__}"
-        )
-    if len(dataset) == 0:
-        raise ValueError(f"the dataset {type(dataset).__name__} is empty; check the data path")
-    return dataset, extra
+        # a bare Dataset: the micro batch of the last fit, if any
+        default = trainer.settings.micro_batch_size
+        batch = resolve_micro_batch(trainer.requested_settings.micro_batch_size, data, default)
+        batches = ordered(len(data.dataset), batch, shard)
+    generator = torch.Generator().manual_seed(trainer.settings.seed)
+    return DataLoader(data.dataset, batch_sampler=batches, generator=generator, **data.extra)
 
 
-def _overrides(obj: Any, name: str) -> bool:
-    """Whether a LightningDataModule subclass defines hook `name` itself."""
-    import lightning.pytorch as pl
+def _overrides(obj: Any, name: str, base: type) -> bool:
+    """Whether `obj` defines hook `name` itself (not `base`'s default)."""
+    return callable(getattr(obj, name, None)) and getattr(type(obj), name, None) is not getattr(
+        base, name, None
+    )
 
-    return getattr(type(obj), name, None) is not getattr(pl.LightningDataModule, name, None)
+
+def val_batch_limit(limit: int | float | None, available: int) -> int:
+    """Batches to run of a loader that is not nanotrain's own validation loader: all (None),
+    a fraction (float <= 1) or a count (int), at most `available`."""
+    if limit is None:
+        return available
+    if isinstance(limit, float) and limit <= 1.0:
+        return max(1, int(available * limit)) if limit > 0 else 0
+    return min(int(limit), available)

@@ -120,7 +120,9 @@ class LightningTrainerProperties:
 
     @property
     def accumulate_grad_batches(self) -> int:
-        """Microbatches per optimizer step on this process."""
+        """Microbatches per optimizer step on this process, as Lightning's: the
+        `accumulate_grad_batches` setting, or what global_batch_size implies (resolved when
+        a stage starts; before that, from the settings as given, 1 when they say nothing)."""
         return self.num_microbatches
 
     @property
@@ -150,7 +152,7 @@ class LightningTrainerProperties:
         """Validation batches per run on this process, one entry per loader (as Lightning);
         nanotrain's own validation loader has `limit_val_batches` applied already and its
         padding batches (which log nothing) are not counted."""
-        from nanotrain.trainer.validation import val_batch_limit
+        from nanotrain.trainer.loaders import val_batch_limit
 
         loader = self._val_loader
         if loader is None:

@@ -10,6 +10,8 @@ The loop never asks how the job is parallelized: the strategy answers every layo
 
 from __future__ import annotations
 
+import copy
+import os
 from pathlib import Path
 from typing import Any
 
@@ -28,9 +30,10 @@ from nanotrain.runtime.run_files import run_files_error
 from nanotrain.strategies import Strategy, resolve_strategy
 from nanotrain.strategies.base import StepOutput
 from nanotrain.trainer.checkpoint_methods import CheckpointMethods
-from nanotrain.trainer.config import TrainerConfig, unknown_setting_error
+from nanotrain.trainer.config import TrainerConfig, resolve_seed, unknown_setting_error
 from nanotrain.trainer.evaluation import EvaluationMethods, finish_epoch
-from nanotrain.trainer.loaders import build_loaders
+from nanotrain.trainer.hook_checks import check_hooks
+from nanotrain.trainer.loaders import build_loaders, split_data_arguments
 from nanotrain.trainer.loggers import LoggerGroup, make_loggers, user_loggers
 from nanotrain.trainer.metric_book import MetricBook, to_float
 from nanotrain.trainer.preemption import PreemptionWatch, stop_if_preempted
@@ -46,7 +49,9 @@ class Trainer(LightningTrainerProperties, TrainStepMethods, EvaluationMethods, C
     LightningModule) under any `Strategy`.
 
     Args: see `TrainerConfig` for every number (steps, batch sizes, cadences, seeding);
-    they are validated at construction. Besides those:
+    they are validated at construction and kept as given in `requested_settings`; each stage
+    resolves those the data decides (batch sizes, shuffle, seed) into `settings`. Besides
+    those:
         strategy: a Strategy instance or "auto" | "single" | "ddp".
         callbacks: callbacks, run in this order at every hook, added to the defaults
             (`nanotrain.callbacks.defaults`; one of the same class replaces the default).
@@ -74,10 +79,12 @@ class Trainer(LightningTrainerProperties, TrainStepMethods, EvaluationMethods, C
     ) -> None:
         for name in settings.keys() - TrainerConfig.__dataclass_fields__.keys():
             raise unknown_setting_error(name)
-        self.settings = TrainerConfig(**settings)
+        # as given; `settings` gets each stage's resolved batch sizes, shuffle and seed
+        self.requested_settings = TrainerConfig(**settings)
         self.strategy = resolve_strategy(strategy)
         self.strategy.precision = resolve_precision(precision)
-        self.settings.precision = self.strategy.precision.name
+        self.requested_settings.precision = self.strategy.precision.name
+        self.settings = copy.deepcopy(self.requested_settings)
         s = self.settings
         self.callbacks: list[Callback] = with_defaults(
             list(callbacks or []), s.enable_checkpointing, s.enable_progress_bar, s.enable_monitors
@@ -110,6 +117,9 @@ class Trainer(LightningTrainerProperties, TrainStepMethods, EvaluationMethods, C
         self._val_loader: DataLoader | None = None
         self._last_val_step = -1
         self._book: MetricBook | None = None
+        # PL_GLOBAL_SEED as the running stage found it (None: unset), to put back at its end
+        self._seed_env_saved = False
+        self._seed_env_before: str | None = None
 
     # -- properties modules and callbacks read (LightningModule relies on several) -------------
     @property
@@ -132,8 +142,12 @@ class Trainer(LightningTrainerProperties, TrainStepMethods, EvaluationMethods, C
 
     @property
     def num_microbatches(self) -> int:
-        """Microbatches per optimizer step on this process (gradient accumulation)."""
+        """Microbatches per optimizer step on this process (gradient accumulation). Before a
+        stage has resolved the batch sizes: accumulate_grad_batches, else 1 (or, when both
+        batch sizes were given, global ÷ (micro × data-parallel size))."""
         s = self.settings
+        if s.micro_batch_size is None or s.global_batch_size is None:
+            return s.accumulate_grad_batches or 1
         return s.global_batch_size // (s.micro_batch_size * self.strategy.data_shard().count)
 
     # -- hook dispatch ---------------------------------------------------------------------
@@ -147,7 +161,13 @@ class Trainer(LightningTrainerProperties, TrainStepMethods, EvaluationMethods, C
                     cb_hook(self, module, *args)
             module_hook = getattr(module, hook, None)
             if callable(module_hook) and hook not in ("on_exception",):
-                module_hook(*args)
+                if module_hook(*args) == -1 and hook == "on_train_batch_start":
+                    raise ValueError(
+                        f"{type(module).__name__}.on_train_batch_start returned -1, which makes "
+                        "Lightning skip the rest of the epoch; nanotrain does not: stop training "
+                        "with self.trainer.should_stop = True (or a callback's "
+                        "trainer.request_stop()) instead"
+                    )
         finally:
             self._current_fx = previous
 
@@ -156,13 +176,6 @@ class Trainer(LightningTrainerProperties, TrainStepMethods, EvaluationMethods, C
         module = adopt_lightning_module(module)
         s = self.settings
         self.strategy.setup_environment()
-        shard = self.strategy.data_shard()
-        if stage == "fit" and s.global_batch_size % (s.micro_batch_size * shard.count):
-            raise ValueError(
-                f"global_batch_size={s.global_batch_size} is not divisible by micro_batch_size="
-                f"{s.micro_batch_size} × data-parallel size {shard.count}; pick a global batch "
-                f"that is a multiple of {s.micro_batch_size * shard.count}"
-            )
         if stage == "fit" and s.max_tokens is not None:
             if type(module).count_tokens is NanoModule.count_tokens:
                 raise ValueError(
@@ -170,11 +183,13 @@ class Trainer(LightningTrainerProperties, TrainStepMethods, EvaluationMethods, C
                     f"{type(module).__name__}.count_tokens(batch), or use max_steps/max_epochs"
                 )
         self.module, self.datamodule = module, datamodule
+        # a Lightning hook this Trainer would not call is an error now, not a different run
+        check_hooks(module, self.callbacks, self.strategy)
         module.trainer = self
         if datamodule is not None:
             datamodule.trainer = self
         self._plan_run_dir(ckpt_path)
-        seed_everything(s.seed, verbose=False)
+        self._seed()
         set_deterministic(s.deterministic)
         self._book = MetricBook(
             lambda: self.strategy.root_device, self.strategy.metric_process_group
@@ -186,6 +201,25 @@ class Trainer(LightningTrainerProperties, TrainStepMethods, EvaluationMethods, C
             datamodule.setup(stage)
         self.strategy.setup_module(module)
         self._call("setup", stage)
+
+    def _seed(self) -> None:
+        """Seed the stage: the Trainer's seed if given, else `lightning.seed_everything`'s
+        (PL_GLOBAL_SEED), else 0. seed_everything sets PL_GLOBAL_SEED for the stage (Lightning
+        code inside it reads it, e.g. worker seeding); `_teardown` puts back what was there,
+        so that one Trainer's explicit seed does not become a later Trainer's default."""
+        self.settings.seed = resolve_seed(self.requested_settings.seed)
+        if not self._seed_env_saved:
+            self._seed_env_saved, self._seed_env_before = True, os.environ.get("PL_GLOBAL_SEED")
+        seed_everything(self.settings.seed, verbose=False)
+
+    def _restore_global_seed(self) -> None:
+        if not self._seed_env_saved:
+            return
+        if self._seed_env_before is None:
+            os.environ.pop("PL_GLOBAL_SEED", None)
+        else:
+            os.environ["PL_GLOBAL_SEED"] = self._seed_env_before
+        self._seed_env_saved = False
 
     def _plan_run_dir(self, ckpt_path: Any) -> None:
         # Decide only (nothing is written until the inputs and the checkpoint are validated).
@@ -231,18 +265,17 @@ class Trainer(LightningTrainerProperties, TrainStepMethods, EvaluationMethods, C
         return default_config(self.settings.to_dict(), self.strategy, self.module, self.datamodule)
 
     def _build_loaders(self, stage: str, train_loader: Any, val_loader: Any) -> None:
-        loaders = build_loaders(
-            self.settings,
-            self.strategy.data_shard(),
-            self.datamodule,
-            stage,
-            train_loader,
-            val_loader,
-        )
+        from nanotrain.data.sampler import ResumableBatchList
+
+        loaders = build_loaders(self, stage, train_loader, val_loader)
         self._train_loader, self._train_sampler, self._val_loader = loaders
         if stage == "fit":
-            samples_per_step = self.settings.micro_batch_size * self.num_microbatches
-            self.state.steps_per_epoch = len(self._train_sampler) // samples_per_step
+            sampler = self._train_sampler
+            if isinstance(sampler, ResumableBatchList):  # counted in the DataLoader's batches
+                self.state.steps_per_epoch = len(sampler) // self.num_microbatches
+            else:
+                samples_per_step = self.settings.micro_batch_size * self.num_microbatches
+                self.state.steps_per_epoch = len(sampler) // samples_per_step
 
     # -- fit -----------------------------------------------------------------------------------
     def fit(
@@ -257,11 +290,18 @@ class Trainer(LightningTrainerProperties, TrainStepMethods, EvaluationMethods, C
 
         Args:
             module: the NanoModule to train.
-            datamodule: a LightningDataModule; its map-style datasets are re-batched into
-                micro_batch_size microbatches in a resumable, sharded order.
+            datamodule: a LightningDataModule; its DataLoaders are read with their batch size
+                and their sampler's order, resumably and shared out over the data-parallel
+                replicas (`nanotrain.trainer.loaders`).
             train_dataloaders / val_dataloaders: a DataLoader or Dataset instead of a datamodule.
+                Without either, the module's own `train_dataloader()` / `val_dataloader()`
+                are used, as in Lightning. Lightning's positional order also works:
+                `fit(module, train_loader, val_loader)` (see `split_data_arguments`).
             ckpt_path: resume from this checkpoint, or "last" for the newest of this experiment.
         """
+        datamodule, train_dataloaders, val_dataloaders = split_data_arguments(
+            datamodule, train_dataloaders, val_dataloaders
+        )
         try:
             self._setup(module, datamodule, "fit", ckpt_path)
             self._build_loaders("fit", train_dataloaders, val_dataloaders)
@@ -357,6 +397,7 @@ class Trainer(LightningTrainerProperties, TrainStepMethods, EvaluationMethods, C
         ckpt_path: str | Path | None = None,
     ) -> dict[str, float]:
         """Run one pass over the validation data and return the reduced metrics."""
+        datamodule, dataloaders = split_data_arguments(datamodule, dataloaders)
         try:
             self._setup(module, datamodule, "validate", ckpt_path)
             if ckpt_path is not None and self._resume_path is None:  # "last" found nothing
@@ -366,8 +407,8 @@ class Trainer(LightningTrainerProperties, TrainStepMethods, EvaluationMethods, C
             self._build_loaders("validate", None, dataloaders)
             if self._val_loader is None:
                 raise ValueError(
-                    "validate needs validation data: a datamodule with "
-                    "val_dataloader() or dataloaders=..."
+                    "validate needs validation data: dataloaders=..., a datamodule with "
+                    f"val_dataloader() or val_dataloader() on {type(module).__name__}"
                 )
             if self._resume_path is not None:
                 self._resume(self._resume_path, weights_only=True)
@@ -381,6 +422,7 @@ class Trainer(LightningTrainerProperties, TrainStepMethods, EvaluationMethods, C
             self._teardown("validate")
 
     def _teardown(self, stage: str) -> None:
+        self._restore_global_seed()  # first: whatever fails below, the next stage starts clean
         if self.module is not None:
             self._call("teardown", stage)
         self.loggers.finalize()

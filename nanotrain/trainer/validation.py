@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from nanotrain.trainer.loaders import val_batch_limit
 from nanotrain.trainer.metric_book import MetricBook, to_float
 
 if TYPE_CHECKING:
@@ -54,13 +55,3 @@ def run_validation(trainer: Trainer) -> dict[str, float]:
     trainer.validating = False
     trainer._call("on_validation_end")
     return {k: to_float(v) for k, v in logged.items()}
-
-
-def val_batch_limit(limit: int | float | None, available: int) -> int:
-    """Batches to run of a loader that is not nanotrain's own validation loader: all (None),
-    a fraction (float <= 1) or a count (int), at most `available`."""
-    if limit is None:
-        return available
-    if isinstance(limit, float) and limit <= 1.0:
-        return max(1, int(available * limit)) if limit > 0 else 0
-    return min(int(limit), available)

@@ -40,7 +40,7 @@ def _fit(strategy, root: str, steps: int = 5) -> dict:
         seed=7,
         val_check_interval=steps,
     )
-    trainer.fit(module, BlobsData())
+    trainer.fit(module, BlobsData(batch_size=4))
     return {
         "losses": recorder.losses,
         "grad_norms": recorder.grad_norms,

@@ -37,7 +37,7 @@ def _stall(rank: int, world_size: int, kind: str) -> dict:
             global_batch_size=8,
             **settings,
         )
-        fit = lambda: trainer.fit(Classifier(), BlobsData())  # noqa: E731
+        fit = lambda: trainer.fit(Classifier(), BlobsData(batch_size=4))  # noqa: E731
     else:
         strategy = nt.MegatronStrategy(tp=2, timeout_s=2)
         trainer = nt.Trainer(strategy=strategy, micro_batch_size=2, global_batch_size=2, **settings)

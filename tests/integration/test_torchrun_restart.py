@@ -52,7 +52,7 @@ def write_config(config: Path, signum: int, step: int) -> Path:
 trainer: {{max_steps: 8, micro_batch_size: 4, global_batch_size: 16, seed: 3,
           loggers: [jsonl], log_every_n_steps: 1, limit_val_batches: 0}}
 model: {{class_path: tests.unit.test_checkpoint.DropoutAdamClassifier}}
-data: {{class_path: nanotrain.testing.BlobsData, init_args: {{num_train: 64, num_val: 16}}}}
+data: {{class_path: nanotrain.testing.BlobsData, init_args: {{num_train: 64, num_val: 16, batch_size: 4}}}}
 callbacks:
   - {{class_path: nanotrain.callbacks.checkpoint.ModelCheckpoint, init_args: {{every_n_steps: 2}}}}
   - {{class_path: tests.integration.test_torchrun_restart.SignalRankAt,
@@ -108,7 +108,7 @@ def _straight(rank: int, world_size: int, root: str) -> None:
         seed=3, loggers=["jsonl"], log_every_n_steps=1, limit_val_batches=0,
         default_root_dir=root, callbacks=[ModelCheckpoint(every_n_steps=2)],
     )  # fmt: skip
-    trainer.fit(DropoutAdamClassifier(), BlobsData(num_train=64, num_val=16))
+    trainer.fit(DropoutAdamClassifier(), BlobsData(num_train=64, num_val=16, batch_size=4))
 
 
 def test_torchrun_restarts_after_sigkill_and_sigterm_preempts_with_an_exact_resume(tmp_path):

@@ -65,7 +65,7 @@ def make_trainer(root, max_steps, callbacks=(), strategy=None, **kwargs) -> nt.T
 
 def data() -> BlobsData:
     # 64 samples / 16 per step = 4 steps per epoch: step 5 is inside the second epoch.
-    return BlobsData(num_train=64, num_val=16)
+    return BlobsData(num_train=64, num_val=16, batch_size=4)
 
 
 def fit(root, max_steps, ckpt_path=None, callbacks=(), **settings):

@@ -182,3 +182,53 @@ def test_clip_gradients_contradicting_the_trainer_is_refused_as_in_lightning():
     )  # fmt: skip
     with pytest.raises(ValueError, match=r"gradient_clip_val=1.0\) and clip_gradients"):
         trainer.fit(Contradicts(), train_dataloaders=data())
+
+
+class _Steps(nt.Callback):
+    def __init__(self) -> None:
+        self.steps = 0
+
+    def on_before_optimizer_step(self, trainer, module, optimizer) -> None:
+        self.steps += 1
+
+
+def _refused(module, callbacks=(), match=""):
+    steps = _Steps()
+    trainer = nt.Trainer(
+        max_steps=2, micro_batch_size=8, loggers=[], enable_checkpointing=False,
+        enable_progress_bar=False, callbacks=[*callbacks, steps],
+    )  # fmt: skip
+    with pytest.raises(ValueError, match=match):
+        trainer.fit(module, train_dataloaders=data())
+    return steps.steps
+
+
+@pytest.mark.parametrize(
+    "hook, match",
+    [
+        ("transfer_batch_to_device", "the strategy moves each batch to its device"),
+        ("backward", "nanotrain runs backward itself"),
+        ("on_validation_model_eval", "switches the model between train and eval mode"),
+        ("configure_callbacks", r"pass the callbacks to Trainer\(callbacks=\[...\]\)"),
+    ],
+)
+def test_a_lightning_hook_the_trainer_would_not_call_is_refused_at_fit_start(hook, match):
+    module = type("Overrides", (HookedClassifier,), {hook: lambda self, *a, **k: None})()
+    assert _refused(module, match=f"Overrides.{hook} is a Lightning hook .*{match}") == 0
+
+
+def test_a_sanity_check_hook_of_a_callback_is_refused():
+    class Sanity(nt.Callback):
+        def on_sanity_check_start(self, trainer, module):
+            pass
+
+    steps = _refused(HookedClassifier(), [Sanity()], "Sanity.on_sanity_check_start .* no sanity")
+    assert steps == 0
+
+
+def test_returning_minus_one_from_on_train_batch_start_is_refused():
+    class SkipsEpoch(HookedClassifier):
+        def on_train_batch_start(self, batch, batch_idx):
+            return -1
+
+    assert _refused(SkipsEpoch(), match="returned -1.*should_stop = True") == 0

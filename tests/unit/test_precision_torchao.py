@@ -83,9 +83,9 @@ def test_small_layers_and_experts_stay_bf16_with_the_reason_recorded(tmp_path):
 def test_trains_the_tiny_model_near_bf16_mixed_and_keeps_the_state_dict(tmp_path):
     policy = PrecisionPolicy()  # DeepSeek-V3's: embeddings, head, router and norms high
     ao_trainer, ao = fit(
-        TorchaoFloat8(filter_small=False, policy=policy), steps=8, root=str(tmp_path / "a")
+        TorchaoFloat8(filter_small=False, policy=policy), steps=8, root=str(tmp_path / "a"), lr=3e-3
     )
-    bf16_trainer, bf16 = fit("bf16-mixed", steps=8, root=str(tmp_path / "b"))
+    bf16_trainer, bf16 = fit("bf16-mixed", steps=8, root=str(tmp_path / "b"), lr=3e-3)
     plugin = ao_trainer.strategy.precision
     converted = [n for n, w in plugin.resolved_policy.items() if w == "low"]
     assert converted and not plugin.kept_bf16  # tiny-dense widths are multiples of 16

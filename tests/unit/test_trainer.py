@@ -32,7 +32,7 @@ def fit_and_record(tmp_path, **kwargs):
     recorder = LossRecorder()
     module = Classifier()
     trainer = make_trainer(tmp_path, callbacks=[recorder], **kwargs)
-    trainer.fit(module, BlobsData())
+    trainer.fit(module, BlobsData(batch_size=kwargs["micro_batch_size"]))
     return recorder, module
 
 
@@ -57,7 +57,7 @@ def test_hook_order_matches_the_documented_sequence(tmp_path):
         val_check_interval=3,
         limit_val_batches=1,
     )
-    trainer.fit(Classifier(), BlobsData())
+    trainer.fit(Classifier(), BlobsData(batch_size=32))
     step = ["on_train_batch_start", "on_before_optimizer_step", "on_train_batch_end"]
     # limit_val_batches=1 is one *global* batch (64 samples): two microbatches of 32
     val = [
@@ -146,25 +146,29 @@ def test_request_stop_ends_after_the_current_step(tmp_path):
     assert trainer.global_step == 2
 
 
-def test_grad_norm_is_measured_before_clipping(tmp_path):
-    torch.manual_seed(0)
-    module = Classifier()
-    data = BlobsData()
+def test_grads_are_clipped_after_on_before_optimizer_step_as_in_lightning(tmp_path):
+    # Lightning: on_before_optimizer_step sees the unclipped gradients; configure_gradient_
+    # clipping runs after it; optimizer_step then applies the clipped ones
     seen = {}
+
+    def total(module):
+        return torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in module.parameters()]))
 
     class Check(nt.Callback):
         def on_before_optimizer_step(self, trainer, module, optimizer):
-            grads = [p.grad for p in module.parameters()]
             seen["norm"] = trainer.step_output.grad_norm.item()
-            seen["clipped"] = torch.linalg.vector_norm(
-                torch.stack([g.norm() for g in grads])
-            ).item()
+            seen["before"] = total(module).item()
 
-    make_trainer(tmp_path, max_steps=1, gradient_clip_val=1e-3, callbacks=[Check()]).fit(
-        module, data
-    )
-    assert seen["norm"] > 1e-2
-    assert seen["clipped"] == pytest.approx(1e-3, rel=1e-4)
+    class Stepping(Classifier):
+        def optimizer_step(self, epoch, batch_idx, optimizer, optimizer_closure=None):
+            seen["at_step"] = total(self).item()
+            optimizer.step(closure=optimizer_closure)
+
+    torch.manual_seed(0)
+    trainer = make_trainer(tmp_path, max_steps=1, gradient_clip_val=1e-3, callbacks=[Check()])
+    trainer.fit(Stepping(), BlobsData())
+    assert seen["norm"] > 1e-2 and seen["before"] == pytest.approx(seen["norm"], rel=1e-5)
+    assert seen["at_step"] == pytest.approx(1e-3, rel=1e-4)
 
 
 def test_exception_reaches_on_exception_and_teardown(tmp_path):
