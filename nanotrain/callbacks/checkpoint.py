@@ -1,20 +1,26 @@
-"""ModelCheckpoint: when to save checkpoints and which ones to keep."""
+"""ModelCheckpoint: when to save checkpoints and which ones to keep, with Lightning's arguments."""
 
 from __future__ import annotations
 
 import logging
 import math
+import os
+import re
 import shutil
 import time
 import warnings
 from collections.abc import Callable
+from datetime import timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+
+import torch
 
 from nanotrain.callbacks.base import Callback
 from nanotrain.checkpoint.async_save import PendingSave
 from nanotrain.checkpoint.collective import attempt, raise_first_failure
-from nanotrain.checkpoint.commit import check_writable
+from nanotrain.checkpoint.commit import LAST_POINTER, TMP_MARKER, check_writable
+from nanotrain.checkpoint.files import WEIGHTS_ONLY_KEY, check_resumable
 from nanotrain.checkpoint.health import gather_nonfinite
 from nanotrain.checkpoint.step_flag import StepFlag
 from nanotrain.runtime.run_files import RunFilesError
@@ -26,33 +32,59 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+# The key of trainer_state.pt that marks a checkpoint holding the model weights only.
+
 
 class ModelCheckpoint(Callback):
-    """Save checkpoints on a cadence and at the end of training; keep the last k and the best k.
+    """Save checkpoints on a cadence and at the end of training; keep the `save_top_k` best.
 
-    Checkpoints are directories `<dirpath>/step-00000100/` written by `trainer.save_checkpoint`
-    (atomic; `<dirpath>/last` names the newest). Every rank runs this callback and they all
-    decide alike: step cadences are the same everywhere, the time cadence is decided on rank 0
-    and broadcast, and the monitored metric comes from `trainer.callback_metrics` (already
-    reduced across ranks).
+    Lightning's `ModelCheckpoint` arguments with Lightning's meaning (docs/checkpointing.md
+    lists the differences), plus nanotrain's own (`every_n_steps`, `every_n_minutes`,
+    `save_on_exception`, `keep_best_k`, `async_save`). A checkpoint is a directory
+    `<dirpath>/<name>/` written by `trainer.save_checkpoint` (atomic); `<dirpath>/last` names the
+    newest one, which retention never deletes, nor the newest one whose state is finite. Every
+    rank runs this callback and they all decide alike: step and epoch cadences are the same
+    everywhere, the time cadence is decided on rank 0 and broadcast, and `monitor` is read from
+    `trainer.callback_metrics` (already reduced across ranks).
 
     Args:
         dirpath: where checkpoints go; None means `trainer.checkpoint_dir`
             (`<run_dir>/checkpoints`).
+        filename: Lightning's name template, e.g. "{epoch}-{step}-{val_loss:.2f}" (with
+            `auto_insert_metric_name`: "epoch=1-step=20-val_loss=0.53"); it names the checkpoint
+            directory (no ".ckpt"). None: nanotrain's `step-XXXXXXXX`.
+        monitor: a key of `trainer.callback_metrics` (e.g. "val/loss") to rank checkpoints by.
+        verbose: log (rank 0) each monitored save and whether it made the top k.
+        save_last: also save when training ends (unless that step was just saved), and write a
+            checkpoint at every trigger even when it is not among the top k (Lightning's
+            `last.ckpt`; nanotrain's `last` pointer always names the newest checkpoint).
+            "link" is the same as True.
+        save_top_k: with `monitor`: keep the k best by `monitor` (-1: all, 0: none). Without:
+            keep the k newest (-1: all). Default: 1 with a `monitor` (Lightning's), -1
+            without (nanotrain's: nothing is deleted unless asked).
+        save_on_exception: save when an exception escapes the training loop, as
+            `<name>-exception`. Safe only when every rank sees the exception (a save is
+            collective); a one-rank failure would leave the others waiting.
+        save_weights_only: the cadence, last and exception saves hold the model weights only
+            (plus the config that `load_from_checkpoint` and `nanotrain export` need); `fit`
+            refuses to resume from one. `save_now` (preemption, other callbacks) always saves
+            the whole state.
+        mode: "min" or "max": whether a lower or a higher `monitor` value is better.
+        auto_insert_metric_name: as Lightning: "{epoch}" in `filename` becomes "epoch=3".
+        every_n_train_steps: Lightning's name for `every_n_steps` (0 or None: off).
+        train_time_interval: Lightning's name for `every_n_minutes`, a `datetime.timedelta`.
+        every_n_epochs: save at the end of every n-th training epoch (0: off). When no cadence
+            is given at all, 1 (as Lightning).
+        save_on_train_epoch_end: save the epoch cadence at the end of the training epoch
+            (True) or at the end of validation (False); None decides as Lightning: at the end
+            of validation when it runs mid-epoch (`val_check_interval`) or not every epoch.
+        enable_version_counter: with a `filename` template, a name that exists already gets
+            "-v1", "-v2", ... (False: it is overwritten).
         every_n_steps: save after every this many optimizer steps (None: no step cadence).
         every_n_minutes: save when this many minutes of wall time passed since the last save
             (or since training started); None disables it.
-        save_last: save when training ends (unless that step was just saved).
-        save_on_exception: save when an exception escapes the training loop, as
-            `step-XXXXXXXX-exception`. Safe only when every rank sees the exception (a save is
-            collective); a one-rank failure would leave the others waiting.
-        save_top_k: keep the `save_top_k` most recent checkpoints saved by this callback;
-            -1 keeps all of them. The newest checkpoint whose weights and loss are finite is
-            always kept too, so that a run gone NaN never deletes its last good state.
-        monitor: a key of `trainer.callback_metrics` (e.g. "val/loss") to rank checkpoints by.
-        mode: "min" or "max": whether a lower or a higher `monitor` value is better.
-        keep_best_k: also keep the `keep_best_k` best checkpoints by `monitor`, however old
-            (default 1 when `monitor` is set, else 0).
+        keep_best_k: nanotrain's older spelling: keep at least this many of the best by
+            `monitor` (it raises `save_top_k` to it).
         async_save: write checkpoints in a background thread: the loop waits only while the
             state is copied to host memory; the save is committed (and `last` moved) when the
             next save starts or training ends, whichever comes first.
@@ -61,60 +93,109 @@ class ModelCheckpoint(Callback):
     behind): a PermissionError / ValueError then, instead of at the first save.
 
     Raises:
-        ValueError: for a non-positive cadence, `save_top_k` not -1 or >= 1, an unknown
-            `mode`, or `keep_best_k` > 0 without `monitor`.
+        ValueError / TypeError: at construction, for an argument out of range or of the wrong
+            type, two spellings of one cadence that disagree, a `filename` that would not
+            make one directory name, or `save_weights_only` with `async_save`; at the start of
+            `fit`, when resuming a weights-only checkpoint; at a save, when `monitor` is not in
+            `trainer.callback_metrics`.
     """
+
+    CHECKPOINT_JOIN_CHAR = "-"
+    CHECKPOINT_EQUALS_CHAR = "="
+    CHECKPOINT_NAME_LAST = LAST_POINTER
+    FILE_EXTENSION = ""  # checkpoints are directories
+    STARTING_VERSION = 1
 
     def __init__(
         self,
         dirpath: str | Path | None = None,
+        filename: str | None = None,
+        monitor: str | None = None,
+        verbose: bool = False,
+        save_last: bool | str | None = True,
+        save_top_k: int | None = None,
+        save_on_exception: bool = False,
+        save_weights_only: bool = False,
+        mode: str = "min",
+        auto_insert_metric_name: bool = True,
+        every_n_train_steps: int | None = None,
+        train_time_interval: timedelta | None = None,
+        every_n_epochs: int | None = None,
+        save_on_train_epoch_end: bool | None = None,
+        enable_version_counter: bool = True,
+        *,
         every_n_steps: int | None = None,
         every_n_minutes: float | None = None,
-        save_last: bool = True,
-        save_on_exception: bool = False,
-        save_top_k: int = -1,
-        monitor: str | None = None,
-        mode: str = "min",
         keep_best_k: int | None = None,
         async_save: bool = False,
     ) -> None:
-        _check_options(every_n_steps, every_n_minutes, save_top_k, mode, keep_best_k, monitor)
+        _check_filename(filename, auto_insert_metric_name)
+        steps = _merge_steps(every_n_steps, every_n_train_steps)
+        interval_s = _merge_interval(every_n_minutes, train_time_interval)
+        if every_n_epochs is not None and (not _is_int(every_n_epochs) or every_n_epochs < 0):
+            raise ValueError(
+                f"every_n_epochs must be an integer >= 0 (0: no epoch cadence) or None, got "
+                f"{every_n_epochs!r}"
+            )
+        if save_top_k is None:
+            save_top_k = 1 if monitor is not None else -1
+        _check_options(save_top_k, mode, keep_best_k, monitor, save_last)
+        if keep_best_k and save_top_k != -1:  # nanotrain's older spelling of a larger top k
+            save_top_k = max(save_top_k, keep_best_k)
+        if save_weights_only and async_save:
+            raise ValueError(
+                "save_weights_only=True cannot be combined with async_save=True: a weights-only "
+                "checkpoint is written synchronously; drop one of them"
+            )
         self._user_dirpath = Path(dirpath) if dirpath is not None else None
         self.dirpath = self._user_dirpath  # resolved per run in `setup`
-        self.every_n_steps = every_n_steps
-        self.every_n_minutes = every_n_minutes
-        self.save_last = save_last
-        self.save_on_exception = save_on_exception
-        self.save_top_k = save_top_k
+        self.filename = filename or None
         self.monitor = monitor
+        self.verbose = verbose
+        self.save_last = save_last
+        self.save_top_k = save_top_k
+        self.save_on_exception = save_on_exception
+        self.save_weights_only = save_weights_only
         self.mode = mode
-        self.keep_best_k = keep_best_k if keep_best_k is not None else (1 if monitor else 0)
+        self.auto_insert_metric_name = auto_insert_metric_name
+        self.enable_version_counter = enable_version_counter
+        self._save_on_train_epoch_end = save_on_train_epoch_end
+        self.every_n_steps = steps
+        self._interval_s = interval_s
+        self.every_n_minutes = None if interval_s is None else interval_s / 60
+        if every_n_epochs is None:  # Lightning: no cadence at all means every epoch
+            every_n_epochs = 1 if steps is None and interval_s is None else 0
+        self._every_n_epochs = every_n_epochs
+        self.keep_best_k = keep_best_k or 0
         self.async_save = async_save
         # An asynchronous save still being written: (PendingSave, paths to delete once it is
-        # committed, the retention state to restore if it fails).
-        self._pending: tuple[Any, list[Path], tuple] | None = None
-        # Checkpoints this callback saved and still keeps, oldest first:
-        # {"path": str, "step": int, "score": float | None}.
+        # committed, the state to restore if it fails).
+        self._pending: tuple[Any, list[Path], dict[str, Any]] | None = None
+        # Checkpoints this callback saved and still keeps, oldest first: {"path": str,
+        # "step": int, "score": float | None, "finite": bool, "candidate": bool}; candidates
+        # are the cadence saves that compete for the top k.
         self._saved: list[dict[str, Any]] = []
         self._last_saved_step: int | None = None
+        self._last_trigger_step = 0  # a cadence save not written (not among the top k)
+        self._defer_save = False  # a step/time save waits for validation to log `monitor`
+        self._save_kind = "now"  # which kind of save `save_now` is making (see `_save_as`)
         self._clock: Callable[[], float] = time.monotonic  # seconds; replaceable in tests
         self._last_save_time = self._clock()
         self._time_due = StepFlag()  # rank 0's clock says "save", agreed by every rank
-        self._warned_missing_monitor = False
+        # Lightning's attributes (best_k_models: path -> score, in the order they entered)
+        self.best_k_models: dict[str, torch.Tensor] = {}
+        self.kth_best_model_path = ""
+        self.kth_value = torch.tensor(math.inf if mode == "min" else -math.inf)
+        self.best_model_path = ""
+        self.best_model_score: torch.Tensor | None = None
+        self.current_score: torch.Tensor | None = None
         self.last_model_path = ""
 
     # -- what other code reads ------------------------------------------------------------------
     @property
-    def best_model_path(self) -> str:
-        """Path of the kept checkpoint with the best `monitor` value ("" if none has one)."""
-        best = self._ranked()
-        return best[0]["path"] if best else ""
-
-    @property
-    def best_model_score(self) -> float | None:
-        """The best `monitor` value among kept checkpoints (None if none has one)."""
-        best = self._ranked()
-        return best[0]["score"] if best else None
+    def every_n_epochs(self) -> int:
+        """The epoch cadence in use (0: none), as Lightning's property."""
+        return self._every_n_epochs
 
     @property
     def saved_paths(self) -> list[str]:
@@ -126,10 +207,14 @@ class ModelCheckpoint(Callback):
         self.dirpath = self._user_dirpath or trainer.checkpoint_dir
         self._last_save_time = self._clock()
         self._time_due = StepFlag(self._time_due.defer_reads)  # nothing left from a last run
+        self._defer_save = False
         if stage == "fit":
             # An unwritable folder is an error now, not after the first hours of training.
             error = attempt(lambda: self._check_writable(self.dirpath))[1]
             raise_first_failure(trainer.strategy, error, "checking the checkpoint folder")
+            resumed = getattr(trainer, "_resume_path", None)  # chosen before setup runs
+            if resumed is not None:
+                check_resumable(Path(resumed))
 
     @staticmethod
     def _check_writable(folder: Path) -> None:
@@ -147,58 +232,175 @@ class ModelCheckpoint(Callback):
         batch_idx: int,
     ) -> None:
         step = trainer.global_step
-        due = self.every_n_steps is not None and step % self.every_n_steps == 0
-        if self.every_n_minutes is not None:
+        due = bool(self.every_n_steps) and step % self.every_n_steps == 0
+        if self._interval_s is not None:
             # Clocks differ between ranks: rank 0 decides, so that every rank saves together.
             # It posts the step at which its clock said "save"; on GPUs that is read a step
             # late, and a save since that step (e.g. the one it caused) makes it moot.
-            late = self._clock() - self._last_save_time >= 60 * self.every_n_minutes
+            late = self._clock() - self._last_save_time >= self._interval_s
             mine = step if late and trainer.is_global_zero else 0
             device = trainer.strategy.root_device
             said = self._time_due.agree(mine, trainer.world_size, device)
-            due = due or said > (self._last_saved_step or 0)
-        if due and self._last_saved_step != step:
-            self.save_now(trainer)
+            due = due or said > max(self._last_saved_step or 0, self._last_trigger_step)
+        if not due or self._skip(trainer):
+            return
+        if self.monitor is not None and self.save_top_k != 0:
+            if self.monitor not in trainer.callback_metrics:
+                if not _has_validation(trainer):
+                    raise self._missing_monitor(trainer)
+                # As Lightning: a metric that validation logs is ranked once validation ran.
+                self._defer_save = True
+                return
+            if self._validation_follows(trainer):
+                # As Lightning: the epoch's validation runs right after this last batch; rank
+                # this checkpoint by its fresh value rather than by the previous one.
+                self._defer_save = True
+                return
+        self._save_trigger(trainer)
+
+    def on_train_epoch_end(self, trainer: Trainer, module: NanoModule) -> None:
+        if self._saves_on_train_epoch_end(trainer) and self._epoch_due(trainer):
+            self._save_trigger(trainer)
+
+    def on_validation_end(self, trainer: Trainer, module: NanoModule) -> None:
+        if not trainer.training:
+            return  # `validate` alone saves nothing (as Lightning outside fitting)
+        if self._skip(trainer):
+            return
+        if self._defer_save:
+            self._defer_save = False
+            self._save_trigger(trainer)
+            return
+        if not self._saves_on_train_epoch_end(trainer) and self._epoch_due(trainer):
+            self._save_trigger(trainer)
 
     def on_train_end(self, trainer: Trainer, module: NanoModule) -> None:
+        st = trainer.state
+        if 0 < st.steps_in_epoch < st.steps_per_epoch:
+            # Lightning ends an epoch cut short by max_steps or a stop request with
+            # on_train_epoch_end, which saves on the epoch cadence; nanotrain's loop does not.
+            self.on_train_epoch_end(trainer, module)
         if self.save_last and self._last_saved_step != trainer.global_step:
-            self.save_now(trainer)
+            self._save_as(trainer, "last")
         self.finish_pending(trainer)
 
     def teardown(self, trainer: Trainer, module: NanoModule, stage: str) -> None:
+        self._defer_save = False
         # After an exception no collective is safe: let the writer finish, commit nothing (its
         # temporary directory is removed by the next successful save).
         if self._pending is not None:
             self._pending[0].wait_written()
-            self._saved, self._last_saved_step, self.last_model_path = self._pending[2]
+            self._restore(self._pending[2])
             self._pending = None
 
     def on_exception(self, trainer: Trainer, module: NanoModule, exception: BaseException) -> None:
         if not self.save_on_exception or not trainer.training:
             return
         try:
-            self.save_now(trainer, tag="exception")
+            self._save_as(trainer, "last", tag="exception")
         except Exception as exc:  # noqa: BLE001 - never hide the exception being handled
             warnings.warn(f"ModelCheckpoint could not save on exception: {exc}", stacklevel=2)
 
-    # -- saving -----------------------------------------------------------------------------------
-    def save_now(self, trainer: Trainer, tag: str | None = None) -> Path:
-        """Save a checkpoint of the current state now and apply the retention rules.
+    # -- when ---------------------------------------------------------------------------------
+    def _skip(self, trainer: Trainer) -> bool:
+        # As Lightning: nothing to save before the first step, nor twice at one step.
+        step = trainer.global_step
+        return step in (0, self._last_saved_step, self._last_trigger_step)
 
-        Other callbacks call this to stop with a checkpoint (e.g. a NaN guard). Call it on every
-        rank at the same step. The directory is `step-XXXXXXXX` or `step-XXXXXXXX-<tag>`.
+    def _epoch_due(self, trainer: Trainer) -> bool:
+        n = self._every_n_epochs
+        return n >= 1 and (trainer.current_epoch + 1) % n == 0 and not self._skip(trainer)
+
+    def _saves_on_train_epoch_end(self, trainer: Trainer) -> bool:
+        """Lightning's `_should_save_on_train_epoch_end`, with nanotrain's settings."""
+        if self._save_on_train_epoch_end is not None:
+            return self._save_on_train_epoch_end
+        s = trainer.settings
+        if s.check_val_every_n_epoch != 1:
+            return False
+        if not _has_validation(trainer):
+            return True
+        return s.val_check_interval is None  # validation only at epoch ends
+
+    def _validation_follows(self, trainer: Trainer) -> bool:
+        st, s = trainer.state, trainer.settings
+        if self._saves_on_train_epoch_end(trainer) or st.steps_in_epoch != st.steps_per_epoch:
+            return False
+        every = s.check_val_every_n_epoch
+        return _has_validation(trainer) and bool(every) and (st.epoch + 1) % every == 0
+
+    # -- saving -----------------------------------------------------------------------------------
+    def save_now(self, trainer: Trainer, tag: str | None = None) -> Path | None:
+        """Save a checkpoint of the whole current state now and apply the retention rules.
+
+        Other callbacks call this to stop with a checkpoint (e.g. a NaN guard, a preemption);
+        such a save holds the whole state (whatever `save_weights_only` says) and does not
+        compete for the top k. Call it on every rank at the same step. The directory is the
+        usual name, with `-<tag>` appended when a tag is given. Every save of this callback
+        goes through this method (its own cadence, last and exception saves too), so a
+        subclass may wrap it.
 
         Returns:
-            The checkpoint directory.
+            The checkpoint directory; None only for a cadence save that did not make the
+            top k and was not written (with `save_last` off, as Lightning).
         """
+        kind, self._save_kind = self._save_kind, "now"  # what called: see `_save_as`
+        return self._save(trainer, tag=tag, candidate=kind == "candidate", full=kind == "now")
+
+    def _save_as(self, trainer: Trainer, kind: str, tag: str | None = None) -> None:
+        # "candidate": a cadence save competing for the top k; "last": the end-of-training or
+        # exception save (weights only when asked), through `save_now` for subclasses.
+        self._save_kind = kind
+        try:
+            self.save_now(trainer, tag)
+        finally:
+            self._save_kind = "now"
+
+    def _save_trigger(self, trainer: Trainer) -> None:
+        """A save of the step/time/epoch cadence: Lightning's top-k save plus its last.ckpt."""
+        if self.save_top_k == 0:
+            if self.save_last:  # only Lightning's last.ckpt is written at a trigger
+                self._save_as(trainer, "last")
+            return
+        if self.monitor is not None and self.monitor not in trainer.callback_metrics:
+            raise self._missing_monitor(trainer)
+        self._save_as(trainer, "candidate")
+
+    def _save(
+        self,
+        trainer: Trainer,
+        tag: str | None = None,
+        candidate: bool = False,
+        full: bool = False,
+    ) -> Path | None:
         if self.dirpath is None:
             self.dirpath = self._user_dirpath or trainer.checkpoint_dir
+        self.finish_pending(trainer)  # the next save waits for the previous one
         step = trainer.global_step
-        name = f"step-{step:08d}" + (f"-{tag}" if tag else "")
-        path = self.dirpath / name
+        metrics = self._monitor_candidates(trainer)
+        current = _score(metrics.get(self.monitor)) if self.monitor is not None else None
+        evicted: str | None = None
+        enters = candidate and self.monitor is not None and self._enters_top_k(current)
+        if candidate and self.monitor is not None:
+            if not enters:
+                self._log_verbose(
+                    trainer,
+                    f"Epoch {trainer.current_epoch}, global step {step}: {self.monitor!r} was "
+                    f"not in top {self.save_top_k}",
+                )
+                if not self.save_last:
+                    # as Lightning, which writes only a top-k checkpoint then; the cadence
+                    # (its clock included) still counts this as its save
+                    self._last_trigger_step, self._last_save_time = step, self._clock()
+                    return None
+                # still written (Lightning's last.ckpt): the newest state, which `last` names
+            elif len(self.best_k_models) == self._k() and self._k() > 0:
+                evicted = self.kth_best_model_path
+        elif candidate:
+            evicted = self.best_model_path or None  # Lightning may reuse the latest's name
         nonfinite = gather_nonfinite(trainer)
-        entry = {"path": str(path), "step": step, "score": self._score(trainer)}
-        entry["finite"] = not nonfinite
+        # Never write a non-finite state over the name of a kept (finite) one.
+        path = self._path(trainer, metrics, tag, None if nonfinite else evicted)
         if nonfinite and trainer.is_global_zero:
             log.warning(
                 "ModelCheckpoint: the state saved in %s is non-finite (%s); it is marked so in "
@@ -206,25 +408,39 @@ class ModelCheckpoint(Callback):
                 path,
                 ", ".join(nonfinite),
             )
-        self.finish_pending(trainer)  # the next save waits for the previous one
-        before = (list(self._saved), self._last_saved_step, self.last_model_path)
-        candidates = [e for e in self._saved if e["path"] != entry["path"]] + [entry]
+        before = self._state()
+        score = None if current is None else float(current)
+        if enters:
+            self._update_best(trainer, str(path), current, evicted)
+            score = float(self.best_k_models[str(path)])  # NaN is ranked as the worst
+        elif candidate and self.monitor is None:
+            self.best_model_path = str(path)  # as Lightning: the newest top-k checkpoint
+        entry = {
+            "path": str(path),
+            "step": step,
+            "score": score,
+            "finite": not nonfinite,
+            "candidate": candidate,
+        }
+        entries = [e for e in self._saved if e["path"] != entry["path"]] + [entry]
         # Decide retention before saving, so that the state stored in the checkpoint already
         # lists exactly the checkpoints that will exist after it.
-        self._saved = self._retained(candidates)
+        self._saved = self._retained(entries)
         self._last_saved_step, self.last_model_path = step, str(path)
         kept = {e["path"] for e in self._saved}
-        dropped = [Path(e["path"]) for e in candidates if e["path"] not in kept]
+        dropped = [Path(e["path"]) for e in entries if e["path"] not in kept]
         try:
-            if self.async_save:
+            if self.save_weights_only and not full:
+                write_weights_only(trainer, path, {self.state_key: self.state_dict()})
+            elif self.async_save:
                 self._pending = (PendingSave(trainer, path), dropped, before)
             else:
                 trainer.save_checkpoint(path)
         except BaseException:
-            self._saved, self._last_saved_step, self.last_model_path = before
+            self._restore(before)
             raise
         self._last_save_time = self._clock()
-        if not self.async_save:
+        if self._pending is None:
             self._delete(trainer, dropped)
         return path
 
@@ -238,9 +454,52 @@ class ModelCheckpoint(Callback):
         try:
             pending.finish()
         except BaseException:
-            self._saved, self._last_saved_step, self.last_model_path = before
+            self._restore(before)
             raise
         self._delete(trainer, dropped)
+
+    # -- ranking (Lightning's algorithm, so that ties and NaN fall as there) ---------------------
+    def _k(self) -> int:
+        return len(self.best_k_models) + 1 if self.save_top_k == -1 else self.save_top_k
+
+    def _enters_top_k(self, current: torch.Tensor | None) -> bool:
+        if current is None:
+            return False
+        if self.save_top_k == -1 or len(self.best_k_models) < self.save_top_k:
+            return True
+        better = torch.lt if self.mode == "min" else torch.gt
+        return bool(better(current, self.best_k_models[self.kth_best_model_path]))
+
+    def _update_best(
+        self, trainer: Trainer, path: str, current: torch.Tensor, evicted: str | None
+    ) -> None:
+        k = self._k()
+        if evicted is not None:
+            self.best_k_models.pop(evicted)
+        if torch.isnan(current):  # as Lightning: NaN is ranked as the worst possible value
+            current = torch.tensor(math.inf if self.mode == "min" else -math.inf)
+        self.current_score = current
+        self.best_k_models[path] = current
+        self._refresh_best(k)
+        self._log_verbose(
+            trainer,
+            f"Epoch {trainer.current_epoch}, global step {trainer.global_step}: "
+            f"{self.monitor!r} reached {float(current):0.5f} (best "
+            f"{float(self.best_model_score):0.5f}), saving model to {path!r} as top {k}",
+        )
+
+    def _refresh_best(self, k: int) -> None:
+        models = self.best_k_models
+        if not models:
+            self.kth_best_model_path, self.best_model_path, self.best_model_score = "", "", None
+            return
+        worst, best = (max, min) if self.mode == "min" else (min, max)
+        if len(models) == k:
+            self.kth_best_model_path = worst(models, key=lambda p: float(models[p]))
+            self.kth_value = models[self.kth_best_model_path]
+        # among equal scores max/min keep the first, i.e. the oldest (as Lightning)
+        self.best_model_path = best(models, key=lambda p: float(models[p]))
+        self.best_model_score = models[self.best_model_path]
 
     def _retained(self, entries: list[dict[str, Any]]) -> list[dict[str, Any]]:
         keep = {entries[-1]["path"]}  # the newest: `last` points at it
@@ -248,33 +507,87 @@ class ModelCheckpoint(Callback):
         # NaN checkpoints must not push the newest finite one out.
         finite = [e for e in entries if e.get("finite", True)]
         keep.update(e["path"] for e in finite[-1:])
-        recent = entries if self.save_top_k == -1 else entries[-self.save_top_k :]
-        keep.update(e["path"] for e in recent)
-        keep.update(e["path"] for e in self._ranked(entries)[: self.keep_best_k])
+        candidates = [e for e in entries if e.get("candidate", True)]
+        if self.monitor is None:
+            k = self.save_top_k
+            keep.update(
+                e["path"] for e in (candidates if k == -1 else candidates[-k:] if k else [])
+            )
+        else:
+            keep.update(self.best_k_models)
         return [e for e in entries if e["path"] in keep]
 
-    def _ranked(self, entries: list[dict[str, Any]] | None = None) -> list[dict[str, Any]]:
-        scored = [e for e in (self._saved if entries is None else entries) if _finite(e["score"])]
+    def _ranked(self, entries: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        scored = [e for e in entries if e.get("score") is not None and not math.isnan(e["score"])]
         sign = 1.0 if self.mode == "min" else -1.0
-        # Best first; among equal scores the newer checkpoint wins.
-        order = sorted(enumerate(scored), key=lambda ie: (sign * ie[1]["score"], -ie[0]))
+        # Best first; among equal scores the older checkpoint first (as Lightning).
+        order = sorted(enumerate(scored), key=lambda ie: (sign * ie[1]["score"], ie[0]))
         return [e for _, e in order]
 
-    def _score(self, trainer: Trainer) -> float | None:
-        if self.monitor is None:
-            return None
-        value = trainer.callback_metrics.get(self.monitor)
-        if value is None:
-            if not self._warned_missing_monitor:
-                available = sorted(trainer.callback_metrics)
-                warnings.warn(
-                    f"ModelCheckpoint(monitor={self.monitor!r}): no such metric yet (have "
-                    f"{available}); checkpoints without it are kept only by recency",
-                    stacklevel=3,
-                )
-                self._warned_missing_monitor = True
-            return None
-        return float(value)
+    # -- names ----------------------------------------------------------------------------------
+    def _monitor_candidates(self, trainer: Trainer) -> dict[str, torch.Tensor]:
+        """`trainer.callback_metrics` with "epoch" and "step" as Lightning adds them."""
+        metrics = dict(trainer.callback_metrics)
+        for key, value in (("epoch", trainer.current_epoch), ("step", trainer.global_step)):
+            logged = metrics.get(key)
+            metrics[key] = logged.int() if isinstance(logged, torch.Tensor) else torch.tensor(value)
+        return metrics
+
+    def format_checkpoint_name(self, metrics: dict[str, Any], ver: int | None = None) -> str:
+        """The directory name `filename` gives for `metrics` (Lightning's formatting: missing
+        keys become 0; `ver` appends "-v<ver>"). Without a `filename`: "step-XXXXXXXX"."""
+        if self.filename is None:
+            name = f"step-{int(metrics['step']):08d}"
+        else:
+            name = _format_name(
+                self.filename,
+                dict(metrics),
+                self.auto_insert_metric_name,
+                self.CHECKPOINT_EQUALS_CHAR,
+            )
+        if ver is not None:
+            name = self.CHECKPOINT_JOIN_CHAR.join((name, f"v{ver}"))
+        return name
+
+    def _path(
+        self, trainer: Trainer, metrics: dict[str, Any], tag: str | None, reusable: str | None
+    ) -> Path:
+        assert self.dirpath is not None
+        name = self.format_checkpoint_name(metrics)
+        if tag:
+            name = self.CHECKPOINT_JOIN_CHAR.join((name, tag))
+        _check_name(name, self.filename)
+        path = self.dirpath / name
+        if self.filename is None or not self.enable_version_counter:
+            # nanotrain's step names: one step's state has one name (a resumed run saving a
+            # step again writes the same state)
+            return path
+        chosen = None
+        if trainer.is_global_zero:  # rank 0 looks at the folder; every rank takes its answer
+            version = self.STARTING_VERSION
+            chosen = path
+            while chosen.exists() and str(chosen) != reusable:
+                chosen = self.dirpath / self.CHECKPOINT_JOIN_CHAR.join((name, f"v{version}"))
+                version += 1
+            chosen = str(chosen)
+        if trainer.world_size > 1:
+            chosen = trainer.strategy.broadcast_object(chosen)
+        return Path(chosen)
+
+    # -- messages -------------------------------------------------------------------------------
+    def _missing_monitor(self, trainer: Trainer) -> ValueError:
+        logged = sorted(trainer.callback_metrics)
+        return ValueError(
+            f"ModelCheckpoint(monitor={self.monitor!r}) found no {self.monitor!r} in "
+            f"trainer.callback_metrics at step {trainer.global_step} (logged: {logged}); log it "
+            f"with self.log({self.monitor!r}, value) in validation_step or training_step "
+            "(training values reach callback_metrics on logging steps, log_every_n_steps), "
+            "or pass monitor=None to keep the newest checkpoints"
+        )
+
+    def _log_verbose(self, trainer: Trainer, message: str) -> None:
+        if self.verbose and trainer.is_global_zero:
+            log.info(message)
 
     def _delete(self, trainer: Trainer, paths: list[Path]) -> None:
         # The one rank-0 side effect of this callback: dropping checkpoints retention let go.
@@ -283,60 +596,271 @@ class ModelCheckpoint(Callback):
                 shutil.rmtree(path, ignore_errors=True)
 
     # -- state --------------------------------------------------------------------------------
+    def _state(self) -> dict[str, Any]:
+        return {
+            "saved": [dict(e) for e in self._saved],
+            "last_saved_step": self._last_saved_step,
+            "last_model_path": self.last_model_path,
+            "best_k_models": dict(self.best_k_models),
+            "kth_best_model_path": self.kth_best_model_path,
+            "kth_value": self.kth_value,
+            "best_model_path": self.best_model_path,
+            "best_model_score": self.best_model_score,
+            "current_score": self.current_score,
+        }
+
+    def _restore(self, state: dict[str, Any]) -> None:
+        self._saved = state["saved"]
+        self._last_saved_step = state["last_saved_step"]
+        self.last_model_path = state["last_model_path"]
+        self.best_k_models = state["best_k_models"]
+        self.kth_best_model_path = state["kth_best_model_path"]
+        self.kth_value = state["kth_value"]
+        self.best_model_path = state["best_model_path"]
+        self.best_model_score = state["best_model_score"]
+        self.current_score = state["current_score"]
+
     def state_dict(self) -> dict[str, Any]:
-        """Kept checkpoints (paths, steps, scores) and the last saved step; plain values."""
+        """Kept checkpoints (paths, steps, scores), the top k and the last saved step, as plain
+        values (so that retention and ckpt_path="best" carry on after a resume)."""
         return {
             "saved": [dict(e) for e in self._saved],
             "last_saved_step": self._last_saved_step,
             "last_model_path": self.last_model_path,
             "monitor": self.monitor,
             "mode": self.mode,
+            "dirpath": None if self.dirpath is None else str(self.dirpath),
+            "best_model_path": self.best_model_path,
+            "best_model_score": _plain(self.best_model_score),
+            "best_k_models": {p: float(v) for p, v in self.best_k_models.items()},
+            "kth_best_model_path": self.kth_best_model_path,
+            "current_score": _plain(self.current_score),
         }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Restore `state_dict`; checkpoints deleted since then are forgotten."""
+        """Restore `state_dict`; checkpoints deleted since then are forgotten.
+
+        A state ranked by another monitor or mode, or saved to another folder, is not taken
+        over (with a warning): its checkpoints stay on disk and are no longer managed.
+        """
+        self._last_saved_step = state_dict.get("last_saved_step")
+        self.last_model_path = state_dict.get("last_model_path", "")
         if state_dict.get("monitor") != self.monitor or state_dict.get("mode") != self.mode:
             warnings.warn(
                 f"ModelCheckpoint resumed with monitor={self.monitor!r}, mode={self.mode!r}; the "
                 f"checkpoint ranked by {state_dict.get('monitor')!r} ({state_dict.get('mode')}): "
-                "earlier scores are ignored",
+                "its checkpoints are kept on disk but no longer ranked or deleted",
                 stacklevel=2,
             )
-            saved = [{**e, "score": None} for e in state_dict["saved"]]
-        else:
-            saved = [dict(e) for e in state_dict["saved"]]
-        self._saved = [e for e in saved if Path(e["path"]).is_dir()]
-        self._last_saved_step = state_dict.get("last_saved_step")
-        self.last_model_path = state_dict.get("last_model_path", "")
+            return
+        saved_dir = state_dict.get("dirpath")
+        if saved_dir is not None and self.dirpath is not None and Path(saved_dir) != self.dirpath:
+            warnings.warn(
+                f"ModelCheckpoint saves to {self.dirpath} now, the checkpoint's run saved to "
+                f"{saved_dir}: only best_model_path is taken over; the earlier checkpoints are "
+                "no longer ranked or deleted",
+                stacklevel=2,
+            )
+            self.best_model_path = state_dict.get("best_model_path", "")
+            return
+        self._saved = [dict(e) for e in state_dict["saved"] if Path(e["path"]).is_dir()]
+        if "best_k_models" in state_dict:
+            best_k = {p: s for p, s in state_dict["best_k_models"].items() if Path(p).is_dir()}
+        else:  # saved before the top k was kept: rank what was kept
+            best_k = self._rebuilt_top_k()
+        if self.save_top_k != -1 and len(best_k) > self.save_top_k:  # a smaller k than before
+            ranked = self._ranked([{"path": p, "score": s} for p, s in best_k.items()])
+            chosen = {e["path"] for e in ranked[: self.save_top_k]}
+            best_k = {p: s for p, s in best_k.items() if p in chosen}
+        self.best_k_models = {p: torch.tensor(s) for p, s in best_k.items()}
+        self._refresh_best(self._k() if self.save_top_k != -1 else len(self.best_k_models))
+        if self.monitor is None:
+            best = state_dict.get("best_model_path", "")
+            self.best_model_path = best if best and Path(best).is_dir() else ""
+        current = state_dict.get("current_score")
+        self.current_score = None if current is None else torch.tensor(current)
+
+    def _rebuilt_top_k(self) -> dict[str, float]:
+        if self.monitor is None:
+            return {}
+        candidates = [e for e in self._saved if e.get("candidate", True)]
+        ranked = self._ranked(candidates)
+        chosen = ranked if self.save_top_k == -1 else ranked[: self.save_top_k]
+        paths = {e["path"] for e in chosen}
+        return {e["path"]: e["score"] for e in self._saved if e["path"] in paths}
 
 
-def _finite(score: float | None) -> bool:
-    return score is not None and math.isfinite(score)
+# -- weights-only checkpoints -------------------------------------------------------------------
+def write_weights_only(trainer: Trainer, path: Path, callback_states: dict[str, Any]) -> Path:
+    """Write a checkpoint of the model weights only (collective: call on every rank).
+
+    Beside the weights it holds what loading them needs (the config that
+    `load_from_checkpoint` rebuilds the module from, what the module's `on_save_checkpoint`
+    records, e.g. LanguageModelModule's model config for `nanotrain export`), the step and
+    epoch, and `callback_states` (ModelCheckpoint's, so that ckpt_path="best" finds the best);
+    no optimizer, LR scheduler, data position or RNG state: `fit` refuses to resume it.
+    """
+    from nanotrain.checkpoint import save_load
+
+    final = Path(path)
+    payload: dict[str, Any] = {
+        "model": trainer.strategy.model_state_dict(),
+        "optimizer": None,
+        "config": trainer.resolved_config(),
+        "global_step": trainer.global_step,
+        "epoch": trainer.current_epoch,
+        "callbacks": callback_states,
+        WEIGHTS_ONLY_KEY: True,
+    }
+    # As Lightning: the module's hook runs for a weights-only checkpoint, the callbacks' do not.
+    hook = getattr(trainer.module, "on_save_checkpoint", None)
+    if callable(hook):
+        hook(payload)
+    snapshot = save_load.Snapshot.of(trainer, payload)
+    tmp = save_load.temporary_dir_on_all_ranks(trainer, final)
+    written, error = attempt(lambda: save_load._write_files(trainer, payload, tmp))
+    return save_load.conclude(trainer, final, tmp, snapshot, written, error)
+
+
+# -- helpers ------------------------------------------------------------------------------------
+def _has_validation(trainer: Trainer) -> bool:
+    return sum(trainer.num_val_batches) > 0
+
+
+def _score(value: Any) -> torch.Tensor | None:
+    if value is None:
+        return None
+    return torch.as_tensor(value).detach().float().cpu().squeeze()
+
+
+def _plain(value: torch.Tensor | None) -> float | None:
+    return None if value is None else float(value)
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _format_name(
+    filename: str, metrics: dict[str, Any], auto_insert_metric_name: bool, equals: str
+) -> str:
+    """Lightning's `ModelCheckpoint._format_checkpoint_name`, step for step."""
+    groups = re.findall(r"(\{.*?)[:\}]", filename)
+    # longest first, so that "epoch" does not replace a part of "epoch_test"
+    for group in sorted(groups, key=len, reverse=True):
+        name = group[1:]
+        if auto_insert_metric_name:
+            filename = filename.replace(group, name + equals + "{" + name)
+        # "{0[name]}" reads names with dots too
+        filename = filename.replace(group, f"{{0[{name}]")
+        if name not in metrics:
+            metrics[name] = torch.tensor(0)
+    return filename.format(metrics)
+
+
+def _check_filename(filename: Any, auto_insert_metric_name: bool) -> None:
+    if filename is None or filename == "":
+        return
+    if not isinstance(filename, str):
+        raise TypeError(
+            f"filename must be a str template such as '{{epoch}}-{{step}}' or None, got "
+            f"{type(filename).__name__} {filename!r}; nanotrain's every_n_steps, "
+            "every_n_minutes, keep_best_k and async_save are keyword-only"
+        )
+    literal = re.sub(r"\{.*?\}", "", filename)
+    if "/" in literal or os.sep in literal or TMP_MARKER in literal:
+        raise ValueError(
+            f"filename={filename!r} would not be one directory name: a checkpoint is a "
+            f"directory in dirpath, so the name cannot hold '/' or {TMP_MARKER!r}; put "
+            "folders in dirpath instead"
+        )
+    if auto_insert_metric_name:
+        slashed = [g[1:] for g in re.findall(r"(\{.*?)[:\}]", filename) if "/" in g]
+        if slashed:
+            raise ValueError(
+                f"filename={filename!r} with auto_insert_metric_name=True would put "
+                f"{slashed[0]!r} into the checkpoint name, and its '/' would make a subfolder "
+                "(Lightning makes one); pass auto_insert_metric_name=False and write the label "
+                "yourself, e.g. 'val_loss={val/loss:.2f}'"
+            )
+
+
+def _check_name(name: str, filename: str | None) -> None:
+    bad = not name or name in (".", "..", LAST_POINTER) or TMP_MARKER in name
+    if bad or "/" in name or os.sep in name:
+        raise ValueError(
+            f"ModelCheckpoint(filename={filename!r}) gave the checkpoint name {name!r}, which is "
+            f"not a usable directory name (empty, '.', '..', {LAST_POINTER!r}, or holding '/' "
+            f"or {TMP_MARKER!r}); change the template"
+        )
+
+
+def _merge_steps(every_n_steps: Any, every_n_train_steps: Any) -> int | None:
+    """The step cadence from nanotrain's and Lightning's spelling (None: none)."""
+    if every_n_steps is not None and (not _is_int(every_n_steps) or every_n_steps <= 0):
+        raise ValueError(f"every_n_steps must be a positive integer or None, got {every_n_steps!r}")
+    lightning = every_n_train_steps
+    if lightning is not None and (not _is_int(lightning) or lightning < 0):
+        raise ValueError(
+            f"every_n_train_steps must be an integer >= 0 (0: no step cadence) or None, got "
+            f"{lightning!r}"
+        )
+    lightning = lightning or None
+    if every_n_steps is not None and every_n_train_steps is not None:
+        if lightning != every_n_steps:
+            raise ValueError(
+                f"every_n_steps={every_n_steps} and every_n_train_steps={every_n_train_steps} "
+                "are two names for the same cadence and disagree; pass only one of them"
+            )
+    return every_n_steps if every_n_steps is not None else lightning
+
+
+def _merge_interval(every_n_minutes: Any, train_time_interval: Any) -> float | None:
+    """The time cadence in seconds from nanotrain's and Lightning's spelling (None: none)."""
+    minutes = every_n_minutes
+    if minutes is not None and (
+        not isinstance(minutes, int | float) or isinstance(minutes, bool) or not minutes > 0
+    ):
+        raise ValueError(f"every_n_minutes must be positive or None, got {minutes!r}")
+    interval = train_time_interval
+    if interval is not None:
+        if not isinstance(interval, timedelta):
+            raise TypeError(
+                f"train_time_interval must be a datetime.timedelta (as Lightning), got "
+                f"{type(interval).__name__} {interval!r}; for a number of minutes pass "
+                "every_n_minutes"
+            )
+        if interval.total_seconds() < 0:
+            raise ValueError(f"train_time_interval must not be negative, got {interval}")
+    if minutes is not None and interval is not None:
+        if not math.isclose(minutes * 60, interval.total_seconds()):
+            raise ValueError(
+                f"every_n_minutes={minutes} and train_time_interval={interval} are two names "
+                "for the same cadence and disagree; pass only one of them"
+            )
+    if minutes is not None:
+        return float(minutes) * 60
+    return None if interval is None else interval.total_seconds()
 
 
 def _check_options(
-    every_n_steps: int | None,
-    every_n_minutes: float | None,
-    save_top_k: int,
-    mode: str,
-    keep_best_k: int | None,
-    monitor: str | None,
+    save_top_k: Any, mode: str, keep_best_k: Any, monitor: str | None, save_last: Any
 ) -> None:
-    if every_n_steps is not None and (not isinstance(every_n_steps, int) or every_n_steps <= 0):
-        raise ValueError(f"every_n_steps must be a positive integer or None, got {every_n_steps!r}")
-    if every_n_minutes is not None and not every_n_minutes > 0:
-        raise ValueError(f"every_n_minutes must be positive or None, got {every_n_minutes!r}")
-    if not isinstance(save_top_k, int) or (save_top_k != -1 and save_top_k < 1):
+    if not _is_int(save_top_k) or save_top_k < -1:
         raise ValueError(
-            f"save_top_k must be -1 (keep all) or >= 1, got {save_top_k!r}; to save nothing, "
-            "leave ModelCheckpoint out of the callbacks"
+            f"save_top_k must be an integer >= -1 (-1: keep all, 0: keep no top-k checkpoint), "
+            f"got {save_top_k!r}"
         )
     if mode not in ("min", "max"):
         raise ValueError(f"mode must be 'min' or 'max', got {mode!r}")
-    if keep_best_k is not None and (not isinstance(keep_best_k, int) or keep_best_k < 0):
+    if monitor is not None and not isinstance(monitor, str):
+        raise TypeError(f"monitor must be a metric name (str) or None, got {monitor!r}")
+    if keep_best_k is not None and (not _is_int(keep_best_k) or keep_best_k < 0):
         raise ValueError(f"keep_best_k must be a non-negative integer, got {keep_best_k!r}")
     if keep_best_k and monitor is None:
         raise ValueError(
             f"keep_best_k={keep_best_k} needs a metric to rank by: set monitor, e.g. "
             "monitor='val/loss'"
         )
+    if save_last not in (None, True, False, "link"):
+        raise ValueError(f"save_last must be None, True, False or 'link', got {save_last!r}")

@@ -373,3 +373,34 @@ def read_model(path: Path) -> dict[str, torch.Tensor]:
 
 def _is_tensor(value: Any) -> bool:
     return isinstance(value, torch.Tensor)
+
+
+#: trainer-state key of a checkpoint saved with ModelCheckpoint(save_weights_only=True)
+WEIGHTS_ONLY_KEY = "weights_only"
+
+
+def is_weights_only(ckpt: Path) -> bool:
+    """Whether the checkpoint directory `ckpt` holds the model weights only (False when it is
+    not a readable checkpoint: loading it reports that)."""
+    try:
+        state = read_torch(Path(ckpt) / TRAINER_STATE_FILE)
+    except (OSError, ValueError):
+        return False
+    return isinstance(state, dict) and bool(state.get(WEIGHTS_ONLY_KEY))
+
+
+def check_resumable(ckpt: Path) -> None:
+    """Refuse to resume training (`fit`) from the checkpoint directory `ckpt` when it holds
+    the model weights only.
+
+    Raises:
+        ValueError: `ckpt` was saved with `ModelCheckpoint(save_weights_only=True)`.
+    """
+    if is_weights_only(ckpt):
+        raise ValueError(
+            f"cannot resume training from {ckpt}: it holds the model weights only "
+            "(ModelCheckpoint(save_weights_only=True)), without the optimizer, LR scheduler, "
+            "data position and RNG state an exact resume needs. To start a new run from its "
+            "weights, build the module with MyModule.load_from_checkpoint(path) and call fit "
+            "without ckpt_path; to resume, pass a checkpoint saved without save_weights_only"
+        )

@@ -6,6 +6,11 @@ anything is written.
 serves both the first start and every restart: when there is none yet, the run starts fresh
 (with a log line). Checkpoints marked non-finite are passed over for the newest finite one
 when there is one.
+
+`ckpt_path="best"` means, as in Lightning, the `best_model_path` of the Trainer's
+`ModelCheckpoint`; when that callback has saved nothing yet in this process, the best
+checkpoint the newest run of the experiment recorded (its ModelCheckpoint's state, kept in
+every checkpoint), so that a new process can validate or test the best one too.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ log = logging.getLogger(__name__)
 
 _VERSION = re.compile(r"^version_(\d+)$")
 LAST = _commit.LAST_POINTER
+BEST = "best"
 
 
 class ResumePlan(NamedTuple):
@@ -36,23 +42,32 @@ class ResumePlan(NamedTuple):
     checkpoint: Path | None
 
 
-def plan_resume(experiment_dir: Path, version: int | None, ckpt_path: Any) -> ResumePlan:
+def plan_resume(
+    experiment_dir: Path, version: int | None, ckpt_path: Any, callbacks: Any = None
+) -> ResumePlan:
     """Decide the run directory and the checkpoint for `ckpt_path`, reading only.
 
     - None: a fresh run in `version_<version>` (None: the next free number).
     - "last": the newest complete checkpoint in the experiment's versions (only in
       `version_<version>` when a version is given), continuing its run directory; none
       found → a fresh run, logged.
+    - "best": the best checkpoint of the run's ModelCheckpoint (see `find_best`; `callbacks`
+      are the Trainer's), continuing its run directory.
     - a path: that checkpoint (see `resolve_checkpoint_path`); a checkpoint inside a run
       directory continues that run directory.
 
     Raises:
         FileNotFoundError: an explicit path that does not exist or holds no checkpoint.
-        ValueError: a corrupt `last` pointer.
+        ValueError: a corrupt `last` pointer; "best" when no best checkpoint is known.
     """
     fresh = experiment_dir / f"version_{version if version is not None else _next(experiment_dir)}"
     if ckpt_path is None:
         return ResumePlan(fresh, None)
+    if str(ckpt_path) == BEST:
+        runs = [run / "checkpoints" for run in _versions_newest_first(experiment_dir, version)]
+        ckpt = find_best(callbacks, runs)
+        resumed = _run_dir_of(ckpt)
+        return ResumePlan(resumed if resumed is not None else fresh, ckpt)
     if str(ckpt_path) == LAST:
         for run_dir in _versions_newest_first(experiment_dir, version):
             found = find_last(run_dir / "checkpoints")
@@ -73,15 +88,111 @@ def resolve_checkpoint_path(trainer: Trainer, ckpt_path: str | Path) -> Path:
     """The checkpoint directory `ckpt_path` stands for.
 
     `"last"` is the newest complete checkpoint in `trainer.checkpoint_dir` (the run directory
-    the trainer resumed). A folder of checkpoints, or its `last` file, resolves the same way;
-    any other path is taken as a checkpoint directory.
+    the trainer resumed); `"best"` the best checkpoint of the trainer's ModelCheckpoint (see
+    `find_best`). A folder of checkpoints, or its `last` file, resolves the same way as
+    "last"; any other path is taken as a checkpoint directory.
 
     Raises:
         FileNotFoundError: the path does not exist, or a folder holds no complete checkpoint.
+        ValueError: "best" when no best checkpoint is known.
     """
     if str(ckpt_path) == LAST:
         return _require(find_last(trainer.checkpoint_dir), trainer.checkpoint_dir)
+    if str(ckpt_path) == BEST:
+        return find_best(trainer.callbacks, [trainer.checkpoint_dir])
     return resolve_path(Path(ckpt_path))
+
+
+def find_best(callbacks: Any, checkpoint_dirs: list[Path]) -> Path:
+    """The checkpoint `ckpt_path="best"` stands for.
+
+    As Lightning: the `best_model_path` of the first ModelCheckpoint in `callbacks` (a
+    warning when there are several), i.e. the best by its `monitor`, or its newest top-k
+    checkpoint without one. When that callback has saved nothing in this process (a new
+    Trainer, e.g. `nanotrain validate --ckpt_path best`), the best checkpoint recorded in the
+    newest checkpoint of its `dirpath`, else of the first of `checkpoint_dirs` (the
+    experiment's runs, newest first) that holds a checkpoint.
+
+    Raises:
+        ValueError: no best checkpoint is known, or the recorded one no longer exists.
+    """
+    # a ModelCheckpoint is known by its `best_model_path` (this room does not import callbacks)
+    savers = [cb for cb in callbacks or [] if hasattr(cb, "best_model_path")]
+    if len(savers) > 1:
+        warnings.warn(
+            'ckpt_path="best" with several ModelCheckpoint callbacks: the first one\'s best '
+            "checkpoint is used (as Lightning)",
+            stacklevel=3,
+        )
+    saver = savers[0] if savers else None
+    if saver is not None and saver.best_model_path:
+        return _complete_best(Path(saver.best_model_path), "ModelCheckpoint.best_model_path")
+    folders = list(checkpoint_dirs)
+    if saver is not None and saver.dirpath is not None:
+        folders = [Path(saver.dirpath)]  # a custom dirpath, or this Trainer's last run
+    # the newest run that saved a checkpoint decides (an older run's best is not this one's)
+    saved = next((f for f in folders if _newest(f) is not None), None)
+    recorded = recorded_best(saved) if saved is not None else None
+    if recorded is not None:
+        return _complete_best(recorded, f"the ModelCheckpoint state saved in {saved}")
+    where = (
+        f"the newest checkpoint in {saved} records none"
+        if saved is not None
+        else "no run of this experiment has saved a checkpoint"
+    )
+    raise ValueError(
+        'ckpt_path="best": no best checkpoint is known: this Trainer\'s ModelCheckpoint has '
+        f"saved none, and {where} (ModelCheckpoint records its best in every checkpoint it "
+        "saves, once it saved a top-k checkpoint). Pass a checkpoint path, or "
+        'ckpt_path="last"'
+    )
+
+
+def recorded_best(checkpoints_dir: Path) -> Path | None:
+    """The best checkpoint that the ModelCheckpoint state in the newest checkpoint of
+    `checkpoints_dir` records (its first ModelCheckpoint's), or None when there is none."""
+    newest = _newest(checkpoints_dir)
+    if newest is None:
+        return None
+    try:
+        state = files.read_torch(newest / files.TRAINER_STATE_FILE)
+    except (OSError, ValueError):
+        return None
+    for value in (state.get("callbacks") or {}).values():
+        # a ModelCheckpoint's (or a subclass's, under its own state_key) state
+        if isinstance(value, dict) and "best_model_path" in value and "saved" in value:
+            best = value.get("best_model_path")
+            if not best:
+                return None
+            best = Path(best)
+            # the run directory may have moved since: look for the name next to `newest`
+            if not (best / files.META_FILE).is_file() and (newest.parent / best.name).is_dir():
+                best = newest.parent / best.name
+            return best
+    return None
+
+
+def _newest(checkpoints_dir: Path) -> Path | None:
+    # the one `last` names when complete, else the newest complete one by step
+    try:
+        pointed = _commit.read_last_pointer(checkpoints_dir)
+    except ValueError:
+        pointed = None
+    if pointed is not None and (pointed / files.META_FILE).is_file():
+        return pointed
+    candidates = _commit.complete_checkpoints(checkpoints_dir)
+    if not candidates:
+        return None
+    return max(candidates, key=lambda p: (_meta(p).get("global_step", -1), candidates.index(p)))
+
+
+def _complete_best(path: Path, source: str) -> Path:
+    if not (path / files.META_FILE).is_file():
+        raise ValueError(
+            f'ckpt_path="best": the best checkpoint {path} ({source}) is gone or incomplete; '
+            'pass a checkpoint path, or ckpt_path="last"'
+        )
+    return path
 
 
 def resolve_path(path: Path) -> Path:
@@ -191,14 +302,14 @@ def _run_dir_of(ckpt: Path) -> Path | None:
 
 
 def plan_on_rank_zero(
-    strategy: Any, experiment_dir: Path, settings: Any, ckpt_path: Any
+    strategy: Any, experiment_dir: Path, settings: Any, ckpt_path: Any, callbacks: Any = None
 ) -> ResumePlan:
     """`plan_resume` decided on rank 0 and broadcast, so that every rank resumes the same
     checkpoint; a failure there raises on every rank (the same type and message)."""
     plan, error = None, None
     if strategy.is_global_zero:
         try:
-            plan = plan_resume(experiment_dir, settings.version, ckpt_path)
+            plan = plan_resume(experiment_dir, settings.version, ckpt_path, callbacks)
         except (OSError, ValueError) as exc:
             error = exc
     found, failure = strategy.broadcast_object(

@@ -124,11 +124,13 @@ def end_info(trainer: Trainer, status: str) -> dict[str, Any]:
     }
     for cb in trainer.callbacks:
         best = getattr(cb, "best_model_path", "")
-        if best:
+        # without a monitor Lightning's best_model_path is the newest checkpoint: no "best"
+        if best and getattr(cb, "monitor", None) is not None:
+            score = getattr(cb, "best_model_score", None)
             info["best_checkpoint"] = {
                 "path": str(best),
-                "monitor": getattr(cb, "monitor", None),
-                "score": getattr(cb, "best_model_score", None),
+                "monitor": cb.monitor,
+                "score": None if score is None else float(score),
             }
         last = getattr(cb, "last_model_path", "")
         if last:

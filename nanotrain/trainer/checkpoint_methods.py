@@ -30,5 +30,8 @@ class CheckpointMethods:
 
     def _resume(self, path: Path, weights_only: bool = False) -> None:
         from nanotrain.checkpoint import load_checkpoint
+        from nanotrain.checkpoint.files import check_resumable
 
+        if not weights_only:
+            check_resumable(path)
         self.load_checkpoint_payload(load_checkpoint(self, path), weights_only=weights_only)

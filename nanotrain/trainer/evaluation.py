@@ -224,7 +224,7 @@ class EvaluationMethods:
         try:
             self._setup(module, datamodule, stage, ckpt)
             if ckpt is not None:
-                self._resume(ckpt, weights_only=True)
+                self._resume(self._resume_path or ckpt, weights_only=True)
             return (run_test if stage == "test" else run_predict)(self, loaders)
         except BaseException as exc:
             if self.module is not None:

@@ -226,7 +226,8 @@ class Trainer(LightningTrainerProperties, TrainStepMethods, EvaluationMethods, C
         from nanotrain.checkpoint.resume import plan_on_rank_zero
 
         s = self.settings
-        plan = plan_on_rank_zero(self.strategy, Path(s.default_root_dir) / s.name, s, ckpt_path)
+        experiment = Path(s.default_root_dir) / s.name
+        plan = plan_on_rank_zero(self.strategy, experiment, s, ckpt_path, self.callbacks)
         self.run_dir, self._resume_path = plan.run_dir, plan.checkpoint
 
     def _make_run_dir(self) -> None:

@@ -1,4 +1,4 @@
-"""ModelCheckpoint: cadences, retention of the last k and best k, saving on exception/request."""
+"""ModelCheckpoint: cadences, retention of the newest k and best k, saving on exception/request."""
 
 from __future__ import annotations
 
@@ -35,8 +35,9 @@ def saved_steps(trainer: nt.Trainer) -> list[str]:
 def test_every_n_steps_keeps_the_last_k_and_saves_at_the_end(tmp_path):
     ckpt = ModelCheckpoint(every_n_steps=2, save_top_k=2)
     trainer = run(tmp_path, 7, ckpt)
-    # saves at 2, 4, 6 and (save_last) 7; the two most recent remain
-    assert saved_steps(trainer) == ["step-00000006", "step-00000007"]
+    # saves at 2, 4, 6 (the cadence: without a monitor the two newest remain) and, with
+    # save_last, at 7 (Lightning's last.ckpt: kept as the newest, not one of the top k)
+    assert saved_steps(trainer) == ["step-00000004", "step-00000006", "step-00000007"]
     assert (trainer.checkpoint_dir / "last").read_text().strip() == "step-00000007"
     assert ckpt.last_model_path == str(trainer.checkpoint_dir / "step-00000007")
 
@@ -44,10 +45,10 @@ def test_every_n_steps_keeps_the_last_k_and_saves_at_the_end(tmp_path):
 @pytest.mark.parametrize(
     "mode, kept, best",
     [
-        # last 2 (steps 5, 6) + best 2 by the lowest score (step 2: 1.0, step 5: 2.0)
+        # best 2 by the lowest score (step 2: 1.0, step 5: 2.0) + the newest (6)
         ("min", ["step-00000002", "step-00000005", "step-00000006"], (2, 1.0)),
-        # last 2 (steps 5, 6) + best 2 by the highest score (step 6: 6.0, step 1: 5.0)
-        ("max", ["step-00000001", "step-00000005", "step-00000006"], (6, 6.0)),
+        # best 2 by the highest score (step 6: 6.0, step 1: 5.0), 6 also the newest
+        ("max", ["step-00000001", "step-00000006"], (6, 6.0)),
     ],
 )
 def test_keep_best_k_by_monitor_plus_last_k(tmp_path, mode, kept, best):
@@ -158,7 +159,7 @@ def test_custom_dirpath_is_resumed_by_passing_the_folder(tmp_path):
     [
         (dict(every_n_steps=0), "every_n_steps must be a positive integer"),
         (dict(every_n_minutes=-1), "every_n_minutes must be positive"),
-        (dict(save_top_k=0), "save_top_k must be -1"),
+        (dict(save_top_k=-2), "save_top_k must be an integer >= -1"),
         (dict(mode="best"), "mode must be 'min' or 'max'"),
         (dict(keep_best_k=2), "set monitor"),
     ],

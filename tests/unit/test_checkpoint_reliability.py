@@ -221,7 +221,7 @@ def test_nan_stop_exits_non_zero_from_the_command_line(tmp_path):
 trainer: {{max_steps: 5, micro_batch_size: 4, global_batch_size: 16, loggers: [],
           default_root_dir: {tmp_path}, limit_val_batches: 0}}
 model: {{class_path: tests.unit.test_checkpoint_reliability.NaNFrom, init_args: {{start: 3}}}}
-data: {{class_path: nanotrain.testing.BlobsData, init_args: {{num_train: 64, num_val: 16}}}}
+data: {{class_path: nanotrain.testing.BlobsData, init_args: {{num_train: 64, num_val: 16, batch_size: 4}}}}
 callbacks:
   - {{class_path: nanotrain.callbacks.checkpoint.ModelCheckpoint,
      init_args: {{every_n_steps: 1, save_top_k: 1}}}}
