@@ -348,7 +348,7 @@ def sync_check(precision: str, strategy: str = "single") -> bool:
         def __init__(self, log: str) -> None:
             self.log, self.saved_fd = log, None
 
-        def on_train_batch_start(self, trainer, module, batch, batch_idx):
+        def on_train_step_start(self, trainer, module, batch, batch_idx):
             if batch_idx in WATCHED_STEPS:
                 torch.cuda.synchronize()  # what is queued before the step is not its sync
                 step[0] = batch_idx
@@ -358,7 +358,7 @@ def sync_check(precision: str, strategy: str = "single") -> bool:
                     os.dup2(f.fileno(), 2)
                 torch.cuda.set_sync_debug_mode("warn")
 
-        def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
+        def on_train_step_end(self, trainer, module, outputs, batch, batch_idx):
             if self.saved_fd is None:  # not a watched step
                 return
             torch.cuda.synchronize()  # the step's work on other threads is done and reported
@@ -474,7 +474,7 @@ def sync_sources(
 
         n, recording = 0, False
 
-        def on_train_batch_start(self, trainer, module, batch, batch_idx):
+        def on_train_step_start(self, trainer, module, batch, batch_idx):
             self.n += 1
             if self.n == steps[0]:
                 if torch.cuda.is_available():
@@ -485,7 +485,7 @@ def sync_sources(
                 ranges[self.n] = record_function(f"sync_sources/step {self.n}")
                 ranges[self.n].__enter__()
 
-        def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
+        def on_train_step_end(self, trainer, module, outputs, batch, batch_idx):
             if self.n in ranges:
                 ranges[self.n].__exit__(None, None, None)
             if self.n == steps[-1]:

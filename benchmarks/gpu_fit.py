@@ -184,9 +184,13 @@ def throughput(report: dict, key: str) -> tuple[float | None, float | None]:
 
 
 def fits(args: argparse.Namespace) -> int:
-    """The preset x precision x compile fits, the bare loops beside them, the table."""
+    """The preset x precision x compile fits, each followed by the bare loop beside it; a table
+    row is printed as soon as its pair is measured (a lease cut short keeps the rows so far)."""
     root = Path(os.environ.get("TMPDIR", "/tmp")) / f"nanotrain-gpu-fit-{os.getpid()}"
-    rows, curves, failed = [], {}, 0
+    curves, failed = {}, 0
+    print(f"`nanotrain fit`, {time.strftime('%F')}, logs in {args.out}")
+    print("| preset | precision | compile | fit MFU last (mean) | tokens/s | peak alloc GiB "
+          "| bare loop MFU | fit / bare tokens/s |\n|---|---|---|---|---|---|---|---|", flush=True)  # fmt: skip
     for preset in args.preset:
         for compile_as in args.compile:
             for precision in args.precision:
@@ -195,25 +199,25 @@ def fits(args: argparse.Namespace) -> int:
                 report = run_fit(command, root, name, args.out / name)
                 failed += report["returncode"] != 0
                 curves[name] = metric_series(args.out / name, "train/loss")
-                rows.append((preset, precision, compile_as, name, report))
-    print(f"\n`nanotrain fit`, {time.strftime('%F')}, logs in {args.out}")
-    print("| preset | precision | compile | fit MFU last (mean) | tokens/s | peak alloc GiB "
-          "| bare loop MFU | fit / bare tokens/s |\n|---|---|---|---|---|---|---|---|")  # fmt: skip
-    for preset, precision, compile_as, name, report in rows:
-        mfu, mfu_mean = throughput(report, "mfu")
-        tps, _ = throughput(report, "tokens_per_sec")
-        memory = metric_series(args.out / name, "memory/peak_allocated_gib")
-        bare = _bare(preset, precision, compile_as, args)
-        cells = [
-            f"{100 * mfu:.1f}% ({100 * mfu_mean:.1f}%)" if mfu and mfu_mean else "-",
-            f"{tps:,.0f}" if tps else "-",
-            f"{memory[-1][1]:.1f}" if memory else "-",
-            f"{100 * bare.mfu:.1f}%" if bare else "-",
-            f"{tps / bare.tokens_per_s:.3f}" if bare and tps else "-",
-        ]
-        print(f"| {preset} | {precision} | {compile_as} | " + " | ".join(cells) + " |")
+                _print_row(preset, precision, compile_as, name, report, args)
     _loss_gaps(curves)
     return 1 if failed else 0
+
+
+def _print_row(preset: str, precision: str, compile_as: str, name: str, report: dict,
+               args: argparse.Namespace) -> None:  # fmt: skip
+    mfu, mfu_mean = throughput(report, "mfu")
+    tps, _ = throughput(report, "tokens_per_sec")
+    memory = metric_series(args.out / name, "memory/peak_allocated_gib")
+    bare = _bare(preset, precision, compile_as, args)
+    cells = [
+        f"{100 * mfu:.1f}% ({100 * mfu_mean:.1f}%)" if mfu and mfu_mean else "-",
+        f"{tps:,.0f}" if tps else "-",
+        f"{memory[-1][1]:.1f}" if memory else "-",
+        f"{100 * bare.mfu:.1f}%" if bare else "-",
+        f"{tps / bare.tokens_per_s:.3f}" if bare and tps else "-",
+    ]
+    print(f"| {preset} | {precision} | {compile_as} | " + " | ".join(cells) + " |", flush=True)
 
 
 def _bare(preset: str, precision: str, compile_as: str, args: argparse.Namespace):

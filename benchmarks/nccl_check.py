@@ -62,7 +62,7 @@ class StepNumbers(nt.Callback):
         if torch.distributed.is_initialized():
             self.backend = torch.distributed.get_backend()
 
-    def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx) -> None:
+    def on_train_step_end(self, trainer, module, outputs, batch, batch_idx) -> None:
         self.losses[trainer.global_step] = float(outputs.loss)
         self.grad_norms[trainer.global_step] = float(outputs.grad_norm)
 

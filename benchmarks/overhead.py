@@ -106,7 +106,7 @@ def run_nanotrain(
     clock = _StepClock(warmup)
 
     class Clock(nt.Callback):
-        def on_train_batch_start(self, trainer, module, b, batch_idx):
+        def on_train_step_start(self, trainer, module, b, batch_idx):
             clock.at_batch_start(trainer.global_step)
 
         def on_train_end(self, trainer, module):
@@ -137,7 +137,7 @@ def run_lightning(data: TensorDataset, batch: int, steps: int, warmup: int, widt
     clock = _StepClock(warmup)
 
     class Clock(pl.Callback):
-        def on_train_batch_start(self, trainer, module, b, batch_idx):
+        def on_train_step_start(self, trainer, module, b, batch_idx):
             clock.at_batch_start(trainer.global_step)
 
         def on_train_end(self, trainer, module):

@@ -82,11 +82,11 @@ class StepProbe(nt.Callback):
     def on_train_end(self, trainer, module) -> None:
         self.grad_bytes = trainer.strategy.grad_buffer_bytes()
 
-    def on_train_batch_start(self, trainer, module, batch, batch_idx) -> None:
+    def on_train_step_start(self, trainer, module, batch, batch_idx) -> None:
         self.counter.counting = trainer.global_step >= 1
         self.t0 = time.perf_counter()
 
-    def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx) -> None:
+    def on_train_step_end(self, trainer, module, outputs, batch, batch_idx) -> None:
         if trainer.global_step >= 2:
             self.times.append(time.perf_counter() - self.t0)
         self.counter.counting = False

@@ -37,12 +37,12 @@ class Timer(nt.Callback):
         self.times: list[float] = []
         self._t = 0.0
 
-    def on_train_batch_start(self, trainer, module, batch, batch_idx) -> None:
+    def on_train_step_start(self, trainer, module, batch, batch_idx) -> None:
         if torch.cuda.is_available():
             torch.cuda.synchronize()
         self._t = time.perf_counter()
 
-    def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx) -> None:
+    def on_train_step_end(self, trainer, module, outputs, batch, batch_idx) -> None:
         if torch.cuda.is_available():
             torch.cuda.synchronize()
         self.times.append(time.perf_counter() - self._t)

@@ -36,7 +36,7 @@ class LossSpikeRecorder(nt.Callback):
         self.ema: float | None = None
         self.spikes: list[dict[str, float]] = []
 
-    def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
+    def on_train_step_end(self, trainer, module, outputs, batch, batch_idx):
         loss = float(outputs.loss)  # one host sync per step: fine for a small model
         if self.ema is not None and loss > self.threshold * self.ema:
             self.spikes.append({"step": trainer.global_step, "loss": loss, "ema": self.ema})

@@ -40,7 +40,7 @@ class Losses(nt.Callback):
         self.grad_norms: list[float] = []
         self.metrics: list[dict[str, float]] = []
 
-    def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx) -> None:
+    def on_train_step_end(self, trainer, module, outputs, batch, batch_idx) -> None:
         self.losses.append(float(outputs.loss))
         self.grad_norms.append(float(outputs.grad_norm))
         self.metrics.append({k: float(v) for k, v in outputs.metrics.items()})

@@ -2,7 +2,10 @@
 
 Hooks run on every rank, in the order the callbacks were registered; after all callbacks
 the NanoModule's hook of the same name runs (without the `trainer, module` arguments), as in
-Lightning. A callback observes; it changes control flow only through
+Lightning. Lightning's hooks have Lightning's arguments and cadence (a training "batch" is
+one microbatch, as Lightning counts batches under `accumulate_grad_batches`); the
+step-level hooks nanotrain adds are `on_train_step_start` / `on_train_step_end`, once per
+optimizer step with all its microbatches. A callback observes; it changes control flow only through
 `trainer.request_stop()` (end training after the current step) and, inside
 `on_before_optimizer_step`, `trainer.request_skip_step()` (drop this step's update).
 
@@ -12,9 +15,13 @@ Order for one `fit` (N steps, validation every V steps, E epochs):
     on_fit_start
     on_train_start
       on_train_epoch_start
-        on_train_batch_start → on_before_zero_grad                              (per step)
-          → [per microbatch: on_before_backward → backward → on_after_backward]
-          → on_before_optimizer_step → (clip, optimizer step) → on_train_batch_end
+        on_train_step_start                                                     (per step)
+          [per microbatch i: on_train_batch_start → training_step
+             → (i = 0: on_before_zero_grad → optimizer_zero_grad)
+             → on_before_backward → backward → on_after_backward
+             → on_train_batch_end (the last microbatch's after the optimizer step)]
+          → on_before_optimizer_step → configure_gradient_clipping → optimizer_step
+          → on_train_batch_end (last microbatch) → on_train_step_end
         [every V steps] on_validation_start → on_validation_epoch_start
                         → (on_validation_batch_start, on_validation_batch_end per batch)
                         → on_validation_epoch_end
@@ -77,20 +84,27 @@ class Callback:
         """A pass over the training data completed; `trainer.current_epoch` is still that
         epoch's index."""
 
-    def on_train_batch_start(
-        self, trainer: Trainer, module: NanoModule, batch: list[Any], batch_idx: int
+    def on_train_step_start(
+        self, trainer: Trainer, module: NanoModule, microbatches: list[Any], step_idx: int
     ) -> None:
-        """Before the forward pass of one optimizer step. `batch` is this rank's list of
-        microbatches (already on the device); `batch_idx` is the step index in the epoch.
-        `.grad` still holds the previous step's gradients (zeroed next, after
-        `on_before_zero_grad`)."""
+        """nanotrain's step-level hook: before the first microbatch of one optimizer step.
+        `microbatches` is this rank's list of them (already on the device); `step_idx` the
+        step's index in the epoch. `.grad` still holds the previous step's gradients."""
+
+    def on_train_batch_start(
+        self, trainer: Trainer, module: NanoModule, batch: Any, batch_idx: int
+    ) -> None:
+        """Lightning's: before one microbatch's `training_step` (`batch` on the device,
+        `batch_idx` its index in the epoch, counting microbatches as Lightning counts
+        batches). Under pp > 1 every microbatch's runs before the pipeline schedule."""
 
     def on_before_zero_grad(
         self, trainer: Trainer, module: NanoModule, optimizer: torch.optim.Optimizer
     ) -> None:
-        """At the start of a step, before its gradients are zeroed (as Lightning, at the start
-        of an accumulation window): `.grad` still holds the previous step's gradients (none
-        before the first step). `optimizer` is the step's `HookOptimizer`."""
+        """After the first microbatch's `training_step` of a step (as Lightning, at the start
+        of an accumulation window), before the gradients are zeroed: `.grad` still holds the
+        previous step's gradients (none before the first step). `optimizer` is the step's
+        `HookOptimizer`. Under pp > 1 it runs before the schedule."""
 
     def on_before_backward(self, trainer: Trainer, module: NanoModule, loss: torch.Tensor) -> None:
         """Before each microbatch's backward. `loss` is the (unscaled) loss backward runs on:
@@ -112,16 +126,26 @@ class Callback:
         tensor `flag` is True, without a host read (fused optimizers only)."""
 
     def on_train_batch_end(
+        self, trainer: Trainer, module: NanoModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        """Lightning's: after one microbatch's backward; for the last microbatch of a step
+        after the optimizer step. `outputs` is Lightning's: {"loss": the microbatch's share of
+        the step's loss, detached, **the other keys of a dict training_step returned}. Under
+        pp > 1 every microbatch's runs after the step, with the step's loss divided evenly."""
+
+    def on_train_step_end(
         self,
         trainer: Trainer,
         module: NanoModule,
         outputs: StepOutput,
-        batch: list[Any],
-        batch_idx: int,
+        microbatches: list[Any],
+        step_idx: int,
     ) -> None:
-        """The optimizer and the step-interval LR scheduler have stepped (the gradients are
-        kept until the next step's `on_before_zero_grad`), `trainer.global_step` counts this step, and the step's metrics are logged if
-        this was a logging step. `outputs` is the step's `StepOutput`."""
+        """nanotrain's step-level hook: the optimizer and the step-interval LR scheduler have
+        stepped (the gradients are kept until the next step zeroes them),
+        `trainer.global_step` counts this step, and the step's metrics are logged if this was
+        a logging step (`trainer.is_log_step`). `outputs` is the step's `StepOutput` (global
+        loss, grad norm, token and sample counts)."""
 
     def on_validation_start(self, trainer: Trainer, module: NanoModule) -> None:
         """The model is in eval mode and gradients are off; no validation batch has run."""

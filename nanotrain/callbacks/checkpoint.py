@@ -223,13 +223,13 @@ class ModelCheckpoint(Callback):
         except OSError as err:  # its message names the folder and the fix: a user error
             raise RunFilesError(str(err)) from err
 
-    def on_train_batch_end(
+    def on_train_step_end(
         self,
         trainer: Trainer,
         module: NanoModule,
         outputs: StepOutput,
-        batch: list[Any],
-        batch_idx: int,
+        microbatches: list[Any],
+        step_idx: int,
     ) -> None:
         step = trainer.global_step
         due = bool(self.every_n_steps) and step % self.every_n_steps == 0

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+from typing import Any
+
+import lightning.pytorch as pl
+
 from nanotrain.callbacks.base import Callback
 from nanotrain.callbacks.checkpoint import ModelCheckpoint
 from nanotrain.callbacks.grad_norm import GradNormMonitor
@@ -45,8 +49,21 @@ def default_callbacks(
     return callbacks
 
 
+def is_user_lightning_callback(cb: Any) -> bool:
+    """Whether `cb` is a user's subclass of `lightning.pytorch.Callback` that inherits
+    nothing from Lightning's built-in callbacks (those read Lightning's Trainer internals);
+    its hooks get Lightning's arguments from the nanotrain Trainer."""
+    if not isinstance(cb, pl.Callback):
+        return False
+    inherited = type(cb).__mro__[1:]
+    return not any(
+        c.__module__.split(".")[0] in ("lightning", "pytorch_lightning") and c is not pl.Callback
+        for c in (type(cb), *inherited)
+    )
+
+
 def with_defaults(
-    user: list[Callback],
+    user: list[Any],
     enable_checkpointing: bool = True,
     enable_progress_bar: bool = True,
     enable_monitors: bool = True,
@@ -61,11 +78,12 @@ def with_defaults(
         TypeError: an entry is not a nanotrain Callback.
     """
     for cb in user:
-        if not isinstance(cb, Callback):
+        if not isinstance(cb, Callback) and not is_user_lightning_callback(cb):
             raise TypeError(
-                f"callbacks must be nanotrain Callbacks (nanotrain.callbacks), got "
-                f"{type(cb).__name__}; Lightning's own callbacks read its Trainer's internals "
-                "and are not supported (see docs/lightning.md)"
+                f"callbacks must be nanotrain Callbacks (nanotrain.callbacks) or your own "
+                f"subclasses of lightning's Callback, got {type(cb).__name__}; Lightning's "
+                "built-in callbacks read its Trainer's internals and are not supported: use "
+                "their nanotrain counterparts (see docs/lightning.md)"
             )
     given = {type(cb) for cb in user}
     defaults = [

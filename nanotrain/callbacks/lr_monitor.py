@@ -44,7 +44,7 @@ def param_group_names(optimizer: torch.optim.Optimizer) -> list[str]:
 class LearningRateMonitor(Callback):
     """Logs `lr/<group>` for each optimizer parameter group: the rate the step used.
 
-    The rate is read at `on_train_batch_start`, before the scheduler moves it, and logged
+    The rate is read at `on_train_step_start`, before the scheduler moves it, and logged
     under the number the step gets when it completes, so `lr/group0` at step N is the rate
     that produced the weights of step N. Groups are named by a "name" key in the param group
     (e.g. `{"params": ..., "name": "decay"}`), else by the settings that set them apart
@@ -71,8 +71,8 @@ class LearningRateMonitor(Callback):
         self.log_momentum = log_momentum
         self.log_weight_decay = log_weight_decay
 
-    def on_train_batch_start(
-        self, trainer: Trainer, module: NanoModule, batch: list[Any], batch_idx: int
+    def on_train_step_start(
+        self, trainer: Trainer, module: NanoModule, microbatches: list[Any], step_idx: int
     ) -> None:
         """Log the rates this step will use, on log steps."""
         step = trainer.global_step + 1

@@ -67,21 +67,21 @@ class MemoryMonitor(Callback):
     def _is_log_step(self, trainer: Trainer, step: int) -> bool:
         return step % (self.log_every_n_steps or trainer.settings.log_every_n_steps) == 0
 
-    def on_train_batch_start(
-        self, trainer: Trainer, module: NanoModule, batch: list[Any], batch_idx: int
+    def on_train_step_start(
+        self, trainer: Trainer, module: NanoModule, microbatches: list[Any], step_idx: int
     ) -> None:
         """Reset the CUDA peak counters so the peak covers this step only."""
         device = trainer.strategy.root_device
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
 
-    def on_train_batch_end(
+    def on_train_step_end(
         self,
         trainer: Trainer,
         module: NanoModule,
         outputs: StepOutput,
-        batch: list[Any],
-        batch_idx: int,
+        microbatches: list[Any],
+        step_idx: int,
     ) -> None:
         """On log steps, reduce this rank's figures to the maximum over ranks and log them."""
         if not self._is_log_step(trainer, trainer.global_step):

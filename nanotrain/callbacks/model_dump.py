@@ -234,8 +234,8 @@ class ModelDump(Callback):
         trainer.loggers.log_text("model/summary", f"```\n{table}\n```", trainer.global_step)
 
     # -- activations ---------------------------------------------------------------------------
-    def on_train_batch_start(
-        self, trainer: Trainer, module: NanoModule, batch: list[Any], batch_idx: int
+    def on_train_step_start(
+        self, trainer: Trainer, module: NanoModule, microbatches: list[Any], step_idx: int
     ) -> None:
         """Arm forward hooks for this step's forward passes if it is a dump step."""
         if trainer.global_step + 1 not in self.steps:

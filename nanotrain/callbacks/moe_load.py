@@ -144,7 +144,7 @@ class MoELoadMonitor(Callback):
 
     Reads `module.last_moe_stats` (a `MoEStats` of the step that just finished: expert loads
     and dropped tokens summed over all ranks, router biases after the step's update) at
-    `on_train_batch_end`, under the step's number. Scalars (see `moe_load_metrics`), every
+    `on_train_step_end`, under the step's number. Scalars (see `moe_load_metrics`), every
     `log_every_n_steps`: `moe/layer{l}/max_over_mean`, `.../min_over_mean`,
     `.../dropped_fraction`, `.../bias_abs_max`, optionally `.../load/expert{e}`, and
     `moe/max_over_mean` (the mean over layers). Every `heatmap_every_n_steps`: the image
@@ -183,13 +183,13 @@ class MoELoadMonitor(Callback):
         self.heatmap_every_n_steps = heatmap_every_n_steps
         self.per_expert = per_expert
 
-    def on_train_batch_end(
+    def on_train_step_end(
         self,
         trainer: Trainer,
         module: NanoModule,
         outputs: StepOutput,
-        batch: list[Any],
-        batch_idx: int,
+        microbatches: list[Any],
+        step_idx: int,
     ) -> None:
         """On log / heatmap steps: gather the stages' statistics, log scalars and the image."""
         step = trainer.global_step  # already counts the step that just finished

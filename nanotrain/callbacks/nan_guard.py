@@ -152,7 +152,7 @@ class NaNGuard(Callback):
         self._device_counts = torch.stack([c[0] + bad, consecutive, checks, last])
         trainer.request_skip_step(bad)
 
-    def on_train_batch_end(self, trainer: Trainer, module: NanoModule, *args: Any) -> None:
+    def on_train_step_end(self, trainer: Trainer, module: NanoModule, *args: Any) -> None:
         """Device mode: read the counters on logging steps and act on new bad steps."""
         if trainer.is_log_step:
             self._settle(trainer)

@@ -113,13 +113,13 @@ class TorchProfiler(Callback):
         prof.export_chrome_trace(str(path))
         self.trace_paths.append(path)
 
-    def on_train_batch_end(
+    def on_train_step_end(
         self,
         trainer: Trainer,
         module: NanoModule,
         outputs: StepOutput,
-        batch: list[Any],
-        batch_idx: int,
+        microbatches: list[Any],
+        step_idx: int,
     ) -> None:
         """Advance the schedule; stop the profiler once the last cycle is written."""
         if self._profiler is None:

@@ -159,13 +159,13 @@ class ProgressBar(Callback):
                 "train", total=total_steps(trainer), completed=trainer.global_step, metrics=""
             )
 
-    def on_train_batch_end(
+    def on_train_step_end(
         self,
         trainer: Trainer,
         module: NanoModule,
         outputs: StepOutput,
-        batch: list[Any],
-        batch_idx: int,
+        microbatches: list[Any],
+        step_idx: int,
     ) -> None:
         """Refresh the bar (rich) or print a line on log steps (plain)."""
         if self._active == "off":

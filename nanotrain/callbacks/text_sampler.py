@@ -86,13 +86,13 @@ class TextSampler(Callback):
             )
         self._tokenizer = tokenizer
 
-    def on_train_batch_end(
+    def on_train_step_end(
         self,
         trainer: Trainer,
         module: NanoModule,
         outputs: StepOutput,
-        batch: list[Any],
-        batch_idx: int,
+        microbatches: list[Any],
+        step_idx: int,
     ) -> None:
         """Sample on the steps that are multiples of `every_n_steps`."""
         step = trainer.global_step

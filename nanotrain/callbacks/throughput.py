@@ -130,13 +130,13 @@ class ThroughputMonitor(Callback):
             self._paused += self.clock() - self._validation_started
             self._validation_started = None
 
-    def on_train_batch_end(
+    def on_train_step_end(
         self,
         trainer: Trainer,
         module: NanoModule,
         outputs: StepOutput,
-        batch: list[Any],
-        batch_idx: int,
+        microbatches: list[Any],
+        step_idx: int,
     ) -> None:
         """Count the step; on log steps compute and log the window's rates."""
         self._steps += 1

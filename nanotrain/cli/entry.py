@@ -47,8 +47,8 @@ def _main(argv: list[str], recorder: ExitRecorder) -> int:
     command = getattr(importlib.import_module(module), function)
     # fit and validate record how they ended (nanotrain.runtime.exit_record)
     result = command(argv[1:], recorder) if argv[0] in RECORDED else command(argv[1:])
-    if argv[0] == "validate" and isinstance(result, dict):
-        for name, value in sorted(result.items()):
+    if argv[0] == "validate" and isinstance(result, list):  # Trainer.validate: [metrics]
+        for name, value in sorted(result[0].items()):
             print(f"{name}: {value:.6g}")
     return int(getattr(result, "exit_code", 0) or 0)  # fit: see nanotrain.runtime.exit_codes
 

@@ -8,11 +8,13 @@ from nanotrain.strategies.replicated import ReplicatedStrategy
 from nanotrain.strategies.single_device import SingleDeviceStrategy
 
 
-def resolve_strategy(strategy: "Strategy | str") -> Strategy:
+def resolve_strategy(strategy: "Strategy | str", accelerator: str = "auto") -> Strategy:
     """Return a Strategy for an instance or a name: "auto", "single", "ddp", "megatron"
     (the last with its defaults: tp=pp=ep=1, i.e. data parallel over every process).
 
     "auto" picks DDP when launched by torchrun with more than one process, else one device.
+    A named strategy trains on the CPU for accelerator "cpu", on CUDA for "gpu"/"cuda", and
+    on CUDA when available for "auto" (an instance is returned as it is).
     """
     import os
 
@@ -21,12 +23,14 @@ def resolve_strategy(strategy: "Strategy | str") -> Strategy:
     name = str(strategy).lower()
     if name == "auto":
         name = "ddp" if int(os.environ.get("WORLD_SIZE", "1")) > 1 else "single"
+    device = {"cpu": "cpu", "gpu": "cuda", "cuda": "cuda"}.get(accelerator)
+    backend = {"cpu": "gloo", "cuda": "nccl"}.get(device or "")
     if name in ("single", "single_device"):
-        return SingleDeviceStrategy()
+        return SingleDeviceStrategy(device)
     if name == "ddp":
-        return DDPStrategy()
+        return DDPStrategy(backend)
     if name == "megatron":
-        return MegatronStrategy()
+        return MegatronStrategy(backend=backend)
     raise ValueError(
         f"unknown strategy {strategy!r}; use 'auto', 'single', 'ddp', 'megatron' or a Strategy instance"
     )

@@ -110,13 +110,22 @@ def _skip_on_device(optimizer: torch.optim.Optimizer, skip_if: Tensor) -> Iterat
 
 
 @dataclass
-class BackwardHooks:
-    """What runs around each microbatch's backward: `before(loss)` with the (unscaled) loss
-    backward is called on, `after()` once its gradients are in `.grad` (for the last
-    microbatch of a step: reduced across replicas, as under Lightning's DDP)."""
+class MicrobatchHooks:
+    """What `forward_backward` runs around each microbatch `i` of a step (Lightning's
+    per-batch hooks; only where `supports_microbatch_hooks`):
 
-    before: Callable[[Tensor], None]
+    - `start(i, microbatch)` before its forward;
+    - `before(i, objective)` between its forward and its backward, with the (unscaled)
+      scalar backward is called on;
+    - `after()` once its gradients are in `.grad` (for the last microbatch: reduced across
+      replicas, as under Lightning's DDP);
+    - `end(i, output, objective)` after that, with its `training_step` output.
+    """
+
+    start: Callable[[int, Any], None]
+    before: Callable[[int, Tensor], None]
     after: Callable[[], None]
+    end: Callable[[int, Any, Tensor], None]
 
 
 class Strategy(ABC):
@@ -276,22 +285,30 @@ class Strategy(ABC):
         module: NanoModule,
         microbatches: Sequence[Any],
         batch_idx: int,
-        hooks: BackwardHooks | None = None,
+        hooks: MicrobatchHooks | None = None,
     ) -> StepOutput:
         """Run forward and backward over this rank's microbatches of one optimizer step.
 
-        Gradients are added to `.grad` (zeroed by `zero_grad` before the step), reduced across
-        replicas and scaled so that they are the gradient of the global mean loss. `hooks`
-        run around each microbatch's backward (Lightning's `on_before_backward` /
-        `on_after_backward`; only where `supports_backward_hooks`). Returns the step's
-        `StepOutput` (no grad norm yet).
+        Gradients are added to `.grad` (zeroed by `zero_grad` before the step, or by
+        `hooks.before` of the first microbatch), reduced across replicas and scaled so that
+        they are the gradient of the global mean loss. `batch_idx` is the index of the first
+        microbatch in the epoch; microbatch `i`'s `training_step` gets `batch_idx + i` (as
+        Lightning counts batches). `hooks` run around each microbatch (Lightning's per-batch
+        hooks; only where `supports_microbatch_hooks`). Returns the step's `StepOutput` (no
+        grad norm yet).
         """
 
     @property
-    def supports_backward_hooks(self) -> bool:
-        """Whether `forward_backward` can run `BackwardHooks` around each microbatch's backward
-        (not inside a pipeline schedule, where backward runs per model chunk)."""
+    def supports_microbatch_hooks(self) -> bool:
+        """Whether `forward_backward` can run `MicrobatchHooks` around each microbatch (not
+        inside a pipeline schedule, where forward and backward run per model chunk)."""
         return True
+
+    @property
+    def supports_backward_hooks(self) -> bool:
+        """Whether `.grad` holds this rank's whole gradients in `on_before_backward` /
+        `on_after_backward` (not where they live in ZeRO-2 shards)."""
+        return self.supports_microbatch_hooks
 
     @abstractmethod
     def grads_for_clipping(self) -> list[Tensor]:
@@ -362,10 +379,13 @@ class Strategy(ABC):
         `zero_grad`."""
         self.precision.after_step()
 
-    def validation_step(self, module: NanoModule, batch: Any, batch_idx: int) -> Any:
-        """Run `module.validation_step` forward-only and return its output."""
+    def validation_step(
+        self, module: NanoModule, batch: Any, batch_idx: int, step_name: str = "validation_step"
+    ) -> Any:
+        """Run `module.<step_name>` ("validation_step" or "test_step") forward-only and return
+        its output."""
         with torch.no_grad(), self.precision.forward_context():
-            return module.validation_step(batch, batch_idx)
+            return getattr(module, step_name)(batch, batch_idx)
 
     def predict_step(self, module: NanoModule, batch: Any, batch_idx: int) -> Any:
         """Run `module.predict_step` forward-only and return its output (`Trainer.predict`).

@@ -47,8 +47,8 @@ from nanotrain.parallel.zero import ZeroOptimizer
 from nanotrain.precision.master import MasterWeights
 from nanotrain.runtime.profiling import named_range
 from nanotrain.strategies.base import (
-    BackwardHooks,
     DataShard,
+    MicrobatchHooks,
     StepOutput,
     Strategy,
 )
@@ -331,24 +331,28 @@ class MegatronStrategy(MegatronGradNorms, Strategy):
         module: NanoModule,
         microbatches: Sequence[Any],
         batch_idx: int,
-        hooks: BackwardHooks | None = None,
+        hooks: MicrobatchHooks | None = None,
     ) -> StepOutput:
         """Accumulate the gradient of the mean loss over the global batch's tokens; reduce it
-        over dp (and tp under SP). `hooks` need `supports_backward_hooks`."""
+        over dp (and tp under SP). `hooks` need `supports_microbatch_hooks`."""
         grads = self._grads
         assert grads is not None, "setup_module() must run before forward_backward()"
         weighed = weigh_microbatches(self, module, microbatches)
         accumulator = LossAccumulator(weighed)
         grads.attach()
+        last: tuple[Any, Tensor] | None = None  # the last microbatch's output and objective
         if self._pipeline is not None:
             sums = self._pipeline.train_step(
                 module, microbatches, accumulator, batch_idx, grads, self.precision
             )
         else:
-            sums = self._accumulate(module, microbatches, accumulator, batch_idx, grads, hooks)
+            sums, last = self._accumulate(
+                module, microbatches, accumulator, batch_idx, grads, hooks
+            )
         self._reduce_sequence_parallel_grads()
-        if hooks is not None:  # the last microbatch's: its gradients are reduced by now
+        if hooks is not None and last is not None:  # its gradients are reduced by now
             hooks.after()
+            hooks.end(len(microbatches) - 1, *last)
         if self.zero_stage == 2:
             grads.release()
         if self.precision.uses_loss_scaling:
@@ -369,32 +373,40 @@ class MegatronStrategy(MegatronGradNorms, Strategy):
         accumulator: LossAccumulator,
         batch_idx: int,
         grads: GradBucketSets,
-        hooks: BackwardHooks | None = None,
-    ) -> Tensor:
+        hooks: MicrobatchHooks | None = None,
+    ) -> tuple[Tensor, tuple[Any, Tensor]]:
         """Forward and backward of each microbatch in turn; dp reduction on the last one.
-        Returns the accumulator's local sums of the (weighed) loss terms."""
+        Returns the accumulator's local sums of the (weighed) loss terms, and the last
+        microbatch's `training_step` output and objective (for its end hook)."""
         num_micro = len(microbatches)
         for i, microbatch in enumerate(microbatches):
             grads.set_sync(i == num_micro - 1)
+            if hooks is not None:
+                hooks.start(i, microbatch)
             with named_range("nanotrain/forward"), self.precision.forward_context():
-                output = module.training_step(microbatch, batch_idx)
+                output = module.training_step(microbatch, batch_idx + i)
             objective = accumulator.objective(i, output)
             if hooks is not None:
-                hooks.before(objective)
+                hooks.before(i, objective)
             with named_range("nanotrain/backward"):
                 self.precision.scale_loss(objective).backward()
             if hooks is not None and i < num_micro - 1:
                 hooks.after()
+                hooks.end(i, output, objective)
         with named_range("nanotrain/grad_reduction"):
             grads.finish()
-        return accumulator.sums
+        return accumulator.sums, (output, objective)
 
-    def validation_step(self, module: NanoModule, batch: Any, batch_idx: int) -> Any:
+    def validation_step(
+        self, module: NanoModule, batch: Any, batch_idx: int, step_name: str = "validation_step"
+    ) -> Any:
         """Forward only: through the pipeline stages under pp > 1 (every stage logs the
-        global values), else `module.validation_step`."""
+        global values), else `module.<step_name>` ("validation_step" or "test_step")."""
         if self._pipeline is not None:
-            return self._pipeline.validation_step(module, batch, batch_idx, self.precision)
-        return super().validation_step(module, batch, batch_idx)
+            return self._pipeline.validation_step(
+                module, batch, batch_idx, self.precision, step_name
+            )
+        return super().validation_step(module, batch, batch_idx, step_name)
 
     def predict_step(self, module: NanoModule, batch: Any, batch_idx: int) -> Any:
         """`module.predict_step` forward-only; refused under pp > 1, where no stage holds a
@@ -408,9 +420,14 @@ class MegatronStrategy(MegatronGradNorms, Strategy):
         return super().predict_step(module, batch, batch_idx)
 
     @property
+    def supports_microbatch_hooks(self) -> bool:
+        """Not under pp > 1 (forward and backward run per model chunk inside the schedule)."""
+        return self.pp == 1
+
+    @property
     def supports_backward_hooks(self) -> bool:
-        """Not under pp > 1 (backward runs per model chunk inside the schedule) nor ZeRO-2
-        (the reduced gradients live in this rank's shards, not in `.grad`)."""
+        """Not under pp > 1 nor ZeRO-2 (the reduced gradients live in this rank's shards, not
+        in `.grad`)."""
         return self.pp == 1 and self.zero_stage < 2
 
     def _updater(self) -> Any:

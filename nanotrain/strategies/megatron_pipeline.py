@@ -246,11 +246,17 @@ class PipelineEngine:
         return self.sum_over_stages(accumulator.sums)
 
     def validation_step(
-        self, module: NanoModule, batch: Any, batch_idx: int, precision: Precision | None = None
+        self,
+        module: NanoModule,
+        batch: Any,
+        batch_idx: int,
+        precision: Precision | None = None,
+        step_name: str = "validation_step",
     ) -> Any:
         """Forward-only through the stages (inside ``precision``'s forward context), then
-        ``validation_step`` replayed with the global loss terms on every stage; returns what
-        that replay returns."""
+        ``module.<step_name>`` ("validation_step" or "test_step") replayed with the global
+        loss terms on every stage; returns what that replay returns."""
+        eval_step = getattr(module, step_name)
         precision = precision or Precision()
         stage = self.stage_of(module)
         dtype = next(p.dtype for p in stage.parameters())
@@ -258,7 +264,7 @@ class PipelineEngine:
 
         def validation_step(b: Any) -> Any:
             with precision.forward_context():
-                return module.validation_step(b, batch_idx)
+                return eval_step(b, batch_idx)
 
         step = self._forward_step(stage, validation_step, [batch], terms)
         actions = forward_only(1, self.mesh.pp_size, self.mesh.pp_rank, self.virtual_pp)
@@ -266,7 +272,7 @@ class PipelineEngine:
         terms = self._global_terms(terms, over_dp=False)
         stage.replay(self._replayed(terms[0], _has_mtp(stage)))
         with torch.no_grad():
-            return module.validation_step(batch, batch_idx)
+            return eval_step(batch, batch_idx)
 
     def square_norm_mask(self, module: NanoModule, params: Sequence[Tensor]) -> Tensor:
         """Per parameter, 1 where this stage counts it in the global norm, 0 for an embedding

@@ -12,7 +12,7 @@ from torch import Tensor, nn
 from nanotrain.parallel.data_parallel import GradBuckets
 from nanotrain.precision.master import MainGrads, MasterWeights, grad_of
 from nanotrain.runtime.profiling import named_range
-from nanotrain.strategies.base import BackwardHooks, StepOutput, Strategy
+from nanotrain.strategies.base import MicrobatchHooks, StepOutput, Strategy
 from nanotrain.strategies.optimizers import OptimizerSetup
 from nanotrain.strategies.weighting import LossAccumulator, weigh_microbatches
 
@@ -91,7 +91,7 @@ class ReplicatedStrategy(Strategy):
         module: NanoModule,
         microbatches: Sequence[Any],
         batch_idx: int,
-        hooks: BackwardHooks | None = None,
+        hooks: MicrobatchHooks | None = None,
     ) -> StepOutput:
         """Accumulate gradients of the objective over the global batch (each loss term, or the
         whole loss, averaged over its global count: `weighting`); reduce its value."""
@@ -101,22 +101,26 @@ class ReplicatedStrategy(Strategy):
         num_micro = len(microbatches)
         precision = self.precision
         for i, microbatch in enumerate(microbatches):
+            if hooks is not None:
+                hooks.start(i, microbatch)
             with self._sync_context(i == num_micro - 1):
                 with named_range("nanotrain/forward"), precision.forward_context():
-                    output = self._step_runner(microbatch, batch_idx)
+                    output = self._step_runner(microbatch, batch_idx + i)
                 # scaled by the microbatch's share of each global count (times the replicas,
                 # which DDP's average divides out again)
                 objective = accumulator.objective(i, output)
                 if hooks is not None:
-                    hooks.before(objective)
+                    hooks.before(i, objective)
                 with named_range("nanotrain/backward"):
                     precision.scale_loss(objective).backward()
             if hooks is not None and i < num_micro - 1:
                 hooks.after()
+                hooks.end(i, output, objective)
         if self._main_grads is not None:
             self._reduce_main_grads()
         if hooks is not None:  # the last microbatch's: its gradients are reduced by now
             hooks.after()
+            hooks.end(num_micro - 1, output, objective)
         if precision.uses_loss_scaling:
             grads = [grad_of(p) for p in self._all_params]
             precision.unscale_grads_([g for g in grads if g is not None], self._found_inf_groups())

@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import os
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from nanotrain.trainer.lightning_args import check_launch_arguments
 
 LOGGER_NAMES = ("tensorboard", "csv", "jsonl")
 
@@ -27,7 +30,10 @@ class TrainerConfig:
         accumulate_grad_batches: as Lightning's: an optimizer step every this many
             microbatches, i.e. global_batch_size = accumulate_grad_batches × micro_batch_size ×
             data-parallel size (default None: 1, or what global_batch_size implies).
-        gradient_clip_val: clip the global grad norm to this (None: measure, don't clip).
+        gradient_clip_val: clip the gradients to this (None: measure the norm, don't clip).
+        gradient_clip_algorithm: as Lightning's: "norm" (default) scales the gradients to a
+            global norm of at most gradient_clip_val, "value" clamps each element to
+            [-gradient_clip_val, gradient_clip_val].
         val_check_interval: validate every this many optimizer steps (None: only at the end).
         check_val_every_n_epoch: also validate at the end of every this many completed
             epochs, as Lightning does (None: not at epoch ends).
@@ -56,6 +62,14 @@ class TrainerConfig:
         validate_at_start: also validate before the first step of a fresh run (step 0), so
             the validation curve starts at the untrained loss; the final validation at the
             last step runs either way.
+        accelerator / devices / num_nodes: Lightning's; torchrun starts the processes, so
+            they are accepted when they describe the job as launched ("auto", the processes
+            per node, the node count) and refused otherwise; accelerator "cpu" or "gpu" picks
+            the device of a strategy given by name (`nanotrain.trainer.lightning_args`).
+        num_sanity_val_steps: None or 0 only: nanotrain runs no sanity-check validation
+            (validate_at_start validates the untrained model at step 0 instead).
+        enable_model_summary: print Lightning's model summary (layer table and parameter
+            counts) on rank 0 when fit starts.
         precision: "32-true" (default), "bf16-mixed", "bf16-true", "16-mixed",
             "transformer-engine", "torchao-float8", "fp8-emulated" or "fp4-emulated" (see
             docs/precision.md);
@@ -69,6 +83,7 @@ class TrainerConfig:
     micro_batch_size: int | None = None
     accumulate_grad_batches: int | None = None
     gradient_clip_val: float | None = None
+    gradient_clip_algorithm: str | None = None
     val_check_interval: int | None = None
     check_val_every_n_epoch: int | None = 1
     limit_val_batches: int | float | None = None
@@ -86,6 +101,11 @@ class TrainerConfig:
     preemption_signals: list[str] = field(default_factory=lambda: ["SIGTERM", "SIGUSR1"])
     validate_at_start: bool = False
     precision: str = "32-true"
+    accelerator: str = "auto"
+    devices: Any = "auto"
+    num_nodes: int | None = None
+    num_sanity_val_steps: int | None = None
+    enable_model_summary: bool = False
 
     def __post_init__(self) -> None:
         if self.max_steps is None and self.max_epochs is None and self.max_tokens is None:
@@ -127,7 +147,19 @@ class TrainerConfig:
             raise ValueError(f"log_every_n_steps must be positive, got {self.log_every_n_steps}")
         if self.gradient_clip_val is not None and self.gradient_clip_val <= 0:
             raise ValueError(f"gradient_clip_val must be positive, got {self.gradient_clip_val}")
+        if self.gradient_clip_algorithm not in (None, "norm", "value"):
+            raise ValueError(
+                f"gradient_clip_algorithm must be 'norm', 'value' or None, got "
+                f"{self.gradient_clip_algorithm!r}"
+            )
+        if self.num_sanity_val_steps not in (None, 0):
+            raise ValueError(
+                f"num_sanity_val_steps={self.num_sanity_val_steps!r}: nanotrain runs no "
+                "sanity-check validation before training; pass 0 or drop it "
+                "(validate_at_start=True validates the untrained model at step 0 instead)"
+            )
         _check_limit_val_batches(self.limit_val_batches)
+        check_launch_arguments(self.accelerator, self.devices, self.num_nodes)
         unknown = set(self.loggers) - set(LOGGER_NAMES)
         if unknown:
             raise ValueError(
@@ -191,28 +223,3 @@ def _check_limit_val_batches(limit: int | float | None) -> None:
             f"limit_val_batches must be an int >= 0 (a count), a float in (0, 1] (a fraction) "
             f"or None (all), got {limit!r}"
         )
-
-
-# Lightning Trainer arguments that nanotrain spells differently, with what to use instead
-LIGHTNING_ARGUMENTS = {
-    "accelerator": "pick a strategy: strategy=SingleDeviceStrategy('cuda'|'cpu'), 'ddp' or "
-    "MegatronStrategy(...); devices come from torchrun",
-    "devices": "start one process per device with torchrun --nproc-per-node N",
-    "num_nodes": "start the processes with torchrun (--nnodes)",
-    "num_sanity_val_steps": "nanotrain runs no sanity validation; drop it",
-    "limit_train_batches": "use max_steps",
-    "gradient_clip_algorithm": "gradient_clip_val clips the global norm; drop it",
-    "enable_model_summary": "add nanotrain.callbacks.ModelDump for a summary; drop it",
-}
-
-
-def unknown_setting_error(name: str) -> TypeError:
-    """The TypeError for a Trainer keyword nanotrain does not know, with the nanotrain way
-    for the Lightning arguments that have one."""
-    hint = LIGHTNING_ARGUMENTS.get(name)
-    known = ", ".join(f.name for f in fields(TrainerConfig))
-    if hint:
-        return TypeError(
-            f"Trainer got Lightning's argument {name!r}, which nanotrain spells differently: {hint}"
-        )
-    return TypeError(f"Trainer got an unknown argument {name!r}; settings are: {known}")

@@ -136,20 +136,19 @@ def run_test(trainer: Trainer, dataloaders: Any) -> list[dict[str, float]]:
     module.eval()
     trainer._call("on_test_start")
     trainer._call("on_test_epoch_start")
-    # every strategy runs a forward-only step through `validation_step` (pipeline schedules
-    # included); point it at test_step for this run
-    module.validation_step = module.test_step
-    try:
-        for batch_idx, batch in enumerate(loader):
-            batch = trainer.strategy.batch_to_device(batch)
-            if batch_idx >= loader.batch_sampler.num_real_batches:
-                padding_step(trainer, trainer.strategy.validation_step, batch, batch_idx)
-                continue
-            trainer._call("on_test_batch_start", batch, batch_idx)
-            output = trainer.strategy.validation_step(module, batch, batch_idx)
-            trainer._call("on_test_batch_end", output, batch, batch_idx)
-    finally:
-        del module.validation_step
+
+    # every strategy's forward-only step (pipeline schedules included), on test_step
+    def test_step(module: Any, batch: Any, batch_idx: int) -> Any:
+        return trainer.strategy.validation_step(module, batch, batch_idx, "test_step")
+
+    for batch_idx, batch in enumerate(loader):
+        batch = trainer.strategy.batch_to_device(batch)
+        if batch_idx >= loader.batch_sampler.num_real_batches:
+            padding_step(trainer, test_step, batch, batch_idx)
+            continue
+        trainer._call("on_test_batch_start", batch, batch_idx)
+        output = test_step(module, batch, batch_idx)
+        trainer._call("on_test_batch_end", output, batch, batch_idx)
     logged = finish_epoch(trainer, "on_test_epoch_end")
     trainer._call("on_test_end")
     trainer.testing = False

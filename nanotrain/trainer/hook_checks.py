@@ -57,39 +57,73 @@ UNSUPPORTED_CALLBACK_HOOKS: dict[str, str] = {
 }
 
 
-def _overrides(obj: Any, base: type, name: str) -> bool:
+#: the hooks that run around each microbatch's backward
+BACKWARD_HOOKS = ("on_before_backward", "on_after_backward")
+
+#: Lightning's per-batch training hooks: when any is overridden, the Trainer runs them around
+#: each microbatch (`nanotrain.trainer.train_step`); else the strategy's loop runs bare
+WINDOW_HOOKS = (
+    "on_train_batch_start",
+    "on_train_batch_end",
+    "on_before_zero_grad",
+    "optimizer_zero_grad",
+    *BACKWARD_HOOKS,
+)
+
+
+def hook_base(obj: Any) -> type:
+    """The class whose no-op hooks `obj`'s class may override: LightningModule for a module,
+    Lightning's Callback for a callback written against Lightning, else nanotrain's."""
+    if isinstance(obj, pl.LightningModule):
+        return pl.LightningModule
+    return pl.Callback if isinstance(obj, pl.Callback) else Callback
+
+
+def overrides(obj: Any, name: str) -> bool:
+    """Whether `obj` (or its class) defines hook `name` itself (not the base class's no-op)."""
+    if name in getattr(obj, "__dict__", {}):
+        return True
     own = getattr(type(obj), name, None)
-    return own is not None and own is not getattr(base, name, None)
+    return own is not None and own is not getattr(hook_base(obj), name, None)
+
+
+def uses_any_hook(module: Any, callbacks: list[Any], names: tuple[str, ...]) -> bool:
+    """Whether `module` or one of `callbacks` overrides any of the hooks `names`."""
+    return any(overrides(obj, name) for obj in (module, *callbacks) for name in names)
+
+
+def backward_hooks_refusal(strategy: Any) -> str:
+    """Why `strategy` cannot run `on_before_backward` / `on_after_backward`, and what to do."""
+    return (
+        f"on_before_backward / on_after_backward cannot run under {type(strategy).__name__} "
+        "with this layout: under pipeline parallelism (pp > 1) backward runs per model chunk "
+        "inside the schedule, and under ZeRO-2 the reduced gradients live in this rank's "
+        "shards, not in .grad; move the code to on_before_optimizer_step (the step's gradients, "
+        "reduced, before clipping), or train with pp=1 and zero_stage <= 1"
+    )
 
 
 def check_hooks(module: Any, callbacks: list[Callback], strategy: Strategy) -> None:
     """Raise ValueError at fit start for a hook `module` or a callback overrides that the
     nanotrain Trainer would not call, or that `strategy`'s layout cannot run."""
-    from nanotrain.trainer.train_step import BACKWARD_HOOKS, backward_hooks_refusal
-
     for name, instead in UNSUPPORTED_MODULE_HOOKS.items():
-        if _overrides(module, pl.LightningModule, name):
+        if overrides(module, name):
             raise ValueError(
                 f"{type(module).__name__}.{name} is a Lightning hook the nanotrain Trainer does "
                 f"not call: {instead}"
             )
     for callback in callbacks:
         for name, instead in UNSUPPORTED_CALLBACK_HOOKS.items():
-            if getattr(callback, name, None) is not None:
+            if overrides(callback, name):
                 raise ValueError(
                     f"{type(callback).__name__}.{name} is a Lightning callback hook the nanotrain "
                     f"Trainer does not call: {instead}"
                 )
     if not strategy.supports_backward_hooks:
-        users = (
-            [type(module).__name__]
-            if any(_overrides(module, pl.LightningModule, h) for h in BACKWARD_HOOKS)
-            else []
-        )
-        users += [
-            type(cb).__name__
-            for cb in callbacks
-            if any(_overrides(cb, Callback, h) for h in BACKWARD_HOOKS)
+        users = [
+            type(obj).__name__
+            for obj in (module, *callbacks)
+            if any(overrides(obj, h) for h in BACKWARD_HOOKS)
         ]
         if users:
             raise ValueError(f"{', '.join(users)}: " + backward_hooks_refusal(strategy))

@@ -3,7 +3,13 @@
 from __future__ import annotations
 
 import math
+import os
 from typing import TYPE_CHECKING, Any
+
+from lightning.pytorch.utilities import GradClipAlgorithmType
+from lightning.pytorch.utilities.types import LRSchedulerConfig
+
+from nanotrain.trainer.lightning_args import launched_sizes
 
 if TYPE_CHECKING:
     from pathlib import Path
@@ -44,6 +50,8 @@ class LightningTrainerProperties:
     training: bool
     validating: bool
     testing: bool
+    callbacks: list[Any]
+    _preempted: bool
 
     @property
     def global_step(self) -> int:
@@ -175,13 +183,161 @@ class LightningTrainerProperties:
 
     @property
     def num_nodes(self) -> int:
-        """Always 1 as far as the module is concerned: ranks are counted by `world_size`."""
-        return 1
+        """Nodes of the job as torchrun launched it (1 without torchrun)."""
+        return launched_sizes()[1]
 
     @property
     def num_devices(self) -> int:
-        """Processes in the job (`world_size`)."""
-        return self.strategy.world_size
+        """Processes (devices) per node, as torchrun launched them (1 without torchrun)."""
+        return launched_sizes()[0]
+
+    @property
+    def device_ids(self) -> list[int]:
+        """The device indices of this node's processes (0 .. num_devices - 1)."""
+        return list(range(self.num_devices))
+
+    @property
+    def node_rank(self) -> int:
+        """Index of this process's node (torchrun's GROUP_RANK, else NODE_RANK, else 0)."""
+        return int(os.environ.get("GROUP_RANK", os.environ.get("NODE_RANK", "0")))
+
+    @property
+    def model(self) -> NanoModule | None:
+        """The module being trained (nanotrain wraps no model around it)."""
+        return self.module
+
+    @property
+    def optimizers(self) -> list[Any]:
+        """The optimizer of the running fit, as a one-element list ([] before
+        `configure_optimizers` ran)."""
+        setup = self.strategy.optimizer_setup
+        return [] if setup is None else [setup.optimizer]
+
+    @property
+    def lr_scheduler_configs(self) -> list[LRSchedulerConfig]:
+        """The LR scheduler with its interval and frequency as Lightning's `LRSchedulerConfig`
+        ([] without one)."""
+        setup = self.strategy.optimizer_setup
+        if setup is None or setup.scheduler is None:
+            return []
+        sched = setup.scheduler
+        return [
+            LRSchedulerConfig(sched.scheduler, interval=sched.interval, frequency=sched.frequency)
+        ]
+
+    @property
+    def precision(self) -> str:
+        """The precision name, e.g. "32-true" or "bf16-mixed"."""
+        return self.strategy.precision.name
+
+    @property
+    def precision_plugin(self) -> Any:
+        """The `nanotrain.precision` plugin the strategy applies."""
+        return self.strategy.precision
+
+    @property
+    def default_root_dir(self) -> str:
+        """The root folder of run directories (`<root>/<name>/version_N`)."""
+        return self.settings.default_root_dir
+
+    @property
+    def ckpt_path(self) -> str | None:
+        """The checkpoint the running (or last) stage loaded, None when it started fresh."""
+        path = getattr(self, "_resume_path", None)
+        return None if path is None else str(path)
+
+    @property
+    def checkpoint_callbacks(self) -> list[Any]:
+        """The ModelCheckpoint callbacks, in order."""
+        return self._callbacks_of("ModelCheckpoint")
+
+    @property
+    def checkpoint_callback(self) -> Any:
+        """The first ModelCheckpoint callback, or None."""
+        return next(iter(self.checkpoint_callbacks), None)
+
+    @property
+    def early_stopping_callbacks(self) -> list[Any]:
+        """The EarlyStopping callbacks, in order."""
+        return self._callbacks_of("EarlyStopping")
+
+    @property
+    def early_stopping_callback(self) -> Any:
+        """The first EarlyStopping callback, or None."""
+        return next(iter(self.early_stopping_callbacks), None)
+
+    @property
+    def progress_bar_callback(self) -> Any:
+        """The ProgressBar callback, or None."""
+        return next(iter(self._callbacks_of("ProgressBar")), None)
+
+    def _callbacks_of(self, class_name: str) -> list[Any]:
+        # by class name along the MRO: this room does not import the callbacks
+        return [
+            cb for cb in self.callbacks if any(c.__name__ == class_name for c in type(cb).__mro__)
+        ]
+
+    @property
+    def gradient_clip_val(self) -> float | None:
+        """The Trainer's `gradient_clip_val` setting."""
+        return self.settings.gradient_clip_val
+
+    @property
+    def gradient_clip_algorithm(self) -> GradClipAlgorithmType:
+        """The Trainer's `gradient_clip_algorithm` as Lightning's enum (a str; "norm" when not set)."""
+        return GradClipAlgorithmType(self.settings.gradient_clip_algorithm or "norm")
+
+    @property
+    def val_check_interval(self) -> int | None:
+        """Validate every this many optimizer steps (None: at epoch ends only)."""
+        return self.settings.val_check_interval
+
+    @property
+    def check_val_every_n_epoch(self) -> int | None:
+        """Validate at the end of every this many epochs (None: not at epoch ends)."""
+        return self.settings.check_val_every_n_epoch
+
+    @property
+    def log_every_n_steps(self) -> int:
+        """Write training scalars every this many optimizer steps."""
+        return self.settings.log_every_n_steps
+
+    @property
+    def limit_val_batches(self) -> int | float:
+        """The `limit_val_batches` setting (1.0, all of it, when not set)."""
+        limit = self.settings.limit_val_batches
+        return 1.0 if limit is None else limit
+
+    @property
+    def num_sanity_val_steps(self) -> int:
+        """Always 0: nanotrain runs no sanity-check validation."""
+        return 0
+
+    @property
+    def enable_validation(self) -> bool:
+        """Whether the running fit has validation data and a `validation_step`."""
+        return self._val_loader is not None
+
+    @property
+    def evaluating(self) -> bool:
+        """True inside validate or test (and fit's validation runs)."""
+        return self.validating or self.testing
+
+    @property
+    def is_last_batch(self) -> bool:
+        """True while the last training batch of the epoch runs (Lightning's meaning: the
+        data loader has no batch left after this one)."""
+        return getattr(self, "_is_last_batch", False)
+
+    @property
+    def received_sigterm(self) -> bool:
+        """Whether a preemption signal (SIGTERM by default) asked this fit to stop."""
+        return self._preempted
+
+    @property
+    def interrupted(self) -> bool:
+        """Whether the last stage ended by an exception or a preemption signal."""
+        return getattr(self, "_interrupted", False) or self._preempted
 
     @property
     def logger(self) -> Any:

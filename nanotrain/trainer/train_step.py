@@ -1,19 +1,26 @@
 """The optimizer step of `nanotrain.Trainer`: one step's hook sequence and bookkeeping, and
 the requests callbacks make during it (stop, skip this update).
 
-Per optimizer step (Lightning's optimization hooks at Lightning's points, with one step's
-microbatches as one accumulation window):
+Per optimizer step (Lightning's hooks at Lightning's points, with one step's microbatches as
+one accumulation window; `batch_idx` counts microbatches as Lightning counts batches):
 
-    on_train_batch_start
-    → on_before_zero_grad(optimizer); optimizer_zero_grad(epoch, batch_idx, optimizer)
-    → strategy.forward_backward(microbatches): per microbatch training_step,
-      on_before_backward(loss), backward, on_after_backward() (the last one's gradients
-      reduced across replicas)
+    on_train_step_start(microbatches, step_idx)                        (nanotrain's hook)
+    → strategy.forward_backward, per microbatch i:
+        on_train_batch_start(batch, batch_idx) → training_step(batch, batch_idx)
+        → (i = 0: on_before_zero_grad(optimizer); optimizer_zero_grad(epoch, batch_idx, opt))
+        → on_before_backward(loss) → backward → on_after_backward() (the last microbatch's
+          gradients reduced across replicas) → on_train_batch_end (all but the last)
     → on_before_optimizer_step(optimizer) (gradients not yet clipped; the step's norm known)
     → configure_gradient_clipping(optimizer, gradient_clip_val, gradient_clip_algorithm)
     → optimizer_step(epoch, batch_idx, optimizer, closure) → strategy's update
-    → lr_scheduler_step(scheduler, None) (step-interval schedulers)
-    → log → on_train_batch_end → validation cadence
+    → lr_scheduler_step(scheduler, None) (step-interval ones; epoch-interval ones at the
+      epoch's last step)
+    → on_train_batch_end(outputs, batch, batch_idx) of the last microbatch
+    → log → on_train_step_end(outputs: StepOutput, microbatches, step_idx) → validation cadence
+
+When neither the module nor a callback has any of Lightning's per-batch hooks, the strategy
+runs its loop bare (gradients zeroed before it); under pp > 1 every microbatch's start hook
+runs before the schedule and every end hook after the step (docs/lightning.md).
 
 The optimizer the hooks receive is a `HookOptimizer`: its `step` and `zero_grad` go through
 the strategy (fp32 masters, ZeRO shards, gradient buckets); everything else is the real
@@ -23,32 +30,16 @@ not log (docs/performance.md).
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
-import lightning.pytorch as pl
 import torch
 
-from nanotrain.callbacks.base import Callback
-from nanotrain.strategies.base import BackwardHooks, StepOutput
+from nanotrain.strategies.base import MicrobatchHooks, StepOutput
 from nanotrain.trainer.hook_optimizer import HookOptimizer
 
 if TYPE_CHECKING:
     from nanotrain.trainer import Trainer
-
-
-#: the hooks that run around each microbatch's backward
-BACKWARD_HOOKS = ("on_before_backward", "on_after_backward")
-
-
-def backward_hooks_refusal(strategy: Any) -> str:
-    """Why `strategy` cannot run `on_before_backward` / `on_after_backward`, and what to do."""
-    return (
-        f"on_before_backward / on_after_backward cannot run under {type(strategy).__name__} "
-        "with this layout: under pipeline parallelism (pp > 1) backward runs per model chunk "
-        "inside the schedule, and under ZeRO-2 the reduced gradients live in this rank's "
-        "shards, not in .grad; move the code to on_before_optimizer_step (the step's gradients, "
-        "reduced, before clipping), or train with pp=1 and zero_stage <= 1"
-    )
 
 
 class TrainStepMethods:
@@ -89,14 +80,19 @@ class TrainStepMethods:
 
     def _train_step(self: Trainer, microbatches: list[Any]) -> None:
         st, s = self.state, self.settings
-        batch_idx = st.steps_in_epoch
         strategy, module = self.strategy, self.module
-        self._call("on_train_batch_start", microbatches, batch_idx)
+        step_idx, n = st.steps_in_epoch, len(microbatches)
+        first = step_idx * n  # Lightning's batch_idx of the step's first microbatch
+        last_step = step_idx + 1 == st.steps_per_epoch
+        self._call("on_train_step_start", microbatches, step_idx)
         optimizer = HookOptimizer(strategy)
-        # Lightning zeroes at the start of each accumulation window, after this hook
-        self._call("on_before_zero_grad", optimizer)
-        module.optimizer_zero_grad(st.epoch, batch_idx, optimizer)
-        out = strategy.forward_backward(module, microbatches, batch_idx, self._backward_hooks)
+        window = _Window(self, optimizer, microbatches, first, last_step)
+        in_loop = window.active and strategy.supports_microbatch_hooks
+        if not in_loop:
+            window.start_all()  # pipeline: every microbatch's start hook before the schedule
+            window.zero_grad()
+        hooks = window.hooks() if in_loop else None
+        out = strategy.forward_backward(module, microbatches, first, hooks)
         out.grad_norm = strategy.clip_grad_norm_(None)  # measured before any clipping
         self.step_output = out
         self._skip_requested = False
@@ -105,26 +101,31 @@ class TrainStepMethods:
             strategy.skip_step()
             out.skipped = True
         else:
-            clip_algorithm = "norm" if s.gradient_clip_val is not None else None
+            clip_algorithm = s.gradient_clip_algorithm
+            if clip_algorithm is None and s.gradient_clip_val is not None:
+                clip_algorithm = "norm"
             module.configure_gradient_clipping(optimizer, s.gradient_clip_val, clip_algorithm)
             optimizer.skip_if = out.skip_flag
-            module.optimizer_step(st.epoch, batch_idx, optimizer, lambda: out.loss)
+            module.optimizer_step(st.epoch, first + n - 1, optimizer, lambda: out.loss)
             self._step_scheduler("step")
+        if last_step:  # as Lightning: at the epoch's last batch, before its end hooks
+            self._step_scheduler("epoch")
         self._skip_requested = False
         if out.skipped:
             st.skipped_steps += 1
         st.global_step += 1
         st.steps_in_epoch += 1
         st.add_consumed(out.num_samples, out.num_tokens)  # on the device: no host read
-        self._train_sampler.advance(s.micro_batch_size * len(microbatches))
+        self._train_sampler.advance(s.micro_batch_size * n)
+        window.end_rest(out.loss)  # Lightning's on_train_batch_end of the last microbatch(es)
         log_step = st.global_step % s.log_every_n_steps == 0 or self._done()
         self.is_log_step = log_step
         if log_step:
             self._log_train(out)
         else:
             self.metric_book.clear()
-        self._call("on_train_batch_end", out, microbatches, batch_idx)
-        if log_step:  # what on_train_batch_end logged is written with its step
+        self._call("on_train_step_end", out, microbatches, step_idx)
+        if log_step:  # what on_train_step_end logged is written with its step
             logged_in_hook = self.metric_book.close()[0]
             if logged_in_hook:
                 self.log_metrics(logged_in_hook)
@@ -151,9 +152,19 @@ class TrainStepMethods:
         ``[-gradient_clip_val, gradient_clip_val]``. None values take the Trainer's settings.
 
         Raises:
-            ValueError: a value that contradicts `Trainer(gradient_clip_val=...)` (as
-                Lightning), or an unknown algorithm.
+            ValueError: a value or algorithm that contradicts the Trainer's
+                `gradient_clip_val` / `gradient_clip_algorithm` (as Lightning), or an unknown
+                algorithm.
         """
+        set_algorithm = self.settings.gradient_clip_algorithm
+        if gradient_clip_algorithm is None:
+            gradient_clip_algorithm = set_algorithm
+        elif set_algorithm is not None and set_algorithm != gradient_clip_algorithm:
+            raise ValueError(
+                f"Trainer(gradient_clip_algorithm={set_algorithm!r}) and clip_gradients("
+                f"gradient_clip_algorithm={gradient_clip_algorithm!r}) disagree; set only one of "
+                "them"
+            )
         configured = self.settings.gradient_clip_val
         if gradient_clip_val is None:
             gradient_clip_val = configured
@@ -175,30 +186,6 @@ class TrainStepMethods:
         else:
             self.strategy.clip_grads_(norm, clip_value=gradient_clip_val)
 
-    @property
-    def _uses_backward_hooks(self: Trainer) -> bool:
-        """Whether the module or a callback has `on_before_backward` / `on_after_backward`."""
-        module_cls = type(self.module)
-        for hook in BACKWARD_HOOKS:
-            if getattr(module_cls, hook) is not getattr(pl.LightningModule, hook):
-                return True
-            if any(getattr(type(cb), hook) is not getattr(Callback, hook) for cb in self.callbacks):
-                return True
-        return False
-
-    @property
-    def _backward_hooks(self: Trainer) -> BackwardHooks | None:
-        """`on_before_backward` / `on_after_backward` of the callbacks and the module, when any
-        of them has one (None: nothing to call, the strategy's loop stays as it is)."""
-        if not self._uses_backward_hooks:
-            return None
-        if not self.strategy.supports_backward_hooks:
-            raise ValueError(backward_hooks_refusal(self.strategy))
-        return BackwardHooks(
-            before=lambda loss: self._call("on_before_backward", loss),
-            after=lambda: self._call("on_after_backward"),
-        )
-
     def _log_train(self: Trainer, out: StepOutput) -> None:
         st = self.state
         logged, prog = self.metric_book.close()
@@ -215,3 +202,87 @@ class TrainStepMethods:
         self.log_metrics(metrics)
         self.callback_metrics.update(self.metric_book.unforked(logged))
         self.progress_bar_metrics.update({"loss": out.loss, **prog})
+
+
+def lightning_outputs(output: Any, loss: torch.Tensor) -> dict[str, Any]:
+    """What Lightning's `on_train_batch_end` gets as `outputs`: {"loss": the microbatch's
+    share of the step's loss, detached (Lightning: loss / accumulate_grad_batches)} plus the
+    other keys of a dict `training_step` returned."""
+    extra = {k: v for k, v in output.items() if k != "loss"} if isinstance(output, Mapping) else {}
+    return {"loss": loss.detach(), **extra}
+
+
+class _Window:
+    """Lightning's per-batch hooks of one optimizer step (its accumulation window), in
+    Lightning's order: per microbatch i, `on_train_batch_start` → training_step → (i = 0:
+    `on_before_zero_grad`, `optimizer_zero_grad`) → `on_before_backward` → backward →
+    `on_after_backward` → `on_train_batch_end`, the last microbatch's end hook after the
+    optimizer step. `active` is False when neither the module nor a callback has any of these
+    hooks: the strategy's loop then runs without them (gradients zeroed before it)."""
+
+    def __init__(
+        self,
+        trainer: Trainer,
+        optimizer: HookOptimizer,
+        batches: list[Any],
+        first: int,
+        last_step: bool,
+    ) -> None:
+        self.trainer, self.optimizer, self.batches = trainer, optimizer, batches
+        self.first, self.last_step = first, last_step
+        self.active = trainer._uses_window_hooks
+        self._ended = 0  # microbatches whose end hook ran
+        self._last_output: dict[str, Any] | None = None
+
+    def hooks(self) -> MicrobatchHooks:
+        """The hooks the strategy runs around each microbatch."""
+        return MicrobatchHooks(
+            start=self.start, before=self._before, after=self._after, end=self._end
+        )
+
+    def start(self, i: int, batch: Any) -> None:
+        """`on_train_batch_start` of microbatch `i`."""
+        t = self.trainer
+        t._is_last_batch = self.last_step and i == len(self.batches) - 1
+        if self.active:
+            t._call("on_train_batch_start", batch, self.first + i)
+
+    def start_all(self) -> None:
+        """Every microbatch's start hook (when the strategy cannot run them one by one)."""
+        for i, batch in enumerate(self.batches):
+            self.start(i, batch)
+
+    def zero_grad(self) -> None:
+        """`on_before_zero_grad`, then `optimizer_zero_grad`, which zeroes the gradients."""
+        t = self.trainer
+        t._call("on_before_zero_grad", self.optimizer)
+        t.module.optimizer_zero_grad(t.state.epoch, self.first, self.optimizer)
+
+    def _before(self, i: int, objective: torch.Tensor) -> None:
+        if i == 0:
+            self.zero_grad()
+        self.trainer._call("on_before_backward", objective)
+
+    def _after(self) -> None:
+        self.trainer._call("on_after_backward")
+
+    def _end(self, i: int, output: Any, objective: torch.Tensor) -> None:
+        outputs = lightning_outputs(output, objective)
+        if i == len(self.batches) - 1:
+            self._last_output = outputs  # its hook runs after the optimizer step
+            return
+        self.trainer._call("on_train_batch_end", outputs, self.batches[i], self.first + i)
+        self._ended = i + 1
+
+    def end_rest(self, step_loss: torch.Tensor) -> None:
+        """The end hooks not run yet: the last microbatch's (after the optimizer step, as
+        Lightning), or, when the strategy could not run them one by one, every microbatch's
+        with the step's loss divided among them."""
+        if not self.active:
+            return
+        n = len(self.batches)
+        for i in range(self._ended, n):
+            outputs = self._last_output if i == n - 1 and self._last_output else None
+            if outputs is None:
+                outputs = {"loss": (step_loss / n).detach()}
+            self.trainer._call("on_train_batch_end", outputs, self.batches[i], self.first + i)

@@ -15,8 +15,10 @@ import os
 from pathlib import Path
 from typing import Any
 
+import lightning.pytorch as pl
 import torch
 from lightning.fabric.utilities.seed import seed_everything
+from lightning.pytorch.utilities.model_summary import summarize
 from torch.utils.data import DataLoader
 
 from nanotrain.callbacks.base import Callback
@@ -30,9 +32,10 @@ from nanotrain.runtime.run_files import run_files_error
 from nanotrain.strategies import Strategy, resolve_strategy
 from nanotrain.strategies.base import StepOutput
 from nanotrain.trainer.checkpoint_methods import CheckpointMethods
-from nanotrain.trainer.config import TrainerConfig, resolve_seed, unknown_setting_error
+from nanotrain.trainer.config import TrainerConfig, resolve_seed
 from nanotrain.trainer.evaluation import EvaluationMethods, finish_epoch
-from nanotrain.trainer.hook_checks import check_hooks
+from nanotrain.trainer.hook_checks import WINDOW_HOOKS, check_hooks, uses_any_hook
+from nanotrain.trainer.lightning_args import check_accelerator, setting_names, unknown_setting_error
 from nanotrain.trainer.loaders import build_loaders, split_data_arguments
 from nanotrain.trainer.loggers import LoggerGroup, make_loggers, user_loggers
 from nanotrain.trainer.metric_book import MetricBook, to_float
@@ -78,10 +81,10 @@ class Trainer(LightningTrainerProperties, TrainStepMethods, EvaluationMethods, C
         **settings: Any,
     ) -> None:
         for name in settings.keys() - TrainerConfig.__dataclass_fields__.keys():
-            raise unknown_setting_error(name)
+            raise unknown_setting_error(name, setting_names(TrainerConfig))
         # as given; `settings` gets each stage's resolved batch sizes, shuffle and seed
         self.requested_settings = TrainerConfig(**settings)
-        self.strategy = resolve_strategy(strategy)
+        self.strategy = resolve_strategy(strategy, self.requested_settings.accelerator)
         self.strategy.precision = resolve_precision(precision)
         self.requested_settings.precision = self.strategy.precision.name
         self.settings = copy.deepcopy(self.requested_settings)
@@ -100,6 +103,10 @@ class Trainer(LightningTrainerProperties, TrainStepMethods, EvaluationMethods, C
         self.loggers = LoggerGroup()
         self.step_output: StepOutput | None = None
         self.callback_metrics: dict[str, torch.Tensor] = {}
+        self.logged_metrics: dict[str, torch.Tensor] = {}  # the last values sent to loggers
+        self._interrupted = False
+        self._is_last_batch = False
+        self._uses_window_hooks = False  # see hook_checks.WINDOW_HOOKS
         self.progress_bar_metrics: dict[str, torch.Tensor] = {}
         self.training = False
         self.validating = False
@@ -154,6 +161,8 @@ class Trainer(LightningTrainerProperties, TrainStepMethods, EvaluationMethods, C
     def _call(self, hook: str, *args: Any) -> None:
         module = self.module
         previous, self._current_fx = self._current_fx, hook
+        if hook == "on_exception":
+            self._interrupted = True
         try:
             for cb in self.callbacks:
                 cb_hook = getattr(cb, hook, None)  # test/predict hooks are optional
@@ -176,6 +185,9 @@ class Trainer(LightningTrainerProperties, TrainStepMethods, EvaluationMethods, C
         module = adopt_lightning_module(module)
         s = self.settings
         self.strategy.setup_environment()
+        check_accelerator(
+            s.accelerator, self.strategy.root_device.type, type(self.strategy).__name__
+        )
         if stage == "fit" and s.max_tokens is not None:
             if type(module).count_tokens is NanoModule.count_tokens:
                 raise ValueError(
@@ -183,8 +195,10 @@ class Trainer(LightningTrainerProperties, TrainStepMethods, EvaluationMethods, C
                     f"{type(module).__name__}.count_tokens(batch), or use max_steps/max_epochs"
                 )
         self.module, self.datamodule = module, datamodule
+        self._interrupted = False
         # a Lightning hook this Trainer would not call is an error now, not a different run
         check_hooks(module, self.callbacks, self.strategy)
+        self._uses_window_hooks = uses_any_hook(module, self.callbacks, WINDOW_HOOKS)
         module.trainer = self
         if datamodule is not None:
             datamodule.trainer = self
@@ -199,8 +213,9 @@ class Trainer(LightningTrainerProperties, TrainStepMethods, EvaluationMethods, C
                 datamodule.prepare_data()
             self.strategy.barrier()
             datamodule.setup(stage)
-        self.strategy.setup_module(module)
+        # Lightning's order: the setup hooks, then configure_model
         self._call("setup", stage)
+        self.strategy.setup_module(module)
 
     def _seed(self) -> None:
         """Seed the stage: the Trainer's seed if given, else `lightning.seed_everything`'s
@@ -310,6 +325,8 @@ class Trainer(LightningTrainerProperties, TrainStepMethods, EvaluationMethods, C
             if self._resume_path is not None:
                 self._resume(self._resume_path)
             self._make_run_dir()
+            if self.settings.enable_model_summary and self.is_global_zero:
+                print(summarize(module, max_depth=1))
             self._preemption = PreemptionWatch(self.settings.preemption_signals).install()
             self._call("on_fit_start")
             self.training = True
@@ -375,7 +392,6 @@ class Trainer(LightningTrainerProperties, TrainStepMethods, EvaluationMethods, C
                 if self._last_val_step != st.global_step:  # as Lightning: before the hook
                     self._run_validation()
             finish_epoch(self, "on_train_epoch_end")
-            self._step_scheduler("epoch")
             st.epoch += 1
             st.steps_in_epoch = 0
 
@@ -383,7 +399,9 @@ class Trainer(LightningTrainerProperties, TrainStepMethods, EvaluationMethods, C
         """Write scalars to the loggers (rank 0) at `step` (default: the current global step)
         and remember them in `callback_metrics`. Call on every rank; only rank 0 writes."""
         values = {k: to_float(v) for k, v in metrics.items() if v is not None}
-        self.callback_metrics.update({k: torch.tensor(v) for k, v in values.items()})
+        as_tensors = {k: torch.tensor(v) for k, v in values.items()}
+        self.callback_metrics.update(as_tensors)
+        self.logged_metrics.update(as_tensors)
         self.loggers.log_metrics(values, self.state.global_step if step is None else step)
 
     # -- validation -----------------------------------------------------------------------------
@@ -396,10 +414,21 @@ class Trainer(LightningTrainerProperties, TrainStepMethods, EvaluationMethods, C
         datamodule: Any = None,
         dataloaders: Any = None,
         ckpt_path: str | Path | None = None,
-    ) -> dict[str, float]:
-        """Run one pass over the validation data and return the reduced metrics."""
+    ) -> list[dict[str, float]]:
+        """Run one pass over the validation data; returns `[metrics]` (Lightning's shape: one
+        dict per dataloader) with the epoch values logged, reduced over the ranks.
+
+        Raises:
+            ValueError: the module has no `validation_step` (as Lightning), or no
+                validation data.
+        """
         datamodule, dataloaders = split_data_arguments(datamodule, dataloaders)
         try:
+            if type(module).validation_step is pl.LightningModule.validation_step:
+                raise ValueError(
+                    f"Trainer.validate needs {type(module).__name__}.validation_step(batch, "
+                    "batch_idx)"
+                )
             self._setup(module, datamodule, "validate", ckpt_path)
             if ckpt_path is not None and self._resume_path is None:  # "last" found nothing
                 raise FileNotFoundError(
@@ -414,7 +443,7 @@ class Trainer(LightningTrainerProperties, TrainStepMethods, EvaluationMethods, C
             if self._resume_path is not None:
                 self._resume(self._resume_path, weights_only=True)
             self._make_run_dir()
-            return self._run_validation()
+            return [self._run_validation()]
         except BaseException as exc:
             if self.module is not None:
                 self._call("on_exception", exc)

@@ -19,7 +19,7 @@ class StepRecorder(nt.Callback):
         self.losses: list[float] = []
         self.grad_norms: list[float] = []
 
-    def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx) -> None:
+    def on_train_step_end(self, trainer, module, outputs, batch, batch_idx) -> None:
         self.losses.append(float(outputs.loss))
         self.grad_norms.append(float(outputs.grad_norm))
 

@@ -62,7 +62,7 @@ class Logged(nt.Callback):
         self.grad_norms: list[float] = []
         self.scalars: list[dict[str, float]] = []
 
-    def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx) -> None:
+    def on_train_step_end(self, trainer, module, outputs, batch, batch_idx) -> None:
         self.losses.append(float(outputs.loss))
         self.grad_norms.append(float(outputs.grad_norm))
         self.scalars.append(
@@ -117,7 +117,7 @@ def fit(
     val = []
     for limit in VAL_LIMITS:
         trainer.settings.limit_val_batches = limit
-        val.append(trainer.validate(module, dataloaders=MaskedTokens(13, seed=1))["val/loss"])
+        val.append(trainer.validate(module, dataloaders=MaskedTokens(13, seed=1))[0]["val/loss"])
     return {
         "losses": logged.losses,
         "grad_norms": logged.grad_norms,

@@ -112,7 +112,7 @@ def test_metric_objects_and_sync_dist_reduce_over_ranks_and_rank_zero_logs(tmp_p
     # uneven shards: the padding batch changes neither the synced Metrics nor the outputs
     for result in ranks + [single]:
         assert result["uneven"]["test"][0]["test_count"] == 9.0
-        assert result["uneven"]["validate"]["val_count"] == 9.0
+        assert result["uneven"]["validate"][0]["val_count"] == 9.0
     for result in ranks:
         assert result["uneven"]["test"][0]["test_acc"] == pytest.approx(
             single["uneven"]["test"][0]["test_acc"]

@@ -103,7 +103,7 @@ class Recorder(nt.Callback):
         if not self.named:
             self.named = {k: float(v) for k, v in trainer.strategy.named_grad_norms().items()}
 
-    def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx) -> None:
+    def on_train_step_end(self, trainer, module, outputs, batch, batch_idx) -> None:
         self.losses.append(float(outputs.loss))
         self.grad_norms.append(float(outputs.grad_norm))
         if trainer.global_step == self.roundtrip_at:

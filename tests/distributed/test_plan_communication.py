@@ -49,10 +49,10 @@ class MeterSecondStep(nt.Callback):
     def __init__(self, meter: CommMeter) -> None:
         self.meter = meter
 
-    def on_train_batch_start(self, trainer, module, batch, batch_idx) -> None:
+    def on_train_step_start(self, trainer, module, batch, batch_idx) -> None:
         self.meter.counting = trainer.global_step == 1
 
-    def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx) -> None:
+    def on_train_step_end(self, trainer, module, outputs, batch, batch_idx) -> None:
         self.meter.counting = False
 
 

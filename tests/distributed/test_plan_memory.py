@@ -69,7 +69,7 @@ class Snapshot(nt.Callback):
     def __init__(self) -> None:
         self.seen: dict[str, int] = {}
 
-    def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx) -> None:
+    def on_train_step_end(self, trainer, module, outputs, batch, batch_idx) -> None:
         strategy = trainer.strategy
         params = {id(p): p for p in module.parameters() if p.requires_grad}
         self.seen = {

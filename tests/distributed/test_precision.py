@@ -118,7 +118,7 @@ class InjectInf(nt.Callback):
         self.seen: list[tuple[float, bool, bool]] = []
         self._handle = None
 
-    def on_train_batch_start(self, trainer, module, batch, batch_idx) -> None:
+    def on_train_step_start(self, trainer, module, batch, batch_idx) -> None:
         if trainer.global_step == self.at and trainer.global_rank == self.rank:
             p = next(module.parameters())
 

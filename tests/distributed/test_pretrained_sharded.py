@@ -111,7 +111,7 @@ class FirstStep(nt.Callback):
         self.buffers: dict[str, torch.Tensor] = {}
         self.loss: float | None = None
 
-    def on_train_batch_start(self, trainer, module, batch, batch_idx) -> None:
+    def on_train_step_start(self, trainer, module, batch, batch_idx) -> None:
         strategy = trainer.strategy
         named = {
             n: strategy.full_tensor(n, p.detach()).clone() for n, p in module.named_parameters()
@@ -124,7 +124,7 @@ class FirstStep(nt.Callback):
         self.params = named
         self.buffers = {n: b.clone() for n, b in module.named_buffers() if n.endswith("_bias")}
 
-    def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx) -> None:
+    def on_train_step_end(self, trainer, module, outputs, batch, batch_idx) -> None:
         self.loss = float(outputs.loss)
 
 

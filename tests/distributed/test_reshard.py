@@ -30,7 +30,7 @@ class StepLosses(nt.Callback):
     def __init__(self) -> None:
         self.losses: dict[int, float] = {}
 
-    def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx) -> None:
+    def on_train_step_end(self, trainer, module, outputs, batch, batch_idx) -> None:
         self.losses[trainer.global_step] = float(outputs.loss)
 
 

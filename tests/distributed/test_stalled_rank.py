@@ -23,7 +23,7 @@ class StallAt(nt.Callback):
     def __init__(self, step: int, seconds: float) -> None:
         self.step, self.seconds = step, seconds
 
-    def on_train_batch_start(self, trainer, module, batch, batch_idx) -> None:
+    def on_train_step_start(self, trainer, module, batch, batch_idx) -> None:
         if trainer.global_step + 1 == self.step and trainer.global_rank == 1:
             time.sleep(self.seconds)
 

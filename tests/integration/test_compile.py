@@ -31,7 +31,7 @@ class _Losses(nt.Callback):
     def __init__(self) -> None:
         self.losses: list[float] = []
 
-    def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
+    def on_train_step_end(self, trainer, module, outputs, batch, batch_idx):
         self.losses.append(float(outputs.loss))
 
 
@@ -72,7 +72,7 @@ def _fit(
     )
     trainer.fit(module, train_dataloaders=RandomTokens(16))
     if val_samples:
-        val = trainer.validate(module, dataloaders=RandomTokens(val_samples))
+        val = trainer.validate(module, dataloaders=RandomTokens(val_samples))[0]
         losses.losses.append(val["val/loss"])
     layers = [m for m in module.model.modules() if isinstance(m, DecoderLayer)]
     compiled_layers = bool(compiled) and scope == "layers"

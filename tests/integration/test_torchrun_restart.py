@@ -39,7 +39,7 @@ class SignalRankAt(nt.Callback):
     def __init__(self, step: int, rank: int, signum: int) -> None:
         self.step, self.rank, self.signum = step, rank, signum
 
-    def on_train_batch_start(self, trainer, module, batch, batch_idx) -> None:
+    def on_train_step_start(self, trainer, module, batch, batch_idx) -> None:
         first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
         at = trainer.global_step + 1 == self.step and trainer.global_rank == self.rank
         if first_attempt and at and not os.environ.get("NO_SIGNAL"):

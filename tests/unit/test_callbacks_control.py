@@ -38,7 +38,7 @@ class ParamSnapshots(nt.Callback):
         self.before: dict[int, list[torch.Tensor]] = {}
         self.final: list[torch.Tensor] = []
 
-    def on_train_batch_start(self, trainer, module, batch, batch_idx):
+    def on_train_step_start(self, trainer, module, batch, batch_idx):
         self.before[trainer.global_step + 1] = [p.detach().clone() for p in module.parameters()]
 
     def on_train_end(self, trainer, module):

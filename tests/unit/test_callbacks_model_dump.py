@@ -45,7 +45,7 @@ class Capture(nt.Callback):
         self.weights: dict[str, torch.Tensor] = {}
         self.grads: dict[str, torch.Tensor] = {}
 
-    def on_train_batch_start(self, trainer, module, batch, batch_idx):
+    def on_train_step_start(self, trainer, module, batch, batch_idx):
         if trainer.global_step + 1 == self.step:
             self.batch = batch
 

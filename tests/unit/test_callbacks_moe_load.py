@@ -227,7 +227,7 @@ def _stage_world(rank: int, world_size: int) -> dict[int, dict]:
         else:
             loads = torch.tensor([[3.0, 1.0], [2.0, 2.0]])
             module.last_moe_stats = MoEStats([3, 2], loads, torch.zeros(2), torch.zeros(2, 2))
-        monitor.on_train_batch_end(trainer, module, None, [], step - 1)
+        monitor.on_train_step_end(trainer, module, None, [], step - 1)
     return {
         step: {k: round(v, 6) for k, v in m.items() if "max_over" in k}
         for step, m in logged.items()

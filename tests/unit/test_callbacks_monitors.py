@@ -49,7 +49,7 @@ class AdvanceClock(nt.Callback):
     def __init__(self, clock: FakeClock, step_time: float, val_time: float = 0.0) -> None:
         self.clock, self.step_time, self.val_time = clock, step_time, val_time
 
-    def on_train_batch_start(self, trainer, module, batch, batch_idx):
+    def on_train_step_start(self, trainer, module, batch, batch_idx):
         self.clock.now += self.step_time
 
     def on_validation_end(self, trainer, module):
@@ -164,7 +164,7 @@ def test_first_window_leaves_out_the_first_step(tmp_path):
     clock = FakeClock()
 
     class SlowFirstStep(nt.Callback):
-        def on_train_batch_start(self, trainer, module, batch, batch_idx):
+        def on_train_step_start(self, trainer, module, batch, batch_idx):
             clock.now += 10.0 if trainer.global_step == 0 else 0.0
 
     monitor = ThroughputMonitor(peak_flops_per_device=1e6, log_every_n_steps=2, clock=clock)
@@ -304,7 +304,7 @@ def test_after_a_resume_onto_a_log_step_the_first_step_is_not_timed(tmp_path):
         def on_train_start(self, trainer, module):
             self.first = True
 
-        def on_train_batch_start(self, trainer, module, batch, batch_idx):
+        def on_train_step_start(self, trainer, module, batch, batch_idx):
             clock.now += 10.0 if self.first else 0.5
             self.first = False
 

@@ -32,7 +32,7 @@ class HalfSecondSteps(nt.Callback):
     def __init__(self, clock: FakeClock) -> None:
         self.clock = clock
 
-    def on_train_batch_start(self, trainer, module, batch, batch_idx):
+    def on_train_step_start(self, trainer, module, batch, batch_idx):
         self.clock.now += 0.5
 
 
@@ -66,7 +66,7 @@ class SlowFirstStep(nt.Callback):
     def __init__(self, clock: FakeClock) -> None:
         self.clock = clock
 
-    def on_train_batch_start(self, trainer, module, batch, batch_idx):
+    def on_train_step_start(self, trainer, module, batch, batch_idx):
         self.clock.now += 10.0 if trainer.global_step == 0 else 0.5
 
 

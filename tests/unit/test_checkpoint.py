@@ -43,7 +43,7 @@ class LossRecorder(nt.Callback):
     def __init__(self) -> None:
         self.losses: dict[int, torch.Tensor] = {}
 
-    def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx) -> None:
+    def on_train_step_end(self, trainer, module, outputs, batch, batch_idx) -> None:
         self.losses[trainer.global_step] = outputs.loss.detach().clone()
 
 

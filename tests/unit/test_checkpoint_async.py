@@ -68,7 +68,7 @@ def test_async_save_resumes_bitwise_and_blocks_only_for_the_copy(tmp_path, monke
 
 def test_an_exception_leaves_the_async_save_uncommitted_and_the_previous_one_intact(tmp_path):
     class FailAfterSave(LossRecorder):
-        def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx) -> None:
+        def on_train_step_end(self, trainer, module, outputs, batch, batch_idx) -> None:
             if trainer.global_step == 4:
                 raise RuntimeError("boom")
 

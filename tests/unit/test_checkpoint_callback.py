@@ -18,7 +18,7 @@ class ScriptedMetric(nt.Callback):
     def __init__(self, scores: dict[int, float]) -> None:
         self.scores = scores
 
-    def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx) -> None:
+    def on_train_step_end(self, trainer, module, outputs, batch, batch_idx) -> None:
         trainer.log_metrics({"score": self.scores[trainer.global_step]})
 
 
@@ -88,7 +88,7 @@ class StepClock(nt.Callback):
     def clock(self) -> float:
         return self.now
 
-    def on_train_batch_start(self, trainer, module, batch, batch_idx) -> None:
+    def on_train_step_start(self, trainer, module, batch, batch_idx) -> None:
         self.now = 40.0 * (trainer.global_step + 1)
 
 
@@ -131,7 +131,7 @@ def test_save_now_lets_another_callback_stop_with_a_checkpoint(tmp_path):
     ckpt = ModelCheckpoint()
 
     class StopWithCheckpoint(nt.Callback):
-        def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx) -> None:
+        def on_train_step_end(self, trainer, module, outputs, batch, batch_idx) -> None:
             if trainer.global_step == 3:
                 ckpt.save_now(trainer)
                 trainer.request_stop()

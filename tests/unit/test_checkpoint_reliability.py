@@ -169,7 +169,7 @@ def test_unwritable_checkpoint_folder_is_an_error_at_start(tmp_path, monkeypatch
     (tmp_path / "a-file").write_text("")
     steps = []
     recorder = nt.Callback()
-    recorder.on_train_batch_start = lambda *a: steps.append(1)  # type: ignore[method-assign]
+    recorder.on_train_step_start = lambda *a: steps.append(1)  # type: ignore[method-assign]
     bad = ModelCheckpoint(dirpath=tmp_path / "a-file" / "ckpts")
     with pytest.raises(ValueError, match="a-file is a file, not a directory"):
         make_trainer(tmp_path, 2, [bad, recorder]).fit(DropoutAdamClassifier(), data())
@@ -246,7 +246,7 @@ class SignalAt(nt.Callback):
     def __init__(self, step: int, signum: int) -> None:
         self.step, self.signum = step, signum
 
-    def on_train_batch_start(self, trainer, module, batch, batch_idx):
+    def on_train_step_start(self, trainer, module, batch, batch_idx):
         if trainer.global_step + 1 == self.step:
             os.kill(os.getpid(), self.signum)
 
@@ -298,7 +298,7 @@ class WeightsGoNaNAt(nt.Callback):
     def __init__(self, step: int) -> None:
         self.step = step
 
-    def on_train_batch_start(self, trainer, module, batch, batch_idx) -> None:
+    def on_train_step_start(self, trainer, module, batch, batch_idx) -> None:
         if trainer.global_step + 1 == self.step:
             with torch.no_grad():
                 next(module.parameters()).view(-1)[0] = float("nan")

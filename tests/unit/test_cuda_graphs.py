@@ -23,7 +23,7 @@ def test_cuda_graphs_on_the_cpu_are_refused_at_fit_start(tmp_path):
     steps = []
 
     class Steps(nt.Callback):
-        def on_train_batch_start(self, *args):
+        def on_train_step_start(self, *args):
             steps.append(1)
 
     module = nt.LanguageModelModule("tiny-dense", compile_model={"mode": "reduce-overhead"})

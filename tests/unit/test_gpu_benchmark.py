@@ -88,7 +88,7 @@ def test_sync_sources_places_each_call_in_its_step_with_its_enclosing_ops(monkey
     import nanotrain as nt
 
     class CallBeforeEachStep(nt.Callback):
-        def on_train_batch_start(self, trainer, module, batch, batch_idx):
+        def on_train_step_start(self, trainer, module, batch, batch_idx):
             torch.zeros(1).logcumsumexp(0)
 
     real_trainer = nt.Trainer

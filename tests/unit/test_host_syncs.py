@@ -27,11 +27,11 @@ class _Record(nt.Callback):
     def __init__(self, steps: tuple[int, ...]) -> None:
         self.steps, self.counter, self.records = steps, None, []
 
-    def on_train_batch_start(self, trainer, module, batch, batch_idx):
+    def on_train_step_start(self, trainer, module, batch, batch_idx):
         if batch_idx in self.steps:
             self.counter = HostSyncCounter().__enter__()
 
-    def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
+    def on_train_step_end(self, trainer, module, outputs, batch, batch_idx):
         if self.counter is not None:
             self.counter.__exit__(None, None, None)
             self.records += self.counter.records

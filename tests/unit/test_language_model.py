@@ -35,7 +35,7 @@ class Recorder(nt.Callback):
     def __init__(self) -> None:
         self.biases: list[torch.Tensor] = []
 
-    def on_train_batch_start(self, trainer, module, batch, batch_idx) -> None:
+    def on_train_step_start(self, trainer, module, batch, batch_idx) -> None:
         # module hooks run after the callbacks' (as in Lightning), so the bias update of a
         # step is visible at the start of the next one
         moe = module.model.moe_layers()

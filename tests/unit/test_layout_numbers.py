@@ -56,7 +56,7 @@ def test_validation_reads_the_remainder_batch(tmp_path):
 
     trainer = make_trainer(tmp_path, micro_batch_size=4, callbacks=[Count()])
     # 10 validation samples in batches of 4: 4, 4, 2 on one process, nothing dropped
-    metrics = trainer.validate(Classifier(), dataloaders=TensorDataset(x[:10], y[:10]))
+    (metrics,) = trainer.validate(Classifier(), dataloaders=TensorDataset(x[:10], y[:10]))
     assert seen == [4, 4, 2]
     with torch.no_grad():
         expected = torch.nn.functional.cross_entropy(trainer.module.net(x[:10]), y[:10])
@@ -94,7 +94,7 @@ def test_padding_batches_run_the_forward_but_record_nothing(tmp_path):
     module = CountingClassifier()
     # 5 samples over 2 shards: shard 0 reads 0, 2, 4 (2 batches), shard 1 reads 1, 3 (1 batch)
     # and then one padding batch (copies of sample 0) so both run 2 forwards
-    metrics = trainer.validate(module, dataloaders=TensorDataset(x[:5], y[:5]))
+    (metrics,) = trainer.validate(module, dataloaders=TensorDataset(x[:5], y[:5]))
     assert module.forwards == 2 and seen == [2]
     with torch.no_grad():
         expected = torch.nn.functional.cross_entropy(module.net(x[[1, 3]]), y[[1, 3]])

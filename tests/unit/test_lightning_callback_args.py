@@ -396,7 +396,7 @@ def test_save_weights_only_checkpoint_loads_but_does_not_resume(tmp_path):
         assert torch.equal(loaded.state_dict()[name], value)
     # validate loads the weights only: allowed
     validated = toy.make_trainer(tmp_path, callbacks=[ModelCheckpoint()])
-    assert "val/loss" in validated.validate(toy.Classifier(), data(), ckpt_path=path)
+    assert "val/loss" in validated.validate(toy.Classifier(), data(), ckpt_path=path)[0]
     for ckpt_path in (path, "last"):
         again = toy.make_trainer(tmp_path, max_steps=6, callbacks=[ModelCheckpoint()])
         with pytest.raises(ValueError, match="holds the model weights only.*load_from_checkpoint"):

@@ -240,10 +240,12 @@ def test_what_nanotrain_refuses_is_refused_with_the_fix(tmp_path):
         quiet_trainer(tmp_path).fit(ManualOptimization(), TutorialData())
     with pytest.raises(ValueError, match="ReduceLROnPlateau .* is not supported"):
         quiet_trainer(tmp_path).fit(Plateau(), TutorialData())
-    with pytest.raises(TypeError, match="'accelerator', which nanotrain spells differently"):
-        nt.Trainer(max_steps=1, accelerator="gpu")
-    with pytest.raises(TypeError, match="'num_sanity_val_steps', which nanotrain spells"):
+    with pytest.raises(ValueError, match="accelerator='tpu': nanotrain trains on cpu, gpu, cuda"):
+        nt.Trainer(max_steps=1, accelerator="tpu")
+    with pytest.raises(ValueError, match="num_sanity_val_steps=2: nanotrain runs no sanity"):
         nt.Trainer(max_steps=1, num_sanity_val_steps=2)
+    with pytest.raises(TypeError, match="'max_time', which nanotrain does not take: use max_st"):
+        nt.Trainer(max_steps=1, max_time="00:01:00:00")
     with pytest.raises(TypeError, match="unknown argument 'max_stepz'; settings are: max_steps"):
         nt.Trainer(max_steps=1, max_stepz=4)
     with pytest.raises(TypeError, match="callbacks must be nanotrain Callbacks"):

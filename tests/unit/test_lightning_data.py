@@ -143,7 +143,7 @@ def test_module_defined_dataloaders_are_used_as_in_lightning(tmp_path):
         ours.callback_metrics["val_loss"], lit.callback_metrics["val_loss"], rtol=1e-6, atol=0
     )
     assert_same_weights(nt_module, lit_module)
-    assert list(ours.validate(nt_module)) == ["val_loss"]
+    assert list(ours.validate(nt_module)[0]) == ["val_loss"]
 
 
 class Boring(BoringModel):

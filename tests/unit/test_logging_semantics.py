@@ -21,7 +21,7 @@ class LogsEverywhere(Classifier):
         return super().training_step(batch, batch_idx)
 
     def on_train_batch_end(self, outputs, batch, batch_idx):
-        self.log("hook", float(batch_idx))  # per step by default, written with its step
+        self.log("hook", float(batch_idx))  # on_step by default: the step's mean
 
     def on_train_epoch_end(self):
         self.log("epoch_end", 5.0)
@@ -47,8 +47,10 @@ def test_values_land_where_lightning_puts_them(tmp_path):
 
     assert values("const_step") == [(s, 4.0) for s in range(1, 17)]  # 2 microbatches × 2.0
     assert values("const_epoch") == [(16, 64.0)]  # 32 microbatches × 2.0
-    assert values("bidx") == [(16, 15.0)]  # max over the epoch's batch indices
-    assert values("hook") == [(s, float(s - 1)) for s in range(1, 17)]
+    # batch_idx counts the loader's batches (Lightning's meaning): 32 microbatches, max 31
+    assert values("bidx") == [(16, 31.0)]
+    # on_train_batch_end runs per microbatch (2 a step): the step's value is their mean
+    assert values("hook") == [(s, 2.0 * (s - 1) + 0.5) for s in range(1, 17)]
     assert values("epoch_end") == [(16, 5.0)] and values("start") == [(16, 3.0)]
     assert values("v") == [(16, 8.0)]  # one validation, at the epoch's end
     assert values("v_end") == [(16, 80.0)]  # callback_metrics held the pass's value

@@ -42,10 +42,10 @@ class StepSyncs(nt.Callback):
         self.by_step: dict[int, list] = {}
         self._counter = None
 
-    def on_train_batch_start(self, trainer, module, batch, batch_idx):
+    def on_train_step_start(self, trainer, module, batch, batch_idx):
         self._counter = HostSyncCounter().__enter__()
 
-    def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
+    def on_train_step_end(self, trainer, module, outputs, batch, batch_idx):
         self._counter.__exit__(None, None, None)
         # a CPU count turned into a tensor is a host read only on CPU (tests/unit/test_host_syncs)
         records = [r for r in self._counter.records if not r[1].endswith(ALLOWED)]

@@ -139,7 +139,7 @@ class FailAt(Callback):
     def __init__(self, step: int, stop: bool = False) -> None:
         self.step, self.stop = step, stop
 
-    def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
+    def on_train_step_end(self, trainer, module, outputs, batch, batch_idx):
         if trainer.global_step == self.step:
             if self.stop:
                 trainer.request_stop()

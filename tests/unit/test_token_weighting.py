@@ -57,7 +57,7 @@ class Capture(nt.Callback):
     def on_before_optimizer_step(self, trainer, module, optimizer) -> None:
         self.grads = {n: p.grad.clone() for n, p in module.named_parameters()}
 
-    def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx) -> None:
+    def on_train_step_end(self, trainer, module, outputs, batch, batch_idx) -> None:
         self.loss, self.tokens = float(outputs.loss), outputs.num_tokens
 
 

@@ -22,7 +22,7 @@ class LossRecorder(nt.Callback):
         self.losses: list[float] = []
         self.grad_norms: list[float] = []
 
-    def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
+    def on_train_step_end(self, trainer, module, outputs, batch, batch_idx):
         self.losses.append(outputs.loss.item())
         self.grad_norms.append(outputs.grad_norm.item())
 
@@ -58,7 +58,7 @@ def test_hook_order_matches_the_documented_sequence(tmp_path):
         limit_val_batches=1,
     )
     trainer.fit(Classifier(), BlobsData(batch_size=32))
-    step = ["on_train_batch_start", "on_before_optimizer_step", "on_train_batch_end"]
+    step = ["on_train_step_start", "on_before_optimizer_step", "on_train_step_end"]
     # limit_val_batches=1 is one *global* batch (64 samples): two microbatches of 32
     val = [
         "on_validation_start",
@@ -137,7 +137,7 @@ def test_max_tokens_stops_training(tmp_path):
 
 def test_request_stop_ends_after_the_current_step(tmp_path):
     class StopAt(nt.Callback):
-        def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
+        def on_train_step_end(self, trainer, module, outputs, batch, batch_idx):
             if trainer.global_step == 2:
                 trainer.request_stop()
 
@@ -226,7 +226,7 @@ def test_empty_and_iterable_datasets_are_rejected(tmp_path):
 
 def test_validate_returns_reduced_metrics(tmp_path):
     module = Classifier()
-    metrics = make_trainer(tmp_path).validate(module, BlobsData())
+    (metrics,) = make_trainer(tmp_path).validate(module, BlobsData())
     x, y = BlobsData().val_set.tensors
     with torch.no_grad():
         expected = (module.net(x).argmax(-1) == y).float().mean().item()
