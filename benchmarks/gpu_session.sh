@@ -2,24 +2,27 @@
 # Every GPU check of this repository in one command, for a short lease of one GPU machine:
 #   bash benchmarks/gpu_session.sh [OUT_DIR [PART...]]   (logs go to OUT_DIR, default $OUT or
 #   /tmp/gpu; PARTs, e.g. `tests fit`, run only those parts; default: the user's-path parts
-#   tests fit fp8 plan graphs)
+#   tests fit fp8 plan graphs peer)
 # The user's path (`benchmarks/gpu_fit.py`, run reports kept under OUT_DIR/fit/...):
 #   tests   the CUDA-only tests (they skip on CPU machines: torchao fp8, CUDA graphs, ...)
 #   fit     `nanotrain fit` on dense-1b and moe-1b in bf16-true, compiled, beside the bare loop
 #   fp8     dense-3b, bf16-mixed against torchao-float8, 200 steps: tokens/s and loss gap
 #   plan    the planner's memory against the allocator's; the largest micro-batch it allows
 #   graphs  moe-1b under the Trainer with CUDA graphs (bf16-true)
+#   peer    torchtitan's Llama-3 beside the nanotrain Trainer and bare loop at the dense-1b
+#           shape, bf16-mixed, compiled, in one process: tokens/s, MFU and the ratio
+#           (benchmarks/peer_torchtitan.py; 55 s on an H200)
 # Earlier checks, by name only: sync, syncsource (host syncs of the Trainer), nccl (every
 # strategy on one NCCL rank), experts (expert layer by number of experts), moe, dense (the
 # bare loop's MFU). Each part has its own time limit, so one slow part cannot starve the
 # others; the summary at the end repeats the result lines of every part. The default parts'
-# limits add up to 8 minutes; their real times on an H100 have not been measured yet.
+# limits add up to 10 minutes; their real times on an H100 have not been measured yet.
 set -u
 cd "$(dirname "$0")/.."
 out="${1:-${OUT:-/tmp/gpu}}"
 wanted=("${@:2}")
-[ ${#wanted[@]} -gt 0 ] || wanted=(tests fit fp8 plan graphs)
-parts=" tests fit fp8 plan graphs sync syncsource nccl experts moe dense "
+[ ${#wanted[@]} -gt 0 ] || wanted=(tests fit fp8 plan graphs peer)
+parts=" tests fit fp8 plan graphs peer sync syncsource nccl experts moe dense "
 for name in "${wanted[@]}"; do
     if [[ "$parts" != *" $name "* ]]; then
         echo "unknown part '$name'; the parts are:$parts" >&2
@@ -28,11 +31,13 @@ for name in "${wanted[@]}"; do
 done
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
-# Packages a bare GPU image lacks (jsonargparse for the CLI, torchao for fp8) can travel as
-# wheels in .whl/ (ignored by git; name it in the device call's carry), downloaded beforehand:
+# Packages a bare GPU image lacks (jsonargparse for the CLI, torchao for fp8, torchtitan and
+# tyro for the peer part) can travel as wheels in .whl/ (ignored by git; name it in the device
+# call's carry), downloaded beforehand:
 #   pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
 #       --platform manylinux2014_x86_64 -d .whl jsonargparse docstring-parser typeshed-client \
-#       torchao
+#       torchao torchtitan==0.2.2 tyro
+# (torchtitan 0.3 needs a torch newer than 2.11: see benchmarks/peer_torchtitan.py)
 if compgen -G ".whl/*.whl" >/dev/null; then
     python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl &&
         export PYTHONPATH="$PYTHONPATH:/tmp/site"
@@ -71,6 +76,7 @@ part fp8 120 python3 benchmarks/gpu_fit.py --out "$out/fit" --preset dense-3b \
 part plan 90 python3 benchmarks/gpu_fit.py --out "$out/fit" --plan-memory --precision bf16-true
 part graphs 30 python3 benchmarks/gpu_fit.py --out "$out/fit" --preset moe-1b \
     --precision bf16-true --compile cudagraphs --no-bare
+part peer 120 python3 benchmarks/peer_torchtitan.py
 part sync 120 python3 benchmarks/gpu.py --sync-check-only
 part syncsource 200 python3 benchmarks/gpu.py --find-syncs ddp:bf16-mixed --find-syncs ddp:bf16-true \
     --find-syncs single:bf16-mixed --find-syncs single:bf16-true \
@@ -82,6 +88,7 @@ part dense 120 python3 benchmarks/gpu.py --no-sync-check --preset dense-1b --com
 echo "== summary"
 grep -sh "^| \|gap of\|largest micro-batch\|exit " "$out/fit.log" "$out/fp8.log" "$out/plan.log" "$out/graphs.log"
 grep -sh "passed\|failed\|error" "$out/tests.log" | tail -3
+grep -sh "^| \|^peer" "$out/peer.log"
 grep -sh "^sync check\|^  [0-9]*x " "$out/sync.log"
 grep -sh "^sync sources\|^  [0-9]*x \|^  steady" "$out/syncsource.log" | cut -c1-400
 grep -sh "matches single\|bf16-mixed  \|bf16-true  \|NCCL check\|Error" "$out/nccl.log"

@@ -20,6 +20,7 @@ import time
 
 import lightning.pytorch as pl
 import torch
+import torchmetrics
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -27,19 +28,31 @@ import nanotrain as nt
 
 
 class Regressor(nt.NanoModule):
-    """A 4-layer MLP with MSE loss: enough compute per step to be a realistic small model."""
+    """A 4-layer MLP with MSE loss: enough compute per step to be a realistic small model.
+    With `log_every_step` its training_step logs as tutorials do, every step: a tensor
+    (`self.log`, also to the progress bar), a dict (`self.log_dict`) and a torchmetrics
+    `MeanMetric` (reduced at the epoch's end)."""
 
-    def __init__(self, width: int = 512, depth: int = 4, lr: float = 1e-3) -> None:
+    def __init__(self, width: int = 512, depth: int = 4, lr: float = 1e-3,
+                 log_every_step: bool = False) -> None:  # fmt: skip
         super().__init__()
         self.save_hyperparameters()
         layers: list[nn.Module] = []
         for _ in range(depth):
             layers += [nn.Linear(width, width), nn.GELU()]
         self.net = nn.Sequential(*layers, nn.Linear(width, 1))
+        self.mean_loss = torchmetrics.MeanMetric()
 
     def training_step(self, batch, batch_idx):
         x, y = batch
-        return nn.functional.mse_loss(self.net(x).squeeze(-1), y)
+        pred = self.net(x).squeeze(-1)
+        loss = nn.functional.mse_loss(pred, y)
+        if self.hparams.log_every_step:
+            self.log("train_loss", loss, prog_bar=True)
+            self.log_dict({"pred_mean": pred.mean(), "target_mean": y.mean()})
+            self.mean_loss(loss)
+            self.log("mean_loss", self.mean_loss, on_step=False, on_epoch=True)
+        return loss
 
     def configure_optimizers(self):
         return torch.optim.AdamW(self.parameters(), lr=self.hparams.lr)
@@ -97,12 +110,14 @@ def run_plain(data: TensorDataset, batch: int, steps: int, warmup: int, width: i
 
 
 def run_nanotrain(
-    data: TensorDataset, batch: int, steps: int, warmup: int, width: int, defaults: bool = False
-) -> float:
+    data: TensorDataset, batch: int, steps: int, warmup: int, width: int, defaults: bool = False,
+    log: bool = False,
+) -> float:  # fmt: skip
     """The nanotrain Trainer, single device, no loggers; like the Lightning runner, without
     checkpointing, progress bar and monitors unless `defaults` (then the Trainer's default
     callbacks run: checkpoint every 100 steps, progress, NaN guard, LR/throughput/grad-norm
-    monitors, run report)."""
+    monitors, run report). `log`: the module logs every step, and the Trainer's default
+    loggers (TensorBoard, metrics.jsonl) write every 50 steps."""
     clock = _StepClock(warmup)
 
     class Clock(nt.Callback):
@@ -121,23 +136,26 @@ def run_nanotrain(
             micro_batch_size=batch,
             gradient_clip_val=1.0,
             callbacks=[Clock()],
-            loggers=[],
+            **({} if log else {"loggers": []}),
             default_root_dir=root,
             log_every_n_steps=50,
             enable_checkpointing=defaults,
             enable_progress_bar=defaults,
             enable_monitors=defaults,
         )
-        trainer.fit(Regressor(width), train_dataloaders=data)
+        trainer.fit(Regressor(width, log_every_step=log), train_dataloaders=data)
     return clock.ms_per_step(steps)
 
 
-def run_lightning(data: TensorDataset, batch: int, steps: int, warmup: int, width: int) -> float:
-    """lightning.Trainer on the same module, with its extras (logger, progress, ckpt) off."""
+def run_lightning(
+    data: TensorDataset, batch: int, steps: int, warmup: int, width: int, log: bool = False
+) -> float:
+    """lightning.Trainer on the same module, with its extras (logger, progress, ckpt) off;
+    `log`: the module logs every step, to Lightning's default logger, every 50 steps."""
     clock = _StepClock(warmup)
 
     class Clock(pl.Callback):
-        def on_train_step_start(self, trainer, module, b, batch_idx):
+        def on_train_batch_start(self, trainer, module, b, batch_idx):
             clock.at_batch_start(trainer.global_step)
 
         def on_train_end(self, trainer, module):
@@ -150,7 +168,7 @@ def run_lightning(data: TensorDataset, batch: int, steps: int, warmup: int, widt
             max_steps=steps,
             accelerator="cpu",
             devices=1,
-            logger=False,
+            logger=log,
             callbacks=[Clock()],
             enable_checkpointing=False,
             enable_progress_bar=False,
@@ -159,7 +177,7 @@ def run_lightning(data: TensorDataset, batch: int, steps: int, warmup: int, widt
             default_root_dir=root,
             log_every_n_steps=50,
         )
-        trainer.fit(Regressor(width), loader)
+        trainer.fit(Regressor(width, log_every_step=log), loader)
     return clock.ms_per_step(steps)
 
 
@@ -170,11 +188,27 @@ def run_nanotrain_defaults(
     return run_nanotrain(data, batch, steps, warmup, width, defaults=True)
 
 
+def run_nanotrain_logging(
+    data: TensorDataset, batch: int, steps: int, warmup: int, width: int
+) -> float:
+    """The default callbacks and loggers, the module logging every step."""
+    return run_nanotrain(data, batch, steps, warmup, width, defaults=True, log=True)
+
+
+def run_lightning_logging(
+    data: TensorDataset, batch: int, steps: int, warmup: int, width: int
+) -> float:
+    """lightning.Trainer with its default logger, the module logging every step."""
+    return run_lightning(data, batch, steps, warmup, width, log=True)
+
+
 RUNNERS = {
     "plain loop": run_plain,
     "nanotrain": run_nanotrain,
     "lightning": run_lightning,
     "nanotrain+defaults": run_nanotrain_defaults,
+    "nanotrain+log": run_nanotrain_logging,
+    "lightning+log": run_lightning_logging,
 }
 
 

@@ -102,6 +102,9 @@ class MetricBook:
         self._step = _Scope()
         self._epoch = _Scope()
         self._forked: dict[str, str] = {}  # "<name>_step" / "<name>_epoch" -> "<name>"
+        # the step scope's aggregators, reset and kept for the next step: building a
+        # torchmetrics object costs ~1 ms of host time, a reset a tenth of that
+        self._spare: dict[tuple[type, bool], list[torchmetrics.Metric]] = {}
 
     def log(
         self,
@@ -154,14 +157,8 @@ class MetricBook:
             return
         entry = scope.entries.get(name)
         if entry is None or entry.user_metric:
-            # nan_strategy="disable": the default checks every update for NaN on the host (a
-            # device sync per logged value per step); a NaN now simply shows in the result
-            kwargs = {} if reduce == "mean" else {"nan_strategy": "disable"}
-            metric = _AGGREGATORS[reduce](
-                sync_on_compute=sync_dist,
-                process_group=self._process_group,
-                **kwargs,
-            ).to(self._device_fn())
+            spare = self._spare.get((_AGGREGATORS[reduce], sync_dist))
+            metric = spare.pop() if spare else self._aggregator(reduce, sync_dist)
             entry = scope.entries[name] = _Entry(metric, prog_bar, logger, user_metric=False)
         value = torch.as_tensor(value).detach()
         if value.numel() != 1:
@@ -174,6 +171,23 @@ class MetricBook:
             entry.metric.update(value, weight=batch_size if batch_size is not None else 1.0)
         else:
             entry.metric.update(value)
+
+    def _aggregator(self, reduce: str, sync_dist: bool) -> torchmetrics.Metric:
+        # nan_strategy="disable": the default checks every update for NaN on the host (a
+        # device sync per logged value per step); a NaN now simply shows in the result
+        kwargs = {} if reduce == "mean" else {"nan_strategy": "disable"}
+        return _AGGREGATORS[reduce](
+            sync_on_compute=sync_dist, process_group=self._process_group, **kwargs
+        ).to(self._device_fn())
+
+    def _recycle_step_scope(self) -> None:
+        """Reset the step scope's own aggregators into the spares; start the scope anew."""
+        for entry in self._step.entries.values():
+            if not entry.user_metric:
+                entry.metric.reset()
+                key = (type(entry.metric), entry.metric.sync_on_compute)
+                self._spare.setdefault(key, []).append(entry.metric)
+        self._step = _Scope()
 
     def _compute(self, entry: _Entry, epoch: bool) -> Tensor | None:
         metric = entry.metric
@@ -213,12 +227,12 @@ class MetricBook:
     def close(self) -> tuple[dict[str, Tensor], dict[str, Tensor]]:
         """End the step scope: (values for loggers, values for the progress bar); start anew."""
         result = self._close(self._step, epoch=False)
-        self._step = _Scope()
+        self._recycle_step_scope()
         return result
 
     def clear(self) -> None:
         """Drop everything logged in the step scope (a step that is not a logging step)."""
-        self._step = _Scope()
+        self._recycle_step_scope()
 
     def has_epoch_values(self) -> bool:
         """Whether anything was logged for the epoch scope since it was last closed."""
