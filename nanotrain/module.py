@@ -154,6 +154,34 @@ class NanoModule(pl.LightningModule):
         if trainer.is_global_zero:
             print(*args, **kwargs)
 
+    def all_gather(self, data: Any, group: Any = None, sync_grads: bool = False) -> Any:
+        """Lightning's `all_gather` under the nanotrain Trainer: every tensor in `data` (a
+        tensor or a collection of them) gathered over the data-parallel ranks (or `group`),
+        stacked on a new first dimension of that size; unchanged without a process group.
+        `sync_grads=True` lets gradients flow back through the gather."""
+        import torch
+        import torch.distributed as dist
+        from lightning.fabric.utilities.apply_func import apply_to_collection
+
+        trainer = self._nano_trainer
+        if trainer is None:
+            return super().all_gather(data, group=group, sync_grads=sync_grads)
+        if not dist.is_initialized():
+            return data
+        group = group if group is not None else trainer.strategy.metric_process_group
+
+        def gather(tensor: Tensor) -> Tensor:
+            tensor = tensor.contiguous()
+            if sync_grads:
+                import torch.distributed.nn.functional as dist_nn
+
+                return torch.stack(dist_nn.all_gather(tensor, group=group))
+            parts = [torch.empty_like(tensor) for _ in range(dist.get_world_size(group))]
+            dist.all_gather(parts, tensor, group=group)
+            return torch.stack(parts)
+
+        return apply_to_collection(data, Tensor, gather)
+
     def optimizers(self, use_pl_optimizer: bool = True) -> Any:
         """The optimizer (under nanotrain: the raw `torch.optim.Optimizer`)."""
         trainer = self._nano_trainer

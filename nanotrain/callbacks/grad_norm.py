@@ -41,7 +41,9 @@ class GradNormMonitor(Callback):
     """Logs the gradient norm the strategy measured (global, before clipping), per-group
     norms and histograms at lower cadences, and flags spikes.
 
-    Logged, at the step being taken (the number `trainer.global_step` has once it ends):
+    Logged at the step's `trainer.logged_step` (Lightning's 0-based step, where its
+    `train/loss` is logged too), on the cadences counted in `trainer.global_step` once the step
+    ends:
         grad_norm/spikes (running count) every `log_every_n_steps` (the global norm itself
             is the Trainer's `train/grad_norm`, logged once under that name);
         grad_norm/<group> every `detail_every_n_steps` (L2 norm of the full gradients in the
@@ -120,10 +122,10 @@ class GradNormMonitor(Callback):
         if detail and step % detail == 0:
             metrics.update(self.group_norms(self._unclipped_norms(trainer)))
         if metrics:
-            trainer.log_metrics(metrics, step=step)
+            trainer.log_metrics(metrics, step=trainer.logged_step)
         hist = self.histogram_every_n_steps
         if hist and step % hist == 0:
-            self._log_histograms(trainer, module, step)
+            self._log_histograms(trainer, module, trainer.logged_step)
 
     def group_norms(self, named_norms: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Pool per-parameter norms into `grad_norm/<group>` norms (sqrt of sum of squares)."""

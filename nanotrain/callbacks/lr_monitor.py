@@ -44,9 +44,10 @@ def param_group_names(optimizer: torch.optim.Optimizer) -> list[str]:
 class LearningRateMonitor(Callback):
     """Logs `lr/<group>` for each optimizer parameter group: the rate the step used.
 
-    The rate is read at `on_train_step_start`, before the scheduler moves it, and logged
-    under the number the step gets when it completes, so `lr/group0` at step N is the rate
-    that produced the weights of step N. Groups are named by a "name" key in the param group
+    The rate is read at `on_train_step_start`, before the scheduler moves it, and logged at
+    the step's `trainer.logged_step` (Lightning's 0-based step, where that step's `train/loss`
+    is logged too), so `lr/group0` at step N is the rate that produced the weights of the
+    (N + 1)-th optimizer step. Groups are named by a "name" key in the param group
     (e.g. `{"params": ..., "name": "decay"}`), else by the settings that set them apart
     (`lr/weight_decay=0.0`), else "group<i>" (see `param_group_names`).
 
@@ -75,10 +76,11 @@ class LearningRateMonitor(Callback):
         self, trainer: Trainer, module: NanoModule, microbatches: list[Any], step_idx: int
     ) -> None:
         """Log the rates this step will use, on log steps."""
-        step = trainer.global_step + 1
+        step = trainer.global_step + 1  # the step's number once it completes: the cadence
         every = self.log_every_n_steps or trainer.settings.log_every_n_steps
         if step % every == 0:
-            trainer.log_metrics(self.read(trainer.strategy.optimizer), step=step)
+            # logged_step: the steps completed before this one, as Lightning's own monitor
+            trainer.log_metrics(self.read(trainer.strategy.optimizer), step=trainer.logged_step)
 
     def read(self, optimizer: torch.optim.Optimizer) -> dict[str, float]:
         """The current `lr/<group>` (and momentum / weight decay if asked) of `optimizer`."""

@@ -180,7 +180,8 @@ class ModelDump(Callback):
     has one, else the total — and "flops_per_token" from `flops_per_token()`), and logs the
     table as text `model/summary`.
 
-    At each step N in `steps` (N = the number the step has once it completes, as in the logs),
+    At each step N in `steps` (N = `trainer.global_step` once the step completes, as
+    checkpoints are named; the step's logged records carry Lightning's 0-based N - 1),
     into `<run_dir>/dumps/step_<N>/`:
         - weights.json, grads.json (rank 0): {"step", "tensors": {parameter: tensor_stats}}
           of every trainable parameter's full value (`strategy.full_tensor`) and gradient,
@@ -231,7 +232,7 @@ class ModelDump(Callback):
         table = _summary_table(summary)
         (trainer.run_dir / "model_summary.json").write_text(json.dumps(summary, indent=1))
         (trainer.run_dir / "model_summary.txt").write_text(table + "\n")
-        trainer.loggers.log_text("model/summary", f"```\n{table}\n```", trainer.global_step)
+        trainer.loggers.log_text("model/summary", f"```\n{table}\n```", trainer.logged_step)
 
     # -- activations ---------------------------------------------------------------------------
     def on_train_step_start(

@@ -144,7 +144,8 @@ class MoELoadMonitor(Callback):
 
     Reads `module.last_moe_stats` (a `MoEStats` of the step that just finished: expert loads
     and dropped tokens summed over all ranks, router biases after the step's update) at
-    `on_train_step_end`, under the step's number. Scalars (see `moe_load_metrics`), every
+    `on_train_step_end`, at the step's `trainer.logged_step` (Lightning's 0-based step, as
+    its `train/loss`); cadences count `trainer.global_step`. Scalars (see `moe_load_metrics`), every
     `log_every_n_steps`: `moe/layer{l}/max_over_mean`, `.../min_over_mean`,
     `.../dropped_fraction`, `.../bias_abs_max`, optionally `.../load/expert{e}`, and
     `moe/max_over_mean` (the mean over layers). Every `heatmap_every_n_steps`: the image
@@ -206,9 +207,9 @@ class MoELoadMonitor(Callback):
         if stats is None:
             return  # a dense model
         if log_now:
-            trainer.log_metrics(moe_load_metrics(stats, self.per_expert), step=step)
+            trainer.log_metrics(moe_load_metrics(stats, self.per_expert), step=trainer.logged_step)
         if heatmap_now:
-            self._write_heatmap(trainer, stats, step)
+            self._write_heatmap(trainer, stats, trainer.logged_step)
 
     @staticmethod
     def _write_heatmap(trainer: Trainer, stats: MoEStats, step: int) -> None:

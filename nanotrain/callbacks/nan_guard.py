@@ -186,7 +186,7 @@ class NaNGuard(Callback):
         the current step in device mode, else the bad step)."""
         trainer.log_metrics(
             {"nan_guard/skipped_steps": self.bad_steps, "nan_guard/consecutive": self.consecutive},
-            step=step,
+            step=step - 1,  # Lightning's 0-based step of the bad step, as its train/loss
         )
         at = step if now is None else now
         if self.action == "stop":

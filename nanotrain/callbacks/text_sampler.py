@@ -25,8 +25,9 @@ class TextSampler(Callback):
     `decode(list[int]) -> str`) is the `tokenizer` argument or `trainer.datamodule.tokenizer`.
 
     Generation runs on every rank (a sharded model's forward is collective); the sampling
-    generator is seeded with `seed + step` on the device, so every rank draws the same tokens
-    and a rerun draws them again. Rank 0 writes each sample:
+    generator is seeded with `seed + trainer.global_step` on the device, so every rank draws
+    the same tokens and a rerun draws them again. Rank 0 writes each sample, at the step's
+    `trainer.logged_step` (Lightning's 0-based step, where its `train/loss` is logged too):
         - to `<run_dir>/samples.jsonl`: {"step", "prompt", "completion", "temperature"};
         - to the loggers as text `samples/<i>` (TensorBoard's text tab, and a "text" entry
           in metrics.jsonl), as "prompt ‖ completion".
@@ -97,10 +98,14 @@ class TextSampler(Callback):
         """Sample on the steps that are multiples of `every_n_steps`."""
         step = trainer.global_step
         if step % self.every_n_steps == 0:
-            self.write(trainer, step, self.sample(module, trainer.strategy.root_device, step))
+            records = self.sample(module, trainer.strategy.root_device, step)
+            self.write(trainer, trainer.logged_step, records)
 
     def sample(self, module: NanoModule, device: torch.device, step: int) -> list[dict[str, Any]]:
-        """Continue every prompt; returns [{"step", "prompt", "completion", "temperature"}]."""
+        """Continue every prompt with the generator seeded `seed + step` (`step`: the
+        `trainer.global_step` that counts the step just taken); returns [{"step", "prompt",
+        "completion", "temperature"}] with "step" the step it is logged at, step - 1
+        (Lightning's 0-based convention)."""
         records = []
         generator = torch.Generator(device=device).manual_seed(self.seed + step)
         for prompt in self.prompts:
@@ -112,7 +117,7 @@ class TextSampler(Callback):
             completion = self._tokenizer.decode(out[0, len(ids) :].tolist())
             records.append(
                 {
-                    "step": step,
+                    "step": step - 1,
                     "prompt": prompt,
                     "completion": completion,
                     "temperature": self.temperature,

@@ -39,7 +39,8 @@ def _read_config(run_dir: Path) -> dict[str, Any] | None:
 
 
 def _validation(history: MetricHistory) -> dict[str, Any] | None:
-    """Best and last `val/loss` with their steps, and `val/bpb` at those steps."""
+    """Best and last `val/loss` with their logged steps (Lightning's 0-based step: the
+    validation after optimizer step N is at N - 1), and `val/bpb` at those steps."""
     best, last = history.best("val/loss"), history.last("val/loss")
     if last is None:
         return None
@@ -84,7 +85,8 @@ def _checkpoints(
     run_dir: Path, info: dict[str, Any], validation: dict[str, Any] | None
 ) -> dict[str, Any]:
     """Kept checkpoints; the last (the `last` pointer); the best: the one the checkpoint
-    callback ranked best, else the one saved at the step of the best validation loss."""
+    callback ranked best, else the one saved at the step of the best validation loss. Steps
+    here are the checkpoints' `global_step` (the number in their names)."""
     from nanotrain.checkpoint.commit import complete_checkpoints, read_last_pointer
 
     folder = run_dir / "checkpoints"
@@ -104,7 +106,9 @@ def _checkpoints(
     if recorded and recorded.get("path") in kept:
         out["best"] = {**recorded, "step": kept[recorded["path"]]}
     elif validation and validation["best"]:
-        step = validation["best"]["step"]
+        # validation is logged at the steps completed before the step it follows (Lightning's
+        # convention), a checkpoint is named after global_step, which counts that step
+        step = validation["best"]["step"] + 1
         match = [p for p, s in kept.items() if s == step]
         if match:
             out["best"] = {"path": match[0], "monitor": "val/loss", "step": step}
@@ -113,18 +117,25 @@ def _checkpoints(
 
 def _training(history: MetricHistory, info: dict[str, Any]) -> dict[str, Any]:
     """Steps, tokens, samples, epochs, skipped steps: the counters at the end of the run
-    (`run_info.json`), else the last logged ones."""
+    (`run_info.json`; epochs as a real number, e.g. 1.25 a quarter into the second), else the
+    last logged ones (the step of the last `train/loss` + 1, as it is logged 0-based; the
+    last `epoch` column: whole epochs)."""
     state = info.get("state") or {}
     last_loss = history.last("train/loss")
     tokens = history.last("trainer/consumed_tokens")
     samples = history.last("trainer/consumed_samples")
-    epoch = history.last("trainer/epoch")
+    epochs = history.last("epoch")
+    epochs = epochs[1] if epochs else None
+    if "epoch" in state:
+        epochs = float(state["epoch"])
+        if state.get("steps_per_epoch"):
+            epochs += state.get("steps_in_epoch", 0) / state["steps_per_epoch"]
     settings = info.get("trainer") or {}
     return {
-        "steps": state.get("global_step", last_loss[0] if last_loss else None),
+        "steps": state.get("global_step", last_loss[0] + 1 if last_loss else None),
         "tokens": state.get("consumed_tokens", int(tokens[1]) if tokens else None),
         "samples": state.get("consumed_samples", int(samples[1]) if samples else None),
-        "epochs": epoch[1] if epoch else None,
+        "epochs": epochs,
         "skipped_steps": state.get("skipped_steps"),
         "last_train_loss": last_loss[1] if last_loss else None,
         "global_batch_size": settings.get("global_batch_size"),

@@ -99,7 +99,8 @@ def _validation_rows(validation: dict[str, Any] | None) -> list[tuple[str, str]]
     for which in ("best", "last"):
         entry = validation.get(which)
         if entry:
-            text = f"{_num(entry['loss'])} at step {entry['step']}"
+            # the step as logged (Lightning's 0-based: validation after step N is at N - 1)
+            text = f"{_num(entry['loss'])} at logged step {entry['step']}"
             if entry.get("bpb") is not None:
                 text += f" ({_num(entry['bpb'])} bits per byte)"
             rows.append((f"{which} val/loss", text))

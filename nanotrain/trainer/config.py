@@ -70,6 +70,8 @@ class TrainerConfig:
             (validate_at_start validates the untrained model at step 0 instead).
         enable_model_summary: print Lightning's model summary (layer table and parameter
             counts) on rank 0 when fit starts.
+        enable_autolog_hparams: record the hyperparameters in every logger (as Lightning);
+            False records them only in the run's config.yaml.
         precision: "32-true" (default), "bf16-mixed", "bf16-true", "16-mixed",
             "transformer-engine", "torchao-float8", "fp8-emulated" or "fp4-emulated" (see
             docs/precision.md);
@@ -106,6 +108,7 @@ class TrainerConfig:
     num_nodes: int | None = None
     num_sanity_val_steps: int | None = None
     enable_model_summary: bool = False
+    enable_autolog_hparams: bool = True
 
     def __post_init__(self) -> None:
         if self.max_steps is None and self.max_epochs is None and self.max_tokens is None:

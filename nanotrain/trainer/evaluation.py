@@ -14,6 +14,7 @@ import torch
 import torchmetrics
 from torch.utils.data import DataLoader, Sampler
 
+from nanotrain.trainer.loaders import draw_as_lightning
 from nanotrain.trainer.metric_book import MetricBook, to_float
 
 if TYPE_CHECKING:
@@ -129,6 +130,7 @@ def run_test(trainer: Trainer, dataloaders: Any) -> list[dict[str, float]]:
         raise ValueError(f"Trainer.test needs {type(module).__name__}.test_step(batch, batch_idx)")
     loader = _eval_loader(trainer, _source(trainer, dataloaders, "test_dataloader", "test"), "test")
     trainer._eval_loader = loader
+    draw_as_lightning(loader)
     trainer._book = MetricBook(
         lambda: trainer.strategy.root_device, trainer.strategy.metric_process_group
     )
@@ -168,6 +170,7 @@ def run_predict(trainer: Trainer, dataloaders: Any) -> list[Any]:
         trainer, _source(trainer, dataloaders, "predict_dataloader", "predict"), "predict"
     )
     trainer._eval_loader = loader
+    draw_as_lightning(loader)
     trainer.predicting = True
     module.eval()
     trainer._call("on_predict_start")

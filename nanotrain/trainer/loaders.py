@@ -78,6 +78,7 @@ class DataSource:
     shuffle: bool | None = None
     seed: int | None = None
     distributed: DistributedSampler | None = None
+    draws_global_seed: bool = False
     batch_sampler: Any = None
 
     @property
@@ -115,6 +116,7 @@ def inspect_source(source: DataLoader | Dataset, what: str) -> DataSource:
     if not isinstance(source, DataLoader):
         return DataSource(dataset, what)
     data = DataSource(dataset, what, extra={name: getattr(source, name) for name in _KEPT})
+    data.draws_global_seed = source.generator is None
     batches = source.batch_sampler
     if batches is None:
         raise ValueError(
@@ -375,7 +377,7 @@ def rebatch(
         _refuse_custom_under_dp(data, shard)
         sampler = ResumableBatchList(data.batch_sampler, micro_batch_size)
         loader = DataLoader(data.dataset, batch_sampler=sampler, generator=generator, **extra)
-        return loader, sampler
+        return lightning_rng_parity(loader, data), sampler
     _check_distributed_sampler(data, shard)
     sampler = ResumableDistributedSampler(
         len(data.dataset),
@@ -393,7 +395,7 @@ def rebatch(
         generator=generator,
         **extra,
     )
-    return loader, sampler
+    return lightning_rng_parity(loader, data), sampler
 
 
 def _refuse_custom_under_dp(data: DataSource, shard: DataShard) -> None:
@@ -506,7 +508,8 @@ def validation_loader(
             settings.limit_val_batches, len(data.dataset), settings.global_batch_size
         )
         sampler = ValidationBatchSampler(count, batch_size, shard.index, shard.count)
-    return DataLoader(data.dataset, batch_sampler=sampler, generator=generator, **data.extra)
+    loader = DataLoader(data.dataset, batch_sampler=sampler, generator=generator, **data.extra)
+    return lightning_rng_parity(loader, data)
 
 
 def evaluation_loader(trainer: Any, source: Any, what: str, ordered: Any) -> DataLoader:
@@ -532,7 +535,28 @@ def evaluation_loader(trainer: Any, source: Any, what: str, ordered: Any) -> Dat
         batch = resolve_micro_batch(trainer.requested_settings.micro_batch_size, data, default)
         batches = ordered(len(data.dataset), batch, shard)
     generator = torch.Generator().manual_seed(trainer.settings.seed)
-    return DataLoader(data.dataset, batch_sampler=batches, generator=generator, **data.extra)
+    loader = DataLoader(data.dataset, batch_sampler=batches, generator=generator, **data.extra)
+    return lightning_rng_parity(loader, data)
+
+
+def lightning_rng_parity(loader: DataLoader, data: DataSource) -> DataLoader:
+    """Mark `loader` to draw from the global torch RNG once per pass, as the user's DataLoader
+    would have under Lightning (`draw_as_lightning`)."""
+    loader.draws_global_seed = data.draws_global_seed
+    return loader
+
+
+def draw_as_lightning(loader: DataLoader | None) -> None:
+    """One draw from the global torch RNG where the user's DataLoader had no `generator`.
+
+    Every `iter()` of such a DataLoader draws its workers' base seed from the global RNG, so
+    under lightning.Trainer each pass over it (a training epoch, a validation, a test) moves
+    the RNG that dropout and data drawn later read. nanotrain's own loaders carry a generator
+    (an exact resume re-creates iterators mid-epoch), so the Trainer makes the same draw at the
+    start of each pass itself: the RNG streams, and so the runs, stay Lightning's.
+    """
+    if loader is not None and getattr(loader, "draws_global_seed", False):
+        torch.empty((), dtype=torch.int64).random_()
 
 
 def _overrides(obj: Any, name: str, base: type) -> bool:

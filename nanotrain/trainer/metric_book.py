@@ -224,6 +224,11 @@ class MetricBook:
         value during the epoch, the epoch value at its end)."""
         return {self._forked[k]: v for k, v in values.items() if k in self._forked}
 
+    def peek(self) -> tuple[dict[str, Tensor], dict[str, Tensor]]:
+        """The step scope's values so far (loggers, progress bar), as device tensors, without
+        ending it (the aggregators cache what they computed until their next update)."""
+        return self._close(self._step, epoch=False)
+
     def close(self) -> tuple[dict[str, Tensor], dict[str, Tensor]]:
         """End the step scope: (values for loggers, values for the progress bar); start anew."""
         result = self._close(self._step, epoch=False)

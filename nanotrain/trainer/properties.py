@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+import builtins
+import contextlib
 import math
 import os
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
+import torch
+from lightning.pytorch.accelerators import Accelerator, CPUAccelerator, CUDAAccelerator
 from lightning.pytorch.utilities import GradClipAlgorithmType
 from lightning.pytorch.utilities.types import LRSchedulerConfig
 
@@ -202,6 +207,59 @@ class LightningTrainerProperties:
         return int(os.environ.get("GROUP_RANK", os.environ.get("NODE_RANK", "0")))
 
     @property
+    def accelerator(self) -> Accelerator:
+        """Lightning's accelerator object for the strategy's device type (CUDA or CPU)."""
+        if self.strategy.root_device.type == "cuda":
+            return CUDAAccelerator()
+        return CPUAccelerator()
+
+    @property
+    def scaler(self) -> Any:
+        """The fp16 precision plugin's gradient scaler (None under other precisions)."""
+        return getattr(self.strategy.precision, "scaler", None)
+
+    @property
+    def distributed_sampler_kwargs(self) -> dict[str, int] | None:
+        """What a `DistributedSampler` of this process takes: its data-parallel share
+        (`num_replicas` replicas, this one `rank`), as Lightning gives it; None without a
+        process group (one process, as Lightning's single-device strategy)."""
+        if not torch.distributed.is_initialized():
+            return None
+        shard = self.strategy.data_shard()
+        return {"num_replicas": shard.count, "rank": shard.index}
+
+    @property
+    def min_epochs(self) -> int:
+        """0: nanotrain has no lower bound on training (the argument is refused); Lightning's
+        value when it is not given."""
+        return 0
+
+    @property
+    def min_steps(self) -> None:
+        """None: nanotrain has no lower bound on training (the argument is refused)."""
+        return None
+
+    @property
+    def val_dataloaders(self) -> DataLoader | None:
+        """The validation DataLoader of the running fit/validate (Lightning's plural name)."""
+        return self._val_loader
+
+    @property
+    def test_dataloaders(self) -> DataLoader | None:
+        """The DataLoader of the running `test`, None outside it."""
+        return self._eval_loader if self.testing else None
+
+    @property
+    def predict_dataloaders(self) -> DataLoader | None:
+        """The DataLoader of the running `predict`, None outside it."""
+        return self._eval_loader if self.predicting else None
+
+    @property
+    def num_sanity_val_batches(self) -> list[int]:
+        """[0] with a validation loader ([] without): nanotrain runs no sanity check."""
+        return [] if self._val_loader is None else [0]
+
+    @property
     def model(self) -> NanoModule | None:
         """The module being trained (nanotrain wraps no model around it)."""
         return self.module
@@ -347,6 +405,19 @@ class LightningTrainerProperties:
             lg for lg in self.loggers if hasattr(getattr(lg, "experiment", None), "add_histogram")
         ]
         return (drawing or list(self.loggers) or [None])[0]
+
+    def print(self, *args: Any, **kwargs: Any) -> None:
+        """`print` on global rank 0 only (Lightning's `trainer.print`)."""
+        if self.is_global_zero:
+            builtins.print(*args, **kwargs)
+
+    @contextlib.contextmanager
+    def init_module(self, empty_init: bool | None = None) -> Iterator[None]:
+        """Lightning's `with trainer.init_module():` — build a model under the strategy's
+        model-init context (the precision plugin casts it when fit starts). `empty_init` is
+        accepted and has no effect."""
+        with self.strategy.model_init_context():
+            yield
 
     def logs_per_step_by_default(self) -> bool:
         """Lightning's `self.log` default: on_step (not on_epoch) in `training_step` and the

@@ -84,6 +84,7 @@ class TrainStepMethods:
         step_idx, n = st.steps_in_epoch, len(microbatches)
         first = step_idx * n  # Lightning's batch_idx of the step's first microbatch
         last_step = step_idx + 1 == st.steps_per_epoch
+        self._step_taken = False  # records of this step's start: `logged_step` = global_step
         self._call("on_train_step_start", microbatches, step_idx)
         optimizer = HookOptimizer(strategy)
         window = _Window(self, optimizer, microbatches, first, last_step)
@@ -114,9 +115,13 @@ class TrainStepMethods:
         if out.skipped:
             st.skipped_steps += 1
         st.global_step += 1
+        # Lightning's convention: this step's records (and the validation and epoch end after
+        # it) are written at the steps completed before it, global_step - 1 (`logged_step`)
+        self._step_taken = True
         st.steps_in_epoch += 1
         st.add_consumed(out.num_samples, out.num_tokens)  # on the device: no host read
         self._train_sampler.advance(s.micro_batch_size * n)
+        self._publish_step_values()
         window.end_rest(out.loss)  # Lightning's on_train_batch_end of the last microbatch(es)
         log_step = st.global_step % s.log_every_n_steps == 0 or self._done()
         self.is_log_step = log_step
@@ -186,13 +191,23 @@ class TrainStepMethods:
         else:
             self.strategy.clip_grads_(norm, clip_value=gradient_clip_val)
 
+    def _publish_step_values(self: Trainer) -> None:
+        """As Lightning: the step's `self.log` values are in `callback_metrics` and
+        `progress_bar_metrics` every step, before its last `on_train_batch_end` (device
+        tensors: no host read); the loggers get them on log steps only."""
+        logged, prog = self.metric_book.peek()
+        if logged:
+            self.callback_metrics.update(logged)
+            self.callback_metrics.update(self.metric_book.unforked(logged))
+        if prog:
+            self.progress_bar_metrics.update(prog)
+
     def _log_train(self: Trainer, out: StepOutput) -> None:
         st = self.state
         logged, prog = self.metric_book.close()
         metrics = {
             "train/loss": out.loss,
             "train/grad_norm": out.grad_norm,
-            "trainer/epoch": st.fractional_epoch,
             "trainer/consumed_samples": st.consumed_samples,
         }
         if st.consumed_tokens:

@@ -34,9 +34,9 @@ from nanotrain.strategies.base import StepOutput
 from nanotrain.trainer.checkpoint_methods import CheckpointMethods
 from nanotrain.trainer.config import TrainerConfig, resolve_seed
 from nanotrain.trainer.evaluation import EvaluationMethods, finish_epoch
-from nanotrain.trainer.hook_checks import WINDOW_HOOKS, check_hooks, uses_any_hook
+from nanotrain.trainer.hook_checks import WINDOW_HOOKS, check_hooks, overrides, uses_any_hook
 from nanotrain.trainer.lightning_args import check_accelerator, setting_names, unknown_setting_error
-from nanotrain.trainer.loaders import build_loaders, split_data_arguments
+from nanotrain.trainer.loaders import build_loaders, draw_as_lightning, split_data_arguments
 from nanotrain.trainer.loggers import LoggerGroup, make_loggers, user_loggers
 from nanotrain.trainer.metric_book import MetricBook, to_float
 from nanotrain.trainer.preemption import PreemptionWatch, stop_if_preempted
@@ -119,6 +119,8 @@ class Trainer(LightningTrainerProperties, TrainStepMethods, EvaluationMethods, C
         self._skip_requested = False
         # whether the step now ending logs (read by callbacks in on_train_batch_end)
         self.is_log_step = False
+        # from a step's update until the next step or epoch starts: see `logged_step`
+        self._step_taken = False
         self._train_loader: DataLoader | None = None
         self._train_sampler: Any = None
         self._val_loader: DataLoader | None = None
@@ -146,6 +148,18 @@ class Trainer(LightningTrainerProperties, TrainStepMethods, EvaluationMethods, C
         if self._book is None:
             raise RuntimeError("self.log is only available inside fit/validate")
         return self._book
+
+    @property
+    def logged_step(self) -> int:
+        """The step the records written now carry, as Lightning writes them: the number of
+        optimizer steps completed before the current one (Lightning's
+        `fit_loop.epoch_loop._batches_that_stepped`), so the first step's records are at 0.
+        From a step's update until the next step or epoch starts (the step's own values, the
+        validation after it, the end of the epoch it completes, and what `fit` writes after its
+        last step) `global_step` already counts that step, so this is `global_step - 1`;
+        before a step, before the first one and outside `fit` (validate, test) it is
+        `global_step`. Callbacks that pass `step=` to `log_metrics` use this value."""
+        return self.state.global_step - 1 if self._step_taken else self.state.global_step
 
     @property
     def num_microbatches(self) -> int:
@@ -208,10 +222,16 @@ class Trainer(LightningTrainerProperties, TrainStepMethods, EvaluationMethods, C
         self._book = MetricBook(
             lambda: self.strategy.root_device, self.strategy.metric_process_group
         )
-        if datamodule is not None:
+        # as Lightning: the datamodule's prepare_data, then the module's, on local rank 0
+        module_prepares = overrides(module, "prepare_data")
+        if datamodule is not None or module_prepares:
             if self.strategy.local_rank == 0:
-                datamodule.prepare_data()
+                if datamodule is not None:
+                    datamodule.prepare_data()
+                if module_prepares:
+                    module.prepare_data()
             self.strategy.barrier()
+        if datamodule is not None:
             datamodule.setup(stage)
         # Lightning's order: the setup hooks, then configure_model
         self._call("setup", stage)
@@ -221,10 +241,18 @@ class Trainer(LightningTrainerProperties, TrainStepMethods, EvaluationMethods, C
         """Seed the stage: the Trainer's seed if given, else `lightning.seed_everything`'s
         (PL_GLOBAL_SEED), else 0. seed_everything sets PL_GLOBAL_SEED for the stage (Lightning
         code inside it reads it, e.g. worker seeding); `_teardown` puts back what was there,
-        so that one Trainer's explicit seed does not become a later Trainer's default."""
-        self.settings.seed = resolve_seed(self.requested_settings.seed)
+        so that one Trainer's explicit seed does not become a later Trainer's default.
+
+        After the user's own `seed_everything(n)` (and no Trainer seed) the global RNGs are
+        left as the user's code left them, as Lightning leaves them: data or weights drawn
+        between that call and `fit` come out as under lightning.Trainer; n still seeds the
+        samplers and workers."""
+        requested = self.requested_settings.seed
+        self.settings.seed = resolve_seed(requested)
         if not self._seed_env_saved:
             self._seed_env_saved, self._seed_env_before = True, os.environ.get("PL_GLOBAL_SEED")
+        if requested is None and self._seed_env_before is not None:
+            return
         seed_everything(self.settings.seed, verbose=False)
 
     def _restore_global_seed(self) -> None:
@@ -260,7 +288,8 @@ class Trainer(LightningTrainerProperties, TrainStepMethods, EvaluationMethods, C
                 ) from err
             names = self.settings.loggers if self._use_named_loggers else []
             self.loggers = make_loggers(self.run_dir, names, self._user_loggers)
-            self.loggers.log_hyperparams(self.hyperparameters())
+            if self.settings.enable_autolog_hparams:
+                self.loggers.log_hyperparams(self.hyperparameters())
 
         error = attempt(make)[1] if self.is_global_zero else None
         raise_first_failure(self.strategy, error, f"creating the run directory {self.run_dir}")
@@ -334,16 +363,18 @@ class Trainer(LightningTrainerProperties, TrainStepMethods, EvaluationMethods, C
             self._call("on_train_start")
             at_start = self.settings.validate_at_start and not self.global_step
             if at_start and self._val_loader is not None:
-                self._run_validation()
+                self._run_validation(lightning_has_it=False)
             self._train_loop()
             # a signal in the last step, when its flag is read a step late (CUDA, several
             # ranks): still save and stop with "preempted"
             stop_if_preempted(self, self._preemption, final=True)
+            # what fit writes from here belongs to its last step (as that step's epoch end)
+            self._step_taken = self.state.global_step > 0
             if self.metric_book.has_epoch_values():  # stopped mid-epoch: write what it logged
                 self.log_metrics(self.metric_book.close_epoch()[0])
             last_validated = self._last_val_step == self.state.global_step
             if self._val_loader is not None and not last_validated and not self._preempted:
-                self._run_validation()
+                self._run_validation(lightning_has_it=False)
             self.training = False
             self._call("on_train_end")
             self._call("on_fit_end")
@@ -377,6 +408,8 @@ class Trainer(LightningTrainerProperties, TrainStepMethods, EvaluationMethods, C
                 if st.steps_in_epoch == 0:
                     self._train_sampler.set_epoch(st.epoch)
                 self._call("on_train_epoch_start")
+                if st.steps_in_epoch == 0:  # a resumed epoch made its draw before the save
+                    draw_as_lightning(self._train_loader)
                 batches = iter(self._train_loader)
                 while st.steps_in_epoch < st.steps_per_epoch and not self._done():
                     micro = [
@@ -387,6 +420,8 @@ class Trainer(LightningTrainerProperties, TrainStepMethods, EvaluationMethods, C
                     stop_if_preempted(self, self._preemption)
                 if st.steps_in_epoch < st.steps_per_epoch:
                     break  # stopped mid-epoch
+            else:  # resumed at an epoch's end, which runs again: its records are its last step's
+                self._step_taken = True
             n_val = self.settings.check_val_every_n_epoch
             if self._val_loader is not None and n_val and (st.epoch + 1) % n_val == 0:
                 if self._last_val_step != st.global_step:  # as Lightning: before the hook
@@ -394,19 +429,35 @@ class Trainer(LightningTrainerProperties, TrainStepMethods, EvaluationMethods, C
             finish_epoch(self, "on_train_epoch_end")
             st.epoch += 1
             st.steps_in_epoch = 0
+            self._step_taken = False  # the next epoch starts: see `logged_step`
 
     def log_metrics(self, metrics: dict[str, Any], step: int | None = None) -> None:
-        """Write scalars to the loggers (rank 0) at `step` (default: the current global step)
-        and remember them in `callback_metrics`. Call on every rank; only rank 0 writes."""
+        """Write scalars to the loggers (rank 0) and remember them in `callback_metrics`.
+        Call on every rank; only rank 0 writes.
+
+        As Lightning's `LoggerConnector.log_metrics`: without `step`, a logged "step" value is
+        the step; else the record is written at `logged_step` (the first optimizer step's
+        values at 0) with an `epoch` column (`current_epoch`) added. An explicit `step` is
+        used as given, without the `epoch` column."""
         values = {k: to_float(v) for k, v in metrics.items() if v is not None}
         as_tensors = {k: torch.tensor(v) for k, v in values.items()}
         self.callback_metrics.update(as_tensors)
         self.logged_metrics.update(as_tensors)
-        self.loggers.log_metrics(values, self.state.global_step if step is None else step)
+        if not values:  # as Lightning: nothing logged, no record
+            return
+        if step is None:
+            if "step" in values:
+                step = int(values.pop("step"))
+            else:
+                values.setdefault("epoch", self.current_epoch)
+                step = self.logged_step
+        self.loggers.log_metrics(values, step)
 
     # -- validation -----------------------------------------------------------------------------
-    def _run_validation(self) -> dict[str, float]:
-        return run_validation(self)
+    def _run_validation(self, lightning_has_it: bool = True) -> dict[str, float]:
+        """One validation pass; `lightning_has_it`=False for nanotrain's own extra passes
+        (validate_at_start, the final one of fit), which leave the global RNG untouched."""
+        return run_validation(self, lightning_has_it)
 
     def validate(
         self,
@@ -457,5 +508,6 @@ class Trainer(LightningTrainerProperties, TrainStepMethods, EvaluationMethods, C
             self._call("teardown", stage)
         self.loggers.finalize()
         self.loggers = LoggerGroup()
+        self._step_taken = False  # validate/test after fit log at global_step, as Lightning
         self._train_loader = self._val_loader = None
         self.strategy.teardown()

@@ -4,17 +4,19 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from nanotrain.trainer.loaders import val_batch_limit
+from nanotrain.trainer.loaders import draw_as_lightning, val_batch_limit
 from nanotrain.trainer.metric_book import MetricBook, to_float
 
 if TYPE_CHECKING:
     from nanotrain.trainer import Trainer
 
 
-def run_validation(trainer: Trainer) -> dict[str, float]:
+def run_validation(trainer: Trainer, lightning_has_it: bool = True) -> dict[str, float]:
     """Run `validation_step` over the validation loader with the model in eval mode, emitting
     the validation hooks; log the reduced metrics at the current step and return them.
-    Training-step metrics logged so far are kept aside.
+    Training-step metrics logged so far are kept aside. `lightning_has_it`: the pass is one
+    lightning.Trainer runs too, so it makes Lightning's global RNG draw (`draw_as_lightning`);
+    nanotrain's own extra passes do not, so they never disturb the training RNG.
 
     The loader reads the same samples under any layout (`nanotrain.trainer.loaders.validation_loader`,
     which also applies `limit_val_batches`). Its padding batches (a shard with fewer samples
@@ -29,6 +31,8 @@ def run_validation(trainer: Trainer) -> dict[str, float]:
         lambda: trainer.strategy.root_device, trainer.strategy.metric_process_group
     )
     train_book, trainer._book = trainer._book, new_book()
+    if lightning_has_it:  # a pass lightning.Trainer also runs: its RNG draw too
+        draw_as_lightning(trainer._val_loader)
     trainer.validating = True
     module.eval()
     trainer._call("on_validation_start")

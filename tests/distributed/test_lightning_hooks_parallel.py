@@ -44,3 +44,51 @@ def test_hooks_under_data_parallelism_give_one_process_weights():
         reference = single[2 if "2 microbatches" in name else 1]
         for key, value in weights.items():
             assert torch.allclose(value, reference[key], atol=1e-6), (name, key)
+
+
+class BatchHookRecorder(nt.LanguageModelModule):
+    """Records Lightning's per-microbatch hooks and the step's loss."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.calls: list[tuple] = []
+
+    def on_train_batch_start(self, batch, batch_idx):
+        self.calls.append(("start", batch_idx))
+
+    def on_train_batch_end(self, outputs, batch, batch_idx):
+        self.calls.append(("end", batch_idx, float(outputs["loss"])))
+
+
+class StepLoss(nt.Callback):
+    def __init__(self) -> None:
+        self.losses: list[float] = []
+
+    def on_train_step_end(self, trainer, module, outputs, microbatches, step_idx):
+        self.losses.append(float(outputs.loss))
+
+
+def _pipeline_hooks(rank: int, world_size: int, root: str) -> dict:
+    from tests.distributed.test_megatron import RandomTokens
+
+    module = BatchHookRecorder("tiny-dense", vocab_size=257, model_overrides={"num_layers": 2})
+    steps = StepLoss()
+    nt.Trainer(
+        strategy=nt.MegatronStrategy(pp=2), max_steps=2, global_batch_size=4, micro_batch_size=2,
+        callbacks=[steps], default_root_dir=root, loggers=[], enable_checkpointing=False,
+        enable_progress_bar=False, seed=3,
+    ).fit(module, train_dataloaders=RandomTokens())  # fmt: skip
+    return {"calls": module.calls, "losses": steps.losses}
+
+
+def test_batch_hooks_under_a_pipeline_wrap_the_schedule(tmp_path):
+    """pp > 1: the microbatches run inside the schedule, so every on_train_batch_start of the
+    step runs before it and every on_train_batch_end after the optimizer step, each with the
+    step's loss over the number of microbatches (docs/lightning.md)."""
+    for result in run_world(_pipeline_hooks, 2, str(tmp_path), timeout=120):
+        starts_ends = [call[:2] for call in result["calls"]]
+        assert starts_ends == [("start", 0), ("start", 1), ("end", 0), ("end", 1),
+                               ("start", 2), ("start", 3), ("end", 2), ("end", 3)]  # fmt: skip
+        ends = [call[2] for call in result["calls"] if call[0] == "end"]
+        expected = [loss / 2 for loss in result["losses"] for _ in range(2)]
+        assert ends == pytest.approx(expected, rel=1e-6)

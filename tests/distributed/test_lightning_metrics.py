@@ -17,9 +17,20 @@ from tests.unit.test_lightning_compat import TutorialClassifier, TutorialData, c
 pytestmark = pytest.mark.distributed
 
 
+class Gathering(TutorialClassifier):
+    """Also gathers each rank's rank number with `self.all_gather` at validation's end."""
+
+    def on_validation_epoch_end(self):
+        rank = torch.tensor([float(self.trainer.global_rank)], requires_grad=True)
+        self.gathered = self.all_gather({"rank": rank})["rank"].tolist()
+        with_grads = self.all_gather(rank * 2.0, sync_grads=True)
+        with_grads.sum().backward()
+        self.rank_grad = rank.grad.tolist()
+
+
 def _fit(make_strategy, root: str, rank: int) -> dict:
     torch.manual_seed(0)
-    module = TutorialClassifier()
+    module = Gathering()
     trainer = nt.Trainer(
         strategy=make_strategy(),
         max_steps=6,
@@ -38,6 +49,8 @@ def _fit(make_strategy, root: str, rank: int) -> dict:
     metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
     return {
         "metrics": metrics,
+        "gathered": module.gathered,
+        "rank_grad": module.rank_grad,
         "loggers": len(trainer.loggers),
         "test": trainer.test(module, TutorialData()),
         "predict": [p.tolist() for p in trainer.predict(module, TutorialData())],
@@ -96,6 +109,12 @@ def test_metric_objects_and_sync_dist_reduce_over_ranks_and_rank_zero_logs(tmp_p
     mean_of_ranks = (ranks[0]["metrics"]["val_loss"] + ranks[1]["metrics"]["val_loss"]) / 2
     assert mean_of_ranks == pytest.approx(single["metrics"]["val_loss"], rel=1e-5)
     assert ranks[0]["metrics"]["val_loss"] != ranks[1]["metrics"]["val_loss"]
+    # all_gather: every rank's tensor, stacked over the data-parallel ranks (one process: as is)
+    assert single["gathered"] == [0.0]
+    assert [r["gathered"] for r in ranks] == [[[0.0], [1.0]], [[0.0], [1.0]]]
+    # sync_grads: a rank's input gets its slot's gradient summed over every rank's loss (each
+    # rank's loss sums every copy, times 2): 2 per rank, 4 over two ranks
+    assert single["rank_grad"] == [2.0] and [r["rank_grad"] for r in ranks] == [[4.0], [4.0]]
     user_csv = tmp_path / "ddp" / "user_rank0" / "metrics.csv"
     rows = read_csv(user_csv)
     assert column(rows, "val_acc") == [pytest.approx(single["metrics"]["val_acc"], rel=1e-6)]

@@ -37,7 +37,8 @@ def test_custom_module_example_fits_sine_with_its_callbacks(tmp_path, capsys):
     trainer = load_example("custom_module").main(["--max_steps", "6", "--root", str(tmp_path)])
     assert trainer.global_step == 6
     val_steps = [r["step"] for r in metrics(trainer.run_dir) if "val/mse" in r]
-    assert val_steps[0] == 0 and val_steps[-1] == 6  # validate_at_start, final validation
+    # validate_at_start, and the final validation after step 6 (logged 0-based)
+    assert val_steps[0] == 0 and val_steps[-1] == 5
     out = capsys.readouterr().out
     assert "step 0: val/mse" in out and "max |net(x) - sin(x)|" in out
     assert (trainer.run_dir / "report.md").is_file()
@@ -52,17 +53,18 @@ def test_custom_callback_example_logs_and_saves(tmp_path, monkeypatch):
     args = ["--max_steps", "3", "--seq_len", "16", "--demo_max_bytes", "100000"]
     trainer = example.main(args + ["--root", str(tmp_path)])
     logged = [r for r in metrics(trainer.run_dir) if "spikes/loss_ema" in r]
-    assert [r["step"] for r in logged] == [1, 2, 3]
+    # steps 1-3, at Lightning's 0-based steps with the epoch (log_metrics without step=)
+    assert [(r["step"], r["epoch"]) for r in logged] == [(0, 0), (1, 0), (2, 0)]
     ema = {r["step"]: r["spikes/loss_ema"] for r in logged}
     assert logged[0]["spikes/ratio"] == 1.0  # the first step starts the average
-    # step 3 is a Trainer log step: its train/loss checks the callback's EMA by hand
+    # step 3 is a Trainer log step: its train/loss, at the same step, checks the EMA by hand
     loss3 = next(
         r["train/loss"]
         for r in metrics(trainer.run_dir)
-        if r.get("step") == 3 and "train/loss" in r
+        if r.get("step") == 2 and "train/loss" in r
     )
-    assert ema[3] == pytest.approx(0.9 * ema[2] + 0.1 * loss3, rel=1e-6)
-    assert logged[-1]["spikes/ratio"] == pytest.approx(loss3 / ema[3], rel=1e-6)
+    assert ema[2] == pytest.approx(0.9 * ema[1] + 0.1 * loss3, rel=1e-6)
+    assert logged[-1]["spikes/ratio"] == pytest.approx(loss3 / ema[2], rel=1e-6)
     saved = json.loads((trainer.run_dir / "loss_spikes.json").read_text())
     assert saved["threshold"] == 1.5 and isinstance(saved["spikes"], list)
     with pytest.raises(ValueError, match="threshold > 1"):
@@ -100,7 +102,8 @@ def test_finetune_hf_example_round_trips_through_transformers(tmp_path):
     assert torch.isfinite(tuned(ids).logits).all()
     run = tmp_path / "work/runs/finetune/version_0"
     report = json.loads((run / "report.json").read_text())
-    assert report["training"]["steps"] == 2 and report["validation"]["best"]["step"] in (0, 2)
+    # validated at the start (0) and after steps 1 and 2 (logged 0-based: 0 and 1)
+    assert report["training"]["steps"] == 2 and report["validation"]["best"]["step"] in (0, 1)
     assert report["model"]["family"] == "DenseConfig"
 
 

@@ -94,8 +94,9 @@ def assert_finished(result: subprocess.CompletedProcess, root: Path) -> None:
 
 
 def losses(root: Path) -> dict[int, float]:
+    """train/loss by step number (its record is at the 0-based step, Lightning's convention)."""
     records = (root / "default" / "version_0" / "metrics.jsonl").read_text().splitlines()
-    return {r["step"]: r["train/loss"] for r in map(json.loads, records) if "train/loss" in r}
+    return {r["step"] + 1: r["train/loss"] for r in map(json.loads, records) if "train/loss" in r}
 
 
 def _straight(rank: int, world_size: int, root: str) -> None:

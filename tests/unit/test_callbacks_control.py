@@ -66,7 +66,9 @@ def test_skip_leaves_the_weights_of_a_nan_step_unchanged_and_goes_on(tmp_path):
     assert all(torch.isfinite(p).all() for p in snaps.final)
     assert trainer.global_step == 5 and trainer.state.skipped_steps == 1
     lines = [json.loads(x) for x in (trainer.run_dir / "metrics.jsonl").read_text().splitlines()]
-    assert [x["step"] for x in lines if "nan_guard/skipped_steps" in x] == [3]
+    # logged at the bad step's 0-based step (Lightning's convention), with its train/loss
+    assert [x["step"] for x in lines if "nan_guard/skipped_steps" in x] == [2]
+    assert any("train/loss" in x and x["step"] == 2 for x in lines)
 
 
 def test_stop_writes_a_checkpoint_and_ends_with_a_clear_message(tmp_path, caplog):

@@ -54,6 +54,8 @@ class FakeMoEClassifier(Classifier):
 
 
 def jsonl_by_step(trainer: nt.Trainer) -> dict[int, dict]:
+    """metrics.jsonl merged by logged step: optimizer step N's records are at N - 1
+    (Lightning's convention), the Trainer's train/loss and the monitor's alike."""
     merged: dict[int, dict] = {}
     for line in (trainer.run_dir / "metrics.jsonl").read_text().splitlines():
         record = json.loads(line)
@@ -159,16 +161,18 @@ def test_scalars_on_log_steps_and_heatmap_on_its_own_cadence(tmp_path):
     monitor = MoELoadMonitor(heatmap_every_n_steps=3)  # scalars every 2 steps: the Trainer's
     trainer = fit(FakeMoEClassifier(), tmp_path, monitor, steps=4, log_every_n_steps=2)
     logged = jsonl_by_step(trainer)
-    assert {step for step, rec in logged.items() if moe_keys(rec)} == {2, 4}
+    # steps 2 and 4, logged at 1 and 3 with their train/loss
+    assert {step for step, rec in logged.items() if moe_keys(rec)} == {1, 3}
+    assert all("train/loss" in logged[step] for step in (1, 3))
     # step 4's values are step 4's stats: layer 3 loads 1, 2, 3, 10, mean 4, 4 dropped of 20
-    last = logged[4]
+    last = logged[3]
     assert last["moe/layer3/max_over_mean"] == pytest.approx(10 / 4)
     assert last["moe/layer3/min_over_mean"] == pytest.approx(1 / 4)
     assert last["moe/layer3/dropped_fraction"] == pytest.approx(4 / 20)
     assert last["moe/layer3/bias_abs_max"] == pytest.approx(2.0)
     assert last["moe/max_over_mean"] == pytest.approx((10 / 4 + 1) / 2)
     images = heatmap_events(trainer)
-    assert [im.step for im in images] == [3]
+    assert [im.step for im in images] == [2]  # step 3
     # 2 layers × 4 experts, cells of 256 // 4 = 64 px
     assert (images[0].height, images[0].width) == (2 * 64, 4 * 64)
 
@@ -186,7 +190,7 @@ def test_loggers_without_images_are_skipped(tmp_path):
     x, y = blobs(64)
     trainer = make_trainer(tmp_path, max_steps=1, callbacks=[monitor])  # jsonl only
     trainer.fit(FakeMoEClassifier(), train_dataloaders=TensorDataset(x, y))
-    assert "moe/layer3/max_over_mean" in jsonl_by_step(trainer)[1]
+    assert "moe/layer3/max_over_mean" in jsonl_by_step(trainer)[0]
 
 
 def test_invalid_cadences_are_rejected():
@@ -218,7 +222,7 @@ def _stage_world(rank: int, world_size: int) -> dict[int, dict]:
     module = SimpleNamespace()
     monitor = MoELoadMonitor(heatmap_every_n_steps=0)
     for step in range(1, 5):
-        trainer.global_step = step
+        trainer.global_step, trainer.logged_step = step, step - 1  # after the step's update
         if rank == 0:
             loads = torch.tensor([[1.0, float(step)]])
             module.last_moe_stats = MoEStats([1], loads, torch.zeros(1), torch.zeros(1, 2))
@@ -239,13 +243,13 @@ def test_pipeline_stages_are_gathered_so_every_layer_is_logged():
     results = run_world(_stage_world, 2, timeout=60.0, pg_timeout=10.0)
     expected = {
         # layer 1: loads 1, 2 → 2 / 1.5; layer 2: balanced; layer 3: loads 3, 1 → 3 / 2
-        2: {
+        1: {  # step 2
             "moe/layer1/max_over_mean": round(2 / 1.5, 6),
             "moe/layer2/max_over_mean": 1.0,
             "moe/layer3/max_over_mean": 1.5,
             "moe/max_over_mean": round((2 / 1.5 + 1.0 + 1.5) / 3, 6),
         },
-        4: {
+        3: {  # step 4
             "moe/layer2/max_over_mean": 1.0,
             "moe/layer3/max_over_mean": 1.5,
             "moe/max_over_mean": 1.25,
@@ -319,7 +323,7 @@ def test_tiny_deepseek_logs_loads_that_add_up_to_top_k_copies_per_token(tmp_path
     logged = jsonl_by_step(trainer)
     cfg = module.config
     layer = cfg.first_k_dense_replace  # the first MoE decoder layer
-    for step in (1, 2):
+    for step in (0, 1):  # steps 1 and 2, logged 0-based
         loads = [
             logged[step][f"moe/layer{layer}/load/expert{e}"] for e in range(cfg.n_routed_experts)
         ]
@@ -331,6 +335,6 @@ def test_tiny_deepseek_logs_loads_that_add_up_to_top_k_copies_per_token(tmp_path
         )
     # biases after the last step, read from the model itself
     bias = module.model.moe_layers()[0].gate.e_score_correction_bias
-    assert logged[2][f"moe/layer{layer}/bias_abs_max"] == pytest.approx(bias.abs().max().item())
+    assert logged[1][f"moe/layer{layer}/bias_abs_max"] == pytest.approx(bias.abs().max().item())
     images = heatmap_events(trainer)
-    assert [im.step for im in images] == [2]
+    assert [im.step for im in images] == [1]  # step 2

@@ -25,11 +25,13 @@ from nanotrain.testing import BlobsData, Classifier, blobs, make_trainer
 
 
 def metrics_by_step(trainer: nt.Trainer) -> dict[int, dict]:
-    """Merge every metrics.jsonl line of a step into one dict per step."""
+    """Merge every metrics.jsonl line of a step into one dict per step, keyed by the step's
+    number N (`global_step` once it completes); its records are logged at N - 1
+    (Lightning's 0-based convention), the Trainer's and every monitor's alike."""
     merged: dict[int, dict] = {}
     for line in (trainer.run_dir / "metrics.jsonl").read_text().splitlines():
         record = json.loads(line)
-        merged.setdefault(record["step"], {}).update(record)
+        merged.setdefault(record["step"] + 1, {}).update(record)
     return merged
 
 

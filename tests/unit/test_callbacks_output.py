@@ -49,7 +49,8 @@ def test_plain_lines_show_step_loss_lr_rate_and_eta(tmp_path):
     trainer.fit(Tokens(lr=0.05), BlobsData())
     lines = stream.getvalue().splitlines()
     records = [json.loads(x) for x in (trainer.run_dir / "metrics.jsonl").read_text().splitlines()]
-    loss = {r["step"]: r["train/loss"] for r in records if "train/loss" in r}
+    # by step number: the step's records are logged at Lightning's 0-based step
+    loss = {r["step"] + 1: r["train/loss"] for r in records if "train/loss" in r}
     # 80 tokens per 0.5 s step = 160 tok/s; at step 2, two steps of 0.5 s are left
     assert (
         lines[0]
@@ -137,17 +138,19 @@ def test_samples_are_written_to_samples_jsonl_and_the_loggers(tmp_path):
     module = Counter()
     trainer.fit(module, BlobsData())
     samples = [json.loads(x) for x in (trainer.run_dir / "samples.jsonl").read_text().splitlines()]
+    # at steps 2 and 4, written at their logged (Lightning's 0-based) steps 1 and 3
     assert samples == [
-        {"step": 2, "prompt": "ab", "completion": "cde", "temperature": 0.7},
-        {"step": 2, "prompt": "x", "completion": "yz{", "temperature": 0.7},
-        {"step": 4, "prompt": "ab", "completion": "cde", "temperature": 0.7},
-        {"step": 4, "prompt": "x", "completion": "yz{", "temperature": 0.7},
+        {"step": 1, "prompt": "ab", "completion": "cde", "temperature": 0.7},
+        {"step": 1, "prompt": "x", "completion": "yz{", "temperature": 0.7},
+        {"step": 3, "prompt": "ab", "completion": "cde", "temperature": 0.7},
+        {"step": 3, "prompt": "x", "completion": "yz{", "temperature": 0.7},
     ]
-    # one generator per sampling round, seeded with seed + step
+    # one generator per sampling round, seeded with seed + global_step
     assert module.calls == [(0.7, 12), (0.7, 12), (0.7, 14), (0.7, 14)]
     records = [json.loads(x) for x in (trainer.run_dir / "metrics.jsonl").read_text().splitlines()]
     texts = [(r["step"], r["text"]) for r in records if "text" in r]
-    assert (4, {"samples/1": "x ‖ yz{"}) in texts
+    assert (3, {"samples/1": "x ‖ yz{"}) in texts
+    assert any(r["step"] == 3 and "train/loss" in r for r in records)  # that step's loss
 
 
 def test_sampler_without_tokenizer_or_generate_fails_before_training(tmp_path):

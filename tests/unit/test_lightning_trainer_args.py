@@ -49,6 +49,14 @@ class Recorder(pl.Callback):
             "num_sanity_val_steps": trainer.num_sanity_val_steps,
             "evaluating": trainer.evaluating,
             "ckpt_path": trainer.ckpt_path,
+            "accelerator": type(trainer.accelerator).__name__,
+            "scaler": trainer.scaler,
+            "sampler_kwargs": trainer.distributed_sampler_kwargs,
+            "min_epochs": trainer.min_epochs,
+            "min_steps": trainer.min_steps,
+            "val_samples": len(trainer.val_dataloaders.dataset),
+            "test_loaders": trainer.test_dataloaders,
+            "sanity": trainer.num_sanity_val_batches,
         }
 
 
@@ -190,3 +198,19 @@ def test_validate_without_validation_step_is_refused_as_in_lightning(tmp_path):
 
 class _NoValidation(BoringModel):
     validation_step = pl.LightningModule.validation_step
+
+
+def test_the_modules_prepare_data_runs_as_in_lightning(tmp_path):
+    """Lightning calls the module's prepare_data (after the datamodule's) before setup."""
+    calls = []
+
+    class Preparing(FixedData):
+        def prepare_data(self):
+            calls.append("prepare_data")
+
+        def setup(self, stage):
+            calls.append(("setup", stage == "fit"))
+
+    for trainer_class in (pl.Trainer, nt.Trainer):
+        trainer_class(default_root_dir=str(tmp_path), **{**ARGS, "max_epochs": 1}).fit(Preparing())
+    assert calls == ["prepare_data", ("setup", True)] * 2

@@ -45,15 +45,18 @@ def test_values_land_where_lightning_puts_them(tmp_path):
     def values(name):
         return [(x["step"], x[name]) for x in lines if name in x]
 
-    assert values("const_step") == [(s, 4.0) for s in range(1, 17)]  # 2 microbatches × 2.0
-    assert values("const_epoch") == [(16, 64.0)]  # 32 microbatches × 2.0
+    # at Lightning's steps: optimizer step N's values at N - 1, the epoch's and the
+    # validation after its last step at that step's (15), each record with the epoch (0)
+    assert values("const_step") == [(s, 4.0) for s in range(16)]  # 2 microbatches × 2.0
+    assert values("const_epoch") == [(15, 64.0)]  # 32 microbatches × 2.0
     # batch_idx counts the loader's batches (Lightning's meaning): 32 microbatches, max 31
-    assert values("bidx") == [(16, 31.0)]
+    assert values("bidx") == [(15, 31.0)]
     # on_train_batch_end runs per microbatch (2 a step): the step's value is their mean
-    assert values("hook") == [(s, 2.0 * (s - 1) + 0.5) for s in range(1, 17)]
-    assert values("epoch_end") == [(16, 5.0)] and values("start") == [(16, 3.0)]
-    assert values("v") == [(16, 8.0)]  # one validation, at the epoch's end
-    assert values("v_end") == [(16, 80.0)]  # callback_metrics held the pass's value
+    assert values("hook") == [(s, 2.0 * s + 0.5) for s in range(16)]
+    assert values("epoch_end") == [(15, 5.0)] and values("start") == [(15, 3.0)]
+    assert values("v") == [(15, 8.0)]  # one validation, at the epoch's end
+    assert values("v_end") == [(15, 80.0)]  # callback_metrics held the pass's value
+    assert {x["epoch"] for x in lines} == {0}
     assert float(trainer.progress_bar_metrics["v"]) == 8.0
     # both flags: "_step" / "_epoch" names, and the plain name for monitors (latest value)
     assert float(trainer.callback_metrics["const_epoch"]) == 64.0

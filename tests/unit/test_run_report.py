@@ -36,7 +36,8 @@ def series(records: list[dict], name: str) -> list[tuple[int, float]]:
 
 @pytest.fixture(scope="module")
 def lm_run(tmp_path_factory):
-    """A 4-step fit of the tiny LM (seq 32, global batch 4), validating at 0, 2 and 4."""
+    """A 4-step fit of the tiny LM (seq 32, global batch 4), validating at the start and
+    after steps 2 and 4 (logged at 0, 1 and 3: Lightning's 0-based steps)."""
     tmp = tmp_path_factory.mktemp("lm")
     mp = pytest.MonkeyPatch()
     mp.setenv("NANOTRAIN_CACHE", str(tmp / "cache"))
@@ -81,17 +82,21 @@ def test_report_numbers_equal_the_logged_metrics(lm_run):
     report = json.loads((trainer.run_dir / "report.json").read_text())
     records = logged(trainer.run_dir)
     val = series(records, "val/loss")
-    assert [s for s, _ in val] == [0, 2, 4]  # validate_at_start, the cadence, the last step
+    assert [s for s, _ in val] == [0, 1, 3]  # validate_at_start, the cadence, the last step
     best_step, best_loss = min(val, key=lambda sv: sv[1])
     assert report["validation"]["best"]["step"] == best_step
     assert report["validation"]["best"]["loss"] == best_loss
     assert report["validation"]["last"] == {
-        "step": 4,
+        "step": 3,
         "loss": val[-1][1],
-        "bpb": dict(series(records, "val/bpb"))[4],
+        "bpb": dict(series(records, "val/bpb"))[3],
     }
-    assert report["training"]["steps"] == 4 == max(s for s, _ in series(records, "train/loss"))
-    tokens = dict(series(records, "trainer/consumed_tokens"))[4]
+    # 4 steps, the last logged at 3
+    assert report["training"]["steps"] == 4 == max(s for s, _ in series(records, "train/loss")) + 1
+    assert report["training"]["epochs"] == pytest.approx(
+        trainer.state.epoch + 4 / trainer.state.steps_per_epoch
+    )
+    tokens = dict(series(records, "trainer/consumed_tokens"))[3]
     assert report["training"]["tokens"] == tokens == 4 * 4 * 32  # steps × batch × seq_len
     assert report["training"]["skipped_steps"] == 0
     # model size: the accounting formula equals the parameters the built model holds
@@ -164,7 +169,8 @@ def test_report_is_written_after_a_stop_request(tmp_path):
     report = json.loads((trainer.run_dir / "report.json").read_text())
     assert report["status"] == "stopped early at step 2"
     assert report["training"]["steps"] == 2
-    assert report["validation"]["last"]["step"] == 2  # the final validation still ran
+    # the final validation still ran, logged at step 2's 0-based step
+    assert report["validation"]["last"]["step"] == 1
     module = Classifier()
     module.configure_model()
     assert report["model"]["total_params"] == sum(p.numel() for p in module.parameters())
@@ -180,7 +186,7 @@ def test_report_reads_tensorboard_when_there_is_no_jsonl(tmp_path):
     assert [trainer.callback_metrics["val/loss"].item()] == [
         pytest.approx(report["validation"]["last"]["loss"])
     ]
-    assert report["validation"]["evaluations"] == 2 and report["validation"]["last"]["step"] == 4
+    assert report["validation"]["evaluations"] == 2 and report["validation"]["last"]["step"] == 3
 
 
 def test_validation_at_step_zero_is_off_by_default(tmp_path):
@@ -189,7 +195,7 @@ def test_validation_at_step_zero_is_off_by_default(tmp_path):
         trainer = make_trainer(tmp_path / str(at_start), validate_at_start=at_start)
         trainer.fit(Classifier(), BlobsData())
         records.append([s for s, _ in series(logged(trainer.run_dir), "val/loss")])
-    assert records == [[4], [0, 4]]
+    assert records == [[3], [0, 3]]  # after step 4 at its 0-based step; at the start at 0
 
 
 def test_nice_ticks_and_empty_chart():
@@ -210,7 +216,8 @@ def test_best_checkpoint_without_monitor_is_the_one_at_the_best_validation_step(
     trainer.fit(Classifier(), BlobsData())
     report = json.loads((trainer.run_dir / "report.json").read_text())
     val = series(logged(trainer.run_dir), "val/loss")
-    best_step = min(val, key=lambda sv: sv[1])[0]
+    # validation after step N is logged at N - 1; the checkpoint of step N is named N
+    best_step = min(val, key=lambda sv: sv[1])[0] + 1
     assert report["checkpoints"]["best"] == {
         "path": str(trainer.checkpoint_dir / f"step-{best_step:08d}"),
         "monitor": "val/loss",

@@ -93,9 +93,11 @@ def test_classifier_learns_and_logs_to_run_directory(tmp_path):
     lines = [json.loads(x) for x in (trainer.run_dir / "metrics.jsonl").read_text().splitlines()]
     train_lines = [x for x in lines if "train/loss" in x]
     assert train_lines[-1]["train/loss"] < 0.5 * train_lines[0]["train/loss"]
-    # 256 samples / 8 per step = 32 steps per epoch: step 40 is 1.25 epochs in
-    step40 = next(x for x in train_lines if x["step"] == 40)
-    assert step40["trainer/epoch"] == pytest.approx(1.25)
+    # 256 samples / 8 per step = 32 steps per epoch; as Lightning, step N's record is at
+    # N - 1 with the epoch it ran in (steps 1-32: epoch 0, 33-64: epoch 1, ...)
+    epochs = {x["step"]: x["epoch"] for x in train_lines}
+    assert sorted(epochs) == list(range(96))
+    assert (epochs[0], epochs[31], epochs[32], epochs[95]) == (0, 0, 1, 2)
     val_acc = [x["val/acc"] for x in lines if "val/acc" in x]
     assert val_acc[-1] > 0.9
     assert trainer.global_step == 96 and trainer.current_epoch == 3
@@ -113,7 +115,9 @@ def test_tensorboard_scalars_are_readable(tmp_path):
     acc = EventAccumulator(str(trainer.run_dir / "tensorboard"))
     acc.Reload()
     steps = [e.step for e in acc.Scalars("train/loss")]
-    assert steps == [1, 2, 3]
+    assert steps == [0, 1, 2]  # Lightning's 0-based steps of steps 1, 2, 3
+    # the epoch column with every record (the final validation's too, at the last step's 2)
+    assert {(e.step, e.value) for e in acc.Scalars("epoch")} == {(0, 0), (1, 0), (2, 0)}
     assert "train/ce" in acc.Tags()["scalars"]
 
 
