@@ -34,9 +34,12 @@ class TrainerConfig:
         gradient_clip_algorithm: as Lightning's: "norm" (default) scales the gradients to a
             global norm of at most gradient_clip_val, "value" clamps each element to
             [-gradient_clip_val, gradient_clip_val].
-        val_check_interval: validate every this many optimizer steps (None: only at the end).
-        check_val_every_n_epoch: also validate at the end of every this many completed
-            epochs, as Lightning does (None: not at epoch ends).
+        val_check_interval: validate every this many optimizer steps, counted as Lightning
+            counts them: over the whole run when check_val_every_n_epoch is None, else within
+            each epoch it selects (then not at epoch ends). None: at epoch ends only.
+        check_val_every_n_epoch: validate in every this many epochs: at their end without
+            val_check_interval, as Lightning does (None: val_check_interval counts over
+            the whole run).
         limit_val_batches: how much validation data a run reads, the same samples under any
             layout: an int n = the first n global batches (n × global_batch_size samples),
             a float in (0, 1] = that fraction of the set, None for all, 0 to disable.

@@ -154,7 +154,20 @@ def run_test(trainer: Trainer, dataloaders: Any) -> list[dict[str, float]]:
     logged = finish_epoch(trainer, "on_test_epoch_end")
     trainer._call("on_test_end")
     trainer.testing = False
-    return [{k: to_float(v) for k, v in logged.items()}]
+    metrics = {k: to_float(v) for k, v in logged.items()}
+    _write_to_user_loggers(trainer, metrics)
+    return [metrics]
+
+
+def _write_to_user_loggers(trainer: Trainer, metrics: dict[str, float]) -> None:
+    """The test results in the user's own Lightning loggers (rank 0), where lightning.Trainer
+    writes them: at `global_step`, with the `epoch` column. nanotrain's own loggers belong
+    to the run directory of a fit or validate, which `test` does not create."""
+    if not metrics or not trainer.is_global_zero:
+        return
+    for logger in trainer._user_loggers:
+        logger.log_metrics({**metrics, "epoch": trainer.current_epoch}, step=trainer.global_step)
+        logger.save()
 
 
 def run_predict(trainer: Trainer, dataloaders: Any) -> list[Any]:

@@ -24,6 +24,8 @@ import torch
 import torchmetrics
 from torch import Tensor
 
+from nanotrain.trainer.step_values import StepAggregator
+
 
 class WeightedMean(torchmetrics.MeanMetric):
     """`torchmetrics.MeanMetric` whose update never reads the device.
@@ -74,7 +76,7 @@ def reduce_name(reduce_fx: Any) -> str:
 class _Entry:
     """One name in one scope: an aggregator of plain values or a user's Metric object."""
 
-    metric: torchmetrics.Metric
+    metric: torchmetrics.Metric | StepAggregator
     prog_bar: bool
     logger: bool
     user_metric: bool  # the user's own Metric: computed (epoch) or read (step), never updated
@@ -102,9 +104,6 @@ class MetricBook:
         self._step = _Scope()
         self._epoch = _Scope()
         self._forked: dict[str, str] = {}  # "<name>_step" / "<name>_epoch" -> "<name>"
-        # the step scope's aggregators, reset and kept for the next step: building a
-        # torchmetrics object costs ~1 ms of host time, a reset a tenth of that
-        self._spare: dict[tuple[type, bool], list[torchmetrics.Metric]] = {}
 
     def log(
         self,
@@ -157,8 +156,10 @@ class MetricBook:
             return
         entry = scope.entries.get(name)
         if entry is None or entry.user_metric:
-            spare = self._spare.get((_AGGREGATORS[reduce], sync_dist))
-            metric = spare.pop() if spare else self._aggregator(reduce, sync_dist)
+            if scope is self._step:  # emptied every step: a light aggregator
+                metric = StepAggregator(reduce, sync_dist, self._process_group)
+            else:
+                metric = self._aggregator(reduce, sync_dist)
             entry = scope.entries[name] = _Entry(metric, prog_bar, logger, user_metric=False)
         value = torch.as_tensor(value).detach()
         if value.numel() != 1:
@@ -167,7 +168,9 @@ class MetricBook:
                 f"torchmetrics Metric), got a tensor of shape {tuple(value.shape)}"
             )
         value = value.reshape(()).to(self._device_fn(), torch.float32)
-        if isinstance(entry.metric, torchmetrics.MeanMetric):
+        if isinstance(entry.metric, torchmetrics.MeanMetric) or getattr(
+            entry.metric, "takes_weight", False
+        ):
             entry.metric.update(value, weight=batch_size if batch_size is not None else 1.0)
         else:
             entry.metric.update(value)
@@ -179,15 +182,6 @@ class MetricBook:
         return _AGGREGATORS[reduce](
             sync_on_compute=sync_dist, process_group=self._process_group, **kwargs
         ).to(self._device_fn())
-
-    def _recycle_step_scope(self) -> None:
-        """Reset the step scope's own aggregators into the spares; start the scope anew."""
-        for entry in self._step.entries.values():
-            if not entry.user_metric:
-                entry.metric.reset()
-                key = (type(entry.metric), entry.metric.sync_on_compute)
-                self._spare.setdefault(key, []).append(entry.metric)
-        self._step = _Scope()
 
     def _compute(self, entry: _Entry, epoch: bool) -> Tensor | None:
         metric = entry.metric
@@ -232,12 +226,12 @@ class MetricBook:
     def close(self) -> tuple[dict[str, Tensor], dict[str, Tensor]]:
         """End the step scope: (values for loggers, values for the progress bar); start anew."""
         result = self._close(self._step, epoch=False)
-        self._recycle_step_scope()
+        self._step = _Scope()
         return result
 
     def clear(self) -> None:
         """Drop everything logged in the step scope (a step that is not a logging step)."""
-        self._recycle_step_scope()
+        self._step = _Scope()
 
     def has_epoch_values(self) -> bool:
         """Whether anything was logged for the epoch scope since it was last closed."""

@@ -136,8 +136,7 @@ class TrainStepMethods:
                 self.log_metrics(logged_in_hook)
         else:
             self.metric_book.clear()
-        vci = s.val_check_interval
-        if self._val_loader is not None and vci and st.global_step % vci == 0:
+        if self._val_loader is not None and self._val_check_due():
             self._run_validation()
 
     def _step_scheduler(self: Trainer, interval: str) -> None:
@@ -161,23 +160,13 @@ class TrainStepMethods:
                 `gradient_clip_val` / `gradient_clip_algorithm` (as Lightning), or an unknown
                 algorithm.
         """
-        set_algorithm = self.settings.gradient_clip_algorithm
-        if gradient_clip_algorithm is None:
-            gradient_clip_algorithm = set_algorithm
-        elif set_algorithm is not None and set_algorithm != gradient_clip_algorithm:
-            raise ValueError(
-                f"Trainer(gradient_clip_algorithm={set_algorithm!r}) and clip_gradients("
-                f"gradient_clip_algorithm={gradient_clip_algorithm!r}) disagree; set only one of "
-                "them"
-            )
-        configured = self.settings.gradient_clip_val
-        if gradient_clip_val is None:
-            gradient_clip_val = configured
-        elif configured is not None and configured != gradient_clip_val:
-            raise ValueError(
-                f"Trainer(gradient_clip_val={configured}) and clip_gradients(gradient_clip_val="
-                f"{gradient_clip_val}) disagree; set only one of them"
-            )
+        gradient_clip_algorithm = _agreeing(
+            "gradient_clip_algorithm", self.settings.gradient_clip_algorithm,
+            gradient_clip_algorithm,
+        )  # fmt: skip
+        gradient_clip_val = _agreeing(
+            "gradient_clip_val", self.settings.gradient_clip_val, gradient_clip_val
+        )
         algorithm = gradient_clip_algorithm or "norm"
         if algorithm not in ("norm", "value"):
             raise ValueError(
@@ -190,6 +179,18 @@ class TrainStepMethods:
             self.strategy.clip_grads_(norm, max_norm=gradient_clip_val)
         else:
             self.strategy.clip_grads_(norm, clip_value=gradient_clip_val)
+
+    def _val_check_due(self: Trainer) -> bool:
+        """Whether an int `val_check_interval` asks for validation after this step, as
+        Lightning counts it: over the whole run without `check_val_every_n_epoch`, else within
+        each epoch that `check_val_every_n_epoch` selects (in optimizer steps, not batches)."""
+        st, s = self.state, self.settings
+        every, per_epochs = s.val_check_interval, s.check_val_every_n_epoch
+        if not every:
+            return False
+        if per_epochs is None:
+            return st.global_step % every == 0
+        return (st.epoch + 1) % per_epochs == 0 and st.steps_in_epoch % every == 0
 
     def _publish_step_values(self: Trainer) -> None:
         """As Lightning: the step's `self.log` values are in `callback_metrics` and
@@ -217,6 +218,19 @@ class TrainStepMethods:
         self.log_metrics(metrics)
         self.callback_metrics.update(self.metric_book.unforked(logged))
         self.progress_bar_metrics.update({"loss": out.loss, **prog})
+
+
+def _agreeing(name: str, configured: Any, given: Any) -> Any:
+    """`given` if set, else the Trainer's `configured` value; both set and different is
+    Lightning's error."""
+    if given is None:
+        return configured
+    if configured is not None and configured != given:
+        raise ValueError(
+            f"Trainer({name}={configured!r}) and clip_gradients({name}={given!r}) disagree; "
+            "set only one of them"
+        )
+    return given
 
 
 def lightning_outputs(output: Any, loss: torch.Tensor) -> dict[str, Any]:

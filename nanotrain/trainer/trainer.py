@@ -423,7 +423,9 @@ class Trainer(LightningTrainerProperties, TrainStepMethods, EvaluationMethods, C
             else:  # resumed at an epoch's end, which runs again: its records are its last step's
                 self._step_taken = True
             n_val = self.settings.check_val_every_n_epoch
-            if self._val_loader is not None and n_val and (st.epoch + 1) % n_val == 0:
+            # as Lightning: an int val_check_interval replaces the epoch-end validation
+            at_epoch_end = n_val and self.settings.val_check_interval is None
+            if self._val_loader is not None and at_epoch_end and (st.epoch + 1) % n_val == 0:
                 if self._last_val_step != st.global_step:  # as Lightning: before the hook
                     self._run_validation()
             finish_epoch(self, "on_train_epoch_end")

@@ -237,15 +237,17 @@ def _csv_rows(path: Path) -> dict[tuple[str, int], float]:
 
 
 def test_tutorial_module_writes_lightnings_csv_rows(tmp_path):
-    """The tutorial module with a CSVLogger: every value Lightning writes, at the same step
-    and epoch, is written by nanotrain (nanotrain's own monitors may add columns)."""
+    """The tutorial module with a CSVLogger, fitted then tested: every value Lightning writes,
+    at the same step and epoch, is written by nanotrain (nanotrain's own monitors may add
+    columns)."""
     make, stages, args = DEMOS["tutorial"]
     files = []
     for trainer_class, name in ((pl.Trainer, "pl"), (nt.Trainer, "nt")):
         logger = CSVLogger(str(tmp_path / name), name="csv")
-        _run(trainer_class, make, tmp_path / name, (), **{**args, "logger": logger})
+        _run(trainer_class, make, tmp_path / name, ("test",), **{**args, "logger": logger})
         files.append(Path(logger.log_dir) / "metrics.csv")
     theirs, ours = (_csv_rows(f) for f in files)
+    assert any(key == "test_loss" for key, _ in theirs)
     missing = sorted(k for k in theirs if k not in ours)
     assert not missing, f"Lightning wrote these (column, step) that nanotrain did not: {missing}"
     for key, value in theirs.items():

@@ -214,3 +214,57 @@ def test_the_modules_prepare_data_runs_as_in_lightning(tmp_path):
     for trainer_class in (pl.Trainer, nt.Trainer):
         trainer_class(default_root_dir=str(tmp_path), **{**ARGS, "max_epochs": 1}).fit(Preparing())
     assert calls == ["prepare_data", ("setup", True)] * 2
+
+
+@pytest.mark.parametrize(("every", "per_epochs"), [(3, 1), (3, None), (None, 1), (4, 2)], ids=str)
+def test_validation_runs_at_lightnings_steps(tmp_path, every, per_epochs):
+    """An int val_check_interval counts within each selected epoch, or over the whole run
+    without check_val_every_n_epoch, and replaces the epoch-end validation, as Lightning."""
+
+    class Short(FixedData):
+        def __init__(self) -> None:
+            super().__init__()
+            self.data = self.data[:8]  # 8 steps per epoch
+            self.validated_at: list[int] = []
+
+        def on_validation_start(self):
+            self.validated_at.append(self.trainer.global_step)
+
+    runs = []
+    for trainer_class in (pl.Trainer, nt.Trainer):
+        module = Short()
+        args = {**ARGS, "max_epochs": 3, "val_check_interval": every,
+                "check_val_every_n_epoch": per_epochs}  # fmt: skip
+        if every is None:
+            args.pop("val_check_interval")
+        trainer_class(default_root_dir=str(tmp_path), **args).fit(module)
+        runs.append(module.validated_at)
+    lightning, ours = runs
+    # nanotrain validates once more at the end of fit unless the last step just validated
+    assert ours[: len(lightning)] == lightning
+    assert ours[len(lightning) :] in ([], [24])
+
+
+def test_clip_gradients_that_contradict_the_trainer_are_refused(tmp_path):
+    """As Lightning: clip_gradients given a value or algorithm other than the Trainer's is an
+    error, not a silent choice of one of them."""
+
+    class Clipping(FixedData):
+        clip = {}
+
+        def configure_gradient_clipping(
+            self, optimizer, gradient_clip_val, gradient_clip_algorithm
+        ):
+            self.clip_gradients(optimizer, **self.clip)
+
+    for clip, match in (
+        ({"gradient_clip_val": 0.1}, r"Trainer\(gradient_clip_val=0.5\) and clip_gradients"),
+        ({"gradient_clip_algorithm": "norm"}, r"gradient_clip_algorithm='value'.*disagree"),
+    ):
+        module = Clipping()
+        module.clip = clip
+        for trainer_class in (pl.Trainer, nt.Trainer):  # Lightning refuses both too
+            with pytest.raises(Exception, match="gradient_clip") as info:
+                trainer_class(default_root_dir=str(tmp_path), **ARGS).fit(module)
+            if trainer_class is nt.Trainer:
+                assert info.type is ValueError and info.match(match)

@@ -71,12 +71,11 @@ def test_hook_order_matches_the_documented_sequence(tmp_path):
     expected = (
         ["setup", "on_fit_start", "on_train_start", "on_train_epoch_start"]
         + step * 3
-        + val
-        + step
-        + val  # check_val_every_n_epoch=1: at the end of the epoch, before its end hook
+        + val  # val_check_interval=3 counts within the epoch (check_val_every_n_epoch=1)
+        + step  # as Lightning: no validation at the epoch's end (4 is no multiple of 3)
         + ["on_train_epoch_end", "on_train_epoch_start"]
-        + step * 2
-        + val
+        + step * 2  # the epoch's steps 1 and 2
+        + val  # the final validation of fit
         + ["on_train_end", "on_fit_end", "teardown"]
     )
     assert recorder.calls == expected
