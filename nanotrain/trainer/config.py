@@ -48,9 +48,10 @@ class TrainerConfig:
             (version None: the next free number).
         loggers: which built-in loggers rank 0 writes into the run directory: any of
             "tensorboard", "csv", "jsonl" (Lightning `Logger` objects: `Trainer(logger=...)`).
-        seed: seeds Python, NumPy and torch before the model is built and the data shuffled
-            (default None: `lightning.seed_everything`'s seed, the PL_GLOBAL_SEED environment
-            variable, else 0).
+        seed: seeds Python, NumPy and torch when each stage starts, before the model is built
+            and the data shuffled. Default None: after `lightning.seed_everything(n)` (the
+            PL_GLOBAL_SEED environment variable) the RNGs are left as the user's code left
+            them and n seeds the data order and workers, as in Lightning; else seed 0.
         deterministic: use only deterministic kernels (slower; errors on ops without one).
         shuffle: whether the training data is shuffled every epoch (default None: as the
             training DataLoader's sampler says; a bare Dataset is shuffled). True or False
