@@ -61,9 +61,11 @@ class StepAggregator:
     def _reduced(self) -> Tensor:
         synced = self.sync_dist and dist.is_available() and dist.is_initialized()
         if self.reduce == "mean":
-            pair = torch.stack([self._total, self._total.new_tensor(self._weight)])
-            if synced:
-                dist.all_reduce(pair, dist.ReduceOp.SUM, group=self.process_group)
+            if not synced:
+                return self._total / self._weight
+            # full_like fills on the device: no host-to-device copy, so no stream sync
+            pair = torch.stack([self._total, torch.full_like(self._total, self._weight)])
+            dist.all_reduce(pair, dist.ReduceOp.SUM, group=self.process_group)
             return pair[0] / pair[1]
         total = self._total.clone()
         if synced:
