@@ -27,3 +27,18 @@ def failing_import(monkeypatch):
         monkeypatch.setattr(builtins, "__import__", fake_import)
 
     return install
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config, items):
+    """Under pytest-xdist (`-n`), tests that share a module-scoped fixture of their own file
+    (one multi-process world, one torchrun job) go to one worker as a group, so the fixture
+    runs once instead of once per worker; every other test is handed out on its own."""
+    for item in items:
+        fixture_defs = getattr(item, "_fixtureinfo", None)
+        if fixture_defs is None:
+            continue
+        for defs in fixture_defs.name2fixturedefs.values():
+            if any(d.scope == "module" and d.baseid == item.nodeid.split("::")[0] for d in defs):
+                item.add_marker(pytest.mark.xdist_group(item.module.__name__))
+                break
