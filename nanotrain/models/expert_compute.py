@@ -284,6 +284,18 @@ class GroupedExperts(nn.Module):
         stop = self.expert_offset + self.num_local_experts
         return {name: t[self.expert_offset : stop] for name, t in full.items()}
 
+    def for_dispatch(self, x: torch.Tensor) -> torch.Tensor:
+        """x [M, H] in the dtype these experts' GEMMs read it in, to send it to their ranks
+        in: under autocast an fp32 x goes out in autocast's dtype, the cast `forward` would
+        make on arrival (`_as_autocast_would`), so the experts compute bitwise what they would
+        from fp32 at half the dispatch bytes; the cast's backward returns the gradient in fp32
+        before the copies' gradients are summed, as before. Unchanged without autocast, and
+        when a precision plugin runs these experts its own way (kept high, or an emulated
+        low precision that quantizes the fp32 input)."""
+        if "_precision_inner_forward" in self.__dict__:  # `precision.base.wrap_forward`
+            return x
+        return _as_autocast_would(x, ())[0]
+
     def forward(self, x: torch.Tensor, counts: torch.Tensor | Sequence[int]) -> torch.Tensor:
         # CUDA bf16: grouped GEMMs with device offsets, no host sync. Elsewhere the sizes come
         # to the host (one tolist() when they are a tensor, free on CPU): equal groups run as

@@ -321,7 +321,8 @@ class DeepSeekMoE(nn.Module):
         keep = None
         if self.config.capacity_factor is None:  # dropless: copies sorted by expert
             d = dispatch(h, topk_idx, e)  # d.x: (N*K, H) sorted by expert
-            y_sorted = run_experts_parallel(d.x, d.counts, self.experts, self.ep_group)  # (N*K, H)
+            x_sorted = self._for_dispatch(d.x)  # (N*K, H), the dtype it crosses ranks in
+            y_sorted = run_experts_parallel(x_sorted, d.counts, self.experts, self.ep_group)
             y = combine(y_sorted, d, topk_weight, b * t).view(b, t, hidden)  # (B, T, H)
         else:  # fixed slots: training reads nothing from the device
             y, keep = self._routed_in_slots(x, topk_idx, topk_weight)  # (B, T, H), (N*K,)
@@ -338,6 +339,14 @@ class DeepSeekMoE(nn.Module):
                 alpha = self.config.aux_loss_alpha
                 aux = sequence_balance_loss(scores, topk_idx, b, alpha, self.sequence_group)
         return y, aux
+
+    def _for_dispatch(self, copies: torch.Tensor) -> torch.Tensor:
+        """The routed copies [M, H] as they cross the ep group (`GroupedExperts.for_dispatch`:
+        bf16 under bf16 autocast); without expert parallelism they stay as they are. Cast
+        after the copies are made, so their gradients are summed per token in fp32."""
+        if group_size(self.ep_group) == 1:
+            return copies
+        return self.experts.for_dispatch(copies)
 
     def _routed_in_slots(
         self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weight: torch.Tensor
@@ -367,6 +376,7 @@ class DeepSeekMoE(nn.Module):
         position, keep = slot_positions(idx, weight, e, capacity, groups=b)  # (B*T_full*K,) each
         # (E*B*C, H): expert e's slots are rows [e*B*C, (e+1)*B*C), sequence g's C at g*C
         x_slots = dispatch_to_slots(x.reshape(-1, hidden), idx, position, e * b * capacity)
+        x_slots = self._for_dispatch(x_slots)  # the dtype it crosses ranks in
         # Batches may differ in shape between ranks: a last, partial evaluation batch, or
         # data padded per batch. Learning the peers' slot counts costs a host read, free on
         # the CPU but a device wait per layer on CUDA, where training relies on the one

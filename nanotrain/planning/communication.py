@@ -84,8 +84,11 @@ class WireDtypes:
     """Bytes per element of what each kind of collective carries.
 
     Attributes:
-        act: the residual stream and norm outputs (tp input collectives, pp, ep dispatch).
+        act: the residual stream and norm outputs (tp input collectives, pp).
         matmul: linear-layer outputs (tp output collectives, ep combine): the autocast dtype.
+        dispatch: the routed copies sent to the experts' ranks: the dtype the experts' GEMMs
+            read them in (`GroupedExperts.for_dispatch`), the autocast dtype unless an
+            emulated precision quantizes the experts' fp32 inputs itself.
         param: parameters (embedding output, ZeRO all-gather, pp buffers).
         grad: the gradient buffer (fp32 main grads under bf16-true).
         reduce: the data-parallel gradient reduction.
@@ -93,6 +96,7 @@ class WireDtypes:
 
     act: int
     matmul: int
+    dispatch: int
     param: int
     grad: int
     reduce: int
@@ -101,16 +105,20 @@ class WireDtypes:
 def wire_dtypes(precision: str, reduce_dtype: torch.dtype = torch.float32) -> WireDtypes:
     """The `WireDtypes` of a Trainer precision name (`nanotrain.planning.PRECISIONS`).
 
-    Under autocast ("bf16-mixed", "16-mixed", the emulated formats, Transformer Engine) the
-    parameters stay fp32, so do the embedding output, norms and residual stream; linear
-    outputs are 16-bit. "bf16-true" is bf16 everywhere but the fp32 gradient buffer.
+    Under autocast ("bf16-mixed", "16-mixed", the emulated formats, Transformer Engine,
+    torchao's float8) the parameters stay fp32, so do the embedding output, norms and residual
+    stream; linear outputs and the experts' dispatched inputs are 16-bit, except under the
+    emulated formats, whose experts quantize fp32 inputs (dispatched in fp32). "bf16-true" is
+    bf16 everywhere but the fp32 gradient buffer. With a precision policy that keeps the
+    routed experts high the dispatch is fp32 too; the plan assumes the default policy.
     """
     reduce = torch.tensor([], dtype=reduce_dtype).element_size()
     if precision == "32-true":
-        return WireDtypes(4, 4, 4, 4, 4)
+        return WireDtypes(4, 4, 4, 4, 4, 4)
     if precision == "bf16-true":
-        return WireDtypes(2, 2, 2, 4, reduce)
-    return WireDtypes(4, 2, 4, 4, reduce)
+        return WireDtypes(2, 2, 2, 2, 4, reduce)
+    dispatch = 4 if precision.endswith("-emulated") else 2
+    return WireDtypes(4, 2, dispatch, 4, 4, reduce)
 
 
 @dataclass
@@ -215,8 +223,8 @@ def _ep(
         copies = config.n_routed_experts * workload.micro_batch_size * capacity
         splits, split_calls = 0.0, 0
     rows = copies * ring  # copies (or slots) that leave the rank
-    forward = splits + rows * config.hidden_size * (dt.act + dt.matmul)
-    backward = rows * config.hidden_size * (dt.act + dt.matmul)
+    forward = splits + rows * config.hidden_size * (dt.dispatch + dt.matmul)
+    backward = rows * config.hidden_size * (dt.dispatch + dt.matmul)
     per_layer, calls = forward + backward, 4 + split_calls
     if layout.recompute == "full":
         per_layer, calls = per_layer + forward, calls + 2 + split_calls

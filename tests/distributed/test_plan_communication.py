@@ -143,9 +143,12 @@ WORLD2 = {
         dict(tp=2, sequence_parallel=True),
         {**CAPACITY, **FULL},
     ),
-    # 16-bit wires: linear outputs in bf16 under autocast, everything bf16 under bf16-true
+    # 16-bit wires: linear outputs and the expert dispatch in bf16 under autocast (fp32
+    # dispatch where an emulated format quantizes the experts' inputs), everything bf16 under
+    # bf16-true
     "dense tp=2 sp bf16-mixed": ("tiny-dense", dict(tp=2, sequence_parallel=True), BF16_MIXED),
     "deepseek ep=2 bf16-mixed": ("tiny", dict(ep=2), BF16_MIXED),
+    "deepseek ep=2 fp8-emulated": ("tiny", dict(ep=2), {"precision": "fp8-emulated"}),
     "deepseek tp=2 bf16-true": ("tiny", dict(tp=2), BF16_TRUE),
     "deepseek dp=2 zero2 bf16-true": ("tiny", dict(zero_stage=2), BF16_TRUE),
 }

@@ -1,0 +1,114 @@
+"""The expert dispatch crosses ranks in the dtype the experts' GEMMs read: bf16 under bf16
+autocast, bitwise the result of sending fp32; fp32 where the experts are run another way.
+
+One forked world of 2 gloo ranks, ep=2, the tiny DeepSeekMoE layer in training mode under
+bf16 autocast, dropless and with a capacity factor. Each case runs the layer twice from the
+same weights and tokens: as built, and with `GroupedExperts.for_dispatch` replaced by the
+identity (the fp32 dispatch of before). Outputs, input grads and every parameter grad must
+be bitwise equal, and the payload dtypes of the data all-to-alls (forward dispatch and
+combine, their backward pair) are recorded: bf16 out and back as built, fp32 dispatch
+before. A layer whose experts a precision plugin keeps high (`wrap_forward`, as a policy
+that keeps the routed experts in fp32 does) dispatches fp32, as does a layer without
+autocast.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from nanotrain.models import presets
+from nanotrain.models.build import init_weights
+from nanotrain.models.expert_compute import GroupedExperts
+from nanotrain.models.moe import DeepSeekMoE
+from nanotrain.parallel import ParallelMesh
+from nanotrain.precision.base import wrap_forward
+from tests.distributed.spawn import run_world
+
+pytestmark = pytest.mark.distributed
+
+
+@contextlib.contextmanager
+def recorded_all_to_alls(dtypes: list[torch.dtype]):
+    """Appends the payload dtype of every floating-point `all_to_all_single` (the split-size
+    exchanges are int64 and left out)."""
+    real = dist.all_to_all_single
+
+    def spy(output, input, *args, **kwargs):
+        if input.is_floating_point():
+            dtypes.append(input.dtype)
+        return real(output, input, *args, **kwargs)
+
+    dist.all_to_all_single = spy
+    try:
+        yield
+    finally:
+        dist.all_to_all_single = real
+
+
+def _run(layer: DeepSeekMoE, rank: int, autocast: bool) -> tuple[list, list[torch.dtype]]:
+    """(output, input grad, parameter grads) of one forward/backward, and the payload dtypes."""
+    g = torch.Generator().manual_seed(100 + rank)
+    x = torch.randn(2, 6, 64, generator=g, requires_grad=True)
+    w = torch.randn(2, 6, 64, generator=g)
+    dtypes: list[torch.dtype] = []
+    with recorded_all_to_alls(dtypes):
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            y, aux = layer(x)
+        ((y.float() * w).sum() + aux).backward()
+    grads = [p.grad.clone() for p in layer.parameters() if p.grad is not None]
+    return [y.detach(), x.grad.clone(), grads], dtypes
+
+
+def _layer(mesh: ParallelMesh, capacity: float | None, keep_high: bool = False) -> DeepSeekMoE:
+    config = presets.get("tiny", aux_loss_alpha=0.01, capacity_factor=capacity)
+    layer = DeepSeekMoE(config, ep_group=mesh.ep_group)
+    init_weights(layer, torch.Generator().manual_seed(3))
+    if keep_high:  # what Precision.apply_to_linear does to a layer the policy keeps high
+        wrap_forward(layer.experts, lambda: torch.autocast("cpu", enabled=False))
+    return layer.train()
+
+
+def _cases(rank: int, world_size: int) -> dict:
+    mesh = ParallelMesh.build(ep=2)
+    out = {}
+    for capacity in (None, 1.0):
+        built, built_dtypes = _run(_layer(mesh, capacity), rank, autocast=True)
+        fp32_wire = _layer(mesh, capacity)
+        fp32_wire.experts.for_dispatch = lambda x: x  # the fp32 dispatch of before
+        before, before_dtypes = _run(fp32_wire, rank, autocast=True)
+        flat = [built[0], built[1], *built[2]], [before[0], before[1], *before[2]]
+        same = all(torch.equal(a, b) for a, b in zip(*flat, strict=True))
+        _, high_dtypes = _run(_layer(mesh, capacity, keep_high=True), rank, autocast=True)
+        _, fp32_dtypes = _run(_layer(mesh, capacity), rank, autocast=False)
+        out[capacity] = (same, built_dtypes, before_dtypes, high_dtypes, fp32_dtypes)
+    return out
+
+
+def test_dispatch_goes_out_in_bf16_under_autocast_and_gives_the_fp32_dispatchs_numbers():
+    bf16, fp32 = torch.bfloat16, torch.float32
+    for rank_result in run_world(_cases, 2):
+        for capacity, (same, built, before, high, no_autocast) in rank_result.items():
+            case = f"capacity_factor={capacity}"
+            assert same, f"{case}: bf16 dispatch changed outputs or grads"
+            # forward dispatch, forward combine, backward of the combine, backward of dispatch
+            assert built == [bf16, bf16, bf16, bf16], case
+            assert before == [fp32, bf16, bf16, fp32], case
+            assert high == [fp32, fp32, fp32, fp32], case
+            assert no_autocast == [fp32, fp32, fp32, fp32], case
+
+
+def test_for_dispatch_casts_only_what_autocast_would():
+    experts = GroupedExperts(4, 8, 16)
+    x = torch.randn(3, 8)
+    assert experts.for_dispatch(x) is x  # no autocast
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert experts.for_dispatch(x).dtype == torch.bfloat16
+        double = x.double()
+        assert experts.for_dispatch(double) is double  # autocast casts fp32 only
+    wrap_forward(experts, contextlib.nullcontext)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert experts.for_dispatch(x) is x  # a precision plugin runs these experts
