@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -38,13 +39,31 @@ def parse_count(text: str | int) -> int:
     return int(round(value))
 
 
-def _config(model: str) -> Any:
+def _config(model: str, overrides: dict[str, Any] | None = None) -> Any:
+    """The model config `--model` names (a preset, a model folder or a config file: no
+    weights needed), with `--model_overrides` replacing fields.
+
+    Raises:
+        ValueError: an unknown preset, a field the config does not have, or a config the
+            overrides make inconsistent; FileNotFoundError: a path with no config.
+    """
     from nanotrain.interop import weights as model_io
     from nanotrain.models import presets
 
-    if model_io.is_pretrained_folder(model):
-        return model_io.open_pretrained(model)[0]
-    return presets.get(model)
+    overrides = dict(overrides or {})
+    if model in presets.names():
+        return presets.get(model, **overrides)
+    if not (os.sep in model or model.endswith(".json") or os.path.exists(model)):
+        presets.get(model)  # raises: unknown preset, listing them
+    config = model_io.read_model_config(model)
+    valid = {f.name for f in dataclasses.fields(config)}
+    unknown = sorted(set(overrides) - valid)
+    if unknown:
+        raise ValueError(
+            f"--model_overrides: {unknown} are not fields of {type(config).__name__}; valid "
+            f"fields: {sorted(valid)}"
+        )
+    return dataclasses.replace(config, **overrides)
 
 
 _LAYOUT_FLAGS = ("tp", "pp", "ep", "dp", "virtual_pp", "sequence_parallel", "schedule",
@@ -62,7 +81,15 @@ def _parser() -> Any:
         names = [f"--{name}"] + ([f"--{dashed}"] if dashed != name else [])
         p.add_argument(*names, dest=name, **kwargs)
 
-    flag("model", type=str, required=True, help="a preset name or a pretrained folder")
+    flag("model", type=str, required=True,
+         help="a preset name, a model folder, or a config file (a transformers config.json or "
+         "nanotrain's model_config.json): no weights needed")  # fmt: skip
+    flag(
+        "model_overrides",
+        type=dict | None,
+        default=None,
+        help='config fields to replace, as JSON: \'{"num_layers": 8, "n_routed_experts": 64}\'',
+    )
     flag("gpus", type=int, required=True, help="number of GPUs (the world size)")
     flag("gpu", type=str, default="h100", help="h100|h200|h800|a100|b200|cpu, or a JSON spec")
     flag("seq_len", type=int, required=True, help="tokens per sequence")
@@ -126,7 +153,7 @@ def run_plan(argv: list[str]) -> None:
     layout (when any layout flag is given) or of every layout that fits, best first."""
     cfg = _parser().parse_args(argv)
     _check_args(cfg)
-    config, gpu = _config(cfg.model), gpu_spec(cfg.gpu)
+    config, gpu = _config(cfg.model, cfg.model_overrides), gpu_spec(cfg.gpu)
     recompute = None if cfg.recompute in ("none", "None") else cfg.recompute
     if any(getattr(cfg, k) is not None for k in _LAYOUT_FLAGS):
         tp, pp, ep = cfg.tp or 1, cfg.pp or 1, cfg.ep or 1

@@ -49,6 +49,42 @@ def is_pretrained_folder(path: str | Path) -> bool:
     )
 
 
+def read_model_config(path: str | Path) -> DeepSeekConfig | DenseConfig:
+    """The model config alone, no weights needed: from a weights folder (`model_config.json`),
+    a transformers folder (`config.json`), or either file given directly (a transformers
+    config.json is told apart by its "model_type" or "architectures").
+
+    Raises:
+        FileNotFoundError: nothing at `path`, or a folder with neither config file.
+        ValueError: a config that is not valid JSON or not a supported model.
+    """
+    target = Path(path)
+    if target.is_dir():
+        found = [target / name for name in (CONFIG_FILE, "config.json")]
+        files = [f for f in found if f.is_file()]
+        if not files:
+            raise FileNotFoundError(
+                f"{target} holds no model config: expected {CONFIG_FILE} (from `nanotrain "
+                "import`) or a transformers config.json"
+            )
+        target = files[0]
+    elif not target.is_file():
+        raise FileNotFoundError(
+            f"{target} not found: give a preset name, a model folder or a config file"
+        )
+    try:
+        data = json.loads(target.read_text())
+    except json.JSONDecodeError as err:
+        raise ValueError(f"{target} is not valid JSON: {err}") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{target} does not hold a JSON object")
+    if "model_type" in data or "architectures" in data:
+        from nanotrain.interop.hf import config_from_hf
+
+        return config_from_hf(data)
+    return config_from_dict(data)
+
+
 def load_pretrained(path: str | Path) -> tuple[DeepSeekConfig | DenseConfig, dict[str, Tensor]]:
     """(config, state dict with our names) from a weights folder or a transformers folder.
 

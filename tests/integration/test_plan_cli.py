@@ -118,3 +118,35 @@ def test_fit_prints_the_plan_and_refuses_what_does_not_fit(tmp_path, capsys, mon
     assert main(argv) == 0
     out = capsys.readouterr().out
     assert "memory per GPU" in out and "DOES NOT FIT" in out and "precision bf16-mixed" in out
+
+
+def test_plan_reads_a_transformers_config_json_without_weights_and_takes_overrides(
+    tmp_path, capsys
+):
+    from nanotrain.interop.hf import config_to_hf
+    from nanotrain.models import presets
+
+    # DeepSeek-V3's published config.json, as transformers writes it, and nothing else
+    (tmp_path / "config.json").write_text(json.dumps(config_to_hf(presets.get("deepseek-v3-671b"))))
+    runs = {}
+    for name, model in (("preset", "deepseek-v3-671b"), ("file", str(tmp_path / "config.json")),
+                        ("folder", str(tmp_path))):  # fmt: skip
+        assert main([*PAPER[:2], model, *PAPER[3:], "--json"]) == 0
+        runs[name] = json.loads(capsys.readouterr().out)
+    for name in ("file", "folder"):
+        assert runs[name]["total_params"] == runs["preset"]["total_params"]
+        assert runs[name]["step_time_s"] == runs["preset"]["step_time_s"]
+    # overrides replace fields: 61 -> 31 layers (a shorter pipeline layout to match)
+    args = [*PAPER[:2], str(tmp_path / "config.json"), *PAPER[3:], "--json"]
+    at = args.index("--pipeline_layout")
+    args[at + 1] = "[2,2,2,2,2,2,2,2,2,2,2,2,2,2,2,1]"
+    assert main([*args, "--model_overrides", '{"num_layers": 31}']) == 0
+    shorter = json.loads(capsys.readouterr().out)
+    preset = presets.get("deepseek-v3-671b")
+    assert shorter["total_params"] < runs["preset"]["total_params"]
+    assert preset.num_layers == 61  # the override did not touch the preset
+    # a field the config does not have, and a path with no config: one line each, exit 2
+    assert main([*PAPER, "--model_overrides", '{"num_layer": 31}']) == 2
+    assert "num_layer" in capsys.readouterr().err
+    assert main([*PAPER[:2], str(tmp_path / "missing.json"), *PAPER[3:]]) == 2
+    assert "missing.json not found" in capsys.readouterr().err
