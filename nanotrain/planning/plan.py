@@ -48,6 +48,8 @@ from nanotrain.planning.rank_model import rank_models
 __all__ = ["Plan", "RankPlan", "plan_layout"]
 
 GiB = 2**30
+#: collectives the step waits for (the data-parallel ones overlap the backward)
+BLOCKING_GROUPS = ("tp", "ep", "pp", "other")
 #: seconds per collective call (launch + synchronization), intra-node / inter-node
 LATENCY_S = (10e-6, 30e-6)
 
@@ -112,6 +114,9 @@ class Plan:
         step_time_s: estimated seconds per step; `time_parts` splits it.
         fits: whether the largest rank fits the GPU's memory.
         notes: why it does not fit, or other caveats.
+        slowest_stage: the pipeline stage that sets the pace (most compute plus blocking
+            communication per step), whose figures `time_parts` holds.
+        slowest_comm_s: that stage's communication seconds per step, per group.
     """
 
     model: str
@@ -127,11 +132,29 @@ class Plan:
     time_parts: dict[str, float]
     fits: bool
     notes: list[str] = field(default_factory=list)
+    slowest_stage: int = 0
+    slowest_comm_s: dict[str, float] = field(default_factory=dict)
 
     @property
     def largest(self) -> RankPlan:
         """The rank with the most memory."""
         return max(self.ranks, key=lambda r: r.memory)
+
+    @property
+    def slowest(self) -> RankPlan:
+        """The rank of the stage that sets the pace (`slowest_stage`)."""
+        return self.ranks[self.slowest_stage]
+
+    @property
+    def bottleneck(self) -> str:
+        """The largest part of the step time ("compute", "pipeline_bubble",
+        "exposed_dp_comm", or for blocking communication the group that blocks longest, e.g.
+        "ep communication")."""
+        part = max(self.time_parts, key=lambda k: self.time_parts[k])
+        if part != "blocking_comm":
+            return part
+        blocking = {g: t for g, t in self.slowest_comm_s.items() if g in BLOCKING_GROUPS}
+        return f"{max(blocking, key=lambda g: blocking[g])} communication"
 
     @property
     def tokens_per_s(self) -> float:
@@ -285,13 +308,13 @@ def plan_layout(
         )
         compute = flops / (peak * compute_efficiency)
         comm_t = _comm_time(comm, bandwidth)
-        blocking = sum(t for g, t in comm_t.items() if g in ("tp", "ep", "pp", "other"))
+        blocking = sum(t for g, t in comm_t.items() if g in BLOCKING_GROUPS)
         dp = comm_t.get("dp", 0.0) + comm_t.get("expert_dp", 0.0) + comm_t.get("embedding", 0.0)
         gather = min(_gather_time(rank, layout, workload, bandwidth), dp)
         exposed_dp = max(0.0, dp - gather - compute * 2 / 3) + gather
-        stage_times.append((compute + blocking, exposed_dp, compute, blocking))
+        stage_times.append((compute + blocking, exposed_dp, compute, blocking, comm_t))
     slowest = max(range(len(stage_times)), key=lambda i: stage_times[i][0])
-    busy, exposed_dp, compute, blocking = stage_times[slowest]
+    busy, exposed_dp, compute, blocking, slowest_comm = stage_times[slowest]
     bubble = busy * (layout.pp - 1) / (layout.virtual_pp * num_micro) if layout.pp > 1 else 0.0
     step = busy + bubble + exposed_dp
     fits = max(r.memory for r in ranks) <= gpu.memory_bytes
@@ -322,4 +345,6 @@ def plan_layout(
         },
         fits=fits,
         notes=notes,
+        slowest_stage=slowest,
+        slowest_comm_s=dict(slowest_comm),
     )

@@ -24,6 +24,21 @@ def _count(n: float) -> str:
     return f"{n:.0f}"
 
 
+def _traffic(bytes_per_group: dict[str, float]) -> str:
+    """ "tp 1.25 GiB, ep 340 MiB, dp 12 KiB": every group that sends anything, in a unit
+    that shows it; "none" only when nothing is sent."""
+    parts = []
+    for group, n in bytes_per_group.items():
+        if n <= 0:
+            continue
+        unit, size = next((u, s) for u, s in _UNITS if n >= s or u == "B")
+        parts.append(f"{group} {n / size:.3g} {unit}")
+    return ", ".join(parts) or "none"
+
+
+_UNITS = (("GiB", GiB), ("MiB", 2**20), ("KiB", 2**10), ("B", 1))
+
+
 def format_plan(plan: Plan) -> str:
     """Multi-line text: the model and layout, per-stage memory (GiB) by kind, FLOPs and
     communication per step, and the estimated step time."""
@@ -49,24 +64,29 @@ def format_plan(plan: Plan) -> str:
             f"{_gib(m['grads']):>8} {_gib(m['master_weights']):>8} {_gib(m['optimizer']):>8} "
             f"{_gib(m['activations']):>8} {_gib(m['reserve']):>8} {_gib(m['total']):>8}"
         )
-    big = plan.largest
+    big, slow = plan.largest, plan.slowest
     lines += [
         f"largest: stage {big.pp_rank}, {_gib(big.memory)} GiB of "
         f"{_gib(plan.gpu.memory_bytes)}: {'fits' if plan.fits else 'DOES NOT FIT'}",
         "",
         f"compute: {_count(plan.flops_per_step)}FLOP per step (model), "
-        f"{_count(big.flops)}FLOP on one GPU of stage {big.pp_rank}",
-        f"communication per GPU per step (GiB, stage {big.pp_rank}): "
-        + (
-            ", ".join(
-                f"{g} {_gib(v)}" for g, v in big.comm.bytes_per_step.items() if v >= 0.005 * GiB
-            )
-            or "none"
-        ),
+        f"{_count(slow.flops)}FLOP on one GPU of stage {slow.pp_rank} (the slowest)",
+    ]
+    stages = [(slow, "the slowest")] + ([(big, "the largest")] if big is not slow else [])
+    for rank, what in stages:
+        lines.append(
+            f"communication per GPU per step, stage {rank.pp_rank} ({what}): "
+            + _traffic(rank.comm.bytes_per_step)
+        )
+    lines += [
         "",
         f"estimated step {plan.step_time_s:.3f} s ("
         + ", ".join(f"{k} {v:.3f}" for k, v in plan.time_parts.items())
         + f"), {_count(plan.tokens_per_s)} tokens/s, MFU {plan.mfu:.1%}",
+        f"bottleneck: {plan.bottleneck}; stage {slow.pp_rank} sets the pace (its compute "
+        f"{plan.time_parts['compute']:.3f} s; blocking communication "
+        + (", ".join(f"{g} {t:.3f} s" for g, t in plan.slowest_comm_s.items() if t > 0) or "none")
+        + ")",
     ]
     lines += [f"note: {n}" for n in plan.notes]
     return "\n".join(lines) + "\n"
@@ -121,6 +141,9 @@ def plan_json(plan: Plan) -> dict[str, Any]:
         "flops_per_step": plan.flops_per_step,
         "step_time_s": plan.step_time_s,
         "time_parts_s": plan.time_parts,
+        "slowest_stage": plan.slowest_stage,
+        "slowest_comm_s": plan.slowest_comm_s,
+        "bottleneck": plan.bottleneck,
         "tokens_per_s": plan.tokens_per_s,
         "mfu": plan.mfu,
         "notes": plan.notes,

@@ -150,3 +150,35 @@ def test_plan_reads_a_transformers_config_json_without_weights_and_takes_overrid
     assert "num_layer" in capsys.readouterr().err
     assert main([*PAPER[:2], str(tmp_path / "missing.json"), *PAPER[3:]]) == 2
     assert "missing.json not found" in capsys.readouterr().err
+
+
+def test_the_report_names_the_slowest_stage_and_what_bounds_it(capsys):
+    # the paper's batch: 15,360 sequences of 4K
+    paper = [*PAPER[: PAPER.index("--global-batch-tokens") + 1], "62914560",
+             *PAPER[PAPER.index("--global-batch-tokens") + 2 :]]  # fmt: skip
+    assert main([*paper, "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    parts = out["time_parts_s"]
+    # stages 1-14 hold four MoE layers each; stage 0 three dense layers and one MoE layer,
+    # stage 15 one layer, the MTP block and the head: the expert all-to-all of a four-MoE
+    # stage outweighs its compute, so a middle stage sets the pace and ep bounds the step
+    assert 1 <= out["slowest_stage"] <= 14
+    assert parts["blocking_comm"] > parts["compute"] > parts["pipeline_bubble"]
+    assert out["bottleneck"] == "ep communication"
+    assert max(out["slowest_comm_s"], key=out["slowest_comm_s"].get) == "ep"
+    ep_bytes = [r["comm_bytes_per_step"]["ep"] for r in out["ranks"]]
+    assert ep_bytes[out["slowest_stage"]] == max(ep_bytes) > ep_bytes[0]
+    assert main(paper) == 0
+    text = capsys.readouterr().out
+    slowest = out["slowest_stage"]
+    assert f"communication per GPU per step, stage {slowest} (the slowest): " in text
+    assert "communication per GPU per step, stage 0 (the largest): " in text
+    assert f"bottleneck: ep communication; stage {slowest} sets the pace" in text
+
+
+def test_traffic_prints_every_group_that_sends_anything():
+    from nanotrain.planning.report import _traffic
+
+    assert _traffic({"tp": 0, "ep": 1536, "dp": 3 * 2**30}) == "ep 1.5 KiB, dp 3 GiB"
+    assert _traffic({"other": 12}) == "other 12 B"
+    assert _traffic({"tp": 0, "dp": 0}) == "none"
