@@ -234,10 +234,23 @@ def _bandwidths(layout: PlanLayout, gpu: GPUSpec) -> dict[str, tuple[float, floa
                        ("expert_dp", "expert_dp"), ("embedding", "pp"), ("other", "dp")):  # fmt: skip
         ranks = mesh.group_of(axis, 0)
         intra = len({r // gpu.gpus_per_node for r in ranks}) == 1
-        out[name] = (
-            (gpu.intra_node_bw, LATENCY_S[0]) if intra else (gpu.inter_node_bw, LATENCY_S[1])
-        )
+        if intra:
+            out[name] = (gpu.intra_node_bw, LATENCY_S[0])
+        elif name == "ep":
+            out[name] = (_all_to_all_bw(ranks, gpu), LATENCY_S[1])
+        else:  # a ring over several nodes goes at the pace of its links between nodes
+            out[name] = (gpu.inter_node_bw, LATENCY_S[1])
     return out
+
+
+def _all_to_all_bw(ranks: list[int], gpu: GPUSpec) -> float:
+    """Bytes/s of an all-to-all over `ranks` spanning nodes, with equal shares per peer: the
+    shares for peers in the same node go over NVLink while the others go over InfiniBand, at
+    the same time, so the slower of the two sets the pace."""
+    node = ranks[0] // gpu.gpus_per_node
+    peers = len(ranks) - 1
+    local = sum(1 for r in ranks[1:] if r // gpu.gpus_per_node == node)
+    return 1.0 / max(local / peers / gpu.intra_node_bw, (peers - local) / peers / gpu.inter_node_bw)
 
 
 def _comm_time(comm: CommEstimate, bandwidth: dict[str, tuple[float, float]]) -> dict[str, float]:

@@ -32,7 +32,10 @@ def _traffic(bytes_per_group: dict[str, float]) -> str:
         if n <= 0:
             continue
         unit, size = next((u, s) for u, s in _UNITS if n >= s or u == "B")
-        parts.append(f"{group} {n / size:.3g} {unit}")
+        value = n / size
+        parts.append(
+            f"{group} {value:.0f} {unit}" if value >= 100 else f"{group} {value:.3g} {unit}"
+        )
     return ", ".join(parts) or "none"
 
 

@@ -181,4 +181,5 @@ def test_traffic_prints_every_group_that_sends_anything():
 
     assert _traffic({"tp": 0, "ep": 1536, "dp": 3 * 2**30}) == "ep 1.5 KiB, dp 3 GiB"
     assert _traffic({"other": 12}) == "other 12 B"
+    assert _traffic({"ep": 1240 * 2**30}) == "ep 1240 GiB"  # no 1.24e+03
     assert _traffic({"tp": 0, "dp": 0}) == "none"

@@ -93,8 +93,22 @@ def test_groups_inside_a_node_use_nvlink_and_across_nodes_the_network():
     inside = _bandwidths(PlanLayout(tp=2, dp=8, ep=4), h100)  # tp and ep span ranks 0..7
     assert inside["tp"][0] == inside["ep"][0] == h100.intra_node_bw
     assert inside["dp"][0] == h100.inter_node_bw  # dp ranks 0, 2, ..., 14: two nodes
+    # an all-to-all over 16 ranks on two nodes: 7 of 15 peer shares stay on NVLink while 8
+    # cross the network, both at once, so the network's 8/15 set the pace
     across = _bandwidths(PlanLayout(dp=16, ep=16), h100)
-    assert across["ep"][0] == h100.inter_node_bw
+    assert across["ep"][0] == pytest.approx(h100.inter_node_bw * 15 / 8)
+    assert across["dp"][0] == h100.inter_node_bw  # a ring: as fast as its slowest links
+    # DeepSeek-V3's ep=64 over 8 nodes: 7 of 63 shares inside the node
+    paper = _bandwidths(PlanLayout(pp=16, dp=128, ep=64), GPUS["h800"])
+    assert paper["ep"][0] == pytest.approx(GPUS["h800"].inter_node_bw * 63 / 56)
+    # a slow node-internal link can set the pace instead: 1 GB/s inside, 100 GB/s outside
+    slow_inside = gpu_spec(
+        '{"name": "odd", "memory_bytes": 8e10, "peak_flops": {"bf16": 1e15}, '
+        '"intra_node_bw": 1e9, "inter_node_bw": 1e11}'
+    )
+    assert _bandwidths(PlanLayout(dp=16, ep=16), slow_inside)["ep"][0] == pytest.approx(
+        1e9 * 15 / 7
+    )
 
 
 def test_search_ranks_what_fits_and_says_why_the_rest_does_not():
