@@ -49,6 +49,7 @@ def _config(model: str, overrides: dict[str, Any] | None = None) -> Any:
     """
     from nanotrain.interop import weights as model_io
     from nanotrain.models import presets
+    from nanotrain.models.config import unknown_fields_error
 
     overrides = dict(overrides or {})
     if model in presets.names():
@@ -56,13 +57,9 @@ def _config(model: str, overrides: dict[str, Any] | None = None) -> Any:
     if not (os.sep in model or model.endswith(".json") or os.path.exists(model)):
         presets.get(model)  # raises: unknown preset, listing them
     config = model_io.read_model_config(model)
-    valid = {f.name for f in dataclasses.fields(config)}
-    unknown = sorted(set(overrides) - valid)
-    if unknown:
-        raise ValueError(
-            f"--model_overrides: {unknown} are not fields of {type(config).__name__}; valid "
-            f"fields: {sorted(valid)}"
-        )
+    error = unknown_fields_error(type(config), overrides, "--model_overrides")
+    if error is not None:
+        raise error
     return dataclasses.replace(config, **overrides)
 
 

@@ -298,3 +298,15 @@ def config_from_dict(data: dict[str, Any]) -> DeepSeekConfig | DenseConfig:
         return family(**data["config"])
     except TypeError as exc:
         raise ValueError(f"model config does not match {family.__name__}: {exc}") from exc
+
+
+def unknown_fields_error(cls: type, names: Any, source: str) -> ValueError | None:
+    """The error for `names` that are not fields of config class `cls` (None when all are),
+    naming `source` (e.g. "preset 'tiny'") and listing the valid fields."""
+    valid = {f.name for f in fields(cls)}
+    unknown = sorted(set(names) - valid)
+    if not unknown:
+        return None
+    return ValueError(
+        f"{unknown} are not fields of {cls.__name__} ({source}); valid fields: {sorted(valid)}"
+    )

@@ -18,10 +18,9 @@
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any
 
-from nanotrain.models.config import DeepSeekConfig, DenseConfig
+from nanotrain.models.config import DeepSeekConfig, DenseConfig, unknown_fields_error
 
 # DeepSeek-V3 extends its context with YaRN (paper section 4.3); V2-Lite ships the same keys
 # with mscale 0.707.
@@ -203,13 +202,9 @@ def get(name: str, **overrides: Any) -> DenseConfig | DeepSeekConfig:
     if name not in _PRESETS:
         raise ValueError(f"unknown model preset {name!r}; choose one of {names()}")
     cls, values = _PRESETS[name]
-    valid = {f.name for f in dataclasses.fields(cls)}
-    unknown = sorted(set(overrides) - valid)
-    if unknown:
-        raise ValueError(
-            f"{unknown} are not fields of {cls.__name__} (preset {name!r}); valid fields: "
-            f"{sorted(valid)}"
-        )
+    error = unknown_fields_error(cls, overrides, f"preset {name!r}")
+    if error is not None:
+        raise error
     # copy nested dicts so a caller mutating rope_scaling cannot change the preset
     merged = {k: (dict(v) if isinstance(v, dict) else v) for k, v in values.items()}
     merged.update(overrides)

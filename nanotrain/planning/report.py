@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from nanotrain.planning.plan import Plan
+from nanotrain.planning.plan import BLOCKING_GROUPS, Plan
 from nanotrain.planning.search import Rejected, SearchResult
 
 __all__ = ["format_plan", "format_search", "plan_json", "search_json"]
@@ -40,6 +40,17 @@ def _traffic(bytes_per_group: dict[str, float]) -> str:
 
 
 _UNITS = (("GiB", GiB), ("MiB", 2**20), ("KiB", 2**10), ("B", 1))
+
+
+def _seconds(comm_s: dict[str, float], blocking: bool) -> str:
+    """ "ep 23.791 s, pp 0.571 s": the groups that block the step (or, with `blocking`
+    False, those that overlap the backward) taking at least a millisecond."""
+    shown = [
+        f"{g} {t:.3f} s"
+        for g, t in comm_s.items()
+        if (g in BLOCKING_GROUPS) == blocking and t >= 5e-4
+    ]
+    return ", ".join(shown) or "none"
 
 
 def format_plan(plan: Plan) -> str:
@@ -88,7 +99,9 @@ def format_plan(plan: Plan) -> str:
         + f"), {_count(plan.tokens_per_s)} tokens/s, MFU {plan.mfu:.1%}",
         f"bottleneck: {plan.bottleneck}; stage {slow.pp_rank} sets the pace (its compute "
         f"{plan.time_parts['compute']:.3f} s; blocking communication "
-        + (", ".join(f"{g} {t:.3f} s" for g, t in plan.slowest_comm_s.items() if t > 0) or "none")
+        + _seconds(plan.slowest_comm_s, blocking=True)
+        + "; overlapping the backward "
+        + _seconds(plan.slowest_comm_s, blocking=False)
         + ")",
     ]
     lines += [f"note: {n}" for n in plan.notes]
