@@ -113,10 +113,10 @@ class Plan:
             recomputation), the numerator of MFU.
         step_time_s: estimated seconds per step; `time_parts` splits it.
         fits: whether the largest rank fits the GPU's memory.
-        notes: why it does not fit, or other caveats.
         slowest_stage: the pipeline stage that sets the pace (most compute plus blocking
             communication per step), whose figures `time_parts` holds.
         slowest_comm_s: that stage's communication seconds per step, per group.
+        notes: why it does not fit, or other caveats.
     """
 
     model: str
@@ -131,9 +131,9 @@ class Plan:
     step_time_s: float
     time_parts: dict[str, float]
     fits: bool
+    slowest_stage: int
+    slowest_comm_s: dict[str, float]
     notes: list[str] = field(default_factory=list)
-    slowest_stage: int = 0
-    slowest_comm_s: dict[str, float] = field(default_factory=dict)
 
     @property
     def largest(self) -> RankPlan:
