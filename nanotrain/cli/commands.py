@@ -290,25 +290,6 @@ def run_import(argv: list[str]) -> None:
     print(f"imported {cfg.hf} to {cfg.out}")
 
 
-def run_env(argv: list[str]) -> None:
-    """`nanotrain env [--json] [--ranks_per_machine N]`: torch, CUDA, NCCL, gloo, Transformer
-    Engine, GPUs with the peak TFLOP/s used for MFU, CPU threads, default strategy and
-    backend, and warnings for common misconfigurations."""
-    from nanotrain.cli.env_report import collect_environment, environment_json, format_environment
-
-    parser = ArgumentParser(prog="nanotrain env", description=run_env.__doc__)
-    parser.add_argument("--json", action="store_true", help="print JSON instead of text")
-    parser.add_argument(
-        "--ranks_per_machine",
-        type=int | None,
-        default=None,
-        help="processes per machine to check threads for (default: LOCAL_WORLD_SIZE or 1)",
-    )
-    cfg = parser.parse_args(argv)
-    env = collect_environment(cfg.ranks_per_machine)
-    print(environment_json(env) if cfg.json else format_environment(env), end="")
-
-
 def run_report(argv: list[str]) -> None:
     """`nanotrain report RUN_DIR`: (re)build report.md, report.json and the pictures of a run
     from its run directory."""

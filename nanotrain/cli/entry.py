@@ -26,7 +26,7 @@ COMMANDS = {
     "plan": ("nanotrain.cli.plan", "run_plan"),
     "export": ("nanotrain.cli.commands", "run_export"),
     "import": ("nanotrain.cli.commands", "run_import"),
-    "env": ("nanotrain.cli.commands", "run_env"),
+    "env": ("nanotrain.cli.env_report", "run_env"),
     "report": ("nanotrain.cli.commands", "run_report"),
 }
 RECORDED = ("fit", "validate")

@@ -18,14 +18,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from nanotrain.callbacks.flops import device_peak_flops
-
 __all__ = [
     "FP8_MIN_CC",
     "collect_environment",
     "environment_json",
     "environment_warnings",
     "format_environment",
+    "run_env",
     "transformer_engine_status",
 ]
 
@@ -70,6 +69,9 @@ def gpu_info() -> list[dict[str, Any]]:
     TFLOP/s per precision from the MFU table (None where the table has no entry)."""
     if not torch.cuda.is_available():
         return []
+    # imported here: the table comes with Lightning, which a CPU-only report never needs
+    from nanotrain.callbacks.flops import device_peak_flops
+
     gpus = []
     for index in range(torch.cuda.device_count()):
         name = torch.cuda.get_device_name(index)
@@ -243,3 +245,22 @@ def format_environment(env: dict[str, Any]) -> str:
 def environment_json(env: dict[str, Any]) -> str:
     """`env` as indented JSON (what `nanotrain env --json` prints)."""
     return json.dumps(env, indent=2) + "\n"
+
+
+def run_env(argv: list[str]) -> None:
+    """`nanotrain env [--json] [--ranks_per_machine N]`: torch, CUDA, NCCL, gloo, Transformer
+    Engine, GPUs with the peak TFLOP/s used for MFU, CPU threads, default strategy and
+    backend, and warnings for common misconfigurations."""
+    from jsonargparse import ArgumentParser
+
+    parser = ArgumentParser(prog="nanotrain env", description=run_env.__doc__)
+    parser.add_argument("--json", action="store_true", help="print JSON instead of text")
+    parser.add_argument(
+        "--ranks_per_machine",
+        type=int | None,
+        default=None,
+        help="processes per machine to check threads for (default: LOCAL_WORLD_SIZE or 1)",
+    )
+    cfg = parser.parse_args(argv)
+    env = collect_environment(cfg.ranks_per_machine)
+    print(environment_json(env) if cfg.json else format_environment(env), end="")

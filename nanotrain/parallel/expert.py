@@ -206,9 +206,9 @@ def _all_to_all_raw(
 class _AllToAll(torch.autograd.Function):
     """forward: all-to-all along dim 0 with the given splits; backward: the reverse one.
 
-    `anchor` is an extra input that is never read: it only makes the output require grad
-    whenever the anchor does, so every rank takes part in the backward all-to-all even when
-    its own share of the data (and hence its own graph) is empty.
+    `anchor` (a tensor or None) is an extra input that is never read: it only makes the output
+    require grad whenever the anchor does, so every rank takes part in the backward all-to-all
+    even when its own share of the data (and hence its own graph) is empty.
     """
 
     @staticmethod
@@ -245,7 +245,8 @@ def all_to_all(
     """
     if group_size(group) == 1:
         return x
-    anchor = x if anchor is None else anchor
+    # no anchor given: None, not `x` twice (dynamo cannot trace an autograd.Function that
+    # gets the same tensor as two inputs, and breaks the graph there)
     return _AllToAll.apply(x, anchor, list(output_splits), list(input_splits), group)
 
 

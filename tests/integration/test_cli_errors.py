@@ -1,15 +1,19 @@
 """Every user error of the `nanotrain` command is one line on stderr (rank 0 only) with exit
 code 2; `--debug` / NANOTRAIN_DEBUG=1 give the traceback. The cases run in-process through
 the command's entry point (a process each would only repeat the imports); those that need
-several processes run under torchrun, launched together to save wall time."""
+two ranks run it on forked gloo worlds, and the one that needs torchrun's own agent store runs
+under torchrun inside the SLURM recipe."""
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import os
 import shlex
 import subprocess
 import sys
+import traceback
 from pathlib import Path
 
 import pytest
@@ -18,25 +22,12 @@ from nanotrain.cli import main
 from nanotrain.data.prepare import prepare
 from nanotrain.data.tokenizers import train_bpe
 from nanotrain.testing import Classifier
+from tests.distributed.spawn import run_world
 
 REPO = Path(__file__).resolve().parents[2]
 SMALL_DEMO = ["--data.init_args.demo_max_bytes", "300000"]
 DEEPSEEK_EOS = "<｜end▁of▁sentence｜>"
 HINT = "(--debug or NANOTRAIN_DEBUG=1 for the traceback)"
-
-
-def start(args: list[str], tmp: Path, torchrun: int = 0, **env: str) -> subprocess.Popen:
-    environment = {**os.environ, "NANOTRAIN_CACHE": str(tmp / "cache"), "OMP_NUM_THREADS": "1"}
-    environment.update(env)
-    environment["PYTHONPATH"] = str(REPO)
-    launcher = [sys.executable, "-m", "nanotrain"]
-    if torchrun:
-        launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node",
-                    str(torchrun), "-m", "nanotrain"]  # fmt: skip
-    return subprocess.Popen(
-        [*launcher, *args], cwd=REPO, env=environment, text=True,
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-    )  # fmt: skip
 
 
 def deepseek_style_tokenizer(tmp: Path) -> Path:
@@ -130,34 +121,58 @@ def start_recipe(launch: list[str], tmp: Path) -> subprocess.Popen:
 
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--standalone",
             "-m", "nanotrain"]  # fmt: skip
+RANK_ONE_FAILS = ["fit", "--model", "tests.integration.test_cli_errors.FailsOnRankOne",
+                  "--data", "nanotrain.testing.BlobsData", "--strategy", "ddp",
+                  "--trainer.max_steps", "1"]  # fmt: skip
 
 
 @pytest.fixture(scope="module")
-def torchrun_runs(data) -> dict[str, subprocess.CompletedProcess]:
-    """The cases that need several processes, launched together under torchrun."""
+def torchrun_run(data) -> subprocess.CompletedProcess:
+    """The error found by rank 1 alone (rank 0 meanwhile waits in a collective), launched by
+    torchrun inside docs/checkpointing.md's SLURM recipe: the case that needs torchrun's own
+    agent store to agree on which rank prints, and its own report of the failed workers."""
+    tmp = data["tmp"] / "slurm"
+    tmp.mkdir()
+    args = [*RANK_ONE_FAILS, "--trainer.default_root_dir", str(tmp / "runs")]
+    proc = start_recipe([*TORCHRUN, *args], tmp)
+    out, err = proc.communicate(timeout=600)
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+
+def _command_on_rank(rank: int, world_size: int, argv: list[str], cache: str) -> tuple:
+    """`nanotrain ...argv` on one rank of a forked gloo world, with the variables torchrun
+    sets: (its exit code, or None when the error propagated; what it wrote to stderr, with
+    the traceback of an error that propagated, as the process would print it)."""
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
+                      NANOTRAIN_CACHE=cache)  # fmt: skip
+    os.environ.pop("NANOTRAIN_DEBUG", None)
+    stderr = io.StringIO()
+    with contextlib.redirect_stderr(stderr):
+        try:
+            code = main(argv)
+        except Exception:  # noqa: BLE001 - --debug: the process would print it and exit 1
+            traceback.print_exc()
+            code = None
+    return code, stderr.getvalue()
+
+
+@pytest.fixture(scope="module")
+def rank_runs(data) -> dict[str, list[tuple]]:
+    """The other cases that need two ranks, each on a forked 2-rank world that runs the
+    command's entry point (torchrun would only add fresh interpreters): an error every rank
+    finds inside fit, a missing data folder found by rank 0's prepare_data while rank 1 waits
+    at the barrier, and rank 1's own error with --debug. Each world ends when its erring rank
+    leaves the process group, as a torchrun worker's exit does."""
     tmp = data["tmp"]
-    # raised inside fit, after the process group exists: still one line, from rank 0 only
-    args = [*cases(data)["seq_len"], "--trainer.global_batch_size", "2"]
-    args += ["--trainer.default_root_dir", str(tmp / "tr_runs")]
-    procs = {"torchrun": start(args, tmp, torchrun=2)}
-    # the missing data folder (found by rank 0's prepare_data while rank 1 waits at the
-    # barrier), run through the SLURM recipe: one line, and no requeue
-    (tmp / "slurm").mkdir()
+    cache = str(tmp / "cache")
+    every_rank = [*cases(data)["seq_len"], "--trainer.global_batch_size", "2",
+                  "--trainer.default_root_dir", str(tmp / "both_runs")]  # fmt: skip
     missing = ["fit", "--config", "examples/configs/tiny_deepseek.yaml", "--strategy", "ddp",
                "--data.init_args.data_path", "/nonexistent",
-               "--trainer.default_root_dir", str(tmp / "slurm_runs")]  # fmt: skip
-    procs["data"] = start_recipe([*TORCHRUN, *missing], tmp / "slurm")
-    # found by rank 1 alone, while rank 0 waits in a collective; and the same with --debug
-    rank1 = ["fit", "--model", "tests.integration.test_cli_errors.FailsOnRankOne",
-             "--data", "nanotrain.testing.BlobsData", "--strategy", "ddp",
-             "--trainer.max_steps", "1", "--trainer.default_root_dir", str(tmp / "r1_runs")]  # fmt: skip
-    procs["rank1"] = start(rank1, tmp, torchrun=2)
-    procs["rank1_debug"] = start([*rank1, "--debug"], tmp, torchrun=2)
-    results = {}
-    for name, proc in procs.items():
-        out, err = proc.communicate(timeout=600)
-        results[name] = subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
-    return results
+               "--trainer.default_root_dir", str(tmp / "data_runs")]  # fmt: skip
+    debug = [*RANK_ONE_FAILS, "--trainer.default_root_dir", str(tmp / "r1_runs"), "--debug"]
+    runs = {"every_rank": every_rank, "data": missing, "rank1_debug": debug}
+    return {name: run_world(_command_on_rank, 2, argv, cache) for name, argv in runs.items()}
 
 
 EXPECTED = {
@@ -212,37 +227,44 @@ def _nanotrain_frames(output: str) -> list[str]:
     return [ln for ln in output.splitlines() if "File " in ln and "nanotrain/" in ln]
 
 
-def test_under_torchrun_only_rank_zero_prints_the_error(torchrun_runs):
-    result = torchrun_runs["torchrun"]
-    output = result.stdout + result.stderr
-    assert result.returncode != 0
-    assert output.count("nanotrain: error: ") == 1, output[-3000:]
-    assert output.count("nanotrain: error: " + EXPECTED["seq_len"]) == 1, output[-3000:]
-    assert not _nanotrain_frames(output), output[-3000:]
+def _error_lines(output: str) -> list[str]:
+    return [ln for ln in output.splitlines() if ln.startswith("nanotrain: error: ")]
 
 
-def test_a_data_error_under_torchrun_is_one_line_and_the_recipe_does_not_requeue(torchrun_runs):
-    result = torchrun_runs["data"]
-    output = result.stdout + result.stderr
-    assert output.count("nanotrain: error: ") == 1, output[-3000:]
-    assert "/nonexistent" in output.split("nanotrain: error: ", 1)[1].splitlines()[0]
-    assert not _nanotrain_frames(output), output[-3000:]
-    record = json.loads((Path(result.args[1]).parent / "exit-4242.json").read_text())
-    assert record["reason"] == "user_error" and "/nonexistent" in record["message"]
-    assert not (Path(result.args[1]).parent / "scontrol.log").exists()  # no requeue
+def test_an_error_every_rank_finds_is_printed_once(rank_runs):
+    (code0, err0), (code1, err1) = rank_runs["every_rank"]
+    assert code0 == code1 == 2
+    # one line for the job: the first rank to report prints it, the other stays quiet
+    assert _error_lines(err0 + err1) == [f"nanotrain: error: {EXPECTED['seq_len']}  {HINT}"]
+    assert not _nanotrain_frames(err0 + err1)
 
 
-def test_an_error_found_by_rank_one_alone_is_printed_once_by_it(torchrun_runs):
-    output = torchrun_runs["rank1"].stdout + torchrun_runs["rank1"].stderr
-    lines = [ln for ln in output.splitlines() if ln.startswith("nanotrain: error: ")]
-    assert lines == [
+def test_a_data_error_of_rank_zero_is_one_line_and_its_waiting_peer_stays_quiet(rank_runs):
+    (code0, err0), (code1, err1) = rank_runs["data"]
+    (line,) = _error_lines(err0)
+    assert code0 == 2 and "/nonexistent" in line
+    # rank 1's barrier lost its peer: not its error to report (exit code 1, nothing printed)
+    assert code1 == 1 and err1 == ""
+
+
+def test_an_error_found_by_rank_one_alone_is_printed_once_by_it(torchrun_run):
+    output = torchrun_run.stdout + torchrun_run.stderr
+    assert _error_lines(output) == [
         "nanotrain: error: rank 1 found a shard it cannot read (planted by the test)  " + HINT
     ], output[-3000:]
     assert not _nanotrain_frames(output), output[-3000:]
-    # --debug: every rank's own traceback (rank 1's error, rank 0's lost connection)
-    debug = torchrun_runs["rank1_debug"].stdout + torchrun_runs["rank1_debug"].stderr
-    assert "planted by the test" in debug and "Connection closed by peer" in debug
-    assert len(_nanotrain_frames(debug)) >= 2, debug[-3000:]
+    # the SLURM recipe reads "user_error" from the exit record and does not requeue
+    job = Path(torchrun_run.args[1]).parent
+    record = json.loads((job / "exit-4242.json").read_text())
+    assert record["reason"] == "user_error" and "planted by the test" in record["message"]
+    assert not (job / "scontrol.log").exists()
+
+
+def test_debug_gives_every_rank_its_own_traceback(rank_runs):
+    (code0, err0), (code1, err1) = rank_runs["rank1_debug"]
+    assert code1 is None and "planted by the test" in err1 and _nanotrain_frames(err1)
+    # rank 0's collective lost rank 1: its own traceback says so
+    assert code0 is None and "Connection closed by peer" in err0 and _nanotrain_frames(err0)
 
 
 def test_prepare_takes_an_eos_token(data):

@@ -1,21 +1,19 @@
-"""Every script in examples/ runs, with tiny settings (the Megatron one under torchrun)."""
+"""Every script in examples/ runs, with tiny settings (the Megatron one on four ranks)."""
 
 from __future__ import annotations
 
 import contextlib
 import importlib.util
+import io
 import json
 import os
-import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
 from nanotrain.callbacks import ModelCheckpoint
-from tests.distributed.spawn import free_port
+from tests.distributed.spawn import run_world
 
 REPO = Path(__file__).resolve().parents[2]
 EXAMPLES = REPO / "examples"
@@ -107,34 +105,28 @@ def test_finetune_hf_example_round_trips_through_transformers(tmp_path):
     assert report["model"]["family"] == "DenseConfig"
 
 
+def _megatron_example_rank(rank: int, world_size: int, root: str, args: list[str]) -> str:
+    """One rank of examples/megatron_4d.py on a forked gloo world, with the variables torchrun
+    sets that the script reads (its thread count, and the shared demo-data cache); returns
+    what the rank printed."""
+    os.environ.update(LOCAL_WORLD_SIZE=str(world_size), NANOTRAIN_CACHE=f"{root}/cache")
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        load_example("megatron_4d").main(args)
+    return printed.getvalue()
+
+
 @pytest.mark.distributed
-def test_megatron_4d_example_under_torchrun_pp2_ep2_zero1(tmp_path):
+def test_megatron_4d_example_on_four_ranks_pp2_ep2_zero1(tmp_path):
     # 4 gloo ranks: pp=2 stages x dp=2, with the routed experts split ep=2 over dp and the
     # optimizer state sharded (ZeRO-1). tp needs 8 ranks on top of these (tp=2 × pp=2 × ep=2).
-    env = {
-        **os.environ,
-        "NANOTRAIN_CACHE": str(tmp_path / "cache"),
-        "OMP_NUM_THREADS": "1",
-        "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
-    }
+    # The script's own main() on forked ranks: a torchrun launch would only add four fresh
+    # interpreters (torchrun itself is exercised by tests/integration/test_torchrun_restart.py).
     args = ["--tp", "1", "--pp", "2", "--ep", "2", "--zero_stage", "1", "--max_steps", "2"]
     args += ["--global_batch_size", "8", "--micro_batch_size", "2", "--seq_len", "16"]
     args += ["--demo_max_bytes", "100000", "--root", str(tmp_path / "runs")]
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "4"]
-    command += ["--master-port", str(free_port()), str(EXAMPLES / "megatron_4d.py"), *args]
-    # its own session, so that a timeout kills torchrun's ranks too, not only torchrun
-    proc = subprocess.Popen(
-        command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-        text=True, start_new_session=True,
-    )  # fmt: skip
-    try:
-        stdout, stderr = proc.communicate(timeout=240)
-    finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)  # leftovers of a hung or failed run
-    result = subprocess.CompletedProcess(command, proc.returncode, stdout, stderr)
-    assert result.returncode == 0, result.stderr[-4000:]
-    assert "done: 2 steps" in result.stdout
+    printed = run_world(_megatron_example_rank, 4, str(tmp_path), args, timeout=240)
+    assert "done: 2 steps" in printed[0] and not any(printed[1:])  # rank 0 reports
     report = json.loads((tmp_path / "runs/megatron_4d/version_0/report.json").read_text())
     assert report["strategy"]["layout"] == {
         "strategy": "MegatronStrategy", "world_size": 4,

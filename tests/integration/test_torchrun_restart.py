@@ -1,13 +1,16 @@
 """Automatic restart under `torchrun --max-restarts` on CPU/gloo, and preemption of one rank.
 
-Both run the real `nanotrain fit` command under torchrun with 2 DDP workers on the toy
-classifier (tests/unit/test_checkpoint.py's DropoutAdamClassifier: dropout, Adam, a step LR
-schedule, shuffled data), checkpointing every 2 steps, always with `--ckpt_path last`:
+The real `nanotrain fit` command under torchrun (`--max-restarts 1`) with 2 DDP workers on the
+toy classifier (tests/unit/test_checkpoint.py's DropoutAdamClassifier: dropout, Adam, a step
+LR schedule, shuffled data), checkpointing every 2 steps, always with `--ckpt_path last`,
+inside docs/checkpointing.md's SLURM recipe:
 
-* SIGKILL of rank 1 during step 5 of the first attempt: torchrun restarts both workers, they
-  resume from step 4, and the job's final loss equals the uninterrupted run's.
-* SIGTERM to rank 1 only, during step 3: both ranks finish step 3, save it and exit with 75;
-  the same command then resumes exactly.
+* SIGKILL of rank 1 during step 5 of the first attempt: torchrun restarts both workers and
+  they resume from step 4;
+* SIGTERM to rank 1 only, during step 7 of that second attempt: both ranks finish step 7,
+  save it and exit with 75, and the recipe requeues the job;
+* the same command then resumes at step 8, and every step's loss equals the uninterrupted
+  run's.
 """
 
 from __future__ import annotations
@@ -34,19 +37,23 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 class SignalRankAt(nt.Callback):
-    """Sends `signum` to rank `rank` at the start of step `step`, in the first attempt only."""
+    """Sends `signum` to rank `rank` at the start of step `step` of torchrun's attempt
+    `attempt` (TORCHELASTIC_RESTART_COUNT) only."""
 
-    def __init__(self, step: int, rank: int, signum: int) -> None:
-        self.step, self.rank, self.signum = step, rank, signum
+    def __init__(self, step: int, rank: int, signum: int, attempt: int) -> None:
+        self.step, self.rank, self.signum, self.attempt = step, rank, signum, attempt
 
     def on_train_step_start(self, trainer, module, batch, batch_idx) -> None:
-        first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
+        this_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == str(self.attempt)
         at = trainer.global_step + 1 == self.step and trainer.global_rank == self.rank
-        if first_attempt and at and not os.environ.get("NO_SIGNAL"):
+        if this_attempt and at:
             os.kill(os.getpid(), self.signum)
 
 
-def write_config(config: Path, signum: int, step: int) -> Path:
+def write_config(config: Path) -> Path:
+    """The job: SIGKILL of rank 1 in step 5 of the first attempt, SIGTERM to rank 1 in step 7
+    of the second."""
+    signal_at = "tests.integration.test_torchrun_restart.SignalRankAt"
     config.write_text(
         f"""
 trainer: {{max_steps: 8, micro_batch_size: 4, global_batch_size: 16, seed: 3,
@@ -55,8 +62,8 @@ model: {{class_path: tests.unit.test_checkpoint.DropoutAdamClassifier}}
 data: {{class_path: nanotrain.testing.BlobsData, init_args: {{num_train: 64, num_val: 16, batch_size: 4}}}}
 callbacks:
   - {{class_path: nanotrain.callbacks.checkpoint.ModelCheckpoint, init_args: {{every_n_steps: 2}}}}
-  - {{class_path: tests.integration.test_torchrun_restart.SignalRankAt,
-     init_args: {{step: {step}, rank: 1, signum: {int(signum)}}}}}
+  - {{class_path: {signal_at}, init_args: {{step: 5, rank: 1, signum: {int(signal.SIGKILL)}, attempt: 0}}}}
+  - {{class_path: {signal_at}, init_args: {{step: 7, rank: 1, signum: {int(signal.SIGTERM)}, attempt: 1}}}}
 """
     )
     return config
@@ -112,35 +119,33 @@ def _straight(rank: int, world_size: int, root: str) -> None:
     trainer.fit(DropoutAdamClassifier(), BlobsData(num_train=64, num_val=16, batch_size=4))
 
 
-def test_torchrun_restarts_after_sigkill_and_sigterm_preempts_with_an_exact_resume(tmp_path):
-    # One uninterrupted reference for both cases, in-process (a torchrun job of its own would
-    # only repeat the start-up)
+def test_torchrun_restarts_after_sigkill_then_sigterm_preempts_and_the_job_resumes_exactly(
+    tmp_path,
+):
+    # One uninterrupted reference, in-process (a torchrun job of its own would only repeat
+    # the start-up)
     run_world(_straight, 2, str(tmp_path / "straight"), timeout=120)
     expected = losses(tmp_path / "straight")
-    kill = write_config(tmp_path / "kill.yaml", signal.SIGKILL, step=5)
-
-    # SIGKILL of rank 1 in step 5: torchrun restarts both workers, which resume from step 4.
-    killed = torchrun(kill, tmp_path / "killed", "--max-restarts", "1")
-    assert "exitcode: -9" in killed.stderr  # the first attempt really lost rank 1
-    assert "connectFullMesh failed" not in killed.stderr  # the restart joined (rendezvous.py)
-    assert losses(tmp_path / "killed")[8] == expected[8], killed.stderr[-3000:]
-    assert_finished(killed, tmp_path / "killed")
-
-    # SIGTERM to rank 1 only, in step 3: every rank saves step 3 and exits with 75, and the
-    # SLURM recipe of docs/checkpointing.md reads "preempted" from the exit record and requeues
-    term = write_config(tmp_path / "term.yaml", signal.SIGTERM, step=3)
+    config = write_config(tmp_path / "job.yaml")
+    root = tmp_path / "runs"
     job = tmp_path / "job"
     job.mkdir()
-    preempted = torchrun(term, tmp_path / "term", recipe=job)
-    assert f"exitcode: {EXIT_PREEMPTED}" in preempted.stderr or EXIT_ABORT in preempted.stderr
-    ckpts = tmp_path / "term" / "default" / "version_0" / "checkpoints"
-    assert (ckpts / "last").read_text().strip() == "step-00000003"
+
+    # attempt 0 loses rank 1 to SIGKILL in step 5; torchrun restarts both workers, which
+    # resume from step 4; attempt 1 is preempted (SIGTERM to rank 1 only) in step 7: every
+    # rank saves step 7 and exits with 75, and the recipe reads "preempted" and requeues
+    first = torchrun(config, root, "--max-restarts", "1", recipe=job)
+    assert "exitcode: -9" in first.stderr  # the first attempt really lost rank 1
+    assert "connectFullMesh failed" not in first.stderr  # the restart joined (rendezvous.py)
+    assert f"exitcode: {EXIT_PREEMPTED}" in first.stderr or EXIT_ABORT in first.stderr
+    ckpts = root / "default" / "version_0" / "checkpoints"
+    assert (ckpts / "last").read_text().strip() == "step-00000007", first.stderr[-3000:]
     assert json.loads((job / "exit-4242.json").read_text())["reason"] == "preempted"
-    assert (job / "scontrol.log").read_text().split() == ["requeue", "4242"], preempted.stderr[
-        -3000:
-    ]
-    resumed = torchrun(term, tmp_path / "term")  # the same command
-    assert_finished(resumed, tmp_path / "term")
-    got = losses(tmp_path / "term")
+    assert (job / "scontrol.log").read_text().split() == ["requeue", "4242"], first.stderr[-3000:]
+
+    # the requeued job: the same command resumes at step 8
+    resumed = torchrun(config, root)
+    assert_finished(resumed, root)
+    got = losses(root)
     assert sorted(got) == list(range(1, 9))
-    assert all(got[step] == expected[step] for step in got)
+    assert all(got[step] == expected[step] for step in got), (got, expected)
