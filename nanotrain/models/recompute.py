@@ -23,7 +23,7 @@ recompute runs, and the MoE load counters skip it.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -39,18 +39,22 @@ def is_recomputing() -> bool:
     return _recomputing > 0
 
 
-@contextlib.contextmanager
-def _recompute_scope() -> Iterator[None]:
-    global _recomputing
-    _recomputing += 1
-    try:
-        yield
-    finally:
+class _RecomputeScope:
+    """Marks a rerun of a checkpointed forward (`is_recomputing`). A class, not a generator:
+    backward may rerun a region more than once (a split backward's weight half unpacks what
+    its input half already used), and each rerun enters the same object again."""
+
+    def __enter__(self) -> None:
+        global _recomputing
+        _recomputing += 1
+
+    def __exit__(self, *exc: object) -> None:
+        global _recomputing
         _recomputing -= 1
 
 
 def _contexts() -> tuple[Any, Any]:
-    return contextlib.nullcontext(), _recompute_scope()
+    return contextlib.nullcontext(), _RecomputeScope()
 
 
 def recomputed(fn: Callable[..., Any], *args: Any) -> Any:

@@ -8,11 +8,13 @@ the embedding, the last the final norm, the head, the loss and the MTP modules
 (`nanotrain.models.stages`).
 
 Running a schedule. `run_schedule` executes a list of `schedules.Action` on this rank (GPipe,
-1F1B or interleaved 1F1B, with their bubbles, in `nanotrain.parallel.schedules`): a
-forward receives its input activation from the previous virtual stage, runs the chunk and
-sends the output on; a backward receives the gradient of that output from the next virtual
-stage, backpropagates the output and this chunk's own loss term (MoE balance losses, and on
-the last stage the LM and MTP losses) and sends the input's gradient back. Every transfer is
+1F1B, interleaved 1F1B or zero-bubble H1, with their bubbles, in
+`nanotrain.parallel.schedules`): a forward receives its input activation from the previous
+virtual stage, runs the chunk and sends the output on; a backward receives the gradient of
+that output from the next virtual stage, backpropagates the output and this chunk's own loss
+term (MoE balance losses, and on the last stage the LM and MTP losses) and sends the input's
+gradient back. A split backward does the same in its input half (I) and leaves the weight
+gradients to its W action (`nanotrain.parallel.split_backward`). Every transfer is
 point-to-point between neighbouring stages; a send goes out as soon as its tensor exists and
 only receives are waited on. Shapes are known up front (``[micro_batch, seq_len (/ tp under
 SP), hidden]``), so receive buffers are allocated without a shape handshake.
@@ -40,6 +42,7 @@ from torch import Tensor
 from torch.distributed import ProcessGroup
 
 from nanotrain.parallel.schedules import Action
+from nanotrain.parallel.split_backward import WeightGradients, backward_input
 from nanotrain.runtime.collective_errors import CollectiveTimeoutError
 from nanotrain.runtime.profiling import named_range
 
@@ -272,6 +275,7 @@ def run_schedule(
     loss_scales: Sequence[float] | None = None,
     forward_only: bool = False,
     before_last_backward: Callable[[], None] | None = None,
+    params: Sequence[Tensor] = (),
 ) -> ScheduleStats:
     """Run ``actions`` on this rank, exchanging activations and gradients through ``comm``.
 
@@ -283,16 +287,19 @@ def run_schedule(
             last virtual stage) and this chunk's loss term (None or a scalar).
         loss_scales: per microbatch, what its loss terms are multiplied by in backward (its
             weight in the step's loss); None: 1.0 each.
-        forward_only: no autograd graph, no backward (validation); B actions are refused.
-        before_last_backward: called right before the rank's final backward (e.g. to turn
-            on overlapped gradient reduction).
+        forward_only: no autograd graph, no backward (validation); backward actions are
+            refused.
+        before_last_backward: called right before the rank's last action that accumulates
+            weight gradients, its final B or W (e.g. to turn on overlapped gradient reduction).
+        params: this rank's parameters, for schedules that split backwards (I and W actions).
 
     Returns:
         `ScheduleStats` of this run.
     """
     transfers, stats = _Transfers(comm), ScheduleStats()
     held: dict[tuple[int, int], tuple[Tensor | None, Tensor | None, Tensor | None]] = {}
-    last_b = max((i for i, a in enumerate(actions) if a.kind == "B"), default=-1)
+    deferred: dict[tuple[int, int], WeightGradients] = {}
+    last_b = max((i for i, a in enumerate(actions) if a.kind in ("B", "W")), default=-1)
     for i, action in enumerate(actions):
         m, c = action.microbatch, action.chunk
         if action.kind == "F":
@@ -310,35 +317,49 @@ def run_schedule(
             stats.forwards += 1
             if not forward_only:
                 held[(m, c)] = (inp, out, loss)
-                stats.peak_in_flight = max(stats.peak_in_flight, len(held))
+                stats.peak_in_flight = max(stats.peak_in_flight, len(held) + len(deferred))
             continue
         if forward_only:
             raise ValueError("a forward-only run got a backward action")
+        if i == last_b and before_last_backward is not None:
+            before_last_backward()
+        stage = comm.virtual_stage(c)
+        if action.kind == "W":
+            with named_range(f"nanotrain/stage{stage}/backward_weights/mb{m}"):
+                deferred.pop((m, c))()
+            continue
         grad = None
         if not comm.is_last(c):
             grad, op = comm.recv_backward(m, c)
-            what = (
-                f"the gradient of microbatch {m}'s output (virtual stage {comm.virtual_stage(c)})"
-            )
+            what = f"the gradient of microbatch {m}'s output (virtual stage {stage})"
             transfers.receive(op, what)
         inp, out, loss = held.pop((m, c))
-        if i == last_b and before_last_backward is not None:
-            before_last_backward()
-        with named_range(f"nanotrain/stage{comm.virtual_stage(c)}/backward/mb{m}"):
-            _backward(out, grad, loss, 1.0 if loss_scales is None else loss_scales[m])
+        tensors, grads = _backward_roots(
+            out, grad, loss, 1.0 if loss_scales is None else loss_scales[m]
+        )
+        if action.kind == "I":
+            with named_range(f"nanotrain/stage{stage}/backward_input/mb{m}"):
+                inp_grad, deferred[(m, c)] = backward_input(tensors, grads, inp, params)
+        else:
+            with named_range(f"nanotrain/stage{stage}/backward/mb{m}"):
+                if tensors:
+                    torch.autograd.backward(tensors, grads)
+            inp_grad = None if inp is None else inp.grad
         if inp is not None:
-            g = inp.grad if inp.grad is not None else torch.zeros_like(inp)
+            g = inp_grad if inp_grad is not None else torch.zeros_like(inp)
             transfers.send(comm.send_backward(m, c, g))
         stats.backwards += 1
     transfers.finish()
     assert not held, f"schedule left forwards without a backward: {sorted(held)}"
+    assert not deferred, f"schedule left split backwards without their W: {sorted(deferred)}"
     return stats
 
 
-def _backward(
+def _backward_roots(
     out: Tensor | None, grad: Tensor | None, loss: Tensor | None, loss_scale: float
-) -> None:
-    """Backpropagate the chunk's output (with the received gradient) and its scaled loss."""
+) -> tuple[list[Tensor], list[Tensor]]:
+    """What a chunk backpropagates: its output (with the received gradient) and its scaled
+    loss term, each only when it carries a graph."""
     tensors, grads = [], []
     if out is not None and grad is not None and out.requires_grad:
         tensors.append(out)
@@ -346,5 +367,4 @@ def _backward(
     if loss is not None and loss.requires_grad:
         tensors.append(loss)
         grads.append(torch.full_like(loss, loss_scale))
-    if tensors:
-        torch.autograd.backward(tensors, grads)
+    return tensors, grads

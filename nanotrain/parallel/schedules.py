@@ -18,6 +18,13 @@ numbers = microbatch) are drawn in docs/parallelism.md.
   ``num_chunks`` (v) non-consecutive chunks of layers; the bubble shrinks by v, to
   (p - 1) / (v·m) of the ideal time, (p - 1) / (v·m + p - 1) of the step, for v times more
   point-to-point traffic.
+- Zero-bubble H1 (Qi et al. 2024, "Zero Bubble Pipeline Parallelism", schedule ZB-H1): 1F1B
+  with every backward split in two, the input gradient ("I", the paper's B) sent upstream at
+  once and the weight gradient ("W") deferred: each rank keeps its first ``pp - rank - 1``
+  W's back and runs them in the cool-down, where 1F1B waits for gradients. The paper's bubble
+  is (p - 1)·(F + I - W) per step against 1F1B's (p - 1)·(F + I + W), for up to
+  ``2·(pp - rank) - 1`` microbatches in flight (1F1B: ``pp - rank``), since a microbatch's
+  saved activations live until its W.
 
 Here p = pp, m = num_microbatches, v = num_chunks, and every stage (every chunk, for v > 1)
 takes the same time per microbatch, as the papers assume.
@@ -39,18 +46,31 @@ __all__ = [
     "interleaved_1f1b",
     "max_in_flight",
     "one_f_one_b",
+    "zero_bubble_h1",
 ]
 
 
 @dataclass(frozen=True)
 class Action:
-    """One step of a schedule: ``kind`` "F" (forward) or "B" (backward) of ``microbatch``
-    through local ``chunk`` (0 .. num_chunks-1; chunk c of pp rank r is virtual stage
-    ``c * pp + r``)."""
+    """One step of a schedule: ``kind`` of ``microbatch`` through local ``chunk``
+    (0 .. num_chunks-1; chunk c of pp rank r is virtual stage ``c * pp + r``). Kinds: "F"
+    forward; "B" the whole backward; "I" the input-gradient half of a backward (what goes
+    upstream) and "W" its weight-gradient half, which must follow the I of the same
+    microbatch and chunk (`nanotrain.parallel.split_backward`)."""
 
     kind: str
     microbatch: int
     chunk: int = 0
+
+    @property
+    def sends_input_grad(self) -> bool:
+        """Whether this action produces the gradient sent to the previous stage (B or I)."""
+        return self.kind in ("B", "I")
+
+    @property
+    def frees_activations(self) -> bool:
+        """Whether this action ends the microbatch-chunk's saved activations (B or W)."""
+        return self.kind in ("B", "W")
 
 
 def check_schedule_args(
@@ -149,6 +169,37 @@ def interleaved_1f1b(
     return actions
 
 
+def zero_bubble_h1(
+    num_microbatches: int, pp_size: int, pp_rank: int, num_chunks: int = 1
+) -> list[Action]:
+    """1F1B with split backwards (Qi et al. 2024's ZB-H1): the same warm-up forwards
+    (``min(pp - pp_rank - 1, m)``), then one forward and one input-gradient half (I) at a time;
+    the weight-gradient halves (W) run in microbatch order, ``pp - pp_rank - 1`` of them held
+    back until the cool-down, where each follows an I in the time 1F1B spends waiting for
+    the next gradient. The last rank holds none back (F, I, W as 1F1B's F, B).
+
+    Raises:
+        ValueError: for num_chunks != 1.
+    """
+    check_schedule_args(num_microbatches, pp_size, pp_rank, num_chunks)
+    if num_chunks != 1:
+        raise ValueError(f"zero-bubble H1 runs one chunk per rank, got virtual_pp={num_chunks}")
+    m = num_microbatches
+    warmup = min(pp_size - pp_rank - 1, m)
+    actions = [Action("F", i) for i in range(warmup)]
+    next_w = 0
+    for i in range(m - warmup):
+        actions += [Action("F", warmup + i), Action("I", i)]
+        if i + 1 > warmup:  # more than `warmup` W's pending: run the oldest
+            actions.append(Action("W", next_w))
+            next_w += 1
+    for i in range(m - warmup, m):
+        actions += [Action("I", i), Action("W", next_w)]
+        next_w += 1
+    actions += [Action("W", i) for i in range(next_w, m)]
+    return actions
+
+
 def forward_only(
     num_microbatches: int, pp_size: int, pp_rank: int, num_chunks: int = 1
 ) -> list[Action]:
@@ -158,10 +209,11 @@ def forward_only(
 
 
 def max_in_flight(actions: list[Action]) -> int:
-    """Most (microbatch, chunk) forwards whose backward has not run yet, at any point."""
+    """Most (microbatch, chunk) forwards whose saved activations are still held (their B, or
+    W after a split backward, has not run yet), at any point."""
     live = peak = 0
     for action in actions:
-        live += 1 if action.kind == "F" else -1
+        live += 1 if action.kind == "F" else -int(action.frees_activations)
         peak = max(peak, live)
     return peak
 
@@ -171,4 +223,5 @@ SCHEDULES: dict[str, Callable[..., list[Action]]] = {
     "gpipe": gpipe,
     "1f1b": one_f_one_b,
     "interleaved_1f1b": interleaved_1f1b,
+    "zb_h1": zero_bubble_h1,
 }

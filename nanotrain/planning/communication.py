@@ -194,7 +194,7 @@ def _pp(
     sends = 0
     for a in layout.schedule_actions(micro, pp_rank):
         stage = a.chunk * layout.pp + pp_rank
-        sends += (a.kind == "F" and stage != last) or (a.kind == "B" and stage != 0)
+        sends += (a.kind == "F" and stage != last) or (a.sends_input_grad and stage != 0)
     seq = workload.seq_len // (layout.tp if layout.sequence_parallel else 1)
     size = workload.micro_batch_size * seq * config.hidden_size * dt.param
     tally.add(sends * size, sends, f"{sends} sends of [b, s, h] = {_mib(size)}")

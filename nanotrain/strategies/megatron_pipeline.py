@@ -50,15 +50,16 @@ def pick_schedule(schedule: str | None, virtual_pp: int) -> str:
     """The schedule name to use: ``schedule`` checked, or 1F1B / interleaved 1F1B by default.
 
     Raises:
-        ValueError: for an unknown name or 1F1B with virtual_pp > 1.
+        ValueError: for an unknown name, or a one-chunk schedule (1F1B, zero-bubble H1) with
+            virtual_pp > 1.
     """
     if schedule is None:
         return "interleaved_1f1b" if virtual_pp > 1 else "1f1b"
     if schedule not in SCHEDULES:
         raise ValueError(f"schedule must be one of {sorted(SCHEDULES)}, got {schedule!r}")
-    if schedule == "1f1b" and virtual_pp > 1:
+    if schedule in ("1f1b", "zb_h1") and virtual_pp > 1:
         raise ValueError(
-            f"schedule='1f1b' runs one chunk per rank but virtual_pp={virtual_pp}; use "
+            f"schedule={schedule!r} runs one chunk per rank but virtual_pp={virtual_pp}; use "
             "schedule='interleaved_1f1b' (or virtual_pp=1)"
         )
     return schedule
@@ -232,6 +233,7 @@ class PipelineEngine:
             step,
             loss_scales=[precision.loss_scale] * num_micro,
             before_last_backward=before_last,
+            params=list(stage.parameters()),
         )
         if shared:
             all_reduce_coalesced([grad_of(p) for p in shared], self.embedding_group)

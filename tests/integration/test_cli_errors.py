@@ -139,12 +139,11 @@ def torchrun_run(data) -> subprocess.CompletedProcess:
     return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
 
 
-def _command_on_rank(rank: int, world_size: int, argv: list[str], cache: str) -> tuple:
+def _command_on_rank(rank: int, world_size: int, argv: list[str], env: dict[str, str]) -> tuple:
     """`nanotrain ...argv` on one rank of a forked gloo world, with the variables torchrun
-    sets: (its exit code, or None when the error propagated; what it wrote to stderr, with
-    the traceback of an error that propagated, as the process would print it)."""
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
-                      NANOTRAIN_CACHE=cache)  # fmt: skip
+    sets and `env`: (its exit code, or None when the error propagated; what it wrote to
+    stderr, with the traceback of an error that propagated, as the process would print it)."""
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size), **env)
     os.environ.pop("NANOTRAIN_DEBUG", None)
     stderr = io.StringIO()
     with contextlib.redirect_stderr(stderr):
@@ -164,7 +163,6 @@ def rank_runs(data) -> dict[str, list[tuple]]:
     at the barrier, and rank 1's own error with --debug. Each world ends when its erring rank
     leaves the process group, as a torchrun worker's exit does."""
     tmp = data["tmp"]
-    cache = str(tmp / "cache")
     every_rank = [*cases(data)["seq_len"], "--trainer.global_batch_size", "2",
                   "--trainer.default_root_dir", str(tmp / "both_runs")]  # fmt: skip
     missing = ["fit", "--config", "examples/configs/tiny_deepseek.yaml", "--strategy", "ddp",
@@ -172,7 +170,14 @@ def rank_runs(data) -> dict[str, list[tuple]]:
                "--trainer.default_root_dir", str(tmp / "data_runs")]  # fmt: skip
     debug = [*RANK_ONE_FAILS, "--trainer.default_root_dir", str(tmp / "r1_runs"), "--debug"]
     runs = {"every_rank": every_rank, "data": missing, "rank1_debug": debug}
-    return {name: run_world(_command_on_rank, 2, argv, cache) for name, argv in runs.items()}
+    # the exit record goes where a job script would name it, not next to the example config
+    return {
+        name: run_world(_command_on_rank, 2, argv, {
+            "NANOTRAIN_CACHE": str(tmp / "cache"),
+            "NANOTRAIN_EXIT_FILE": str(tmp / f"exit-{name}.json"),
+        })
+        for name, argv in runs.items()
+    }  # fmt: skip
 
 
 EXPECTED = {
@@ -239,12 +244,14 @@ def test_an_error_every_rank_finds_is_printed_once(rank_runs):
     assert not _nanotrain_frames(err0 + err1)
 
 
-def test_a_data_error_of_rank_zero_is_one_line_and_its_waiting_peer_stays_quiet(rank_runs):
+def test_a_data_error_of_rank_zero_is_one_line_and_its_waiting_peer_stays_quiet(rank_runs, data):
     (code0, err0), (code1, err1) = rank_runs["data"]
     (line,) = _error_lines(err0)
     assert code0 == 2 and "/nonexistent" in line
     # rank 1's barrier lost its peer: not its error to report (exit code 1, nothing printed)
     assert code1 == 1 and err1 == ""
+    record = json.loads((data["tmp"] / "exit-data.json").read_text())
+    assert record["reason"] == "user_error" and "/nonexistent" in record["message"]
 
 
 def test_an_error_found_by_rank_one_alone_is_printed_once_by_it(torchrun_run):
