@@ -128,7 +128,8 @@ def _sleep_bench(rank: int, world: int, schedule: str, m: int, v: int, f: float)
 
     def forward_step(mb: int, c: int, inp):
         x = w * 1.0 if inp is None else inp
-        out = _Sleep.apply(x, f / v, 2 * f / v)
+        # backward 2F/v: F/v on the path to the input (I), F/v on the path to the weight (W)
+        out = _Sleep.apply(x, f / v, f / v) + _Sleep.apply(w, 0.0, f / v).sum() * 0.0
         return (None, out.sum()) if comm.is_last(c) else (out, None)
 
     actions = SCHEDULES[schedule](m, world, rank, v)
@@ -136,25 +137,31 @@ def _sleep_bench(rank: int, world: int, schedule: str, m: int, v: int, f: float)
     for _ in range(2):
         dist.barrier()
         start = time.perf_counter()
-        run_schedule(actions, comm, forward_step)
+        run_schedule(actions, comm, forward_step, params=[w])
         dist.barrier()
         times.append(time.perf_counter() - start)
     return min(times)
 
 
 def sleep_table(f_ms: float) -> None:
-    """Step time over the ideal (m + (p - 1)/v)·3F with sleep-based compute."""
+    """Step time over each schedule's formula with sleep-based compute (F forward, I = W = F
+    for the two halves of the backward): m·3F plus the bubble, (p - 1)·3F/v for GPipe and
+    (interleaved) 1F1B, (p - 1)·(F + I) = (p - 1)·2F for 1F1B with split backwards."""
     f = f_ms / 1e3
-    print(f"sleep-based compute, F = {f_ms:g} ms")
-    print("| pp | m | schedule | step ms | ideal ms | step / ideal |")
-    print("|---|---|---|---|---|---|")
+    print(f"sleep-based compute, F = I = W = {f_ms:g} ms")
+    print("| pp | m | schedule | step ms | formula ms | step / formula | vs 1f1b |")
+    print("|---|---|---|---|---|---|---|")
     for pp, m in ((2, 4), (4, 8)):
-        for schedule, v in (("gpipe", 1), ("1f1b", 1), ("interleaved_1f1b", 2)):
+        one_f_one_b = None
+        for schedule, v in (("gpipe", 1), ("1f1b", 1), ("interleaved_1f1b", 2), ("zb_1f1b", 1)):
             step = max(run_world(_sleep_bench, pp, schedule, m, v, f, timeout=300))
-            ideal = (m + (pp - 1) / v) * 3 * f
+            bubble = (pp - 1) * 2 * f if schedule == "zb_1f1b" else (pp - 1) / v * 3 * f
+            formula = m * 3 * f + bubble
+            one_f_one_b = step if schedule == "1f1b" else one_f_one_b
+            versus = "" if one_f_one_b is None else f"{step / one_f_one_b:.2f}"
             print(
-                f"| {pp} | {m} | {schedule} | {step * 1e3:.0f} | {ideal * 1e3:.0f} | "
-                f"{step / ideal:.2f} |",
+                f"| {pp} | {m} | {schedule} | {step * 1e3:.0f} | {formula * 1e3:.0f} | "
+                f"{step / formula:.2f} | {versus} |",
                 flush=True,
             )
 

@@ -8,7 +8,7 @@ the embedding, the last the final norm, the head, the loss and the MTP modules
 (`nanotrain.models.stages`).
 
 Running a schedule. `run_schedule` executes a list of `schedules.Action` on this rank (GPipe,
-1F1B, interleaved 1F1B or zero-bubble H1, with their bubbles, in
+1F1B, interleaved 1F1B or 1F1B with split backwards, with their bubbles, in
 `nanotrain.parallel.schedules`): a forward receives its input activation from the previous
 virtual stage, runs the chunk and sends the output on; a backward receives the gradient of
 that output from the next virtual stage, backpropagates the output and this chunk's own loss

@@ -18,13 +18,10 @@ numbers = microbatch) are drawn in docs/parallelism.md.
   ``num_chunks`` (v) non-consecutive chunks of layers; the bubble shrinks by v, to
   (p - 1) / (v·m) of the ideal time, (p - 1) / (v·m + p - 1) of the step, for v times more
   point-to-point traffic.
-- Zero-bubble H1 (Qi et al. 2024, "Zero Bubble Pipeline Parallelism", schedule ZB-H1): 1F1B
-  with every backward split in two, the input gradient ("I", the paper's B) sent upstream at
-  once and the weight gradient ("W") deferred: each rank keeps its first ``pp - rank - 1``
-  W's back and runs them in the cool-down, where 1F1B waits for gradients. The paper's bubble
-  is (p - 1)·(F + I - W) per step against 1F1B's (p - 1)·(F + I + W), for up to
-  ``2·(pp - rank) - 1`` microbatches in flight (1F1B: ``pp - rank``), since a microbatch's
-  saved activations live until its W.
+- 1F1B with split backwards (``zb_1f1b``; the split of Qi et al. 2024, "Zero Bubble
+  Pipeline Parallelism"): every backward runs as its input gradient ("I", the paper's B),
+  sent upstream at once, then its weight gradient ("W"). Bubble (p - 1)·(F + I) against
+  1F1B's (p - 1)·(F + I + W), at 1F1B's memory.
 
 Here p = pp, m = num_microbatches, v = num_chunks, and every stage (every chunk, for v > 1)
 takes the same time per microbatch, as the papers assume.
@@ -46,7 +43,7 @@ __all__ = [
     "interleaved_1f1b",
     "max_in_flight",
     "one_f_one_b",
-    "zero_bubble_h1",
+    "zero_bubble_1f1b",
 ]
 
 
@@ -169,34 +166,32 @@ def interleaved_1f1b(
     return actions
 
 
-def zero_bubble_h1(
+def zero_bubble_1f1b(
     num_microbatches: int, pp_size: int, pp_rank: int, num_chunks: int = 1
 ) -> list[Action]:
-    """1F1B with split backwards (Qi et al. 2024's ZB-H1): the same warm-up forwards
-    (``min(pp - pp_rank - 1, m)``), then one forward and one input-gradient half (I) at a time;
-    the weight-gradient halves (W) run in microbatch order, ``pp - pp_rank - 1`` of them held
-    back until the cool-down, where each follows an I in the time 1F1B spends waiting for
-    the next gradient. The last rank holds none back (F, I, W as 1F1B's F, B).
+    """1F1B with every backward split into its input half (I) and, right after it, its
+    weight half (W).
+
+    The gradient goes upstream as soon as I is done, so the chain of gradients through the
+    cool-down moves by one I per stage instead of a whole backward: with equal F, I and W
+    the step takes m·3F + (p - 1)·2F against 1F1B's m·3F + (p - 1)·3F, at 1F1B's memory
+    (``pp - pp_rank`` microbatches in flight, each until its W). An event replay of the
+    pipeline with unit times that lets a free rank run a pending W whenever it would wait
+    chooses exactly this order. (Qi et al. 2024's ZB-H1 defers W's further, by measured
+    times, for (p - 1)·F.)
 
     Raises:
         ValueError: for num_chunks != 1.
     """
     check_schedule_args(num_microbatches, pp_size, pp_rank, num_chunks)
     if num_chunks != 1:
-        raise ValueError(f"zero-bubble H1 runs one chunk per rank, got virtual_pp={num_chunks}")
-    m = num_microbatches
-    warmup = min(pp_size - pp_rank - 1, m)
-    actions = [Action("F", i) for i in range(warmup)]
-    next_w = 0
-    for i in range(m - warmup):
-        actions += [Action("F", warmup + i), Action("I", i)]
-        if i + 1 > warmup:  # more than `warmup` W's pending: run the oldest
-            actions.append(Action("W", next_w))
-            next_w += 1
-    for i in range(m - warmup, m):
-        actions += [Action("I", i), Action("W", next_w)]
-        next_w += 1
-    actions += [Action("W", i) for i in range(next_w, m)]
+        raise ValueError(f"zb_1f1b runs one chunk per rank, got virtual_pp={num_chunks}")
+    actions = []
+    for a in one_f_one_b(num_microbatches, pp_size, pp_rank):
+        if a.kind == "F":
+            actions.append(a)
+        else:
+            actions += [Action("I", a.microbatch), Action("W", a.microbatch)]
     return actions
 
 
@@ -223,5 +218,5 @@ SCHEDULES: dict[str, Callable[..., list[Action]]] = {
     "gpipe": gpipe,
     "1f1b": one_f_one_b,
     "interleaved_1f1b": interleaved_1f1b,
-    "zb_h1": zero_bubble_h1,
+    "zb_1f1b": zero_bubble_1f1b,
 }

@@ -50,14 +50,14 @@ def pick_schedule(schedule: str | None, virtual_pp: int) -> str:
     """The schedule name to use: ``schedule`` checked, or 1F1B / interleaved 1F1B by default.
 
     Raises:
-        ValueError: for an unknown name, or a one-chunk schedule (1F1B, zero-bubble H1) with
+        ValueError: for an unknown name, or a one-chunk schedule (1f1b, zb_1f1b) with
             virtual_pp > 1.
     """
     if schedule is None:
         return "interleaved_1f1b" if virtual_pp > 1 else "1f1b"
     if schedule not in SCHEDULES:
         raise ValueError(f"schedule must be one of {sorted(SCHEDULES)}, got {schedule!r}")
-    if schedule in ("1f1b", "zb_h1") and virtual_pp > 1:
+    if schedule in ("1f1b", "zb_1f1b") and virtual_pp > 1:
         raise ValueError(
             f"schedule={schedule!r} runs one chunk per rank but virtual_pp={virtual_pp}; use "
             "schedule='interleaved_1f1b' (or virtual_pp=1)"

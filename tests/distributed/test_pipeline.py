@@ -1,8 +1,9 @@
 """MegatronStrategy with pipeline parallelism matches one process step for step.
 
 Two forked gloo worlds (2 and 4 ranks) each train several pipeline layouts one after another
-(GPipe, 1F1B, interleaved 1F1B; with tp, with dp + ZeRO-2; the tiny DeepSeek preset with MoE
-layers on several stages and MTP on the last). Every layout is checked against the
+(GPipe, 1F1B, interleaved 1F1B, 1F1B with split backwards; with tp, with dp +
+ZeRO-2, with ep; the tiny DeepSeek preset with MoE layers on several stages and MTP on the
+last). Every layout is checked against the
 single-process reference with the same seed, data and global batch: per-step losses, grad
 norms, the logged loss terms (on every rank), validation loss, and the final parameters
 gathered over tp and pp. 4-layer models, so that pp=4 has a layer per stage.
@@ -86,6 +87,11 @@ WORLD2 = {
         "tiny",
         dict(pp=2, virtual_pp=2, pipeline_layout=[1, 1, 1, 1]),
     ),
+    # split backwards (input half, then weight half), MTP on the last stage, uneven stages
+    "deepseek pp=2 zb_1f1b layout 1,3": (
+        "tiny",
+        dict(pp=2, schedule="zb_1f1b", pipeline_layout=[1, 3]),
+    ),
 }
 WORLD4 = {
     "dense pp=4 gpipe": ("tiny-dense", dict(pp=4, schedule="gpipe")),
@@ -101,6 +107,18 @@ WORLD4 = {
     ),
     "dense pp=2 x tp=2": ("tiny-dense", dict(pp=2, tp=2)),
     "deepseek pp=2 x dp=2 zero2": ("tiny", dict(pp=2, dp=2, zero_stage=2)),
+    # split backwards: the weight halves feed ZeRO-2's reduce-scatter hooks, the tp and ep
+    # collectives run in the input halves
+    "dense pp=4 zb_1f1b": ("tiny-dense", dict(pp=4, schedule="zb_1f1b")),
+    "deepseek pp=2 x dp=2 zero2 zb_1f1b": (
+        "tiny",
+        dict(pp=2, dp=2, zero_stage=2, schedule="zb_1f1b"),
+    ),
+    "deepseek pp=2 x tp=2 sp zb_1f1b": (
+        "tiny",
+        dict(pp=2, tp=2, sequence_parallel=True, schedule="zb_1f1b"),
+    ),
+    "deepseek pp=2 x ep=2 zb_1f1b": ("tiny", dict(pp=2, ep=2, schedule="zb_1f1b")),
 }
 
 
@@ -150,7 +168,9 @@ def test_four_rank_pipeline_matches_single_process(world4, references, layout):
 
 
 def test_1f1b_holds_at_most_pp_microbatches_in_flight_gpipe_all(world2):
-    # 4 microbatches per step on pp=2, counted by the executor while it ran the last step
+    # 4 microbatches per step on pp=2, counted by the executor while it ran the last step;
+    # split backwards hold a microbatch until its weight half, right after its input half
     for rank, result in enumerate(world2):
         assert result["dense pp=2 1f1b"]["peak_in_flight"] == 2 - rank
         assert result["dense pp=2 gpipe"]["peak_in_flight"] == 4
+        assert result["deepseek pp=2 zb_1f1b layout 1,3"]["peak_in_flight"] == 2 - rank

@@ -18,6 +18,7 @@ from nanotrain.parallel.schedules import (
     interleaved_1f1b,
     max_in_flight,
     one_f_one_b,
+    zero_bubble_1f1b,
 )
 from nanotrain.strategies.megatron import MegatronStrategy
 
@@ -46,11 +47,16 @@ def test_bad_layouts_name_the_numbers(args, message):
 
 
 def _check_dependencies(schedules: list[list[Action]], pp: int, chunks: int) -> None:
-    """Simulate the ranks in lockstep: an action runs once its input exists; all must finish
-    (no deadlock) and every microbatch gets one forward and one backward per chunk."""
+    """Simulate the ranks in lockstep: an action runs once its input exists (a forward: the
+    previous stage's forward; a backward or input half: its own forward and the next stage's
+    input gradient; a weight half: its own input half); all must finish (no deadlock)."""
     done: set[tuple[str, int, int]] = set()  # (kind, microbatch, virtual stage)
     pos = [0] * pp
     last = pp * chunks - 1
+
+    def grad_sent(m: int, k: int) -> bool:
+        return ("B", m, k) in done or ("I", m, k) in done
+
     while any(pos[r] < len(schedules[r]) for r in range(pp)):
         progressed = False
         for r in range(pp):
@@ -60,9 +66,11 @@ def _check_dependencies(schedules: list[list[Action]], pp: int, chunks: int) -> 
             k = a.chunk * pp + r
             if a.kind == "F":
                 ready = k == 0 or ("F", a.microbatch, k - 1) in done
+            elif a.kind == "W":
+                ready = ("I", a.microbatch, k) in done
             else:
                 ready = ("F", a.microbatch, k) in done and (
-                    k == last or ("B", a.microbatch, k + 1) in done
+                    k == last or grad_sent(a.microbatch, k + 1)
                 )
             if ready:
                 done.add((a.kind, a.microbatch, k))
@@ -76,9 +84,11 @@ def _check_dependencies(schedules: list[list[Action]], pp: int, chunks: int) -> 
 def test_every_schedule_runs_each_microbatch_once_without_deadlock(name, pp, m):
     chunks = 2 if name == "interleaved_1f1b" else 1
     schedules = [SCHEDULES[name](m, pp, r, chunks) for r in range(pp)]
+    # every microbatch-chunk: one forward and one backward, whole (B) or split (I, then W)
+    kinds = "FIW" if name == "zb_1f1b" else "FB"
     for actions in schedules:
         assert sorted(actions, key=lambda a: (a.kind, a.microbatch, a.chunk)) == sorted(
-            [Action(kind, i, c) for kind in "FB" for i in range(m) for c in range(chunks)],
+            [Action(kind, i, c) for kind in kinds for i in range(m) for c in range(chunks)],
             key=lambda a: (a.kind, a.microbatch, a.chunk),
         )
     _check_dependencies(schedules, pp, chunks)
@@ -89,6 +99,23 @@ def test_1f1b_holds_at_most_pp_microbatches_gpipe_holds_all(pp, m):
     for rank in range(pp):
         assert max_in_flight(one_f_one_b(m, pp, rank)) == min(pp - rank, m)
         assert max_in_flight(gpipe(m, pp, rank)) == m
+        # split backwards free a microbatch at its W, right after its I: 1F1B's memory
+        assert max_in_flight(zero_bubble_1f1b(m, pp, rank)) == min(pp - rank, m)
+
+
+def test_split_1f1b_sends_each_gradient_before_its_weight_half():
+    for pp, m in [(2, 4), (4, 8), (4, 3)]:
+        for rank in range(pp):
+            actions = zero_bubble_1f1b(m, pp, rank)
+            # every input half is followed at once by its own weight half
+            for i, a in enumerate(actions):
+                if a.kind == "I":
+                    assert actions[i + 1] == Action("W", a.microbatch)
+            # the last rank alternates forward and split backward from the start
+            if rank == pp - 1:
+                assert [a.kind for a in actions] == ["F", "I", "W"] * m
+    with pytest.raises(ValueError, match="zb_1f1b runs one chunk per rank"):
+        zero_bubble_1f1b(4, 2, 0, 2)
 
 
 def test_interleaving_needs_whole_groups_of_pp_microbatches():
