@@ -218,8 +218,8 @@ class ScheduleStats:
 
     Attributes:
         peak_in_flight: most microbatch-chunks whose forward activations were held at once
-            (forward done, backward not yet).
-        forwards, backwards: actions executed.
+            (forward done, backward, or the weight half of a split one, not yet).
+        forwards, backwards: forwards and backwards (whole, or input halves) executed.
     """
 
     peak_in_flight: int = 0

@@ -11,7 +11,9 @@ The step-time model is deliberately simple and stated in full (docs/planning.md)
   full recomputation adds one forward of the layers, the head + loss and the MTP modules
   (+1/3 of their FLOPs), selective one forward of each attention block (projections and scores: `attention_flops_per_token` / 3);
 * pipeline: the slowest stage sets the pace; the 1F1B / interleaved bubble adds
-  ``(pp - 1) / (virtual_pp * microbatches)`` of its compute (GPipe's is the same);
+  ``(pp - 1) / (virtual_pp * microbatches)`` of its compute (GPipe's is the same); with
+  split backwards (``zb_1f1b``) the weight-gradient third of the compute (without
+  recomputation) leaves the bubble;
 * communication: tp, sequence-parallel, ep and pp traffic sit on the critical path (the code
   does not overlap them with compute); the data-parallel gradient reduction overlaps the
   backward pass (2/3 of the compute) and only what exceeds it shows, and ZeRO's parameter
@@ -26,7 +28,7 @@ GPU's memory.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from nanotrain.models.accounting import (
@@ -186,6 +188,16 @@ def _stage_flops(config: Any, layout: PlanLayout, workload: Workload, chunks: li
     return (split / layout.tp + routed * routed_rows_per_copy(config, layout, workload)) * tokens
 
 
+def _bubble(layout: PlanLayout, num_micro: int, busy: float, weights_t: float) -> float:
+    """The pacing stage's idle time per step under the layout's schedule: (p - 1) of its
+    per-microbatch time (F + I + W), divided by virtual_pp when interleaved; without W when
+    backwards are split (`zb_1f1b` sends the gradient upstream before the weight half)."""
+    if layout.pp == 1:
+        return 0.0
+    per_micro = (busy - weights_t if layout.schedule == "zb_1f1b" else busy) / num_micro
+    return per_micro * (layout.pp - 1) / layout.virtual_pp
+
+
 def routed_rows_per_copy(config: Any, layout: PlanLayout, workload: Workload) -> float:
     """Rows the routed experts compute on one tp rank per routed token copy of its replica.
 
@@ -325,10 +337,15 @@ def plan_layout(
         dp = comm_t.get("dp", 0.0) + comm_t.get("expert_dp", 0.0) + comm_t.get("embedding", 0.0)
         gather = min(_gather_time(rank, layout, workload, bandwidth), dp)
         exposed_dp = max(0.0, dp - gather - compute * 2 / 3) + gather
-        stage_times.append((compute + blocking, exposed_dp, compute, blocking, comm_t))
+        # the weight-gradient half of the backward: a third of the training FLOPs without
+        # recomputation (forward, input gradient, weight gradient: one each)
+        no_recompute = replace(layout, recompute=None)
+        weights = _stage_flops(config, no_recompute, workload, rank.chunks, last) / 3
+        weights_t = weights / (peak * compute_efficiency)
+        stage_times.append((compute + blocking, exposed_dp, compute, blocking, comm_t, weights_t))
     slowest = max(range(len(stage_times)), key=lambda i: stage_times[i][0])
-    busy, exposed_dp, compute, blocking, slowest_comm = stage_times[slowest]
-    bubble = busy * (layout.pp - 1) / (layout.virtual_pp * num_micro) if layout.pp > 1 else 0.0
+    busy, exposed_dp, compute, blocking, slowest_comm, weights_t = stage_times[slowest]
+    bubble = _bubble(layout, num_micro, busy, weights_t)
     step = busy + bubble + exposed_dp
     fits = max(r.memory for r in ranks) <= gpu.memory_bytes
     notes = []

@@ -88,6 +88,29 @@ def test_pipeline_bubble_is_pp_minus_one_over_vpp_microbatches(vpp, micro):
     assert plan.step_time_s == pytest.approx(sum(plan.time_parts.values()))
 
 
+@pytest.mark.parametrize(("recompute", "weight_share"), [(None, 1 / 3), ("full", 1 / 4)])
+def test_split_backwards_take_the_weight_gradient_out_of_the_bubble(recompute, weight_share):
+    # the weight half is a third of the training FLOPs (a quarter with full recomputation,
+    # which adds a forward): zb_1f1b's bubble is 1F1B's without it
+    config = presets.get("dense-100m")
+    work = Workload(seq_len=512, micro_batch_size=1, global_batch_size=32)
+    plans = {
+        schedule: plan_layout(
+            config, PlanLayout(pp=2, dp=4, schedule=schedule, recompute=recompute), work,
+            GPUS["h100"],
+        )
+        for schedule in ("1f1b", "zb_1f1b")
+    }  # fmt: skip
+    one, split = plans["1f1b"].time_parts, plans["zb_1f1b"].time_parts
+    assert split["compute"] == one["compute"] and split["blocking_comm"] == one["blocking_comm"]
+    busy = one["compute"] + one["blocking_comm"]
+    weights = one["compute"] * weight_share
+    assert split["pipeline_bubble"] == pytest.approx(
+        one["pipeline_bubble"] * (busy - weights) / busy
+    )
+    assert plans["zb_1f1b"].step_time_s < plans["1f1b"].step_time_s
+
+
 def test_groups_inside_a_node_use_nvlink_and_across_nodes_the_network():
     h100 = GPUS["h100"]
     inside = _bandwidths(PlanLayout(tp=2, dp=8, ep=4), h100)  # tp and ep span ranks 0..7
