@@ -268,7 +268,12 @@ def run_export(argv: list[str]) -> None:
 
     parser = new_parser(prog="nanotrain export", description=run_export.__doc__)
     parser.add_argument("--to", type=str, default="hf", choices=list(EXPORT_FORMATS))
-    parser.add_argument("--ckpt", type=str, required=True, help="a nanotrain checkpoint")
+    parser.add_argument(
+        "--ckpt",
+        type=str,
+        required=True,
+        help="a nanotrain checkpoint, or a run's checkpoints folder or its `last` file",
+    )
     parser.add_argument("--out", type=str, required=True, help="output folder")
     cfg = parser.parse_args(argv)
     export_checkpoint(cfg.ckpt, cfg.out, to=cfg.to)

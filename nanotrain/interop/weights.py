@@ -159,8 +159,11 @@ def open_checkpoint_model(
     """
     from nanotrain.checkpoint import files, load_model_weights
     from nanotrain.checkpoint.merge import open_model_shards
+    from nanotrain.checkpoint.resume import resolve_path
 
-    folder = Path(ckpt)
+    # a checkpoint directory, or a run's checkpoints folder or its `last` file (the newest
+    # complete checkpoint), as `ckpt_path` takes them
+    folder = resolve_path(Path(ckpt))
     config = checkpoint_config(folder)
     if files.read_meta(folder).get("layout") is None:
         state: dict[str, Any] = load_model_weights(folder)
@@ -178,7 +181,8 @@ def export_checkpoint(ckpt: str | Path, out: str | Path, to: str = "hf") -> Path
     model folder.
 
     Args:
-        ckpt: a checkpoint directory of a LanguageModelModule.
+        ckpt: a checkpoint directory of a LanguageModelModule, or a run's checkpoints folder
+            or its `last` file (then its newest complete checkpoint).
         out: the folder to write (created if needed).
         to: "hf" for a transformers folder (config.json + safetensors), "nanotrain" for a
             weights folder (model_config.json + model.safetensors); both are accepted by

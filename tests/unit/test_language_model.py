@@ -144,12 +144,19 @@ def test_export_import_round_trip_keeps_the_logits(tmp_path):
     ckpt = trainer.save_checkpoint(trainer.checkpoint_dir / "manual")
     assert main(["export", "--to", "hf", "--ckpt", str(ckpt), "--out", str(tmp_path / "hf")]) == 0
     assert main(["import", "--hf", str(tmp_path / "hf"), "--out", str(tmp_path / "ours")]) == 0
+    # the run's `last` pointer names the newest checkpoint: the same one
+    last = trainer.checkpoint_dir / "last"
+    assert last.read_text().strip() == ckpt.name
+    assert (
+        main(["export", "--to", "nanotrain", "--ckpt", str(last), "--out", str(tmp_path / "last")])
+        == 0
+    )
 
     ids = torch.randint(0, 257, (2, SEQ), generator=torch.Generator().manual_seed(3))
     module.eval()
     with torch.no_grad():
         reference = module.model(ids).logits
-    for folder in ("hf", "ours"):  # a transformers folder and a nanotrain weights folder
+    for folder in ("hf", "ours", "last"):  # transformers and nanotrain weights folders
         restored = nt.LanguageModelModule(model=str(tmp_path / folder))
         restored.configure_model()
         restored.eval()
