@@ -175,10 +175,8 @@ def zero_bubble_1f1b(
     The gradient goes upstream as soon as I is done, so the chain of gradients through the
     cool-down moves by one I per stage instead of a whole backward: with equal F, I and W
     the step takes m·3F + (p - 1)·2F against 1F1B's m·3F + (p - 1)·3F, at 1F1B's memory
-    (``pp - pp_rank`` microbatches in flight, each until its W). An event replay of the
-    pipeline with unit times that lets a free rank run a pending W whenever it would wait
-    chooses exactly this order. (Qi et al. 2024's ZB-H1 defers W's further, by measured
-    times, for (p - 1)·F.)
+    (``pp - pp_rank`` microbatches in flight, each until its W). Qi et al. 2024's ZB-H1
+    defers W's further, placed by measured times, for (p - 1)·F.
 
     Raises:
         ValueError: for num_chunks != 1.

@@ -203,6 +203,8 @@ def _schedule_peak(
         return sum(per_chunk)
     live = peak = 0
     for action in layout.schedule_actions(num_microbatches, pp_rank):
-        live += per_chunk[action.chunk] * (1 if action.kind == "F" else -action.frees_activations)
+        live += per_chunk[action.chunk] * (
+            1 if action.kind == "F" else -int(action.frees_activations)
+        )
         peak = max(peak, live)
     return peak
