@@ -380,9 +380,11 @@ class DeepSeekMoE(nn.Module):
         # Batches may differ in shape between ranks: a last, partial evaluation batch, or
         # data padded per batch. Learning the peers' slot counts costs a host read, free on
         # the CPU but a device wait per layer on CUDA, where training relies on the one
-        # micro batch shape instead (docs/parallelism.md). (Eager: breaks a compiled graph.)
+        # micro batch shape instead (docs/parallelism.md). The exchange runs eagerly and
+        # breaks a compiled graph, so compiled training relies on that shape on the CPU too.
         peers = None
-        exchange = not self.training or expert_compute.reads_sizes_first(x)
+        compiled = torch.compiler.is_compiling()
+        exchange = not self.training or (expert_compute.reads_sizes_first(x) and not compiled)
         if exchange and group_size(self.ep_group) > 1:
             peers = peer_slot_counts(b * capacity, self.ep_group, x.device)
         # (E*B*C, H) in x_slots' row order

@@ -179,7 +179,7 @@ def peer_slot_counts(
     """Every rank's slots per expert over the expert-parallel `group` (one small all-gather
     on `device`, the device the group's backend moves, and one host read). Needed when ranks
     may hold batches of different shapes: a last, partial evaluation batch, or per-batch
-    padding (exchanged in training only on the CPU, where the read waits for nothing)."""
+    padding (exchanged in eager training only on the CPU, where the read waits for nothing)."""
     p = group_size(group)
     if p == 1:
         return [slots_per_expert]
