@@ -1,7 +1,7 @@
 """Precision plugins under MegatronStrategy on 2-rank gloo worlds.
 
-- every precision under tp=2 and under pp=2 gives the losses of the same precision in one
-  process (32-true at rtol 1e-5; the others at the tolerances in TOL, justified there),
+- every precision under tp=2 and under pp=2 (1F1B with split backwards) gives the losses of
+  the same precision in one process (32-true at rtol 1e-5; the others at the tolerances in TOL, justified there),
 - bf16-true under ZeRO-2 (dp=2): bf16 parameters, fp32 master weights and Adam moments, each
   rank holding half of them (bytes counted),
 - 16-mixed with an inf injected into one element of one rank's gradient (under ZeRO-2 dp=2,
@@ -43,7 +43,9 @@ def _fit_all(rank: int, world: int, root: str) -> dict:
     torch.manual_seed(0)
     out = {}
     for name in PRECISIONS:
-        for layout, kwargs in (("tp2", dict(tp=2)), ("pp2", dict(pp=2))):
+        # pp=2 with split backwards: the weight halves run the precisions' gradient hooks
+        # (fp32 master gradients) and the loss scale rides on the input halves
+        for layout, kwargs in (("tp2", dict(tp=2)), ("pp2", dict(pp=2, schedule="zb_1f1b"))):
             _, rec = fit(name, MegatronStrategy(**kwargs), steps=STEPS, root=f"{root}/{layout}")
             out[(name, layout)] = rec.losses
     return out
