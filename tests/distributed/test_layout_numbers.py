@@ -4,7 +4,8 @@ Data that can tell: samples keep different numbers of labels (the rest -100), on
 DeepSeek preset with MTP and a sizeable sequence-wise balance loss, so the LM, MTP and balance
 terms each average over a different count (tokens, MTP targets, sequences). One process with
 micro batch 2 is the reference; one process with micro batch 8, and dp=2 (DDP and Megatron),
-tp=2 (with and without sequence parallelism), pp=2 (stage 0 holds no MoE layer), ep=2 (world
+tp=2 (with and without sequence parallelism), pp=2 (stage 0 holds no MoE layer; split
+backwards), ep=2 (world
 2), ep=2 × expert-dp=2 with ZeRO-1 and interleaved pp=2 × virtual 2 × dp=2 (world 4) must
 give the same per-step loss and grad norm, the same logged `train/*` and `moe/*` scalars at
 every step, the same weights after the run, and the same `val/loss` on a validation set of
@@ -162,8 +163,9 @@ def _world2(rank: int, world_size: int, root: str) -> dict[str, dict]:
         "megatron dp=2": MegatronStrategy,
         "tp=2": lambda: MegatronStrategy(tp=2),
         "tp=2 sp": lambda: MegatronStrategy(tp=2, sequence_parallel=True),
-        # stage 0 holds only the dense layer 0: MoE statistics come from stage 1 alone
-        "pp=2": lambda: MegatronStrategy(pp=2, pipeline_layout=[1, 3]),
+        # stage 0 holds only the dense layer 0: MoE statistics come from stage 1 alone; the
+        # backwards split into input and weight halves (1F1B itself: the capacity world below)
+        "pp=2 zb_1f1b": lambda: MegatronStrategy(pp=2, pipeline_layout=[1, 3], schedule="zb_1f1b"),
         "ep=2": lambda: MegatronStrategy(ep=2),
     }
     return {name: fit(make(), f"{root}/{i}") for i, (name, make) in enumerate(layouts.items())}
