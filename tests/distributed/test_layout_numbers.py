@@ -5,8 +5,8 @@ DeepSeek preset with MTP and a sizeable sequence-wise balance loss, so the LM, M
 terms each average over a different count (tokens, MTP targets, sequences). One process with
 micro batch 2 is the reference; one process with micro batch 8, and dp=2 (DDP and Megatron),
 tp=2 (with and without sequence parallelism), pp=2 (stage 0 holds no MoE layer; split
-backwards), ep=2 (world
-2), ep=2 × expert-dp=2 with ZeRO-1 and interleaved pp=2 × virtual 2 × dp=2 (world 4) must
+backwards), ep=2 (world 2), ep=2 × expert-dp=2 with ZeRO-1 and interleaved pp=2 × virtual 2
+× dp=2 (world 4) must
 give the same per-step loss and grad norm, the same logged `train/*` and `moe/*` scalars at
 every step, the same weights after the run, and the same `val/loss` on a validation set of
 13 samples read whole, with `limit_val_batches=1` (global batches) and with a fraction.
