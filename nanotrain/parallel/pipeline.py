@@ -316,6 +316,11 @@ def run_schedule(
                 transfers.send(comm.send_forward(m, c, out))
             stats.forwards += 1
             if not forward_only:
+                if comm.is_last(c):
+                    # the last chunk's output goes nowhere; holding it would keep the part of
+                    # the graph below it alive until the next backward (after a split
+                    # backward's weight half, with the saved tensors of its input-only path)
+                    out = None
                 held[(m, c)] = (inp, out, loss)
                 stats.peak_in_flight = max(stats.peak_in_flight, len(held) + len(deferred))
             continue

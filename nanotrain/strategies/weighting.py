@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -274,8 +274,11 @@ class LossAccumulator:
                 f"training_step returned {terms.values.numel()} loss terms but loss_counts "
                 f"gave {scale.numel()} counts; they must match term by term"
             )
-        self.terms = terms
         values = terms.values
+        # kept for the names and weights only: detached, so the step does not hold this
+        # microbatch's graph (a split backward's weight half leaves input-only nodes alive
+        # for as long as anything references the loss)
+        self.terms = replace(terms, values=values.detach())
         self.sums.add_(values.detach().double() * scale)
         factor = terms.weight_tensor(scale.device) * scale
         return (values * factor.to(values.dtype)).sum()

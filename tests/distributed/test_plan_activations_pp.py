@@ -1,7 +1,8 @@
 """The activation planner's schedule peak against a real pipeline step.
 
 One forked gloo world of 2 ranks trains one step (4 microbatches of 2 x 64 tokens) per layout:
-GPipe, 1F1B and interleaved 1F1B (virtual_pp=2) at pp=2, with and without recomputation, and
+GPipe, 1F1B, interleaved 1F1B (virtual_pp=2) and 1F1B with split backwards at pp=2, with and
+without recomputation, and
 tp=2 with and without sequence parallelism. During the step every tensor autograd saves for
 backward is wrapped in a holder that counts its storage (once, parameters excluded) while
 autograd keeps it; the highest count is the measured peak of live saved activations, which
@@ -60,7 +61,10 @@ class LiveSavedBytes:
             self.live += entry[1]
             self.peak = max(self.peak, self.live)
         entry[0] += 1
-        return _Held(t, ptr, self)
+        # detached: a holder of a saved *output* that kept its grad_fn would form a cycle
+        # (node -> holder -> tensor -> node) that outlives a node backward never runs again,
+        # as the input-only nodes after a split backward's weight half
+        return _Held(t.detach(), ptr, self)
 
     @staticmethod
     def _unpack(packed: object) -> torch.Tensor:
@@ -91,6 +95,8 @@ LAYOUTS = {
     "deepseek 1f1b": ("tiny", dict(pp=2, schedule="1f1b"), None),
     "deepseek interleaved": ("tiny", dict(pp=2, virtual_pp=2), None),
     "deepseek 1f1b full recompute": ("tiny", dict(pp=2), "full"),
+    # split backwards hold a microbatch's activations until its weight half
+    "deepseek zb_1f1b": ("tiny", dict(pp=2, schedule="zb_1f1b"), None),
     "dense interleaved selective": ("tiny-dense", dict(pp=2, virtual_pp=2), "selective"),
     "deepseek tp2": ("tiny", dict(tp=2), None),
     "deepseek tp2 sp": ("tiny", dict(tp=2, sequence_parallel=True), None),
