@@ -175,6 +175,7 @@ class LanguageModelModule(NanoModule):
             self.hparams.get("compile_layers", False),
             self.hparams.get("compile_model", False),
             pp_size,
+            getattr(strategy, "schedule", None),
         )
         self._cuda_graphs = uses_cuda_graphs(
             self.hparams.get("compile_layers", False), self.hparams.get("compile_model", False)

@@ -26,12 +26,17 @@ from typing import Any
 
 from torch import nn
 
+from nanotrain.parallel.schedules import SPLIT_BACKWARD_SCHEDULES
+
 CompileOption = bool | dict[str, Any]
 
 
-def check_compile_options(layers: CompileOption, model: CompileOption, pp_size: int = 1) -> None:
-    """Raise ValueError unless at most one of the two compile options is on, and
-    `compile_model` only without pipeline stages (pp_size 1)."""
+def check_compile_options(
+    layers: CompileOption, model: CompileOption, pp_size: int = 1, schedule: str | None = None
+) -> None:
+    """Raise ValueError unless at most one of the two compile options is on, `compile_model`
+    only without pipeline stages (pp_size 1), and neither under a pipeline `schedule` that
+    splits backwards (a compiled region's backward is one piece that runs once)."""
     for name, value in (("compile_layers", layers), ("compile_model", model)):
         if not isinstance(value, bool | dict):
             raise ValueError(
@@ -47,6 +52,12 @@ def check_compile_options(layers: CompileOption, model: CompileOption, pp_size: 
             f"compile_model compiles the whole model as one graph, but pp={pp_size} splits it "
             "into pipeline stages that the schedule runs piece by piece; use "
             "compile_layers=True instead (each decoder layer of each stage is compiled)"
+        )
+    if (layers or model) and pp_size > 1 and schedule in SPLIT_BACKWARD_SCHEDULES:
+        raise ValueError(
+            f"schedule={schedule!r} runs each backward as an input half and a weight half, but "
+            "a compiled layer's backward is one piece that runs once (torch.compile donates "
+            "its buffers); use schedule='1f1b' with compile_layers, or compile_layers=False"
         )
 
 

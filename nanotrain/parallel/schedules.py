@@ -36,6 +36,7 @@ from dataclasses import dataclass
 
 __all__ = [
     "SCHEDULES",
+    "SPLIT_BACKWARD_SCHEDULES",
     "Action",
     "check_schedule_args",
     "forward_only",
@@ -210,6 +211,9 @@ def max_in_flight(actions: list[Action]) -> int:
         peak = max(peak, live)
     return peak
 
+
+#: schedules that run backwards as input and weight halves (I and W actions)
+SPLIT_BACKWARD_SCHEDULES = frozenset({"zb_1f1b"})
 
 #: name -> schedule function (the strategy's ``schedule`` argument).
 SCHEDULES: dict[str, Callable[..., list[Action]]] = {

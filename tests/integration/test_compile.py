@@ -175,6 +175,11 @@ def _two_rank_cases(rank: int, world_size: int, root: str) -> dict[str, list[flo
         strategy = nt.DDPStrategy() if layout == "ddp" else MegatronStrategy(**layout)
         out[name] = _fit(Path(root) / str(i), AOT_EAGER, strategy, scope=scope, **model)[0]
         torch._dynamo.reset()  # the next layout traces its own shapes
+    # refused at fit start, before any step: compiled layers under split backwards
+    try:
+        _fit(Path(root) / "zb", AOT_EAGER, MegatronStrategy(pp=2, schedule="zb_1f1b"))
+    except ValueError as exc:
+        out["zb_1f1b refusal"] = str(exc)
     return out
 
 
@@ -193,6 +198,11 @@ def test_two_compiled_ranks_match_eager_single_process(tmp_path, two_ranks, case
         assert ranks_losses[case] == pytest.approx(eager, rel=1e-5)
 
 
+def test_compiled_layers_under_split_backwards_are_refused_at_fit_start(two_ranks):
+    for ranks_out in two_ranks:
+        assert "schedule='zb_1f1b' runs each backward as an input" in ranks_out["zb_1f1b refusal"]
+
+
 def test_compile_options_are_checked_before_any_work():
     with pytest.raises(ValueError, match="choose one"):
         nt.LanguageModelModule("tiny", compile_layers=True, compile_model=True)
@@ -202,4 +212,8 @@ def test_compile_options_are_checked_before_any_work():
     with pytest.raises(ValueError, match="pp=2 splits it into pipeline stages.*compile_layers"):
         check_compile_options(False, True, pp_size=2)
     check_compile_options(True, False, pp_size=2)  # per-layer compile works with stages
+    # a compiled layer's backward runs once: split backwards (zb_1f1b) cannot use it
+    with pytest.raises(ValueError, match="schedule='zb_1f1b' runs each backward as an input"):
+        check_compile_options(True, False, pp_size=2, schedule="zb_1f1b")
+    check_compile_options(True, False, pp_size=2, schedule="1f1b")
     check_compile_options({"backend": "aot_eager"}, False)
