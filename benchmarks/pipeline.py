@@ -34,7 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from nanotrain.parallel.mesh import ParallelMesh  # noqa: E402
 from nanotrain.parallel.pipeline import PipelineComm, open_channels, run_schedule  # noqa: E402
-from nanotrain.parallel.schedules import SCHEDULES  # noqa: E402
+from nanotrain.parallel.schedules import SCHEDULES, SPLIT_BACKWARD_SCHEDULES  # noqa: E402
 from tests.distributed.spawn import run_world  # noqa: E402
 
 HIDDEN, TOKENS, LAYERS, STEPS = 256, 256, 8, 4
@@ -146,16 +146,20 @@ def _sleep_bench(rank: int, world: int, schedule: str, m: int, v: int, f: float)
 def sleep_table(f_ms: float) -> None:
     """Step time over each schedule's formula with sleep-based compute (F forward, I = W = F
     for the two halves of the backward): m·3F plus the bubble, (p - 1)·3F/v for GPipe and
-    (interleaved) 1F1B, (p - 1)·(F + I) = (p - 1)·2F for 1F1B with split backwards."""
+    (interleaved) 1F1B, (p - 1)·(F + I)/v = (p - 1)·2F/v with split backwards."""
     f = f_ms / 1e3
     print(f"sleep-based compute, F = I = W = {f_ms:g} ms")
     print("| pp | m | schedule | step ms | formula ms | step / formula | vs 1f1b |")
     print("|---|---|---|---|---|---|---|")
     for pp, m in ((2, 4), (4, 8)):
         one_f_one_b = None
-        for schedule, v in (("gpipe", 1), ("1f1b", 1), ("interleaved_1f1b", 2), ("zb_1f1b", 1)):
+        for schedule, v in (
+            ("gpipe", 1), ("1f1b", 1), ("interleaved_1f1b", 2), ("zb_1f1b", 1),
+            ("zb_interleaved_1f1b", 2),
+        ):  # fmt: skip
             step = max(run_world(_sleep_bench, pp, schedule, m, v, f, timeout=300))
-            bubble = (pp - 1) * 2 * f if schedule == "zb_1f1b" else (pp - 1) / v * 3 * f
+            split = schedule in SPLIT_BACKWARD_SCHEDULES
+            bubble = (pp - 1) / v * (2 if split else 3) * f
             formula = m * 3 * f + bubble
             one_f_one_b = step if schedule == "1f1b" else one_f_one_b
             versus = "" if one_f_one_b is None else f"{step / one_f_one_b:.2f}"

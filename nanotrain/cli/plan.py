@@ -101,7 +101,12 @@ def _parser() -> Any:
         flag(name, type=int | None, default=None, help=f"{what}-parallel size (fixes the layout)")
     flag("virtual_pp", type=int | None, default=None, help="chunks per pipeline rank")
     flag("sequence_parallel", type=bool | None, default=None, help="default: on when tp > 1")
-    flag("schedule", type=str | None, default=None, help="gpipe|1f1b|interleaved_1f1b|zb_1f1b")
+    flag(
+        "schedule",
+        type=str | None,
+        default=None,
+        help="gpipe|1f1b|interleaved_1f1b|zb_1f1b|zb_interleaved_1f1b",
+    )
     flag("pipeline_layout", type=list[int] | None, default=None, help="layers per chunk")
     flag("zero_stage", type=int | None, default=None,
          help="0, 1 or 2 (fixed layout default 0, search default 1)")  # fmt: skip

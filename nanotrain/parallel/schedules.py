@@ -21,7 +21,8 @@ numbers = microbatch) are drawn in docs/parallelism.md.
 - 1F1B with split backwards (``zb_1f1b``; the split of Qi et al. 2024, "Zero Bubble
   Pipeline Parallelism"): every backward runs as its input gradient ("I", the paper's B),
   sent upstream at once, then its weight gradient ("W"). Bubble (p - 1)·(F + I) against
-  1F1B's (p - 1)·(F + I + W), at 1F1B's memory.
+  1F1B's (p - 1)·(F + I + W), at 1F1B's memory; ``zb_interleaved_1f1b`` does the same to
+  interleaved 1F1B.
 
 Here p = pp, m = num_microbatches, v = num_chunks, and every stage (every chunk, for v > 1)
 takes the same time per microbatch, as the papers assume.
@@ -45,6 +46,7 @@ __all__ = [
     "max_in_flight",
     "one_f_one_b",
     "zero_bubble_1f1b",
+    "zero_bubble_interleaved_1f1b",
 ]
 
 
@@ -185,13 +187,31 @@ def zero_bubble_1f1b(
     check_schedule_args(num_microbatches, pp_size, pp_rank, num_chunks)
     if num_chunks != 1:
         raise ValueError(f"zb_1f1b runs one chunk per rank, got virtual_pp={num_chunks}")
-    actions = []
-    for a in one_f_one_b(num_microbatches, pp_size, pp_rank):
-        if a.kind == "F":
-            actions.append(a)
+    return _split_backwards(one_f_one_b(num_microbatches, pp_size, pp_rank))
+
+
+def zero_bubble_interleaved_1f1b(
+    num_microbatches: int, pp_size: int, pp_rank: int, num_chunks: int = 2
+) -> list[Action]:
+    """Interleaved 1F1B with every backward split into its input half (I) and, right after
+    it, its weight half (W), as `zero_bubble_1f1b` does for 1F1B: the interleaved bubble,
+    (p - 1)·(F + I + W)/v, loses its W part, at interleaved 1F1B's memory.
+
+    Raises:
+        ValueError: as `interleaved_1f1b`.
+    """
+    return _split_backwards(interleaved_1f1b(num_microbatches, pp_size, pp_rank, num_chunks))
+
+
+def _split_backwards(actions: list[Action]) -> list[Action]:
+    """`actions` with each B replaced by its I followed by its W."""
+    out = []
+    for a in actions:
+        if a.kind == "B":
+            out += [Action("I", a.microbatch, a.chunk), Action("W", a.microbatch, a.chunk)]
         else:
-            actions += [Action("I", a.microbatch), Action("W", a.microbatch)]
-    return actions
+            out.append(a)
+    return out
 
 
 def forward_only(
@@ -213,7 +233,7 @@ def max_in_flight(actions: list[Action]) -> int:
 
 
 #: schedules that run backwards as input and weight halves (I and W actions)
-SPLIT_BACKWARD_SCHEDULES = frozenset({"zb_1f1b"})
+SPLIT_BACKWARD_SCHEDULES = frozenset({"zb_1f1b", "zb_interleaved_1f1b"})
 
 #: name -> schedule function (the strategy's ``schedule`` argument).
 SCHEDULES: dict[str, Callable[..., list[Action]]] = {
@@ -221,4 +241,5 @@ SCHEDULES: dict[str, Callable[..., list[Action]]] = {
     "1f1b": one_f_one_b,
     "interleaved_1f1b": interleaved_1f1b,
     "zb_1f1b": zero_bubble_1f1b,
+    "zb_interleaved_1f1b": zero_bubble_interleaved_1f1b,
 }

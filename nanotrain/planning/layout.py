@@ -36,7 +36,7 @@ class PlanLayout(MeshLayout):
         zero_stage: 0, 1 or 2 (optimizer state, and with 2 the gradients, sharded over dp).
         sequence_parallel: shard activations outside the tp matmuls along the sequence.
         pipeline_layout: layers per virtual stage (pp * virtual_pp numbers), None = even.
-        schedule: "gpipe", "1f1b", "interleaved_1f1b" or "zb_1f1b"; None = the strategy's default.
+        schedule: a name of `nanotrain.parallel.schedules.SCHEDULES`; None = the strategy's default.
         recompute: None, "full" or "selective" (`nanotrain.models.recompute`).
         bucket_size_mb: the strategy's gradient bucket size (ZeRO pads each bucket).
     """

@@ -40,6 +40,7 @@ from nanotrain.models.accounting import (
 )
 from nanotrain.models.moe import expert_capacity
 from nanotrain.parallel.mesh import MeshLayout
+from nanotrain.parallel.schedules import SPLIT_BACKWARD_SCHEDULES
 from nanotrain.planning.activations import ActivationEstimate, activation_estimate
 from nanotrain.planning.communication import CommEstimate, comm_estimate
 from nanotrain.planning.gpus import GPUSpec
@@ -191,10 +192,12 @@ def _stage_flops(config: Any, layout: PlanLayout, workload: Workload, chunks: li
 def _bubble(layout: PlanLayout, num_micro: int, busy: float, weights_t: float) -> float:
     """The pacing stage's idle time per step under the layout's schedule: (p - 1) of its
     per-microbatch time (F + I + W), divided by virtual_pp when interleaved; without W when
-    backwards are split (`zb_1f1b` sends the gradient upstream before the weight half)."""
+    backwards are split (`zb_1f1b`, `zb_interleaved_1f1b` send the gradient upstream before
+    the weight half)."""
     if layout.pp == 1:
         return 0.0
-    per_micro = (busy - weights_t if layout.schedule == "zb_1f1b" else busy) / num_micro
+    split = layout.schedule in SPLIT_BACKWARD_SCHEDULES
+    per_micro = (busy - weights_t if split else busy) / num_micro
     return per_micro * (layout.pp - 1) / layout.virtual_pp
 
 

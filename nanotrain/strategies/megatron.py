@@ -109,9 +109,9 @@ class MegatronStrategy(MegatronGradNorms, Strategy):
             `CollectiveTimeoutError` naming it). None: the timeout of the default process
             group when this process is already in one, else 1800.
         virtual_pp: model chunks per pipeline rank (interleaved 1F1B when > 1).
-        schedule: "gpipe", "1f1b", "interleaved_1f1b" or "zb_1f1b" (1F1B with
-            each backward split into its input and weight halves); None picks 1F1B
-            (interleaved when virtual_pp > 1). See `nanotrain.parallel.schedules`.
+        schedule: "gpipe", "1f1b", "interleaved_1f1b", "zb_1f1b" or "zb_interleaved_1f1b"
+            (the last two: each backward split into its input and weight halves); None
+            picks 1F1B (interleaved when virtual_pp > 1). See `nanotrain.parallel.schedules`.
         pipeline_layout: layers per virtual stage (pp × virtual_pp numbers summing to the
             model's layers), e.g. fewer on the first and last stage; None splits evenly.
 

@@ -92,6 +92,10 @@ WORLD2 = {
         "tiny",
         dict(pp=2, schedule="zb_1f1b", pipeline_layout=[1, 3]),
     ),
+    "deepseek pp=2 x virtual 2 zb_interleaved_1f1b": (
+        "tiny",
+        dict(pp=2, virtual_pp=2, schedule="zb_interleaved_1f1b"),
+    ),
 }
 WORLD4 = {
     "dense pp=4 gpipe": ("tiny-dense", dict(pp=4, schedule="gpipe")),

@@ -13,12 +13,14 @@ from nanotrain.parallel.mesh import MeshLayout, ParallelMesh
 from nanotrain.parallel.pipeline import partition_layers, stage_layers
 from nanotrain.parallel.schedules import (
     SCHEDULES,
+    SPLIT_BACKWARD_SCHEDULES,
     Action,
     gpipe,
     interleaved_1f1b,
     max_in_flight,
     one_f_one_b,
     zero_bubble_1f1b,
+    zero_bubble_interleaved_1f1b,
 )
 from nanotrain.strategies.megatron import MegatronStrategy
 
@@ -82,10 +84,10 @@ def _check_dependencies(schedules: list[list[Action]], pp: int, chunks: int) -> 
 @pytest.mark.parametrize("name", sorted(SCHEDULES))
 @pytest.mark.parametrize(("pp", "m"), [(2, 4), (4, 8), (4, 4)])
 def test_every_schedule_runs_each_microbatch_once_without_deadlock(name, pp, m):
-    chunks = 2 if name == "interleaved_1f1b" else 1
+    chunks = 2 if "interleaved" in name else 1
     schedules = [SCHEDULES[name](m, pp, r, chunks) for r in range(pp)]
     # every microbatch-chunk: one forward and one backward, whole (B) or split (I, then W)
-    kinds = "FIW" if name == "zb_1f1b" else "FB"
+    kinds = "FIW" if name in SPLIT_BACKWARD_SCHEDULES else "FB"
     for actions in schedules:
         assert sorted(actions, key=lambda a: (a.kind, a.microbatch, a.chunk)) == sorted(
             [Action(kind, i, c) for kind in kinds for i in range(m) for c in range(chunks)],
@@ -101,6 +103,9 @@ def test_1f1b_holds_at_most_pp_microbatches_gpipe_holds_all(pp, m):
         assert max_in_flight(gpipe(m, pp, rank)) == m
         # split backwards free a microbatch at its W, right after its I: 1F1B's memory
         assert max_in_flight(zero_bubble_1f1b(m, pp, rank)) == min(pp - rank, m)
+        if m % pp == 0:  # and interleaved 1F1B's
+            interleaved = max_in_flight(interleaved_1f1b(m, pp, rank, 2))
+            assert max_in_flight(zero_bubble_interleaved_1f1b(m, pp, rank, 2)) == interleaved
 
 
 def test_split_1f1b_sends_each_gradient_before_its_weight_half():

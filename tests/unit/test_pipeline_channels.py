@@ -114,11 +114,18 @@ def _deadlocks(posted: dict) -> bool:
 
 CASES = [
     (schedule, pp, v, m)
-    for schedule in ("gpipe", "1f1b", "interleaved_1f1b", "zb_1f1b", "forward_only")
+    for schedule in (
+        "gpipe",
+        "1f1b",
+        "interleaved_1f1b",
+        "zb_1f1b",
+        "zb_interleaved_1f1b",
+        "forward_only",
+    )
     for pp in (2, 3, 4)
     for v in ((1,) if schedule in ("1f1b", "zb_1f1b") else (1, 2, 3))
     for m in (pp, 2 * pp, 2 * pp + 1)
-    if not (schedule == "interleaved_1f1b" and (v == 1 or m % pp))
+    if not ("interleaved" in schedule and (v == 1 or m % pp))
 ]
 
 
