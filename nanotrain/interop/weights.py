@@ -113,7 +113,7 @@ def open_pretrained(
     """
     folder = Path(path)
     if (folder / CONFIG_FILE).is_file():
-        config = config_from_dict(json.loads((folder / CONFIG_FILE).read_text()))
+        config = read_model_config(folder / CONFIG_FILE)
         if not (folder / WEIGHTS_FILE).is_file():
             raise FileNotFoundError(f"{folder / WEIGHTS_FILE} not found next to {CONFIG_FILE}")
         return config, open_safetensors(folder / WEIGHTS_FILE)

@@ -284,6 +284,10 @@ class GroupedExperts(nn.Module):
         stop = self.expert_offset + self.num_local_experts
         return {name: t[self.expert_offset : stop] for name, t in full.items()}
 
+    #: set by a precision plugin that runs these experts its own way
+    #: (`nanotrain.precision.base.wrap_forward`)
+    runs_own_precision = False
+
     def for_dispatch(self, x: torch.Tensor) -> torch.Tensor:
         """x [M, H] in the dtype these experts' GEMMs read it in, to send it to their ranks
         in: under autocast an fp32 x goes out in autocast's dtype, the cast `forward` would
@@ -292,7 +296,7 @@ class GroupedExperts(nn.Module):
         before the copies' gradients are summed, as before. Unchanged without autocast, and
         when a precision plugin runs these experts its own way (kept high, or an emulated
         low precision that quantizes the fp32 input)."""
-        if "_precision_inner_forward" in self.__dict__:  # `precision.base.wrap_forward`
+        if self.runs_own_precision:
             return x
         return _as_autocast_would(x, ())[0]
 

@@ -177,10 +177,12 @@ class Precision:
 
 def wrap_forward(layer: nn.Module, make_context: Any) -> None:
     """Run ``layer.forward`` inside ``make_context()`` (an instance attribute, so the module's
-    parameters, names and state dict are unchanged). Wrapping again (the same module set up a
+    parameters, names and state dict are unchanged), and set ``layer.runs_own_precision``.
+    Wrapping again (the same module set up a
     second time, e.g. validate after fit) replaces the earlier wrapper instead of nesting."""
     inner = layer.__dict__.get("_precision_inner_forward", layer.forward)
     layer._precision_inner_forward = inner
+    layer.runs_own_precision = True  # the flag models read (e.g. GroupedExperts.for_dispatch)
 
     @functools.wraps(inner)
     def forward(*args: Any, **kwargs: Any) -> Any:
