@@ -12,7 +12,7 @@ The step-time model is deliberately simple and stated in full (docs/planning.md)
   (+1/3 of their FLOPs), selective one forward of each attention block (projections and scores: `attention_flops_per_token` / 3);
 * pipeline: the slowest stage sets the pace; the 1F1B / interleaved bubble adds
   ``(pp - 1) / (virtual_pp * microbatches)`` of its compute (GPipe's is the same); with
-  split backwards (``zb_1f1b``) the weight-gradient third of the compute (without
+  split backwards (``zb_1f1b``, ``zb_interleaved_1f1b``) the weight-gradient third of the compute (without
   recomputation) leaves the bubble;
 * communication: tp, sequence-parallel, ep and pp traffic sit on the critical path (the code
   does not overlap them with compute); the data-parallel gradient reduction overlaps the
