@@ -11,8 +11,10 @@ Used by every multi-process test::
 Why fork: a forked rank is ready in well under 0.2 s, a spawned one takes seconds to re-import
 torch. Fork's two known traps are handled here: every rank sets one intra-op thread before
 touching torch (a forked child with a thread pool can deadlock), and garbage is collected
-before ``destroy_process_group`` (a live DDP model can hang it). Results travel back as plain
-pickles over one pipe per rank (never through shared memory, which dies with the child).
+before ``destroy_process_group`` (a live DDP model can hang it). The parent's objects are frozen
+(``gc.freeze``) while the ranks fork, so a rank's garbage collector never walks or touches the
+inherited heap: without it, a world spends about a quarter more CPU. Results travel back as
+plain pickles over one pipe per rank (never through shared memory, which dies with the child).
 """
 
 from __future__ import annotations
@@ -109,18 +111,24 @@ def run_world(
     ctx = mp.get_context("fork")
     port = free_port()
     procs, readers = [], {}
-    for rank in range(world_size):
-        reader, writer = ctx.Pipe(duplex=False)
-        proc = ctx.Process(
-            target=_rank_main,
-            args=(fn, rank, world_size, port, pg_timeout, writer, args),
-            name=f"nanotrain-rank{rank}",
-            daemon=True,  # if the test process itself dies, the ranks die with it
-        )
-        proc.start()
-        writer.close()  # only the child writes; EOF on the reader then means "child gone"
-        procs.append(proc)
-        readers[reader] = rank
+    # The children inherit every object of this process (torch, pytest, earlier tests): frozen,
+    # their collector never walks them nor writes to their pages (a quarter of a world's CPU).
+    gc.freeze()
+    try:
+        for rank in range(world_size):
+            reader, writer = ctx.Pipe(duplex=False)
+            proc = ctx.Process(
+                target=_rank_main,
+                args=(fn, rank, world_size, port, pg_timeout, writer, args),
+                name=f"nanotrain-rank{rank}",
+                daemon=True,  # if the test process itself dies, the ranks die with it
+            )
+            proc.start()
+            writer.close()  # only the child writes; EOF on the reader means "child gone"
+            procs.append(proc)
+            readers[reader] = rank
+    finally:
+        gc.unfreeze()  # this process collects as before
     try:
         return _collect(procs, readers, world_size, timeout)
     finally:

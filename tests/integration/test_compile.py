@@ -25,7 +25,11 @@ pytestmark = pytest.mark.skipif(not hasattr(torch, "compile"), reason="needs tor
 AOT_EAGER = {"backend": "aot_eager"}
 # the tiny DeepSeek model with MoE on fixed expert slots (no MTP)
 CAPACITY_MOE = {"preset": "tiny", "overrides": {"capacity_factor": 1.0, "mtp_depth": 0}}
-ONE_MOE_LAYER = {"num_layers": 1, "first_k_dense_replace": 0}
+# the same with one decoder layer, an MoE layer: tracing costs grow with the graph
+ONE_LAYER_MOE = {
+    **CAPACITY_MOE,
+    "overrides": {**CAPACITY_MOE["overrides"], "num_layers": 1, "first_k_dense_replace": 0},
+}
 
 
 class _Losses(nt.Callback):
@@ -45,6 +49,7 @@ def _fit(
     val_samples: int = 0,
     scope: str = "layers",
     recompute: str | None = None,
+    micro_batch_size: int = 2,
 ) -> tuple[list[float], list[str], nt.LanguageModelModule]:
     """Three steps of `preset`, then (with `val_samples`) one validation whose `val/loss`
     joins the losses; (losses, parameter names, the module). `scope`: "layers" passes
@@ -62,7 +67,7 @@ def _fit(
         strategy=strategy or nt.SingleDeviceStrategy("cpu"),
         max_steps=3,
         global_batch_size=4,
-        micro_batch_size=2,
+        micro_batch_size=micro_batch_size,
         default_root_dir=str(tmp_path / f"{scope}-{bool(compiled)}-{recompute}"),
         loggers=[],
         callbacks=[losses],
@@ -119,7 +124,7 @@ def test_inductor_compiled_model_with_recompute_matches_eager(tmp_path):
     # inductor it would double this test's time on a cold cache.
     # one MoE layer: inductor's C++ build on a cold cache grows with the graph (~90 s of CPU
     # for the two-layer model on a 2-core machine)
-    model = {**CAPACITY_MOE, "overrides": {**CAPACITY_MOE["overrides"], **ONE_MOE_LAYER}}
+    model = ONE_LAYER_MOE
     eager, names, eager_module = _fit(tmp_path, False, **model)
     got, got_names, module = _fit(tmp_path, True, scope="model", recompute="full", **model)
     assert got_names == names  # checkpoints stay interchangeable
@@ -149,21 +154,23 @@ def test_aot_compiled_matches_eager(tmp_path, scope, model, recompute):
 # -- two ranks ------------------------------------------------------------------------------------
 
 # case -> (scope, MegatronStrategy kwargs or "ddp", model); under ep, validation on 5 samples
-# (global batches of 4) leaves rank 0 one sample and rank 1 a padding batch of two: the ranks
-# exchange their expert slot counts, eagerly. One case per mechanism (each layout costs ~10 s
-# of tracing per rank); the dense model and per-layer compiles of the same collectives are
-# covered on one process above.
+# (global batches of 4, micro-batches of 1) leaves rank 0 one sample and rank 1 a padding
+# batch: the ranks exchange their expert slot counts, eagerly (micro-batches of 2 would give
+# the last batch a shape of its own and recompile every graph for it). One case per mechanism,
+# on one MoE layer where a second layer would only repeat its collectives (tracing costs
+# seconds per layer and rank); the dense model and per-layer compiles of the same collectives
+# are covered on one process above.
 TWO_RANK_CASES = {
     # DDP's bucket hooks around a compiled model
-    "model ddp": ("model", "ddp", CAPACITY_MOE),
+    "model ddp": ("model", "ddp", ONE_LAYER_MOE),
     # the vocab-parallel embedding and cross-entropy collectives inside the graph, the
-    # attention and MLP collectives of tensor parallelism, and the MoE's all-gather of whole
-    # sequences under sequence parallelism
-    "model tp=2 sp": ("model", {"tp": 2, "sequence_parallel": True}, CAPACITY_MOE),
+    # attention and MLP (the shared expert's) collectives of tensor parallelism, and the MoE's
+    # all-gather of whole sequences under sequence parallelism
+    "model tp=2 sp": ("model", {"tp": 2, "sequence_parallel": True}, ONE_LAYER_MOE),
     # each stage compiles its own layers; the executor between them stays eager
     "layers pp=2": ("layers", {"pp": 2}, CAPACITY_MOE),
     # the all-to-all of the expert slots breaks the graph; the rest compiles
-    "model ep=2": ("model", {"ep": 2}, dict(CAPACITY_MOE, val_samples=5)),
+    "model ep=2": ("model", {"ep": 2}, dict(ONE_LAYER_MOE, val_samples=5, micro_batch_size=1)),
 }
 
 
