@@ -2,7 +2,8 @@
 
 The same NanoModule (an MLP regressor on synthetic data), the same batch size, optimizer and
 number of steps run three ways in one process, interleaved over several rounds; the median
-time per step after a warm-up is compared. Run:
+time per step after a warm-up is compared (every other round runs the runners in reverse
+order). Run:
 
     python benchmarks/overhead.py --steps 500 --rounds 5
 
@@ -262,8 +263,11 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     data = make_data(args.batch * 64, args.width)
     times: dict[str, list[float]] = {name: [] for name in RUNNERS}
-    for _ in range(args.rounds):
-        for name, runner in RUNNERS.items():
+    for i in range(args.rounds):
+        # every other round in reverse order: a drift of the machine's speed during a round
+        # then favours no runner over the rounds
+        order = list(RUNNERS.items()) if i % 2 == 0 else list(RUNNERS.items())[::-1]
+        for name, runner in order:
             times[name].append(runner(data, args.batch, args.steps, args.warmup, args.width))
     print(
         f"steps={args.steps} warmup={args.warmup} rounds={args.rounds} batch={args.batch} "

@@ -17,6 +17,11 @@ bubble and memory columns are what to compare. Usage: ``python benchmarks/pipeli
 forward and 2F/v in backward (activations of 4 floats, so the cores are idle and the transfers
 free), and the step time is printed over the ideal (m + (p - 1)/v)·3F, at pp=2, m=4 and pp=4,
 m=8 (``--f-ms``, default 60). A schedule at its theoretical bubble prints 1.00.
+
+``--draw FOLDER`` draws every schedule as it ran (the executor's own timeline of each rank:
+F, B, I, W and the waits for a neighbour) at pp=4, m=8 with the same sleep-based compute, one
+PNG per schedule (docs/parallelism.md shows them): ``python benchmarks/pipeline.py --draw
+docs/images --f-ms 20``.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -35,6 +41,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from nanotrain.parallel.mesh import ParallelMesh  # noqa: E402
 from nanotrain.parallel.pipeline import PipelineComm, open_channels, run_schedule  # noqa: E402
 from nanotrain.parallel.schedules import SCHEDULES, SPLIT_BACKWARD_SCHEDULES  # noqa: E402
+from nanotrain.report.schedule_chart import schedule_chart  # noqa: E402
 from tests.distributed.spawn import run_world  # noqa: E402
 
 HIDDEN, TOKENS, LAYERS, STEPS = 256, 256, 8, 4
@@ -122,7 +129,10 @@ class _Sleep(torch.autograd.Function):
         return g, None, None
 
 
-def _sleep_bench(rank: int, world: int, schedule: str, m: int, v: int, f: float) -> float:
+def _sleep_bench(
+    rank: int, world: int, schedule: str, m: int, v: int, f: float, record: bool = False
+) -> Any:
+    """The best of two steps' time; with `record`, (that, the second step's timeline)."""
     comm = _comm(rank, world, v, (4,))
     w = torch.ones(4, requires_grad=True)
 
@@ -133,14 +143,37 @@ def _sleep_bench(rank: int, world: int, schedule: str, m: int, v: int, f: float)
         return (None, out.sum()) if comm.is_last(c) else (out, None)
 
     actions = SCHEDULES[schedule](m, world, rank, v)
-    times = []
+    times, timeline = [], []
     for _ in range(2):
+        timeline = []
         dist.barrier()
         start = time.perf_counter()
-        run_schedule(actions, comm, forward_step, params=[w])
+        run_schedule(actions, comm, forward_step, params=[w], timeline=timeline)
         dist.barrier()
         times.append(time.perf_counter() - start)
-    return min(times)
+    return (min(times), timeline) if record else min(times)
+
+
+#: (schedule, virtual stages) of each drawn or timed schedule
+SLEEP_SCHEDULES = (
+    ("gpipe", 1), ("1f1b", 1), ("interleaved_1f1b", 2), ("zb_1f1b", 1),
+    ("zb_interleaved_1f1b", 2),
+)  # fmt: skip
+
+
+def draw_schedules(folder: str, f_ms: float, pp: int = 4, m: int = 8) -> list[Path]:
+    """One PNG per schedule of the executor's recorded timeline at `pp` stages and `m`
+    microbatches, with sleep-based compute (F forward, I = W = F): `folder`/pipeline_<name>.png."""
+    paths = []
+    for schedule, v in SLEEP_SCHEDULES:
+        ranks = run_world(_sleep_bench, pp, schedule, m, v, f_ms / 1e3, True, timeout=300)
+        step = max(seconds for seconds, _ in ranks)
+        title = f"{schedule}: pp={pp}, m={m}" + (f", {v} chunks per rank" if v > 1 else "")
+        title += f", F = {f_ms:g} ms, B = I + W = 2F; step {step * 1e3:.0f} ms"
+        path = Path(folder) / f"pipeline_{schedule}.png"
+        paths.append(schedule_chart([timeline for _, timeline in ranks], path, title))
+        print(path, flush=True)
+    return paths
 
 
 def sleep_table(f_ms: float) -> None:
@@ -153,10 +186,7 @@ def sleep_table(f_ms: float) -> None:
     print("|---|---|---|---|---|---|---|")
     for pp, m in ((2, 4), (4, 8)):
         one_f_one_b = None
-        for schedule, v in (
-            ("gpipe", 1), ("1f1b", 1), ("interleaved_1f1b", 2), ("zb_1f1b", 1),
-            ("zb_interleaved_1f1b", 2),
-        ):  # fmt: skip
+        for schedule, v in SLEEP_SCHEDULES:
             step = max(run_world(_sleep_bench, pp, schedule, m, v, f, timeout=300))
             split = schedule in SPLIT_BACKWARD_SCHEDULES
             bubble = (pp - 1) / v * (2 if split else 3) * f
@@ -176,7 +206,13 @@ def main() -> None:
         "--sleep", action="store_true", help="time the executor with sleep-based stage compute"
     )
     parser.add_argument("--f-ms", type=float, default=60.0, help="--sleep: forward time F (ms)")
+    parser.add_argument(
+        "--draw", metavar="FOLDER", help="draw each schedule's timeline (pp=4, m=8) as a PNG"
+    )
     args = parser.parse_args()
+    if args.draw:
+        draw_schedules(args.draw, args.f_ms)
+        return
     if args.sleep:
         sleep_table(args.f_ms)
         return

@@ -33,6 +33,8 @@ rules). Tags (microbatch, edge, direction) tell messages apart on gloo; NCCL mat
 
 from __future__ import annotations
 
+import contextlib
+import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
@@ -227,8 +229,46 @@ class ScheduleStats:
     backwards: int = 0
 
 
+@dataclass(frozen=True)
+class TimelineEvent:
+    """One span of a rank's run of a schedule, for pictures of it
+    (`nanotrain.report.schedule_chart`).
+
+    Attributes:
+        kind: "F", "B", "I" or "W" (the action's compute), or "recv" (the time spent
+            waiting for an activation or a gradient from a neighbouring stage).
+        microbatch, chunk: the action's (a "recv" event's: the action it feeds).
+        start, end: `time.perf_counter()` seconds on this rank.
+    """
+
+    kind: str
+    microbatch: int
+    chunk: int
+    start: float
+    end: float
+
+
 #: forward_step(microbatch, chunk, input or None) -> (output or None, loss term or None)
 ForwardStep = Callable[[int, int, Tensor | None], tuple[Tensor | None, Tensor | None]]
+
+
+_NO_SPAN = contextlib.nullcontext()
+
+
+class _Span:
+    """Appends a `TimelineEvent` of `kind` for the time spent inside the `with` block."""
+
+    def __init__(self, timeline: list[TimelineEvent], kind: str, action: Action) -> None:
+        self.timeline, self.kind, self.action = timeline, kind, action
+
+    def __enter__(self) -> None:
+        self.start = time.perf_counter()
+
+    def __exit__(self, *exc: object) -> None:
+        a = self.action
+        self.timeline.append(
+            TimelineEvent(self.kind, a.microbatch, a.chunk, self.start, time.perf_counter())
+        )
 
 
 class _Transfers:
@@ -243,12 +283,17 @@ class _Transfers:
         self.sends.append(dist.isend(op.tensor, op.peer, group=op.group, tag=op.tag))
         self.sends = [w for w in self.sends if not w.is_completed()]
 
-    def receive(self, op: dist.P2POp, what: str) -> None:
+    def receive(self, op: dist.P2POp, what: str, span: _Span | None = None) -> None:
         """Wait for `op` (`what` it brings, for the error); a wait that outlasts the channel's
-        timeout ends in a `CollectiveTimeoutError` naming this stage, the peer and `what`."""
+        timeout ends in a `CollectiveTimeoutError` naming this stage, the peer and `what`.
+        `span`: records the wait as a "recv" event."""
         work = dist.irecv(op.tensor, op.peer, group=op.group, tag=op.tag)
         try:
-            work.wait()
+            if span is None:
+                work.wait()
+            else:
+                with span:
+                    work.wait()
         except RuntimeError as exc:
             if not any(word in str(exc) for word in ("imed out", "imeout")):
                 raise
@@ -276,6 +321,7 @@ def run_schedule(
     forward_only: bool = False,
     before_last_backward: Callable[[], None] | None = None,
     params: Sequence[Tensor] = (),
+    timeline: list[TimelineEvent] | None = None,
 ) -> ScheduleStats:
     """Run ``actions`` on this rank, exchanging activations and gradients through ``comm``.
 
@@ -292,6 +338,8 @@ def run_schedule(
         before_last_backward: called right before the rank's last action that accumulates
             weight gradients, its final B or W (e.g. to turn on overlapped gradient reduction).
         params: this rank's parameters, for schedules that split backwards (I and W actions).
+        timeline: when given, every action's compute and every wait for a receive are
+            appended to it as `TimelineEvent`s, in the order they happen.
 
     Returns:
         `ScheduleStats` of this run.
@@ -300,17 +348,22 @@ def run_schedule(
     held: dict[tuple[int, int], tuple[Tensor | None, Tensor | None, Tensor | None]] = {}
     deferred: dict[tuple[int, int], WeightGradients] = {}
     last_b = max((i for i, a in enumerate(actions) if a.kind in ("B", "W")), default=-1)
+
+    def span(kind: str) -> contextlib.AbstractContextManager:
+        return _NO_SPAN if timeline is None else _Span(timeline, kind, action)
+
     for i, action in enumerate(actions):
         m, c = action.microbatch, action.chunk
+        waited = None if timeline is None else _Span(timeline, "recv", action)
         if action.kind == "F":
             inp = None
             if not comm.is_first(c):
                 inp, op = comm.recv_forward(m, c)
                 what = f"microbatch {m}'s input activation (virtual stage {comm.virtual_stage(c)})"
-                transfers.receive(op, what)
+                transfers.receive(op, what, waited)
                 inp.requires_grad_(not forward_only)
             stage_range = named_range(f"nanotrain/stage{comm.virtual_stage(c)}/forward/mb{m}")
-            with torch.set_grad_enabled(not forward_only), stage_range:
+            with torch.set_grad_enabled(not forward_only), stage_range, span("F"):
                 out, loss = forward_step(m, c, inp)
             if out is not None and not comm.is_last(c):
                 transfers.send(comm.send_forward(m, c, out))
@@ -330,23 +383,23 @@ def run_schedule(
             before_last_backward()
         stage = comm.virtual_stage(c)
         if action.kind == "W":
-            with named_range(f"nanotrain/stage{stage}/backward_weights/mb{m}"):
+            with named_range(f"nanotrain/stage{stage}/backward_weights/mb{m}"), span("W"):
                 deferred.pop((m, c))()
             continue
         grad = None
         if not comm.is_last(c):
             grad, op = comm.recv_backward(m, c)
             what = f"the gradient of microbatch {m}'s output (virtual stage {stage})"
-            transfers.receive(op, what)
+            transfers.receive(op, what, waited)
         inp, out, loss = held.pop((m, c))
         tensors, grads = _backward_roots(
             out, grad, loss, 1.0 if loss_scales is None else loss_scales[m]
         )
         if action.kind == "I":
-            with named_range(f"nanotrain/stage{stage}/backward_input/mb{m}"):
+            with named_range(f"nanotrain/stage{stage}/backward_input/mb{m}"), span("I"):
                 inp_grad, deferred[(m, c)] = backward_input(tensors, grads, inp, params)
         else:
-            with named_range(f"nanotrain/stage{stage}/backward/mb{m}"):
+            with named_range(f"nanotrain/stage{stage}/backward/mb{m}"), span("B"):
                 if tensors:
                     torch.autograd.backward(tensors, grads)
             inp_grad = None if inp is None else inp.grad

@@ -57,6 +57,26 @@ _AGGREGATORS: dict[str, type[torchmetrics.Metric]] = {
 _CALLABLE_REDUCE = {torch.mean: "mean", torch.sum: "sum", torch.max: "max", torch.min: "min"}
 
 
+def _scalar_on(value: Any, device: torch.device, name: str) -> Tensor:
+    """`value` (a number or a one-element tensor) as a detached 0-dim float32 tensor on
+    `device`; a tensor that already is one is returned as it is (no op on the step's path).
+
+    Raises:
+        ValueError: a tensor of more than one element.
+    """
+    value = value.detach() if isinstance(value, Tensor) else torch.as_tensor(value)
+    if value.dim() != 0:
+        if value.numel() != 1:
+            raise ValueError(
+                f"self.log({name!r}) needs a scalar (a number, a one-element tensor or a "
+                f"torchmetrics Metric), got a tensor of shape {tuple(value.shape)}"
+            )
+        value = value.reshape(())
+    if value.dtype != torch.float32 or value.device != device:
+        value = value.to(device, torch.float32)
+    return value
+
+
 def reduce_name(reduce_fx: Any) -> str:
     """'mean' | 'sum' | 'max' | 'min' for a reduce_fx given as a string or torch function.
 
@@ -161,13 +181,7 @@ class MetricBook:
             else:
                 metric = self._aggregator(reduce, sync_dist)
             entry = scope.entries[name] = _Entry(metric, prog_bar, logger, user_metric=False)
-        value = torch.as_tensor(value).detach()
-        if value.numel() != 1:
-            raise ValueError(
-                f"self.log({name!r}) needs a scalar (a number, a one-element tensor or a "
-                f"torchmetrics Metric), got a tensor of shape {tuple(value.shape)}"
-            )
-        value = value.reshape(()).to(self._device_fn(), torch.float32)
+        value = _scalar_on(value, self._device_fn(), name)
         if isinstance(entry.metric, torchmetrics.MeanMetric) or getattr(
             entry.metric, "takes_weight", False
         ):

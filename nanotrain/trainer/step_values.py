@@ -39,8 +39,10 @@ class StepAggregator:
         """Add a 0-dim float tensor `value` (with `weight`, for a mean)."""
         self._result = None
         if self.reduce == "mean":
-            value = value * float(weight)
-            self._weight += float(weight)
+            weight = float(weight)
+            if weight != 1.0:
+                value = value * weight
+            self._weight += weight
         total = self._total
         if total is None:
             self._total = value

@@ -113,6 +113,10 @@ class Trainer(LightningTrainerProperties, TrainStepMethods, EvaluationMethods, C
         self.testing = False
         self.predicting = False
         self._current_fx: str | None = None  # the hook running now (for self.log defaults)
+        # per hook, the callbacks that override it (a base no-op is not called), kept while the
+        # callbacks stay the same objects
+        self._receivers: dict[str, list[Any]] = {}
+        self._receivers_of: tuple[int, ...] = ()
         self._eval_loader: DataLoader | None = None
         self.should_stop = False
         self.exit_code = 0  # why fit ended early, see nanotrain.runtime.exit_codes (0: normally)
@@ -178,10 +182,8 @@ class Trainer(LightningTrainerProperties, TrainStepMethods, EvaluationMethods, C
         if hook == "on_exception":
             self._interrupted = True
         try:
-            for cb in self.callbacks:
-                cb_hook = getattr(cb, hook, None)  # test/predict hooks are optional
-                if cb_hook is not None:
-                    cb_hook(self, module, *args)
+            for cb in self._callbacks_with(hook):
+                getattr(cb, hook)(self, module, *args)
             module_hook = getattr(module, hook, None)
             if callable(module_hook) and hook not in ("on_exception",):
                 if module_hook(*args) == -1 and hook == "on_train_batch_start":
@@ -193,6 +195,17 @@ class Trainer(LightningTrainerProperties, TrainStepMethods, EvaluationMethods, C
                     )
         finally:
             self._current_fx = previous
+
+    def _callbacks_with(self, hook: str) -> list[Any]:
+        """The callbacks, in order, that define `hook` beyond their base class's no-op (test
+        and predict hooks are optional): looked up once per hook, not every step."""
+        callbacks = tuple(map(id, self.callbacks))
+        if self._receivers_of != callbacks:
+            self._receivers, self._receivers_of = {}, callbacks
+        found = self._receivers.get(hook)
+        if found is None:
+            found = self._receivers[hook] = [cb for cb in self.callbacks if overrides(cb, hook)]
+        return found
 
     # -- setup shared by fit and validate --------------------------------------------------
     def _setup(self, module: NanoModule, datamodule: Any, stage: str, ckpt_path: Any) -> None:
