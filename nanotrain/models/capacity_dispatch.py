@@ -102,6 +102,7 @@ def run_experts_in_slots(
     experts: Callable[[Tensor, list[int]], Tensor],
     group: object | None,
     peer_slots: list[int] | None = None,
+    fp8_dispatch: bool = False,
 ) -> Tensor:
     """The experts over the slot buffer, sending each expert's slots to the rank that owns
     it and back (all-to-all splits known in advance: no size exchange, no host read).
@@ -115,6 +116,7 @@ def run_experts_in_slots(
         group: the expert-parallel group of P ranks (None or one rank: all experts local).
         peer_slots: S of every rank of `group` in rank order (`peer_slot_counts`), when the
             ranks' batches may differ in shape; None: every rank has this rank's S.
+        fp8_dispatch: the slots go out in fp8 with tile scales (`all_to_all`'s `fp8`).
     Returns: y_slots [E*S, H] in x_slots' row order.
     """
     p = group_size(group)
@@ -125,7 +127,7 @@ def run_experts_in_slots(
     send = [e_local * slots_per_expert] * p
     recv = [e_local * s for s in peers]
     # (E_local * sum(peers), H), rows ordered (source rank, local expert, slot)
-    x_recv = all_to_all(x_slots, recv, send, group)
+    x_recv = all_to_all(x_slots, recv, send, group, fp8=fp8_dispatch)
     # regroup by local expert: expert j gets every source's slots for it, in rank order;
     # one block per source rank: (E_local, that source's S, H)
     blocks = [b.view(e_local, s, hidden) for b, s in zip(x_recv.split(recv), peers, strict=True)]

@@ -287,6 +287,10 @@ class GroupedExperts(nn.Module):
     #: set by a precision plugin that runs these experts its own way
     #: (`nanotrain.precision.base.wrap_forward`)
     runs_own_precision = False
+    #: whether the routed copies cross the ep group in fp8 with 1 x 128 tile scales
+    #: (`nanotrain.parallel.fp8_wire`), set by an fp8 precision that quantizes these experts'
+    #: inputs per tile anyway (`EmulatedFP8`)
+    dispatches_fp8 = False
 
     def for_dispatch(self, x: torch.Tensor) -> torch.Tensor:
         """x [M, H] in the dtype these experts' GEMMs read it in, to send it to their ranks

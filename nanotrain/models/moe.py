@@ -322,7 +322,9 @@ class DeepSeekMoE(nn.Module):
         if self.config.capacity_factor is None:  # dropless: copies sorted by expert
             d = dispatch(h, topk_idx, e)  # d.x: (N*K, H) sorted by expert
             x_sorted = self._for_dispatch(d.x)  # (N*K, H), the dtype it crosses ranks in
-            y_sorted = run_experts_parallel(x_sorted, d.counts, self.experts, self.ep_group)
+            y_sorted = run_experts_parallel(
+                x_sorted, d.counts, self.experts, self.ep_group, self.experts.dispatches_fp8
+            )
             y = combine(y_sorted, d, topk_weight, b * t).view(b, t, hidden)  # (B, T, H)
         else:  # fixed slots: training reads nothing from the device
             y, keep = self._routed_in_slots(x, topk_idx, topk_weight)  # (B, T, H), (N*K,)
@@ -388,7 +390,15 @@ class DeepSeekMoE(nn.Module):
         if exchange and group_size(self.ep_group) > 1:
             peers = peer_slot_counts(b * capacity, self.ep_group, x.device)
         # (E*B*C, H) in x_slots' row order
-        y_slots = run_experts_in_slots(x_slots, e, b * capacity, self.experts, self.ep_group, peers)
+        y_slots = run_experts_in_slots(
+            x_slots,
+            e,
+            b * capacity,
+            self.experts,
+            self.ep_group,
+            peers,
+            self.experts.dispatches_fp8,
+        )
         # (B, T_full, H)
         y = combine_from_slots(y_slots, position, weight, b * full_t).view(b, full_t, hidden)
         if tp > 1:  # this rank's tokens: slicing sends no gradient to the others' outputs

@@ -44,6 +44,7 @@ from torch import Tensor, nn
 from torch.distributed import ProcessGroup
 
 from nanotrain.parallel.collectives import group_size
+from nanotrain.parallel.fp8_wire import pack_fp8_rows, unpack_fp8_rows
 
 __all__ = [
     "ExpertSplits",
@@ -225,12 +226,33 @@ class _AllToAll(torch.autograd.Function):
         return grad_x, None, None, None, None
 
 
+class _Fp8AllToAll(torch.autograd.Function):
+    """`_AllToAll` whose forward sends the rows in fp8 (`nanotrain.parallel.fp8_wire`: e4m3
+    values, one fp32 scale per 1 x 128 tile) and returns them dequantized in `x`'s dtype; the
+    backward sends the gradient as it comes (the rounding counts as the identity, as an fp8
+    GEMM's input quantization does)."""
+
+    @staticmethod
+    def forward(ctx, x, anchor, output_splits, input_splits, group):  # noqa: ANN001, ANN205
+        ctx.splits = (output_splits, input_splits)
+        ctx.group = group
+        packed = _all_to_all_raw(pack_fp8_rows(x), output_splits, input_splits, group)
+        return unpack_fp8_rows(packed, x.shape[-1], x.dtype)
+
+    @staticmethod
+    def backward(ctx, grad):  # noqa: ANN001, ANN205
+        output_splits, input_splits = ctx.splits
+        grad_x = _all_to_all_raw(grad, input_splits, output_splits, ctx.group)
+        return grad_x, None, None, None, None
+
+
 def all_to_all(
     x: Tensor,
     output_splits: Sequence[int],
     input_splits: Sequence[int],
     group: ProcessGroup | None,
     anchor: Tensor | None = None,
+    fp8: bool = False,
 ) -> Tensor:
     """forward: rows ``input_splits[r]`` of `x` go to rank r, rows from rank r land in order
     (``output_splits[r]`` of them); backward: the reverse all-to-all of the gradient.
@@ -241,13 +263,16 @@ def all_to_all(
             agree with its peers'; `exchange_splits` computes them).
         group: the process group; None or one rank returns `x` itself.
         anchor: optional tensor whose requires-grad the output inherits (see `_AllToAll`).
+        fp8: x [rows, H] crosses in fp8 with tile scales (`_Fp8AllToAll`); the output is its
+            fp8 rounding, in x's dtype.
     Returns: [sum(output_splits), ...].
     """
     if group_size(group) == 1:
         return x
     # no anchor given: None, not `x` twice (dynamo cannot trace an autograd.Function that
     # gets the same tensor as two inputs, and breaks the graph there)
-    return _AllToAll.apply(x, anchor, list(output_splits), list(input_splits), group)
+    function = _Fp8AllToAll if fp8 else _AllToAll
+    return function.apply(x, anchor, list(output_splits), list(input_splits), group)
 
 
 @dataclass
@@ -314,6 +339,7 @@ def run_experts_parallel(
     counts: Tensor,
     experts: Callable[[Tensor, Tensor | list[int]], Tensor],
     group: ProcessGroup | None,
+    fp8_dispatch: bool = False,
 ) -> Tensor:
     """Send token copies to the ranks owning their experts, run them there, bring them back.
 
@@ -328,13 +354,17 @@ def run_experts_parallel(
         group: the expert-parallel group (P ranks); None or one rank calls
             ``experts(x_sorted, counts)`` directly with the counts tensor, so an expert
             implementation with device offsets (grouped GEMM) never syncs with the host.
+        fp8_dispatch: the copies go out in fp8 with tile scales (`all_to_all`'s `fp8`); the
+            combine comes back in the experts' output dtype.
     Returns: [M, H] expert outputs in `x_sorted`'s row order.
     """
     if group_size(group) == 1:
         return experts(x_sorted, counts)
     splits = exchange_splits(counts, group)
     # dispatch: (R, H), rows ordered (source rank, local expert)
-    x_recv = all_to_all(x_sorted, splits.output_splits, splits.input_splits, group)
+    x_recv = all_to_all(
+        x_sorted, splits.output_splits, splits.input_splits, group, fp8=fp8_dispatch
+    )
     order = _regroup_order(splits.recv_counts, x_sorted.device)  # (R,)
     y_local = experts(x_recv[order], splits.local_counts)  # (R, H) by local expert
     inverse = torch.empty_like(order)

@@ -35,6 +35,7 @@ import torch
 
 from nanotrain.models.moe import expert_capacity
 from nanotrain.parallel.data_parallel import FlatLayout
+from nanotrain.parallel.fp8_wire import fp8_row_bytes
 from nanotrain.parallel.tensor import pad_vocab_size
 from nanotrain.planning.communication_tp import (
     is_moe_layer,
@@ -88,10 +89,14 @@ class WireDtypes:
         matmul: linear-layer outputs (tp output collectives, ep combine): the autocast dtype.
         dispatch: the routed copies sent to the experts' ranks: the dtype the experts' GEMMs
             read them in (`GroupedExperts.for_dispatch`), the autocast dtype unless an
-            emulated precision quantizes the experts' fp32 inputs itself.
+            emulated precision quantizes the experts' fp32 inputs itself; 1 under
+            "fp8-emulated", whose copies cross in fp8 plus their tile scales
+            (`dispatch_fp8`).
         param: parameters (embedding output, ZeRO all-gather, pp buffers).
         grad: the gradient buffer (fp32 main grads under bf16-true).
         reduce: the data-parallel gradient reduction.
+        dispatch_grad: the copies' gradients sent back in backward (None: as `dispatch`).
+        dispatch_fp8: the copies go out as `nanotrain.parallel.fp8_wire` rows.
     """
 
     act: int
@@ -100,6 +105,17 @@ class WireDtypes:
     param: int
     grad: int
     reduce: int
+    dispatch_grad: int | None = None
+    dispatch_fp8: bool = False
+
+    def dispatch_row(self, hidden: int) -> int:
+        """Bytes one routed copy of `hidden` values takes on its way to the experts."""
+        return fp8_row_bytes(hidden) if self.dispatch_fp8 else hidden * self.dispatch
+
+    def dispatch_grad_row(self, hidden: int) -> int:
+        """Bytes one copy's gradient takes on its way back in backward."""
+        width = self.dispatch if self.dispatch_grad is None else self.dispatch_grad
+        return hidden * width
 
 
 def wire_dtypes(precision: str, reduce_dtype: torch.dtype = torch.float32) -> WireDtypes:
@@ -108,15 +124,19 @@ def wire_dtypes(precision: str, reduce_dtype: torch.dtype = torch.float32) -> Wi
     Under autocast ("bf16-mixed", "16-mixed", the emulated formats, Transformer Engine,
     torchao's float8) the parameters stay fp32, so do the embedding output, norms and residual
     stream; linear outputs and the experts' dispatched inputs are 16-bit, except under the
-    emulated formats, whose experts quantize fp32 inputs (dispatched in fp32). "bf16-true" is
-    bf16 everywhere but the fp32 gradient buffer. With a precision policy that keeps the
-    routed experts high the dispatch is fp32 too; the plan assumes the default policy.
+    emulated formats, whose experts quantize fp32 inputs: "fp8-emulated" dispatches them in
+    fp8 with tile scales (their gradients return in fp32), "fp4-emulated" in fp32.
+    "bf16-true" is bf16 everywhere but the fp32 gradient buffer. With a precision policy that
+    keeps the routed experts high the dispatch is fp32 too; the plan assumes the default
+    policy.
     """
     reduce = torch.tensor([], dtype=reduce_dtype).element_size()
     if precision == "32-true":
         return WireDtypes(4, 4, 4, 4, 4, 4)
     if precision == "bf16-true":
         return WireDtypes(2, 2, 2, 2, 4, reduce)
+    if precision == "fp8-emulated":
+        return WireDtypes(4, 2, 1, 4, 4, reduce, dispatch_grad=4, dispatch_fp8=True)
     dispatch = 4 if precision.endswith("-emulated") else 2
     return WireDtypes(4, 2, dispatch, 4, 4, reduce)
 
@@ -223,8 +243,9 @@ def _ep(
         copies = config.n_routed_experts * workload.micro_batch_size * capacity
         splits, split_calls = 0.0, 0
     rows = copies * ring  # copies (or slots) that leave the rank
-    forward = splits + rows * config.hidden_size * (dt.dispatch + dt.matmul)
-    backward = rows * config.hidden_size * (dt.dispatch + dt.matmul)
+    h = config.hidden_size
+    forward = splits + rows * (dt.dispatch_row(h) + h * dt.matmul)
+    backward = rows * (dt.dispatch_grad_row(h) + h * dt.matmul)
     per_layer, calls = forward + backward, 4 + split_calls
     if layout.recompute == "full":
         per_layer, calls = per_layer + forward, calls + 2 + split_calls

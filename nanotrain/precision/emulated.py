@@ -22,7 +22,7 @@ from torch import Tensor, nn
 
 from nanotrain.precision.base import wrap_forward
 from nanotrain.precision.mixed import BF16Mixed
-from nanotrain.precision.policy import PrecisionPolicy
+from nanotrain.precision.policy import PrecisionPolicy, is_grouped_experts
 from nanotrain.precision.quant import qdq_fp4, qdq_fp8
 
 __all__ = ["EmulatedFP4", "EmulatedFP8", "FP8_RECIPES"]
@@ -150,6 +150,14 @@ class EmulatedFP8(_Emulated):
             raise ValueError(f"fmt must be 'e4m3' or 'hybrid', got {fmt!r}")
         self.recipe, self.fmt, self.quantize_grads = recipe, fmt, quantize_grads
         self.low_precision_format = f"fp8 {fmt} ({recipe} scaling, emulated)"
+
+    def apply_to_linear(self, name: str, layer: nn.Module, low: bool) -> None:
+        super().apply_to_linear(name, layer, low)
+        if low and is_grouped_experts(layer):
+            # DeepSeek-V3's dispatch: the experts' inputs cross ranks in fp8 with the
+            # activation tiles their GEMMs quantize to (a second rounding of a rounded tile
+            # is the identity, up to fp32 ulps when the recipe's tiles are per tensor)
+            layer.dispatches_fp8 = True
 
     def quantizers(self) -> tuple[Quantizer, Quantizer, Quantizer | None]:
         act, weight = FP8_RECIPES[self.recipe]

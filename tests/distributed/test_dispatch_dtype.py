@@ -9,7 +9,9 @@ be bitwise equal, and the payload dtypes of the data all-to-alls (forward dispat
 combine, their backward pair) are recorded: bf16 out and back as built, fp32 dispatch
 before. A layer whose experts a precision plugin keeps high (`wrap_forward`, as a policy
 that keeps the routed experts in fp32 does) dispatches fp32, as does a layer without
-autocast.
+autocast. Under "fp8-emulated" (experts set up by `EmulatedFP8`) the copies go out as fp8
+rows with tile scales (uint8 on the wire) and give bitwise the numbers of the fp32 dispatch
+the experts then quantize to the same tiles.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from nanotrain.models.expert_compute import GroupedExperts
 from nanotrain.models.moe import DeepSeekMoE
 from nanotrain.parallel import ParallelMesh
 from nanotrain.precision.base import wrap_forward
+from nanotrain.precision.emulated import EmulatedFP8
 from tests.distributed.spawn import run_world
 
 pytestmark = pytest.mark.distributed
@@ -33,12 +36,12 @@ pytestmark = pytest.mark.distributed
 
 @contextlib.contextmanager
 def recorded_all_to_alls(dtypes: list[torch.dtype]):
-    """Appends the payload dtype of every floating-point `all_to_all_single` (the split-size
-    exchanges are int64 and left out)."""
+    """Appends the payload dtype of every floating-point or uint8 (fp8 rows) `all_to_all_single`
+    (the split-size exchanges are int64 and left out)."""
     real = dist.all_to_all_single
 
     def spy(output, input, *args, **kwargs):
-        if input.is_floating_point():
+        if input.is_floating_point() or input.dtype == torch.uint8:
             dtypes.append(input.dtype)
         return real(output, input, *args, **kwargs)
 
@@ -72,6 +75,16 @@ def _layer(mesh: ParallelMesh, capacity: float | None, keep_high: bool = False) 
     return layer.train()
 
 
+def _fp8_layer(mesh: ParallelMesh, capacity: float | None, fp8_wire: bool) -> DeepSeekMoE:
+    """The layer with its experts set up as "fp8-emulated" sets them up; `fp8_wire` False:
+    their copies dispatched in fp32 instead."""
+    layer = _layer(mesh, capacity)
+    EmulatedFP8().apply_to_linear("mlp.experts", layer.experts, low=True)
+    assert layer.experts.dispatches_fp8
+    layer.experts.dispatches_fp8 = fp8_wire
+    return layer
+
+
 def _cases(rank: int, world_size: int) -> dict:
     mesh = ParallelMesh.build(ep=2)
     out = {}
@@ -84,14 +97,25 @@ def _cases(rank: int, world_size: int) -> dict:
         same = all(torch.equal(a, b) for a, b in zip(*flat, strict=True))
         _, high_dtypes = _run(_layer(mesh, capacity, keep_high=True), rank, autocast=True)
         _, fp32_dtypes = _run(_layer(mesh, capacity), rank, autocast=False)
+        fp8, fp8_dtypes = _run(_fp8_layer(mesh, capacity, True), rank, autocast=True)
+        fp32_wire, _ = _run(_fp8_layer(mesh, capacity, False), rank, autocast=True)
+        flat = [fp8[0], fp8[1], *fp8[2]], [fp32_wire[0], fp32_wire[1], *fp32_wire[2]]
+        fp8_same = all(torch.equal(a, b) for a, b in zip(*flat, strict=True))
         out[capacity] = (same, built_dtypes, before_dtypes, high_dtypes, fp32_dtypes)
+        out[f"fp8 {capacity}"] = (fp8_same, fp8_dtypes)
     return out
 
 
-def test_dispatch_goes_out_in_bf16_under_autocast_and_gives_the_fp32_dispatchs_numbers():
+@pytest.fixture(scope="module")
+def world() -> list[dict]:
+    return run_world(_cases, 2)
+
+
+def test_dispatch_goes_out_in_bf16_under_autocast_and_gives_the_fp32_dispatchs_numbers(world):
     bf16, fp32 = torch.bfloat16, torch.float32
-    for rank_result in run_world(_cases, 2):
-        for capacity, (same, built, before, high, no_autocast) in rank_result.items():
+    for rank_result in world:
+        for capacity in (None, 1.0):
+            same, built, before, high, no_autocast = rank_result[capacity]
             case = f"capacity_factor={capacity}"
             assert same, f"{case}: bf16 dispatch changed outputs or grads"
             # forward dispatch, forward combine, backward of the combine, backward of dispatch
@@ -99,6 +123,16 @@ def test_dispatch_goes_out_in_bf16_under_autocast_and_gives_the_fp32_dispatchs_n
             assert before == [fp32, bf16, bf16, fp32], case
             assert high == [fp32, fp32, fp32, fp32], case
             assert no_autocast == [fp32, fp32, fp32, fp32], case
+
+
+def test_fp8_emulated_dispatches_fp8_rows_with_the_fp32_dispatchs_numbers(world):
+    for rank_result in world:
+        for capacity in (None, 1.0):
+            same, dtypes = rank_result[f"fp8 {capacity}"]
+            assert same, f"capacity_factor={capacity}: fp8 dispatch changed outputs or grads"
+            # dispatch as fp8 rows; the combine in bf16 (the experts' autocast output), its
+            # gradient likewise; the copies' gradients back in their fp32
+            assert dtypes == [torch.uint8, torch.bfloat16, torch.bfloat16, torch.float32]
 
 
 def test_for_dispatch_casts_only_what_autocast_would():
