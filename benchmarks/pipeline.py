@@ -40,7 +40,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from nanotrain.parallel.mesh import ParallelMesh  # noqa: E402
 from nanotrain.parallel.pipeline import PipelineComm, open_channels, run_schedule  # noqa: E402
-from nanotrain.parallel.schedules import SCHEDULES, SPLIT_BACKWARD_SCHEDULES  # noqa: E402
+from nanotrain.parallel.schedules import SCHEDULES  # noqa: E402
+from nanotrain.planning.schedule_time import schedule_step_time  # noqa: E402
 from nanotrain.report.schedule_chart import schedule_chart  # noqa: E402
 from tests.distributed.spawn import run_world  # noqa: E402
 
@@ -177,20 +178,20 @@ def draw_schedules(folder: str, f_ms: float, pp: int = 4, m: int = 8) -> list[Pa
 
 
 def sleep_table(f_ms: float) -> None:
-    """Step time over each schedule's formula with sleep-based compute (F forward, I = W = F
-    for the two halves of the backward): m·3F plus the bubble, (p - 1)·3F/v for GPipe and
-    (interleaved) 1F1B, (p - 1)·(F + I)/v = (p - 1)·2F/v with split backwards."""
+    """Step time over each schedule's replay by the planner (`schedule_step_time`) with
+    sleep-based compute (F forward, I = W = F for the two halves of the backward): here
+    m·3F plus the bubble, (p - 1)·3F/v for GPipe and (interleaved) 1F1B, (p - 1)·(F + I)/v =
+    (p - 1)·2F/v with split backwards."""
     f = f_ms / 1e3
     print(f"sleep-based compute, F = I = W = {f_ms:g} ms")
-    print("| pp | m | schedule | step ms | formula ms | step / formula | vs 1f1b |")
+    print("| pp | m | schedule | step ms | replayed ms | step / replayed | vs 1f1b |")
     print("|---|---|---|---|---|---|---|")
     for pp, m in ((2, 4), (4, 8)):
         one_f_one_b = None
         for schedule, v in SLEEP_SCHEDULES:
             step = max(run_world(_sleep_bench, pp, schedule, m, v, f, timeout=300))
-            split = schedule in SPLIT_BACKWARD_SCHEDULES
-            bubble = (pp - 1) / v * (2 if split else 3) * f
-            formula = m * 3 * f + bubble
+            # the planner's replay of the same action lists: m·3F plus the bubble here
+            formula = schedule_step_time(schedule, m, pp, v, f, f, f)
             one_f_one_b = step if schedule == "1f1b" else one_f_one_b
             versus = "" if one_f_one_b is None else f"{step / one_f_one_b:.2f}"
             print(

@@ -40,13 +40,13 @@ from nanotrain.models.accounting import (
 )
 from nanotrain.models.moe import expert_capacity
 from nanotrain.parallel.mesh import MeshLayout
-from nanotrain.parallel.schedules import SPLIT_BACKWARD_SCHEDULES
 from nanotrain.planning.activations import ActivationEstimate, activation_estimate
 from nanotrain.planning.communication import CommEstimate, comm_estimate
 from nanotrain.planning.gpus import GPUSpec
 from nanotrain.planning.layout import PlanLayout, Workload
 from nanotrain.planning.memory import StateMemory, element_size, param_dtype, state_memory
 from nanotrain.planning.rank_model import rank_models
+from nanotrain.planning.schedule_time import schedule_step_time
 
 __all__ = ["Plan", "RankPlan", "plan_layout"]
 
@@ -190,15 +190,19 @@ def _stage_flops(config: Any, layout: PlanLayout, workload: Workload, chunks: li
 
 
 def _bubble(layout: PlanLayout, num_micro: int, busy: float, weights_t: float) -> float:
-    """The pacing stage's idle time per step under the layout's schedule: (p - 1) of its
-    per-microbatch time (F + I + W), divided by virtual_pp when interleaved; without W when
-    backwards are split (`zb_1f1b`, `zb_interleaved_1f1b` send the gradient upstream before
-    the weight half)."""
+    """The pacing stage's idle time per step under the layout's schedule: its action lists
+    replayed (`schedule_step_time`) with every stage as busy as the pacing one, minus that
+    stage's work. Per microbatch the forward and the weight half each take the weight
+    gradients' time (a third of the training FLOPs without recomputation), the input half
+    the rest of the stage's time (recomputation and blocking communication included)."""
     if layout.pp == 1:
         return 0.0
-    split = layout.schedule in SPLIT_BACKWARD_SCHEDULES
-    per_micro = (busy - weights_t if split else busy) / num_micro
-    return per_micro * (layout.pp - 1) / layout.virtual_pp
+    forward = weight = weights_t / num_micro
+    input_grad = max(busy / num_micro - forward - weight, 0.0)
+    step = schedule_step_time(
+        layout.schedule, num_micro, layout.pp, layout.virtual_pp, forward, input_grad, weight
+    )
+    return max(step - num_micro * (forward + input_grad + weight), 0.0)
 
 
 def routed_rows_per_copy(config: Any, layout: PlanLayout, workload: Workload) -> float:
