@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import functools
 
-from nanotrain.parallel.schedules import SCHEDULES, Action
+from nanotrain.parallel.schedules import SCHEDULES
 
 __all__ = ["schedule_step_time"]
 
@@ -55,44 +55,56 @@ def _unit_step_time(
         "I": input_grad / v,
         "W": weight_grad / v,
     }
-    lists = [SCHEDULES[schedule](m, pp, rank, v) for rank in range(pp)]
-    last_stage = pp * v - 1
-    done: dict[tuple[str, int, int], float] = {}  # (F or G, microbatch, virtual stage) -> end
+    lists = _needs(schedule, m, pp, v)
+    done: dict[tuple[bool, int, int], float] = {}  # (forward?, microbatch, stage) -> its end
     free = [0.0] * pp
     position = [0] * pp
     remaining = sum(len(actions) for actions in lists)
     while remaining:
         progressed = False
         for rank, actions in enumerate(lists):
-            while position[rank] < len(actions):
-                action = actions[position[rank]]
-                ready = _ready_at(action, rank, pp, last_stage, done)
+            at, clock = position[rank], free[rank]
+            while at < len(actions):
+                kind, needs, gives = actions[at]
+                ready = 0.0 if needs is None else done.get(needs)
                 if ready is None:
                     break
-                end = max(free[rank], ready) + duration[action.kind]
-                free[rank] = end
-                stage = action.chunk * pp + rank
-                if action.kind == "F":
-                    done[("F", action.microbatch, stage)] = end
-                elif action.sends_input_grad:
-                    done[("G", action.microbatch, stage)] = end
-                position[rank] += 1
-                remaining -= 1
-                progressed = True
+                clock = max(clock, ready) + duration[kind]
+                if gives is not None:
+                    done[gives] = clock
+                at += 1
+            remaining -= at - position[rank]
+            progressed = progressed or at > position[rank]
+            position[rank], free[rank] = at, clock
         if not progressed:
             raise ValueError(f"schedule {schedule!r} does not run to its end (pp={pp}, m={m})")
     return max(free)
 
 
-def _ready_at(
-    action: Action, rank: int, pp: int, last_stage: int, done: dict[tuple[str, int, int], float]
-) -> float | None:
-    """When `action`'s input from another stage exists (0 if it needs none); None: not yet."""
-    stage = action.chunk * pp + rank
-    if action.kind == "F":
-        key = ("F", action.microbatch, stage - 1)
-        return 0.0 if stage == 0 else done.get(key)
-    if action.sends_input_grad:
-        key = ("G", action.microbatch, stage + 1)
-        return 0.0 if stage == last_stage else done.get(key)
-    return 0.0  # W: after its own I, which the rank's order already put before it
+Need = tuple[bool, int, int]
+
+
+@functools.lru_cache(maxsize=256)
+def _needs(
+    schedule: str, m: int, pp: int, v: int
+) -> tuple[tuple[tuple[str, Need | None, Need | None], ...], ...]:
+    """Per rank, its actions as (kind, the result it waits for from another stage or None,
+    the result it gives or None): a forward needs the previous virtual stage's forward of
+    its microbatch, a backward or input half the next stage's; a weight half only follows
+    its own input half, which the rank's order puts first."""
+    last_stage = pp * v - 1
+    out = []
+    for rank in range(pp):
+        rows = []
+        for a in SCHEDULES[schedule](m, pp, rank, v):
+            stage = a.chunk * pp + rank
+            if a.kind == "F":
+                needs = None if stage == 0 else (True, a.microbatch, stage - 1)
+                rows.append((a.kind, needs, (True, a.microbatch, stage)))
+            elif a.sends_input_grad:
+                needs = None if stage == last_stage else (False, a.microbatch, stage + 1)
+                rows.append((a.kind, needs, (False, a.microbatch, stage)))
+            else:
+                rows.append((a.kind, None, None))
+        out.append(tuple(rows))
+    return tuple(out)
