@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import logging
 import math
-import os
-import re
 import shutil
 import time
 import warnings
@@ -17,9 +15,18 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from nanotrain.callbacks.base import Callback
+from nanotrain.callbacks.checkpoint_options import (
+    check_filename,
+    check_name,
+    check_options,
+    format_name,
+    is_int,
+    merge_interval,
+    merge_steps,
+)
 from nanotrain.checkpoint.async_save import PendingSave
 from nanotrain.checkpoint.collective import attempt, raise_first_failure
-from nanotrain.checkpoint.commit import LAST_POINTER, TMP_MARKER, check_writable
+from nanotrain.checkpoint.commit import LAST_POINTER, check_writable
 from nanotrain.checkpoint.files import WEIGHTS_ONLY_KEY, check_resumable
 from nanotrain.checkpoint.health import gather_nonfinite
 from nanotrain.checkpoint.step_flag import StepFlag
@@ -129,17 +136,17 @@ class ModelCheckpoint(Callback):
         keep_best_k: int | None = None,
         async_save: bool = False,
     ) -> None:
-        _check_filename(filename, auto_insert_metric_name)
-        steps = _merge_steps(every_n_steps, every_n_train_steps)
-        interval_s = _merge_interval(every_n_minutes, train_time_interval)
-        if every_n_epochs is not None and (not _is_int(every_n_epochs) or every_n_epochs < 0):
+        check_filename(filename, auto_insert_metric_name)
+        steps = merge_steps(every_n_steps, every_n_train_steps)
+        interval_s = merge_interval(every_n_minutes, train_time_interval)
+        if every_n_epochs is not None and (not is_int(every_n_epochs) or every_n_epochs < 0):
             raise ValueError(
                 f"every_n_epochs must be an integer >= 0 (0: no epoch cadence) or None, got "
                 f"{every_n_epochs!r}"
             )
         if save_top_k is None:
             save_top_k = 1 if monitor is not None else -1
-        _check_options(save_top_k, mode, keep_best_k, monitor, save_last)
+        check_options(save_top_k, mode, keep_best_k, monitor, save_last)
         if keep_best_k and save_top_k != -1:  # nanotrain's older spelling of a larger top k
             save_top_k = max(save_top_k, keep_best_k)
         if save_weights_only and async_save:
@@ -539,7 +546,7 @@ class ModelCheckpoint(Callback):
         if self.filename is None:
             name = f"step-{int(metrics['step']):08d}"
         else:
-            name = _format_name(
+            name = format_name(
                 self.filename,
                 dict(metrics),
                 self.auto_insert_metric_name,
@@ -556,7 +563,7 @@ class ModelCheckpoint(Callback):
         name = self.format_checkpoint_name(metrics)
         if tag:
             name = self.CHECKPOINT_JOIN_CHAR.join((name, tag))
-        _check_name(name, self.filename)
+        check_name(name, self.filename)
         path = self.dirpath / name
         if self.filename is None or not self.enable_version_counter:
             # nanotrain's step names: one step's state has one name (a resumed run saving a
@@ -735,132 +742,3 @@ def _score(value: Any) -> torch.Tensor | None:
 
 def _plain(value: torch.Tensor | None) -> float | None:
     return None if value is None else float(value)
-
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _format_name(
-    filename: str, metrics: dict[str, Any], auto_insert_metric_name: bool, equals: str
-) -> str:
-    """Lightning's `ModelCheckpoint._format_checkpoint_name`, step for step."""
-    groups = re.findall(r"(\{.*?)[:\}]", filename)
-    # longest first, so that "epoch" does not replace a part of "epoch_test"
-    for group in sorted(groups, key=len, reverse=True):
-        name = group[1:]
-        if auto_insert_metric_name:
-            filename = filename.replace(group, name + equals + "{" + name)
-        # "{0[name]}" reads names with dots too
-        filename = filename.replace(group, f"{{0[{name}]")
-        if name not in metrics:
-            metrics[name] = torch.tensor(0)
-    return filename.format(metrics)
-
-
-def _check_filename(filename: Any, auto_insert_metric_name: bool) -> None:
-    if filename is None or filename == "":
-        return
-    if not isinstance(filename, str):
-        raise TypeError(
-            f"filename must be a str template such as '{{epoch}}-{{step}}' or None, got "
-            f"{type(filename).__name__} {filename!r}; nanotrain's every_n_steps, "
-            "every_n_minutes, keep_best_k and async_save are keyword-only"
-        )
-    literal = re.sub(r"\{.*?\}", "", filename)
-    if "/" in literal or os.sep in literal or TMP_MARKER in literal:
-        raise ValueError(
-            f"filename={filename!r} would not be one directory name: a checkpoint is a "
-            f"directory in dirpath, so the name cannot hold '/' or {TMP_MARKER!r}; put "
-            "folders in dirpath instead"
-        )
-    if auto_insert_metric_name:
-        slashed = [g[1:] for g in re.findall(r"(\{.*?)[:\}]", filename) if "/" in g]
-        if slashed:
-            raise ValueError(
-                f"filename={filename!r} with auto_insert_metric_name=True would put "
-                f"{slashed[0]!r} into the checkpoint name, and its '/' would make a subfolder "
-                "(Lightning makes one); pass auto_insert_metric_name=False and write the label "
-                "yourself, e.g. 'val_loss={val/loss:.2f}'"
-            )
-
-
-def _check_name(name: str, filename: str | None) -> None:
-    bad = not name or name in (".", "..", LAST_POINTER) or TMP_MARKER in name
-    if bad or "/" in name or os.sep in name:
-        raise ValueError(
-            f"ModelCheckpoint(filename={filename!r}) gave the checkpoint name {name!r}, which is "
-            f"not a usable directory name (empty, '.', '..', {LAST_POINTER!r}, or holding '/' "
-            f"or {TMP_MARKER!r}); change the template"
-        )
-
-
-def _merge_steps(every_n_steps: Any, every_n_train_steps: Any) -> int | None:
-    """The step cadence from nanotrain's and Lightning's spelling (None: none)."""
-    if every_n_steps is not None and (not _is_int(every_n_steps) or every_n_steps <= 0):
-        raise ValueError(f"every_n_steps must be a positive integer or None, got {every_n_steps!r}")
-    lightning = every_n_train_steps
-    if lightning is not None and (not _is_int(lightning) or lightning < 0):
-        raise ValueError(
-            f"every_n_train_steps must be an integer >= 0 (0: no step cadence) or None, got "
-            f"{lightning!r}"
-        )
-    lightning = lightning or None
-    if every_n_steps is not None and every_n_train_steps is not None:
-        if lightning != every_n_steps:
-            raise ValueError(
-                f"every_n_steps={every_n_steps} and every_n_train_steps={every_n_train_steps} "
-                "are two names for the same cadence and disagree; pass only one of them"
-            )
-    return every_n_steps if every_n_steps is not None else lightning
-
-
-def _merge_interval(every_n_minutes: Any, train_time_interval: Any) -> float | None:
-    """The time cadence in seconds from nanotrain's and Lightning's spelling (None: none)."""
-    minutes = every_n_minutes
-    if minutes is not None and (
-        not isinstance(minutes, int | float) or isinstance(minutes, bool) or not minutes > 0
-    ):
-        raise ValueError(f"every_n_minutes must be positive or None, got {minutes!r}")
-    interval = train_time_interval
-    if interval is not None:
-        if not isinstance(interval, timedelta):
-            raise TypeError(
-                f"train_time_interval must be a datetime.timedelta (as Lightning), got "
-                f"{type(interval).__name__} {interval!r}; for a number of minutes pass "
-                "every_n_minutes"
-            )
-        if interval.total_seconds() < 0:
-            raise ValueError(f"train_time_interval must not be negative, got {interval}")
-    if minutes is not None and interval is not None:
-        if not math.isclose(minutes * 60, interval.total_seconds()):
-            raise ValueError(
-                f"every_n_minutes={minutes} and train_time_interval={interval} are two names "
-                "for the same cadence and disagree; pass only one of them"
-            )
-    if minutes is not None:
-        return float(minutes) * 60
-    return None if interval is None else interval.total_seconds()
-
-
-def _check_options(
-    save_top_k: Any, mode: str, keep_best_k: Any, monitor: str | None, save_last: Any
-) -> None:
-    if not _is_int(save_top_k) or save_top_k < -1:
-        raise ValueError(
-            f"save_top_k must be an integer >= -1 (-1: keep all, 0: keep no top-k checkpoint), "
-            f"got {save_top_k!r}"
-        )
-    if mode not in ("min", "max"):
-        raise ValueError(f"mode must be 'min' or 'max', got {mode!r}")
-    if monitor is not None and not isinstance(monitor, str):
-        raise TypeError(f"monitor must be a metric name (str) or None, got {monitor!r}")
-    if keep_best_k is not None and (not _is_int(keep_best_k) or keep_best_k < 0):
-        raise ValueError(f"keep_best_k must be a non-negative integer, got {keep_best_k!r}")
-    if keep_best_k and monitor is None:
-        raise ValueError(
-            f"keep_best_k={keep_best_k} needs a metric to rank by: set monitor, e.g. "
-            "monitor='val/loss'"
-        )
-    if save_last not in (None, True, False, "link"):
-        raise ValueError(f"save_last must be None, True, False or 'link', got {save_last!r}")
