@@ -28,7 +28,8 @@ import nanotrain as nt
 from nanotrain.callbacks.checkpoint import ModelCheckpoint
 from nanotrain.data import ResumableDistributedSampler
 from nanotrain.strategies.base import DataShard
-from nanotrain.trainer.loaders import inspect_source, rebatch
+from nanotrain.trainer.data_source import inspect_source
+from nanotrain.trainer.loaders import rebatch
 
 
 def dataset(n: int = 64) -> TensorDataset:
