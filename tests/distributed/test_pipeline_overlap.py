@@ -1,8 +1,7 @@
 """The pipeline executor lets the next stage start while this one still computes: under GPipe
 stage 1's first forward starts before stage 0's last forward (sleep-based compute). The same
 runs record the executor's timeline (what `benchmarks/pipeline.py --draw` pictures): one
-compute span per action, in the schedule's order, and the waits for a neighbour; and the
-planner's replay of the same action lists times the step the executor took."""
+compute span per action, in the schedule's order, and the waits for a neighbour."""
 
 from __future__ import annotations
 
@@ -14,7 +13,6 @@ import torch.distributed as dist
 
 from nanotrain.parallel.pipeline import PipelineComm, TimelineEvent, run_schedule
 from nanotrain.parallel.schedules import SCHEDULES
-from nanotrain.planning.schedule_time import schedule_step_time
 from tests.distributed.spawn import run_world
 
 F = 0.05  # seconds of sleep per forward: far above any transfer on localhost gloo
@@ -66,10 +64,9 @@ def test_the_timeline_holds_each_action_once_in_order_and_the_waits(runs):
             pairs = list(zip(timeline, timeline[1:], strict=False))
             assert all(a.end <= b.start for a, b in pairs), schedule
             assert all(e.end - e.start >= F for e in computed if e.kind == "F"), schedule
-        # stage 1 first waits for microbatch 0's activation while stage 0 computes it (~F)
+        # stage 1 first waits for microbatch 0's activation
         first = runs[schedule][1][1][0]
         assert (first.kind, first.microbatch) == ("recv", 0), schedule
-        assert first.end - first.start > 0.5 * F, (schedule, first)
         # a wait feeds the action right after it: on stage 0 a backward (the gradient of
         # its output), on stage 1 a forward (its input)
         for rank, kinds in ((0, ("B", "I")), (1, ("F",))):
@@ -77,13 +74,3 @@ def test_the_timeline_holds_each_action_once_in_order_and_the_waits(runs):
             fed = [(a, b) for a, b in zip(timeline, timeline[1:], strict=False) if a.kind == "recv"]
             assert fed and all(b.kind in kinds for _, b in fed), (schedule, rank, fed)
             assert all(a.microbatch == b.microbatch for a, b in fed), (schedule, rank, fed)
-
-
-def test_the_planners_replay_of_the_schedule_times_the_executors_run(runs):
-    # forwards sleep F, backwards cost next to nothing: the replay of the same action lists
-    # (what the planner prices the bubble with) gives the step the executor took
-    for schedule in SCHEDULE_NAMES:
-        events = [e for _, timeline in runs[schedule] for e in timeline]
-        took = max(e.end for e in events) - min(e.start for e in events)
-        replayed = schedule_step_time(schedule, 4, 2, 1, F, 0.0, 0.0)
-        assert took == pytest.approx(replayed, rel=0.10), (schedule, took, replayed)
