@@ -5,6 +5,8 @@ pools (pytest plus spawned ranks or CLI subprocesses) oversubscribe the cores ba
 """
 
 import builtins
+import compileall
+from pathlib import Path
 
 import pytest
 import torch
@@ -27,6 +29,19 @@ def failing_import(monkeypatch):
         monkeypatch.setattr(builtins, "__import__", fake_import)
 
     return install
+
+
+def pytest_configure(config):
+    """In the controlling process only, before any worker or subprocess starts: byte-compile
+    the package and the tests. Where PYTHONDONTWRITEBYTECODE is set (as on the CI machines) no
+    interpreter writes its compiled modules, so every fresh one (an xdist worker, a torchrun
+    worker, the README command, the notebook kernel) would compile nanotrain again, about
+    2.5 s of CPU each; reading compiled modules is allowed either way."""
+    if hasattr(config, "workerinput"):  # an xdist worker: the controller has done it
+        return
+    root = Path(__file__).resolve().parents[1]
+    for folder in ("nanotrain", "tests", "examples", "benchmarks"):
+        compileall.compile_dir(root / folder, quiet=1)
 
 
 @pytest.hookimpl(tryfirst=True)
