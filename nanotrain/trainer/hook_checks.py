@@ -8,6 +8,7 @@ do instead. The hooks nanotrain does run are listed in docs/lightning.md.
 
 from __future__ import annotations
 
+import functools
 from typing import TYPE_CHECKING, Any
 
 import lightning.pytorch as pl
@@ -81,10 +82,19 @@ def hook_base(obj: Any) -> type:
 
 def overrides(obj: Any, name: str) -> bool:
     """Whether `obj` (or its class) defines hook `name` itself (not the base class's no-op)."""
-    if name in getattr(obj, "__dict__", {}):
-        return True
-    own = getattr(type(obj), name, None)
-    return own is not None and own is not getattr(hook_base(obj), name, None)
+    return name in getattr(obj, "__dict__", {}) or class_overrides(type(obj), name)
+
+
+@functools.lru_cache(maxsize=4096)
+def class_overrides(cls: type, name: str) -> bool:
+    """Whether class `cls` defines hook `name` beyond its base's no-op (`hook_base`); cached,
+    as the Trainer asks for every callback at every hook."""
+    if issubclass(cls, pl.LightningModule):
+        base: type = pl.LightningModule
+    else:
+        base = pl.Callback if issubclass(cls, pl.Callback) else Callback
+    own = getattr(cls, name, None)
+    return own is not None and own is not getattr(base, name, None)
 
 
 def uses_any_hook(module: Any, callbacks: list[Any], names: tuple[str, ...]) -> bool:

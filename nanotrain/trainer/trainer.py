@@ -34,7 +34,13 @@ from nanotrain.strategies.base import StepOutput
 from nanotrain.trainer.checkpoint_methods import CheckpointMethods
 from nanotrain.trainer.config import TrainerConfig, resolve_seed
 from nanotrain.trainer.evaluation import EvaluationMethods, finish_epoch
-from nanotrain.trainer.hook_checks import WINDOW_HOOKS, check_hooks, overrides, uses_any_hook
+from nanotrain.trainer.hook_checks import (
+    WINDOW_HOOKS,
+    check_hooks,
+    class_overrides,
+    overrides,
+    uses_any_hook,
+)
 from nanotrain.trainer.lightning_args import check_accelerator, setting_names, unknown_setting_error
 from nanotrain.trainer.loaders import build_loaders, draw_as_lightning, split_data_arguments
 from nanotrain.trainer.loggers import LoggerGroup, make_loggers, user_loggers
@@ -113,10 +119,6 @@ class Trainer(LightningTrainerProperties, TrainStepMethods, EvaluationMethods, C
         self.testing = False
         self.predicting = False
         self._current_fx: str | None = None  # the hook running now (for self.log defaults)
-        # per hook, the callbacks that override it (a base no-op is not called), kept while the
-        # callbacks stay the same objects
-        self._receivers: dict[str, list[Any]] = {}
-        self._receivers_of: tuple[int, ...] = ()
         self._eval_loader: DataLoader | None = None
         self.should_stop = False
         self.exit_code = 0  # why fit ended early, see nanotrain.runtime.exit_codes (0: normally)
@@ -182,8 +184,11 @@ class Trainer(LightningTrainerProperties, TrainStepMethods, EvaluationMethods, C
         if hook == "on_exception":
             self._interrupted = True
         try:
-            for cb in self._callbacks_with(hook):
-                getattr(cb, hook)(self, module, *args)
+            # as Lightning, over the live list (a callback appended by a hook runs at once);
+            # a callback whose hook is its base class's no-op is not called
+            for cb in self.callbacks:
+                if hook in getattr(cb, "__dict__", ()) or class_overrides(type(cb), hook):
+                    getattr(cb, hook)(self, module, *args)
             module_hook = getattr(module, hook, None)
             if callable(module_hook) and hook not in ("on_exception",):
                 if module_hook(*args) == -1 and hook == "on_train_batch_start":
@@ -195,17 +200,6 @@ class Trainer(LightningTrainerProperties, TrainStepMethods, EvaluationMethods, C
                     )
         finally:
             self._current_fx = previous
-
-    def _callbacks_with(self, hook: str) -> list[Any]:
-        """The callbacks, in order, that define `hook` beyond their base class's no-op (test
-        and predict hooks are optional): looked up once per hook, not every step."""
-        callbacks = tuple(map(id, self.callbacks))
-        if self._receivers_of != callbacks:
-            self._receivers, self._receivers_of = {}, callbacks
-        found = self._receivers.get(hook)
-        if found is None:
-            found = self._receivers[hook] = [cb for cb in self.callbacks if overrides(cb, hook)]
-        return found
 
     # -- setup shared by fit and validate --------------------------------------------------
     def _setup(self, module: NanoModule, datamodule: Any, stage: str, ckpt_path: Any) -> None:
