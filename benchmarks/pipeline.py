@@ -191,12 +191,12 @@ def sleep_table(f_ms: float) -> None:
         for schedule, v in SLEEP_SCHEDULES:
             step = max(run_world(_sleep_bench, pp, schedule, m, v, f, timeout=300))
             # the planner's replay of the same action lists: m·3F plus the bubble here
-            formula = schedule_step_time(schedule, m, pp, v, f, f, f)
+            replayed = schedule_step_time(schedule, m, pp, v, f, f, f)
             one_f_one_b = step if schedule == "1f1b" else one_f_one_b
             versus = "" if one_f_one_b is None else f"{step / one_f_one_b:.2f}"
             print(
-                f"| {pp} | {m} | {schedule} | {step * 1e3:.0f} | {formula * 1e3:.0f} | "
-                f"{step / formula:.2f} | {versus} |",
+                f"| {pp} | {m} | {schedule} | {step * 1e3:.0f} | {replayed * 1e3:.0f} | "
+                f"{step / replayed:.2f} | {versus} |",
                 flush=True,
             )
 

@@ -226,11 +226,11 @@ class _AllToAll(torch.autograd.Function):
         return grad_x, None, None, None, None
 
 
-class _Fp8AllToAll(torch.autograd.Function):
+class _Fp8AllToAll(_AllToAll):
     """`_AllToAll` whose forward sends the rows in fp8 (`nanotrain.parallel.fp8_wire`: e4m3
-    values, one fp32 scale per 1 x 128 tile) and returns them dequantized in `x`'s dtype; the
-    backward sends the gradient as it comes (the rounding counts as the identity, as an fp8
-    GEMM's input quantization does)."""
+    values, one fp32 scale per 1 x 128 tile) and returns them dequantized in `x`'s dtype; its
+    backward, `_AllToAll`'s, sends the gradient as it comes (the rounding counts as the
+    identity, as an fp8 GEMM's input quantization does)."""
 
     @staticmethod
     def forward(ctx, x, anchor, output_splits, input_splits, group):  # noqa: ANN001, ANN205
@@ -238,12 +238,6 @@ class _Fp8AllToAll(torch.autograd.Function):
         ctx.group = group
         packed = _all_to_all_raw(pack_fp8_rows(x), output_splits, input_splits, group)
         return unpack_fp8_rows(packed, x.shape[-1], x.dtype)
-
-    @staticmethod
-    def backward(ctx, grad):  # noqa: ANN001, ANN205
-        output_splits, input_splits = ctx.splits
-        grad_x = _all_to_all_raw(grad, input_splits, output_splits, ctx.group)
-        return grad_x, None, None, None, None
 
 
 def all_to_all(

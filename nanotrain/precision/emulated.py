@@ -154,9 +154,10 @@ class EmulatedFP8(_Emulated):
     def apply_to_linear(self, name: str, layer: nn.Module, low: bool) -> None:
         super().apply_to_linear(name, layer, low)
         if low and is_grouped_experts(layer):
-            # DeepSeek-V3's dispatch: the experts' inputs cross ranks in fp8 with the
-            # activation tiles their GEMMs quantize to (a second rounding of a rounded tile
-            # is the identity, up to fp32 ulps when the recipe's tiles are per tensor)
+            # DeepSeek-V3's dispatch: the experts' inputs cross ranks in fp8 with 1x128 tile
+            # scales; under the blockwise and tile recipes the experts' GEMMs round to those
+            # same tiles (rounding twice changes nothing), under "tensorwise" they round the
+            # arrived values once more with one scale per tensor
             layer.dispatches_fp8 = True
 
     def quantizers(self) -> tuple[Quantizer, Quantizer, Quantizer | None]:

@@ -72,12 +72,12 @@ WINDOW_HOOKS = (
 )
 
 
-def hook_base(obj: Any) -> type:
-    """The class whose no-op hooks `obj`'s class may override: LightningModule for a module,
+def hook_base(cls: type) -> type:
+    """The class whose no-op hooks `cls` may override: LightningModule for a module,
     Lightning's Callback for a callback written against Lightning, else nanotrain's."""
-    if isinstance(obj, pl.LightningModule):
+    if issubclass(cls, pl.LightningModule):
         return pl.LightningModule
-    return pl.Callback if isinstance(obj, pl.Callback) else Callback
+    return pl.Callback if issubclass(cls, pl.Callback) else Callback
 
 
 def overrides(obj: Any, name: str) -> bool:
@@ -87,14 +87,10 @@ def overrides(obj: Any, name: str) -> bool:
 
 @functools.lru_cache(maxsize=4096)
 def class_overrides(cls: type, name: str) -> bool:
-    """Whether class `cls` defines hook `name` beyond its base's no-op (`hook_base`); cached,
-    as the Trainer asks for every callback at every hook."""
-    if issubclass(cls, pl.LightningModule):
-        base: type = pl.LightningModule
-    else:
-        base = pl.Callback if issubclass(cls, pl.Callback) else Callback
+    """Whether class `cls` defines hook `name` beyond its `hook_base`'s no-op; cached, as the
+    Trainer asks for every callback at every hook."""
     own = getattr(cls, name, None)
-    return own is not None and own is not getattr(base, name, None)
+    return own is not None and own is not getattr(hook_base(cls), name, None)
 
 
 def uses_any_hook(module: Any, callbacks: list[Any], names: tuple[str, ...]) -> bool:

@@ -162,7 +162,8 @@ def test_the_report_names_the_slowest_stage_and_what_bounds_it(capsys):
     # stages 1-14 hold four MoE layers each; stage 0 three dense layers and one MoE layer,
     # stage 15 one layer, the MTP block and the head: the expert all-to-all of a four-MoE
     # stage outweighs its compute, so a middle stage sets the pace and ep bounds the step
-    assert 1 <= out["slowest_stage"] <= 14
+    # (the middle stages are priced alike; the first of them is named)
+    assert out["slowest_stage"] == 1
     assert parts["blocking_comm"] > parts["compute"] > parts["pipeline_bubble"]
     assert out["bottleneck"] == "ep communication"
     assert max(out["slowest_comm_s"], key=out["slowest_comm_s"].get) == "ep"
