@@ -21,6 +21,7 @@ from nanotrain.models.compile import (
 from nanotrain.models.recompute import check_recompute
 from nanotrain.models.transformer import set_recompute
 from nanotrain.module import NanoModule
+from nanotrain.parallel.schedules import V_SHAPED_SCHEDULES
 from nanotrain.runtime.optim_kernels import adamw_kernel_kwargs
 
 IGNORE_INDEX = -100
@@ -194,6 +195,7 @@ class LanguageModelModule(NanoModule):
                 layout=getattr(strategy, "pipeline_layout", None),
                 device="cpu",
                 sequence_parallel=sequence_parallel,
+                v_shape=getattr(strategy, "schedule", None) in V_SHAPED_SCHEDULES,
             )
         else:
             self.model = build_model(

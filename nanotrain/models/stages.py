@@ -1,5 +1,6 @@
-"""One pipeline rank's share of a model: its chunks of layers, plus the embedding on the first
-stage and the final norm, head and MTP modules on the last.
+"""One pipeline rank's share of a model: its chunks of layers, plus the embedding on the rank
+of the first virtual stage and the final norm, head and MTP modules on the rank of the last
+(the same rank in DualPipeV's V, `nanotrain.parallel.placement`).
 
 `build_pipeline_stage` builds the whole model on the meta device (no memory), materializes
 only the modules this rank owns and initializes them with `init_weights`, which makes (and
@@ -12,7 +13,8 @@ and optimizer groups read like the whole model's, restricted to this rank.
 
 The last stage also holds a copy of the embedding when the MTP modules (which embed the
 shifted tokens) or tied embeddings need it, as Megatron does; the strategy sums that copy's
-gradient with the first stage's (`shared_parameter_names`), so both copies stay equal.
+gradient with the first stage's (`shared_parameter_names`), so both copies stay equal. In a
+V the first and last stage share a rank, and so the one embedding.
 
 How the schedule drives a stage: before each forward it calls ``select(chunk, input)`` with
 the received activation; ``forward(input_ids, labels)`` then runs that chunk and returns a
@@ -37,6 +39,7 @@ from nanotrain.models.layers import tp_size_of
 from nanotrain.models.moe import DeepSeekMoE
 from nanotrain.models.transformer import CausalLM, ModelOutput, total_loss
 from nanotrain.parallel.pipeline import stage_layers
+from nanotrain.parallel.placement import StagePlacement
 
 __all__ = ["PipelineStage", "StageOutput", "build_pipeline_stage"]
 
@@ -61,12 +64,19 @@ class PipelineStage(nn.Module):
     Args:
         full: the whole model as built on the meta device; the owned modules are its own
             module objects (so its methods, e.g. ``mtp_losses``, work on them).
-        chunks: layer indices of each local chunk (virtual stages ``c * pp + pp_rank``).
+        chunks: layer indices of each local chunk (`stage_layers`).
         pp_size, pp_rank: the pipeline size and this rank's stage.
+        v_shape: the chunks sit in DualPipeV's V (`nanotrain.parallel.placement`); False:
+            interleaved.
     """
 
     def __init__(
-        self, full: CausalLM, chunks: Sequence[Sequence[int]], pp_size: int, pp_rank: int
+        self,
+        full: CausalLM,
+        chunks: Sequence[Sequence[int]],
+        pp_size: int,
+        pp_rank: int,
+        v_shape: bool = False,
     ) -> None:
         super().__init__()
         self.config = full.config
@@ -74,9 +84,10 @@ class PipelineStage(nn.Module):
         self.sequence_parallel = full.sequence_parallel
         self.chunks = [list(c) for c in chunks]
         self.pp_size, self.pp_rank = pp_size, pp_rank
-        self.num_virtual = pp_size * len(self.chunks)
+        self.placement = StagePlacement(pp_size, len(self.chunks), v_shape)
+        self.num_virtual = self.placement.num_virtual
         self._full = [full]  # a list: not registered, its unowned parts stay on meta
-        first, last = pp_rank == 0, pp_rank == pp_size - 1
+        first, last = self.placement.holds_first(pp_rank), self.placement.holds_last(pp_rank)
         mtp = len(getattr(full, "mtp", ())) > 0
         if first or (last and (mtp or self.config.tie_word_embeddings)):
             self.embed_tokens = full.embed_tokens
@@ -96,16 +107,19 @@ class PipelineStage(nn.Module):
 
     def is_first_chunk(self, chunk: int) -> bool:
         """Whether local `chunk` is virtual stage 0 (embeds the tokens)."""
-        return chunk * self.pp_size + self.pp_rank == 0
+        return self.placement.stage(self.pp_rank, chunk) == 0
 
     def is_last_chunk(self, chunk: int) -> bool:
         """Whether local `chunk` is the last virtual stage (head, loss, MTP)."""
-        return chunk * self.pp_size + self.pp_rank == self.num_virtual - 1
+        return self.placement.stage(self.pp_rank, chunk) == self.num_virtual - 1
 
     def shared_parameter_names(self) -> list[str]:
         """Names of parameters that another stage also holds (the embedding copy on the first
-        and last stage); empty when this stage shares nothing."""
+        and last stage); empty when this stage shares nothing (also when one rank holds both
+        ends, as in a V)."""
         if self.pp_size == 1 or not hasattr(self, "embed_tokens"):
+            return []
+        if self.placement.holds_first(self.pp_rank) and self.placement.holds_last(self.pp_rank):
             return []
         last_has = (len(getattr(self.full, "mtp", ())) > 0) or self.config.tie_word_embeddings
         return ["embed_tokens.weight"] if last_has else []
@@ -208,6 +222,7 @@ def build_pipeline_stage(
     device: torch.device | str | None = None,
     generator: torch.Generator | None = None,
     sequence_parallel: bool = False,
+    v_shape: bool = False,
 ) -> PipelineStage:
     """Build and initialize this rank's `PipelineStage` of `config` on `mesh` (pp from it).
 
@@ -220,13 +235,15 @@ def build_pipeline_stage(
         device: where the owned modules live (None = "cpu").
         generator: optional torch.Generator for the initialization (as `build_model`).
         sequence_parallel: as `build_model`.
+        v_shape: place the two chunks in DualPipeV's V (`nanotrain.parallel.placement`).
 
     Raises:
         ValueError: when the layers do not split into pp × virtual_pp chunks as asked.
     """
-    chunks = stage_layers(config.num_layers, mesh.pp_size, mesh.pp_rank, virtual_pp, layout)
+    pp, rank = mesh.pp_size, mesh.pp_rank
+    chunks = stage_layers(config.num_layers, pp, rank, virtual_pp, layout, v_shape)
     full = build_model(config, mesh=mesh, device="meta", sequence_parallel=sequence_parallel)
-    stage = PipelineStage(full, chunks, mesh.pp_size, mesh.pp_rank)
+    stage = PipelineStage(full, chunks, pp, rank, v_shape)
     device = torch.device("cpu" if device is None else device)
     for module in stage.children():
         module.to_empty(device=device)

@@ -43,8 +43,20 @@ import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
 from nanotrain.parallel.layout_checks import check_sizes, validate_layout
+from nanotrain.parallel.placement import StagePlacement
 
-__all__ = ["AXES", "MeshLayout", "MeshCoords", "ParallelMesh", "check_sizes", "validate_layout"]
+__all__ = [
+    "AXES",
+    "Channel",
+    "MeshLayout",
+    "MeshCoords",
+    "ParallelMesh",
+    "check_sizes",
+    "validate_layout",
+]
+
+#: a pipeline channel: (sender, receiver, whether it carries gradients) global ranks
+Channel = tuple[int, int, bool]
 
 #: Mesh axes, in the order their process groups are created (the same on every rank).
 AXES: tuple[str, ...] = ("tp", "pp", "dp", "ep", "expert_dp", "mp")
@@ -142,22 +154,29 @@ class MeshLayout:
             return [sorted(r(t, d, p) for p in range(pp) for t in range(tp)) for d in range(dp)]
         raise ValueError(f"unknown mesh axis {axis!r}; choose one of {AXES}")
 
-    def pipeline_channels(self) -> list[tuple[int, int]]:
-        """Every (sender, receiver) pair of neighbouring pipeline stages, both directions and
-        the last-to-first wrap that interleaved schedules use, in creation order. Each gets
-        a two-rank group of its own (`ParallelMesh.pp_channels`): on NCCL the transfers of
-        one group run one after another, so a send in one direction would otherwise hold up
-        a receive in the other, and interleaved schedules could deadlock."""
+    def pipeline_channels(self, v_shape: bool = False) -> list[Channel]:
+        """Every pipeline channel, in creation order: (sender, receiver, gradient?) for the
+        activations a virtual stage sends the next one (gradient False) and the gradients
+        that come back (True), between every two ranks that exchange them. Each gets a
+        two-rank group of its own (`ParallelMesh.pp_channels`): on NCCL the transfers of one
+        group run one after another, so traffic of two directions, or of two kinds whose
+        orders differ, would hold each other up and could deadlock a schedule.
+
+        Args:
+            v_shape: the stages sit in DualPipeV's V (`nanotrain.parallel.placement`);
+                False: interleaved, with the last-to-first wrap whatever virtual_pp is.
+        """
         if self.pp == 1:
             return []
-        pairs: list[tuple[int, int]] = []
+        placement = StagePlacement(self.pp, 2, v_shape)
+        found: dict[Channel, None] = {}
         for ranks in self.groups("pp"):
-            for i in range(self.pp):
-                a, b = ranks[i], ranks[(i + 1) % self.pp]
-                for pair in ((a, b), (b, a)):
-                    if pair not in pairs:
-                        pairs.append(pair)
-        return pairs
+            for k in range(placement.num_virtual - 1):
+                a, b = ranks[placement.locate(k)[0]], ranks[placement.locate(k + 1)[0]]
+                if a != b:
+                    found.setdefault((a, b, False))
+                    found.setdefault((b, a, True))
+        return list(found)
 
     def group_of(self, axis: str, rank: int) -> list[int]:
         """The global ranks of the ``axis`` group that contains ``rank`` (the same list as
@@ -193,8 +212,9 @@ class ParallelMesh:
         layout: the axis sizes.
         rank: this process's global rank.
         groups: axis name -> this rank's process group (missing axes are ``None``).
-        channels: (sender, receiver) -> the two-rank group of that pipeline channel, for the
-            channels this rank is in (`MeshLayout.pipeline_channels`).
+        channels: (sender, receiver, gradient?) -> the two-rank group of that pipeline
+            channel, for the channels this rank is in (`MeshLayout.pipeline_channels`), in
+            creation order.
     """
 
     def __init__(
@@ -202,7 +222,7 @@ class ParallelMesh:
         layout: MeshLayout,
         rank: int,
         groups: Mapping[str, ProcessGroup | None] | None = None,
-        channels: Mapping[tuple[int, int], ProcessGroup] | None = None,
+        channels: Mapping[Channel, ProcessGroup] | None = None,
     ) -> None:
         self.layout = layout
         self.coords = layout.coords(rank)
@@ -211,7 +231,7 @@ class ParallelMesh:
         if unknown:
             raise ValueError(f"unknown mesh axes {sorted(unknown)}; choose from {AXES}")
         self._groups = {axis: groups.get(axis) for axis in AXES}
-        self.pp_channels: dict[tuple[int, int], ProcessGroup] = dict(channels or {})
+        self.pp_channels: dict[Channel, ProcessGroup] = dict(channels or {})
 
     @classmethod
     def single(cls) -> ParallelMesh:
@@ -231,6 +251,7 @@ class ParallelMesh:
         timeout: timedelta | None = None,
         backend: str | None = None,
         new_group: Callable[[list[int]], ProcessGroup] | None = None,
+        pipeline_v_shape: bool = False,
         **model_dims: int | None,
     ) -> ParallelMesh:
         """Validate the layout, then create every group of every axis.
@@ -248,6 +269,8 @@ class ParallelMesh:
             new_group: ``ranks -> group`` factory called once per group, in creation order;
                 ``None`` uses ``torch.distributed.new_group`` (with ``timeout``/``backend``).
                 Pass your own to build a mesh on another group API, or to inspect the order.
+            pipeline_v_shape: create the pipeline channels of DualPipeV's V placement
+                (`MeshLayout.pipeline_channels`).
             **model_dims: ``num_heads``, ``num_kv_heads``, ``vocab_size``, ``num_experts``,
                 ``num_layers`` forwarded to ``validate_layout``.
 
@@ -294,10 +317,11 @@ class ParallelMesh:
                 if coords.rank in ranks:
                     groups[axis] = group
         channels = {}
-        for pair in layout.pipeline_channels():
-            group = new_group(sorted(pair))
+        for channel in layout.pipeline_channels(pipeline_v_shape):
+            pair = sorted(channel[:2])
+            group = new_group(pair)
             if coords.rank in pair:
-                channels[pair] = group
+                channels[channel] = group
         return cls(layout, rank, groups, channels)
 
     # -- groups, sizes and coordinates -------------------------------------------------------

@@ -1,14 +1,14 @@
 """Pipeline parallelism: which layers each stage owns, and running a schedule across stages.
 
 Stage partition. The model's layers are cut into ``pp × virtual_pp`` chunks of consecutive
-layers (virtual stages ``0 .. pp·v-1``); virtual stage ``k`` lives on pipeline rank
-``k % pp`` as its local chunk ``k // pp`` (Megatron's interleaved assignment, Narayanan et al.
-2021 section 2.2.2; with v=1 rank r simply holds chunk r). The first virtual stage also owns
-the embedding, the last the final norm, the head, the loss and the MTP modules
-(`nanotrain.models.stages`).
+layers (virtual stages ``0 .. pp·v-1``); which rank holds which is the placement
+(`nanotrain.parallel.placement`): Megatron's interleaved one (stage ``k`` on rank ``k % pp``
+as its chunk ``k // pp``; with v=1 rank r simply holds stage r) or DualPipeV's V. The first
+virtual stage also owns the embedding, the last the final norm, the head, the loss and the
+MTP modules (`nanotrain.models.stages`).
 
 Running a schedule. `run_schedule` executes a list of `schedules.Action` on this rank (GPipe,
-1F1B, interleaved 1F1B or 1F1B with split backwards, with their bubbles, in
+1F1B, interleaved 1F1B, 1F1B with split backwards or DualPipeV, with their bubbles, in
 `nanotrain.parallel.schedules`): a forward receives its input activation from the previous
 virtual stage, runs the chunk and sends the output on; a backward receives the gradient of
 that output from the next virtual stage, backpropagates the output and this chunk's own loss
@@ -16,17 +16,19 @@ term (MoE balance losses, and on the last stage the LM and MTP losses) and sends
 gradient back. A split backward does the same in its input half (I) and leaves the weight
 gradients to its W action (`nanotrain.parallel.split_backward`). Every transfer is
 point-to-point between neighbouring stages; a send goes out as soon as its tensor exists and
-only receives are waited on. Shapes are known up front (``[micro_batch, seq_len (/ tp under
+only receives are waited on; between two stages on the same rank (DualPipeV's turn) the
+tensor is handed over in memory. Shapes are known up front (``[micro_batch, seq_len (/ tp under
 SP), hidden]``), so receive buffers are allocated without a shape handshake.
 
-Deadlock freedom. Each direction between two neighbouring ranks (and the last-to-first wrap
-of interleaved schedules) is a channel with a two-rank process group of its own
-(`MeshLayout.pipeline_channels`). On NCCL the transfers of one group run one after another,
+Deadlock freedom. Activations in each direction between two ranks, and gradients in each,
+travel on channels with a two-rank process group of their own
+(`MeshLayout.pipeline_channels`; the last-to-first wrap of interleaved schedules included). On NCCL the transfers of one group run one after another,
 and a large send does not finish before its receive has started: with one group for both
 directions, a send waiting for its peer could hold up the receive that the peer's own send
 waits for (interleaved 1F1B and GPipe with virtual stages did deadlock so once activations
-outgrow NCCL's buffers). With one group per direction every channel is a queue whose order
-the receiver follows, so any schedule whose per-rank order respects the data dependencies
+outgrow NCCL's buffers); DualPipeV sends activations and gradients the same way between two
+ranks, in orders the receiver does not share. With a group per direction and kind every
+channel is a queue whose order the receiver follows, so any schedule whose per-rank order respects the data dependencies
 runs (`tests/unit/test_pipeline_channels.py` replays every schedule's transfers under these
 rules). Tags (microbatch, edge, direction) tell messages apart on gloo; NCCL matches by order.
 """
@@ -43,6 +45,7 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.distributed import ProcessGroup
 
+from nanotrain.parallel.placement import StagePlacement
 from nanotrain.parallel.schedules import Action
 from nanotrain.parallel.split_backward import WeightGradients, backward_input
 from nanotrain.runtime.collective_errors import CollectiveTimeoutError
@@ -110,10 +113,14 @@ def stage_layers(
     pp_rank: int,
     virtual_pp: int = 1,
     layout: Sequence[int] | None = None,
+    v_shape: bool = False,
 ) -> list[list[int]]:
-    """This rank's chunks: layer indices of virtual stages ``c * pp + pp_rank``, c = 0..v-1."""
+    """This rank's chunks: layer indices of its virtual stages, by local chunk (interleaved
+    placement: stages ``c * pp + pp_rank``; ``v_shape``: stages ``pp_rank`` and
+    ``2·pp - 1 - pp_rank``)."""
     chunks = partition_layers(num_layers, pp, virtual_pp, layout)
-    return [chunks[c * pp + pp_rank] for c in range(virtual_pp)]
+    placement = StagePlacement(pp, virtual_pp, v_shape)
+    return [chunks[k] for k in placement.stages_of(pp_rank)]
 
 
 class PipelineComm:
@@ -124,9 +131,11 @@ class PipelineComm:
         pp_rank: this rank's stage index.
         num_chunks: local chunks (virtual_pp).
         shape, dtype, device: of every activation and activation gradient sent.
-        channels: (sender, receiver) global ranks -> that channel's two-rank group
-            (`ParallelMesh.pp_channels`); None: every transfer on the default group, which
-            is safe on gloo only (see the module docstring).
+        channels: (sender, receiver, gradient?) global ranks -> that channel's two-rank
+            group (`ParallelMesh.pp_channels`); None: every transfer on the default group,
+            which is safe on gloo only (see the module docstring).
+        v_shape: the stages sit in DualPipeV's V (`nanotrain.parallel.placement`); False:
+            interleaved.
     """
 
     def __init__(
@@ -137,22 +146,32 @@ class PipelineComm:
         shape: Sequence[int],
         dtype: torch.dtype,
         device: torch.device,
-        channels: Mapping[tuple[int, int], ProcessGroup] | None = None,
+        channels: Mapping[tuple[int, int, bool], ProcessGroup] | None = None,
+        v_shape: bool = False,
     ) -> None:
         self.pp_ranks, self.pp_rank = list(pp_ranks), pp_rank
         self.pp = len(self.pp_ranks)
-        self.num_virtual = self.pp * num_chunks
+        self.placement = StagePlacement(self.pp, num_chunks, v_shape)
+        self.num_virtual = self.placement.num_virtual
         self.shape, self.dtype, self.device = tuple(shape), dtype, device
         self.channels = dict(channels or {})
         self.rank = self.pp_ranks[pp_rank]
 
-    def _op(self, op: Callable, tensor: Tensor, peer: int, tag: int) -> dist.P2POp:
+    def _op(
+        self, op: Callable, tensor: Tensor | None, peer: int, microbatch: int, edge: int,
+        backward: bool,
+    ) -> dist.P2POp | _LocalHandOver:  # fmt: skip
+        # edge k joins virtual stages k and k+1
+        tag = (microbatch * self.num_virtual + edge) * 2 + int(backward)
+        if peer == self.rank:
+            return _LocalHandOver(tensor, tag)
         pair = (self.rank, peer) if op is dist.isend else (peer, self.rank)
-        return dist.P2POp(op, tensor, peer, group=self.channels.get(pair), tag=tag)
+        group = self.channels.get((*pair, backward))
+        return dist.P2POp(op, tensor, peer, group=group, tag=tag)
 
     def virtual_stage(self, chunk: int) -> int:
         """Virtual stage index of local ``chunk``."""
-        return chunk * self.pp + self.pp_rank
+        return self.placement.stage(self.pp_rank, chunk)
 
     def is_first(self, chunk: int) -> bool:
         """Whether local ``chunk`` is the first virtual stage (it embeds the tokens)."""
@@ -162,42 +181,47 @@ class PipelineComm:
         """Whether local ``chunk`` is the last virtual stage (it computes the loss)."""
         return self.virtual_stage(chunk) == self.num_virtual - 1
 
-    def _tag(self, microbatch: int, edge: int, backward: bool) -> int:
-        # edge k joins virtual stages k and k+1
-        return (microbatch * self.num_virtual + edge) * 2 + int(backward)
-
     def _peer(self, virtual_stage: int) -> int:
-        return self.pp_ranks[virtual_stage % self.pp]
+        return self.pp_ranks[self.placement.locate(virtual_stage)[0]]
 
-    def recv_forward(self, microbatch: int, chunk: int) -> tuple[Tensor, dist.P2POp]:
-        """Buffer and op receiving ``chunk``'s input activation from the previous stage."""
+    def _buffer(self, peer: int) -> Tensor | None:
+        # a hand-over on this rank brings its own tensor
+        if peer == self.rank:
+            return None
+        return torch.empty(self.shape, dtype=self.dtype, device=self.device)
+
+    def recv_forward(self, microbatch: int, chunk: int) -> dist.P2POp | _LocalHandOver:
+        """Op receiving ``chunk``'s input activation from the previous stage."""
         k = self.virtual_stage(chunk)
-        buf = torch.empty(self.shape, dtype=self.dtype, device=self.device)
-        tag = self._tag(microbatch, k - 1, False)
-        return buf, self._op(dist.irecv, buf, self._peer(k - 1), tag)
+        peer = self._peer(k - 1)
+        return self._op(dist.irecv, self._buffer(peer), peer, microbatch, k - 1, False)
 
-    def send_forward(self, microbatch: int, chunk: int, output: Tensor) -> dist.P2POp:
+    def send_forward(
+        self, microbatch: int, chunk: int, output: Tensor
+    ) -> dist.P2POp | _LocalHandOver:
         """Op sending ``chunk``'s output activation to the next stage."""
         k = self.virtual_stage(chunk)
-        tag = self._tag(microbatch, k, False)
-        return self._op(dist.isend, output.detach().contiguous(), self._peer(k + 1), tag)
+        return self._op(
+            dist.isend, output.detach().contiguous(), self._peer(k + 1), microbatch, k, False
+        )
 
-    def recv_backward(self, microbatch: int, chunk: int) -> tuple[Tensor, dist.P2POp]:
-        """Buffer and op receiving the gradient of ``chunk``'s output from the next stage."""
+    def recv_backward(self, microbatch: int, chunk: int) -> dist.P2POp | _LocalHandOver:
+        """Op receiving the gradient of ``chunk``'s output from the next stage."""
         k = self.virtual_stage(chunk)
-        buf = torch.empty(self.shape, dtype=self.dtype, device=self.device)
-        return buf, self._op(dist.irecv, buf, self._peer(k + 1), self._tag(microbatch, k, True))
+        peer = self._peer(k + 1)
+        return self._op(dist.irecv, self._buffer(peer), peer, microbatch, k, True)
 
-    def send_backward(self, microbatch: int, chunk: int, grad: Tensor) -> dist.P2POp:
+    def send_backward(
+        self, microbatch: int, chunk: int, grad: Tensor
+    ) -> dist.P2POp | _LocalHandOver:
         """Op sending the gradient of ``chunk``'s input to the previous stage."""
         k = self.virtual_stage(chunk)
-        tag = self._tag(microbatch, k - 1, True)
-        return self._op(dist.isend, grad.contiguous(), self._peer(k - 1), tag)
+        return self._op(dist.isend, grad.contiguous(), self._peer(k - 1), microbatch, k - 1, True)
 
 
 def open_channels(
-    order: Sequence[tuple[int, int]],
-    channels: Mapping[tuple[int, int], ProcessGroup],
+    order: Sequence[tuple[int, int, bool]],
+    channels: Mapping[tuple[int, int, bool], ProcessGroup],
     rank: int,
     device: torch.device,
 ) -> None:
@@ -207,11 +231,21 @@ def open_channels(
     front, in one order, keeps that wait from crossing the schedule's own transfers (the
     earliest unconnected channel always has both its ranks waiting on it)."""
     one = torch.zeros(1, device=device)
-    for src, dst in order:
+    for channel in order:
+        src, dst, _ = channel
         if rank == src:
-            dist.send(one, dst, group=channels[(src, dst)])
+            dist.send(one, dst, group=channels[channel])
         elif rank == dst:
-            dist.recv(one, src, group=channels[(src, dst)])
+            dist.recv(one, src, group=channels[channel])
+
+
+@dataclass(frozen=True)
+class _LocalHandOver:
+    """A transfer between two stages on the same rank: the sent tensor (None on the
+    receiving side) under the transfer's tag."""
+
+    tensor: Tensor | None
+    tag: int
 
 
 @dataclass
@@ -273,20 +307,29 @@ class _Span:
 
 class _Transfers:
     """Posts every send at once (on its channel's group) and waits on receives; the sends'
-    handles are kept until `finish` so that their tensors stay alive until delivered."""
+    handles are kept until `finish` so that their tensors stay alive until delivered.
+    Hand-overs between stages of this rank wait in `local` until received."""
 
     def __init__(self, comm: PipelineComm) -> None:
         self.comm = comm
         self.sends: list[dist.Work] = []
+        self.local: dict[int, Tensor] = {}
 
-    def send(self, op: dist.P2POp) -> None:
+    def send(self, op: dist.P2POp | _LocalHandOver) -> None:
+        if isinstance(op, _LocalHandOver):
+            self.local[op.tag] = op.tensor
+            return
         self.sends.append(dist.isend(op.tensor, op.peer, group=op.group, tag=op.tag))
         self.sends = [w for w in self.sends if not w.is_completed()]
 
-    def receive(self, op: dist.P2POp, what: str, span: _Span | None = None) -> None:
-        """Wait for `op` (`what` it brings, for the error); a wait that outlasts the channel's
-        timeout ends in a `CollectiveTimeoutError` naming this stage, the peer and `what`.
-        `span`: records the wait as a "recv" event."""
+    def receive(
+        self, op: dist.P2POp | _LocalHandOver, what: str, span: _Span | None = None
+    ) -> Tensor:
+        """Wait for `op` and return what it brought (`what`, for the error); a wait that
+        outlasts the channel's timeout ends in a `CollectiveTimeoutError` naming this stage,
+        the peer and `what`. `span`: records the wait as a "recv" event."""
+        if isinstance(op, _LocalHandOver):
+            return self.local.pop(op.tag)
         work = dist.irecv(op.tensor, op.peer, group=op.group, tag=op.tag)
         try:
             if span is None:
@@ -305,6 +348,7 @@ class _Transfers:
                 f"{op.peer} never sent it (stalled, crashed, or running another schedule or "
                 f"number of microbatches). Cause: {exc}"
             ) from exc
+        return op.tensor
 
     def finish(self) -> None:
         for work in self.sends:
@@ -358,9 +402,8 @@ def run_schedule(
         if action.kind == "F":
             inp = None
             if not comm.is_first(c):
-                inp, op = comm.recv_forward(m, c)
                 what = f"microbatch {m}'s input activation (virtual stage {comm.virtual_stage(c)})"
-                transfers.receive(op, what, waited)
+                inp = transfers.receive(comm.recv_forward(m, c), what, waited)
                 inp.requires_grad_(not forward_only)
             stage_range = named_range(f"nanotrain/stage{comm.virtual_stage(c)}/forward/mb{m}")
             with torch.set_grad_enabled(not forward_only), stage_range, span("F"):
@@ -388,9 +431,8 @@ def run_schedule(
             continue
         grad = None
         if not comm.is_last(c):
-            grad, op = comm.recv_backward(m, c)
             what = f"the gradient of microbatch {m}'s output (virtual stage {stage})"
-            transfers.receive(op, what, waited)
+            grad = transfers.receive(comm.recv_backward(m, c), what, waited)
         inp, out, loss = held.pop((m, c))
         tensors, grads = _backward_roots(
             out, grad, loss, 1.0 if loss_scales is None else loss_scales[m]

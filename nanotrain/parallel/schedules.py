@@ -23,6 +23,15 @@ numbers = microbatch) are drawn in docs/parallelism.md.
   sent upstream at once, then its weight gradient ("W"). Bubble (p - 1)·(F + I) against
   1F1B's (p - 1)·(F + I + W), at 1F1B's memory; ``zb_interleaved_1f1b`` does the same to
   interleaved 1F1B.
+- DualPipeV (``dualpipev``; DeepSeek-AI's one-copy variant of DualPipe, DeepSeek-V3
+  report section 3.2.1): two chunks per rank placed in a V (rank r holds virtual stages r
+  and 2p - 1 - r, so rank 0 embeds and computes the loss, rank p - 1 turns the microbatch
+  around without a transfer); the steady state pairs one chunk's forward with the other
+  chunk's backward, and part of the backwards run split, their weight halves filling the
+  cool-down. Needs m >= 2p. Bubble (p - 1)·(F + B - 3W) with per-chunk times (B = I + W),
+  against (p - 1)·(2F + 2B) for 1F1B over the same layers on p ranks; every rank holds
+  up to 2p + 1 microbatch-chunks (p + 1/2 microbatches of its layers), where 1F1B's first
+  rank holds p.
 
 Here p = pp, m = num_microbatches, v = num_chunks, and every stage (every chunk, for v > 1)
 takes the same time per microbatch, as the papers assume.
@@ -39,7 +48,9 @@ __all__ = [
     "SCHEDULES",
     "SPLIT_BACKWARD_SCHEDULES",
     "Action",
+    "V_SHAPED_SCHEDULES",
     "check_schedule_args",
+    "dualpipev",
     "forward_only",
     "gpipe",
     "interleaved_1f1b",
@@ -53,7 +64,7 @@ __all__ = [
 @dataclass(frozen=True)
 class Action:
     """One step of a schedule: ``kind`` of ``microbatch`` through local ``chunk``
-    (0 .. num_chunks-1; chunk c of pp rank r is virtual stage ``c * pp + r``). Kinds: "F"
+    (0 .. num_chunks-1; which virtual stage that is: `nanotrain.parallel.placement`). Kinds: "F"
     forward; "B" the whole backward; "I" the input-gradient half of a backward (what goes
     upstream) and "W" its weight-gradient half, which must follow the I of the same
     microbatch and chunk (`nanotrain.parallel.split_backward`)."""
@@ -214,6 +225,92 @@ def _split_backwards(actions: list[Action]) -> list[Action]:
     return out
 
 
+def dualpipev(
+    num_microbatches: int, pp_size: int, pp_rank: int, num_chunks: int = 2
+) -> list[Action]:
+    """DualPipeV: two chunks per rank in a V, forward and backward chunks paired.
+
+    Chunk 0 of rank r is virtual stage r (microbatches go down the ranks), chunk 1 is stage
+    2p - 1 - r (they come back up; rank p - 1 passes chunk 0's output to its own chunk 1).
+    Per rank, in order (r = pp_rank, p = pp, m = num_microbatches; F0/F1 a forward of chunk
+    0/1, B a whole backward, I an input half whose W goes to a queue, W the oldest queued
+    weight half; each kind of each chunk takes the microbatches in order):
+
+    1. 2·(p - r - 1) × F0: fill the pipe down to the turn;
+    2. (r + 1) × (F0, F1): the first microbatches turn and start back up;
+    3. (p - r - 1) × (I1, W, F1): the first backwards, their weight halves at once;
+    4. (m - 2p + r + 1) × (F0, B1, F1, B0): the steady state, a forward of one chunk beside
+       a backward of the other (the pairs whose communication can hide behind compute);
+    5. (p - r - 1) × (B1, F1, B0): the last forwards of chunk 1;
+    6. (r + 1) × (B1, B0), the second half of them split (I, W queued): chunk 1 drains;
+    7. (p - r - 1) × (W, I0): queued weight halves fill the waits for chunk 0's gradients;
+    8. (r + 1) × W: the queue empties.
+
+    The order is DualPipe's (deepseek-ai/DualPipe, ``DualPipeV.step``), written as actions.
+
+    Raises:
+        ValueError: for num_chunks != 2, or fewer than 2·pp microbatches.
+    """
+    check_schedule_args(num_microbatches, pp_size, pp_rank, num_chunks)
+    p, r, m = pp_size, pp_rank, num_microbatches
+    if num_chunks != 2:
+        raise ValueError(f"dualpipev runs two chunks per rank (a V), got virtual_pp={num_chunks}")
+    if m < 2 * p:
+        raise ValueError(
+            f"dualpipev needs at least 2*pp={2 * p} microbatches per step, got {m}; raise "
+            "global_batch_size or lower micro_batch_size (microbatches = global_batch_size / "
+            "micro_batch_size / dp), or pick another schedule"
+        )
+    actions: list[Action] = []
+    forwards, backwards = [0, 0], [0, 0]
+    queued: list[Action] = []
+
+    def f(chunk: int) -> None:
+        actions.append(Action("F", forwards[chunk], chunk))
+        forwards[chunk] += 1
+
+    def b(chunk: int, split: bool = False) -> None:
+        mb = backwards[chunk]
+        backwards[chunk] += 1
+        actions.append(Action("I" if split else "B", mb, chunk))
+        if split:
+            queued.append(Action("W", mb, chunk))
+
+    def w() -> None:
+        actions.append(queued.pop(0))
+
+    for _ in range(2 * (p - r - 1)):
+        f(0)
+    for _ in range(r + 1):
+        f(0)
+        f(1)
+    for _ in range(p - r - 1):
+        b(1, split=True)
+        w()
+        f(1)
+    for _ in range(m - 2 * p + r + 1):
+        f(0)
+        b(1)
+        f(1)
+        b(0)
+    for _ in range(p - r - 1):
+        b(1)
+        f(1)
+        b(0)
+    # the later half of the drain splits its backwards (odd ranks from a chunk-1 one, even
+    # ranks from the chunk-0 one after it): r + 1 weight halves for step 8
+    half = (r + 1) // 2
+    for i in range(r + 1):
+        b(1, split=i > half or (i == half and r % 2 == 1))
+        b(0, split=i >= half)
+    for _ in range(p - r - 1):
+        w()
+        b(0, split=True)
+    for _ in range(r + 1):
+        w()
+    return actions
+
+
 def forward_only(
     num_microbatches: int, pp_size: int, pp_rank: int, num_chunks: int = 1
 ) -> list[Action]:
@@ -233,7 +330,10 @@ def max_in_flight(actions: list[Action]) -> int:
 
 
 #: schedules that run backwards as input and weight halves (I and W actions)
-SPLIT_BACKWARD_SCHEDULES = frozenset({"zb_1f1b", "zb_interleaved_1f1b"})
+SPLIT_BACKWARD_SCHEDULES = frozenset({"zb_1f1b", "zb_interleaved_1f1b", "dualpipev"})
+
+#: schedules whose two chunks per rank sit in a V (`nanotrain.parallel.placement`)
+V_SHAPED_SCHEDULES = frozenset({"dualpipev"})
 
 #: name -> schedule function (the strategy's ``schedule`` argument).
 SCHEDULES: dict[str, Callable[..., list[Action]]] = {
@@ -242,4 +342,5 @@ SCHEDULES: dict[str, Callable[..., list[Action]]] = {
     "interleaved_1f1b": interleaved_1f1b,
     "zb_1f1b": zero_bubble_1f1b,
     "zb_interleaved_1f1b": zero_bubble_interleaved_1f1b,
+    "dualpipev": dualpipev,
 }

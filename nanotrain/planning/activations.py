@@ -165,7 +165,7 @@ def activation_estimate(
     num_virtual = layout.pp * len(chunks)
     per_chunk, detail, transient = [], Ledger(), 0
     for c, layers in enumerate(chunks):
-        virtual = c * layout.pp + pp_rank
+        virtual = layout.placement.stage(pp_rank, c) if layout.pp > 1 else 0
         led, rebuilt = _chunk(
             config,
             tuple(layers),

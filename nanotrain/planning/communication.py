@@ -193,11 +193,7 @@ def _tp(
 def _moe_layers(config: Any, layout: PlanLayout, rank: RankModel) -> int:
     """MoE layers this pipeline rank runs (its decoder layers and, last, the MTP blocks)."""
     count = sum(is_moe_layer(config, i) for chunk in rank.chunks for i in chunk)
-    holds_last = any(
-        c * layout.pp + rank.pp_rank == layout.pp * layout.virtual_pp - 1
-        for c in range(len(rank.chunks))
-    )
-    if holds_last and mtp_is_moe(config):
+    if layout.placement.holds_last(rank.pp_rank) and mtp_is_moe(config):
         count += getattr(config, "mtp_depth", 0)
     return count
 
@@ -205,16 +201,23 @@ def _moe_layers(config: Any, layout: PlanLayout, rank: RankModel) -> int:
 def _pp(
     layout: PlanLayout, workload: Workload, config: Any, pp_rank: int, dt: WireDtypes
 ) -> _Tally:
-    """Activations sent forward and their gradients sent back at virtual-stage boundaries."""
+    """Activations sent forward and their gradients sent back at virtual-stage boundaries
+    between two ranks (a V's turn stays on its rank)."""
     tally = _Tally()
     if layout.pp == 1:
         return tally
     micro = workload.num_microbatches(layout)
-    last = layout.pp * layout.virtual_pp - 1
+    placement = layout.placement
+
+    def crosses(stage: int, to: int) -> bool:
+        return 0 <= to < placement.num_virtual and placement.locate(to)[0] != pp_rank
+
     sends = 0
     for a in layout.schedule_actions(micro, pp_rank):
-        stage = a.chunk * layout.pp + pp_rank
-        sends += (a.kind == "F" and stage != last) or (a.sends_input_grad and stage != 0)
+        stage = placement.stage(pp_rank, a.chunk)
+        sends += (a.kind == "F" and crosses(stage, stage + 1)) or (
+            a.sends_input_grad and crosses(stage, stage - 1)
+        )
     seq = workload.seq_len // (layout.tp if layout.sequence_parallel else 1)
     size = workload.micro_batch_size * seq * config.hidden_size * dt.param
     tally.add(sends * size, sends, f"{sends} sends of [b, s, h] = {_mib(size)}")
@@ -290,10 +293,13 @@ def _dp(layout: PlanLayout, rank: RankModel, dt: WireDtypes) -> dict[str, _Tally
 
 
 def _embedding(config: Any, layout: PlanLayout, pp_rank: int, dt: WireDtypes) -> _Tally:
-    """The first and last stage sum the grad of the embedding both hold (MTP or tied)."""
+    """The first and last stage sum the grad of the embedding both hold (MTP or tied; not
+    when one rank holds both, as in a V)."""
     tally = _Tally()
     shared = getattr(config, "mtp_depth", 0) > 0 or config.tie_word_embeddings
-    if layout.pp == 1 or not shared or pp_rank not in (0, layout.pp - 1):
+    placement = layout.placement
+    ends = {placement.locate(0)[0], placement.locate(placement.num_virtual - 1)[0]}
+    if layout.pp == 1 or not shared or pp_rank not in ends or len(ends) == 1:
         return tally
     numel = pad_vocab_size(config.vocab_size, layout.tp) // layout.tp * config.hidden_size
     tally.add(numel * dt.grad, 1, f"all-reduce over 2 ranks of {numel} embedding-grad elements")

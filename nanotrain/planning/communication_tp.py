@@ -165,7 +165,7 @@ def tp_collectives(
     tokens, h, last = b * s, config.hidden_size, layout.pp * layout.virtual_pp - 1
     colls: list[TpCollective] = []
     for c, layers in enumerate(rank.chunks):
-        stage = c * layout.pp + rank.pp_rank
+        stage = layout.placement.stage(rank.pp_rank, c)
         if stage == 0:
             colls += _exit(tokens * h, dt.param, sp, "head")  # vocab-parallel embedding
         for i in layers:

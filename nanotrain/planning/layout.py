@@ -13,10 +13,11 @@ from typing import Any
 from nanotrain.models.recompute import check_recompute
 from nanotrain.parallel.mesh import MeshLayout
 from nanotrain.parallel.pipeline import partition_layers, stage_layers
+from nanotrain.parallel.placement import StagePlacement
 from nanotrain.parallel.schedules import SCHEDULES, Action, max_in_flight
 from nanotrain.precision import PRECISIONS as PRECISION_PLUGINS
 from nanotrain.precision import precision_name
-from nanotrain.strategies.megatron_pipeline import pick_schedule
+from nanotrain.strategies.megatron_pipeline import chunks_per_rank, pick_schedule
 
 __all__ = ["PRECISIONS", "PlanLayout", "Workload", "balanced_pipeline_layout"]
 
@@ -32,7 +33,8 @@ class PlanLayout(MeshLayout):
 
     Attributes:
         tp, pp, dp, ep: tensor-, pipeline-, data- and expert-parallel sizes.
-        virtual_pp: model chunks per pipeline rank (interleaved 1F1B when > 1).
+        virtual_pp: model chunks per pipeline rank (interleaved 1F1B when > 1; 2 under
+            DualPipeV, whatever is given).
         zero_stage: 0, 1 or 2 (optimizer state, and with 2 the gradients, sharded over dp).
         sequence_parallel: shard activations outside the tp matmuls along the sequence.
         pipeline_layout: layers per virtual stage (pp * virtual_pp numbers), None = even.
@@ -54,6 +56,9 @@ class PlanLayout(MeshLayout):
         if self.pipeline_layout is not None:
             object.__setattr__(self, "pipeline_layout", tuple(self.pipeline_layout))
         object.__setattr__(self, "schedule", pick_schedule(self.schedule, self.virtual_pp))
+        if self.pp > 1:
+            chunks = chunks_per_rank(self.schedule, self.virtual_pp)
+            object.__setattr__(self, "virtual_pp", chunks)
         check_recompute(self.recompute)
 
     def strategy(self) -> Any:
@@ -111,10 +116,20 @@ class PlanLayout(MeshLayout):
         if self.pp == 1 and self.virtual_pp == 1 and self.pipeline_layout is not None:
             partition_layers(config.num_layers, 1, 1, self.pipeline_layout)
 
+    @property
+    def placement(self) -> StagePlacement:
+        """Which rank holds which virtual stage under this layout's schedule."""
+        return StagePlacement.for_schedule(self.schedule, self.pp, self.virtual_pp)
+
     def stage_chunks(self, config: Any, pp_rank: int) -> list[list[int]]:
         """Layer indices of each chunk pipeline rank `pp_rank` holds (the strategy's split)."""
         return stage_layers(
-            config.num_layers, self.pp, pp_rank, self.virtual_pp, self.pipeline_layout
+            config.num_layers,
+            self.pp,
+            pp_rank,
+            self.virtual_pp,
+            self.pipeline_layout,
+            self.placement.v_shape,
         )
 
     def schedule_actions(self, num_microbatches: int, pp_rank: int) -> list[Action]:

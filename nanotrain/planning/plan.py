@@ -321,7 +321,7 @@ def plan_layout(
     bandwidth = _bandwidths(layout, gpu)
     ranks, stage_times = [], []
     for rank in models:
-        last = rank.pp_rank == layout.pp - 1
+        last = layout.pp == 1 or layout.placement.holds_last(rank.pp_rank)
         flops = _stage_flops(config, layout, workload, rank.chunks, last)
         comm = comm_estimate(config, layout, workload, rank.pp_rank)
         ranks.append(

@@ -115,7 +115,8 @@ def build_rank_model(config: Any, layout: PlanLayout, pp_rank: int = 0) -> nn.Mo
     full = _full_model(config, layout.tp, layout.ep, layout.sequence_parallel)
     if layout.pp == 1:
         return full
-    return PipelineStage(full, layout.stage_chunks(config, pp_rank), layout.pp, pp_rank)
+    chunks = layout.stage_chunks(config, pp_rank)
+    return PipelineStage(full, chunks, layout.pp, pp_rank, layout.placement.v_shape)
 
 
 _FULL: dict[tuple[str, int, int, bool], nn.Module] = {}
@@ -170,8 +171,10 @@ def rank_models(config: Any, layout: PlanLayout) -> list[RankModel]:
         if len(_VALID) > 4096:
             _VALID.clear()
         _VALID.add(checked)
-    # dp, zero, recompute and schedule do not change what a rank builds: share the builds
-    shape = layout.replace(dp=layout.ep, zero_stage=0, recompute=None, schedule=None)
+    # dp, zero, recompute and the schedule (but for its placement) do not change what a
+    # rank builds: share the builds
+    v_schedule = layout.schedule if layout.placement.v_shape else None
+    shape = layout.replace(dp=layout.ep, zero_stage=0, recompute=None, schedule=v_schedule)
     out = []
     for r in range(layout.pp):
         key = (repr(config), shape, r)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import functools
 
+from nanotrain.parallel.placement import StagePlacement
 from nanotrain.parallel.schedules import SCHEDULES
 
 __all__ = ["schedule_step_time"]
@@ -92,12 +93,13 @@ def _needs(
     the result it gives or None): a forward needs the previous virtual stage's forward of
     its microbatch, a backward or input half the next stage's; a weight half only follows
     its own input half, which the rank's order puts first."""
-    last_stage = pp * v - 1
+    placement = StagePlacement.for_schedule(schedule, pp, v)
+    last_stage = placement.num_virtual - 1
     out = []
     for rank in range(pp):
         rows = []
         for a in SCHEDULES[schedule](m, pp, rank, v):
-            stage = a.chunk * pp + rank
+            stage = placement.stage(rank, a.chunk)
             if a.kind == "F":
                 needs = None if stage == 0 else (True, a.microbatch, stage - 1)
                 rows.append((a.kind, needs, (True, a.microbatch, stage)))

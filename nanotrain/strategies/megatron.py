@@ -43,6 +43,7 @@ from nanotrain.parallel.data_parallel import GradBucketSets, backward_order
 from nanotrain.parallel.grads import is_tp_sharded, sequence_parallel_params
 from nanotrain.parallel.mesh import ParallelMesh, check_sizes, validate_layout
 from nanotrain.parallel.pipeline import partition_layers
+from nanotrain.parallel.schedules import V_SHAPED_SCHEDULES
 from nanotrain.parallel.zero import ZeroOptimizer
 from nanotrain.precision.master import MasterWeights
 from nanotrain.runtime.profiling import named_range
@@ -59,7 +60,12 @@ from nanotrain.strategies.megatron_grads import (
     check_built_model,
     expert_param_ids,
 )
-from nanotrain.strategies.megatron_pipeline import PipelineEngine, embedding_groups, pick_schedule
+from nanotrain.strategies.megatron_pipeline import (
+    PipelineEngine,
+    chunks_per_rank,
+    embedding_groups,
+    pick_schedule,
+)
 from nanotrain.strategies.optimizers import OptimizerSetup
 from nanotrain.strategies.rendezvous import (
     DEFAULT_TIMEOUT_S,
@@ -108,12 +114,16 @@ class MegatronStrategy(MegatronGradNorms, Strategy):
             pipeline transfer or collective that waits longer ends in a
             `CollectiveTimeoutError` naming it). None: the timeout of the default process
             group when this process is already in one, else 1800.
-        virtual_pp: model chunks per pipeline rank (interleaved 1F1B when > 1).
-        schedule: "gpipe", "1f1b", "interleaved_1f1b", "zb_1f1b" or "zb_interleaved_1f1b"
-            (the last two: each backward split into its input and weight halves); None
-            picks 1F1B (interleaved when virtual_pp > 1). See `nanotrain.parallel.schedules`.
-        pipeline_layout: layers per virtual stage (pp × virtual_pp numbers summing to the
-            model's layers), e.g. fewer on the first and last stage; None splits evenly.
+        virtual_pp: model chunks per pipeline rank (interleaved 1F1B when > 1; always 2
+            under DualPipeV).
+        schedule: "gpipe", "1f1b", "interleaved_1f1b", "zb_1f1b", "zb_interleaved_1f1b"
+            (these two: each backward split into its input and weight halves) or
+            "dualpipev" (two chunks per rank in a V, forward and backward chunks paired;
+            needs at least 2·pp microbatches); None picks 1F1B (interleaved when
+            virtual_pp > 1). See `nanotrain.parallel.schedules`.
+        pipeline_layout: layers per virtual stage, in model order (pp × virtual_pp numbers
+            summing to the model's layers), e.g. fewer on the first and last stage; None
+            splits evenly.
 
     Raises:
         TypeError, ValueError: for invalid sizes or options, at construction (layouts that do
@@ -141,13 +151,16 @@ class MegatronStrategy(MegatronGradNorms, Strategy):
         check_sizes(tp=tp, pp=pp, ep=ep, dp=dp, virtual_pp=virtual_pp)
         if virtual_pp > 1 and pp == 1:
             raise ValueError(f"virtual_pp={virtual_pp} needs pp > 1; use virtual_pp=1")
+        self.schedule = pick_schedule(schedule, virtual_pp)
+        if self.schedule in V_SHAPED_SCHEDULES and pp == 1:
+            raise ValueError(f"schedule={schedule!r} needs pp > 1 (it places two chunks a rank)")
+        virtual_pp = chunks_per_rank(self.schedule, virtual_pp)
         if pipeline_layout is not None and len(pipeline_layout) != pp * virtual_pp:
             raise ValueError(
                 f"pipeline_layout has {len(pipeline_layout)} entries; pp*virtual_pp="
                 f"{pp}*{virtual_pp}={pp * virtual_pp} chunks need one each"
             )
         self.virtual_pp = virtual_pp
-        self.schedule = pick_schedule(schedule, virtual_pp)
         self.pipeline_layout = None if pipeline_layout is None else list(pipeline_layout)
         if dp is not None and dp % ep != 0:
             raise ValueError(
@@ -213,7 +226,10 @@ class MegatronStrategy(MegatronGradNorms, Strategy):
             self._owns_process_group = True
         self._device = process_device(self.backend)
         timeout = datetime.timedelta(seconds=self.timeout_s)
-        self._mesh = ParallelMesh.build(self.tp, self.pp, self.ep, self.dp, timeout=timeout)
+        v_shape = self.schedule in V_SHAPED_SCHEDULES
+        self._mesh = ParallelMesh.build(
+            self.tp, self.pp, self.ep, self.dp, timeout=timeout, pipeline_v_shape=v_shape
+        )
         if self._mesh.pp_size > 1:
             group = embedding_groups(self._mesh, timeout)
             self._pipeline = PipelineEngine(

@@ -28,7 +28,7 @@ from nanotrain.models.stages import PipelineStage
 from nanotrain.models.transformer import ModelOutput
 from nanotrain.parallel.grads import all_reduce_coalesced
 from nanotrain.parallel.pipeline import PipelineComm, ScheduleStats, open_channels, run_schedule
-from nanotrain.parallel.schedules import SCHEDULES, forward_only
+from nanotrain.parallel.schedules import SCHEDULES, V_SHAPED_SCHEDULES, forward_only
 from nanotrain.precision.base import Precision
 from nanotrain.precision.master import grad_of
 from nanotrain.runtime.host_copy import host_to_device
@@ -40,7 +40,7 @@ if TYPE_CHECKING:
     from nanotrain.parallel.mesh import ParallelMesh
     from nanotrain.strategies.weighting import LossAccumulator
 
-__all__ = ["PipelineEngine", "embedding_groups", "pick_schedule"]
+__all__ = ["PipelineEngine", "chunks_per_rank", "embedding_groups", "pick_schedule"]
 
 # columns of the per-microbatch loss-term table
 _TOTAL, _LM, _AUX, _MTP, _HAS_MTP, _COUNT = range(6)
@@ -62,7 +62,18 @@ def pick_schedule(schedule: str | None, virtual_pp: int) -> str:
             f"schedule={schedule!r} runs one chunk per rank but virtual_pp={virtual_pp}; use "
             "schedule='interleaved_1f1b' (or virtual_pp=1)"
         )
+    if schedule == "dualpipev" and virtual_pp not in (1, 2):
+        raise ValueError(
+            f"schedule='dualpipev' runs two chunks per rank (a V) but virtual_pp={virtual_pp}; "
+            "leave virtual_pp at 1 or 2"
+        )
     return schedule
+
+
+def chunks_per_rank(schedule: str, virtual_pp: int) -> int:
+    """Model chunks each pipeline rank holds under `schedule` (checked by `pick_schedule`):
+    two for DualPipeV's V whatever ``virtual_pp`` says (1 or 2), else ``virtual_pp``."""
+    return 2 if schedule in V_SHAPED_SCHEDULES else virtual_pp
 
 
 def embedding_groups(mesh: ParallelMesh, timeout: datetime.timedelta | None) -> Any:
@@ -112,7 +123,9 @@ class PipelineEngine:
         self.mesh, self.schedule, self.virtual_pp = mesh, schedule, virtual_pp
         self.device, self.embedding_group = device, embedding_group
         self.last_stats: ScheduleStats | None = None
-        open_channels(mesh.layout.pipeline_channels(), mesh.pp_channels, mesh.rank, device)
+        self.v_shape = schedule in V_SHAPED_SCHEDULES
+        order = mesh.layout.pipeline_channels(self.v_shape)
+        open_channels(order, mesh.pp_channels, mesh.rank, device)
 
     @staticmethod
     def stage_of(module: NanoModule) -> PipelineStage:
@@ -146,6 +159,7 @@ class PipelineEngine:
             dtype,
             self.device,
             channels=self.mesh.pp_channels,
+            v_shape=self.v_shape,
         )
 
     def _forward_step(self, stage, step_fn, batches, terms: Tensor, objective=None):

@@ -1,8 +1,8 @@
 """MegatronStrategy with pipeline parallelism matches one process step for step.
 
 Two forked gloo worlds (2 and 4 ranks) each train several pipeline layouts one after another
-(GPipe, 1F1B, interleaved 1F1B, 1F1B with split backwards; with tp, with dp +
-ZeRO-2, with ep; the tiny DeepSeek preset with MoE layers on several stages and MTP on the
+(GPipe, 1F1B, interleaved 1F1B, 1F1B with split backwards, DualPipeV; with tp, with
+dp + ZeRO-2, with ep; the tiny DeepSeek preset with MoE layers on several stages and MTP on the
 last). Every layout is checked against the
 single-process reference with the same seed, data and global batch: per-step losses, grad
 norms, the logged loss terms (on every rank), validation loss, and the final parameters
@@ -17,6 +17,7 @@ import pytest
 import torch.distributed as dist
 
 import nanotrain as nt
+from nanotrain.parallel.schedules import dualpipev, max_in_flight
 from nanotrain.strategies.megatron import MegatronStrategy
 from tests.distributed.spawn import run_world
 from tests.distributed.test_megatron import STEPS, RandomTokens, Recorder, assert_matches
@@ -37,15 +38,16 @@ def gather_over_stages(strategy: Any, named: dict[str, Any]) -> dict[str, Any]:
     return {k: v for part in parts for k, v in part.items()}
 
 
-def fit_module(module: nt.NanoModule, strategy: Any, root: str) -> dict:
-    """Train `STEPS` steps (global batch 8, microbatch 2, clip 0.5, seed 3), validate once at
-    the end; gather the parameters of every stage and shard, and the logged loss terms."""
+def fit_module(module: nt.NanoModule, strategy: Any, root: str, micro_batch_size: int = 2) -> dict:
+    """Train `STEPS` steps (global batch 8, microbatch 2 unless given, clip 0.5, seed 3),
+    validate once at the end; gather the parameters of every stage and shard, and the logged
+    loss terms."""
     recorder = Recorder()
     trainer = nt.Trainer(
         strategy=strategy,
         max_steps=STEPS,
         global_batch_size=8,
-        micro_batch_size=2,
+        micro_batch_size=micro_batch_size,
         gradient_clip_val=0.5,
         val_check_interval=STEPS,
         callbacks=[recorder],
@@ -66,7 +68,7 @@ def fit_module(module: nt.NanoModule, strategy: Any, root: str) -> dict:
     }
 
 
-def fit(kind: str, strategy: Any, root: str) -> dict:
+def fit(kind: str, strategy: Any, root: str, micro_batch_size: int = 2) -> dict:
     """`fit_module` on the `kind` preset with `LAYERS` layers."""
     # lr 3e-3, not test_megatron's 1e-2: with 4 layers, AdamW turns reduction-order noise in
     # near-zero grads into visible steps at 1e-2 (tp=2 alone, no pipeline, then drifts to 2e-4
@@ -74,10 +76,10 @@ def fit(kind: str, strategy: Any, root: str) -> dict:
     module = nt.LanguageModelModule(
         kind, vocab_size=257, lr=3e-3, warmup_steps=2, model_overrides={"num_layers": LAYERS}
     )
-    return fit_module(module, strategy, root)
+    return fit_module(module, strategy, root, micro_batch_size)
 
 
-# name -> (model kind, MegatronStrategy kwargs)
+# name -> (model kind, MegatronStrategy kwargs); "micro_batch_size" goes to the Trainer
 WORLD2 = {
     "dense pp=2 gpipe": ("tiny-dense", dict(pp=2, schedule="gpipe")),
     "dense pp=2 1f1b": ("tiny-dense", dict(pp=2, schedule="1f1b")),
@@ -95,6 +97,12 @@ WORLD2 = {
     "deepseek pp=2 x virtual 2 zb_interleaved_1f1b": (
         "tiny",
         dict(pp=2, virtual_pp=2, schedule="zb_interleaved_1f1b"),
+    ),
+    # a V: rank 0 embeds and computes the loss (and MTP), rank 1 holds layers 1-2 and turns
+    # the microbatches around in memory; stage 1 is empty
+    "deepseek pp=2 dualpipev layout 1,0,2,1": (
+        "tiny",
+        dict(pp=2, schedule="dualpipev", pipeline_layout=[1, 0, 2, 1]),
     ),
 }
 WORLD4 = {
@@ -118,19 +126,32 @@ WORLD4 = {
         "tiny",
         dict(pp=2, dp=2, zero_stage=2, schedule="zb_1f1b"),
     ),
-    "deepseek pp=2 x tp=2 sp zb_1f1b": (
+    # DualPipeV: its split backwards run the tp and ep collectives in their input halves
+    "deepseek pp=2 x tp=2 sp dualpipev": (
         "tiny",
-        dict(pp=2, tp=2, sequence_parallel=True, schedule="zb_1f1b"),
+        dict(pp=2, tp=2, sequence_parallel=True, schedule="dualpipev"),
     ),
-    "deepseek pp=2 x ep=2 zb_1f1b": ("tiny", dict(pp=2, ep=2, schedule="zb_1f1b")),
+    "deepseek pp=2 x ep=2 dualpipev": (
+        "tiny",
+        dict(pp=2, ep=2, schedule="dualpipev", micro_batch_size=1),
+    ),
+    # 8 virtual stages for 4 layers: every rank one layer and one pass-through chunk
+    "dense pp=4 dualpipev": (
+        "tiny-dense",
+        dict(
+            pp=4, schedule="dualpipev", micro_batch_size=1, pipeline_layout=[1, 0, 1, 0, 1, 0, 1, 0]
+        ),
+    ),  # fmt: skip
 }
 
 
 def _run_layouts(rank: int, world_size: int, root: str, layouts: dict) -> dict:
-    return {
-        name: fit(kind, MegatronStrategy(**kwargs), f"{root}/{i}")
-        for i, (name, (kind, kwargs)) in enumerate(layouts.items())
-    }
+    out = {}
+    for i, (name, (kind, kwargs)) in enumerate(layouts.items()):
+        kwargs = dict(kwargs)
+        micro = kwargs.pop("micro_batch_size", 2)
+        out[name] = fit(kind, MegatronStrategy(**kwargs), f"{root}/{i}", micro)
+    return out
 
 
 @pytest.fixture(scope="module")
@@ -178,3 +199,6 @@ def test_1f1b_holds_at_most_pp_microbatches_in_flight_gpipe_all(world2):
         assert result["dense pp=2 1f1b"]["peak_in_flight"] == 2 - rank
         assert result["dense pp=2 gpipe"]["peak_in_flight"] == 4
         assert result["deepseek pp=2 zb_1f1b layout 1,3"]["peak_in_flight"] == 2 - rank
+        # a V holds its two chunks' microbatches as the schedule counts them (2·pp + 1)
+        dualpipe = result["deepseek pp=2 dualpipev layout 1,0,2,1"]["peak_in_flight"]
+        assert dualpipe == max_in_flight(dualpipev(4, 2, rank)) == 5

@@ -200,12 +200,16 @@ def test_build_creates_every_group_in_a_fixed_order_and_keeps_its_own() -> None:
 
     mesh = ParallelMesh.build(tp=2, pp=2, world_size=8, rank=5, new_group=fake_new_group)
     # Every rank creates every group (4 tp, 4 pp, 4 dp, 8 ep, 4 expert-dp, 2 mp), in AXES order,
-    # then one group per direction of every pipeline (2 stages: 2 channels x 4 pipelines).
-    assert len(created) == 4 + 4 + 4 + 8 + 4 + 2 + 8
+    # then one group per direction and kind of every pipeline (2 stages: activations and
+    # gradients each way, the wrap of interleaved schedules sending activations 1 -> 0:
+    # 4 channels x 4 pipelines).
+    assert len(created) == 4 + 4 + 4 + 8 + 4 + 2 + 16
     assert created[:4] == [[0, 1], [2, 3], [4, 5], [6, 7]]
     assert created[4:8] == [[0, 4], [1, 5], [2, 6], [3, 7]]
-    assert created[-8:] == [[0, 4], [0, 4], [1, 5], [1, 5], [2, 6], [2, 6], [3, 7], [3, 7]]
-    assert mesh.pp_channels == {(1, 5): (1, 5), (5, 1): (1, 5)}
+    assert created[-16:] == [pair for pair in created[4:8] for _ in range(4)]
+    assert mesh.pp_channels == {
+        (1, 5, False): (1, 5), (5, 1, True): (1, 5), (5, 1, False): (1, 5), (1, 5, True): (1, 5),
+    }  # fmt: skip
     assert mesh.tp_group == (4, 5) and mesh.pp_group == (1, 5) and mesh.dp_group == (5, 7)
     assert mesh.ep_group == (5,) and mesh.expert_dp_group == (5, 7)
     assert mesh.mp_group == (0, 1, 4, 5)
@@ -232,10 +236,16 @@ def test_group_of_is_the_group_in_groups_that_holds_the_rank(tp, pp, dp, ep):
             ), (axis, rank)
 
 
-def test_pipeline_channels_are_every_neighbouring_direction_once():
+def test_pipeline_channels_are_every_neighbouring_direction_and_kind_once():
     four = MeshLayout(pp=4)
+    # activations down, gradients up, and the interleaved wrap 3 -> 0
     assert four.pipeline_channels() == [
-        (0, 1), (1, 0), (1, 2), (2, 1), (2, 3), (3, 2), (3, 0), (0, 3),
+        (0, 1, False), (1, 0, True), (1, 2, False), (2, 1, True), (2, 3, False), (3, 2, True),
+        (3, 0, False), (0, 3, True),
     ]  # fmt: skip
-    assert MeshLayout(pp=2).pipeline_channels() == [(0, 1), (1, 0)]
+    # a V: down and back up between every two neighbours, no wrap, no channel at the turn
+    assert four.pipeline_channels(v_shape=True) == [
+        (0, 1, False), (1, 0, True), (1, 2, False), (2, 1, True), (2, 3, False), (3, 2, True),
+        (3, 2, False), (2, 3, True), (2, 1, False), (1, 2, True), (1, 0, False), (0, 1, True),
+    ]  # fmt: skip
     assert MeshLayout(tp=2).pipeline_channels() == []

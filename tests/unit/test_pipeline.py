@@ -11,10 +11,13 @@ from nanotrain.models import build_model, presets
 from nanotrain.models.stages import build_pipeline_stage
 from nanotrain.parallel.mesh import MeshLayout, ParallelMesh
 from nanotrain.parallel.pipeline import partition_layers, stage_layers
+from nanotrain.parallel.placement import StagePlacement
 from nanotrain.parallel.schedules import (
     SCHEDULES,
     SPLIT_BACKWARD_SCHEDULES,
+    V_SHAPED_SCHEDULES,
     Action,
+    dualpipev,
     gpipe,
     interleaved_1f1b,
     max_in_flight,
@@ -48,13 +51,16 @@ def test_bad_layouts_name_the_numbers(args, message):
         partition_layers(*args[:3], layout=args[3])
 
 
-def _check_dependencies(schedules: list[list[Action]], pp: int, chunks: int) -> None:
+def _check_dependencies(
+    schedules: list[list[Action]], pp: int, chunks: int, v_shape: bool = False
+) -> None:
     """Simulate the ranks in lockstep: an action runs once its input exists (a forward: the
     previous stage's forward; a backward or input half: its own forward and the next stage's
     input gradient; a weight half: its own input half); all must finish (no deadlock)."""
     done: set[tuple[str, int, int]] = set()  # (kind, microbatch, virtual stage)
     pos = [0] * pp
     last = pp * chunks - 1
+    placement = StagePlacement(pp, chunks, v_shape)
 
     def grad_sent(m: int, k: int) -> bool:
         return ("B", m, k) in done or ("I", m, k) in done
@@ -65,7 +71,7 @@ def _check_dependencies(schedules: list[list[Action]], pp: int, chunks: int) -> 
             if pos[r] == len(schedules[r]):
                 continue
             a = schedules[r][pos[r]]
-            k = a.chunk * pp + r
+            k = placement.stage(r, a.chunk)
             if a.kind == "F":
                 ready = k == 0 or ("F", a.microbatch, k - 1) in done
             elif a.kind == "W":
@@ -81,19 +87,41 @@ def _check_dependencies(schedules: list[list[Action]], pp: int, chunks: int) -> 
         assert progressed, f"deadlock at {pos}"
 
 
-@pytest.mark.parametrize("name", sorted(SCHEDULES))
-@pytest.mark.parametrize(("pp", "m"), [(2, 4), (4, 8), (4, 4)])
+def _runs(name: str, pp: int, m: int) -> bool:
+    """Whether `name` accepts these sizes (the refusals are tested on their own)."""
+    if "interleaved" in name:
+        return m % pp == 0
+    return m >= 2 * pp if name in V_SHAPED_SCHEDULES else True
+
+
+@pytest.mark.parametrize(
+    ("name", "pp", "m"),
+    [
+        (name, pp, m)
+        for name in sorted(SCHEDULES)
+        for pp, m in [(2, 4), (4, 8), (4, 4), (3, 7), (4, 9), (1, 2)]
+        if _runs(name, pp, m)
+    ],
+)
 def test_every_schedule_runs_each_microbatch_once_without_deadlock(name, pp, m):
-    chunks = 2 if "interleaved" in name else 1
+    chunks = 2 if "interleaved" in name or name in V_SHAPED_SCHEDULES else 1
     schedules = [SCHEDULES[name](m, pp, r, chunks) for r in range(pp)]
-    # every microbatch-chunk: one forward and one backward, whole (B) or split (I, then W)
-    kinds = "FIW" if name in SPLIT_BACKWARD_SCHEDULES else "FB"
+    # every microbatch-chunk: one forward, then one backward, whole (B) or split (I, then W)
     for actions in schedules:
-        assert sorted(actions, key=lambda a: (a.kind, a.microbatch, a.chunk)) == sorted(
-            [Action(kind, i, c) for kind in kinds for i in range(m) for c in range(chunks)],
-            key=lambda a: (a.kind, a.microbatch, a.chunk),
-        )
-    _check_dependencies(schedules, pp, chunks)
+        where = {(a.kind, a.microbatch, a.chunk): i for i, a in enumerate(actions)}
+        assert len(where) == len(actions)
+        splits = 0
+        for i in range(m):
+            for c in range(chunks):
+                f = where[("F", i, c)]
+                if ("B", i, c) in where:
+                    assert f < where[("B", i, c)] and ("I", i, c) not in where
+                else:
+                    assert f < where[("I", i, c)] < where[("W", i, c)]
+                    splits += 1
+        assert len(actions) == 2 * m * chunks + splits
+        assert (splits > 0) == (name in SPLIT_BACKWARD_SCHEDULES)
+    _check_dependencies(schedules, pp, chunks, name in V_SHAPED_SCHEDULES)
 
 
 @pytest.mark.parametrize(("pp", "m"), [(2, 8), (4, 8), (4, 3)])
@@ -168,3 +196,90 @@ def test_strategy_checks_the_partition_against_the_model():
     strategy = MegatronStrategy(pp=4)
     with pytest.raises(ValueError, match="num_layers=6 does not split evenly"):
         strategy.validate_model(presets.get("tiny-dense", num_layers=6), world_size=4)
+
+
+@pytest.mark.parametrize(("pp", "m"), [(2, 4), (3, 7), (4, 8), (4, 13)])
+def test_dualpipev_pairs_forward_and_backward_chunks_and_defers_weight_halves(pp, m):
+    for rank in range(pp):
+        actions = dualpipev(m, pp, rank)
+        # the steady state: a forward of one chunk right before a backward of the other,
+        # twice per microbatch past the first 2·pp
+        paired = sum(
+            a.kind == "F" and b.kind in "BI" and a.chunk != b.chunk
+            for a, b in zip(actions, actions[1:], strict=False)
+        )
+        assert paired >= 2 * (m - 2 * pp + 1), (rank, paired)
+        # split backwards: their weight halves run in the order of their input halves; past
+        # the first rank some wait behind other backwards (they fill the drain, where the
+        # first rank's fill the waits for its own chunk-0 gradients); every rank ends on one
+        halves = [a for a in actions if a.kind in "IW"]
+        inputs = [(a.microbatch, a.chunk) for a in halves if a.kind == "I"]
+        weights = [(a.microbatch, a.chunk) for a in halves if a.kind == "W"]
+        assert inputs == weights and len(inputs) >= rank + 1
+        deferred = [
+            i for i, a in enumerate(actions)
+            if a.kind == "W" and actions[i - 1] != Action("I", a.microbatch, a.chunk)
+        ]  # fmt: skip
+        assert (len(deferred) > 0) == (rank > 0) and actions[-1].kind == "W"
+        # activations: at most 2·pp + 1 microbatch-chunks (pp + 1/2 microbatches of the
+        # rank's layers; 1F1B's first rank holds pp)
+        assert max_in_flight(actions) <= 2 * pp + 1
+
+
+def test_dualpipev_refuses_too_few_microbatches_and_other_chunk_counts():
+    with pytest.raises(ValueError, match=r"dualpipev needs at least 2\*pp=8 microbatches.*got 6"):
+        dualpipev(6, 4, 0)
+    with pytest.raises(ValueError, match="dualpipev runs two chunks per rank"):
+        dualpipev(8, 4, 0, 3)
+    with pytest.raises(ValueError, match="schedule='dualpipev' runs two chunks per rank"):
+        MegatronStrategy(pp=2, virtual_pp=3, schedule="dualpipev")
+    with pytest.raises(ValueError, match="needs pp > 1"):
+        MegatronStrategy(schedule="dualpipev")
+    # two chunks whatever virtual_pp (1 or 2) says: the layout has 2·pp entries
+    assert MegatronStrategy(pp=2, schedule="dualpipev").virtual_pp == 2
+    with pytest.raises(ValueError, match="pipeline_layout has 2 entries; pp\\*virtual_pp=2\\*2"):
+        MegatronStrategy(pp=2, schedule="dualpipev", pipeline_layout=[2, 2])
+
+
+@pytest.mark.parametrize(("pp", "chunks", "v_shape"), [(4, 1, False), (3, 3, False), (4, 2, True)])
+def test_placement_locates_every_stage_on_the_rank_that_holds_it(pp, chunks, v_shape):
+    placement = StagePlacement(pp, chunks, v_shape)
+    held = [placement.stage(r, c) for r in range(pp) for c in range(chunks)]
+    assert sorted(held) == list(range(pp * chunks))
+    for r in range(pp):
+        for c in range(chunks):
+            assert placement.locate(placement.stage(r, c)) == (r, c)
+    # V: rank 0 holds the first and the last stage, the last rank the turn (pp - 1, pp)
+    assert placement.holds_first(0) and placement.holds_last(0) == v_shape
+    assert placement.stages_of(pp - 1) == ([pp - 1, pp] if v_shape else placement.stages_of(pp - 1))
+
+
+def test_v_placement_gives_each_rank_a_stage_going_down_and_one_coming_back():
+    # layers per virtual stage, in model order: stages 0,1 go down ranks 0,1; 2,3 come back
+    assert stage_layers(4, 2, 0, 2, [1, 0, 2, 1], v_shape=True) == [[0], [3]]
+    assert stage_layers(4, 2, 1, 2, [1, 0, 2, 1], v_shape=True) == [[], [1, 2]]
+    with pytest.raises(ValueError, match="a V placement holds two chunks per rank"):
+        StagePlacement(2, 3, v_shape=True)
+
+
+@pytest.mark.parametrize("preset", ["tiny", "tiny-dense"])
+def test_v_stages_hold_embedding_and_head_on_the_first_rank_once(preset):
+    config = presets.get(preset, num_layers=4, vocab_size=97)
+    torch.manual_seed(0)
+    whole = dict(build_model(config).named_parameters())
+    seen = {}
+    for rank in range(2):
+        torch.manual_seed(0)
+        stage = build_pipeline_stage(config, _fake_mesh(2, rank), virtual_pp=2, v_shape=True)
+        names = {n.split(".")[0] for n, _ in stage.named_parameters()}
+        if rank == 0:
+            assert {"embed_tokens", "norm", "lm_head"} <= names
+            assert stage.is_first_chunk(0) and stage.is_last_chunk(1)
+        else:
+            assert names == {"layers"} and not stage.is_last_chunk(1)
+        # one rank holds both ends: no embedding copy to keep in step
+        assert stage.shared_parameter_names() == []
+        seen.update(dict(stage.named_parameters()))
+    assert seen.keys() == whole.keys()
+    for name, value in whole.items():
+        assert torch.equal(seen[name], value), name

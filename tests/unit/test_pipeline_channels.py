@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 from nanotrain.parallel.mesh import MeshLayout
 from nanotrain.parallel.pipeline import PipelineComm, run_schedule
-from nanotrain.parallel.schedules import SCHEDULES, forward_only
+from nanotrain.parallel.schedules import SCHEDULES, V_SHAPED_SCHEDULES, forward_only
 
 
 @dataclass
@@ -43,7 +43,8 @@ class _Work:
 def _posted(monkeypatch, schedule: str, pp: int, v: int, m: int, channels: bool) -> dict:
     """rank -> the transfers it posts, in order: (kind, src, dst, group, tag)."""
     monkeypatch.setattr(dist, "P2POp", _Op)
-    pairs = {p: f"{p[0]}>{p[1]}" for p in MeshLayout(pp=pp).pipeline_channels()}
+    v_shape = schedule in V_SHAPED_SCHEDULES
+    pairs = {c: "{}>{}{}".format(*c) for c in MeshLayout(pp=pp).pipeline_channels(v_shape)}
     posted: dict[int, list] = {}
     for rank in range(pp):
         log = posted[rank] = []
@@ -60,7 +61,7 @@ def _posted(monkeypatch, schedule: str, pp: int, v: int, m: int, channels: bool)
         monkeypatch.setattr(dist, "irecv", irecv)
         comm = PipelineComm(
             list(range(pp)), rank, v, (2,), torch.float32, torch.device("cpu"),
-            channels=pairs if channels else None,
+            channels=pairs if channels else None, v_shape=v_shape,
         )  # fmt: skip
         w = torch.ones(2, requires_grad=True)
 
@@ -120,12 +121,16 @@ CASES = [
         "interleaved_1f1b",
         "zb_1f1b",
         "zb_interleaved_1f1b",
+        "dualpipev",
         "forward_only",
     )
     for pp in (2, 3, 4)
-    for v in ((1,) if schedule in ("1f1b", "zb_1f1b") else (1, 2, 3))
+    for v in (
+        (1,) if schedule in ("1f1b", "zb_1f1b") else (2,) if schedule == "dualpipev" else (1, 2, 3)
+    )
     for m in (pp, 2 * pp, 2 * pp + 1)
     if not ("interleaved" in schedule and (v == 1 or m % pp))
+    and not (schedule == "dualpipev" and m < 2 * pp)
 ]
 
 
