@@ -40,7 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from nanotrain.parallel.mesh import ParallelMesh  # noqa: E402
 from nanotrain.parallel.pipeline import PipelineComm, open_channels, run_schedule  # noqa: E402
-from nanotrain.parallel.schedules import SCHEDULES  # noqa: E402
+from nanotrain.parallel.schedules import SCHEDULES, V_SHAPED_SCHEDULES  # noqa: E402
 from nanotrain.planning.schedule_time import schedule_step_time  # noqa: E402
 from nanotrain.report.schedule_chart import schedule_chart  # noqa: E402
 from tests.distributed.spawn import run_world  # noqa: E402
@@ -67,12 +67,16 @@ class SavedBytes:
         return t
 
 
-def _comm(rank: int, world: int, v: int, shape: tuple[int, ...]) -> PipelineComm:
-    """This rank's transfers over one group per direction, as MegatronStrategy sets them up."""
-    mesh = ParallelMesh.build(pp=world)
-    open_channels(mesh.layout.pipeline_channels(), mesh.pp_channels, rank, torch.device("cpu"))
+def _comm(
+    rank: int, world: int, v: int, shape: tuple[int, ...], v_shape: bool = False
+) -> PipelineComm:
+    """This rank's transfers over one group per direction and kind, as MegatronStrategy sets
+    them up (`v_shape`: DualPipeV's placement)."""
+    mesh = ParallelMesh.build(pp=world, pipeline_v_shape=v_shape)
+    order = mesh.layout.pipeline_channels(v_shape)
+    open_channels(order, mesh.pp_channels, rank, torch.device("cpu"))
     return PipelineComm(
-        list(range(world)), rank, v, shape, torch.float32, "cpu", channels=mesh.pp_channels
+        list(range(world)), rank, v, shape, torch.float32, "cpu", mesh.pp_channels, v_shape
     )
 
 
@@ -134,7 +138,7 @@ def _sleep_bench(
     rank: int, world: int, schedule: str, m: int, v: int, f: float, record: bool = False
 ) -> Any:
     """The best of two steps' time; with `record`, (that, the second step's timeline)."""
-    comm = _comm(rank, world, v, (4,))
+    comm = _comm(rank, world, v, (4,), schedule in V_SHAPED_SCHEDULES)
     w = torch.ones(4, requires_grad=True)
 
     def forward_step(mb: int, c: int, inp):
@@ -158,18 +162,24 @@ def _sleep_bench(
 #: (schedule, virtual stages) of each drawn or timed schedule
 SLEEP_SCHEDULES = (
     ("gpipe", 1), ("1f1b", 1), ("interleaved_1f1b", 2), ("zb_1f1b", 1),
-    ("zb_interleaved_1f1b", 2),
+    ("zb_interleaved_1f1b", 2), ("dualpipev", 2),
 )  # fmt: skip
 
 
-def draw_schedules(folder: str, f_ms: float, pp: int = 4, m: int = 8) -> list[Path]:
-    """One PNG per schedule of the executor's recorded timeline at `pp` stages and `m`
-    microbatches, with sleep-based compute (F forward, I = W = F): `folder`/pipeline_<name>.png."""
+def draw_schedules(
+    folder: str, f_ms: float, pp: int = 4, m: int = 8, only: str | None = None
+) -> list[Path]:
+    """One PNG per schedule (or only the one named `only`) of the executor's recorded
+    timeline at `pp` stages and `m` microbatches, with sleep-based compute (F forward,
+    I = W = F): `folder`/pipeline_<name>.png."""
     paths = []
     for schedule, v in SLEEP_SCHEDULES:
+        if only is not None and schedule != only:
+            continue
         ranks = run_world(_sleep_bench, pp, schedule, m, v, f_ms / 1e3, True, timeout=300)
         step = max(seconds for seconds, _ in ranks)
-        title = f"{schedule}: pp={pp}, m={m}" + (f", {v} chunks per rank" if v > 1 else "")
+        chunks = " in a V" if schedule in V_SHAPED_SCHEDULES else ""
+        title = f"{schedule}: pp={pp}, m={m}" + (f", {v} chunks per rank{chunks}" if v > 1 else "")
         title += f", F = {f_ms:g} ms, B = I + W = 2F; step {step * 1e3:.0f} ms"
         path = Path(folder) / f"pipeline_{schedule}.png"
         paths.append(schedule_chart([timeline for _, timeline in ranks], path, title))
@@ -177,11 +187,12 @@ def draw_schedules(folder: str, f_ms: float, pp: int = 4, m: int = 8) -> list[Pa
     return paths
 
 
-def sleep_table(f_ms: float) -> None:
+def sleep_table(f_ms: float, only: str | None = None) -> None:
     """Step time over each schedule's replay by the planner (`schedule_step_time`) with
     sleep-based compute (F forward, I = W = F for the two halves of the backward): here
     m·3F plus the bubble, (p - 1)·3F/v for GPipe and (interleaved) 1F1B, (p - 1)·(F + I)/v =
-    (p - 1)·2F/v with split backwards."""
+    (p - 1)·2F/v with split backwards. DualPipeV's row also shows the bound of DualPipe's
+    table, m·3F + (p - 1)·(F + 2B - 3W) with a chunk's F = F/2, B = 2F/2, W = F/2."""
     f = f_ms / 1e3
     print(f"sleep-based compute, F = I = W = {f_ms:g} ms")
     print("| pp | m | schedule | step ms | replayed ms | step / replayed | vs 1f1b |")
@@ -189,14 +200,21 @@ def sleep_table(f_ms: float) -> None:
     for pp, m in ((2, 4), (4, 8)):
         one_f_one_b = None
         for schedule, v in SLEEP_SCHEDULES:
+            if only is not None and schedule not in (only, "1f1b"):
+                continue
             step = max(run_world(_sleep_bench, pp, schedule, m, v, f, timeout=300))
             # the planner's replay of the same action lists: m·3F plus the bubble here
             replayed = schedule_step_time(schedule, m, pp, v, f, f, f)
             one_f_one_b = step if schedule == "1f1b" else one_f_one_b
             versus = "" if one_f_one_b is None else f"{step / one_f_one_b:.2f}"
+            bound = ""
+            if schedule in V_SHAPED_SCHEDULES:
+                chunk_f, chunk_b, chunk_w = f / 2, f, f / 2
+                limit = m * 3 * f + (pp - 1) * (chunk_f + 2 * chunk_b - 3 * chunk_w)
+                bound = f" (bound {limit * 1e3:.0f} ms: step / bound {step / limit:.2f})"
             print(
                 f"| {pp} | {m} | {schedule} | {step * 1e3:.0f} | {replayed * 1e3:.0f} | "
-                f"{step / replayed:.2f} | {versus} |",
+                f"{step / replayed:.2f} | {versus}{bound} |",
                 flush=True,
             )
 
@@ -210,12 +228,15 @@ def main() -> None:
     parser.add_argument(
         "--draw", metavar="FOLDER", help="draw each schedule's timeline (pp=4, m=8) as a PNG"
     )
+    parser.add_argument(
+        "--schedule", help="--sleep, --draw: only this schedule (and 1F1B, to compare)"
+    )
     args = parser.parse_args()
     if args.draw:
-        draw_schedules(args.draw, args.f_ms)
+        draw_schedules(args.draw, args.f_ms, only=args.schedule)
         return
     if args.sleep:
-        sleep_table(args.f_ms)
+        sleep_table(args.f_ms, only=args.schedule)
         return
     rows = [
         "| pp | m | schedule | step ms | bubble measured | bubble theory | peak act. MiB (stage 0) |"

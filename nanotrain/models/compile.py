@@ -55,7 +55,7 @@ def check_compile_options(
         )
     if (layers or model) and pp_size > 1 and schedule in SPLIT_BACKWARD_SCHEDULES:
         raise ValueError(
-            f"schedule={schedule!r} runs each backward as an input half and a weight half, but "
+            f"schedule={schedule!r} splits backwards into an input half and a weight half, but "
             "a compiled layer's backward is one piece that runs once (torch.compile donates "
             "its buffers); use schedule='1f1b' with compile_layers, or compile_layers=False"
         )

@@ -1,8 +1,8 @@
 """The activation planner's schedule peak against a real pipeline step.
 
 One forked gloo world of 2 ranks trains one step (4 microbatches of 2 x 64 tokens) per layout:
-GPipe, 1F1B, interleaved 1F1B (virtual_pp=2) and 1F1B with split backwards at pp=2, with and
-without recomputation, and
+GPipe, 1F1B, interleaved 1F1B (virtual_pp=2), 1F1B with split backwards and DualPipeV at
+pp=2, with and without recomputation, and
 tp=2 with and without sequence parallelism. During the step every tensor autograd saves for
 backward is wrapped in a holder that counts its storage (once, parameters excluded) while
 autograd keeps it; the highest count is the measured peak of live saved activations, which
@@ -97,6 +97,8 @@ LAYOUTS = {
     "deepseek 1f1b full recompute": ("tiny", dict(pp=2), "full"),
     # split backwards hold a microbatch's activations until its weight half
     "deepseek zb_1f1b": ("tiny", dict(pp=2, schedule="zb_1f1b"), None),
+    # a V: rank 0 holds the first and last stage (embedding, head, MTP), both chunks' peaks
+    "deepseek dualpipev": ("tiny", dict(pp=2, schedule="dualpipev"), None),
     "dense interleaved selective": ("tiny-dense", dict(pp=2, virtual_pp=2), "selective"),
     "deepseek tp2": ("tiny", dict(tp=2), None),
     "deepseek tp2 sp": ("tiny", dict(tp=2, sequence_parallel=True), None),

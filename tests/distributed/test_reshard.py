@@ -1,7 +1,8 @@
 """Resuming a MegatronStrategy checkpoint under another layout and world size.
 
 One forked gloo world of 4 ranks saves the tiny DeepSeek (MLA, MoE with a bias-balanced
-router, MTP, odd vocabulary padded under tp) after 2 steps under tp=2 x pp=2 and under
+router, MTP, odd vocabulary padded under tp) after 2 steps under tp=2 x pp=2 (DualPipeV,
+its two chunks per rank in a V) and under
 ep=2 x dp=2 with ZeRO-2, then resumes each under pp=2 x dp=2 (1F1B with split backwards) and
 tp=2 x ep=2; the test process
 resumes both on one process. Steps 3-5 must match the uninterrupted run of the saving layout
@@ -23,7 +24,12 @@ from tests.unit.test_language_model import RandomTokens
 
 pytestmark = pytest.mark.distributed
 
-SAVED = {"tp2 pp2": dict(tp=2, pp=2), "ep2 dp2 zero2": dict(ep=2, zero_stage=2)}
+# tp=2 x pp=2 saves from DualPipeV's V: rank 0 holds layer 0, the head and MTP, rank 1
+# layer 1 (stages 1 and 3 hold no layer)
+SAVED = {
+    "tp2 pp2 dualpipev": dict(tp=2, pp=2, schedule="dualpipev", pipeline_layout=[1, 0, 1, 0]),
+    "ep2 dp2 zero2": dict(ep=2, zero_stage=2),
+}
 # pp=2 x dp=2 resumes with split backwards: a checkpoint does not depend on the schedule
 RESUMED = {"pp2 dp2 zb_1f1b": dict(pp=2, schedule="zb_1f1b"), "tp2 ep2": dict(tp=2, ep=2)}
 

@@ -207,7 +207,7 @@ def test_two_compiled_ranks_match_eager_single_process(tmp_path, two_ranks, case
 
 def test_compiled_layers_under_split_backwards_are_refused_at_fit_start(two_ranks):
     for ranks_out in two_ranks:
-        assert "schedule='zb_1f1b' runs each backward as an input" in ranks_out["zb_1f1b refusal"]
+        assert "schedule='zb_1f1b' splits backwards into an input" in ranks_out["zb_1f1b refusal"]
 
 
 def test_compile_options_are_checked_before_any_work():
@@ -219,8 +219,9 @@ def test_compile_options_are_checked_before_any_work():
     with pytest.raises(ValueError, match="pp=2 splits it into pipeline stages.*compile_layers"):
         check_compile_options(False, True, pp_size=2)
     check_compile_options(True, False, pp_size=2)  # per-layer compile works with stages
-    # a compiled layer's backward runs once: split backwards (zb_1f1b) cannot use it
-    with pytest.raises(ValueError, match="schedule='zb_1f1b' runs each backward as an input"):
-        check_compile_options(True, False, pp_size=2, schedule="zb_1f1b")
+    # a compiled layer's backward runs once: split backwards (zb_1f1b, DualPipeV) cannot use it
+    for schedule in ("zb_1f1b", "dualpipev"):
+        with pytest.raises(ValueError, match=f"schedule='{schedule}' splits backwards into an"):
+            check_compile_options(True, False, pp_size=2, schedule=schedule)
     check_compile_options(True, False, pp_size=2, schedule="1f1b")
     check_compile_options({"backend": "aot_eager"}, False)
