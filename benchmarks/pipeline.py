@@ -1,6 +1,6 @@
 """Pipeline schedules side by side: step time, measured bubble vs theory, peak activations.
 
-Runs `nanotrain.parallel.pipeline.run_schedule` on a forked gloo world (one CPU thread per
+Runs `nanotrain.parallel.schedule_runner.run_schedule` on a forked gloo world (one CPU thread per
 rank) with a stack of MLP blocks split over pp stages, for pp = 2 and 4 and several
 microbatch counts m. Per schedule it prints:
 
@@ -39,7 +39,8 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from nanotrain.parallel.mesh import ParallelMesh  # noqa: E402
-from nanotrain.parallel.pipeline import PipelineComm, open_channels, run_schedule  # noqa: E402
+from nanotrain.parallel.pipeline import PipelineComm, open_channels  # noqa: E402
+from nanotrain.parallel.schedule_runner import run_schedule  # noqa: E402
 from nanotrain.parallel.schedules import SCHEDULES, V_SHAPED_SCHEDULES  # noqa: E402
 from nanotrain.planning.schedule_time import schedule_step_time  # noqa: E402
 from nanotrain.report.schedule_chart import schedule_chart  # noqa: E402

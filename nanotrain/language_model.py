@@ -196,6 +196,7 @@ class LanguageModelModule(NanoModule):
                 device="cpu",
                 sequence_parallel=sequence_parallel,
                 v_shape=getattr(strategy, "schedule", None) in V_SHAPED_SCHEDULES,
+                paired_chunks=getattr(strategy, "overlap_forward_backward", False),
             )
         else:
             self.model = build_model(

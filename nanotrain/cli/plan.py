@@ -64,7 +64,7 @@ def _config(model: str, overrides: dict[str, Any] | None = None) -> Any:
 
 
 _LAYOUT_FLAGS = ("tp", "pp", "ep", "dp", "virtual_pp", "sequence_parallel", "schedule",
-                 "pipeline_layout")  # fmt: skip
+                 "pipeline_layout", "overlap_forward_backward")  # fmt: skip
 
 
 def _parser() -> Any:
@@ -105,8 +105,10 @@ def _parser() -> Any:
         "schedule",
         type=str | None,
         default=None,
-        help="gpipe|1f1b|interleaved_1f1b|zb_1f1b|zb_interleaved_1f1b",
+        help="gpipe|1f1b|interleaved_1f1b|zb_1f1b|zb_interleaved_1f1b|dualpipev",
     )
+    flag("overlap_forward_backward", type=bool | None, default=None,
+         help="run paired forward and backward chunks side by side (two chunks per rank)")  # fmt: skip
     flag("pipeline_layout", type=list[int] | None, default=None, help="layers per chunk")
     flag("zero_stage", type=int | None, default=None,
          help="0, 1 or 2 (fixed layout default 0, search default 1)")  # fmt: skip
@@ -166,7 +168,7 @@ def run_plan(argv: list[str]) -> None:
             virtual_pp=cfg.virtual_pp or 1, zero_stage=cfg.zero_stage or 0,
             sequence_parallel=bool(cfg.sequence_parallel) if cfg.sequence_parallel is not None
             else tp > 1, pipeline_layout=cfg.pipeline_layout, schedule=cfg.schedule,
-            recompute=recompute,
+            recompute=recompute, overlap_forward_backward=bool(cfg.overlap_forward_backward),
         )  # fmt: skip
         micro = cfg.micro_batch_size or 1
         workload = Workload(cfg.seq_len, micro, _batch(cfg, micro * layout.dp), cfg.precision)

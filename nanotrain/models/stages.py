@@ -130,6 +130,27 @@ class PipelineStage(nn.Module):
         tp = tp_size_of(self.tp_group) if self.sequence_parallel else 1
         return (b, t // tp, self.config.hidden_size)
 
+    def bind_second_chunk(self, ep_group: Any, paired_ep_group: Any) -> None:
+        """Make the MoE layers of local chunk 1 (and the MTP blocks, which belong to the last
+        stage, a chunk 1 under both placements) run their all-to-alls on `paired_ep_group`
+        instead of `ep_group` (the same ranks).
+
+        Raises:
+            ValueError: without exactly two chunks, or without a paired group where the
+                chunk has MoE layers and experts are split.
+        """
+        if len(self.chunks) != 2:
+            raise ValueError(f"paired chunks need two chunks per rank, got {len(self.chunks)}")
+        modules = [self.layers[str(i)] for i in self.chunks[1]]
+        if self.is_last_chunk(1):
+            modules += list(getattr(self, "mtp", ()))
+        for module in modules:
+            for sub in module.modules():
+                if isinstance(sub, DeepSeekMoE) and sub.ep_group is ep_group:
+                    if paired_ep_group is None and ep_group is not None:
+                        raise ValueError("paired chunks need the mesh's paired_ep_group")
+                    sub.ep_group = paired_ep_group
+
     # -- driven by the schedule ----------------------------------------------------------------
     def select(self, chunk: int, input_tensor: torch.Tensor | None) -> None:
         """Run local `chunk` on `input_tensor` (None on the first stage) at the next forward."""
@@ -223,6 +244,7 @@ def build_pipeline_stage(
     generator: torch.Generator | None = None,
     sequence_parallel: bool = False,
     v_shape: bool = False,
+    paired_chunks: bool = False,
 ) -> PipelineStage:
     """Build and initialize this rank's `PipelineStage` of `config` on `mesh` (pp from it).
 
@@ -236,6 +258,9 @@ def build_pipeline_stage(
         generator: optional torch.Generator for the initialization (as `build_model`).
         sequence_parallel: as `build_model`.
         v_shape: place the two chunks in DualPipeV's V (`nanotrain.parallel.placement`).
+        paired_chunks: the second chunk's MoE layers (and MTP blocks, when this rank holds the
+            last stage) use ``mesh.paired_ep_group``, so that its all-to-alls may run while
+            the first chunk's do (the executor's ``overlap``); needs two chunks.
 
     Raises:
         ValueError: when the layers do not split into pp × virtual_pp chunks as asked.
@@ -244,6 +269,8 @@ def build_pipeline_stage(
     chunks = stage_layers(config.num_layers, pp, rank, virtual_pp, layout, v_shape)
     full = build_model(config, mesh=mesh, device="meta", sequence_parallel=sequence_parallel)
     stage = PipelineStage(full, chunks, pp, rank, v_shape)
+    if paired_chunks:
+        stage.bind_second_chunk(mesh.ep_group, mesh.paired_ep_group)
     device = torch.device("cpu" if device is None else device)
     for module in stage.children():
         module.to_empty(device=device)

@@ -215,6 +215,9 @@ class ParallelMesh:
         channels: (sender, receiver, gradient?) -> the two-rank group of that pipeline
             channel, for the channels this rank is in (`MeshLayout.pipeline_channels`), in
             creation order.
+        paired_ep_group: a second group over this rank's expert-parallel ranks, for the
+            second of two pipeline chunks that run side by side (`ParallelMesh.build`'s
+            ``paired_chunks``); None when not made.
     """
 
     def __init__(
@@ -223,6 +226,7 @@ class ParallelMesh:
         rank: int,
         groups: Mapping[str, ProcessGroup | None] | None = None,
         channels: Mapping[Channel, ProcessGroup] | None = None,
+        paired_ep_group: ProcessGroup | None = None,
     ) -> None:
         self.layout = layout
         self.coords = layout.coords(rank)
@@ -232,6 +236,7 @@ class ParallelMesh:
             raise ValueError(f"unknown mesh axes {sorted(unknown)}; choose from {AXES}")
         self._groups = {axis: groups.get(axis) for axis in AXES}
         self.pp_channels: dict[Channel, ProcessGroup] = dict(channels or {})
+        self.paired_ep_group = paired_ep_group
 
     @classmethod
     def single(cls) -> ParallelMesh:
@@ -252,6 +257,7 @@ class ParallelMesh:
         backend: str | None = None,
         new_group: Callable[[list[int]], ProcessGroup] | None = None,
         pipeline_v_shape: bool = False,
+        paired_chunks: bool = False,
         **model_dims: int | None,
     ) -> ParallelMesh:
         """Validate the layout, then create every group of every axis.
@@ -271,6 +277,10 @@ class ParallelMesh:
                 Pass your own to build a mesh on another group API, or to inspect the order.
             pipeline_v_shape: create the pipeline channels of DualPipeV's V placement
                 (`MeshLayout.pipeline_channels`).
+            paired_chunks: also create a second set of expert-parallel groups
+                (`paired_ep_group`): when a forward of one chunk and a backward of another
+                run side by side, each chunk's all-to-alls need a group of their own to keep
+                one order on every rank.
             **model_dims: ``num_heads``, ``num_kv_heads``, ``vocab_size``, ``num_experts``,
                 ``num_layers`` forwarded to ``validate_layout``.
 
@@ -322,7 +332,13 @@ class ParallelMesh:
             group = new_group(pair)
             if coords.rank in pair:
                 channels[channel] = group
-        return cls(layout, rank, groups, channels)
+        paired_ep_group = None
+        if paired_chunks:
+            for ranks in layout.groups("ep"):
+                group = new_group(ranks)
+                if coords.rank in ranks:
+                    paired_ep_group = group
+        return cls(layout, rank, groups, channels, paired_ep_group)
 
     # -- groups, sizes and coordinates -------------------------------------------------------
 

@@ -2,7 +2,7 @@
 through which local model chunk, in what order, on one pipeline rank.
 
 Every schedule has the same signature ``(num_microbatches, pp_size, pp_rank, num_chunks) ->
-list[Action]``, so the executor (`nanotrain.parallel.pipeline.run_schedule`) and the strategy
+list[Action]``, so the executor (`nanotrain.parallel.schedule_runner.run_schedule`) and the strategy
 never branch on which one is in use. Timelines for pp=4, m=8 (F = forward, B = backward,
 numbers = microbatch) are drawn in docs/parallelism.md.
 

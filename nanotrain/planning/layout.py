@@ -17,7 +17,7 @@ from nanotrain.parallel.placement import StagePlacement
 from nanotrain.parallel.schedules import SCHEDULES, Action, max_in_flight
 from nanotrain.precision import PRECISIONS as PRECISION_PLUGINS
 from nanotrain.precision import precision_name
-from nanotrain.strategies.megatron_pipeline import chunks_per_rank, pick_schedule
+from nanotrain.strategies.megatron_pipeline import check_pairing, chunks_per_rank, pick_schedule
 
 __all__ = ["PRECISIONS", "PlanLayout", "Workload", "balanced_pipeline_layout"]
 
@@ -41,6 +41,8 @@ class PlanLayout(MeshLayout):
         schedule: a name of `nanotrain.parallel.schedules.SCHEDULES`; None = the strategy's default.
         recompute: None, "full" or "selective" (`nanotrain.models.recompute`).
         bucket_size_mb: the strategy's gradient bucket size (ZeRO pads each bucket).
+        overlap_forward_backward: paired forward and backward chunks run side by side (the
+            strategy's option of that name).
     """
 
     virtual_pp: int = 1
@@ -50,6 +52,7 @@ class PlanLayout(MeshLayout):
     schedule: str | None = None
     recompute: str | None = None
     bucket_size_mb: float = 25.0
+    overlap_forward_backward: bool = False
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -59,6 +62,8 @@ class PlanLayout(MeshLayout):
         if self.pp > 1:
             chunks = chunks_per_rank(self.schedule, self.virtual_pp)
             object.__setattr__(self, "virtual_pp", chunks)
+        if self.overlap_forward_backward:
+            check_pairing(self.pp, self.tp, self.virtual_pp, self.schedule)
         check_recompute(self.recompute)
 
     def strategy(self) -> Any:
@@ -76,6 +81,7 @@ class PlanLayout(MeshLayout):
             schedule=self.schedule,
             pipeline_layout=self.pipeline_layout,
             bucket_size_mb=self.bucket_size_mb,
+            overlap_forward_backward=self.overlap_forward_backward,
         )
 
     @classmethod
@@ -98,6 +104,7 @@ class PlanLayout(MeshLayout):
             sequence_parallel=getattr(strategy, "sequence_parallel", False),
             pipeline_layout=None if layout is None else tuple(layout),
             schedule=getattr(strategy, "schedule", None),
+            overlap_forward_backward=getattr(strategy, "overlap_forward_backward", False),
             recompute=recompute,
             # MegatronStrategy's bucket_size_mb, DDP's bucket_cap_mb
             bucket_size_mb=getattr(
@@ -161,6 +168,8 @@ class PlanLayout(MeshLayout):
             parts.append("sp")
         if self.recompute:
             parts.append(f"{self.recompute}-recompute")
+        if self.overlap_forward_backward:
+            parts.append("overlapped")
         return " ".join(parts)
 
     def replace(self, **changes: Any) -> PlanLayout:

@@ -42,11 +42,12 @@ from nanotrain.models.moe import expert_capacity
 from nanotrain.parallel.mesh import MeshLayout
 from nanotrain.planning.activations import ActivationEstimate, activation_estimate
 from nanotrain.planning.communication import CommEstimate, comm_estimate
+from nanotrain.planning.communication_tp import is_moe_layer
 from nanotrain.planning.gpus import GPUSpec
 from nanotrain.planning.layout import PlanLayout, Workload
 from nanotrain.planning.memory import StateMemory, element_size, param_dtype, state_memory
 from nanotrain.planning.rank_model import rank_models
-from nanotrain.planning.schedule_time import schedule_step_time
+from nanotrain.planning.schedule_time import exposed_all_to_all, schedule_step_time
 
 __all__ = ["Plan", "RankPlan", "plan_layout"]
 
@@ -119,6 +120,9 @@ class Plan:
         slowest_stage: the pipeline stage that sets the pace (most compute plus blocking
             communication per step), whose figures `time_parts` holds.
         slowest_comm_s: that stage's communication seconds per step, per group.
+        hidden_comm_s: seconds of that stage's expert all-to-all run while the paired chunk
+            computes (``overlap_forward_backward``; 0 otherwise): the rest is in
+            ``time_parts["blocking_comm"]``.
         notes: why it does not fit, or other caveats.
     """
 
@@ -137,6 +141,7 @@ class Plan:
     slowest_stage: int
     slowest_comm_s: dict[str, float]
     notes: list[str] = field(default_factory=list)
+    hidden_comm_s: float = 0.0
 
     @property
     def largest(self) -> RankPlan:
@@ -187,6 +192,22 @@ def _stage_flops(config: Any, layout: PlanLayout, workload: Workload, chunks: li
     split = layers + extras - routed  # tensor parallelism divides all of this
     tokens = workload.tokens_per_step / layout.dp  # each dp replica sees its share
     return (split / layout.tp + routed * routed_rows_per_copy(config, layout, workload)) * tokens
+
+
+def _overlapped(
+    layout: PlanLayout, num_micro: int, busy: float, weights_t: float, ep_t: float, rounds: int
+) -> tuple[float, float]:
+    """(bubble, exposed expert all-to-all) per step of the pacing stage when paired chunks
+    run side by side: its action lists replayed as `_bubble` does, but with the stage's
+    expert all-to-all time `ep_t` apart from the rest (half in the forwards, half in the
+    input halves, over `rounds` MoE layers per chunk) under the executor's pairing rule
+    (`schedule_step_time`'s ``overlap``)."""
+    forward = weight = weights_t / num_micro
+    input_grad = max((busy - ep_t) / num_micro - forward - weight, 0.0)
+    args = (layout.schedule, num_micro, layout.pp, layout.virtual_pp, forward, input_grad, weight)
+    bare = schedule_step_time(*args, 0.0, True, rounds)
+    bubble = max(bare - num_micro * (forward + input_grad + weight), 0.0)
+    return bubble, exposed_all_to_all(*args, ep_t / num_micro, True, rounds)
 
 
 def _bubble(layout: PlanLayout, num_micro: int, busy: float, weights_t: float) -> float:
@@ -349,10 +370,21 @@ def plan_layout(
         no_recompute = replace(layout, recompute=None)
         weights = _stage_flops(config, no_recompute, workload, rank.chunks, last) / 3
         weights_t = weights / (peak * compute_efficiency)
-        stage_times.append((compute + blocking, exposed_dp, compute, blocking, comm_t, weights_t))
+        moe = sum(is_moe_layer(config, i) for c in rank.chunks for i in c)
+        stage_times.append(
+            (compute + blocking, exposed_dp, compute, blocking, comm_t, weights_t, moe)
+        )
     slowest = max(range(len(stage_times)), key=lambda i: stage_times[i][0])
-    busy, exposed_dp, compute, blocking, slowest_comm, weights_t = stage_times[slowest]
-    bubble = _bubble(layout, num_micro, busy, weights_t)
+    busy, exposed_dp, compute, blocking, slowest_comm, weights_t, moe = stage_times[slowest]
+    if layout.overlap_forward_backward and layout.pp > 1:
+        ep_t = slowest_comm.get("ep", 0.0)
+        rounds = max(1, round(moe / layout.virtual_pp))
+        bubble, exposed_ep = _overlapped(layout, num_micro, busy, weights_t, ep_t, rounds)
+        hidden = max(ep_t - exposed_ep, 0.0)
+        blocking -= hidden
+        busy = compute + blocking
+    else:
+        bubble, hidden = _bubble(layout, num_micro, busy, weights_t), 0.0
     step = busy + bubble + exposed_dp
     fits = max(r.memory for r in ranks) <= gpu.memory_bytes
     notes = []
@@ -384,4 +416,5 @@ def plan_layout(
         notes=notes,
         slowest_stage=slowest,
         slowest_comm_s=dict(slowest_comm),
+        hidden_comm_s=hidden,
     )

@@ -100,6 +100,11 @@ def format_plan(plan: Plan) -> str:
         f"bottleneck: {plan.bottleneck}; stage {slow.pp_rank} sets the pace (its compute "
         f"{plan.time_parts['compute']:.3f} s; blocking communication "
         + _seconds(plan.slowest_comm_s, blocking=True)
+        + (
+            f", of which ep {plan.hidden_comm_s:.3f} s hides behind the paired chunk's compute"
+            if plan.hidden_comm_s
+            else ""
+        )
         + "; overlapping the backward "
         + _seconds(plan.slowest_comm_s, blocking=False)
         + ")",
@@ -159,6 +164,7 @@ def plan_json(plan: Plan) -> dict[str, Any]:
         "time_parts_s": plan.time_parts,
         "slowest_stage": plan.slowest_stage,
         "slowest_comm_s": plan.slowest_comm_s,
+        "hidden_comm_s": plan.hidden_comm_s,
         "bottleneck": plan.bottleneck,
         "tokens_per_s": plan.tokens_per_s,
         "mfu": plan.mfu,

@@ -7,7 +7,17 @@ virtual stage's forward of the same microbatch, a backward or input half the nex
 stage's backward or input half; a weight half needs nothing from other ranks), and the step
 ends when the last rank finishes. The bubble the planner prices is this time minus the work
 of one rank, so a schedule's bubble follows from its actions, not from a formula kept beside
-them. Transfers are not part of it (the planner prices them as blocking communication).
+them. Pipeline transfers are not part of it (the planner prices them as blocking
+communication).
+
+Expert all-to-alls (``all_to_all`` > 0) are part of an action: a forward computes and
+dispatches, computes and combines, per MoE layer; its input half does the same backwards;
+its weight half only computes. Run one after the other they add to the action's time. Under
+``overlap`` the executor's rule applies (`nanotrain.parallel.schedule_runner`): a forward
+followed by a backward of another chunk waits for both inputs, then the two run side by side
+on one compute engine, each one's all-to-alls waiting while the other computes, and both
+results leave when both are done. `exposed_all_to_all` is what the all-to-alls add to a
+step.
 """
 
 from __future__ import annotations
@@ -15,9 +25,10 @@ from __future__ import annotations
 import functools
 
 from nanotrain.parallel.placement import StagePlacement
+from nanotrain.parallel.schedule_runner import pairs_with
 from nanotrain.parallel.schedules import SCHEDULES
 
-__all__ = ["schedule_step_time"]
+__all__ = ["exposed_all_to_all", "schedule_step_time"]
 
 
 def schedule_step_time(
@@ -28,10 +39,21 @@ def schedule_step_time(
     forward: float,
     input_grad: float,
     weight_grad: float,
+    all_to_all: float = 0.0,
+    overlap: bool = False,
+    rounds: int = 1,
 ) -> float:
     """Time of one step of `schedule` when every virtual stage takes `forward` per microbatch
     forward and `input_grad` + `weight_grad` backward (the halves of a split backward; a
     whole backward B takes their sum), each divided by `virtual_pp` per chunk.
+
+    Args:
+        all_to_all: a rank's expert all-to-all time per microbatch, half in the forward and
+            half in the input half of the backward (divided by `virtual_pp` per chunk).
+        overlap: pair forwards with the next backward of another chunk, as the executor's
+            ``overlap`` does.
+        rounds: compute / all-to-all rounds per chunk (its MoE layers): the finer, the more
+            of one chunk's all-to-alls the other's compute can cover.
 
     Raises:
         ValueError: an unknown schedule, or sizes the schedule cannot run (its own check).
@@ -40,39 +62,121 @@ def schedule_step_time(
         raise ValueError(f"unknown schedule {schedule!r}; use one of {sorted(SCHEDULES)}")
     if forward <= 0:
         return 0.0
-    # the step time is linear in the three durations: replay once per ratio, scaled by F
-    ratios = (round(input_grad / forward, 12), round(weight_grad / forward, 12))
-    return forward * _unit_step_time(schedule, num_microbatches, pp, virtual_pp, *ratios)
+    # the step time is linear in the durations: replay once per ratio, scaled by F
+    ratios = tuple(round(x / forward, 12) for x in (input_grad, weight_grad, all_to_all))
+    return forward * _unit_step_time(
+        schedule, num_microbatches, pp, virtual_pp, *ratios, overlap, max(rounds, 1)
+    )
+
+
+def exposed_all_to_all(
+    schedule: str,
+    num_microbatches: int,
+    pp: int,
+    virtual_pp: int,
+    forward: float,
+    input_grad: float,
+    weight_grad: float,
+    all_to_all: float,
+    overlap: bool = False,
+    rounds: int = 1,
+) -> float:
+    """Seconds the all-to-alls add to a step of `schedule` (arguments as
+    `schedule_step_time`): the step with them minus the step without them. Without overlap
+    about ``num_microbatches · all_to_all`` (their blocking time) or more, where they also
+    delay other ranks."""
+    args = (schedule, num_microbatches, pp, virtual_pp, forward, input_grad, weight_grad)
+    with_them = schedule_step_time(*args, all_to_all, overlap, rounds)
+    return with_them - schedule_step_time(*args, 0.0, overlap, rounds)
+
+
+Need = tuple[bool, int, int]
+#: (compute?, seconds) pieces of an action, in the order it runs them
+Segments = tuple[tuple[bool, float], ...]
+
+
+def _segments(kind: str, durations: dict[str, float], wire: float, rounds: int) -> Segments:
+    """An action's compute and all-to-all pieces: per round a forward computes, dispatches,
+    computes, combines; an input half runs that backwards; a weight half only computes (a
+    whole backward: its weight part first, as autograd reaches the last-made nodes first)."""
+    a = wire / (2 * rounds)
+    if kind == "F":
+        c = durations["F"] / (2 * rounds)
+        return ((True, c), (False, a), (True, c), (False, a)) * rounds
+    if kind == "W":
+        return ((True, durations["W"]),)
+    c = durations["I"] / (2 * rounds)
+    backward = ((False, a), (True, c), (False, a), (True, c)) * rounds
+    return (((True, durations["W"]),) if kind == "B" else ()) + backward
+
+
+def _side_by_side(first: Segments, second: Segments) -> float:
+    """Time two threads take to run their pieces on one compute engine: a compute piece
+    waits for the engine, an all-to-all piece only for its own thread; the piece that can
+    start first goes first (the first thread's on a tie: the executor's own thread runs the
+    forward at once, the worker's backward starts a moment later)."""
+    clock, at, engine = [0.0, 0.0], [0, 0], 0.0
+    pieces = (first, second)
+    while at[0] < len(first) or at[1] < len(second):
+        best = None
+        for k in (0, 1):
+            if at[k] < len(pieces[k]):
+                compute, seconds = pieces[k][at[k]]
+                start = max(clock[k], engine) if compute else clock[k]
+                if best is None or start < best[0]:
+                    best = (start, k, compute, seconds)
+        start, k, compute, seconds = best
+        clock[k] = start + seconds
+        at[k] += 1
+        if compute:
+            engine = clock[k]
+    return max(clock)
 
 
 @functools.lru_cache(maxsize=4096)
 def _unit_step_time(
-    schedule: str, m: int, pp: int, v: int, input_grad: float, weight_grad: float
+    schedule: str,
+    m: int,
+    pp: int,
+    v: int,
+    input_grad: float,
+    weight_grad: float,
+    all_to_all: float,
+    overlap: bool,
+    rounds: int,
 ) -> float:
     """`schedule_step_time` with a forward of 1."""
-    duration = {
-        "F": 1.0 / v,
-        "B": (input_grad + weight_grad) / v,
-        "I": input_grad / v,
-        "W": weight_grad / v,
-    }
-    lists = _needs(schedule, m, pp, v)
-    done: dict[tuple[bool, int, int], float] = {}  # (forward?, microbatch, stage) -> its end
+    durations = {"F": 1.0 / v, "I": input_grad / v, "W": weight_grad / v}
+    wire = all_to_all / 2 / v  # per chunk, in the forward and again in the input half
+    lists = _tasks(schedule, m, pp, v, overlap)
+    cost: dict[tuple[str, ...], float] = {}
+
+    def seconds(kinds: tuple[str, ...]) -> float:
+        if kinds not in cost:
+            parts = [_segments(k, durations, wire, rounds) for k in kinds]
+            if len(parts) == 1:
+                cost[kinds] = sum(s for _, s in parts[0])
+            else:
+                cost[kinds] = _side_by_side(*parts)
+        return cost[kinds]
+
+    done: dict[Need, float] = {}  # (forward?, microbatch, stage) -> its end
     free = [0.0] * pp
     position = [0] * pp
-    remaining = sum(len(actions) for actions in lists)
+    remaining = sum(len(tasks) for tasks in lists)
     while remaining:
         progressed = False
-        for rank, actions in enumerate(lists):
+        for rank, tasks in enumerate(lists):
             at, clock = position[rank], free[rank]
-            while at < len(actions):
-                kind, needs, gives = actions[at]
-                ready = 0.0 if needs is None else done.get(needs)
-                if ready is None:
+            while at < len(tasks):
+                kinds, needs, gives = tasks[at]
+                ready = [0.0 if n is None else done.get(n) for n in needs]
+                if None in ready:
                     break
-                clock = max(clock, ready) + duration[kind]
-                if gives is not None:
-                    done[gives] = clock
+                clock = max(clock, *ready) + seconds(kinds)
+                for g in gives:
+                    if g is not None:
+                        done[g] = clock
                 at += 1
             remaining -= at - position[rank]
             progressed = progressed or at > position[rank]
@@ -82,31 +186,40 @@ def _unit_step_time(
     return max(free)
 
 
-Need = tuple[bool, int, int]
+#: per task: (action kinds, what each waits for from another stage, what each gives)
+Task = tuple[tuple[str, ...], tuple[Need | None, ...], tuple[Need | None, ...]]
 
 
 @functools.lru_cache(maxsize=256)
-def _needs(
-    schedule: str, m: int, pp: int, v: int
-) -> tuple[tuple[tuple[str, Need | None, Need | None], ...], ...]:
-    """Per rank, its actions as (kind, the result it waits for from another stage or None,
-    the result it gives or None): a forward needs the previous virtual stage's forward of
-    its microbatch, a backward or input half the next stage's; a weight half only follows
-    its own input half, which the rank's order puts first."""
+def _tasks(schedule: str, m: int, pp: int, v: int, overlap: bool) -> tuple[tuple[Task, ...], ...]:
+    """Per rank, its actions as tasks: one action, or under `overlap` a forward and the
+    backward paired with it. A forward needs the previous virtual stage's forward of its
+    microbatch, a backward or input half the next stage's; a weight half only follows its
+    own input half, which the rank's order puts first."""
     placement = StagePlacement.for_schedule(schedule, pp, v)
     last_stage = placement.num_virtual - 1
     out = []
     for rank in range(pp):
-        rows = []
-        for a in SCHEDULES[schedule](m, pp, rank, v):
-            stage = placement.stage(rank, a.chunk)
-            if a.kind == "F":
-                needs = None if stage == 0 else (True, a.microbatch, stage - 1)
-                rows.append((a.kind, needs, (True, a.microbatch, stage)))
-            elif a.sends_input_grad:
-                needs = None if stage == last_stage else (False, a.microbatch, stage + 1)
-                rows.append((a.kind, needs, (False, a.microbatch, stage)))
-            else:
-                rows.append((a.kind, None, None))
+        actions = SCHEDULES[schedule](m, pp, rank, v)
+        rows, i = [], 0
+        while i < len(actions):
+            group = actions[i : i + 2] if overlap and i + 1 < len(actions) else actions[i : i + 1]
+            if len(group) == 2 and not pairs_with(*group):
+                group = group[:1]
+            kinds, needs, gives = [], [], []
+            for a in group:
+                stage = placement.stage(rank, a.chunk)
+                kinds.append(a.kind)
+                if a.kind == "F":
+                    needs.append(None if stage == 0 else (True, a.microbatch, stage - 1))
+                    gives.append((True, a.microbatch, stage))
+                elif a.sends_input_grad:
+                    needs.append(None if stage == last_stage else (False, a.microbatch, stage + 1))
+                    gives.append((False, a.microbatch, stage))
+                else:
+                    needs.append(None)
+                    gives.append(None)
+            rows.append((tuple(kinds), tuple(needs), tuple(gives)))
+            i += len(group)
         out.append(tuple(rows))
     return tuple(out)

@@ -1,7 +1,7 @@
 """A pipeline schedule as it ran: one row per rank, a bar per action, drawn with Pillow.
 
 `run_schedule(..., timeline=events)` records what each rank did and when
-(`nanotrain.parallel.pipeline.TimelineEvent`): forwards (F), whole backwards (B), the input
+(`nanotrain.parallel.schedule_runner.TimelineEvent`): forwards (F), whole backwards (B), the input
 and weight halves of split backwards (I, W), and the waits for a neighbour's activation or
 gradient (recv). `schedule_chart` draws the ranks' records on one time axis: the bubble is
 the white space, a wait is a grey band under the row. Forked ranks on one machine share

@@ -62,6 +62,7 @@ from nanotrain.strategies.megatron_grads import (
 )
 from nanotrain.strategies.megatron_pipeline import (
     PipelineEngine,
+    check_pairing,
     chunks_per_rank,
     embedding_groups,
     pick_schedule,
@@ -124,6 +125,11 @@ class MegatronStrategy(MegatronGradNorms, Strategy):
         pipeline_layout: layers per virtual stage, in model order (pp × virtual_pp numbers
             summing to the model's layers), e.g. fewer on the first and last stage; None
             splits evenly.
+        overlap_forward_backward: where the schedule puts a forward of one chunk right
+            before a backward of the other (DualPipeV's steady state; interleaved 1F1B's
+            with two chunks), run the two side by side, so that one's expert all-to-alls
+            wait while the other computes (`nanotrain.parallel.schedule_runner`). Needs two
+            chunks per rank and tp=1; the second chunk's all-to-alls get groups of their own.
 
     Raises:
         TypeError, ValueError: for invalid sizes or options, at construction (layouts that do
@@ -146,6 +152,7 @@ class MegatronStrategy(MegatronGradNorms, Strategy):
         virtual_pp: int = 1,
         schedule: str | None = None,
         pipeline_layout: Sequence[int] | None = None,
+        overlap_forward_backward: bool = False,
     ) -> None:
         super().__init__()
         check_sizes(tp=tp, pp=pp, ep=ep, dp=dp, virtual_pp=virtual_pp)
@@ -161,6 +168,9 @@ class MegatronStrategy(MegatronGradNorms, Strategy):
                 f"{pp}*{virtual_pp}={pp * virtual_pp} chunks need one each"
             )
         self.virtual_pp = virtual_pp
+        self.overlap_forward_backward = bool(overlap_forward_backward)
+        if self.overlap_forward_backward:
+            check_pairing(pp, tp, virtual_pp, self.schedule)
         self.pipeline_layout = None if pipeline_layout is None else list(pipeline_layout)
         if dp is not None and dp % ep != 0:
             raise ValueError(
@@ -228,12 +238,23 @@ class MegatronStrategy(MegatronGradNorms, Strategy):
         timeout = datetime.timedelta(seconds=self.timeout_s)
         v_shape = self.schedule in V_SHAPED_SCHEDULES
         self._mesh = ParallelMesh.build(
-            self.tp, self.pp, self.ep, self.dp, timeout=timeout, pipeline_v_shape=v_shape
+            self.tp,
+            self.pp,
+            self.ep,
+            self.dp,
+            timeout=timeout,
+            pipeline_v_shape=v_shape,
+            paired_chunks=self.overlap_forward_backward,
         )
         if self._mesh.pp_size > 1:
             group = embedding_groups(self._mesh, timeout)
             self._pipeline = PipelineEngine(
-                self._mesh, self.schedule, self.virtual_pp, self._device, group
+                self._mesh,
+                self.schedule,
+                self.virtual_pp,
+                self._device,
+                group,
+                overlap=self.overlap_forward_backward,
             )
 
     @property

@@ -27,7 +27,8 @@ from torch import Tensor
 from nanotrain.models.stages import PipelineStage
 from nanotrain.models.transformer import ModelOutput
 from nanotrain.parallel.grads import all_reduce_coalesced
-from nanotrain.parallel.pipeline import PipelineComm, ScheduleStats, open_channels, run_schedule
+from nanotrain.parallel.pipeline import PipelineComm, open_channels
+from nanotrain.parallel.schedule_runner import ScheduleStats, run_schedule
 from nanotrain.parallel.schedules import SCHEDULES, V_SHAPED_SCHEDULES, forward_only
 from nanotrain.precision.base import Precision
 from nanotrain.precision.master import grad_of
@@ -40,7 +41,13 @@ if TYPE_CHECKING:
     from nanotrain.parallel.mesh import ParallelMesh
     from nanotrain.strategies.weighting import LossAccumulator
 
-__all__ = ["PipelineEngine", "chunks_per_rank", "embedding_groups", "pick_schedule"]
+__all__ = [
+    "PipelineEngine",
+    "check_pairing",
+    "chunks_per_rank",
+    "embedding_groups",
+    "pick_schedule",
+]
 
 # columns of the per-microbatch loss-term table
 _TOTAL, _LM, _AUX, _MTP, _HAS_MTP, _COUNT = range(6)
@@ -68,6 +75,29 @@ def pick_schedule(schedule: str | None, virtual_pp: int) -> str:
             "leave virtual_pp at 1 or 2"
         )
     return schedule
+
+
+def check_pairing(pp: int, tp: int, chunks: int, schedule: str) -> None:
+    """Refuse ``overlap_forward_backward`` where it cannot run: without pipelining, with other
+    than two chunks per rank, or with tensor parallelism (the embedding and the head share
+    the tp group across the two chunks, so their collectives could cross).
+
+    Raises:
+        ValueError: naming the setting and the fix.
+    """
+    if pp == 1 or chunks != 2:
+        raise ValueError(
+            "overlap_forward_backward pairs a forward of one chunk with a backward of the "
+            f"other: it needs pp > 1 and two chunks per rank, got pp={pp} and "
+            f"{chunks} chunk(s) under schedule={schedule!r}; use schedule='dualpipev' (or "
+            "virtual_pp=2), or overlap_forward_backward=False"
+        )
+    if tp > 1:
+        raise ValueError(
+            f"overlap_forward_backward needs tp=1, got tp={tp} (the two chunks would share the "
+            "tensor-parallel group through the embedding and the head); use tp=1 as "
+            "DeepSeek-V3 does, or overlap_forward_backward=False"
+        )
 
 
 def chunks_per_rank(schedule: str, virtual_pp: int) -> int:
@@ -110,6 +140,8 @@ class PipelineEngine:
         virtual_pp: chunks per rank.
         device: the rank's device.
         embedding_group: this rank's {first, last} stage group (or None).
+        overlap: run paired forward and backward chunks side by side
+            (`nanotrain.parallel.schedule_runner.run_schedule`'s ``overlap``).
     """
 
     def __init__(
@@ -119,8 +151,10 @@ class PipelineEngine:
         virtual_pp: int,
         device: torch.device,
         embedding_group: Any,
+        overlap: bool = False,
     ) -> None:
         self.mesh, self.schedule, self.virtual_pp = mesh, schedule, virtual_pp
+        self.overlap = overlap
         self.device, self.embedding_group = device, embedding_group
         self.last_stats: ScheduleStats | None = None
         self.v_shape = schedule in V_SHAPED_SCHEDULES
@@ -248,6 +282,7 @@ class PipelineEngine:
             loss_scales=[precision.loss_scale] * num_micro,
             before_last_backward=before_last,
             params=list(stage.parameters()),
+            overlap=self.overlap,
         )
         if shared:
             all_reduce_coalesced([grad_of(p) for p in shared], self.embedding_group)

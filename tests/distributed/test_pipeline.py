@@ -94,9 +94,10 @@ WORLD2 = {
         "tiny",
         dict(pp=2, schedule="zb_1f1b", pipeline_layout=[1, 3]),
     ),
-    "deepseek pp=2 x virtual 2 zb_interleaved_1f1b": (
+    # split backwards, and the chunk pairs of the interleaved order run side by side
+    "deepseek pp=2 x virtual 2 zb_interleaved_1f1b overlapped": (
         "tiny",
-        dict(pp=2, virtual_pp=2, schedule="zb_interleaved_1f1b"),
+        dict(pp=2, virtual_pp=2, schedule="zb_interleaved_1f1b", overlap_forward_backward=True),
     ),
     # a V: rank 0 embeds and computes the loss (and MTP), rank 1 holds layers 1-2 and turns
     # the microbatches around in memory; stage 1 is empty
@@ -131,17 +132,22 @@ WORLD4 = {
         "tiny",
         dict(pp=2, tp=2, sequence_parallel=True, schedule="dualpipev"),
     ),
-    "deepseek pp=2 x ep=2 dualpipev": (
+    # paired chunks side by side, the second's all-to-alls on groups of their own
+    "deepseek pp=2 x ep=2 dualpipev overlapped": (
         "tiny",
-        dict(pp=2, ep=2, schedule="dualpipev", micro_batch_size=1),
+        dict(pp=2, ep=2, schedule="dualpipev", micro_batch_size=1, overlap_forward_backward=True),
     ),
     # 8 virtual stages for 4 layers: every rank one layer and one pass-through chunk
-    "dense pp=4 dualpipev": (
+    "dense pp=4 dualpipev overlapped": (
         "tiny-dense",
         dict(
-            pp=4, schedule="dualpipev", micro_batch_size=1, pipeline_layout=[1, 0, 1, 0, 1, 0, 1, 0]
+            pp=4,
+            schedule="dualpipev",
+            micro_batch_size=1,
+            pipeline_layout=[1, 0, 1, 0, 1, 0, 1, 0],
+            overlap_forward_backward=True,
         ),
-    ),  # fmt: skip
+    ),
 }
 
 

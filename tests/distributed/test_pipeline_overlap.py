@@ -11,7 +11,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from nanotrain.parallel.pipeline import PipelineComm, TimelineEvent, run_schedule
+from nanotrain.parallel.pipeline import PipelineComm
+from nanotrain.parallel.schedule_runner import TimelineEvent, pairs_with, run_schedule
 from nanotrain.parallel.schedules import SCHEDULES
 from tests.distributed.spawn import run_world
 
@@ -74,3 +75,46 @@ def test_the_timeline_holds_each_action_once_in_order_and_the_waits(runs):
             fed = [(a, b) for a, b in zip(timeline, timeline[1:], strict=False) if a.kind == "recv"]
             assert fed and all(b.kind in kinds for _, b in fed), (schedule, rank, fed)
             assert all(a.microbatch == b.microbatch for a, b in fed), (schedule, rank, fed)
+
+
+class _SleepInBackward(torch.autograd.Function):
+    """Identity whose backward sleeps `F` seconds."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, g):
+        time.sleep(F)
+        return g
+
+
+def _paired(rank: int, world: int, overlap: bool) -> list[TimelineEvent]:
+    """DualPipeV's timeline at pp=2, m=4, forwards and backwards sleeping F each."""
+    comm = PipelineComm([0, 1], rank, 2, (4,), torch.float32, "cpu", v_shape=True)
+    w = torch.ones(4, requires_grad=True)
+    timeline: list[TimelineEvent] = []
+
+    def forward_step(mb, c, inp):
+        time.sleep(F)
+        out = _SleepInBackward.apply((w * 1.0 if inp is None else inp) * 2.0)
+        return (None, out.sum()) if comm.is_last(c) else (out, None)
+
+    dist.barrier()
+    actions = SCHEDULES["dualpipev"](4, 2, rank, 2)
+    run_schedule(actions, comm, forward_step, params=[w], timeline=timeline, overlap=overlap)
+    return timeline
+
+
+def test_paired_chunks_run_side_by_side_only_when_asked():
+    for overlap in (True, False):
+        for rank, timeline in enumerate(run_world(_paired, 2, overlap, timeout=60)):
+            actions = SCHEDULES["dualpipev"](4, 2, rank, 2)
+            spans = {(e.kind, e.microbatch, e.chunk): e for e in timeline if e.kind != "recv"}
+            pairs = [(a, b) for a, b in zip(actions, actions[1:], strict=False) if pairs_with(a, b)]
+            assert pairs, rank
+            for f, b in pairs:
+                fs, bs = spans[("F", f.microbatch, f.chunk)], spans[(b.kind, b.microbatch, b.chunk)]
+                side_by_side = bs.start < fs.end and fs.start < bs.end
+                assert side_by_side == overlap, (overlap, rank, f, b, fs, bs)

@@ -283,3 +283,25 @@ def test_v_stages_hold_embedding_and_head_on_the_first_rank_once(preset):
     assert seen.keys() == whole.keys()
     for name, value in whole.items():
         assert torch.equal(seen[name], value), name
+
+
+def test_the_second_chunk_runs_its_all_to_alls_on_the_paired_groups():
+    from nanotrain.models.moe import DeepSeekMoE
+
+    config = presets.get("tiny", num_layers=4, vocab_size=97)
+    stage = build_pipeline_stage(
+        config, _fake_mesh(2, 0), virtual_pp=2, layout=[2, 0, 1, 1], v_shape=True
+    )
+    moes = [m for m in stage.modules() if isinstance(m, DeepSeekMoE)]
+    for moe in moes:
+        moe.ep_group = "ep"  # stands in for the mesh's group
+    stage.bind_second_chunk("ep", "paired ep")
+    # rank 0 of a V: chunk 0 is layers 0 (dense) and 1 (MoE), chunk 1 layer 3 and the MTP
+    # block (the last stage)
+    second = [stage.layers[str(i)] for i in stage.chunks[1]] + list(stage.mtp)
+    paired = {id(m) for block in second for m in block.modules() if isinstance(m, DeepSeekMoE)}
+    assert paired and len(paired) < len(moes)
+    for moe in moes:
+        assert moe.ep_group == ("paired ep" if id(moe) in paired else "ep")
+    with pytest.raises(ValueError, match="paired chunks need two chunks per rank"):
+        build_pipeline_stage(config, _fake_mesh(2, 0)).bind_second_chunk("ep", "paired ep")

@@ -17,7 +17,8 @@ import torch
 import torch.distributed as dist
 
 from nanotrain.parallel.mesh import MeshLayout
-from nanotrain.parallel.pipeline import PipelineComm, run_schedule
+from nanotrain.parallel.pipeline import PipelineComm
+from nanotrain.parallel.schedule_runner import run_schedule
 from nanotrain.parallel.schedules import SCHEDULES, V_SHAPED_SCHEDULES, forward_only
 
 
@@ -40,7 +41,9 @@ class _Work:
         return False
 
 
-def _posted(monkeypatch, schedule: str, pp: int, v: int, m: int, channels: bool) -> dict:
+def _posted(
+    monkeypatch, schedule: str, pp: int, v: int, m: int, channels: bool, overlap: bool = False
+) -> dict:
     """rank -> the transfers it posts, in order: (kind, src, dst, group, tag)."""
     monkeypatch.setattr(dist, "P2POp", _Op)
     v_shape = schedule in V_SHAPED_SCHEDULES
@@ -72,7 +75,7 @@ def _posted(monkeypatch, schedule: str, pp: int, v: int, m: int, channels: bool)
         if schedule == "forward_only":
             run_schedule(forward_only(m, pp, rank, v), comm, step, forward_only=True)
         else:
-            run_schedule(SCHEDULES[schedule](m, pp, rank, v), comm, step)
+            run_schedule(SCHEDULES[schedule](m, pp, rank, v), comm, step, overlap=overlap)
     return posted
 
 
@@ -137,6 +140,27 @@ CASES = [
 @pytest.mark.parametrize("case", CASES, ids=lambda c: "{} pp={} v={} m={}".format(*c))
 def test_no_schedule_deadlocks_with_a_group_per_direction(monkeypatch, case):
     assert not _deadlocks(_posted(monkeypatch, *case, channels=True))
+
+
+OVERLAP_CASES = [
+    (schedule, pp, v, m)
+    for schedule, v in (("dualpipev", 2), ("interleaved_1f1b", 2), ("zb_interleaved_1f1b", 2))
+    for pp in (2, 3, 4)
+    for m in (2 * pp, 2 * pp + 1, 4 * pp)
+    if not ("interleaved" in schedule and m % pp)
+]
+
+
+@pytest.mark.parametrize("case", OVERLAP_CASES, ids=lambda c: "{} pp={} v={} m={}".format(*c))
+def test_paired_chunks_wait_for_both_receives_without_deadlock(monkeypatch, case):
+    # overlap=True receives a pair's input activation and output gradient before either
+    # computes (DualPipe's order): the transfers must still all run
+    posted = _posted(monkeypatch, *case, channels=True, overlap=True)
+    assert not _deadlocks(posted)
+    # and the order differs from the one-by-one run where a pair has a forward to send and
+    # a gradient to receive from another rank (at pp=2 every pair hands one over in memory)
+    if case[0] == "dualpipev" and case[1] > 2:
+        assert posted != _posted(monkeypatch, *case, channels=True)
 
 
 def test_one_group_for_both_directions_would_deadlock(monkeypatch):

@@ -161,3 +161,26 @@ def test_search_ranks_what_fits_and_says_why_the_rest_does_not():
 def test_search_needs_one_batch_size():
     with pytest.raises(ValueError, match="exactly one"):
         search_layouts(presets.get("tiny"), 2, GPUS["cpu"], seq_len=64)
+
+
+def test_paired_chunks_hide_part_of_the_expert_all_to_all():
+    # a DeepSeek model whose experts span two nodes: the all-to-all blocks for a while
+    config = presets.get("deepseek-v2-lite")
+    work = Workload(seq_len=2048, micro_batch_size=1, global_batch_size=256)
+    layout = PlanLayout(
+        pp=2, dp=16, ep=16, schedule="dualpipev", zero_stage=1, pipeline_layout=(6, 7, 7, 7)
+    )
+    plain = plan_layout(config, layout, work, GPUS["h100"])
+    paired = plan_layout(config, layout.replace(overlap_forward_backward=True), work, GPUS["h100"])
+    assert "overlapped" in paired.layout.describe()
+    ep = plain.slowest_comm_s["ep"]
+    assert plain.hidden_comm_s == 0.0 and 0.0 < paired.hidden_comm_s < ep
+    assert paired.step_time_s == pytest.approx(sum(paired.time_parts.values()))
+    assert paired.step_time_s < plain.step_time_s
+    assert paired.time_parts["compute"] == plain.time_parts["compute"]
+    # what is not hidden stays blocking
+    others = plain.time_parts["blocking_comm"] - ep
+    assert paired.time_parts["blocking_comm"] == pytest.approx(others + ep - paired.hidden_comm_s)
+    # refused as the strategy refuses it
+    with pytest.raises(ValueError, match="overlap_forward_backward needs tp=1"):
+        PlanLayout(tp=2, pp=2, dp=8, schedule="dualpipev", overlap_forward_backward=True)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from PIL import Image, ImageColor
 
-from nanotrain.parallel.pipeline import TimelineEvent
+from nanotrain.parallel.schedule_runner import TimelineEvent
 from nanotrain.report.schedule_chart import KIND_COLORS, schedule_chart
 
 T0 = 100.0  # perf_counter seconds: the chart starts at the earliest event

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from nanotrain.parallel.schedules import SCHEDULES
-from nanotrain.planning.schedule_time import schedule_step_time
+from nanotrain.planning.schedule_time import exposed_all_to_all, schedule_step_time
 
 VIRTUAL = {"interleaved_1f1b": 2, "zb_interleaved_1f1b": 2}
 #: schedules whose textbook step is a bound (tested on their own)
@@ -56,3 +56,35 @@ def test_one_stage_has_no_bubble_and_bad_input_is_refused():
     assert schedule_step_time("1f1b", 8, 4, 1, 0.0, 0.0, 0.0) == 0.0
     with pytest.raises(ValueError, match="unknown schedule 'dualpipe'"):
         schedule_step_time("dualpipe", 8, 4, 1, 1.0, 1.0, 1.0)
+
+
+def test_all_to_alls_add_their_time_unless_paired_chunks_hide_them():
+    f = 1.0
+    for pp, m in ((2, 8), (4, 16)):
+        blocking = m * 1.0  # an all-to-all time of 1.0 per microbatch
+
+        def exposed(schedule, overlap, rounds=1, m=m, pp=pp):
+            v = 2 if schedule == "dualpipev" else 1
+            return exposed_all_to_all(schedule, m, pp, v, f, f, f, 1.0, overlap, rounds)
+
+        # one after the other, a rank pays every all-to-all (more where they delay others)
+        for schedule in ("1f1b", "dualpipev"):
+            assert exposed(schedule, False) >= blocking * 0.999
+        # a schedule without pairs is unchanged by overlap
+        assert exposed("1f1b", True) == pytest.approx(exposed("1f1b", False))
+        # paired chunks hide most of it, more with finer rounds (more MoE layers per chunk)
+        paired = [exposed("dualpipev", True, rounds) for rounds in (1, 2, 4)]
+        assert paired[2] < paired[1] < paired[0] < 0.6 * blocking
+        # and more with more microbatches (fewer unpaired warm-up and drain actions)
+        more = exposed("dualpipev", True, 4, m=4 * m) / (4 * blocking)
+        assert more < paired[2] / blocking
+
+
+def test_side_by_side_shares_one_compute_engine():
+    from nanotrain.planning.schedule_time import _side_by_side
+
+    compute_only = ((True, 2.0),)
+    assert _side_by_side(compute_only, compute_only) == 4.0  # never two computes at once
+    # an all-to-all of one runs while the other computes
+    assert _side_by_side(((True, 1.0), (False, 2.0)), ((True, 2.0),)) == 3.0
+    assert _side_by_side(((False, 3.0),), ((False, 3.0),)) == 3.0
