@@ -118,11 +118,9 @@ WORLD4 = {
         "tiny",
         dict(pp=2, virtual_pp=2, dp=2, pipeline_layout=[0, 2, 1, 1]),
     ),
-    "dense pp=2 x tp=2": ("tiny-dense", dict(pp=2, tp=2)),
     "deepseek pp=2 x dp=2 zero2": ("tiny", dict(pp=2, dp=2, zero_stage=2)),
     # split backwards: the weight halves feed ZeRO-2's reduce-scatter hooks, the tp and ep
     # collectives run in the input halves
-    "dense pp=4 zb_1f1b": ("tiny-dense", dict(pp=4, schedule="zb_1f1b")),
     "deepseek pp=2 x dp=2 zero2 zb_1f1b": (
         "tiny",
         dict(pp=2, dp=2, zero_stage=2, schedule="zb_1f1b"),

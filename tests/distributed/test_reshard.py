@@ -8,7 +8,7 @@ tp=2 x ep=2; the test process
 resumes both on one process. Steps 3-5 must match the uninterrupted run of the saving layout
 (fp32, relative 1e-5): that needs the weights, Adam's moments and step, the LR schedule and
 the data position (global samples consumed) to carry over. A one-process checkpoint is
-resumed under tp=2 x ep=2 the same way. A second world of 8 ranks checks
+resumed under tp=2 x pp=2 DualPipeV the same way. A second world of 8 ranks checks
 that a same-layout resume under tp x pp x dp with ZeRO-2 stays bitwise exact (from an
 asynchronous save).
 """
@@ -77,8 +77,9 @@ def _reshard_world(rank: int, world_size: int, root: str) -> dict:
         for other, target in RESUMED.items():
             strategy = nt.MegatronStrategy(**target)
             out[name][other] = fit(f"{root}/{other}", strategy, 5, ckpt_path=ckpt_of(root, name))
-    # the test process saved this one on one process (whole model, index-keyed optimizer)
-    strategy = nt.MegatronStrategy(tp=2, ep=2)
+    # the test process saved this one on one process (whole model, index-keyed optimizer);
+    # it resumes into DualPipeV's V
+    strategy = nt.MegatronStrategy(**SAVED["tp2 pp2 dualpipev"])
     out["one process"] = fit(f"{root}/from-one", strategy, 5, ckpt_path=ckpt_of(root, "one"))
     return out
 
@@ -90,7 +91,7 @@ def test_checkpoints_resume_under_other_layouts_and_on_one_process(tmp_path):
     fit(f"{root}/one/split", nt.SingleDeviceStrategy("cpu"), 2, save=True)
     results = run_world(_reshard_world, 4, root, timeout=600)
     assert sorted(results[0]["one process"]) == [3, 4, 5]
-    for step in (3, 4, 5):  # saved on one process, resumed under tp=2 x ep=2
+    for step in (3, 4, 5):  # saved on one process, resumed under tp=2 x pp=2 DualPipeV
         assert results[0]["one process"][step] == pytest.approx(straight_one[step], rel=1e-5)
     for name in SAVED:
         straight = results[0][name]["straight"]
