@@ -285,12 +285,14 @@ class _Run:
         """Forward `f` here while backward `b` runs on `worker` (both receives first)."""
         inp = self.forward_input(f)
         grad = self.backward_grad(b)
-        running = worker.submit(self.backward, b, grad, self.held.pop((b.microbatch, b.chunk)))
+        key = (b.microbatch, b.chunk)
+        running = worker.submit(self.backward, b, grad, self.held[key])
         try:
             out, loss = self.forward(f, inp)
         finally:
             result = running.result()  # its error first: the forward may wait on its peers
-        self.forward_done(f, inp, out, loss)
+        self.forward_done(f, inp, out, loss)  # counts the backward's microbatch as held
+        del self.held[key]
         self.backward_done(b, *result)
 
     def finish(self) -> ScheduleStats:

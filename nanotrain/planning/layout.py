@@ -152,13 +152,16 @@ class PlanLayout(MeshLayout):
         return max_in_flight(self.schedule_actions(num_microbatches, pp_rank))
 
     def describe(self) -> str:
-        """Short text, e.g. ``tp2 pp4 (vpp2, interleaved_1f1b) dp8 ep4 zero1 sp full-recompute``."""
+        """Short text, e.g. ``tp1 pp4x2 dualpipev dp8 ep4 zero1 full-recompute overlapped`` (the
+        schedule named when it is not the default for its chunks per rank)."""
         parts = [f"tp{self.tp}"]
         if self.pp > 1:
             pipe = f"pp{self.pp}"
             if self.virtual_pp > 1:
                 pipe += f"x{self.virtual_pp}"
             parts.append(pipe)
+            if self.schedule != pick_schedule(None, self.virtual_pp):
+                parts.append(self.schedule)
         parts.append(f"dp{self.dp}")
         if self.ep > 1:
             parts.append(f"ep{self.ep}")

@@ -2,7 +2,8 @@
 
 Candidates: tp among the divisors of the world that divide the heads and stay within a node;
 pp among the divisors of what is left (layers that do not split evenly get
-`layout.balanced_pipeline_layout`), virtual_pp 1 or 2; ep among the divisors of dp that divide the
+`layout.balanced_pipeline_layout`), virtual_pp 1 or 2 (with 2: interleaved 1F1B, and
+DualPipeV with its paired chunks side by side when tp = 1); ep among the divisors of dp that divide the
 routed experts; ZeRO 1 (and 0 / 2 when asked); micro batch sizes 1, 2, 4; recomputation none,
 then selective, then full, stopping at the first that fits (more recomputation only costs
 time); sequence parallelism on whenever tp > 1 (it only
@@ -65,16 +66,27 @@ def _candidates(
                     if experts and experts % ep:
                         continue
                     for zero in zero_stages:
-                        yield PlanLayout(
-                            tp=tp,
-                            pp=pp,
-                            dp=dp,
-                            ep=ep,
-                            virtual_pp=vpp,
-                            zero_stage=zero,
-                            sequence_parallel=tp > 1,
-                            pipeline_layout=layout,
-                        )
+                        for schedule, paired in _schedules(vpp, tp):
+                            yield PlanLayout(
+                                tp=tp,
+                                pp=pp,
+                                dp=dp,
+                                ep=ep,
+                                virtual_pp=vpp,
+                                zero_stage=zero,
+                                sequence_parallel=tp > 1,
+                                pipeline_layout=layout,
+                                schedule=schedule,
+                                overlap_forward_backward=paired,
+                            )
+
+
+def _schedules(vpp: int, tp: int) -> list[tuple[str | None, bool]]:
+    """(schedule, paired chunks) tried for `vpp` chunks per rank: the strategy's default; with
+    two chunks also DualPipeV, its paired chunks side by side when tp = 1 (they need it)."""
+    if vpp != 2:
+        return [(None, False)]
+    return [(None, False), ("dualpipev", tp == 1)]
 
 
 def search_layouts(

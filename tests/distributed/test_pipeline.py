@@ -118,12 +118,11 @@ WORLD4 = {
         "tiny",
         dict(pp=2, virtual_pp=2, dp=2, pipeline_layout=[0, 2, 1, 1]),
     ),
-    "deepseek pp=2 x dp=2 zero2": ("tiny", dict(pp=2, dp=2, zero_stage=2)),
-    # split backwards: the weight halves feed ZeRO-2's reduce-scatter hooks, the tp and ep
-    # collectives run in the input halves
-    "deepseek pp=2 x dp=2 zero2 zb_1f1b": (
+    # whole and split backwards (DualPipeV runs both): the weight halves feed ZeRO-2's
+    # reduce-scatter hooks (1F1B with ZeRO-2 under pp: test_expert_parallel's 8-rank world)
+    "deepseek pp=2 x dp=2 zero2 dualpipev": (
         "tiny",
-        dict(pp=2, dp=2, zero_stage=2, schedule="zb_1f1b"),
+        dict(pp=2, dp=2, zero_stage=2, schedule="dualpipev", micro_batch_size=1),
     ),
     # DualPipeV: its split backwards run the tp and ep collectives in their input halves
     "deepseek pp=2 x tp=2 sp dualpipev": (

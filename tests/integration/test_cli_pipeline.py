@@ -29,8 +29,8 @@ KEYS = ("train/loss", "train/lm_loss", "train/mtp_loss", "train/aux_loss", "trai
 def _argv(root: Path, *strategy: str) -> list[str]:
     return [
         "fit", "--config", "examples/configs/tiny_deepseek.yaml", *strategy,
-        "--trainer.max_steps", "3", "--trainer.global_batch_size", "8",
-        "--trainer.micro_batch_size", "2", "--trainer.val_check_interval", "3",
+        "--trainer.max_steps", "2", "--trainer.global_batch_size", "8",
+        "--trainer.micro_batch_size", "2", "--trainer.val_check_interval", "2",
         "--trainer.limit_val_batches", "1", "--trainer.log_every_n_steps", "1",
         "--trainer.validate_at_start", "false", "--trainer.loggers", "[jsonl]",
         "--data.init_args.seq_len", "32", "--trainer.default_root_dir", str(root),
@@ -61,8 +61,8 @@ def test_dualpipev_under_the_cli_matches_one_process(tmp_path):
     report = next(piped.glob("*/version_0/report.md")).read_text()
     assert "pp=2" in report and "schedule=dualpipev" in report
     expected, got = _by_step(one), _by_step(piped)
-    assert sorted(got) == sorted(expected) == [0, 1, 2]
+    assert sorted(got) == sorted(expected) == [0, 1]
     for step, want in expected.items():
         for key in (*KEYS, "val/loss") if "val/loss" in want else KEYS:
             assert got[step][key] == pytest.approx(want[key], rel=1e-5), (step, key)
-    assert "val/loss" in expected[2]
+    assert "val/loss" in expected[1]
