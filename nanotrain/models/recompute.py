@@ -23,6 +23,7 @@ recompute runs, and the MoE load counters skip it.
 from __future__ import annotations
 
 import contextlib
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -31,12 +32,15 @@ from torch.utils.checkpoint import checkpoint
 
 #: accepted recompute modes
 RECOMPUTE_MODES = (None, "full", "selective")
-_recomputing = 0
+# per thread: a backward running on another thread (the pipeline executor's paired chunks)
+# reruns its forwards while this thread's forward must still count its side effects
+_state = threading.local()
 
 
 def is_recomputing() -> bool:
-    """True while backward reruns a checkpointed forward (side effects must not repeat)."""
-    return _recomputing > 0
+    """True while backward reruns a checkpointed forward on this thread (side effects must
+    not repeat)."""
+    return getattr(_state, "depth", 0) > 0
 
 
 class _RecomputeScope:
@@ -45,12 +49,10 @@ class _RecomputeScope:
     its input half already used), and each rerun enters the same object again."""
 
     def __enter__(self) -> None:
-        global _recomputing
-        _recomputing += 1
+        _state.depth = getattr(_state, "depth", 0) + 1
 
     def __exit__(self, *exc: object) -> None:
-        global _recomputing
-        _recomputing -= 1
+        _state.depth -= 1
 
 
 def _contexts() -> tuple[Any, Any]:

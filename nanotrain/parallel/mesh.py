@@ -391,22 +391,24 @@ class ParallelMesh:
 
     @property
     def is_first_stage(self) -> bool:
-        """Whether this rank runs the first pipeline stage."""
+        """Whether this is pipeline rank 0 (which holds the first virtual stage; in
+        DualPipeV's V also the last, `nanotrain.parallel.placement`)."""
         return self.coords.pp_rank == 0
 
     @property
     def is_last_stage(self) -> bool:
-        """Whether this rank runs the last pipeline stage."""
+        """Whether this is pipeline rank pp - 1 (which holds the last virtual stage under the
+        interleaved placement; in a V it holds the turn, the last is on rank 0)."""
         return self.coords.pp_rank == self.layout.pp - 1
 
     @property
     def prev_stage_rank(self) -> int | None:
-        """Global rank of the previous pipeline stage (same tp/dp coords); None on the first."""
+        """Global rank of pipeline rank pp_rank - 1 (same tp/dp coords); None on rank 0."""
         return None if self.is_first_stage else self.group_ranks("pp")[self.pp_rank - 1]
 
     @property
     def next_stage_rank(self) -> int | None:
-        """Global rank of the next pipeline stage (same tp/dp coords); None on the last."""
+        """Global rank of pipeline rank pp_rank + 1 (same tp/dp coords); None on rank pp - 1."""
         return None if self.is_last_stage else self.group_ranks("pp")[self.pp_rank + 1]
 
     def __repr__(self) -> str:

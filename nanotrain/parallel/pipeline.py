@@ -151,7 +151,15 @@ class PipelineComm:
         if peer == self.rank:
             return _LocalHandOver(tensor, tag)
         pair = (self.rank, peer) if op is dist.isend else (peer, self.rank)
-        group = self.channels.get((*pair, backward))
+        channel = (*pair, backward)
+        if self.channels and channel not in self.channels:
+            # falling back to the default group could deadlock NCCL (module docstring)
+            raise ValueError(
+                f"no pipeline channel {channel} (sender, receiver, gradient?) for a transfer "
+                f"of this placement (v_shape={self.placement.v_shape}); build the mesh with "
+                "the same placement (ParallelMesh.build(..., pipeline_v_shape=...))"
+            )
+        group = self.channels.get(channel)
         return dist.P2POp(op, tensor, peer, group=group, tag=tag)
 
     def virtual_stage(self, chunk: int) -> int:

@@ -28,7 +28,8 @@ numbers = microbatch) are drawn in docs/parallelism.md.
   and 2p - 1 - r, so rank 0 embeds and computes the loss, rank p - 1 turns the microbatch
   around without a transfer); the steady state pairs one chunk's forward with the other
   chunk's backward, and part of the backwards run split, their weight halves filling the
-  cool-down. Needs m >= 2p. Bubble (p - 1)·(F + B - 3W) with per-chunk times (B = I + W),
+  cool-down. Needs m >= 2p. Bubble at most (p - 1)·(F + 2B - 3W) with per-chunk times
+  (B = I + W; DualPipe's bound, its F&B = F + B without compute-communication overlap),
   against (p - 1)·(2F + 2B) for 1F1B over the same layers on p ranks; every rank holds
   up to 2p + 1 microbatch-chunks (p + 1/2 microbatches of its layers), where 1F1B's first
   rank holds p.

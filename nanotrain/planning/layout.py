@@ -59,9 +59,8 @@ class PlanLayout(MeshLayout):
         if self.pipeline_layout is not None:
             object.__setattr__(self, "pipeline_layout", tuple(self.pipeline_layout))
         object.__setattr__(self, "schedule", pick_schedule(self.schedule, self.virtual_pp))
-        if self.pp > 1:
-            chunks = chunks_per_rank(self.schedule, self.virtual_pp)
-            object.__setattr__(self, "virtual_pp", chunks)
+        chunks = chunks_per_rank(self.schedule, self.virtual_pp, self.pp)
+        object.__setattr__(self, "virtual_pp", chunks)
         if self.overlap_forward_backward:
             check_pairing(self.pp, self.tp, self.virtual_pp, self.schedule)
         check_recompute(self.recompute)

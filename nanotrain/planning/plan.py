@@ -10,12 +10,14 @@ The step-time model is deliberately simple and stated in full (docs/planning.md)
   ``peak_flops * compute_efficiency`` (default 0.5: what well-tuned bf16 training reaches);
   full recomputation adds one forward of the layers, the head + loss and the MTP modules
   (+1/3 of their FLOPs), selective one forward of each attention block (projections and scores: `attention_flops_per_token` / 3);
-* pipeline: the slowest stage sets the pace; the 1F1B / interleaved bubble adds
+* pipeline: the slowest stage sets the pace; the bubble is the schedule's action lists
+  replayed (`nanotrain.planning.schedule_time`): for 1F1B / interleaved
   ``(pp - 1) / (virtual_pp * microbatches)`` of its compute (GPipe's is the same); with
-  split backwards (``zb_1f1b``, ``zb_interleaved_1f1b``) the weight-gradient third of the compute (without
-  recomputation) leaves the bubble;
-* communication: tp, sequence-parallel, ep and pp traffic sit on the critical path (the code
-  does not overlap them with compute); the data-parallel gradient reduction overlaps the
+  split backwards (``zb_1f1b``, ``zb_interleaved_1f1b``, DualPipeV) the weight-gradient third
+  of the compute (without recomputation) leaves it;
+* communication: tp, sequence-parallel, ep and pp traffic sit on the critical path, except
+  the ep all-to-all of chunks paired side by side (``overlap_forward_backward``), replayed
+  under the executor's pairing rule; the data-parallel gradient reduction overlaps the
   backward pass (2/3 of the compute) and only what exceeds it shows, and ZeRO's parameter
   all-gather after the optimizer step does not overlap; each group's bytes travel at the
   intra-node bandwidth when all its ranks share a node (by the mesh's own rank placement),
@@ -370,24 +372,33 @@ def plan_layout(
         no_recompute = replace(layout, recompute=None)
         weights = _stage_flops(config, no_recompute, workload, rank.chunks, last) / 3
         weights_t = weights / (peak * compute_efficiency)
-        moe = sum(is_moe_layer(config, i) for c in rank.chunks for i in c)
+        hidden, bubble = 0.0, None
+        if layout.overlap_forward_backward and layout.pp > 1:
+            # the pairs hide part of this stage's all-to-all: it paces by what is left
+            ep_t = comm_t.get("ep", 0.0)
+            moe = sum(is_moe_layer(config, i) for c in rank.chunks for i in c)
+            rounds = max(1, round(moe / layout.virtual_pp))
+            busy = compute + blocking
+            bubble, exposed_ep = _overlapped(layout, num_micro, busy, weights_t, ep_t, rounds)
+            hidden = max(ep_t - exposed_ep, 0.0)
+            blocking -= hidden
         stage_times.append(
-            (compute + blocking, exposed_dp, compute, blocking, comm_t, weights_t, moe)
+            (compute + blocking, exposed_dp, compute, blocking, comm_t, weights_t, hidden, bubble)
         )
     slowest = max(range(len(stage_times)), key=lambda i: stage_times[i][0])
-    busy, exposed_dp, compute, blocking, slowest_comm, weights_t, moe = stage_times[slowest]
-    if layout.overlap_forward_backward and layout.pp > 1:
-        ep_t = slowest_comm.get("ep", 0.0)
-        rounds = max(1, round(moe / layout.virtual_pp))
-        bubble, exposed_ep = _overlapped(layout, num_micro, busy, weights_t, ep_t, rounds)
-        hidden = max(ep_t - exposed_ep, 0.0)
-        blocking -= hidden
-        busy = compute + blocking
-    else:
-        bubble, hidden = _bubble(layout, num_micro, busy, weights_t), 0.0
+    busy, exposed_dp, compute, blocking, slowest_comm, weights_t, hidden, bubble = stage_times[
+        slowest
+    ]
+    if bubble is None:
+        bubble = _bubble(layout, num_micro, busy, weights_t)
     step = busy + bubble + exposed_dp
     fits = max(r.memory for r in ranks) <= gpu.memory_bytes
     notes = []
+    if layout.overlap_forward_backward:
+        notes.append(
+            "overlap_forward_backward runs on CPU (gloo) only for now (a CUDA stream per "
+            "chunk is not built): on GPUs this prices what the pairing would hide"
+        )
     if not fits:
         worst = max(ranks, key=lambda r: r.memory)
         notes.append(

@@ -2,8 +2,8 @@
 
 Candidates: tp among the divisors of the world that divide the heads and stay within a node;
 pp among the divisors of what is left (layers that do not split evenly get
-`layout.balanced_pipeline_layout`), virtual_pp 1 or 2 (with 2: interleaved 1F1B, and
-DualPipeV with its paired chunks side by side when tp = 1); ep among the divisors of dp that divide the
+`layout.balanced_pipeline_layout`), virtual_pp 1 or 2 (with 2: interleaved 1F1B and
+DualPipeV); ep among the divisors of dp that divide the
 routed experts; ZeRO 1 (and 0 / 2 when asked); micro batch sizes 1, 2, 4; recomputation none,
 then selective, then full, stopping at the first that fits (more recomputation only costs
 time); sequence parallelism on whenever tp > 1 (it only
@@ -66,7 +66,7 @@ def _candidates(
                     if experts and experts % ep:
                         continue
                     for zero in zero_stages:
-                        for schedule, paired in _schedules(vpp, tp):
+                        for schedule in _schedules(vpp):
                             yield PlanLayout(
                                 tp=tp,
                                 pp=pp,
@@ -77,16 +77,14 @@ def _candidates(
                                 sequence_parallel=tp > 1,
                                 pipeline_layout=layout,
                                 schedule=schedule,
-                                overlap_forward_backward=paired,
                             )
 
 
-def _schedules(vpp: int, tp: int) -> list[tuple[str | None, bool]]:
-    """(schedule, paired chunks) tried for `vpp` chunks per rank: the strategy's default; with
-    two chunks also DualPipeV, its paired chunks side by side when tp = 1 (they need it)."""
-    if vpp != 2:
-        return [(None, False)]
-    return [(None, False), ("dualpipev", tp == 1)]
+def _schedules(vpp: int) -> list[str | None]:
+    """Schedules tried for `vpp` chunks per rank: the strategy's default; with two chunks also
+    DualPipeV (its paired chunks side by side run on CPU only, so a GPU plan leaves them
+    apart)."""
+    return [None, "dualpipev"] if vpp == 2 else [None]
 
 
 def search_layouts(
@@ -129,9 +127,7 @@ def search_layouts(
                 try:
                     batch = global_batch_size
                     if batch is None:
-                        # interleaved 1F1B needs whole multiples of pp microbatches
-                        per_step = micro * layout.dp * (layout.pp if layout.virtual_pp > 1 else 1)
-                        batch = max(1, round(global_batch_tokens / seq_len / per_step)) * per_step
+                        batch = _rounded_batch(layout, micro, global_batch_tokens / seq_len)
                     workload = Workload(seq_len, micro, batch, precision)
                     plan = plan_layout(
                         config, layout, workload, gpu, model_name=model_name, **plan_kwargs
@@ -151,6 +147,16 @@ def search_layouts(
     return SearchResult(fitting, rejected)
 
 
+def _rounded_batch(layout: PlanLayout, micro: int, sequences: float) -> int:
+    """`sequences` rounded to whole microbatches on every replica: a multiple of pp of them
+    for interleaved 1F1B, at least 2·pp for DualPipeV."""
+    if layout.placement.v_shape:
+        per_step = micro * layout.dp
+        return max(2 * layout.pp, round(sequences / per_step)) * per_step
+    per_step = micro * layout.dp * (layout.pp if layout.virtual_pp > 1 else 1)
+    return max(1, round(sequences / per_step)) * per_step
+
+
 def _note_rounding(plan: Plan, tokens: int | None) -> None:
     """Say so when whole microbatches moved the batch more than 10% off the tokens asked."""
     if tokens is None:
@@ -160,6 +166,11 @@ def _note_rounding(plan: Plan, tokens: int | None) -> None:
         plan.notes.append(
             f"the batch is {got} tokens, not about {tokens}: the step takes whole microbatches "
             f"of {plan.workload.micro_batch_size} x {plan.workload.seq_len} tokens on each of "
-            f"{plan.layout.dp} replicas"
-            + (" (a multiple of pp of them, interleaved)" if plan.layout.virtual_pp > 1 else "")
+            f"{plan.layout.dp} replicas" + _rounding_rule(plan.layout)
         )
+
+
+def _rounding_rule(layout: PlanLayout) -> str:
+    if layout.placement.v_shape:
+        return " (at least 2·pp of them, DualPipeV)"
+    return " (a multiple of pp of them, interleaved)" if layout.virtual_pp > 1 else ""

@@ -63,6 +63,7 @@ from nanotrain.strategies.megatron_grads import (
 from nanotrain.strategies.megatron_pipeline import (
     PipelineEngine,
     check_pairing,
+    check_pairing_device,
     chunks_per_rank,
     embedding_groups,
     pick_schedule,
@@ -130,6 +131,7 @@ class MegatronStrategy(MegatronGradNorms, Strategy):
             with two chunks), run the two side by side, so that one's expert all-to-alls
             wait while the other computes (`nanotrain.parallel.schedule_runner`). Needs two
             chunks per rank and tp=1; the second chunk's all-to-alls get groups of their own.
+            CPU (gloo) only for now: refused at fit start on a GPU.
 
     Raises:
         TypeError, ValueError: for invalid sizes or options, at construction (layouts that do
@@ -159,9 +161,7 @@ class MegatronStrategy(MegatronGradNorms, Strategy):
         if virtual_pp > 1 and pp == 1:
             raise ValueError(f"virtual_pp={virtual_pp} needs pp > 1; use virtual_pp=1")
         self.schedule = pick_schedule(schedule, virtual_pp)
-        if self.schedule in V_SHAPED_SCHEDULES and pp == 1:
-            raise ValueError(f"schedule={schedule!r} needs pp > 1 (it places two chunks a rank)")
-        virtual_pp = chunks_per_rank(self.schedule, virtual_pp)
+        virtual_pp = chunks_per_rank(self.schedule, virtual_pp, pp)
         if pipeline_layout is not None and len(pipeline_layout) != pp * virtual_pp:
             raise ValueError(
                 f"pipeline_layout has {len(pipeline_layout)} entries; pp*virtual_pp="
@@ -235,6 +235,8 @@ class MegatronStrategy(MegatronGradNorms, Strategy):
         if world > 1 and join_process_group("MegatronStrategy", self.backend, self.timeout_s):
             self._owns_process_group = True
         self._device = process_device(self.backend)
+        if self.overlap_forward_backward:
+            check_pairing_device(self._device)
         timeout = datetime.timedelta(seconds=self.timeout_s)
         v_shape = self.schedule in V_SHAPED_SCHEDULES
         self._mesh = ParallelMesh.build(

@@ -44,6 +44,7 @@ if TYPE_CHECKING:
 __all__ = [
     "PipelineEngine",
     "check_pairing",
+    "check_pairing_device",
     "chunks_per_rank",
     "embedding_groups",
     "pick_schedule",
@@ -79,8 +80,9 @@ def pick_schedule(schedule: str | None, virtual_pp: int) -> str:
 
 def check_pairing(pp: int, tp: int, chunks: int, schedule: str) -> None:
     """Refuse ``overlap_forward_backward`` where it cannot run: without pipelining, with other
-    than two chunks per rank, or with tensor parallelism (the embedding and the head share
-    the tp group across the two chunks, so their collectives could cross).
+    than two chunks per rank, or with tensor parallelism (every layer's tensor-parallel
+    collectives, and the embedding's and the head's, would share one tp group between the
+    two chunks, so their orders could cross).
 
     Raises:
         ValueError: naming the setting and the fix.
@@ -94,16 +96,40 @@ def check_pairing(pp: int, tp: int, chunks: int, schedule: str) -> None:
         )
     if tp > 1:
         raise ValueError(
-            f"overlap_forward_backward needs tp=1, got tp={tp} (the two chunks would share the "
-            "tensor-parallel group through the embedding and the head); use tp=1 as "
+            f"overlap_forward_backward needs tp=1, got tp={tp} (the two chunks' tensor-parallel "
+            "collectives would share one group, in orders that can cross); use tp=1 as "
             "DeepSeek-V3 does, or overlap_forward_backward=False"
         )
 
 
-def chunks_per_rank(schedule: str, virtual_pp: int) -> int:
+def check_pairing_device(device: torch.device) -> None:
+    """Refuse ``overlap_forward_backward`` off the CPU.
+
+    Raises:
+        ValueError: on a GPU, where the two threads would queue both chunks' all-to-alls on one
+            CUDA stream, in an order that can differ between ranks and deadlock NCCL.
+    """
+    if device.type != "cpu":
+        raise ValueError(
+            "overlap_forward_backward runs on CPU (gloo) only for now: on a GPU the two "
+            "threads would queue both chunks' all-to-alls on one CUDA stream, in an order "
+            "that can differ between ranks and deadlock NCCL (a stream per chunk is not "
+            "built yet); use overlap_forward_backward=False"
+        )
+
+
+def chunks_per_rank(schedule: str, virtual_pp: int, pp: int) -> int:
     """Model chunks each pipeline rank holds under `schedule` (checked by `pick_schedule`):
-    two for DualPipeV's V whatever ``virtual_pp`` says (1 or 2), else ``virtual_pp``."""
-    return 2 if schedule in V_SHAPED_SCHEDULES else virtual_pp
+    two for DualPipeV's V whatever ``virtual_pp`` says (1 or 2), else ``virtual_pp``.
+
+    Raises:
+        ValueError: a V-shaped schedule without pipelining (pp = 1).
+    """
+    if schedule not in V_SHAPED_SCHEDULES:
+        return virtual_pp
+    if pp == 1:
+        raise ValueError(f"schedule={schedule!r} needs pp > 1 (it places two chunks a rank)")
+    return 2
 
 
 def embedding_groups(mesh: ParallelMesh, timeout: datetime.timedelta | None) -> Any:

@@ -305,3 +305,15 @@ def test_the_second_chunk_runs_its_all_to_alls_on_the_paired_groups():
         assert moe.ep_group == ("paired ep" if id(moe) in paired else "ep")
     with pytest.raises(ValueError, match="paired chunks need two chunks per rank"):
         build_pipeline_stage(config, _fake_mesh(2, 0)).bind_second_chunk("ep", "paired ep")
+
+
+def test_paired_chunks_are_refused_off_the_cpu():
+    from nanotrain.strategies.megatron_pipeline import check_pairing_device
+
+    check_pairing_device(torch.device("cpu"))
+    with pytest.raises(ValueError, match="overlap_forward_backward runs on CPU .gloo. only"):
+        check_pairing_device(torch.device("cuda", 0))
+    with pytest.raises(ValueError, match="needs tp=1, got tp=2"):
+        MegatronStrategy(pp=2, tp=2, schedule="dualpipev", overlap_forward_backward=True)
+    with pytest.raises(ValueError, match="two chunks per rank, got pp=2 and 1 chunk"):
+        MegatronStrategy(pp=2, overlap_forward_backward=True)

@@ -83,3 +83,31 @@ def _vocab_sized_saved(kind: str, mode: str | None) -> list[tuple[int, ...]]:
 def test_full_recompute_keeps_no_logits_or_log_probs_of_the_head_or_mtp(kind):
     assert _vocab_sized_saved(kind, None)  # without recompute the head's [N, V] are kept
     assert _vocab_sized_saved(kind, "full") == []
+
+
+def test_a_rerun_on_another_thread_leaves_this_threads_forward_counting():
+    # the pipeline executor's paired chunks: one thread's backward reruns a checkpointed
+    # forward while another thread runs a forward whose side effects must count
+    import threading
+
+    from nanotrain.models.recompute import is_recomputing, recomputed
+
+    inside, release, seen = threading.Event(), threading.Event(), {}
+
+    def region(x):
+        if is_recomputing():
+            seen["rerun"] = True
+            inside.set()
+            release.wait(10)
+        return x * x  # saves x: backward needs the rerun
+
+    x = torch.ones(3, requires_grad=True)
+    y = recomputed(region, x).sum()
+    worker = threading.Thread(target=y.backward)
+    worker.start()
+    assert inside.wait(10)
+    seen["here"] = is_recomputing()  # this thread is not rerunning anything
+    release.set()
+    worker.join(10)
+    assert seen == {"rerun": True, "here": False}
+    assert torch.equal(x.grad, torch.full((3,), 2.0))
