@@ -176,14 +176,16 @@ def format_search(result: SearchResult, top: int = 15) -> str:
     """The best `top` fitting layouts (one line each: layout, micro batch, sequences per step,
     largest rank's memory, step time, throughput, MFU), then how many layouts were rejected
     for each reason, with one example of each."""
+    shown = result.fitting[:top]
+    width = max([44, *(len(p.layout.describe()) for p in shown)])
     lines = [
         f"{len(result.fitting)} layouts fit, {len(result.rejected)} rejected",
-        f"{'#':>3} {'layout':<44} {'mb':>3} {'batch':>6} {'max GiB':>8} {'step s':>8} "
+        f"{'#':>3} {'layout':<{width}} {'mb':>3} {'batch':>6} {'max GiB':>8} {'step s':>8} "
         f"{'tokens/s':>10} {'MFU':>6}",
     ]
-    for i, p in enumerate(result.fitting[:top]):
+    for i, p in enumerate(shown):
         lines.append(
-            f"{i + 1:>3} {p.layout.describe():<44} {p.workload.micro_batch_size:>3} "
+            f"{i + 1:>3} {p.layout.describe():<{width}} {p.workload.micro_batch_size:>3} "
             f"{p.workload.global_batch_size:>6} {_gib(p.largest.memory):>8} "
             f"{p.step_time_s:>8.3f} {_count(p.tokens_per_s):>10} {p.mfu:>6.1%}"
         )
