@@ -161,24 +161,31 @@ def _fake_mesh(pp: int, pp_rank: int) -> ParallelMesh:
     return ParallelMesh(layout, rank=layout.rank_of(0, 0, pp_rank))
 
 
-@pytest.mark.parametrize("preset", ["tiny", "tiny-dense"])
-def test_stages_get_the_whole_models_weights_under_its_names(preset):
-    config = presets.get(preset, num_layers=4, vocab_size=97)
+def _two_stages_hold_the_whole_model(config, **stage_kwargs) -> list:
+    """Both ranks' stages of a pp=2 build: together they hold exactly the whole model's
+    weights under its names (the same seed gives the same values). Returns the stages."""
     torch.manual_seed(0)
     whole = dict(build_model(config).named_parameters())
-    seen = {}
+    stages, seen = [], {}
     for rank in range(2):
         torch.manual_seed(0)
-        stage = build_pipeline_stage(config, _fake_mesh(2, rank), layout=[1, 3])
-        seen.update({n: p for n, p in stage.named_parameters()})
-        if rank == 0:
-            assert {n.split(".")[0] for n, _ in stage.named_parameters()} == {
-                "embed_tokens",
-                "layers",
-            }
+        stages.append(build_pipeline_stage(config, _fake_mesh(2, rank), **stage_kwargs))
+        seen.update(dict(stages[-1].named_parameters()))
     assert seen.keys() == whole.keys()
     for name, value in whole.items():
         assert torch.equal(seen[name], value), name
+    return stages
+
+
+def _top_names(stage) -> set[str]:
+    return {n.split(".")[0] for n, _ in stage.named_parameters()}
+
+
+@pytest.mark.parametrize("preset", ["tiny", "tiny-dense"])
+def test_stages_get_the_whole_models_weights_under_its_names(preset):
+    config = presets.get(preset, num_layers=4, vocab_size=97)
+    first, _ = _two_stages_hold_the_whole_model(config, layout=[1, 3])
+    assert _top_names(first) == {"embed_tokens", "layers"}
 
 
 def test_strategy_refuses_bad_pipeline_options_at_construction():
@@ -265,24 +272,12 @@ def test_v_placement_gives_each_rank_a_stage_going_down_and_one_coming_back():
 @pytest.mark.parametrize("preset", ["tiny", "tiny-dense"])
 def test_v_stages_hold_embedding_and_head_on_the_first_rank_once(preset):
     config = presets.get(preset, num_layers=4, vocab_size=97)
-    torch.manual_seed(0)
-    whole = dict(build_model(config).named_parameters())
-    seen = {}
-    for rank in range(2):
-        torch.manual_seed(0)
-        stage = build_pipeline_stage(config, _fake_mesh(2, rank), virtual_pp=2, v_shape=True)
-        names = {n.split(".")[0] for n, _ in stage.named_parameters()}
-        if rank == 0:
-            assert {"embed_tokens", "norm", "lm_head"} <= names
-            assert stage.is_first_chunk(0) and stage.is_last_chunk(1)
-        else:
-            assert names == {"layers"} and not stage.is_last_chunk(1)
-        # one rank holds both ends: no embedding copy to keep in step
-        assert stage.shared_parameter_names() == []
-        seen.update(dict(stage.named_parameters()))
-    assert seen.keys() == whole.keys()
-    for name, value in whole.items():
-        assert torch.equal(seen[name], value), name
+    first, second = _two_stages_hold_the_whole_model(config, virtual_pp=2, v_shape=True)
+    assert {"embed_tokens", "norm", "lm_head"} <= _top_names(first)
+    assert first.is_first_chunk(0) and first.is_last_chunk(1)
+    assert _top_names(second) == {"layers"} and not second.is_last_chunk(1)
+    # one rank holds both ends: no embedding copy to keep in step
+    assert first.shared_parameter_names() == second.shared_parameter_names() == []
 
 
 def test_the_second_chunk_runs_its_all_to_alls_on_the_paired_groups():
