@@ -179,6 +179,11 @@ class Strategy(ABC):
         """Which slice of each global batch this process reads (see `DataShard`)."""
         return DataShard()
 
+    def check_step_microbatches(self, num_microbatches: int) -> None:
+        """Raise ValueError, at fit start, when this strategy cannot run `num_microbatches`
+        microbatches per optimizer step (a pipeline schedule's own rule); any number runs
+        here."""
+
     def cuda_graphs_refusal(self) -> str | None:
         """Why a model compiled with CUDA graphs (torch.compile mode "reduce-overhead") cannot
         train under this strategy, or None when it can: one process on one CUDA device, no

@@ -43,7 +43,7 @@ from nanotrain.parallel.data_parallel import GradBucketSets, backward_order
 from nanotrain.parallel.grads import is_tp_sharded, sequence_parallel_params
 from nanotrain.parallel.mesh import ParallelMesh, check_sizes, validate_layout
 from nanotrain.parallel.pipeline import partition_layers
-from nanotrain.parallel.schedules import V_SHAPED_SCHEDULES
+from nanotrain.parallel.schedules import SCHEDULES, V_SHAPED_SCHEDULES
 from nanotrain.parallel.zero import ZeroOptimizer
 from nanotrain.precision.master import MasterWeights
 from nanotrain.runtime.profiling import named_range
@@ -223,6 +223,12 @@ class MegatronStrategy(MegatronGradNorms, Strategy):
         layers = getattr(config, "num_layers", None)
         if self.pp > 1 and layers is not None:
             partition_layers(layers, self.pp, self.virtual_pp, self.pipeline_layout)
+
+    def check_step_microbatches(self, num_microbatches: int) -> None:
+        """The schedule's own check (interleaving: a multiple of pp microbatches; DualPipeV:
+        at least 2·pp), at fit start rather than at the first step."""
+        if self.pp > 1:
+            SCHEDULES[self.schedule](num_microbatches, self.pp, 0, self.virtual_pp)
 
     def setup_environment(self) -> None:
         if self._mesh is not None:

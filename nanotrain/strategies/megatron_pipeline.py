@@ -70,9 +70,9 @@ def pick_schedule(schedule: str | None, virtual_pp: int) -> str:
             f"schedule={schedule!r} runs one chunk per rank but virtual_pp={virtual_pp}; use "
             "schedule='interleaved_1f1b' (or virtual_pp=1)"
         )
-    if schedule == "dualpipev" and virtual_pp not in (1, 2):
+    if schedule in V_SHAPED_SCHEDULES and virtual_pp not in (1, 2):
         raise ValueError(
-            f"schedule='dualpipev' runs two chunks per rank (a V) but virtual_pp={virtual_pp}; "
+            f"schedule={schedule!r} runs two chunks per rank (a V) but virtual_pp={virtual_pp}; "
             "leave virtual_pp at 1 or 2"
         )
     return schedule

@@ -322,6 +322,7 @@ class Trainer(LightningTrainerProperties, TrainStepMethods, EvaluationMethods, C
         loaders = build_loaders(self, stage, train_loader, val_loader)
         self._train_loader, self._train_sampler, self._val_loader = loaders
         if stage == "fit":
+            self.strategy.check_step_microbatches(self.num_microbatches)
             sampler = self._train_sampler
             if isinstance(sampler, ResumableBatchList):  # counted in the DataLoader's batches
                 self.state.steps_per_epoch = len(sampler) // self.num_microbatches

@@ -312,3 +312,13 @@ def test_paired_chunks_are_refused_off_the_cpu():
         MegatronStrategy(pp=2, tp=2, schedule="dualpipev", overlap_forward_backward=True)
     with pytest.raises(ValueError, match="two chunks per rank, got pp=2 and 1 chunk"):
         MegatronStrategy(pp=2, overlap_forward_backward=True)
+
+
+def test_the_schedules_microbatch_rules_are_checked_at_fit_start():
+    # the Trainer asks the strategy once the batch sizes are known, before the first step
+    MegatronStrategy(pp=4, schedule="dualpipev").check_step_microbatches(8)
+    with pytest.raises(ValueError, match=r"dualpipev needs at least 2\*pp=8 microbatches"):
+        MegatronStrategy(pp=4, schedule="dualpipev").check_step_microbatches(6)
+    with pytest.raises(ValueError, match=r"multiple of pp=4"):
+        MegatronStrategy(pp=4, virtual_pp=2).check_step_microbatches(6)
+    MegatronStrategy(pp=4).check_step_microbatches(3)  # 1F1B runs any number
