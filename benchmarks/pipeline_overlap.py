@@ -17,7 +17,8 @@ Usage: ``python benchmarks/pipeline_overlap.py [--f-ms 20] [--a2a-ms 5] [--round
 [--sizes 2x32,4x64]``: F is a rank's forward compute per microbatch (a whole backward 2F,
 its halves F each), A the time of one all-to-all of a rank's layers per microbatch (four per
 microbatch: dispatch and combine, forward and backward), split over `rounds` MoE layers per
-chunk; sizes are pp x microbatches.
+chunk; sizes are pp x microbatches. ``--draw FOLDER`` draws DualPipeV's recorded timelines at
+pp=4, m=8, chunks apart and side by side (docs/parallelism.md shows them).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -37,6 +39,7 @@ from benchmarks.pipeline import _comm  # noqa: E402
 from nanotrain.parallel.schedule_runner import run_schedule  # noqa: E402
 from nanotrain.parallel.schedules import SCHEDULES, V_SHAPED_SCHEDULES  # noqa: E402
 from nanotrain.planning.schedule_time import exposed_all_to_all  # noqa: E402
+from nanotrain.report.schedule_chart import schedule_chart  # noqa: E402
 from tests.distributed.spawn import run_world  # noqa: E402
 
 #: the rank's one compute engine (each rank is its own process)
@@ -76,9 +79,18 @@ class _AllToAll(torch.autograd.Function):
 
 
 def _step(
-    rank: int, world: int, schedule: str, m: int, f: float, a: float, overlap: bool, rounds: int
-) -> float:
-    """The best of two steps' time on this rank, each chunk `rounds` MoE layers deep."""
+    rank: int,
+    world: int,
+    schedule: str,
+    m: int,
+    f: float,
+    a: float,
+    overlap: bool,
+    rounds: int,
+    record: bool = False,
+) -> Any:
+    """The best of two steps' time on this rank, each chunk `rounds` MoE layers deep; with
+    `record`, (that, the second step's timeline)."""
     v = 1 if schedule in ("1f1b", "zb_1f1b") else 2
     comm = _comm(rank, world, v, (4,), schedule in V_SHAPED_SCHEDULES)
     w = torch.ones(4, requires_grad=True)
@@ -95,14 +107,29 @@ def _step(
         return (None, out.sum()) if comm.is_last(c) else (out, None)
 
     actions = SCHEDULES[schedule](m, world, rank, v)
-    times = []
+    times, timeline = [], []
     for _ in range(2):
+        timeline = []
         dist.barrier()
         start = time.perf_counter()
-        run_schedule(actions, comm, forward_step, params=[w], overlap=overlap)
+        run_schedule(actions, comm, forward_step, params=[w], overlap=overlap, timeline=timeline)
         dist.barrier()
         times.append(time.perf_counter() - start)
-    return min(times)
+    return (min(times), timeline) if record else min(times)
+
+
+def draw(folder: str, f: float, a: float, rounds: int, pp: int = 4, m: int = 8) -> None:
+    """DualPipeV's recorded timeline with the injected all-to-alls, its chunks apart and side
+    by side: `folder`/pipeline_dualpipev_apart.png and pipeline_dualpipev_overlapped.png."""
+    for overlap, name in ((False, "apart"), (True, "overlapped")):
+        ranks = run_world(_step, pp, "dualpipev", m, f, a, overlap, rounds, True, timeout=600)
+        step = max(seconds for seconds, _ in ranks)
+        title = (
+            f"dualpipev, chunks {'side by side' if overlap else 'apart'}: pp={pp}, m={m}, "
+            f"F = {f * 1e3:g} ms + all-to-alls of {a * 1e3:g} ms; step {step * 1e3:.0f} ms"
+        )
+        path = Path(folder) / f"pipeline_dualpipev_{name}.png"
+        print(schedule_chart([timeline for _, timeline in ranks], path, title), flush=True)
 
 
 #: (label, schedule, overlap) compared
@@ -120,8 +147,12 @@ def main() -> None:
     parser.add_argument("--a2a-ms", type=float, default=5.0, help="one all-to-all A (ms)")
     parser.add_argument("--sizes", default="2x32,4x64", help="pp x microbatches, comma-separated")
     parser.add_argument("--rounds", type=int, default=4, help="MoE layers per chunk")
+    parser.add_argument("--draw", metavar="FOLDER", help="draw DualPipeV's timelines (pp=4, m=8)")
     args = parser.parse_args()
     f, a = args.f_ms / 1e3, args.a2a_ms / 1e3
+    if args.draw:
+        draw(args.draw, f, a, args.rounds)
+        return
     print(
         f"F = {args.f_ms:g} ms compute, B = 2F, A = {args.a2a_ms:g} ms per all-to-all, "
         f"{args.rounds} MoE layers per chunk"

@@ -4,8 +4,9 @@
 (`nanotrain.parallel.schedule_runner.TimelineEvent`): forwards (F), whole backwards (B), the input
 and weight halves of split backwards (I, W), and the waits for a neighbour's activation or
 gradient (recv). `schedule_chart` draws the ranks' records on one time axis: the bubble is
-the white space, a wait is a grey band under the row. Forked ranks on one machine share
-`time.perf_counter`'s clock, so their records line up as they are.
+the white space, a wait is a grey band under the row. A rank whose actions overlap (paired
+chunks run side by side) gets two lanes: forwards above, backwards below. Forked ranks on one
+machine share `time.perf_counter`'s clock, so their records line up as they are.
 """
 
 from __future__ import annotations
@@ -72,15 +73,20 @@ def schedule_chart(
     for rank, rank_events in enumerate(timelines):
         y = top + rank * row
         draw.text((left - 8, y + row / 2), f"rank {rank}", fill="black", font=small, anchor="rm")
+        two_lanes = _overlaps([e for e in rank_events if e.kind != "recv"])
         for e in rank_events:
             x0, x1 = x_of(e.start), max(x_of(e.end), x_of(e.start) + 1)
             if e.kind == "recv":
                 draw.rectangle([x0, y + row - 9, x1, y + row - 4], fill=KIND_COLORS["recv"])
                 continue
-            draw.rectangle([x0, y + 4, x1, y + row - 11], fill=KIND_COLORS[e.kind], outline="white")
+            y0, y1 = y + 4, y + row - 11
+            if two_lanes:  # forwards above, backwards below
+                middle = (y0 + y1) / 2
+                y0, y1 = (y0, middle) if e.kind == "F" else (middle + 1, y1)
+            draw.rectangle([x0, y0, x1, y1], fill=KIND_COLORS[e.kind], outline="white")
             label = f"{e.microbatch}{chr(39) * e.chunk}"
             if x1 - x0 > 6 * len(label) + 2:
-                draw.text(((x0 + x1) / 2, y + (row - 7) / 2), label, fill="white", font=small,
+                draw.text(((x0 + x1) / 2, (y0 + y1) / 2), label, fill="white", font=small,
                           anchor="mm")  # fmt: skip
     kinds = [k for k in KIND_COLORS if any(e.kind == k for e in events)]
     x = left
@@ -92,3 +98,9 @@ def schedule_chart(
     out.parent.mkdir(parents=True, exist_ok=True)
     image.save(out, format="PNG")
     return out
+
+
+def _overlaps(events: Sequence[Any]) -> bool:
+    """Whether any two of `events` (one rank's compute spans) overlap in time."""
+    spans = sorted((e.start, e.end) for e in events)
+    return any(b[0] < a[1] for a, b in zip(spans, spans[1:], strict=False))

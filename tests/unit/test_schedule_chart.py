@@ -46,6 +46,24 @@ def test_bars_sit_on_their_rank_and_time_and_the_bubble_stays_white(tmp_path):
     assert _pixel(image, x(260), mid1) == white
 
 
+def test_a_rank_running_paired_chunks_gets_a_lane_for_each(tmp_path):
+    # a forward of chunk 0 and a backward of chunk 1 side by side from 50 to 150 ms
+    rank0 = [TimelineEvent("F", 1, 0, *_ms(0, 150)), TimelineEvent("B", 0, 1, *_ms(50, 300))]
+    path = schedule_chart([rank0], tmp_path / "paired.png", "paired", width=1090)
+    image = Image.open(path).convert("RGB")
+    left, right, top, row = 70, 1090 - 20, 40, 40
+
+    def x(ms: float) -> float:
+        return left + ms / 300 * (right - left)
+
+    color = {k: ImageColor.getrgb(v) for k, v in KIND_COLORS.items()}
+    upper, lower = top + 8, top + row - 14  # the two lanes inside the bar's height
+    assert _pixel(image, x(100), upper) == color["F"]
+    assert _pixel(image, x(100), lower) == color["B"]
+    assert _pixel(image, x(20), lower) == (255, 255, 255)  # the backward starts at 50 ms
+    assert _pixel(image, x(260), upper) == (255, 255, 255)  # the forward ended at 150 ms
+
+
 def test_nothing_recorded_is_an_error(tmp_path):
     with pytest.raises(ValueError, match="no rank recorded any event"):
         schedule_chart([[], []], tmp_path / "empty.png", "empty")
