@@ -163,7 +163,7 @@ def _sleep_bench(
 #: (schedule, virtual stages) of each drawn or timed schedule
 SLEEP_SCHEDULES = (
     ("gpipe", 1), ("1f1b", 1), ("interleaved_1f1b", 2), ("zb_1f1b", 1),
-    ("zb_interleaved_1f1b", 2), ("dualpipev", 2),
+    ("zb_interleaved_1f1b", 2), ("zb_h1", 1), ("dualpipev", 2),
 )  # fmt: skip
 
 

@@ -37,7 +37,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.pipeline import _comm  # noqa: E402
 from nanotrain.parallel.schedule_runner import run_schedule  # noqa: E402
-from nanotrain.parallel.schedules import SCHEDULES, V_SHAPED_SCHEDULES  # noqa: E402
+from nanotrain.parallel.schedules import (  # noqa: E402
+    ONE_CHUNK_SCHEDULES,
+    SCHEDULES,
+    V_SHAPED_SCHEDULES,
+)
 from nanotrain.planning.schedule_time import exposed_all_to_all  # noqa: E402
 from nanotrain.report.schedule_chart import schedule_chart  # noqa: E402
 from tests.distributed.spawn import run_world  # noqa: E402
@@ -91,7 +95,7 @@ def _step(
 ) -> Any:
     """The best of two steps' time on this rank, each chunk `rounds` MoE layers deep; with
     `record`, (that, the second step's timeline)."""
-    v = 1 if schedule in ("1f1b", "zb_1f1b") else 2
+    v = 1 if schedule in ONE_CHUNK_SCHEDULES else 2
     comm = _comm(rank, world, v, (4,), schedule in V_SHAPED_SCHEDULES)
     w = torch.ones(4, requires_grad=True)
 

@@ -105,7 +105,7 @@ def _parser() -> Any:
         "schedule",
         type=str | None,
         default=None,
-        help="gpipe|1f1b|interleaved_1f1b|zb_1f1b|zb_interleaved_1f1b|dualpipev",
+        help="gpipe|1f1b|interleaved_1f1b|zb_1f1b|zb_interleaved_1f1b|zb_h1|dualpipev",
     )
     flag("overlap_forward_backward", type=bool | None, default=None,
          help="run paired forward and backward chunks side by side (two chunks per rank)")  # fmt: skip

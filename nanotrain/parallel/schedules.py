@@ -23,6 +23,10 @@ numbers = microbatch) are drawn in docs/parallelism.md.
   sent upstream at once, then its weight gradient ("W"). Bubble (p - 1)·(F + I) against
   1F1B's (p - 1)·(F + I + W), at 1F1B's memory; ``zb_interleaved_1f1b`` does the same to
   interleaved 1F1B.
+- ZB-H1 (``zb_h1``, Qi et al. 2024): 1F1B with split backwards where rank r defers its
+  weight halves by r microbatches, so the gradients travel up the pipeline sooner and the
+  deferred W's fill the drain. Bubble (p - 1)·(F + I - W); every rank holds at most p
+  microbatches, the peak 1F1B has on its first rank.
 - DualPipeV (``dualpipev``; DeepSeek-AI's one-copy variant of DualPipe, DeepSeek-V3
   report section 3.2.1): two chunks per rank placed in a V (rank r holds virtual stages r
   and 2p - 1 - r, so rank 0 embeds and computes the loss, rank p - 1 turns the microbatch
@@ -49,6 +53,7 @@ __all__ = [
     "SCHEDULES",
     "SPLIT_BACKWARD_SCHEDULES",
     "Action",
+    "ONE_CHUNK_SCHEDULES",
     "V_SHAPED_SCHEDULES",
     "check_schedule_args",
     "dualpipev",
@@ -58,6 +63,7 @@ __all__ = [
     "max_in_flight",
     "one_f_one_b",
     "zero_bubble_1f1b",
+    "zero_bubble_h1",
     "zero_bubble_interleaved_1f1b",
 ]
 
@@ -202,6 +208,44 @@ def zero_bubble_1f1b(
     return _split_backwards(one_f_one_b(num_microbatches, pp_size, pp_rank))
 
 
+def zero_bubble_h1(
+    num_microbatches: int, pp_size: int, pp_rank: int, num_chunks: int = 1
+) -> list[Action]:
+    """ZB-H1 (Qi et al. 2024, "Zero Bubble Pipeline Parallelism"): 1F1B's forwards and input
+    halves, with rank r's weight halves each run r microbatches late (in order), the ones
+    still pending after the last input half at the end.
+
+    The last rank's input halves then follow its forwards directly, so each gradient starts
+    up the pipeline one weight half sooner per stage; the deferred weight halves fill the
+    drain, where a rank would wait for the next gradient. Bubble (p - 1)·(F + I - W) against
+    `zero_bubble_1f1b`'s (p - 1)·(F + I); a rank holds at most p microbatches (until their W),
+    1F1B's peak on its first rank.
+
+    Raises:
+        ValueError: for num_chunks != 1.
+    """
+    check_schedule_args(num_microbatches, pp_size, pp_rank, num_chunks)
+    if num_chunks != 1:
+        raise ValueError(f"zb_h1 runs one chunk per rank, got virtual_pp={num_chunks}")
+    m, delay = num_microbatches, pp_rank
+    warmup = min(pp_size - pp_rank - 1, m)
+    actions = [Action("F", i) for i in range(warmup)]
+    pending: list[Action] = []
+
+    def backward(i: int) -> None:
+        actions.append(Action("I", i))
+        pending.append(Action("W", i))
+        if len(pending) > delay:
+            actions.append(pending.pop(0))
+
+    for i in range(m - warmup):
+        actions.append(Action("F", warmup + i))
+        backward(i)
+    for i in range(m - warmup, m):
+        backward(i)
+    return actions + pending
+
+
 def zero_bubble_interleaved_1f1b(
     num_microbatches: int, pp_size: int, pp_rank: int, num_chunks: int = 2
 ) -> list[Action]:
@@ -331,7 +375,10 @@ def max_in_flight(actions: list[Action]) -> int:
 
 
 #: schedules that run backwards as input and weight halves (I and W actions)
-SPLIT_BACKWARD_SCHEDULES = frozenset({"zb_1f1b", "zb_interleaved_1f1b", "dualpipev"})
+SPLIT_BACKWARD_SCHEDULES = frozenset({"zb_1f1b", "zb_h1", "zb_interleaved_1f1b", "dualpipev"})
+
+#: schedules that run one chunk per rank
+ONE_CHUNK_SCHEDULES = frozenset({"1f1b", "zb_1f1b", "zb_h1"})
 
 #: schedules whose two chunks per rank sit in a V (`nanotrain.parallel.placement`)
 V_SHAPED_SCHEDULES = frozenset({"dualpipev"})
@@ -342,6 +389,7 @@ SCHEDULES: dict[str, Callable[..., list[Action]]] = {
     "1f1b": one_f_one_b,
     "interleaved_1f1b": interleaved_1f1b,
     "zb_1f1b": zero_bubble_1f1b,
+    "zb_h1": zero_bubble_h1,
     "zb_interleaved_1f1b": zero_bubble_interleaved_1f1b,
     "dualpipev": dualpipev,
 }

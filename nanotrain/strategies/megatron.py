@@ -118,8 +118,9 @@ class MegatronStrategy(MegatronGradNorms, Strategy):
             group when this process is already in one, else 1800.
         virtual_pp: model chunks per pipeline rank (interleaved 1F1B when > 1; always 2
             under DualPipeV).
-        schedule: "gpipe", "1f1b", "interleaved_1f1b", "zb_1f1b", "zb_interleaved_1f1b"
-            (these two: each backward split into its input and weight halves) or
+        schedule: "gpipe", "1f1b", "interleaved_1f1b", "zb_1f1b", "zb_interleaved_1f1b",
+            "zb_h1" (these three: each backward split into its input and weight halves; ZB-H1
+            also runs rank r's weight halves r microbatches late) or
             "dualpipev" (two chunks per rank in a V, forward and backward chunks paired;
             needs at least 2·pp microbatches); None picks 1F1B (interleaved when
             virtual_pp > 1). See `nanotrain.parallel.schedules`.

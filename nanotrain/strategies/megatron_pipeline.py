@@ -29,7 +29,12 @@ from nanotrain.models.transformer import ModelOutput
 from nanotrain.parallel.grads import all_reduce_coalesced
 from nanotrain.parallel.pipeline import PipelineComm, open_channels
 from nanotrain.parallel.schedule_runner import ScheduleStats, run_schedule
-from nanotrain.parallel.schedules import SCHEDULES, V_SHAPED_SCHEDULES, forward_only
+from nanotrain.parallel.schedules import (
+    ONE_CHUNK_SCHEDULES,
+    SCHEDULES,
+    V_SHAPED_SCHEDULES,
+    forward_only,
+)
 from nanotrain.precision.base import Precision
 from nanotrain.precision.master import grad_of
 from nanotrain.runtime.host_copy import host_to_device
@@ -65,7 +70,7 @@ def pick_schedule(schedule: str | None, virtual_pp: int) -> str:
         return "interleaved_1f1b" if virtual_pp > 1 else "1f1b"
     if schedule not in SCHEDULES:
         raise ValueError(f"schedule must be one of {sorted(SCHEDULES)}, got {schedule!r}")
-    if schedule in ("1f1b", "zb_1f1b") and virtual_pp > 1:
+    if schedule in ONE_CHUNK_SCHEDULES and virtual_pp > 1:
         raise ValueError(
             f"schedule={schedule!r} runs one chunk per rank but virtual_pp={virtual_pp}; use "
             "schedule='interleaved_1f1b' (or virtual_pp=1)"

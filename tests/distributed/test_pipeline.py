@@ -92,6 +92,8 @@ WORLD2 = {
         "tiny",
         dict(pp=2, schedule="zb_1f1b", pipeline_layout=[1, 3]),
     ),
+    # ZB-H1: rank 1 runs its weight halves a microbatch late
+    "dense pp=2 zb_h1": ("tiny-dense", dict(pp=2, schedule="zb_h1")),
     # split backwards, and the chunk pairs of the interleaved order run side by side
     "deepseek pp=2 x virtual 2 zb_interleaved_1f1b overlapped": (
         "tiny",

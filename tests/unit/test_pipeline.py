@@ -23,6 +23,7 @@ from nanotrain.parallel.schedules import (
     max_in_flight,
     one_f_one_b,
     zero_bubble_1f1b,
+    zero_bubble_h1,
     zero_bubble_interleaved_1f1b,
 )
 from nanotrain.strategies.megatron import MegatronStrategy
@@ -131,6 +132,8 @@ def test_1f1b_holds_at_most_pp_microbatches_gpipe_holds_all(pp, m):
         assert max_in_flight(gpipe(m, pp, rank)) == m
         # split backwards free a microbatch at its W, right after its I: 1F1B's memory
         assert max_in_flight(zero_bubble_1f1b(m, pp, rank)) == min(pp - rank, m)
+        # ZB-H1 defers rank r's W's by r microbatches: every rank at 1F1B's first-rank peak
+        assert max_in_flight(zero_bubble_h1(m, pp, rank)) == min(pp, m)
         if m % pp == 0:  # and interleaved 1F1B's
             interleaved = max_in_flight(interleaved_1f1b(m, pp, rank, 2))
             assert max_in_flight(zero_bubble_interleaved_1f1b(m, pp, rank, 2)) == interleaved

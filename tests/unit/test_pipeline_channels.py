@@ -19,7 +19,12 @@ import torch.distributed as dist
 from nanotrain.parallel.mesh import MeshLayout
 from nanotrain.parallel.pipeline import PipelineComm
 from nanotrain.parallel.schedule_runner import run_schedule
-from nanotrain.parallel.schedules import SCHEDULES, V_SHAPED_SCHEDULES, forward_only
+from nanotrain.parallel.schedules import (
+    ONE_CHUNK_SCHEDULES,
+    SCHEDULES,
+    V_SHAPED_SCHEDULES,
+    forward_only,
+)
 
 
 @dataclass
@@ -124,12 +129,13 @@ CASES = [
         "interleaved_1f1b",
         "zb_1f1b",
         "zb_interleaved_1f1b",
+        "zb_h1",
         "dualpipev",
         "forward_only",
     )
     for pp in (2, 3, 4)
     for v in (
-        (1,) if schedule in ("1f1b", "zb_1f1b") else (2,) if schedule == "dualpipev" else (1, 2, 3)
+        (1,) if schedule in ONE_CHUNK_SCHEDULES else (2,) if schedule == "dualpipev" else (1, 2, 3)
     )
     for m in (pp, 2 * pp, 2 * pp + 1)
     if not ("interleaved" in schedule and (v == 1 or m % pp))

@@ -16,9 +16,10 @@ BOUNDED = {"dualpipev"}
 
 def _formula(name: str, m: int, p: int, v: int, f: float, i: float, w: float) -> float:
     """m (F + I + W) of work plus the bubble: (p - 1)(F + I + W) / v, without W for the
-    split-backward schedules."""
-    split = name.startswith("zb")
-    return m * (f + i + w) + (p - 1) * ((f + i) if split else (f + i + w)) / v
+    split-backward schedules, less one W for ZB-H1 (Qi et al. 2024: (p - 1)(F + B - W) in
+    their terms, B the input half)."""
+    bubble = {"zb_h1": f + i - w}.get(name, (f + i) if name.startswith("zb") else (f + i + w))
+    return m * (f + i + w) + (p - 1) * bubble / v
 
 
 @pytest.mark.parametrize("name", sorted(set(SCHEDULES) - BOUNDED))
