@@ -31,12 +31,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.pipeline import _comm  # noqa: E402
-from nanotrain.parallel.schedule_runner import run_schedule  # noqa: E402
+from benchmarks.pipeline import _comm, best_of_two_steps  # noqa: E402
 from nanotrain.parallel.schedules import (  # noqa: E402
     ONE_CHUNK_SCHEDULES,
     SCHEDULES,
@@ -111,15 +109,8 @@ def _step(
         return (None, out.sum()) if comm.is_last(c) else (out, None)
 
     actions = SCHEDULES[schedule](m, world, rank, v)
-    times, timeline = [], []
-    for _ in range(2):
-        timeline = []
-        dist.barrier()
-        start = time.perf_counter()
-        run_schedule(actions, comm, forward_step, params=[w], overlap=overlap, timeline=timeline)
-        dist.barrier()
-        times.append(time.perf_counter() - start)
-    return (min(times), timeline) if record else min(times)
+    best, timeline = best_of_two_steps(actions, comm, forward_step, w, overlap)
+    return (best, timeline) if record else best
 
 
 def draw(folder: str, f: float, a: float, rounds: int, pp: int = 4, m: int = 8) -> None:
