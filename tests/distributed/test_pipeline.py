@@ -87,13 +87,12 @@ WORLD2 = {
         "tiny",
         dict(pp=2, virtual_pp=2, pipeline_layout=[1, 1, 1, 1]),
     ),
-    # split backwards (input half, then weight half), MTP on the last stage, uneven stages
-    "deepseek pp=2 zb_1f1b layout 1,3": (
+    # split backwards (input half, then weight half; ZB-H1 runs rank 1's a microbatch late),
+    # MTP on the last stage, uneven stages
+    "deepseek pp=2 zb_h1 layout 1,3": (
         "tiny",
-        dict(pp=2, schedule="zb_1f1b", pipeline_layout=[1, 3]),
+        dict(pp=2, schedule="zb_h1", pipeline_layout=[1, 3]),
     ),
-    # ZB-H1: rank 1 runs its weight halves a microbatch late
-    "dense pp=2 zb_h1": ("tiny-dense", dict(pp=2, schedule="zb_h1")),
     # split backwards, and the chunk pairs of the interleaved order run side by side
     "deepseek pp=2 x virtual 2 zb_interleaved_1f1b overlapped": (
         "tiny",
@@ -196,13 +195,14 @@ def test_four_rank_pipeline_matches_single_process(world4, references, layout):
 
 def test_1f1b_holds_at_most_pp_microbatches_in_flight_gpipe_all(world2):
     # 4 microbatches per step on pp=2, counted by the executor while it ran the last step;
-    # split backwards hold a microbatch until its weight half, right after its input half
+    # split backwards hold a microbatch until its weight half
     for rank, result in enumerate(world2):
         assert result["deepseek pp=2 1f1b (MoE on both stages, MTP last)"]["peak_in_flight"] == (
             2 - rank
         )
         assert result["dense pp=2 gpipe"]["peak_in_flight"] == 4
-        assert result["deepseek pp=2 zb_1f1b layout 1,3"]["peak_in_flight"] == 2 - rank
+        # ZB-H1's rank 1 keeps a microbatch until its late weight half: 2 on both ranks
+        assert result["deepseek pp=2 zb_h1 layout 1,3"]["peak_in_flight"] == 2
         # a V holds its two chunks' microbatches as the schedule counts them (2·pp + 1)
         dualpipe = result["deepseek pp=2 dualpipev layout 1,0,2,1"]["peak_in_flight"]
         assert dualpipe == max_in_flight(dualpipev(4, 2, rank)) == 5
