@@ -270,8 +270,10 @@ def test_an_error_found_by_rank_one_alone_is_printed_once_by_it(torchrun_run):
 def test_debug_gives_every_rank_its_own_traceback(rank_runs):
     (code0, err0), (code1, err1) = rank_runs["rank1_debug"]
     assert code1 is None and "planted by the test" in err1 and _nanotrain_frames(err1)
-    # rank 0's collective lost rank 1: its own traceback says so
-    assert code0 is None and "Connection closed by peer" in err0 and _nanotrain_frames(err0)
+    # rank 0's collective lost rank 1: its own traceback says so (gloo words it either way,
+    # depending on where in the transfer the peer went)
+    lost = "Connection closed by peer" in err0 or "remote worker" in err0
+    assert code0 is None and lost and _nanotrain_frames(err0), err0[-2000:]
 
 
 def test_prepare_takes_an_eos_token(data):
