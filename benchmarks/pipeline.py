@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -120,18 +121,26 @@ def _bench(rank: int, world: int, schedule: str, m: int, v: int) -> dict:
     return {"step": statistics.median(times), "busy": 3 * busy[0], "peak": max(peaks)}
 
 
-class _Sleep(torch.autograd.Function):
-    """Identity that sleeps `fwd` seconds in forward and `bwd` in backward."""
+#: the rank's one compute engine (each rank is its own process): two threads of a rank
+#: (paired chunks side by side) never compute at once, as on one GPU
+ENGINE = threading.Lock()
+
+
+class Compute(torch.autograd.Function):
+    """Identity that holds the rank's compute engine `fwd` seconds (a sleep) in forward and
+    `bwd` in backward."""
 
     @staticmethod
     def forward(ctx, x, fwd: float, bwd: float):
         ctx.bwd = bwd
-        time.sleep(fwd)
+        with ENGINE:
+            time.sleep(fwd)
         return x.clone()
 
     @staticmethod
     def backward(ctx, g):
-        time.sleep(ctx.bwd)
+        with ENGINE:
+            time.sleep(ctx.bwd)
         return g, None, None
 
 
@@ -145,7 +154,7 @@ def _sleep_bench(
     def forward_step(mb: int, c: int, inp):
         x = w * 1.0 if inp is None else inp
         # backward 2F/v: F/v on the path to the input (I), F/v on the path to the weight (W)
-        out = _Sleep.apply(x, f / v, f / v) + _Sleep.apply(w, 0.0, f / v).sum() * 0.0
+        out = Compute.apply(x, f / v, f / v) + Compute.apply(w, 0.0, f / v).sum() * 0.0
         return (None, out.sum()) if comm.is_last(c) else (out, None)
 
     best, timeline = best_of_two_steps(

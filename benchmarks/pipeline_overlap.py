@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -34,7 +33,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.pipeline import _comm, best_of_two_steps  # noqa: E402
+from benchmarks.pipeline import Compute, _comm, best_of_two_steps  # noqa: E402
 from nanotrain.parallel.schedules import (  # noqa: E402
     ONE_CHUNK_SCHEDULES,
     SCHEDULES,
@@ -43,26 +42,6 @@ from nanotrain.parallel.schedules import (  # noqa: E402
 from nanotrain.planning.schedule_time import exposed_all_to_all  # noqa: E402
 from nanotrain.report.schedule_chart import schedule_chart  # noqa: E402
 from tests.distributed.spawn import run_world  # noqa: E402
-
-#: the rank's one compute engine (each rank is its own process)
-_ENGINE = threading.Lock()
-
-
-class _Compute(torch.autograd.Function):
-    """Identity that holds the compute engine `fwd` seconds in forward, `bwd` in backward."""
-
-    @staticmethod
-    def forward(ctx, x, fwd: float, bwd: float):
-        ctx.bwd = bwd
-        with _ENGINE:
-            time.sleep(fwd)
-        return x.clone()
-
-    @staticmethod
-    def backward(ctx, g):
-        with _ENGINE:
-            time.sleep(ctx.bwd)
-        return g, None, None
 
 
 class _AllToAll(torch.autograd.Function):
@@ -103,9 +82,9 @@ def _step(
         # `rounds` layers of compute, dispatch, compute, combine
         piece, wire = f / v / 2 / rounds, a / v / rounds
         for _ in range(rounds):
-            x = _AllToAll.apply(_Compute.apply(x, piece, piece), wire)
-            x = _AllToAll.apply(_Compute.apply(x, piece, piece), wire)
-        out = x + _Compute.apply(w, 0.0, f / v).sum() * 0.0
+            x = _AllToAll.apply(Compute.apply(x, piece, piece), wire)
+            x = _AllToAll.apply(Compute.apply(x, piece, piece), wire)
+        out = x + Compute.apply(w, 0.0, f / v).sum() * 0.0
         return (None, out.sum()) if comm.is_last(c) else (out, None)
 
     actions = SCHEDULES[schedule](m, world, rank, v)
