@@ -12,6 +12,10 @@
 #   peer    torchtitan's Llama-3 beside the nanotrain Trainer and bare loop at the dense-1b
 #           shape, bf16-mixed, compiled, in one process: tokens/s, MFU and the ratio
 #           (benchmarks/peer_torchtitan.py; 55 s on an H200)
+#   overhead  the Trainer's per-step cost against a plain loop and lightning.Trainer on the GPU,
+#           logging every step (benchmarks/overhead.py --device cuda, a launch-bound and a
+#           ~2 ms model), and the host syncs while logging (--sync-check)
+#   overheadcpu  benchmarks/overhead.py's CPU table on this machine's (quiet) CPU
 # Earlier checks, by name only: sync, syncsource (host syncs of the Trainer), nccl (every
 # strategy on one NCCL rank), experts (expert layer by number of experts), moe, dense (the
 # bare loop's MFU). Each part has its own time limit, so one slow part cannot starve the
@@ -22,7 +26,7 @@ cd "$(dirname "$0")/.."
 out="${1:-${OUT:-/tmp/gpu}}"
 wanted=("${@:2}")
 [ ${#wanted[@]} -gt 0 ] || wanted=(tests fit fp8 plan graphs peer)
-parts=" tests fit fp8 plan graphs peer sync syncsource nccl experts moe dense "
+parts=" tests fit fp8 plan graphs peer overhead overheadcpu sync syncsource nccl experts moe dense "
 for name in "${wanted[@]}"; do
     if [[ "$parts" != *" $name "* ]]; then
         echo "unknown part '$name'; the parts are:$parts" >&2
@@ -50,7 +54,8 @@ part() {  # part NAME SECONDS COMMAND...: run with a time limit, log to $out/NAM
         return
     fi
     local t0=$SECONDS
-    timeout "$limit" "$@" >"$out/$name.log" 2>&1
+    # -k: a fit catches SIGTERM to save and stop after its step, which a hung step never ends
+    timeout -k 10 "$limit" "$@" >"$out/$name.log" 2>&1
     echo "== $name: exit $? in $((SECONDS - t0)) s" | tee -a "$out/$name.log"
 }
 
@@ -77,6 +82,10 @@ part plan 90 python3 benchmarks/gpu_fit.py --out "$out/fit" --plan-memory --prec
 part graphs 30 python3 benchmarks/gpu_fit.py --out "$out/fit" --preset moe-1b \
     --precision bf16-true --compile cudagraphs --no-bare
 part peer 120 python3 benchmarks/peer_torchtitan.py
+part overhead 240 bash -c "python3 benchmarks/overhead.py --device cuda --sync-check;
+    python3 benchmarks/overhead.py --device cuda --width 256 --steps 300 --rounds 5;
+    python3 benchmarks/overhead.py --device cuda --width 2048 --batch 1024 --steps 200 --rounds 3"
+part overheadcpu 150 python3 benchmarks/overhead.py --width 256 --steps 300 --rounds 5
 part sync 120 python3 benchmarks/gpu.py --sync-check-only
 part syncsource 200 python3 benchmarks/gpu.py --find-syncs ddp:bf16-mixed --find-syncs ddp:bf16-true \
     --find-syncs single:bf16-mixed --find-syncs single:bf16-true \
@@ -89,6 +98,7 @@ echo "== summary"
 grep -sh "^| \|gap of\|largest micro-batch\|exit " "$out/fit.log" "$out/fp8.log" "$out/plan.log" "$out/graphs.log"
 grep -sh "passed\|failed\|error" "$out/tests.log" | tail -3
 grep -sh "^| \|^peer" "$out/peer.log"
+grep -sh "^sync check\|^  step\|^steps=\|^[a-z ]*loop\|^nanotrain\|^lightning" "$out/overhead.log" "$out/overheadcpu.log"
 grep -sh "^sync check\|^  [0-9]*x " "$out/sync.log"
 grep -sh "^sync sources\|^  [0-9]*x \|^  steady" "$out/syncsource.log" | cut -c1-400
 grep -sh "matches single\|bf16-mixed  \|bf16-true  \|NCCL check\|Error" "$out/nccl.log"

@@ -6,6 +6,8 @@ time per step after a warm-up is compared (every other round runs the runners in
 order). Run:
 
     python benchmarks/overhead.py --steps 500 --rounds 5
+    python benchmarks/overhead.py --device cuda --width 256      # the same on one GPU
+    python benchmarks/overhead.py --device cuda --sync-check     # host syncs while logging
 
 Each run's figure is its median step-to-step time after the warm-up. Prints a table with
 each runner's median over rounds, its ratio to the plain loop's, and the median of the
@@ -13,11 +15,17 @@ per-round ratios ("paired": each round's runners run back to back) and the ratio
 fastest rounds ("best": on a shared box, the cost without interference). The "+log" runners
 (the module logs a tensor, a dict and a MeanMetric every step, the default loggers write
 every 50 steps) are set against "plain loop+log", which does the same work by hand.
+
+`--device cuda` runs every runner on one GPU (batches copied per step; each run's last step
+waits for the GPU). `--sync-check` fits the logging module with the default callbacks on the
+GPU and counts the host-device syncs (`torch.cuda.set_sync_debug_mode("warn")`) in every step
+from the 6th on, apart for the steps that write the loggers and the others.
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
 import statistics
 import tempfile
 import time
@@ -93,14 +101,15 @@ class _StepClock:
 
 
 def run_plain(
-    data: TensorDataset, batch: int, steps: int, warmup: int, width: int, log: bool = False
-) -> float:
+    data: TensorDataset, batch: int, steps: int, warmup: int, width: int, log: bool = False,
+    device: str = "cpu",
+) -> float:  # fmt: skip
     """A hand-written loop: next batch, forward, backward, clip, step, zero_grad. `log`: it
     also does by hand what the logging module asks of a Trainer: the same values kept as
     tensors every step, the MeanMetric updated, and all written to TensorBoard (read on the
     host) every 50 steps."""
     torch.manual_seed(0)
-    module = Regressor(width)
+    module = Regressor(width).to(device)
     opt = module.configure_optimizers()
     loader = DataLoader(data, batch_size=batch, shuffle=True, drop_last=True)
     clock, step = _StepClock(warmup), 0
@@ -109,6 +118,7 @@ def run_plain(
         while step < steps:
             for x, y in loader:
                 clock.at_batch_start(step)
+                x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
                 if writer is None:
                     loss = module.training_step((x, y), step)
                 else:
@@ -127,8 +137,15 @@ def run_plain(
         if writer is not None:
             writer.add_scalar("mean_loss", module.mean_loss.compute().item(), step)
             writer.close()
+    _wait_for(device)
     clock.at_train_end()
     return clock.ms_per_step(steps)
+
+
+def _wait_for(device: str) -> None:
+    """On a GPU, the last step ends when the GPU has done its work."""
+    if device != "cpu":
+        torch.cuda.synchronize()
 
 
 def _plain_update(module: nn.Module, opt: torch.optim.Optimizer, loss: torch.Tensor) -> None:
@@ -141,7 +158,7 @@ def _plain_update(module: nn.Module, opt: torch.optim.Optimizer, loss: torch.Ten
 
 def run_nanotrain(
     data: TensorDataset, batch: int, steps: int, warmup: int, width: int, defaults: bool = False,
-    log: bool = False,
+    log: bool = False, device: str = "cpu",
 ) -> float:  # fmt: skip
     """The nanotrain Trainer, single device, no loggers; like the Lightning runner, without
     checkpointing, progress bar and monitors unless `defaults` (then the Trainer's default
@@ -155,12 +172,13 @@ def run_nanotrain(
             clock.at_batch_start(trainer.global_step)
 
         def on_train_end(self, trainer, module):
+            _wait_for(device)
             clock.at_train_end()
 
     torch.manual_seed(0)
     with tempfile.TemporaryDirectory() as root:
         trainer = nt.Trainer(
-            strategy=nt.SingleDeviceStrategy("cpu"),
+            strategy=nt.SingleDeviceStrategy(device),
             max_steps=steps,
             global_batch_size=batch,
             micro_batch_size=batch,
@@ -178,8 +196,9 @@ def run_nanotrain(
 
 
 def run_lightning(
-    data: TensorDataset, batch: int, steps: int, warmup: int, width: int, log: bool = False
-) -> float:
+    data: TensorDataset, batch: int, steps: int, warmup: int, width: int, log: bool = False,
+    device: str = "cpu",
+) -> float:  # fmt: skip
     """lightning.Trainer on the same module, with its extras (logger, progress, ckpt) off;
     `log`: the module logs every step, to Lightning's default logger, every 50 steps."""
     clock = _StepClock(warmup)
@@ -189,6 +208,7 @@ def run_lightning(
             clock.at_batch_start(trainer.global_step)
 
         def on_train_end(self, trainer, module):
+            _wait_for(device)
             clock.at_train_end()
 
     torch.manual_seed(0)
@@ -196,7 +216,7 @@ def run_lightning(
     with tempfile.TemporaryDirectory() as root:
         trainer = pl.Trainer(
             max_steps=steps,
-            accelerator="cpu",
+            accelerator="cpu" if device == "cpu" else "gpu",
             devices=1,
             logger=log,
             callbacks=[Clock()],
@@ -211,32 +231,73 @@ def run_lightning(
     return clock.ms_per_step(steps)
 
 
-def run_nanotrain_defaults(
-    data: TensorDataset, batch: int, steps: int, warmup: int, width: int
-) -> float:
+def run_nanotrain_defaults(*args, device: str = "cpu") -> float:
     """The nanotrain Trainer with its default callbacks (what a user gets unasked)."""
-    return run_nanotrain(data, batch, steps, warmup, width, defaults=True)
+    return run_nanotrain(*args, defaults=True, device=device)
 
 
-def run_nanotrain_logging(
-    data: TensorDataset, batch: int, steps: int, warmup: int, width: int
-) -> float:
+def run_nanotrain_logging(*args, device: str = "cpu") -> float:
     """The default callbacks and loggers, the module logging every step."""
-    return run_nanotrain(data, batch, steps, warmup, width, defaults=True, log=True)
+    return run_nanotrain(*args, defaults=True, log=True, device=device)
 
 
-def run_lightning_logging(
-    data: TensorDataset, batch: int, steps: int, warmup: int, width: int
-) -> float:
+def run_lightning_logging(*args, device: str = "cpu") -> float:
     """lightning.Trainer with its default logger, the module logging every step."""
-    return run_lightning(data, batch, steps, warmup, width, log=True)
+    return run_lightning(*args, log=True, device=device)
 
 
-def run_plain_logging(
-    data: TensorDataset, batch: int, steps: int, warmup: int, width: int
-) -> float:
+def run_plain_logging(*args, device: str = "cpu") -> float:
     """The hand-written loop doing the logging module's work by hand."""
-    return run_plain(data, batch, steps, warmup, width, log=True)
+    return run_plain(*args, log=True, device=device)
+
+
+def sync_check(data: TensorDataset, batch: int, width: int, steps: int = 120) -> None:
+    """Fit the logging module on the GPU with the default callbacks and loggers (writing every
+    50 steps) under sync debug mode "warn" from the 6th step on; print the syncs per step,
+    apart for the steps that write the loggers and the others, with where the first came from."""
+    import traceback
+    import warnings
+
+    step, found = [-1], {}  # found: step -> [where]
+
+    def record(message, category, filename, lineno, file=None, line=None):  # noqa: ANN001
+        if "synchronizing CUDA operation" in str(message):
+            frames = [f for f in traceback.extract_stack()[:-1] if "/nanotrain/" in f.filename]
+            where = f"{frames[-1].filename}:{frames[-1].lineno}" if frames else filename
+            found.setdefault(step[0], []).append(where)
+
+    class Watch(nt.Callback):
+        def on_train_step_start(self, trainer, module, b, batch_idx):
+            torch.cuda.set_sync_debug_mode("default")
+            torch.cuda.synchronize()  # what is queued before the step is not its sync
+            step[0] = trainer.global_step
+            if step[0] >= 5:
+                torch.cuda.set_sync_debug_mode("warn")
+
+        def on_train_end(self, trainer, module):
+            torch.cuda.set_sync_debug_mode("default")
+
+    torch.manual_seed(0)
+    with tempfile.TemporaryDirectory() as root, warnings.catch_warnings():
+        warnings.simplefilter("always")
+        warnings.showwarning = record
+        trainer = nt.Trainer(
+            strategy=nt.SingleDeviceStrategy("cuda"), max_steps=steps, global_batch_size=batch,
+            micro_batch_size=batch, gradient_clip_val=1.0, callbacks=[Watch()],
+            default_root_dir=root, log_every_n_steps=50,
+        )  # fmt: skip
+        try:
+            trainer.fit(Regressor(width, log_every_step=True), train_dataloaders=data)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    writing = {s for s in range(5, steps) if (s + 1) % 50 == 0 or s == steps - 1}
+    for kind, chosen in (("non-writing", set(range(5, steps)) - writing), ("writing", writing)):
+        hits = {s: found[s] for s in sorted(chosen) if s in found}
+        total = sum(len(v) for v in hits.values())
+        print(f"sync check, {kind} steps ({len(chosen)}): {total} syncs in {len(hits)} steps")
+        places = collections.Counter(w for where in hits.values() for w in where)
+        for where, n in places.most_common():
+            print(f"  {n}x at {where}")
 
 
 RUNNERS = {
@@ -259,19 +320,27 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--width", type=int, default=512)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    parser.add_argument("--sync-check", action="store_true", help="only the GPU sync check")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     data = make_data(args.batch * 64, args.width)
+    if args.sync_check:
+        sync_check(data, args.batch, args.width)
+        return
     times: dict[str, list[float]] = {name: [] for name in RUNNERS}
     for i in range(args.rounds):
         # every other round in reverse order: a drift of the machine's speed during a round
         # then favours no runner over the rounds
         order = list(RUNNERS.items()) if i % 2 == 0 else list(RUNNERS.items())[::-1]
         for name, runner in order:
-            times[name].append(runner(data, args.batch, args.steps, args.warmup, args.width))
+            times[name].append(
+                runner(data, args.batch, args.steps, args.warmup, args.width, device=args.device)
+            )
     print(
         f"steps={args.steps} warmup={args.warmup} rounds={args.rounds} batch={args.batch} "
-        f"width={args.width} threads={args.threads} torch={torch.__version__}"
+        f"width={args.width} threads={args.threads} device={args.device} "
+        f"torch={torch.__version__}"
     )
     print(
         f"{'runner':<18} {'ms/step (median)':>17} {'vs plain':>9} {'paired':>7} {'best':>6}"

@@ -30,7 +30,9 @@ def test_cuda_graphs_on_the_cpu_are_refused_at_fit_start(tmp_path):
     with pytest.raises(
         ValueError, match="CUDA graphs need a CUDA device, but this run trains on cpu"
     ):
-        fit("32-true", strategy="single", root=str(tmp_path), module=module, callbacks=[Steps()])
+        # the CPU named: "single" would pick the GPU on a machine that has one
+        cpu = nt.SingleDeviceStrategy("cpu")
+        fit("32-true", strategy=cpu, root=str(tmp_path), module=module, callbacks=[Steps()])
     assert steps == []  # before any step
 
 
