@@ -10,7 +10,7 @@ from torch import nn
 from nanotrain.models.config import DeepSeekConfig, DenseConfig
 from nanotrain.models.deepseek import DeepSeekV3
 from nanotrain.models.layers import RMSNorm
-from nanotrain.models.moe import GroupedExperts
+from nanotrain.models.moe import DeepSeekMoE, GroupedExperts
 from nanotrain.models.transformer import CausalLM, DenseTransformer
 from nanotrain.parallel.tensor import VocabParallelEmbedding, _TensorParallelModule
 
@@ -33,7 +33,8 @@ def build_model(
     Args:
         config: DenseConfig or DeepSeekConfig.
         mesh: a ParallelMesh or None (one process); its `tp_group` splits heads and widths,
-            its `ep_group` the routed experts of every MoE layer (MTP blocks included).
+            its `ep_group` the routed experts of every MoE layer (MTP blocks included), and
+            its `ep_node_groups` (when set) make their dropless dispatch node-limited.
         device: "meta", "cpu", "cuda", ... (None = "cpu").
         generator: optional torch.Generator on `device` for the initialization.
         sequence_parallel: shard activations outside the tensor-parallel matmuls along the
@@ -61,6 +62,11 @@ def build_model(
             sequence_parallel=sequence_parallel,
             ep_group=ep_group,
         )
+    node_groups = getattr(mesh, "ep_node_groups", None) if mesh is not None else None
+    if node_groups is not None:
+        for sub in model.modules():
+            if isinstance(sub, DeepSeekMoE):
+                sub.node_groups = node_groups
     device = torch.device("cpu" if device is None else device)
     if device.type != "meta":
         model.to_empty(device=device)

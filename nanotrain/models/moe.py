@@ -54,6 +54,7 @@ from nanotrain.parallel.expert import (
     peer_slot_counts,
     run_experts_parallel,
 )
+from nanotrain.parallel.node_dispatch import NodeGroups, run_experts_node_limited
 
 
 @dataclass
@@ -245,7 +246,9 @@ class DeepSeekMoE(nn.Module):
 
     Expert parallelism (`ep_group` of P ranks) gives this rank only the routed experts
     [ep_rank * E / P, (ep_rank + 1) * E / P); the router still scores all E, and token copies
-    travel to their experts' ranks and back by all-to-all (`nanotrain.parallel.expert`).
+    travel to their experts' ranks and back by all-to-all (`nanotrain.parallel.expert`), or,
+    with `node_groups` set and no capacity factor, once per node and on inside it
+    (`nanotrain.parallel.node_dispatch`).
     The routed experts' parameters are always tagged with `mark_expert_params`.
 
     `config.capacity_factor` f (None = dropless) caps each expert at
@@ -277,6 +280,9 @@ class DeepSeekMoE(nn.Module):
         # the group holding the rest of each sequence (None: this rank holds whole sequences)
         self.sequence_group = tp_group if sequence_parallel else None
         self.ep_group = ep_group
+        # the ep group split by node (`nanotrain.models.build` sets it from the mesh): the
+        # dropless dispatch is then node-limited
+        self.node_groups: NodeGroups | None = None
         self.gate = TopKRouter(c, device=device)
         self.experts = GroupedExperts(
             c.n_routed_experts,
@@ -319,7 +325,12 @@ class DeepSeekMoE(nn.Module):
         h = x.reshape(b * t, hidden)  # (N, H)
         topk_idx, topk_weight, scores = self.gate(h)  # (N, K), (N, K), (N, E)
         keep = None
-        if self.config.capacity_factor is None:  # dropless: copies sorted by expert
+        if self.config.capacity_factor is None and self.node_groups is not None:
+            y = run_experts_node_limited(
+                h, topk_idx, topk_weight, e, self.experts, self.node_groups,
+                self.experts.for_dispatch, self.experts.dispatches_fp8,
+            ).view(b, t, hidden)  # fmt: skip
+        elif self.config.capacity_factor is None:  # dropless: copies sorted by expert
             d = dispatch(h, topk_idx, e)  # d.x: (N*K, H) sorted by expert
             x_sorted = self._for_dispatch(d.x)  # (N*K, H), the dtype it crosses ranks in
             y_sorted = run_experts_parallel(

@@ -43,6 +43,7 @@ import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
 from nanotrain.parallel.layout_checks import check_sizes, validate_layout
+from nanotrain.parallel.node_dispatch import NodeGroups, node_split
 from nanotrain.parallel.placement import StagePlacement
 
 __all__ = [
@@ -199,6 +200,31 @@ class MeshLayout:
         raise ValueError(f"unknown mesh axis {axis!r}; choose one of {AXES}")
 
 
+def _node_groups(
+    splits: list[tuple[list[int], int, int]],
+    rank: int,
+    new_group: Callable[[list[int]], ProcessGroup],
+) -> NodeGroups | None:
+    """Create, in one order on every rank, the intra-node and rail groups of every ep group
+    (ranks, nodes, per_node) spanning several nodes; return this rank's."""
+    mine = None
+    for ranks, nodes, per_node in splits:
+        if nodes == 1:
+            continue
+        intra, inter = {}, {}
+        if per_node > 1:
+            for n in range(nodes):
+                members = ranks[n * per_node : (n + 1) * per_node]
+                intra[n] = new_group(members)
+        for j in range(per_node):
+            inter[j] = new_group(ranks[j::per_node])
+        if rank in ranks:
+            i = ranks.index(rank)
+            n, j = divmod(i, per_node)
+            mine = NodeGroups(nodes, per_node, n, intra.get(n), inter[j])
+    return mine
+
+
 class ParallelMesh:
     """Process groups of every mesh axis plus this rank's coordinates; pass it, never a global.
 
@@ -218,6 +244,9 @@ class ParallelMesh:
         paired_ep_group: a second group over this rank's expert-parallel ranks, for the
             second of two pipeline chunks that run side by side (`ParallelMesh.build`'s
             ``paired_chunks``); None when not made.
+        ep_node_groups: this rank's expert-parallel group split by node, for node-limited
+            dispatch (`nanotrain.parallel.node_dispatch`; `ParallelMesh.build`'s
+            ``ranks_per_node``); None when not made or when the group is on one node.
     """
 
     def __init__(
@@ -227,6 +256,7 @@ class ParallelMesh:
         groups: Mapping[str, ProcessGroup | None] | None = None,
         channels: Mapping[Channel, ProcessGroup] | None = None,
         paired_ep_group: ProcessGroup | None = None,
+        ep_node_groups: NodeGroups | None = None,
     ) -> None:
         self.layout = layout
         self.coords = layout.coords(rank)
@@ -237,6 +267,7 @@ class ParallelMesh:
         self._groups = {axis: groups.get(axis) for axis in AXES}
         self.pp_channels: dict[Channel, ProcessGroup] = dict(channels or {})
         self.paired_ep_group = paired_ep_group
+        self.ep_node_groups = ep_node_groups
 
     @classmethod
     def single(cls) -> ParallelMesh:
@@ -258,6 +289,7 @@ class ParallelMesh:
         new_group: Callable[[list[int]], ProcessGroup] | None = None,
         pipeline_v_shape: bool = False,
         paired_chunks: bool = False,
+        ranks_per_node: int | None = None,
         **model_dims: int | None,
     ) -> ParallelMesh:
         """Validate the layout, then create every group of every axis.
@@ -281,11 +313,16 @@ class ParallelMesh:
                 (`paired_ep_group`): when a forward of one chunk and a backward of another
                 run side by side, each chunk's all-to-alls need a group of their own to keep
                 one order on every rank.
+            ranks_per_node: global ranks per node (consecutive ranks share a node); given,
+                every expert-parallel group that spans several nodes also gets its node
+                groups (`ep_node_groups`, for node-limited dispatch).
             **model_dims: ``num_heads``, ``num_kv_heads``, ``vocab_size``, ``num_experts``,
                 ``num_layers`` forwarded to ``validate_layout``.
 
         Raises:
-            ValueError: invalid layout (before any group exists), or the world does not match.
+            ValueError: invalid layout (before any group exists), the world does not match,
+                or an expert-parallel group that does not split evenly over the nodes of
+                `ranks_per_node` ranks.
             RuntimeError: if ``torch.distributed`` is not initialised, ``world_size > 1`` and
                 no ``new_group`` factory is given.
         """
@@ -304,6 +341,9 @@ class ParallelMesh:
         dp = validate_layout(world_size, tp, pp, ep, dp, **model_dims)
         layout = MeshLayout(tp=tp, pp=pp, dp=dp, ep=ep)
         coords = layout.coords(rank)  # rejects a rank outside the world before any group
+        # every ep group's node split, checked before any group exists
+        splits = [] if ranks_per_node is None or ep == 1 else layout.groups("ep")
+        splits = [(ranks, *node_split(ranks, ranks_per_node)) for ranks in splits]
         if world_size == 1:
             return cls(layout, rank)
         if new_group is None:
@@ -338,7 +378,8 @@ class ParallelMesh:
                 group = new_group(ranks)
                 if coords.rank in ranks:
                     paired_ep_group = group
-        return cls(layout, rank, groups, channels, paired_ep_group)
+        node_groups = _node_groups(splits, coords.rank, new_group)
+        return cls(layout, rank, groups, channels, paired_ep_group, node_groups)
 
     # -- groups, sizes and coordinates -------------------------------------------------------
 

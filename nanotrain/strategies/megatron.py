@@ -41,7 +41,8 @@ from torch import Tensor
 
 from nanotrain.parallel.data_parallel import GradBucketSets, backward_order
 from nanotrain.parallel.grads import is_tp_sharded, sequence_parallel_params
-from nanotrain.parallel.mesh import ParallelMesh, check_sizes, validate_layout
+from nanotrain.parallel.mesh import MeshLayout, ParallelMesh, check_sizes, validate_layout
+from nanotrain.parallel.node_dispatch import node_split
 from nanotrain.parallel.pipeline import partition_layers
 from nanotrain.parallel.schedules import SCHEDULES, V_SHAPED_SCHEDULES
 from nanotrain.parallel.zero import ZeroOptimizer
@@ -72,6 +73,7 @@ from nanotrain.strategies.optimizers import OptimizerSetup
 from nanotrain.strategies.rendezvous import (
     DEFAULT_TIMEOUT_S,
     default_group_timeout_s,
+    env_int,
     join_process_group,
     launched_local_rank,
     launched_rank,
@@ -133,6 +135,14 @@ class MegatronStrategy(MegatronGradNorms, Strategy):
             wait while the other computes (`nanotrain.parallel.schedule_runner`). Needs two
             chunks per rank and tp=1; the second chunk's all-to-alls get groups of their own.
             CPU (gloo) only for now: refused at fit start on a GPU.
+        ranks_per_node: processes per node, consecutive global ranks sharing a node; None:
+            torchrun's LOCAL_WORLD_SIZE, else every rank on one node.
+        node_limited_dispatch: send a token to another node once per node that holds one of
+            its experts, forwarded inside the node to those experts (DeepSeek-V3's dispatch,
+            `nanotrain.parallel.node_dispatch`), instead of once per expert. None: wherever an
+            expert-parallel group spans several nodes, the MoE layers are dropless and the
+            chunks are not overlapped; True: required (an error where it cannot apply);
+            False: never.
 
     Raises:
         TypeError, ValueError: for invalid sizes or options, at construction (layouts that do
@@ -156,6 +166,8 @@ class MegatronStrategy(MegatronGradNorms, Strategy):
         schedule: str | None = None,
         pipeline_layout: Sequence[int] | None = None,
         overlap_forward_backward: bool = False,
+        ranks_per_node: int | None = None,
+        node_limited_dispatch: bool | None = None,
     ) -> None:
         super().__init__()
         check_sizes(tp=tp, pp=pp, ep=ep, dp=dp, virtual_pp=virtual_pp)
@@ -173,6 +185,22 @@ class MegatronStrategy(MegatronGradNorms, Strategy):
         if self.overlap_forward_backward:
             check_pairing(pp, tp, virtual_pp, self.schedule)
         self.pipeline_layout = None if pipeline_layout is None else list(pipeline_layout)
+        if ranks_per_node is not None and ranks_per_node < 1:
+            raise ValueError(f"ranks_per_node must be >= 1, got {ranks_per_node}")
+        if node_limited_dispatch and self.overlap_forward_backward:
+            raise ValueError(
+                "node_limited_dispatch=True and overlap_forward_backward=True: the overlapped "
+                "chunks have expert groups of their own, node-limited dispatch does not have "
+                "them yet; drop one of the two (node_limited_dispatch=None picks the flat "
+                "dispatch under the overlap)"
+            )
+        if node_limited_dispatch and ep == 1:
+            raise ValueError(
+                "node_limited_dispatch=True needs expert parallelism (ep > 1): with ep=1 every "
+                "expert is on every rank and no token leaves it; set ep or drop the option"
+            )
+        self.ranks_per_node = ranks_per_node
+        self.node_limited_dispatch = node_limited_dispatch
         if dp is not None and dp % ep != 0:
             raise ValueError(
                 f"ep={ep} does not divide dp={dp} (expert parallelism is carved out of data "
@@ -224,6 +252,12 @@ class MegatronStrategy(MegatronGradNorms, Strategy):
         layers = getattr(config, "num_layers", None)
         if self.pp > 1 and layers is not None:
             partition_layers(layers, self.pp, self.virtual_pp, self.pipeline_layout)
+        if self.node_limited_dispatch and getattr(config, "capacity_factor", None) is not None:
+            raise ValueError(
+                "node_limited_dispatch=True needs dropless MoE layers, but the model has "
+                f"capacity_factor={config.capacity_factor} (its fixed expert slots go by the "
+                "flat dispatch); set capacity_factor=None or node_limited_dispatch=None"
+            )
 
     def check_step_microbatches(self, num_microbatches: int) -> None:
         """The schedule's own check (interleaving: a multiple of pp microbatches; DualPipeV:
@@ -254,7 +288,14 @@ class MegatronStrategy(MegatronGradNorms, Strategy):
             timeout=timeout,
             pipeline_v_shape=v_shape,
             paired_chunks=self.overlap_forward_backward,
+            ranks_per_node=self._node_size(world),
         )
+        if self.node_limited_dispatch and self._mesh.ep_node_groups is None:
+            raise ValueError(
+                f"node_limited_dispatch=True, but the expert-parallel group (ep={self.ep}) lies "
+                f"on one node of {self._node_size(world) or world} ranks; pass ranks_per_node "
+                "(or launch on several nodes), or node_limited_dispatch=None"
+            )
         if self._mesh.pp_size > 1:
             group = embedding_groups(self._mesh, timeout)
             self._pipeline = PipelineEngine(
@@ -265,6 +306,23 @@ class MegatronStrategy(MegatronGradNorms, Strategy):
                 group,
                 overlap=self.overlap_forward_backward,
             )
+
+    def _node_size(self, world: int) -> int | None:
+        """Ranks per node for node-limited dispatch, or None where it is off."""
+        if self.node_limited_dispatch is False or self.ep == 1:
+            return None
+        if self.node_limited_dispatch is None and self.overlap_forward_backward:
+            return None
+        size = self.ranks_per_node or env_int("LOCAL_WORLD_SIZE") or world
+        if self.node_limited_dispatch is None:  # where the ep groups do not split: flat
+            dp = self.validate_world(world)
+            layout = MeshLayout(tp=self.tp, pp=self.pp, dp=dp, ep=self.ep)
+            try:
+                for ranks in layout.groups("ep"):
+                    node_split(ranks, size)
+            except ValueError:
+                return None
+        return size
 
     @property
     def root_device(self) -> torch.device:

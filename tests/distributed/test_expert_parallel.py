@@ -60,6 +60,7 @@ def fit(strategy: Any, root: str) -> dict:
         biases=gather_over_stages(strategy, biases),
         val_loss=result["logged"]["val/loss"],
         local_experts=held[EXPERT].shape[0] if EXPERT in held else 0,
+        node_limited=any(getattr(m, "node_groups", None) for m in module.modules()),
     )
     return result
 
@@ -74,6 +75,12 @@ WORLD4 = {
     "ep=2 x pp=2": dict(ep=2, pp=2),
     "ep=2 x tp=2": dict(ep=2, tp=2),
     "ep=2 x tp=2 sequence parallel": dict(ep=2, tp=2, sequence_parallel=True),
+    # node-limited dispatch, nodes of 2 ranks: rail and intra-node groups; under tp=2 the ep
+    # ranks (0, 2) sit on two nodes, one each
+    "ep=4 node-limited": dict(ep=4, ranks_per_node=2, node_limited_dispatch=True),
+    "ep=2 x tp=2 sp node-limited": dict(
+        ep=2, tp=2, sequence_parallel=True, ranks_per_node=2, node_limited_dispatch=True
+    ),
 }
 WORLD8 = {"tp=2 x pp=2 x ep=2 x dp=2 zero2": dict(tp=2, pp=2, ep=2, zero_stage=2)}
 LAYOUTS = {**WORLD2, **WORLD4, **WORLD8}
@@ -158,6 +165,7 @@ def test_expert_parallel_layout_matches_single_process(worlds, reference, layout
     for rank, result in enumerate(worlds[layout]):
         what = f"{layout}, rank {rank}"
         assert_matches(result, reference, what)
+        assert result["node_limited"] == ("node-limited" in layout), what
         assert result["val_loss"] == pytest.approx(reference["val_loss"], rel=1e-5), what
         assert result["biases"].keys() == reference["biases"].keys(), what
         assert len(result["biases"]) == 3, what  # two decoder layers and the MTP block
