@@ -191,7 +191,8 @@ class CommMeter:
         """A meter naming a `MegatronStrategy`'s groups (after `setup_environment`): "tp",
         "pp" (with the pipeline's per-direction channels), "dp", "ep", "expert_dp" and, under
         pipelining, "embedding" (the first and last stage's group, which sums a shared
-        embedding's gradient)."""
+        embedding's gradient); under node-limited dispatch "ep_intra" (the hop inside a
+        node) and "ep_inter" (the rail between nodes)."""
         mesh = strategy.mesh
         groups = {
             "tp": mesh.tp_group,
@@ -203,6 +204,11 @@ class CommMeter:
         pipeline = getattr(strategy, "_pipeline", None)
         if pipeline is not None:
             groups["embedding"] = pipeline.embedding_group
+        nodes = mesh.ep_node_groups
+        if nodes is not None:
+            groups["ep_inter"] = nodes.inter
+            if nodes.intra is not None:
+                groups["ep_intra"] = nodes.intra
         peers = {r: "pp" for r in mesh.group_ranks("pp") if r != mesh.rank}
         meter = cls(groups, peers=peers, **kwargs)
         # the pipeline's transfers go over one two-rank group per direction

@@ -12,7 +12,10 @@ docs/planning.md, "Communication per step", for every formula and its source):
 * **pp**: the activation sent forward and its gradient sent back at every virtual-stage
   boundary, per microbatch, counted from the code's own schedule (Narayanan et al. 2021).
 * **ep**: per MoE layer and microbatch the split-size exchange and the dispatch and combine
-  all-to-alls, each again in backward, for balanced routing (DeepSeek-V3 section 3.2).
+  all-to-alls, each again in backward, for balanced routing (DeepSeek-V3 section 3.2). Under
+  node-limited dispatch (`nanotrain.parallel.node_dispatch`) **ep_inter** holds the hop between
+  nodes (once per token and node it reaches, with the choices and weights) and **ep** the hop
+  inside the node (every copy to its expert's rank).
 * **dp** / **expert_dp**: per gradient bucket an all-reduce (ZeRO-0/1) or reduce-scatter
   (ZeRO-2) in the reduce dtype over the padded flat buffer, and under ZeRO-1/2 an all-gather
   of the parameters in their dtype (Rajbhandari et al. 2020).
@@ -28,6 +31,7 @@ tensor, a point-to-point send N, an all-to-all the rows that leave the rank.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -50,7 +54,7 @@ from nanotrain.strategies.megatron_grads import bucket_numel_for
 __all__ = ["GROUPS", "CommEstimate", "WireDtypes", "comm_estimate", "wire_dtypes"]
 
 #: the groups of `CommEstimate.bytes_per_step`
-GROUPS = ("tp", "pp", "ep", "dp", "expert_dp", "embedding", "other")
+GROUPS = ("tp", "pp", "ep", "ep_inter", "dp", "expert_dp", "embedding", "other")
 
 
 @dataclass(frozen=True)
@@ -224,43 +228,90 @@ def _pp(
     return tally
 
 
+def nodes_reached(config: Any, nodes: int) -> float:
+    """Nodes one token's experts sit on, on average, when the E experts fill `nodes` nodes in
+    order and routing is balanced: the router picks `topk_group` of `n_group` groups (whole
+    groups per node when nodes divide n_group) and K experts among them, each chosen group
+    given at least one (DeepSeek-V3: 4 of 8 nodes). Without groups, K experts at random."""
+    k, e = config.num_experts_per_tok, config.n_routed_experts
+    groups = getattr(config, "n_group", 1)
+    if groups > 1 and groups % nodes == 0:
+        per_node, chosen = groups // nodes, config.topk_group
+        missed = math.comb(groups - per_node, chosen) / math.comb(groups, chosen)
+    else:
+        missed = math.comb(e - e // nodes, k) / math.comb(e, k)
+    return min(float(k), nodes * (1 - missed))
+
+
 def _ep(
-    config: Any, layout: PlanLayout, workload: Workload, rank: RankModel, dt: WireDtypes
-) -> _Tally:
+    config: Any,
+    layout: PlanLayout,
+    workload: Workload,
+    rank: RankModel,
+    dt: WireDtypes,
+    ranks_per_node: int | None = None,
+) -> dict[str, _Tally]:
     """Split exchange, dispatch and combine all-to-alls (each again in backward; the forward
     ones again under full recompute), balanced routing. With a capacity factor: the E x B x C
-    slots of whole sequences, and no split exchange (the splits are known)."""
-    tally, ep = _Tally(), layout.ep
+    slots of whole sequences, and no split exchange (the splits are known). Node-limited
+    (`PlanLayout.ep_nodes` on nodes of `ranks_per_node`): "ep_inter" the rows between nodes
+    (`nodes_reached` per token, with their choices and weights), "ep" the copies inside the
+    node."""
+    out = {"ep": _Tally(), "ep_inter": _Tally()}
+    ep = layout.ep
     layers = _moe_layers(config, layout, rank)
     if ep == 1 or layers == 0:
-        return tally
+        return out
     tokens = workload.micro_batch_size * workload.seq_len
-    ring = (ep - 1) / ep
     capacity = expert_capacity(config, workload.seq_len)
+    k, h, e = config.num_experts_per_tok, config.hidden_size, config.n_routed_experts
     if capacity is None:
         if layout.sequence_parallel:
             tokens //= layout.tp
-        copies = tokens * config.num_experts_per_tok
-        splits, split_calls = ring * config.n_routed_experts * 8, 1  # int64 counts per expert
+        copies = tokens * k
+        split_bytes = 8  # int64 counts per expert
     else:  # E x B x C slots of whole sequences
-        copies = config.n_routed_experts * workload.micro_batch_size * capacity
-        splits, split_calls = 0.0, 0
+        copies = e * workload.micro_batch_size * capacity
+        split_bytes = 0
+    micro = workload.num_microbatches(layout)
+    recompute = layout.recompute == "full"
+    node_split = layout.ep_nodes(config, ranks_per_node)
+    group, experts = ep, e
+    if node_split is not None:
+        nodes, group = node_split
+        experts = e // nodes
+        pairs = tokens * nodes_reached(config, nodes) * (nodes - 1) / nodes  # leave the node
+        forward = pairs * (dt.dispatch_row(h) + h * dt.matmul + 8 * k) + 16 * (nodes - 1)
+        backward = pairs * (dt.dispatch_grad_row(h) + h * dt.matmul + 4 * k)
+        per_layer, calls = forward + backward, 8  # 5 forward (counts, rows, ids, weights,
+        if recompute:  # combine), 3 backward
+            per_layer, calls = per_layer + forward, calls + 5
+        out["ep_inter"].add(
+            micro * layers * per_layer,
+            micro * layers * calls,
+            f"{micro} microbatches x {layers} MoE layers x {pairs:.0f} (token, node) rows to "
+            f"other nodes of {nodes} ({nodes_reached(config, nodes):.2f} nodes per token; "
+            "dispatch + combine, forward + backward, with choices and weights)",
+        )
+    if group == 1:
+        return out
+    ring = (group - 1) / group
+    split_calls = 1 if split_bytes else 0
     rows = copies * ring  # copies (or slots) that leave the rank
-    h = config.hidden_size
-    forward = splits + rows * (dt.dispatch_row(h) + h * dt.matmul)
+    forward = ring * experts * split_bytes + rows * (dt.dispatch_row(h) + h * dt.matmul)
     backward = rows * (dt.dispatch_grad_row(h) + h * dt.matmul)
     per_layer, calls = forward + backward, 4 + split_calls
-    if layout.recompute == "full":
+    if recompute:
         per_layer, calls = per_layer + forward, calls + 2 + split_calls
-    micro = workload.num_microbatches(layout)
-    tally.add(
+    where = "ep ranks" if node_split is None else "ranks of the node"
+    out["ep"].add(
         micro * layers * per_layer,
         micro * layers * calls,
         f"{micro} microbatches x {layers} MoE layers x {rows:.0f} token copies out of "
-        f"{copies} sent to other ep ranks (dispatch + combine, forward + backward)"
+        f"{copies} sent to other {where} (dispatch + combine, forward + backward)"
         + (" + split sizes" if split_calls else ""),
     )
-    return tally
+    return out
 
 
 def _dp(layout: PlanLayout, rank: RankModel, dt: WireDtypes) -> dict[str, _Tally]:
@@ -357,6 +408,7 @@ def comm_estimate(
     pp_rank: int = 0,
     *,
     reduce_dtype: torch.dtype = torch.float32,
+    ranks_per_node: int | None = None,
 ) -> CommEstimate:
     """Wire bytes one rank of pipeline stage `pp_rank` sends per optimizer step, by group.
 
@@ -366,6 +418,8 @@ def comm_estimate(
         workload: sequence length, micro and global batch, precision.
         pp_rank: which pipeline stage (stages hold different layers, embedding and head).
         reduce_dtype: the precision's gradient reduce dtype (`Precision.reduce_dtype`).
+        ranks_per_node: GPUs per node, for node-limited dispatch (`PlanLayout.ep_nodes`);
+            None: every rank on one node.
 
     Returns:
         `CommEstimate` (every group of `GROUPS` present, 0 where nothing is sent).
@@ -382,7 +436,7 @@ def comm_estimate(
     tallies = {
         "tp": _tp(config, layout, workload, rank, dt),
         "pp": _pp(layout, workload, config, pp_rank, dt),
-        "ep": _ep(config, layout, workload, rank, dt),
+        **_ep(config, layout, workload, rank, dt, ranks_per_node),
         **_dp(layout, rank, dt),
         "embedding": _embedding(config, layout, pp_rank, dt),
     }

@@ -12,6 +12,7 @@ from typing import Any
 
 from nanotrain.models.recompute import check_recompute
 from nanotrain.parallel.mesh import MeshLayout
+from nanotrain.parallel.node_dispatch import node_split
 from nanotrain.parallel.pipeline import partition_layers, stage_layers
 from nanotrain.parallel.placement import StagePlacement
 from nanotrain.parallel.schedules import SCHEDULES, Action, max_in_flight
@@ -43,6 +44,8 @@ class PlanLayout(MeshLayout):
         bucket_size_mb: the strategy's gradient bucket size (ZeRO pads each bucket).
         overlap_forward_backward: paired forward and backward chunks run side by side (the
             strategy's option of that name).
+        node_limited_dispatch: the strategy's option of that name (None: wherever an ep
+            group spans nodes, the MoE layers are dropless and the chunks not overlapped).
     """
 
     virtual_pp: int = 1
@@ -53,6 +56,7 @@ class PlanLayout(MeshLayout):
     recompute: str | None = None
     bucket_size_mb: float = 25.0
     overlap_forward_backward: bool = False
+    node_limited_dispatch: bool | None = None
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -81,6 +85,7 @@ class PlanLayout(MeshLayout):
             pipeline_layout=self.pipeline_layout,
             bucket_size_mb=self.bucket_size_mb,
             overlap_forward_backward=self.overlap_forward_backward,
+            node_limited_dispatch=self.node_limited_dispatch,
         )
 
     @classmethod
@@ -104,6 +109,7 @@ class PlanLayout(MeshLayout):
             pipeline_layout=None if layout is None else tuple(layout),
             schedule=getattr(strategy, "schedule", None),
             overlap_forward_backward=getattr(strategy, "overlap_forward_backward", False),
+            node_limited_dispatch=getattr(strategy, "node_limited_dispatch", None),
             recompute=recompute,
             # MegatronStrategy's bucket_size_mb, DDP's bucket_cap_mb
             bucket_size_mb=getattr(
@@ -126,6 +132,24 @@ class PlanLayout(MeshLayout):
     def placement(self) -> StagePlacement:
         """Which rank holds which virtual stage under this layout's schedule."""
         return StagePlacement.for_schedule(self.schedule, self.pp, self.virtual_pp)
+
+    def ep_nodes(self, config: Any, ranks_per_node: int | None) -> tuple[int, int] | None:
+        """(nodes, ep ranks per node) of the expert-parallel groups when the MoE layers
+        dispatch node-limited on nodes of `ranks_per_node` ranks (the strategy's rule), else
+        None (flat dispatch)."""
+        if ranks_per_node is None or self.ep == 1 or self.node_limited_dispatch is False:
+            return None
+        if self.node_limited_dispatch is None and self.overlap_forward_backward:
+            return None
+        if getattr(config, "capacity_factor", None) is not None:
+            return None
+        try:
+            nodes, per_node = node_split(self.group_of("ep", 0), ranks_per_node)
+        except ValueError:
+            if self.node_limited_dispatch:
+                raise
+            return None
+        return (nodes, per_node) if nodes > 1 else None
 
     def stage_chunks(self, config: Any, pp_rank: int) -> list[list[int]]:
         """Layer indices of each chunk pipeline rank `pp_rank` holds (the strategy's split)."""
@@ -172,6 +196,8 @@ class PlanLayout(MeshLayout):
             parts.append(f"{self.recompute}-recompute")
         if self.overlap_forward_backward:
             parts.append("overlapped")
+        if self.node_limited_dispatch is False and self.ep > 1:
+            parts.append("flat-dispatch")
         return " ".join(parts)
 
     def replace(self, **changes: Any) -> PlanLayout:

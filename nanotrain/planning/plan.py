@@ -55,7 +55,7 @@ __all__ = ["Plan", "RankPlan", "plan_layout"]
 
 GiB = 2**30
 #: collectives the step waits for (the data-parallel ones overlap the backward)
-BLOCKING_GROUPS = ("tp", "ep", "pp", "other")
+BLOCKING_GROUPS = ("tp", "ep", "ep_inter", "pp", "other")
 #: seconds per collective call (launch + synchronization), intra-node / inter-node
 LATENCY_S = (10e-6, 30e-6)
 
@@ -268,12 +268,20 @@ def _param_counts(config: Any) -> tuple[int, int, int]:
     return _COUNTS[key]
 
 
-def _bandwidths(layout: PlanLayout, gpu: GPUSpec) -> dict[str, tuple[float, float]]:
-    """(bytes/s, latency) per group name, from where the mesh places the group's ranks."""
+def _bandwidths(
+    config: Any, layout: PlanLayout, gpu: GPUSpec
+) -> dict[str, tuple[float, float]]:
+    """(bytes/s, latency) per group name, from where the mesh places the group's ranks;
+    under node-limited dispatch "ep" is the hop inside a node and "ep_inter" the one between
+    nodes."""
     mesh = MeshLayout(tp=layout.tp, pp=layout.pp, dp=layout.dp, ep=layout.ep)
-    out = {}
+    out = {"ep_inter": (gpu.inter_node_bw, LATENCY_S[1])}
+    if layout.ep_nodes(config, gpu.gpus_per_node) is not None:
+        out["ep"] = (gpu.intra_node_bw, LATENCY_S[0])
     for name, axis in (("tp", "tp"), ("pp", "pp"), ("dp", "dp"), ("ep", "ep"),
                        ("expert_dp", "expert_dp"), ("embedding", "pp"), ("other", "dp")):  # fmt: skip
+        if name in out:
+            continue
         ranks = mesh.group_of(axis, 0)
         intra = len({r // gpu.gpus_per_node for r in ranks}) == 1
         if intra:
@@ -341,12 +349,14 @@ def plan_layout(
     models = rank_models(config, layout)
     peak = gpu.flops_for(workload.precision)
     device = "cpu" if gpu.name == "cpu" else "cuda"  # which attention kernels save what
-    bandwidth = _bandwidths(layout, gpu)
+    bandwidth = _bandwidths(config, layout, gpu)
     ranks, stage_times = [], []
     for rank in models:
         last = layout.pp == 1 or layout.placement.holds_last(rank.pp_rank)
         flops = _stage_flops(config, layout, workload, rank.chunks, last)
-        comm = comm_estimate(config, layout, workload, rank.pp_rank)
+        comm = comm_estimate(
+            config, layout, workload, rank.pp_rank, ranks_per_node=gpu.gpus_per_node
+        )
         ranks.append(
             RankPlan(
                 pp_rank=rank.pp_rank,
@@ -375,7 +385,7 @@ def plan_layout(
         hidden, bubble = 0.0, None
         if layout.overlap_forward_backward and layout.pp > 1:
             # the pairs hide part of this stage's all-to-all: it paces by what is left
-            ep_t = comm_t.get("ep", 0.0)
+            ep_t = comm_t.get("ep", 0.0) + comm_t.get("ep_inter", 0.0)
             moe = sum(is_moe_layer(config, i) for c in rank.chunks for i in c)
             rounds = max(1, round(moe / layout.virtual_pp))
             busy = compute + blocking

@@ -8,7 +8,8 @@ a `CommMeter` counts every collective of the second step by process group, and
 
 Routing: the router is replaced by a balanced one (token t's k-th copy goes to expert
 ``(t * K + k) % E``), the routing the planner assumes, so the expert-parallel bytes are
-exact too. Independent checks that do not trust the planner's own arithmetic follow the
+exact too; under node-limited dispatch by one that also reaches the planner's average of
+nodes per token (`group_pairs_select`). Independent checks that do not trust the planner's own arithmetic follow the
 world tests: the meter's ring model on known tensors, and textbook formulas for tp and dp.
 """
 
@@ -31,7 +32,7 @@ from tests.distributed.spawn import run_world
 from tests.distributed.test_megatron import LM_VOCAB, SEQ, RandomTokens
 
 MICRO, GLOBAL = 2, 8
-MEASURED = ("tp", "pp", "ep", "dp", "expert_dp", "embedding")
+MEASURED = ("tp", "pp", "ep", "ep_inter", "dp", "expert_dp", "embedding")
 BF16_MIXED, BF16_TRUE = {"precision": "bf16-mixed"}, {"precision": "bf16-true"}
 CAPACITY, FULL = {"overrides": {"capacity_factor": 1.25}}, {"recompute": "full"}
 
@@ -41,6 +42,18 @@ def balanced_select(self: TopKRouter, choice: torch.Tensor) -> torch.Tensor:
     n, k = choice.shape[0], self.config.num_experts_per_tok
     slots = torch.arange(n * k, device=choice.device).view(n, k)
     return slots % self.config.n_routed_experts
+
+
+def group_pairs_select(self: TopKRouter, choice: torch.Tensor) -> torch.Tensor:
+    """Token t takes the (t % P)-th of the P pairs of expert groups and, in each group, its
+    ((t // P) % group size)-th expert: over every P * group size tokens each expert gets
+    the same copies, and a token reaches each set of groups as often as the planner's
+    `nodes_reached` assumes (one expert per chosen group: K = topk_group)."""
+    c = self.config
+    size = c.n_routed_experts // c.n_group
+    pairs = torch.combinations(torch.arange(c.n_group, device=choice.device), c.topk_group)
+    t = torch.arange(choice.shape[0], device=choice.device)
+    return pairs[t % len(pairs)] * size + ((t // len(pairs)) % size)[:, None]
 
 
 class MeterSecondStep(nt.Callback):
@@ -70,11 +83,14 @@ def measure(kind: str, strategy_kwargs: dict, extra: dict, root: str) -> dict[st
         recompute=extra.get("recompute"),
     )
     precision = extra.get("precision", "32-true")
+    micro, batch = extra.get("batch", (MICRO, GLOBAL))
+    if "select" in extra:
+        TopKRouter.select = extra["select"]
     trainer = nt.Trainer(
         strategy=strategy,
         max_steps=2,
-        global_batch_size=GLOBAL,
-        micro_batch_size=MICRO,
+        global_batch_size=batch,
+        micro_batch_size=micro,
         precision=precision,
         callbacks=[MeterSecondStep(meter)],
         default_root_dir=root,
@@ -88,10 +104,18 @@ def measure(kind: str, strategy_kwargs: dict, extra: dict, root: str) -> dict[st
         trainer.fit(module, train_dataloaders=RandomTokens())
     mesh = strategy.mesh
     layout = PlanLayout.from_strategy(strategy, mesh.world_size, extra.get("recompute"))
-    workload = Workload(SEQ, MICRO, GLOBAL, precision)
-    estimate = comm_estimate(module.config, layout, workload, pp_rank=mesh.pp_rank)
+    workload = Workload(SEQ, micro, batch, precision)
+    estimate = comm_estimate(
+        module.config,
+        layout,
+        workload,
+        pp_rank=mesh.pp_rank,
+        ranks_per_node=strategy.ranks_per_node,
+    )
+    measured = dict(meter.bytes)  # the hop inside a node is the planner's "ep" too
+    measured["ep"] = measured.get("ep", 0.0) + measured.pop("ep_intra", 0.0)
     return {
-        "measured": dict(meter.bytes),
+        "measured": measured,
         "calls": dict(meter.calls),
         "predicted": {g: estimate.on_group(g) for g in MEASURED},
         "estimate": estimate,
@@ -155,6 +179,13 @@ WORLD2 = {
 WORLD4 = {
     "deepseek tp=2 x pp=2 sp": ("tiny", dict(tp=2, pp=2, sequence_parallel=True), {}),
     "deepseek ep=2 x dp=4 zero2": ("tiny", dict(ep=2, zero_stage=2), {}),
+    # nodes of 2 ranks: the rail between them and the hop inside; 48 tokens per microbatch,
+    # a multiple of the 6 pairs of the tiny model's 4 expert groups
+    "deepseek ep=4 node-limited": (
+        "tiny",
+        dict(ep=4, ranks_per_node=2, node_limited_dispatch=True),
+        {"select": group_pairs_select, "batch": (3, 12)},
+    ),
     "deepseek tp=2 x ep=2 sp zero1 full recompute": (
         "tiny",
         dict(tp=2, ep=2, sequence_parallel=True, zero_stage=1),

@@ -112,26 +112,35 @@ def test_split_backwards_take_the_weight_gradient_out_of_the_bubble(recompute, w
 
 
 def test_groups_inside_a_node_use_nvlink_and_across_nodes_the_network():
-    h100 = GPUS["h100"]
-    inside = _bandwidths(PlanLayout(tp=2, dp=8, ep=4), h100)  # tp and ep span ranks 0..7
+    h100, config = GPUS["h100"], presets.get("tiny")
+
+    def _flat(**sizes):  # the flat dispatch: every copy straight to its expert's rank
+        return PlanLayout(**sizes, node_limited_dispatch=False)
+
+    inside = _bandwidths(config, _flat(tp=2, dp=8, ep=4), h100)  # tp and ep span ranks 0..7
     assert inside["tp"][0] == inside["ep"][0] == h100.intra_node_bw
     assert inside["dp"][0] == h100.inter_node_bw  # dp ranks 0, 2, ..., 14: two nodes
     # an all-to-all over 16 ranks on two nodes: 7 of 15 peer shares stay on NVLink while 8
     # cross the network, both at once, so the network's 8/15 set the pace
-    across = _bandwidths(PlanLayout(dp=16, ep=16), h100)
+    across = _bandwidths(config, _flat(dp=16, ep=16), h100)
     assert across["ep"][0] == pytest.approx(h100.inter_node_bw * 15 / 8)
     assert across["dp"][0] == h100.inter_node_bw  # a ring: as fast as its slowest links
     # DeepSeek-V3's ep=64 over 8 nodes: 7 of 63 shares inside the node
-    paper = _bandwidths(PlanLayout(pp=16, dp=128, ep=64), GPUS["h800"])
+    paper = _bandwidths(config, _flat(pp=16, dp=128, ep=64), GPUS["h800"])
     assert paper["ep"][0] == pytest.approx(GPUS["h800"].inter_node_bw * 63 / 56)
     # a slow node-internal link can set the pace instead: 1 GB/s inside, 100 GB/s outside
     slow_inside = gpu_spec(
         '{"name": "odd", "memory_bytes": 8e10, "peak_flops": {"bf16": 1e15}, '
         '"intra_node_bw": 1e9, "inter_node_bw": 1e11}'
     )
-    assert _bandwidths(PlanLayout(dp=16, ep=16), slow_inside)["ep"][0] == pytest.approx(
+    assert _bandwidths(config, _flat(dp=16, ep=16), slow_inside)["ep"][0] == pytest.approx(
         1e9 * 15 / 7
     )
+    # node-limited (the default where ep spans nodes): the hop inside the node on NVLink,
+    # the one between nodes on the network
+    limited = _bandwidths(config, PlanLayout(pp=16, dp=128, ep=64), GPUS["h800"])
+    assert limited["ep"][0] == GPUS["h800"].intra_node_bw
+    assert limited["ep_inter"][0] == GPUS["h800"].inter_node_bw
 
 
 def test_search_ranks_what_fits_and_says_why_the_rest_does_not():
@@ -167,9 +176,11 @@ def test_paired_chunks_hide_part_of_the_expert_all_to_all():
     # a DeepSeek model whose experts span two nodes: the all-to-all blocks for a while
     config = presets.get("deepseek-v2-lite")
     work = Workload(seq_len=2048, micro_batch_size=1, global_batch_size=256)
+    # the flat dispatch in both (paired chunks have no node-limited one)
     layout = PlanLayout(
-        pp=2, dp=16, ep=16, schedule="dualpipev", zero_stage=1, pipeline_layout=(6, 7, 7, 7)
-    )
+        pp=2, dp=16, ep=16, schedule="dualpipev", zero_stage=1, pipeline_layout=(6, 7, 7, 7),
+        node_limited_dispatch=False,
+    )  # fmt: skip
     plain = plan_layout(config, layout, work, GPUS["h100"])
     paired = plan_layout(config, layout.replace(overlap_forward_backward=True), work, GPUS["h100"])
     assert "overlapped" in paired.layout.describe()
