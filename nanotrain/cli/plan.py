@@ -109,6 +109,9 @@ def _parser() -> Any:
     )
     flag("overlap_forward_backward", type=bool | None, default=None,
          help="run paired forward and backward chunks side by side (two chunks per rank)")  # fmt: skip
+    flag("node_limited_dispatch", type=bool | None, default=None,
+         help="a token crosses to another node once per node (default: where ep spans "
+         "nodes); false: once per expert")  # fmt: skip
     flag("pipeline_layout", type=list[int] | None, default=None, help="layers per chunk")
     flag("zero_stage", type=int | None, default=None,
          help="0, 1 or 2 (fixed layout default 0, search default 1)")  # fmt: skip
@@ -169,6 +172,7 @@ def run_plan(argv: list[str]) -> None:
             sequence_parallel=bool(cfg.sequence_parallel) if cfg.sequence_parallel is not None
             else tp > 1, pipeline_layout=cfg.pipeline_layout, schedule=cfg.schedule,
             recompute=recompute, overlap_forward_backward=bool(cfg.overlap_forward_backward),
+            node_limited_dispatch=cfg.node_limited_dispatch,
         )  # fmt: skip
         micro = cfg.micro_batch_size or 1
         workload = Workload(cfg.seq_len, micro, _batch(cfg, micro * layout.dp), cfg.precision)
