@@ -130,10 +130,13 @@ class PipelineStage(nn.Module):
         tp = tp_size_of(self.tp_group) if self.sequence_parallel else 1
         return (b, t // tp, self.config.hidden_size)
 
-    def bind_second_chunk(self, ep_group: Any, paired_ep_group: Any) -> None:
+    def bind_second_chunk(
+        self, ep_group: Any, paired_ep_group: Any, paired_node_groups: Any = None
+    ) -> None:
         """Make the MoE layers of local chunk 1 (and the MTP blocks, which belong to the last
         stage, a chunk 1 under both placements) run their all-to-alls on `paired_ep_group`
-        instead of `ep_group` (the same ranks).
+        instead of `ep_group` (the same ranks), and their node-limited dispatch, where set,
+        on `paired_node_groups`.
 
         Raises:
             ValueError: without exactly two chunks, or without a paired group where the
@@ -150,6 +153,10 @@ class PipelineStage(nn.Module):
                     if paired_ep_group is None and ep_group is not None:
                         raise ValueError("paired chunks need the mesh's paired_ep_group")
                     sub.ep_group = paired_ep_group
+                    if sub.node_groups is not None:
+                        if paired_node_groups is None:
+                            raise ValueError("paired chunks need the mesh's paired node groups")
+                        sub.node_groups = paired_node_groups
 
     # -- driven by the schedule ----------------------------------------------------------------
     def select(self, chunk: int, input_tensor: torch.Tensor | None) -> None:
@@ -270,7 +277,9 @@ def build_pipeline_stage(
     full = build_model(config, mesh=mesh, device="meta", sequence_parallel=sequence_parallel)
     stage = PipelineStage(full, chunks, pp, rank, v_shape)
     if paired_chunks:
-        stage.bind_second_chunk(mesh.ep_group, mesh.paired_ep_group)
+        stage.bind_second_chunk(
+            mesh.ep_group, mesh.paired_ep_group, getattr(mesh, "paired_ep_node_groups", None)
+        )
     device = torch.device("cpu" if device is None else device)
     for module in stage.children():
         module.to_empty(device=device)

@@ -247,6 +247,7 @@ class ParallelMesh:
         ep_node_groups: this rank's expert-parallel group split by node, for node-limited
             dispatch (`nanotrain.parallel.node_dispatch`; `ParallelMesh.build`'s
             ``ranks_per_node``); None when not made or when the group is on one node.
+        paired_ep_node_groups: the same for `paired_ep_group` (made with both options).
     """
 
     def __init__(
@@ -257,6 +258,7 @@ class ParallelMesh:
         channels: Mapping[Channel, ProcessGroup] | None = None,
         paired_ep_group: ProcessGroup | None = None,
         ep_node_groups: NodeGroups | None = None,
+        paired_ep_node_groups: NodeGroups | None = None,
     ) -> None:
         self.layout = layout
         self.coords = layout.coords(rank)
@@ -268,6 +270,7 @@ class ParallelMesh:
         self.pp_channels: dict[Channel, ProcessGroup] = dict(channels or {})
         self.paired_ep_group = paired_ep_group
         self.ep_node_groups = ep_node_groups
+        self.paired_ep_node_groups = paired_ep_node_groups
 
     @classmethod
     def single(cls) -> ParallelMesh:
@@ -315,7 +318,8 @@ class ParallelMesh:
                 one order on every rank.
             ranks_per_node: global ranks per node (consecutive ranks share a node); given,
                 every expert-parallel group that spans several nodes also gets its node
-                groups (`ep_node_groups`, for node-limited dispatch).
+                groups (`ep_node_groups`, for node-limited dispatch; with
+                ``paired_chunks`` a second set, `paired_ep_node_groups`).
             **model_dims: ``num_heads``, ``num_kv_heads``, ``vocab_size``, ``num_experts``,
                 ``num_layers`` forwarded to ``validate_layout``.
 
@@ -379,7 +383,8 @@ class ParallelMesh:
                 if coords.rank in ranks:
                     paired_ep_group = group
         node_groups = _node_groups(splits, coords.rank, new_group)
-        return cls(layout, rank, groups, channels, paired_ep_group, node_groups)
+        paired_node_groups = _node_groups(splits, coords.rank, new_group) if paired_chunks else None
+        return cls(layout, rank, groups, channels, paired_ep_group, node_groups, paired_node_groups)
 
     # -- groups, sizes and coordinates -------------------------------------------------------
 

@@ -45,7 +45,7 @@ class PlanLayout(MeshLayout):
         overlap_forward_backward: paired forward and backward chunks run side by side (the
             strategy's option of that name).
         node_limited_dispatch: the strategy's option of that name (None: wherever an ep
-            group spans nodes, the MoE layers are dropless and the chunks not overlapped).
+            group spans nodes and the MoE layers are dropless).
     """
 
     virtual_pp: int = 1
@@ -138,8 +138,6 @@ class PlanLayout(MeshLayout):
         dispatch node-limited on nodes of `ranks_per_node` ranks (the strategy's rule), else
         None (flat dispatch)."""
         if ranks_per_node is None or self.ep == 1 or self.node_limited_dispatch is False:
-            return None
-        if self.node_limited_dispatch is None and self.overlap_forward_backward:
             return None
         if getattr(config, "capacity_factor", None) is not None:
             return None

@@ -268,9 +268,7 @@ def _param_counts(config: Any) -> tuple[int, int, int]:
     return _COUNTS[key]
 
 
-def _bandwidths(
-    config: Any, layout: PlanLayout, gpu: GPUSpec
-) -> dict[str, tuple[float, float]]:
+def _bandwidths(config: Any, layout: PlanLayout, gpu: GPUSpec) -> dict[str, tuple[float, float]]:
     """(bytes/s, latency) per group name, from where the mesh places the group's ranks;
     under node-limited dispatch "ep" is the hop inside a node and "ep_inter" the one between
     nodes."""

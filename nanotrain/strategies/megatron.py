@@ -187,13 +187,6 @@ class MegatronStrategy(MegatronGradNorms, Strategy):
         self.pipeline_layout = None if pipeline_layout is None else list(pipeline_layout)
         if ranks_per_node is not None and ranks_per_node < 1:
             raise ValueError(f"ranks_per_node must be >= 1, got {ranks_per_node}")
-        if node_limited_dispatch and self.overlap_forward_backward:
-            raise ValueError(
-                "node_limited_dispatch=True and overlap_forward_backward=True: the overlapped "
-                "chunks have expert groups of their own, node-limited dispatch does not have "
-                "them yet; drop one of the two (node_limited_dispatch=None picks the flat "
-                "dispatch under the overlap)"
-            )
         if node_limited_dispatch and ep == 1:
             raise ValueError(
                 "node_limited_dispatch=True needs expert parallelism (ep > 1): with ep=1 every "
@@ -310,8 +303,6 @@ class MegatronStrategy(MegatronGradNorms, Strategy):
     def _node_size(self, world: int) -> int | None:
         """Ranks per node for node-limited dispatch, or None where it is off."""
         if self.node_limited_dispatch is False or self.ep == 1:
-            return None
-        if self.node_limited_dispatch is None and self.overlap_forward_backward:
             return None
         size = self.ranks_per_node or env_int("LOCAL_WORLD_SIZE") or world
         if self.node_limited_dispatch is None:  # where the ep groups do not split: flat

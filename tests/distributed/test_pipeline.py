@@ -76,7 +76,11 @@ def fit(kind: str, strategy: Any, root: str, micro_batch_size: int = 2) -> dict:
     module = nt.LanguageModelModule(
         kind, vocab_size=257, lr=3e-3, warmup_steps=2, model_overrides={"num_layers": LAYERS}
     )
-    return fit_module(module, strategy, root, micro_batch_size)
+    result = fit_module(module, strategy, root, micro_batch_size)
+    # node-limited dispatch: the sets of node groups the MoE layers use (two when paired)
+    sets = {id(m.node_groups) for m in module.modules() if getattr(m, "node_groups", None)}
+    result["node group sets"] = len(sets)
+    return result
 
 
 # name -> (model kind, MegatronStrategy kwargs); "micro_batch_size" goes to the Trainer
@@ -132,6 +136,14 @@ WORLD4 = {
         "tiny",
         dict(pp=2, ep=2, schedule="dualpipev", micro_batch_size=1, overlap_forward_backward=True),
     ),
+    # the same, node-limited on nodes of one rank: each chunk's rail group of its own
+    "deepseek pp=2 x ep=2 dualpipev overlapped node-limited": (
+        "tiny",
+        dict(
+            pp=2, ep=2, schedule="dualpipev", micro_batch_size=1, overlap_forward_backward=True,
+            ranks_per_node=1, node_limited_dispatch=True,
+        ),
+    ),  # fmt: skip
     # 8 virtual stages for 4 layers: every rank one layer and one pass-through chunk
     "dense pp=4 dualpipev overlapped": (
         "tiny-dense",
@@ -191,6 +203,10 @@ def test_two_rank_pipeline_matches_single_process(world2, references, layout):
 def test_four_rank_pipeline_matches_single_process(world4, references, layout):
     for rank, result in enumerate(world4):
         _check(result[layout], references[WORLD4[layout][0]], f"{layout}, rank {rank}")
+        # node-limited and paired: each chunk's MoE layers on a set of node groups of its own
+        # (pipeline rank 0's first chunk holds the dense layer 0; pp is the slowest axis)
+        sets = (1 + rank // 2) if "node-limited" in layout else 0
+        assert result[layout]["node group sets"] == sets, f"{layout}, rank {rank}"
 
 
 def test_1f1b_holds_at_most_pp_microbatches_in_flight_gpipe_all(world2):

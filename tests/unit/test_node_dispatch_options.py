@@ -47,6 +47,14 @@ def test_the_mesh_makes_intra_node_and_rail_groups_of_every_ep_group():
     assert _mesh(0, ep=4, ranks_per_node=2)[1] == made
 
 
+def test_paired_chunks_get_a_second_set_of_node_groups():
+    mesh, made = _mesh(5, ep=4, ranks_per_node=2, paired_chunks=True)
+    first, second = mesh.ep_node_groups, mesh.paired_ep_node_groups
+    assert (first.intra, first.inter) == (second.intra, second.inter) == ((4, 5), (5, 7))
+    node_groups = [[0, 1], [2, 3], [0, 2], [1, 3], [4, 5], [6, 7], [4, 6], [5, 7]]
+    assert made[-16:] == node_groups + node_groups  # made twice: two sets of groups
+
+
 def test_an_ep_group_on_one_node_gets_no_node_groups():
     mesh, _ = _mesh(1, ep=4, ranks_per_node=8)
     assert mesh.ep_node_groups is None
@@ -72,11 +80,6 @@ def test_the_strategy_refuses_what_node_limited_dispatch_cannot_do():
         nt.MegatronStrategy(node_limited_dispatch=True)
     with pytest.raises(ValueError, match="ranks_per_node must be >= 1"):
         nt.MegatronStrategy(ep=2, ranks_per_node=0)
-    with pytest.raises(ValueError, match="overlapped chunks have expert groups of their own"):
-        nt.MegatronStrategy(
-            pp=2, ep=2, schedule="dualpipev", overlap_forward_backward=True,
-            node_limited_dispatch=True,
-        )  # fmt: skip
     strategy = nt.MegatronStrategy(ep=2, node_limited_dispatch=True)
     config = presets.get("tiny", capacity_factor=1.0)
     with pytest.raises(ValueError, match="needs dropless MoE layers"):
