@@ -101,7 +101,7 @@ def format_plan(plan: Plan) -> str:
         f"{plan.time_parts['compute']:.3f} s; blocking communication "
         + _seconds(plan.slowest_comm_s, blocking=True)
         + (
-            f", of which ep {plan.hidden_comm_s:.3f} s hides behind the paired chunk's compute"
+            f", of which {plan.hidden_comm_s:.3f} s of ep hides behind the paired chunk's compute"
             if plan.hidden_comm_s
             else ""
         )
