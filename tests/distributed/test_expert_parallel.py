@@ -71,8 +71,9 @@ WORLD4 = {
     "ep=4": dict(ep=4),
     # dp=4 -> expert-dp groups of 2: expert state and (ZeRO-2) grads sharded over them
     "ep=2 x dp=2 zero1": dict(ep=2, zero_stage=1),
-    "ep=2 x dp=2 zero2": dict(ep=2, zero_stage=2),
-    "ep=2 x pp=2": dict(ep=2, pp=2),
+    # nodes of one rank: node-limited dispatch over rails of 2 (flat ZeRO-2 and pp x ep: WORLD8)
+    "ep=2 x dp=2 zero2 node-limited": dict(ep=2, zero_stage=2, ranks_per_node=1),
+    "ep=2 x pp=2 node-limited": dict(ep=2, pp=2, ranks_per_node=1),
     "ep=2 x tp=2": dict(ep=2, tp=2),
     "ep=2 x tp=2 sequence parallel": dict(ep=2, tp=2, sequence_parallel=True),
     # node-limited dispatch, nodes of 2 ranks: rail and intra-node groups; under tp=2 the ep
@@ -112,8 +113,8 @@ class StepLosses(nt.Callback):
 def _fit_steps(root: str, max_steps: int, ckpt_path: str | None = None) -> tuple[dict, str]:
     """Per-step losses and the run's checkpoint folder."""
     recorder = StepLosses()
-    trainer = nt.Trainer(
-        strategy=MegatronStrategy(ep=2, zero_stage=1),
+    trainer = nt.Trainer(  # node-limited dispatch, nodes of one rank
+        strategy=MegatronStrategy(ep=2, zero_stage=1, ranks_per_node=1),
         max_steps=max_steps,
         global_batch_size=8,
         micro_batch_size=2,
