@@ -140,8 +140,13 @@ WORLD4 = {
     "deepseek pp=2 x ep=2 dualpipev overlapped node-limited": (
         "tiny",
         dict(
-            pp=2, ep=2, schedule="dualpipev", micro_batch_size=1, overlap_forward_backward=True,
-            ranks_per_node=1, node_limited_dispatch=True,
+            pp=2,
+            ep=2,
+            schedule="dualpipev",
+            micro_batch_size=1,
+            overlap_forward_backward=True,
+            ranks_per_node=1,
+            node_limited_dispatch=True,
         ),
     ),  # fmt: skip
     # 8 virtual stages for 4 layers: every rank one layer and one pass-through chunk

@@ -153,10 +153,11 @@ def test_plan_reads_a_transformers_config_json_without_weights_and_takes_overrid
 
 
 def test_the_report_names_the_slowest_stage_and_what_bounds_it(capsys):
-    # the paper's batch: 15,360 sequences of 4K
+    # the paper's batch: 15,360 sequences of 4K; the flat dispatch first
     paper = [*PAPER[: PAPER.index("--global-batch-tokens") + 1], "62914560",
              *PAPER[PAPER.index("--global-batch-tokens") + 2 :]]  # fmt: skip
-    assert main([*paper, "--json"]) == 0
+    flat = [*paper, "--node_limited_dispatch", "false"]
+    assert main([*flat, "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     parts = out["time_parts_s"]
     # stages 1-14 hold four MoE layers each; stage 0 three dense layers and one MoE layer,
@@ -169,12 +170,21 @@ def test_the_report_names_the_slowest_stage_and_what_bounds_it(capsys):
     assert max(out["slowest_comm_s"], key=out["slowest_comm_s"].get) == "ep"
     ep_bytes = [r["comm_bytes_per_step"]["ep"] for r in out["ranks"]]
     assert ep_bytes[out["slowest_stage"]] == max(ep_bytes) > ep_bytes[0]
-    assert main(paper) == 0
+    assert main(flat) == 0
     text = capsys.readouterr().out
     slowest = out["slowest_stage"]
     assert f"communication per GPU per step, stage {slowest} (the slowest): " in text
     assert "communication per GPU per step, stage 0 (the largest): " in text
     assert f"bottleneck: ep communication; stage {slowest} sets the pace" in text
+    # node-limited (the default: ep=64 spans 8 nodes): the hop between nodes is the largest
+    # traffic, yet below the compute, which now bounds the step
+    assert main([*paper, "--json"]) == 0
+    limited = json.loads(capsys.readouterr().out)
+    assert limited["slowest_stage"] == 1 and limited["bottleneck"] == "compute"
+    comm = limited["slowest_comm_s"]
+    assert max(comm, key=comm.get) == "ep_inter"
+    assert comm["ep"] + comm["ep_inter"] < out["slowest_comm_s"]["ep"]
+    assert limited["step_time_s"] < out["step_time_s"]
 
 
 def test_traffic_prints_every_group_that_sends_anything():
