@@ -40,6 +40,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from nanotrain.models.cast_cache import cached_cast
 from nanotrain.parallel.expert import expert_range, mark_expert_params
 
 
@@ -165,7 +166,8 @@ def _as_autocast_would(
         t.dtype == dtype for t in tensors
     ):
         return x, weights  # autocast casts fp32 only (fp64 stays fp64), or nothing to cast
-    return x.to(dtype), tuple(w.to(dtype) for w in weights)
+    # the weights' casts once per step (`cast_cache`), as autocast caches its own
+    return x.to(dtype), tuple(cached_cast(w, dtype) for w in weights)
 
 
 def reads_sizes_first(x: torch.Tensor) -> bool:

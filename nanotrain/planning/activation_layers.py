@@ -20,8 +20,10 @@ Dtypes (`Dtypes`): "32-true" saves fp32 everywhere; "bf16-true" saves bf16 activ
 RMSNorm keeps an fp32 copy of its input (it computes in fp32); the autocast-style modes
 ("bf16-mixed", "16-mixed", the fp8/fp4 emulations and, approximated alike, "transformer-engine")
 keep an fp32 residual stream and fp32 norm outputs, and every low-precision GEMM saves its OWN
-low-precision copy of its input and of its weight (autocast casts per call; the cached weight
-cast lives as long as the microbatch's graph), which we count under "weight_copies".
+low-precision copy of its input and of its weight, which we count under "weight_copies". Under
+plain autocast ("bf16-mixed", "16-mixed") the weight casts are made once per training step and
+shared by its microbatches (`nanotrain.models.cast_cache`; `Dtypes.copies_per_step`); the
+emulations quantize their weights per call.
 """
 
 from __future__ import annotations
@@ -56,13 +58,15 @@ class Dtypes:
 
     stream: the residual stream and embedding output; gemm: GEMM outputs and what is computed
     from them inside a block; param: parameters; cast_copies: each low-precision GEMM saves its
-    own low-precision copy of its input (when that input is wider) and of its weight.
+    own low-precision copy of its input (when that input is wider) and of its weight;
+    copies_per_step: the weight copies are made once per step, not per microbatch.
     """
 
     stream: int
     gemm: int
     param: int
     cast_copies: bool
+    copies_per_step: bool = False
 
     @property
     def norm_out(self) -> int:
@@ -71,7 +75,7 @@ class Dtypes:
 
     def with_stream(self, stream: int) -> Dtypes:
         """The same dtypes with a residual stream of `stream` bytes per element."""
-        return Dtypes(stream, self.gemm, self.param, self.cast_copies)
+        return Dtypes(stream, self.gemm, self.param, self.cast_copies, self.copies_per_step)
 
 
 def dtypes_for(precision: str) -> Dtypes:
@@ -80,7 +84,8 @@ def dtypes_for(precision: str) -> Dtypes:
         return Dtypes(4, 4, 4, False)
     if precision == "bf16-true":
         return Dtypes(2, 2, 2, False)
-    return Dtypes(4, 2, 4, True)  # autocast (bf16/fp16) and the emulations built on it
+    # autocast (bf16/fp16), whose weight casts last the step, and the emulations built on it
+    return Dtypes(4, 2, 4, True, precision in ("bf16-mixed", "16-mixed"))
 
 
 @dataclass(frozen=True)

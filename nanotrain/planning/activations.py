@@ -40,7 +40,8 @@ class ActivationEstimate:
             the last virtual stage).
         in_flight: most (microbatch, chunk) forwards alive at once (`PlanLayout.in_flight`).
         saved_peak: most bytes of saved activations alive at once over the schedule
-            (forwards add a chunk's bytes, backwards free them, in the schedule's own order).
+            (forwards add a chunk's bytes, backwards free them, in the schedule's own order;
+            weight copies made once per step count once).
         transient: bytes that recomputation rebuilds during one layer's backward on top of
             `saved_peak` (0 without recomputation).
         peak: saved_peak + transient, the activation term of the rank's memory peak.
@@ -163,7 +164,7 @@ def activation_estimate(
     else:
         chunks = [list(range(config.num_layers))]
     num_virtual = layout.pp * len(chunks)
-    per_chunk, detail, transient = [], Ledger(), 0
+    per_chunk, detail, transient, copies = [], Ledger(), 0, []
     for c, layers in enumerate(chunks):
         virtual = layout.placement.stage(pp_rank, c) if layout.pp > 1 else 0
         led, rebuilt = _chunk(
@@ -177,11 +178,16 @@ def activation_estimate(
             layout.recompute,
         )
         per_chunk.append(sum(led.values()))
+        copies.append(led.get("weight_copies", 0))
         for part, nbytes in led.items():
             detail.add(part, nbytes)
         transient = max(transient, rebuilt)
     num_microbatches = workload.num_microbatches(layout)
-    saved_peak = _schedule_peak(layout, num_microbatches, pp_rank, per_chunk)
+    if not dtypes_for(workload.precision).copies_per_step:
+        copies = [0] * len(copies)
+    # weight copies made once per step: every chunk's once, the rest per microbatch in flight
+    saved = [c - w for c, w in zip(per_chunk, copies, strict=True)]
+    saved_peak = _schedule_peak(layout, num_microbatches, pp_rank, saved) + sum(copies)
     return ActivationEstimate(
         per_microbatch_chunk=per_chunk,
         in_flight=layout.in_flight(num_microbatches, pp_rank),

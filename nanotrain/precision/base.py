@@ -25,6 +25,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from nanotrain.models.cast_cache import step_cast_cache
 from nanotrain.precision.policy import PrecisionPolicy, describe, write_report
 
 __all__ = ["Precision", "SwapLinearMode", "wrap_forward"]
@@ -129,6 +130,17 @@ class Precision:
         if self.autocast_dtype is None:
             return contextlib.nullcontext()
         return torch.autocast(self.device_type, dtype=self.autocast_dtype)
+
+    def step_context(self) -> contextlib.AbstractContextManager:
+        """Context around one training step's forwards and backwards: under autocast, one
+        low-precision copy of each weight for the whole step (`nanotrain.models.cast_cache`),
+        not one per microbatch in flight. Autocast itself stays off in it (backward runs as
+        without it)."""
+        stack = contextlib.ExitStack()
+        if self.autocast_dtype is not None:
+            stack.enter_context(torch.autocast(self.device_type, enabled=False))
+            stack.enter_context(step_cast_cache())
+        return stack
 
     @property
     def loss_scale(self) -> float:

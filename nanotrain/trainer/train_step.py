@@ -93,7 +93,8 @@ class TrainStepMethods:
             window.start_all()  # pipeline: every microbatch's start hook before the schedule
             window.zero_grad()
         hooks = window.hooks() if in_loop else None
-        out = strategy.forward_backward(module, microbatches, first, hooks)
+        with strategy.precision.step_context():  # one cast of each weight for the step
+            out = strategy.forward_backward(module, microbatches, first, hooks)
         out.grad_norm = strategy.clip_grad_norm_(None)  # measured before any clipping
         self.step_output = out
         self._skip_requested = False
