@@ -3,8 +3,8 @@
 One forked world of 4 gloo ranks stands for nodes of 2 ranks (and of 1). Each mesh's MoE layer
 runs this rank's tokens twice, with the same weights: flat dispatch (`run_experts_parallel`)
 and node-limited (`run_experts_node_limited`, the layer's `node_groups` set), and compares
-outputs, input, router, shared and expert grads (fp32; the flat layer is proven equal to one
-process in test_expert_layer.py). The bytes the node-limited layer puts on its rail group
+outputs, input, router, shared and expert grads (fp32, and with the rows crossing in fp8 with
+tile scales; the flat layer is proven equal to one process in test_expert_layer.py). The bytes the node-limited layer puts on its rail group
 (`CommMeter`) equal `inter_node_bytes` of the (token, other node) pairs read off the routing,
 plus the counts exchange; the flat dispatch's copies that cross nodes are counted from the same
 routing, and a routing where tokens pick two experts of one node needs fewer rows.
@@ -50,22 +50,30 @@ def run_layer(layer: DeepSeekMoE, x: torch.Tensor, w: torch.Tensor) -> dict[str,
     return out
 
 
-def compare(rank: int, mesh: ParallelMesh, biased: bool) -> dict[str, Any]:
+def compare(rank: int, mesh: ParallelMesh, biased: bool, fp8: bool = False) -> dict[str, Any]:
     config = presets.get("tiny", aux_loss_alpha=0.01)  # 8 experts, top-2, 4 groups of 2
     layer = DeepSeekMoE(config, ep_group=mesh.ep_group)
     init_weights(layer, torch.Generator().manual_seed(3))
+    # fp8 dispatch (as "fp8-emulated" sets it): rows cross in e4m3 with tile scales, on both
+    # hops here; a row rounded once rounds to itself again
+    layer.experts.dispatches_fp8 = fp8
     if biased:  # experts 0 and 1 (one node) win every token: two copies, one row
         layer.gate.e_score_correction_bias[:2] = 1.0
     layer.train()
     g = torch.Generator().manual_seed(100 + rank)
     x, w = torch.randn(2, 5, 64, generator=g), torch.randn(2, 5, 64, generator=g)
     flat = run_layer(layer, x, w)
+    if fp8:  # the rounding shows against an fp32 dispatch
+        layer.experts.dispatches_fp8 = False
+        fp32 = run_layer(layer, x, w)["output"]
+        layer.experts.dispatches_fp8 = True
     groups = mesh.ep_node_groups
     layer.node_groups = groups
     meter = CommMeter({"rail": groups.inter})
     with meter:
         limited = run_layer(layer, x, w)
     errs = {name: rel_err(limited[name], flat[name]) for name in flat}
+    rounded = rel_err(limited["output"], fp32) if fp8 else None
     # the routing, read again: nodes each token reaches, other than this rank's
     with torch.no_grad():
         topk_idx = layer.gate(x.reshape(-1, 64))[0]
@@ -81,6 +89,7 @@ def compare(rank: int, mesh: ParallelMesh, biased: bool) -> dict[str, Any]:
         "flat copies across nodes": int(other.sum()),
         "nodes": (groups.nodes, groups.per_node),
         "ep ranks": mesh.group_ranks("ep"),
+        "fp8 rounding": rounded,
     }
 
 
@@ -94,6 +103,7 @@ def _checks(rank: int, world_size: int) -> dict[str, Any]:
         mesh = ParallelMesh.build(**kwargs)
         for biased in (False, True):
             out[(name, biased)] = compare(rank, mesh, biased)
+        out[(name, "fp8")] = compare(rank, mesh, False, fp8=True)
     return out
 
 
@@ -110,12 +120,14 @@ def results() -> list[dict]:
     return run_world(_checks, 4, timeout=120)
 
 
-@pytest.mark.parametrize("biased", [False, True])
+@pytest.mark.parametrize("biased", [False, True, "fp8"])
 @pytest.mark.parametrize("mesh", list(MESHES))
 def test_node_limited_dispatch_equals_the_flat_one(results, mesh, biased):
     for rank, result in enumerate(results):
         for name, err in result[(mesh, biased)]["errs"].items():
             assert err < 1e-5, f"{mesh}, rank {rank}: {name} differs by {err:.2e}"
+        if biased == "fp8":
+            assert result[(mesh, biased)]["fp8 rounding"] > 1e-3
 
 
 @pytest.mark.parametrize("biased", [False, True])
