@@ -64,7 +64,8 @@ class StepAggregator:
         synced = self.sync_dist and dist.is_available() and dist.is_initialized()
         if self.reduce == "mean":
             if not synced:
-                return self._total / self._weight
+                # one value of weight one (a plain per-step log): itself, with no device op
+                return self._total if self._weight == 1.0 else self._total / self._weight
             # full_like fills on the device: no host-to-device copy, so no stream sync
             pair = torch.stack([self._total, torch.full_like(self._total, self._weight)])
             dist.all_reduce(pair, dist.ReduceOp.SUM, group=self.process_group)
