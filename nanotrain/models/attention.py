@@ -14,6 +14,7 @@ ranks q_lora_rank, kv_lora_rank), or d_qk and d_v in `causal_attention`.
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import torch
@@ -31,6 +32,7 @@ from nanotrain.models.layers import (
     tp_size_of,
 )
 from nanotrain.parallel.collectives import enter_tensor_parallel_region
+from nanotrain.parallel.sp_regather import saved_as_shard
 from nanotrain.parallel.tensor import ColumnParallelLinear, RowParallelLinear
 
 
@@ -105,11 +107,14 @@ class DenseAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         # (B, T_local, H) -> (B, T, H): all-gathered along the sequence under sequence parallelism
+        shard = x
         x = enter_tensor_parallel_region(x, self.tp_group, sequence_parallel=self.sequence_parallel)
         b, t, _ = x.shape  # the whole sequence from here to o_proj
-        q = self.q_proj(x).view(b, t, self.local_heads, self.head_dim)  # (B, T, n, head_dim)
-        k = self.k_proj(x).view(b, t, self.local_kv_heads, self.head_dim)  # (B, T, n_kv, head_dim)
-        v = self.v_proj(x).view(b, t, self.local_kv_heads, self.head_dim)  # (B, T, n_kv, head_dim)
+        # under sequence parallelism q, k, v save their input as this rank's shard
+        with saved_as_shard(x, shard, self.tp_group, self.sequence_parallel):
+            q = self.q_proj(x).view(b, t, self.local_heads, self.head_dim)  # (B, T, n, head_dim)
+            k = self.k_proj(x).view(b, t, self.local_kv_heads, self.head_dim)  # (B, T, n_kv, hd)
+            v = self.v_proj(x).view(b, t, self.local_kv_heads, self.head_dim)  # (B, T, n_kv, hd)
         q = apply_rope(q, cos, sin, interleaved=False)
         k = apply_rope(k, cos, sin, interleaved=False)
         # (B, n | n_kv, T, head_dim) for SDPA; enable_gqa shares each kv head across its q group
@@ -186,8 +191,10 @@ class MLAttention(nn.Module):
         )
         self.o_proj = RowParallelLinear(c.num_heads * c.v_head_dim, c.hidden_size, **split)
 
-    def _latents(self, x: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor]:
-        """(RMSNorm(c_Q) or None, RMSNorm(c_KV), k^R), each [B, T, width] for the whole sequence.
+    def _latents(self, x: torch.Tensor) -> tuple[Any, ...]:
+        """(RMSNorm(c_Q) or None, RMSNorm(c_KV), k^R), each [B, T, width] for the whole sequence,
+        and the context in which the up-projections read them (under sequence parallelism
+        their saved input is kept as this rank's shard, `sp_regather`).
 
         One collective for the three: the rope key is shared by every head but each tp rank
         uses it (like the latents) for its own heads only, so its grad is summed over tp there.
@@ -198,23 +205,29 @@ class MLAttention(nn.Module):
             parts.insert(0, self.q_a_layernorm(self.q_a_proj(x)))  # (B, T_local, q_lora_rank)
         if tp_size_of(self.tp_group) == 1:
             # entering the region is the identity: skip the cat and its split (two copies)
-            return tuple(parts) if self.q_lora_rank is not None else (None, *parts)
+            pieces = tuple(parts) if self.q_lora_rank is not None else (None, *parts)
+            return (*pieces, contextlib.nullcontext())
+        shard = torch.cat(parts, dim=-1)  # (B, T_local, [q_lora_rank +] kv_lora_rank + rope)
         latents = enter_tensor_parallel_region(
-            torch.cat(parts, dim=-1), self.tp_group, sequence_parallel=self.sequence_parallel
+            shard, self.tp_group, sequence_parallel=self.sequence_parallel
         )  # (B, T, [q_lora_rank +] kv_lora_rank + rope_dim)
+        region = saved_as_shard(latents, shard, self.tp_group, self.sequence_parallel)
         widths = [p.shape[-1] for p in parts]
         pieces = latents.split(widths, dim=-1)  # each (B, T, its width)
         if self.q_lora_rank is None:
-            return None, *pieces
-        return pieces[0], pieces[1], pieces[2]
+            return None, *pieces, region
+        return pieces[0], pieces[1], pieces[2], region
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         n = self.local_heads
         # (B, T, q_lora_rank) or None, (B, T, kv_lora_rank), (B, T, rope_dim)
-        q_latent, c_kv, k_rope = self._latents(x)
+        q_latent, c_kv, k_rope, region = self._latents(x)
         b, t, _ = c_kv.shape  # the whole sequence from here to o_proj
-        # (B, T, n * qk_head_dim): this rank's heads, each [q^C | q^R]
-        q = self.q_proj(x) if q_latent is None else self.q_b_proj(q_latent)
+        with region:  # the up-projections (q: this rank's heads, each [q^C | q^R])
+            q = None if q_latent is None else self.q_b_proj(q_latent)  # (B, T, n * qk_head_dim)
+            kv = self.kv_b_proj(c_kv)  # (B, T, n * (nope_dim + v_dim))
+        if q is None:  # no q latent: q from x, gathered (and kept as its shard) by q_proj
+            q = self.q_proj(x)
         q = q.view(b, t, n, self.nope_dim + self.rope_dim)  # (B, T, n, qk_head_dim)
         if self.interleaved and self.nope_dim % 2 == 0:
             # rotate q^R inside the whole head [q^C | q^R]: no split and cat back
@@ -230,7 +243,7 @@ class MLAttention(nn.Module):
             # k^R, the one rope key every head shares: (B, T, 1, rope_dim)
             k_rope = apply_rope(k_rope.unsqueeze(2), cos, sin, interleaved=self.interleaved)
         # [k^C | v] per head: (B, T, n, nope_dim + v_dim)
-        kv = self.kv_b_proj(c_kv).view(b, t, n, self.nope_dim + self.v_dim)
+        kv = kv.view(b, t, n, self.nope_dim + self.v_dim)
         # k^C (B, T, n, nope_dim) and v (B, T, n, v_dim)
         k_nope, v = kv.split([self.nope_dim, self.v_dim], dim=-1)
         # [k^C | k^R] with k^R broadcast to every head: (B, T, n, qk_head_dim)

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from nanotrain.parallel.collectives import enter_tensor_parallel_region
+from nanotrain.parallel.sp_regather import saved_as_shard
 from nanotrain.parallel.tensor import ColumnParallelLinear, RowParallelLinear
 
 
@@ -233,9 +234,14 @@ class SwiGLU(nn.Module):
         self.down_proj = RowParallelLinear(intermediate, hidden, **kw)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shard = x
         x = enter_tensor_parallel_region(
             x, self.tp_group, sequence_parallel=self.sequence_parallel
         )  # (B, T, hidden): the whole sequence under sequence parallelism
-        # gate, up: (B, T, intermediate / tp), this rank's columns; down_proj sums over tp to
-        # (B, T, hidden), reduce-scattered to (B, T / tp, hidden) under sequence parallelism
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        # gate, up: (B, T, intermediate / tp), this rank's columns; under sequence parallelism
+        # they save the input as this rank's shard (`sp_regather`)
+        with saved_as_shard(x, shard, self.tp_group, self.sequence_parallel):
+            gate, up = self.gate_proj(x), self.up_proj(x)
+        # down_proj sums over tp to (B, T, hidden), reduce-scattered to (B, T / tp, hidden)
+        # under sequence parallelism
+        return self.down_proj(F.silu(gate) * up)

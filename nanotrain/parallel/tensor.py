@@ -50,6 +50,7 @@ from nanotrain.parallel.collectives import (
     reduce_scatter_to_sequence_parallel_region,
     scatter_to_tensor_parallel_region,
 )
+from nanotrain.parallel.sp_regather import RegatheredInput, cast_in_region
 
 __all__ = [
     "ColumnParallelLinear",
@@ -235,12 +236,22 @@ class ColumnParallelLinear(_TensorParallelModule):
         """``x [..., in] -> [..., out // tp]`` (``[..., out]`` with ``gather_output``).
 
         With ``shared_input`` the input must already be the whole (entered) activation.
+        Under sequence parallelism the gathered input is saved as this rank's shard and
+        gathered again in backward (`nanotrain.parallel.sp_regather`; with ``shared_input``
+        inside the caller's `RegatheredInput`).
         """
-        if not self.shared_input:
-            x = enter_tensor_parallel_region(
-                x, self.tp_group, sequence_parallel=self.sequence_parallel, seq_dim=self.seq_dim
+        if self.shared_input:
+            y = F.linear(cast_in_region(x), self.weight, self.bias)  # [..., out // tp]
+        elif self.sequence_parallel and self.tp_size > 1:
+            # the gathered sequence is saved as this rank's shard (`sp_regather`)
+            full = enter_tensor_parallel_region(
+                x, self.tp_group, sequence_parallel=True, seq_dim=self.seq_dim
             )
-        y = F.linear(x, self.weight, self.bias)  # [..., out // tp]
+            with RegatheredInput(full, x, self.tp_group, self.seq_dim):
+                y = F.linear(cast_in_region(full), self.weight, self.bias)
+        else:
+            x = enter_tensor_parallel_region(x, self.tp_group, seq_dim=self.seq_dim)
+            y = F.linear(x, self.weight, self.bias)
         if self.gather_output:
             y = gather_from_tensor_parallel_region(y, self.tp_group)  # [..., out]
         return y

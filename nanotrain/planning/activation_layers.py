@@ -28,7 +28,7 @@ emulations quantize their weights per call.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from nanotrain.models.moe import expert_capacity
@@ -98,6 +98,18 @@ class Dims:
     tp: int
     sp: bool
     kernel_for_unequal_dims: str  # "fused" (cuda) or "math" (CPU, qk head dim != v head dim)
+    # under sequence parallelism the gathered block inputs are saved as this rank's shards
+    # (`nanotrain.parallel.sp_regather`); not inside a recomputed block
+    shards: bool = True
+
+    @property
+    def saves_shards(self) -> bool:
+        """Whether a gathered block input is saved as this rank's shard."""
+        return self.sp and self.shards
+
+    def recomputed(self) -> Dims:
+        """The same microbatch inside a recomputed block (gathered inputs saved whole)."""
+        return replace(self, shards=False)
 
     @property
     def n(self) -> int:
@@ -147,7 +159,10 @@ def _dense_attention(led: Ledger, c: Any, d: Dims, dt: Dtypes) -> None:
     n, tp, g = d.n, d.tp, dt.gemm
     hq, hkv = c.num_heads // tp * c.head_dim, c.num_kv_heads // tp * c.head_dim
     h = c.hidden_size
-    _gemm_inputs(led, "attention", dt, 3, n * h, dt.norm_out)  # q/k/v read one entered x
+    if d.saves_shards:  # q/k/v read one gathered x, saved as this rank's shard
+        led.add("attention", d.t * h * dt.norm_out)
+    else:
+        _gemm_inputs(led, "attention", dt, 3, n * h, dt.norm_out)  # q/k/v read one entered x
     _rope_copies(led, d, c.head_dim, g, calls=2)
     # flash SDPA saves q and k after rope, v (kv heads, not expanded for GQA), out (o_proj reads
     # it as a view) and the fp32 log-sum-exp
@@ -200,11 +215,18 @@ def _mla_attention(led: Ledger, c: Any, d: Dims, dt: Dtypes) -> None:
     nope, dv, dqk = c.qk_nope_head_dim, c.v_head_dim, c.qk_head_dim
     # replicated down-projections read this rank's T tokens of the norm output; without
     # q_lora_rank, q_proj reads the hidden state entered (all-gathered under sp) itself
-    _gemm_inputs(led, "attention", dt, 2, t * h, dt.norm_out)
-    if wq is None and dt.cast_copies:
-        led.add("attention", (n - t) * h * g)  # its copy is of all N tokens, not T
-    elif wq is None and d.sp:
-        led.add("attention", n * h * dt.norm_out)
+    if wq is None and d.saves_shards:
+        # q_proj keeps its gathered x as the shard: the storage kv_a_proj reads, unless that
+        # one reads a cast copy
+        _gemm_inputs(led, "attention", dt, 1, t * h, dt.norm_out)
+        if dt.cast_copies and dt.norm_out > g:
+            led.add("attention", t * h * dt.norm_out)
+    else:
+        _gemm_inputs(led, "attention", dt, 2, t * h, dt.norm_out)
+        if wq is None and dt.cast_copies:
+            led.add("attention", (n - t) * h * g)  # its copy is of all N tokens, not T
+        elif wq is None and d.sp:
+            led.add("attention", n * h * dt.norm_out)
     _norm(led, t, wkv, g, stored_width=wkv + r)  # kv_a_layernorm on a view of [c_KV | k^R]
     weights = h * (wkv + r)
     if wq is not None:
@@ -215,7 +237,9 @@ def _mla_attention(led: Ledger, c: Any, d: Dims, dt: Dtypes) -> None:
     # (k^R is then a view of kv_a's output, saved by its norm)
     latent_bytes = max(dt.param, g)
     width = (wq or 0) + wkv + (r if tp > 1 else 0)
-    if dt.cast_copies:
+    if d.saves_shards:  # the latents saved as this rank's shard [T, width]
+        led.add("attention", t * width * latent_bytes)
+    elif dt.cast_copies:
         led.add("attention", n * ((wq or 0) + wkv) * g)
     else:
         led.add("attention", n * width * latent_bytes)
@@ -241,7 +265,10 @@ def _mla_attention(led: Ledger, c: Any, d: Dims, dt: Dtypes) -> None:
 
 
 def _dense_mlp(led: Ledger, c: Any, d: Dims, dt: Dtypes, inter: int, part: str) -> None:
-    _gemm_inputs(led, part, dt, 2, d.n * c.hidden_size, dt.norm_out)  # gate/up, entered x
+    if d.saves_shards:  # gate/up read one gathered x, saved as this rank's shard
+        led.add(part, d.t * c.hidden_size * dt.norm_out)
+    else:
+        _gemm_inputs(led, part, dt, 2, d.n * c.hidden_size, dt.norm_out)  # gate/up, entered x
     _swiglu(led, part, dt, d.n, c.hidden_size, inter // d.tp)
 
 
@@ -284,8 +311,12 @@ def _moe(led: Ledger, c: Any, d: Dims, dt: Dtypes, ep: int, training: bool) -> N
         led.add("moe", whole * I64 + whole * g + whole * h * g)
     if c.n_shared_experts > 0:
         shared = c.n_shared_experts * c.moe_intermediate_size
-        # the router's fp32 input is the same storage only without sp, casts or bf16 norms
-        if d.sp or dt.cast_copies or dt.norm_out != F32:
+        # gate/up's input: under sp saved as the shard, the router's fp32 input itself unless
+        # the norm output is bf16; else the same storage only without casts or bf16 norms
+        if d.saves_shards:
+            if dt.norm_out != F32:
+                led.add("moe", d.t * h * dt.norm_out)
+        elif d.sp or dt.cast_copies or dt.norm_out != F32:
             _gemm_inputs(led, "moe", dt, 2, d.n * h, dt.norm_out)
         _swiglu(led, "moe", dt, d.n, h, shared // d.tp)
 
@@ -303,17 +334,20 @@ def decoder_layer(
     """(bytes per part of one decoder layer, bytes recomputed transiently in its backward)."""
     full = Ledger()
     t, h = d.t, c.hidden_size
+    # a recomputed block saves its gathered inputs whole, for the backward right after
+    d_attn = d.recomputed() if recompute is not None else d
+    d_mlp = d.recomputed() if recompute == "full" else d
     _norm(full, t, h, dt.stream, h)
     attn = Ledger()
     if hasattr(c, "kv_lora_rank"):
-        _mla_attention(attn, c, d, dt)
+        _mla_attention(attn, c, d_attn, dt)
     else:
-        _dense_attention(attn, c, d, dt)
+        _dense_attention(attn, c, d_attn, dt)
     _norm(full, t, h, dt.stream, h)
     if moe:
-        _moe(full, c, d, dt, ep, training=True)
+        _moe(full, c, d_mlp, dt, ep, training=True)
     else:
-        _dense_mlp(full, c, d, dt, c.intermediate_size, "mlp")
+        _dense_mlp(full, c, d_mlp, dt, c.intermediate_size, "mlp")
     if recompute == "full":  # checkpoint keeps the layer input; backward rebuilds the rest
         rebuilt = sum(full.values()) + sum(attn.values())
         kept = Ledger(recompute_inputs=t * h * dt.stream)
@@ -336,7 +370,7 @@ def head_and_loss(
         _head_and_loss(led, c, d, dt, part)
         return 0
     rebuilt = Ledger()
-    _head_and_loss(rebuilt, c, d, dt, part)
+    _head_and_loss(rebuilt, c, d.recomputed(), dt, part)
     led.add("recompute_inputs", d.t * c.hidden_size * dt.stream + d.n * I64)
     return sum(rebuilt.values())
 
@@ -344,7 +378,8 @@ def head_and_loss(
 def _head_and_loss(led: Ledger, c: Any, d: Dims, dt: Dtypes, part: str) -> None:
     n, h = d.n, c.hidden_size
     _norm(led, d.t, h, dt.stream, h)
-    led.add(part, n * h * dt.norm_out)  # lm_head (kept high) reads the (gathered) norm output
+    # lm_head (kept high) reads the norm output, gathered and kept as its shard under sp
+    led.add(part, (d.t if d.saves_shards else n) * h * dt.norm_out)
     if d.tp == 1:  # F.cross_entropy: fp32 log-probs, targets, total weight
         led.add(part, n * c.vocab_size * F32 + n * I64 + F32)
     else:  # vocab-parallel: fp32 softmax shard, local targets, two bool masks

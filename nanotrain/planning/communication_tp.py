@@ -8,8 +8,10 @@ attention and MLP block's one input collective (identity / all-reduce of the gra
 reduce-scatter under SP) and one output collective (all-reduce; reduce-scatter / all-gather
 under SP) (Shoeybi et al. 2019, Korthikanti et al. 2022), MLA's latents instead of the hidden
 state, the MoE shared experts, the LM head's input and the vocab-parallel cross-entropy's two
-per-token reductions, once more per MTP depth; the MoE balance-loss statistics under SP; and
-the forward collectives that recomputation reruns (under "full" the heads' and losses' too).
+per-token reductions, once more per MTP depth; the MoE balance-loss statistics under SP; under
+SP the backward all-gather of every input saved as its shard, where the block is not
+recomputed; and the forward collectives that recomputation reruns (under "full" the heads' and
+losses' too).
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ class TpCollective:
     itemsize: int
     backward: bool
     where: str = "head"  # "attn", "mlp" (inside a decoder layer: recomputed) or "head"
+    regather: bool = False  # backward's all-gather of an input saved as its shard
 
     def wire(self, g: int) -> float:
         """Wire bytes this rank sends for it over a group of `g` ranks (ring model)."""
@@ -45,11 +48,13 @@ class TpCollective:
 
 def _enter(numel: int, itemsize: int, sp: bool, where: str) -> list[TpCollective]:
     """`enter_tensor_parallel_region`: identity / grad all-reduce; under SP all-gather /
-    grad reduce-scatter."""
+    grad reduce-scatter, and the all-gather in backward of the input its layers saved as this
+    rank's shard (`nanotrain.parallel.sp_regather`; not in a recomputed block)."""
     if sp:
         return [
             TpCollective("all_gather", numel, itemsize, False, where),
             TpCollective("reduce_scatter", numel, itemsize, True, where),
+            TpCollective("all_gather", numel, itemsize, True, where, regather=True),
         ]
     return [TpCollective("all_reduce", numel, itemsize, True, where)]
 
@@ -147,6 +152,16 @@ def _recomputed(
     return forward if trailing_kept else forward[:-1]
 
 
+def _saved_as_shards(colls: list[TpCollective], recompute: str | None) -> list[TpCollective]:
+    """`colls` without the regathers of the blocks that recompute instead ("full": every
+    block, the heads too; "selective": attention)."""
+    if recompute == "full":
+        return [c for c in colls if not c.regather]
+    if recompute == "selective":
+        return [c for c in colls if not (c.regather and c.where == "attn")]
+    return colls
+
+
 def _keeps_trailing(config: Any, moe: bool) -> bool:
     """Whether a layer saves tensors after its last tp collective (see `_recomputed`): a MoE
     layer computing the balance loss, or one without shared experts (its last tp collective
@@ -171,16 +186,19 @@ def tp_collectives(
         for i in layers:
             moe = is_moe_layer(config, i)
             layer = _layer_colls(config, moe, b, tokens, sp, dt)
-            colls += layer + _recomputed(layer, layout.recompute, _keeps_trailing(config, moe))
+            colls += _saved_as_shards(layer, layout.recompute)
+            colls += _recomputed(layer, layout.recompute, _keeps_trailing(config, moe))
         if stage == last:
             head = _head_colls(config, tokens, sp, dt)
-            colls += head + _head_recomputed(head, layout.recompute)
+            head_saved = _saved_as_shards(head, layout.recompute)
+            colls += head_saved + _head_recomputed(head, layout.recompute)
             for _ in range(getattr(config, "mtp_depth", 0)):
                 moe = mtp_is_moe(config)
                 block = _layer_colls(config, moe, b, tokens, sp, dt)
                 colls += _exit(tokens * h, dt.param, sp, "head")  # embeds the shifted ids
-                colls += block + _recomputed(block, layout.recompute, _keeps_trailing(config, moe))
-                colls += head + _head_recomputed(head, layout.recompute)
+                colls += _saved_as_shards(block, layout.recompute)
+                colls += _recomputed(block, layout.recompute, _keeps_trailing(config, moe))
+                colls += head_saved + _head_recomputed(head, layout.recompute)
     return colls
 
 

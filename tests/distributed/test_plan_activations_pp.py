@@ -103,6 +103,20 @@ LAYOUTS = {
     "deepseek tp2": ("tiny", dict(tp=2), None),
     "deepseek tp2 sp": ("tiny", dict(tp=2, sequence_parallel=True), None),
     "dense tp2 sp": ("tiny-dense", dict(tp=2, sequence_parallel=True), None),
+    # gathered inputs kept as shards: through autocast's casts, and beside recomputed blocks
+    # (which keep theirs whole until their backward)
+    "deepseek tp2 sp bf16-mixed selective": (
+        "tiny",
+        dict(tp=2, sequence_parallel=True),
+        "selective",
+        "bf16-mixed",
+    ),
+    "dense tp2 sp bf16-true full recompute": (
+        "tiny-dense",
+        dict(tp=2, sequence_parallel=True),
+        "full",
+        "bf16-true",
+    ),
     "deepseek ep2 (real routing, predicted balanced)": ("tiny", dict(dp=2, ep=2), None),
     "deepseek tp2 sp capacity": ("tiny", dict(tp=2, sequence_parallel=True), None),
     "deepseek ep2 capacity": ("tiny", dict(dp=2, ep=2), None),

@@ -281,11 +281,15 @@ def test_tp_bytes_are_megatrons_four_all_reduces_per_layer():
 
 def test_sequence_parallel_moves_the_same_tp_bytes_plus_the_replicated_grads():
     # Korthikanti et al. 2022: all-gather + reduce-scatter cost what one all-reduce costs; SP
-    # adds the sum over tp of the norm weights' grads (2 per layer + the final norm).
+    # adds the sum over tp of the norm weights' grads (2 per layer + the final norm), and the
+    # all-gather in backward of every block input saved as its shard (attention, MLP, head:
+    # (g-1)/g of [b, s, h] fp32 each)
     plain = comm_estimate(DENSE, PlanLayout(tp=2), WORK).bytes_per_step["tp"]
     sp = comm_estimate(DENSE, PlanLayout(tp=2, sequence_parallel=True), WORK)
     norms = (2 * DENSE.num_layers + 1) * DENSE.hidden_size
-    assert sp.bytes_per_step["tp"] == pytest.approx(plain + 2 * (1 / 2) * norms * 4)
+    micro = WORK.num_microbatches(PlanLayout(tp=2))
+    regathers = micro * (2 * DENSE.num_layers + 1) * (1 / 2) * MICRO * SEQ * DENSE.hidden_size * 4
+    assert sp.bytes_per_step["tp"] == pytest.approx(plain + 2 * (1 / 2) * norms * 4 + regathers)
 
 
 def test_dp_bytes_follow_zero_stages():
