@@ -162,7 +162,13 @@ def run_plan(argv: list[str]) -> None:
     _check_args(cfg)
     config, gpu = _config(cfg.model, cfg.model_overrides), gpu_spec(cfg.gpu)
     recompute = None if cfg.recompute in ("none", "None") else cfg.recompute
-    if any(getattr(cfg, k) is not None for k in _LAYOUT_FLAGS):
+    fixed = any(getattr(cfg, k) is not None for k in _LAYOUT_FLAGS)
+    if cfg.node_limited_dispatch is not None and not fixed:
+        raise ValueError(
+            "--node_limited_dispatch prices one layout: give its sizes too (--tp, --pp, --ep, "
+            "...); the search prices node-limited dispatch wherever an ep group spans nodes"
+        )
+    if fixed:
         tp, pp, ep = cfg.tp or 1, cfg.pp or 1, cfg.ep or 1
         # the strategy's own check of the sizes against the world and the model
         dp = validate_layout(cfg.gpus, tp, pp, ep, cfg.dp, **model_dims(config))

@@ -6,7 +6,9 @@ holds up to pp of them) keeps its own bf16 copy of every weight it used, saved f
 The precision plugin's `step_context` keeps one disabled autocast context open over the whole
 step, so every microbatch reuses the first one's casts (Megatron-LM keeps bf16 weights for the
 same reason). `cached_cast` gives the casts autocast does not make itself (the experts' weight
-stacks, cast by hand for the grouped GEMM) the same lifetime, under `step_cast_cache`.
+stacks, cast by hand for the grouped GEMM) the same lifetime, under `step_cast_cache`. A
+recomputed region (`nanotrain.models.recompute`) turns both caches off: it keeps no weight
+copy, as it keeps no activation.
 """
 
 from __future__ import annotations
@@ -42,6 +44,8 @@ def cached_cast(t: Tensor, dtype: torch.dtype) -> Tensor:
     enabled: the cast then carries the gradient back to it) inside `step_cast_cache`."""
     cache = getattr(_local, "cache", None)
     if cache is None or t.dtype == dtype or not (t.is_leaf and t.requires_grad):
+        return t.to(dtype)
+    if not torch.is_autocast_cache_enabled():  # a recomputed region keeps no copy
         return t.to(dtype)
     if not torch.is_grad_enabled():
         return t.to(dtype)

@@ -68,7 +68,23 @@ def recomputed(fn: Callable[..., Any], *args: Any) -> Any:
         # (a buffer update such as the MoE load count happens once, in forward), and it takes
         # no context_fn but its own selective-recompute modes
         return checkpoint(fn, *args, use_reentrant=False)
-    return checkpoint(fn, *args, use_reentrant=False, context_fn=_contexts)
+    return checkpoint(_without_cast_cache(fn), *args, use_reentrant=False, context_fn=_contexts)
+
+
+def _without_cast_cache(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """`fn` with autocast's weight-cast cache off: a recomputed region keeps no weight copy
+    for the step (`nanotrain.models.cast_cache`), in its forward as in its rerun; it casts
+    afresh each time, as it keeps nothing else."""
+
+    def run(*args: Any) -> Any:
+        previous = torch.is_autocast_cache_enabled()
+        torch.set_autocast_cache_enabled(False)
+        try:
+            return fn(*args)
+        finally:
+            torch.set_autocast_cache_enabled(previous)
+
+    return run
 
 
 def check_recompute(mode: str | None) -> None:

@@ -23,8 +23,12 @@ holds the experts ``[n * E / nodes, (n + 1) * E / nodes)``, which is the flat ow
       5. rail all-to-all back, summed per token       -> y [N, H]
 
 Every step is differentiable (the all-to-alls are `all_to_all`'s autograd functions), so the
-backward retraces the same path: gradients cross nodes once per (token, node) too. The result
-equals the flat dispatch up to the order of the weighted sum (fp32 rounding).
+backward retraces the same path: gradients cross nodes once per (token, node) too. In fp32 the
+result equals the flat dispatch up to the order of the weighted sum. Where the rows cross in
+bf16 the outputs and weight gradients are still those of the flat dispatch, but the input
+gradient is summed per node before it crosses back, so each node's partial sum is rounded to
+bf16 once (the flat dispatch rounds each copy's gradient instead): relative differences of
+about 1e-3, as DeepSeek-V3's bf16 combine has.
 
 Bytes crossing nodes per MoE layer and rank (`inter_node_bytes`): per (token, other node)
 pair it sends, the row in the dispatch dtype, K choice ids (int32) and K weights (fp32)
@@ -98,16 +102,21 @@ def inter_node_bytes(
     top_k: int,
     dispatch_bytes: int,
     combine_bytes: int,
+    dispatch_grad_bytes: int | None = None,
 ) -> int:
     """Bytes one rank sends to other nodes for one MoE layer, forward and backward.
 
     `sent_pairs`: its (token, other node) pairs; `received_pairs`: the rows it forwards for
     other nodes' ranks. Out go, per sent pair, the dispatched row, the combine's gradient,
     K choice ids (int32) and K weights (fp32); per received pair, the combined row, the
-    dispatch's gradient and the K weights' gradients. (The counts exchange, 16 bytes per
-    other node, is left out.)"""
-    rows = (sent_pairs + received_pairs) * hidden * (dispatch_bytes + combine_bytes)
-    return rows + top_k * (8 * sent_pairs + 4 * received_pairs)
+    dispatch's gradient and the K weights' gradients. `dispatch_bytes` is a row's bytes per
+    element on the way out (an fp8 row: its packed bytes / hidden), `dispatch_grad_bytes` its
+    gradient's (default: the same). (The counts exchange, 16 bytes per other node, is left
+    out.)"""
+    grad = dispatch_bytes if dispatch_grad_bytes is None else dispatch_grad_bytes
+    out = sent_pairs * hidden * (dispatch_bytes + combine_bytes)
+    back = received_pairs * hidden * (combine_bytes + grad)
+    return int(out + back + top_k * (8 * sent_pairs + 4 * received_pairs))
 
 
 def run_experts_node_limited(
@@ -147,7 +156,7 @@ def run_experts_node_limited(
     send_pairs = [row[0] for row in sizes[:nodes]]
     recv_pairs = [row[0] for row in sizes[nodes:]]
     recv_copies = sum(row[1] for row in sizes[nodes:])
-    pair_node, pair_token = torch.nonzero_static(pair_hit, size=sum(send_pairs)).unbind(1)
+    pair_node, pair_token = pair_hit.nonzero().unbind(1)  # (Q,) each, node-major
     here = node_of[pair_token] == pair_node[:, None]  # (Q, K): the choices on the pair's node
     local_idx = torch.where(here, topk_idx[pair_token] - pair_node[:, None] * node_experts, -1)
     weight = topk_weight[pair_token] * here  # (Q, K)
@@ -163,7 +172,10 @@ def run_experts_node_limited(
     slot = torch.argsort(flat, stable=True)[:recv_copies]  # (M,): stable keeps arrival order
     counts = expert_counts(flat[slot], node_experts)  # (E_node,)
     copy_row = slot // k  # (M,)
-    y = run_experts_parallel(rows[copy_row], counts, experts, groups.intra, fp8_dispatch)
+    # the copies made in h's dtype (fp32 under autocast) and cast after, as the flat dispatch
+    # does: their gradients are summed per row in that dtype
+    copies = rows.to(h.dtype)[copy_row].to(rows.dtype)  # (M, H)
+    y = run_experts_parallel(copies, counts, experts, groups.intra, fp8_dispatch)
     # 4. summed per row with the weights, inside the node
     w = got_weight.reshape(-1)[slot].to(y.dtype)  # (M,)
     summed = y.new_zeros(rows.shape[0], y.shape[-1]).index_add(0, copy_row, y * w[:, None])

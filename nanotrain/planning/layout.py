@@ -147,6 +147,11 @@ class PlanLayout(MeshLayout):
             if self.node_limited_dispatch:
                 raise
             return None
+        if nodes == 1 and self.node_limited_dispatch:
+            raise ValueError(
+                f"node_limited_dispatch=True, but the expert-parallel group (ep={self.ep}) lies "
+                f"on one node of {ranks_per_node} GPUs; use node_limited_dispatch=None"
+            )
         return (nodes, per_node) if nodes > 1 else None
 
     def stage_chunks(self, config: Any, pp_rank: int) -> list[list[int]]:

@@ -140,9 +140,9 @@ class MegatronStrategy(MegatronGradNorms, Strategy):
         node_limited_dispatch: send a token to another node once per node that holds one of
             its experts, forwarded inside the node to those experts (DeepSeek-V3's dispatch,
             `nanotrain.parallel.node_dispatch`), instead of once per expert. None: wherever an
-            expert-parallel group spans several nodes, the MoE layers are dropless and the
-            chunks are not overlapped; True: required (an error where it cannot apply);
-            False: never.
+            expert-parallel group spans several nodes (with equally many of its ranks on each)
+            and the MoE layers are dropless; True: required (an error where it cannot apply);
+            False: never. Every rank must see the same ranks_per_node.
 
     Raises:
         TypeError, ValueError: for invalid sizes or options, at construction (layouts that do

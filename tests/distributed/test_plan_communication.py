@@ -84,8 +84,7 @@ def measure(kind: str, strategy_kwargs: dict, extra: dict, root: str) -> dict[st
     )
     precision = extra.get("precision", "32-true")
     micro, batch = extra.get("batch", (MICRO, GLOBAL))
-    if "select" in extra:
-        TopKRouter.select = extra["select"]
+    TopKRouter.select = extra.get("select", balanced_select)  # the next layout gets its own
     trainer = nt.Trainer(
         strategy=strategy,
         max_steps=2,

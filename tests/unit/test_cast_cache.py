@@ -62,3 +62,28 @@ def test_the_microbatches_of_a_step_share_the_weight_copies_and_the_gradients_ar
     # the second microbatch saves no weight copy of its own (dense layers and experts alike)
     assert (both_apart - first_apart) - (both - first) == copies["weight_copies"]
     assert all(torch.equal(a, b) for a, b in zip(grads, grads_apart, strict=True))
+
+
+def test_a_recomputed_region_keeps_no_weight_copy_for_the_step():
+    from nanotrain.models import cast_cache
+    from nanotrain.models.transformer import set_recompute
+
+    config = presets.get("tiny")
+    plugin = resolve_precision("bf16-mixed")
+    held = {}
+    for recompute in (None, "full"):
+        torch.manual_seed(0)
+        model = build_model(config, device="cpu").train()
+        plugin.setup_module(model, torch.device("cpu"), is_global_zero=False)
+        set_recompute(model, recompute)
+        ids = torch.randint(0, config.vocab_size, (MICRO, SEQ))
+        with plugin.step_context():
+            with plugin.forward_context():
+                loss = model(ids, ids.roll(-1, 1)).total_loss
+            # the experts' weight stacks cast by hand, held for the step (autocast's own
+            # cache follows the same switch, but is not visible from Python)
+            held[recompute] = len(cast_cache._local.cache)
+            loss.backward()
+    moe_layers = sum(config.is_moe_layer(i) for i in range(config.num_layers)) + config.mtp_depth
+    assert held[None] == 3 * moe_layers  # gate, up and down stacks of every MoE layer
+    assert held["full"] == 0

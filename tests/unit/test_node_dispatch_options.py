@@ -101,3 +101,24 @@ def test_the_nodes_come_from_the_argument_else_torchrun_else_one_node(monkeypatc
     assert nt.MegatronStrategy(ep=2, node_limited_dispatch=False)._node_size(4) is None
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
     assert nt.MegatronStrategy(ep=4)._node_size(4) == 2
+
+
+def test_the_planner_follows_the_strategy_rule():
+    from nanotrain.planning import PlanLayout
+
+    config = presets.get("tiny")
+    assert PlanLayout(dp=16, ep=16).ep_nodes(config, 8) == (2, 8)  # the default: on
+    assert PlanLayout(dp=16, ep=16, node_limited_dispatch=False).ep_nodes(config, 8) is None
+    assert PlanLayout(dp=16, ep=8).ep_nodes(config, 8) is None  # one node: flat
+    with pytest.raises(ValueError, match="lies on one node of 8 GPUs"):
+        PlanLayout(dp=16, ep=8, node_limited_dispatch=True).ep_nodes(config, 8)
+    slots = presets.get("tiny", capacity_factor=1.0)
+    assert PlanLayout(dp=16, ep=16).ep_nodes(slots, 8) is None  # fixed slots: flat
+
+
+def test_the_plan_command_refuses_the_dispatch_flag_without_a_layout(capsys):
+    from nanotrain.cli.plan import run_plan
+
+    args = ["--model", "tiny", "--gpus", "16", "--seq-len", "64", "--global-batch-size", "16"]
+    with pytest.raises(ValueError, match="--node_limited_dispatch prices one layout"):
+        run_plan([*args, "--node_limited_dispatch", "false"])

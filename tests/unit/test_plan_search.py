@@ -176,7 +176,7 @@ def test_paired_chunks_hide_part_of_the_expert_all_to_all():
     # a DeepSeek model whose experts span two nodes: the all-to-all blocks for a while
     config = presets.get("deepseek-v2-lite")
     work = Workload(seq_len=2048, micro_batch_size=1, global_batch_size=256)
-    # the flat dispatch in both (paired chunks have no node-limited one)
+    # the flat dispatch in both, to set the pairing's hiding against its ep time
     layout = PlanLayout(
         pp=2, dp=16, ep=16, schedule="dualpipev", zero_stage=1, pipeline_layout=(6, 7, 7, 7),
         node_limited_dispatch=False,
