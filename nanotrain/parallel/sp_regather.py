@@ -43,22 +43,26 @@ class RegatheredInput:
     """
 
     def __init__(self, full: Tensor, shard: Tensor, group: ProcessGroup | None, dim: int) -> None:
-        self._storage = full.untyped_storage().data_ptr()
-        self._shard, self._group, self._dim = shard.detach(), group, dim
+        self._full_in, self._storage = full, -1
+        self._shard, self._group, self._dim = shard, group, dim
         self._casts: dict[int, tuple[Any, ...]] = {}  # cast's storage -> source view, dtype
         self._full: Tensor | None = None
         self._pending: set[int] = set()
-        self._hooks: Any = None
+        self._hooks: Any = None  # the saved-tensor hooks while the region is open
         self._outer: RegatheredInput | None = None
         self._outer_hooks: tuple[Any, Any] | None = None  # hooks active before this region
         self._packed_shard: Any = None
 
     # -- the region -----------------------------------------------------------------------
     def __enter__(self) -> RegatheredInput:
+        if torch.compiler.is_compiling():  # a compiled graph decides what it saves
+            return self
         outer = torch._C._autograd._top_saved_tensors_default_hooks(False)
         if outer is not None and _recomputing(outer[0]):
             return self
         if group_size(self._group) > 1 and torch.is_grad_enabled():
+            self._storage = self._full_in.untyped_storage().data_ptr()
+            self._shard = self._shard.detach()
             self._outer_hooks = outer
             self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
             self._hooks.__enter__()
@@ -66,6 +70,7 @@ class RegatheredInput:
         return self
 
     def __exit__(self, *exc: object) -> None:
+        self._full_in = None  # the region holds the shard only
         if self._hooks is not None:
             self._hooks.__exit__(*exc)
             self._hooks, _local.region = None, self._outer
