@@ -4,7 +4,8 @@
 #   /tmp/gpu; PARTs, e.g. `tests fit`, run only those parts; default: the user's-path parts
 #   tests fit fp8 plan graphs peer)
 # The user's path (`benchmarks/gpu_fit.py`, run reports kept under OUT_DIR/fit/...):
-#   tests   the CUDA-only tests (they skip on CPU machines: torchao fp8, CUDA graphs, ...)
+#   tests   the CUDA-only tests (they skip on CPU machines: torchao fp8, CUDA graphs, ...), one
+#           line per test (a hung test shows by name)
 #   fit     `nanotrain fit` on dense-1b and moe-1b in bf16-true, compiled, beside the bare loop
 #   fp8     dense-3b, bf16-mixed against torchao-float8, 200 steps: tokens/s and loss gap
 #   plan    the planner's memory against the allocator's; the largest micro-batch it allows
@@ -70,7 +71,7 @@ cat "$out/env.log"
 skip=()
 python3 -c "import jsonargparse" 2>/dev/null ||
     skip=(--deselect tests/unit/test_precision.py::test_cli_flag_reaches_the_strategy)
-part tests 90 python3 -m pytest -q -p no:cacheprovider "${skip[@]}" \
+part tests 90 python3 -m pytest -v -p no:cacheprovider "${skip[@]}" \
     tests/unit/test_expert_compute.py tests/unit/test_layout_numbers.py \
     tests/unit/test_callbacks_monitors.py tests/unit/test_single_device.py \
     tests/unit/test_megatron_device.py tests/unit/test_precision.py \
@@ -96,7 +97,7 @@ part moe 200 python3 benchmarks/gpu.py --no-sync-check --preset moe-1b --compile
 part dense 120 python3 benchmarks/gpu.py --no-sync-check --preset dense-1b --compile model --steps 10
 echo "== summary"
 grep -sh "^| \|gap of\|largest micro-batch\|exit " "$out/fit.log" "$out/fp8.log" "$out/plan.log" "$out/graphs.log"
-grep -sh "passed\|failed\|error" "$out/tests.log" | tail -3
+grep -sh "FAILED\|passed\|failed\|error" "$out/tests.log" | tail -8
 grep -sh "^| \|^peer" "$out/peer.log"
 grep -sh "^sync check\|^  step\|^steps=\|^[a-z ]*loop\|^nanotrain\|^lightning" "$out/overhead.log" "$out/overheadcpu.log"
 grep -sh "^sync check\|^  [0-9]*x " "$out/sync.log"
