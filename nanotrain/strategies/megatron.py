@@ -281,7 +281,7 @@ class MegatronStrategy(MegatronGradNorms, Strategy):
             timeout=timeout,
             pipeline_v_shape=v_shape,
             paired_chunks=self.overlap_forward_backward,
-            ranks_per_node=self._node_size(world),
+            ranks_per_node=self._agreed_node_size(world),
         )
         if self.node_limited_dispatch and self._mesh.ep_node_groups is None:
             raise ValueError(
@@ -299,6 +299,28 @@ class MegatronStrategy(MegatronGradNorms, Strategy):
                 group,
                 overlap=self.overlap_forward_backward,
             )
+
+    def _agreed_node_size(self, world: int) -> int | None:
+        """`_node_size`, checked to be the same on every rank (each reads its own
+        LOCAL_WORLD_SIZE): ranks that disagree would make different groups and hang.
+
+        Raises:
+            ValueError: on every rank, naming the sizes seen.
+        """
+        size = self._node_size(world)
+        if world == 1 or self.ep == 1 or self.node_limited_dispatch is False:
+            return size
+        mine = torch.tensor([size or 0], dtype=torch.int64, device=self._device)
+        every = torch.empty(world, dtype=torch.int64, device=self._device)
+        dist.all_gather_into_tensor(every, mine)
+        seen = sorted(set(every.tolist()))
+        if len(seen) > 1:
+            raise ValueError(
+                f"the ranks see different node sizes for node-limited dispatch ({seen}; 0: "
+                "flat); launch with the same number of processes on every node, pass "
+                "ranks_per_node=, or node_limited_dispatch=False"
+            )
+        return size
 
     def _node_size(self, world: int) -> int | None:
         """Ranks per node for node-limited dispatch, or None where it is off."""

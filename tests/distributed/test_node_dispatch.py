@@ -12,6 +12,7 @@ routing, and a routing where tokens pick two experts of one node needs fewer row
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import pytest
@@ -106,6 +107,12 @@ def _checks(rank: int, world_size: int) -> dict[str, Any]:
         MegatronStrategy(ep=2, node_limited_dispatch=True, backend="gloo").setup_environment()
     except ValueError as err:
         out["one node"] = str(err)
+    os.environ["LOCAL_WORLD_SIZE"] = "2" if rank == 0 else "4"  # nodes of different sizes
+    try:
+        MegatronStrategy(ep=4, backend="gloo").setup_environment()
+    except ValueError as err:
+        out["uneven nodes"] = str(err)
+    del os.environ["LOCAL_WORLD_SIZE"]
     for name, kwargs in MESHES.items():
         mesh = ParallelMesh.build(**kwargs)
         for biased in (False, True):
@@ -169,6 +176,11 @@ def test_bytes_across_nodes_equal_the_formula(results, mesh, biased):
 def test_required_node_limited_dispatch_on_one_node_is_an_error(results):
     for result in results:
         assert "the expert-parallel group (ep=2) lies on one node of 4 ranks" in result["one node"]
+
+
+def test_ranks_that_see_different_node_sizes_are_refused_on_every_rank(results):
+    for result in results:
+        assert "different node sizes for node-limited dispatch ([2, 4]" in result["uneven nodes"]
 
 
 def test_two_experts_on_one_node_cross_once(results):
