@@ -1,5 +1,6 @@
-"""Precision plugins under DDP, Megatron dp (ZeRO-1, ZeRO-2, ep=2) on one 2-rank gloo world,
-against the same precision in one process; the bf16 reduce option; bf16-true resume.
+"""Precision plugins under DDP, Megatron dp (ZeRO-1, ZeRO-2, ep=2) and DualPipeV (pp=2) on one
+2-rank gloo world, against the same precision in one process; the bf16 reduce option;
+bf16-true resume.
 
 Why fp32-level tolerances hold even for bf16 here: with the same global batch, one process
 runs two microbatches and each of two data-parallel ranks runs one of them; every forward and
@@ -37,6 +38,10 @@ def fp16_low_scale():
     return FP16Mixed(init_scale=2.0**8)
 
 
+def _dualpipev() -> MegatronStrategy:
+    return MegatronStrategy(pp=2, schedule="dualpipev", pipeline_layout=[1, 0, 1, 0])
+
+
 # (case, precision name, precision factory, strategy factory, preset, relative tolerance)
 CASES = [
     ("ddp", "bf16-mixed", None, lambda: DDPStrategy(), "tiny-dense", BF16_TOL),
@@ -49,7 +54,14 @@ CASES = [
     ("ep2", "bf16-true", None, lambda: MegatronStrategy(ep=2, zero_stage=1), "tiny", BF16_TOL),
     ("ep2", "16-mixed@2^8", fp16_low_scale, lambda: MegatronStrategy(ep=2), "tiny", FP16_TOL),
     ("ep2", "fp8-emulated", None, lambda: MegatronStrategy(ep=2), "tiny", FP8_TOL),
-]
+    # DualPipeV (pp=2, 4 microbatches of 1: its split backwards and V turn): the MoE preset's
+    # two layers on stages 0 and 2, rank 0 also holding the head and MTP
+    ("dualpipev", "bf16-true", None, lambda: _dualpipev(), "tiny", BF16_TOL),
+    ("dualpipev", "16-mixed@2^8", fp16_low_scale, lambda: _dualpipev(), "tiny", FP16_TOL),
+    ("dualpipev", "fp8-emulated", None, lambda: _dualpipev(), "tiny", FP8_TOL),
+]  # fmt: skip
+# DualPipeV needs at least 2·pp microbatches: the global batch of 4 in microbatches of 1
+MICRO_BATCH = {"dualpipev": 1}
 
 
 def make_precision(name, factory):
@@ -76,9 +88,12 @@ class WithUnusedParameter(nt.LanguageModelModule):
 
 def _run_cases(rank: int, world: int, root: str) -> dict:
     out = {}
-    for i, (_case, name, factory, make, preset, _) in enumerate(CASES):
+    for i, (case, name, factory, make, preset, _) in enumerate(CASES):
         plugin = make_precision(name, factory)
-        _, rec = fit(plugin, make(), steps=STEPS, root=f"{root}/{i}", preset=preset)
+        micro = MICRO_BATCH.get(case, 2)
+        _, rec = fit(
+            plugin, make(), steps=STEPS, root=f"{root}/{i}", preset=preset, micro_batch=micro
+        )
         out[i] = rec.losses
     # the bf16 wire dtype: close to the fp32 reduction, but not the same numbers
     for key, make in (
