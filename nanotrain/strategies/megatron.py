@@ -39,6 +39,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from nanotrain.parallel.collectives import all_gather_along_dim
 from nanotrain.parallel.data_parallel import GradBucketSets, backward_order
 from nanotrain.parallel.grads import is_tp_sharded, sequence_parallel_params
 from nanotrain.parallel.mesh import MeshLayout, ParallelMesh, check_sizes, validate_layout
@@ -311,9 +312,7 @@ class MegatronStrategy(MegatronGradNorms, Strategy):
         if world == 1 or self.ep == 1 or self.node_limited_dispatch is False:
             return size
         mine = torch.tensor([size or 0], dtype=torch.int64, device=self._device)
-        every = torch.empty(world, dtype=torch.int64, device=self._device)
-        dist.all_gather_into_tensor(every, mine)
-        seen = sorted(set(every.tolist()))
+        seen = sorted(set(all_gather_along_dim(mine, 0, dist.group.WORLD).tolist()))
         if len(seen) > 1:
             raise ValueError(
                 f"the ranks see different node sizes for node-limited dispatch ({seen}; 0: "

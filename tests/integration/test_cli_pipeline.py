@@ -6,7 +6,9 @@ an MTP module) through the command's own entry point: once on one process, once 
 tests/integration/test_torchrun_restart.py), as `--strategy megatron --strategy.pp 2
 --strategy.schedule dualpipev --strategy.overlap_forward_backward true` with an uneven
 `pipeline_layout` (two of the four virtual stages hold no layer). Every logged step's loss
-terms, grad norm and router biases, and the validation loss, must match (fp32).
+terms, grad norm and router biases, and the validation loss, must match (fp32). On a 4-rank
+world the same for pp=4 (1F1B: embedding, one layer, one layer, head and MTP), pp=2 x ep=2 (DualPipeV, node-limited
+dispatch on nodes of one rank) and pp=2 x tp=2 with sequence parallelism (DualPipeV).
 """
 
 from __future__ import annotations
@@ -47,11 +49,60 @@ def _by_step(root: Path) -> dict[int, dict]:
     return steps
 
 
-def test_dualpipev_under_the_cli_matches_one_process(tmp_path):
-    env = {"NANOTRAIN_CACHE": str(tmp_path / "cache")}
+def _one_process(tmp_path: Path, env: dict) -> Path:
     one = tmp_path / "one"
     [(code, err)] = run_world(_command_on_rank, 1, _argv(one, "--strategy", "single"), env)
     assert code == 0, err
+    return one
+
+
+def _assert_same_records(one: Path, other: Path) -> None:
+    expected, got = _by_step(one), _by_step(other)
+    assert sorted(got) == sorted(expected) == [0, 1]
+    for step, want in expected.items():
+        for key in (*KEYS, "val/loss") if "val/loss" in want else KEYS:
+            assert got[step][key] == pytest.approx(want[key], rel=1e-5), (step, key, other.name)
+    assert "val/loss" in expected[1]
+
+
+#: name -> the strategy's flags, on 4 ranks
+FOUR_RANKS = {
+    "pp4": ["--strategy.pp", "4", "--strategy.pipeline_layout", "[0, 1, 1, 0]"],
+    # dp=2: DualPipeV's 4 microbatches per replica in microbatches of 1
+    "pp2_ep2": ["--strategy.pp", "2", "--strategy.ep", "2", "--strategy.schedule", "dualpipev",
+                "--strategy.pipeline_layout", "[1, 0, 1, 0]", "--strategy.ranks_per_node", "1",
+                "--trainer.micro_batch_size", "1"],
+    "pp2_tp2_sp": ["--strategy.pp", "2", "--strategy.tp", "2", "--strategy.sequence_parallel",
+                   "true", "--strategy.schedule", "dualpipev",
+                   "--strategy.pipeline_layout", "[1, 0, 1, 0]"],
+}  # fmt: skip
+
+
+def _four_layouts(rank: int, world_size: int, root: Path, env: dict) -> list:
+    """Each of FOUR_RANKS' commands in turn on this rank: (exit code, stderr tail) each."""
+    return [
+        _command_on_rank(  # the flags last: they override the common ones
+            rank, world_size, [*_argv(root / name, "--strategy", "megatron"), *flags], env
+        )
+        for name, flags in FOUR_RANKS.items()
+    ]
+
+
+def test_pp4_pp2_ep2_and_pp2_tp2_sp_under_the_cli_match_one_process(tmp_path):
+    env = {"NANOTRAIN_CACHE": str(tmp_path / "cache")}
+    one = _one_process(tmp_path, env)
+    ranks = run_world(_four_layouts, 4, tmp_path, env, timeout=400)
+    for rank, runs in enumerate(ranks):
+        assert [code for code, _ in runs] == [0] * len(FOUR_RANKS), (rank, runs)
+    for name in FOUR_RANKS:
+        report = next((tmp_path / name).glob("*/version_0/report.md")).read_text()
+        assert "pp=" in report, name
+        _assert_same_records(one, tmp_path / name)
+
+
+def test_dualpipev_under_the_cli_matches_one_process(tmp_path):
+    env = {"NANOTRAIN_CACHE": str(tmp_path / "cache")}
+    one = _one_process(tmp_path, env)
     piped = tmp_path / "pp2"
     strategy = ["--strategy", "megatron", "--strategy.pp", "2",
                 "--strategy.schedule", "dualpipev", "--strategy.overlap_forward_backward", "true",
@@ -60,9 +111,4 @@ def test_dualpipev_under_the_cli_matches_one_process(tmp_path):
     assert [code for code, _ in ranks] == [0, 0], ranks
     report = next(piped.glob("*/version_0/report.md")).read_text()
     assert "pp=2" in report and "schedule=dualpipev" in report
-    expected, got = _by_step(one), _by_step(piped)
-    assert sorted(got) == sorted(expected) == [0, 1]
-    for step, want in expected.items():
-        for key in (*KEYS, "val/loss") if "val/loss" in want else KEYS:
-            assert got[step][key] == pytest.approx(want[key], rel=1e-5), (step, key)
-    assert "val/loss" in expected[1]
+    _assert_same_records(one, piped)
