@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import weakref
 from typing import Any
 
 import torch
@@ -45,7 +46,8 @@ class RegatheredInput:
     def __init__(self, full: Tensor, shard: Tensor, group: ProcessGroup | None, dim: int) -> None:
         self._full_in, self._storage = full, -1
         self._shard, self._group, self._dim = shard, group, dim
-        self._casts: dict[int, tuple[Any, ...]] = {}  # cast's storage -> source view, dtype
+        # a cast's storage -> (the cast, weakly; its source view; dtype; numel)
+        self._casts: dict[int, tuple[Any, ...]] = {}
         self._full: Tensor | None = None
         self._pending: set[int] = set()
         self._hooks: Any = None  # the saved-tensor hooks while the region is open
@@ -80,7 +82,9 @@ class RegatheredInput:
         out = x.to(dtype)
         if x.untyped_storage().data_ptr() == self._storage:
             geometry = (x.size(), x.stride(), x.storage_offset())
-            self._casts[out.untyped_storage().data_ptr()] = (geometry, dtype, out.numel())
+            # by weak reference: once the cast is gone its memory may hold another tensor
+            entry = (weakref.ref(out), geometry, dtype, out.numel())
+            self._casts[out.untyped_storage().data_ptr()] = entry
         return out
 
     # -- hooks ----------------------------------------------------------------------------
@@ -89,7 +93,10 @@ class RegatheredInput:
         if storage == self._storage:
             source, dtype = (t.size(), t.stride(), t.storage_offset()), None
         elif storage in self._casts and t.is_contiguous() and t.storage_offset() == 0:
-            source, dtype, numel = self._casts[storage]
+            cast, source, dtype, numel = self._casts[storage]
+            alive = cast()
+            if alive is None or alive.untyped_storage().data_ptr() != storage:
+                return self._pass_on(t)  # another tensor in a dead cast's memory
             if t.numel() != numel:  # a part of the cast: kept as it is
                 return self._pass_on(t)
         else:
