@@ -49,11 +49,14 @@ def _by_step(root: Path) -> dict[int, dict]:
     return steps
 
 
-def _one_process(tmp_path: Path, env: dict) -> Path:
-    one = tmp_path / "one"
-    [(code, err)] = run_world(_command_on_rank, 1, _argv(one, "--strategy", "single"), env)
+@pytest.fixture(scope="module")
+def one(tmp_path_factory) -> Path:
+    """The one-process command's run folder (shared by both tests)."""
+    root = tmp_path_factory.mktemp("one")
+    env = {"NANOTRAIN_CACHE": str(root / "cache")}
+    [(code, err)] = run_world(_command_on_rank, 1, _argv(root, "--strategy", "single"), env)
     assert code == 0, err
-    return one
+    return root
 
 
 def _assert_same_records(one: Path, other: Path) -> None:
@@ -88,9 +91,8 @@ def _four_layouts(rank: int, world_size: int, root: Path, env: dict) -> list:
     ]
 
 
-def test_pp4_pp2_ep2_and_pp2_tp2_sp_under_the_cli_match_one_process(tmp_path):
+def test_pp4_pp2_ep2_and_pp2_tp2_sp_under_the_cli_match_one_process(tmp_path, one):
     env = {"NANOTRAIN_CACHE": str(tmp_path / "cache")}
-    one = _one_process(tmp_path, env)
     ranks = run_world(_four_layouts, 4, tmp_path, env, timeout=400)
     for rank, runs in enumerate(ranks):
         assert [code for code, _ in runs] == [0] * len(FOUR_RANKS), (rank, runs)
@@ -100,9 +102,8 @@ def test_pp4_pp2_ep2_and_pp2_tp2_sp_under_the_cli_match_one_process(tmp_path):
         _assert_same_records(one, tmp_path / name)
 
 
-def test_dualpipev_under_the_cli_matches_one_process(tmp_path):
+def test_dualpipev_under_the_cli_matches_one_process(tmp_path, one):
     env = {"NANOTRAIN_CACHE": str(tmp_path / "cache")}
-    one = _one_process(tmp_path, env)
     piped = tmp_path / "pp2"
     strategy = ["--strategy", "megatron", "--strategy.pp", "2",
                 "--strategy.schedule", "dualpipev", "--strategy.overlap_forward_backward", "true",
