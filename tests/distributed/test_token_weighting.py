@@ -1,6 +1,6 @@
 """With microbatches of different token counts (ignored labels), every strategy weighs them
-by tokens over the whole global batch: DDP, MegatronStrategy dp=2 and pp=2 give the losses
-and grad norms of one process."""
+by tokens over the whole global batch: DDP, MegatronStrategy dp=2, pp=2 (1F1B and DualPipeV)
+give the losses and grad norms of one process."""
 
 from __future__ import annotations
 
@@ -61,6 +61,8 @@ def _layouts(rank: int, world_size: int, root: str) -> dict[str, dict]:
         "ddp": fit(nt.strategies.DDPStrategy(), f"{root}/ddp"),
         "megatron dp=2": fit(MegatronStrategy(), f"{root}/dp"),
         "megatron pp=2": fit(MegatronStrategy(pp=2), f"{root}/pp"),
+        # the V: the loss on rank 0, which also embeds; split backwards
+        "megatron pp=2 dualpipev": fit(MegatronStrategy(pp=2, schedule="dualpipev"), f"{root}/v"),
     }
 
 
