@@ -43,7 +43,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed import ProcessGroup
 
-from nanotrain.parallel.collectives import group_size
+from nanotrain.parallel.collectives import all_gather_along_dim, group_size
 from nanotrain.parallel.fp8_wire import pack_fp8_rows, unpack_fp8_rows
 
 __all__ = [
@@ -185,9 +185,7 @@ def peer_slot_counts(
     if p == 1:
         return [slots_per_expert]
     mine = torch.tensor([slots_per_expert], dtype=torch.int64, device=device)
-    gathered = torch.empty(p, dtype=torch.int64, device=device)
-    dist.all_gather_into_tensor(gathered, mine, group=group)
-    return gathered.tolist()
+    return all_gather_along_dim(mine, 0, group).tolist()
 
 
 def _all_to_all_raw(
