@@ -314,6 +314,20 @@ WARM_UP_STEPS = {2}
 _SYNC_MESSAGE = "called a synchronizing CUDA operation"
 
 
+def sync_site(message: object, filename: str, lineno: int) -> str | None:
+    """Where a warning of sync debug mode comes from: the innermost nanotrain line on the
+    stack (else the warning's own place); None for any other warning. Call it from the
+    `warnings.showwarning` replacement, so the stack is the synchronizing call's."""
+    import traceback
+
+    if _SYNC_MESSAGE not in str(message):
+        return None
+    frames = [f for f in traceback.extract_stack()[:-2] if "/nanotrain/" in f.filename]
+    if not frames:
+        return f"{filename}:{lineno}"
+    return f"{frames[-1].filename}:{frames[-1].lineno} ({frames[-1].name})"
+
+
 def sync_check(precision: str, strategy: str = "single") -> bool:
     """Fit the tiny MoE 8 steps in `precision` (default callbacks) under `strategy` (one of
     SYNC_STRATEGIES, one rank on NCCL for ddp and megatron) with steps 2-7 under sync debug
@@ -323,7 +337,6 @@ def sync_check(precision: str, strategy: str = "single") -> bool:
     thread without Python) is counted per step from there. True when none came after the
     warm-up step (WARM_UP_STEPS)."""
     import tempfile
-    import traceback
     import warnings
 
     import nanotrain as nt
@@ -332,15 +345,9 @@ def sync_check(precision: str, strategy: str = "single") -> bool:
     step = [-1]
 
     def record(message, category, filename, lineno, file=None, line=None):  # noqa: ANN001
-        if _SYNC_MESSAGE not in str(message):
-            return
-        frames = [f for f in traceback.extract_stack()[:-1] if "/nanotrain/" in f.filename]
-        where = (
-            f"{frames[-1].filename}:{frames[-1].lineno} ({frames[-1].name})"
-            if frames
-            else (f"{filename}:{lineno}")
-        )
-        found.setdefault(where, []).append(step[0] + 1)
+        where = sync_site(message, filename, lineno)
+        if where is not None:
+            found.setdefault(where, []).append(step[0] + 1)
 
     class SyncWatch(nt.Callback):
         """Sync debug mode "warn" over the watched steps, stderr sent to a file meanwhile."""

@@ -255,15 +255,15 @@ def sync_check(data: TensorDataset, batch: int, width: int, steps: int = 120) ->
     """Fit the logging module on the GPU with the default callbacks and loggers (writing every
     50 steps) under sync debug mode "warn" from the 6th step on; print the syncs per step,
     apart for the steps that write the loggers and the others, with where the first came from."""
-    import traceback
     import warnings
+
+    from gpu import sync_site  # benchmarks/gpu.py, beside this script
 
     step, found = [-1], {}  # found: step -> [where]
 
     def record(message, category, filename, lineno, file=None, line=None):  # noqa: ANN001
-        if "synchronizing CUDA operation" in str(message):
-            frames = [f for f in traceback.extract_stack()[:-1] if "/nanotrain/" in f.filename]
-            where = f"{frames[-1].filename}:{frames[-1].lineno}" if frames else filename
+        where = sync_site(message, filename, lineno)
+        if where is not None:
             found.setdefault(step[0], []).append(where)
 
     class Watch(nt.Callback):
