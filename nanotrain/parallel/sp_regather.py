@@ -51,7 +51,7 @@ class RegatheredInput:
         self._full: Tensor | None = None
         self._pending: set[int] = set()
         self._hooks: Any = None  # the saved-tensor hooks while the region is open
-        self._outer: RegatheredInput | None = None
+        self._enclosing: RegatheredInput | None = None  # the region this one opened in
         self._outer_hooks: tuple[Any, Any] | None = None  # hooks active before this region
         self._packed_shard: Any = None
 
@@ -68,14 +68,14 @@ class RegatheredInput:
             self._outer_hooks = outer
             self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
             self._hooks.__enter__()
-            self._outer, _local.region = getattr(_local, "region", None), self
+            self._enclosing, _local.region = getattr(_local, "region", None), self
         return self
 
     def __exit__(self, *exc: object) -> None:
         self._full_in = None  # the region holds the shard only
         if self._hooks is not None:
             self._hooks.__exit__(*exc)
-            self._hooks, _local.region = None, self._outer
+            self._hooks, _local.region = None, self._enclosing
 
     def cast(self, x: Tensor, dtype: torch.dtype) -> Tensor:
         """`x.to(dtype)` for `x` the gathered input or a view of it, saved as the shard too."""
