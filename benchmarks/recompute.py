@@ -3,7 +3,7 @@
     python benchmarks/recompute.py --preset deepseek-100m --batch 1 --seq-len 512
 
 Counts the bytes autograd keeps for backward during one training forward (each distinct
-tensor storage once, via `saved_tensors_hooks`), for recompute None, "selective" and "full";
+tensor storage once, via `saved_tensors_hooks`), for recompute None, "light", "selective" and "full";
 then times forward + backward of each (fp32, CPU, one thread: a rough cost of recomputing).
 Parameters themselves are not counted.
 """
@@ -56,7 +56,7 @@ def main() -> None:
     print("| recompute | activations MiB | vs none | fwd+bwd s |")
     print("|---|---|---|---|")
     base = None
-    for mode in (None, "selective", "full"):
+    for mode in (None, "light", "selective", "full"):
         mib, s = measure(model, ids, mode)
         base = base or mib
         print(f"| {mode} | {mib:.1f} | {mib / base:.2f} | {s:.2f} |")

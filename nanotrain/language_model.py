@@ -78,8 +78,8 @@ class LanguageModelModule(NanoModule):
             (not norms, biases or the router's correction bias).
         optimizer_impl: AdamW's kernel: "auto" (fused when all parameters are on CUDA, torch's
             default otherwise), "fused", "foreach" or "loop" (`nanotrain.runtime.optim_kernels`).
-        recompute: activation recomputation per decoder layer: None, "full" or "selective"
-            (`nanotrain.models.recompute`, docs/performance.md).
+        recompute: activation recomputation per decoder layer: None, "light", "selective" or
+            "full" (`nanotrain.models.recompute`, docs/performance.md).
         compile_layers: torch.compile each decoder layer (`nanotrain.models.compile`): True,
             or a dict of `torch.compile` arguments (e.g. ``{"backend": "aot_eager"}``).
         compile_model: torch.compile the whole model (embedding, layers, head and loss) as one

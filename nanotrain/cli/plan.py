@@ -14,7 +14,7 @@ from nanotrain.planning.gpus import GPUS, GPUSpec, gpu_spec
 from nanotrain.planning.layout import PlanLayout, Workload
 from nanotrain.planning.plan import Plan, plan_layout
 from nanotrain.planning.report import format_plan, format_search, plan_json, search_json
-from nanotrain.planning.search import search_layouts
+from nanotrain.planning.search import SEARCH_RECOMPUTE, search_layouts
 from nanotrain.strategies.layout_checks import model_dims
 
 __all__ = ["parse_count", "plan_for_run", "run_plan"]
@@ -116,8 +116,8 @@ def _parser() -> Any:
     flag("zero_stage", type=int | None, default=None,
          help="0, 1 or 2 (fixed layout default 0, search default 1)")  # fmt: skip
     flag("recompute", type=str | None, default=None,
-         help="none|selective|full (default: none for a fixed layout; searching tries none, "
-         "then selective, then full)")  # fmt: skip
+         help="none|light|selective|full (default: none for a fixed layout; searching tries "
+         "none, then light, then selective, then full)")  # fmt: skip
     flag("compute_efficiency", type=float, default=0.5,
          help="fraction of peak FLOP/s the matmuls reach (the step-time model)")  # fmt: skip
     flag("json", action="store_true", help="print JSON")
@@ -141,8 +141,10 @@ def _check_args(cfg: Any) -> None:
         raise ValueError(f"--zero_stage must be 0, 1 or 2, got {cfg.zero_stage}")
     if not 0 < cfg.compute_efficiency <= 1:
         raise ValueError(f"--compute_efficiency must be in (0, 1], got {cfg.compute_efficiency}")
-    if cfg.recompute not in (None, "none", "None", "selective", "full"):
-        raise ValueError(f"--recompute must be none, selective or full, got {cfg.recompute!r}")
+    if cfg.recompute not in (None, "none", "None", "light", "selective", "full"):
+        raise ValueError(
+            f"--recompute must be none, light, selective or full, got {cfg.recompute!r}"
+        )
     Workload(cfg.seq_len, 1, 1, cfg.precision)  # the precision name
 
 
@@ -194,7 +196,7 @@ def run_plan(argv: list[str]) -> None:
         precision=cfg.precision,
         micro_batch_sizes=(cfg.micro_batch_size,) if cfg.micro_batch_size else (1, 2, 4),
         zero_stages=(cfg.zero_stage,) if cfg.zero_stage is not None else (1,),
-        recompute=(None, "selective", "full") if cfg.recompute is None else (recompute,),
+        recompute=SEARCH_RECOMPUTE if cfg.recompute is None else (recompute,),
         model_name=cfg.model, compute_efficiency=cfg.compute_efficiency,
     )  # fmt: skip
     if cfg.json:

@@ -225,6 +225,17 @@ def attention_flops_per_token(
     return 6.0 * _attention(c).dense + 6.0 * c.num_heads * (qk + v) * keys_per_query
 
 
+def up_projection_flops_per_token(config: DenseConfig | DeepSeekConfig) -> float:
+    """Forward FLOPs per token of one layer's MLA up-projections (q_b_proj with q_lora_rank,
+    kv_b_proj), which recompute "light" runs twice more in backward; 0 for dense attention."""
+    c = config
+    if not isinstance(c, DeepSeekConfig):
+        return 0.0
+    kv = c.kv_lora_rank * c.num_heads * (c.qk_nope_head_dim + c.v_head_dim)
+    q = 0 if c.q_lora_rank is None else c.q_lora_rank * c.num_heads * c.qk_head_dim
+    return 2.0 * (q + kv)
+
+
 def flops_per_token(
     config: DenseConfig | DeepSeekConfig,
     seq_len: int,

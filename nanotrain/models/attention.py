@@ -31,7 +31,9 @@ from nanotrain.models.layers import (
     softmax_scale,
     tp_size_of,
 )
+from nanotrain.models.recompute import recomputed
 from nanotrain.parallel.collectives import enter_tensor_parallel_region
+from nanotrain.parallel.saved_rebuild import RebuiltSaves
 from nanotrain.parallel.sp_regather import saved_as_shard
 from nanotrain.parallel.tensor import ColumnParallelLinear, RowParallelLinear
 
@@ -190,6 +192,7 @@ class MLAttention(nn.Module):
             c.kv_lora_rank, c.num_heads * (c.qk_nope_head_dim + c.v_head_dim), **latent_in
         )
         self.o_proj = RowParallelLinear(c.num_heads * c.v_head_dim, c.hidden_size, **split)
+        self.rebuild_heads = False  # recompute "light" (`set_recompute`)
 
     def _latents(self, x: torch.Tensor) -> tuple[Any, ...]:
         """(RMSNorm(c_Q) or None, RMSNorm(c_KV), k^R), each [B, T, width] for the whole sequence,
@@ -219,15 +222,41 @@ class MLAttention(nn.Module):
         return pieces[0], pieces[1], pieces[2], region
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        n = self.local_heads
         # (B, T, q_lora_rank) or None, (B, T, kv_lora_rank), (B, T, rope_dim)
         q_latent, c_kv, k_rope, region = self._latents(x)
+        if q_latent is None:  # no q latent: q from x, gathered (and kept as its shard) by q_proj
+            q_latent = self.q_proj(x)  # (B, T, n * qk_head_dim)
+        if not self.rebuild_heads:
+            with region:  # the up-projections read the latents (saved as the shard under sp)
+                q, k, v = self._heads(q_latent, c_kv, k_rope, cos, sin)
+            # (B, T, n * v_dim) into o_proj, which sums over tp: (B, T_local, H) out
+            return self.o_proj(causal_attention(q, k, v, self.scale))
+        # recompute "light": the up-projections keep only the latents (a checkpoint), and the
+        # q, k, v the attention core saves are made again from them in backward; both read the
+        # latents through the sp region, so they too are kept as the shard
+        with region:
+            q, k, v = recomputed(self._heads, q_latent, c_kv, k_rope, cos, sin)
+            with RebuiltSaves() as saves:
+                saves.track_all((q, k, v), self._heads, q_latent, c_kv, k_rope, cos, sin)
+                y = causal_attention(q, k, v, self.scale)  # (B, T, n * v_dim)
+        return self.o_proj(y)
+
+    def _heads(
+        self,
+        q_latent: torch.Tensor,
+        c_kv: torch.Tensor,
+        k_rope: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The up-projections and RoPE: this rank's heads of q, k [B, T, n, qk_head_dim] and
+        v [B, T, n, v_dim] from the latents (without `q_lora_rank`, q_latent is q_proj's
+        output already)."""
+        n = self.local_heads
         b, t, _ = c_kv.shape  # the whole sequence from here to o_proj
-        with region:  # the up-projections (q: this rank's heads, each [q^C | q^R])
-            q = None if q_latent is None else self.q_b_proj(q_latent)  # (B, T, n * qk_head_dim)
-            kv = self.kv_b_proj(c_kv)  # (B, T, n * (nope_dim + v_dim))
-        if q is None:  # no q latent: q from x, gathered (and kept as its shard) by q_proj
-            q = self.q_proj(x)
+        # q: this rank's heads, each [q^C | q^R]: (B, T, n * qk_head_dim)
+        q = q_latent if self.q_lora_rank is None else self.q_b_proj(q_latent)
+        kv = self.kv_b_proj(c_kv)  # (B, T, n * (nope_dim + v_dim))
         q = q.view(b, t, n, self.nope_dim + self.rope_dim)  # (B, T, n, qk_head_dim)
         if self.interleaved and self.nope_dim % 2 == 0:
             # rotate q^R inside the whole head [q^C | q^R]: no split and cat back
@@ -248,5 +277,4 @@ class MLAttention(nn.Module):
         k_nope, v = kv.split([self.nope_dim, self.v_dim], dim=-1)
         # [k^C | k^R] with k^R broadcast to every head: (B, T, n, qk_head_dim)
         k = torch.cat((k_nope, k_rope.expand(b, t, n, self.rope_dim)), dim=-1)
-        # (B, T, n * v_dim) into o_proj, which sums over tp: (B, T_local, H) out
-        return self.o_proj(causal_attention(q, k, v, self.scale))
+        return q, k, v

@@ -41,6 +41,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from nanotrain.models.cast_cache import cached_cast
+from nanotrain.models.layers import swiglu_down
 from nanotrain.parallel.expert import expert_range, mark_expert_params
 
 
@@ -94,11 +95,13 @@ def looped_swiglu(
     gate_proj: torch.Tensor,
     up_proj: torch.Tensor,
     down_proj: torch.Tensor,
+    rebuild: bool = False,
 ) -> torch.Tensor:
     """Per-expert SwiGLU on row slices, linear in the number of experts.
 
     Args: x [M, H] rows sorted by expert; sizes: E host ints summing to M;
-        gate_proj, up_proj [E, I, H]; down_proj [E, H, I].
+        gate_proj, up_proj [E, I, H]; down_proj [E, H, I]; rebuild: make the activation
+        again in backward (`swiglu_down`).
     Returns: [M, H].
     """
     # E views each: gates and ups (I, H), downs (H, I)
@@ -108,8 +111,8 @@ def looped_swiglu(
         # an expert with no rows still runs (on 0 rows): its weights then get a zero gradient
         # instead of none, so every rank's graph, and hence its backward collectives, has the
         # same shape whatever the routing
-        a = F.silu(x_e @ gates[e].T) * (x_e @ ups[e].T)  # (M_e, I)
-        outputs.append(a @ downs[e].T)  # (M_e, H)
+        g, u = x_e @ gates[e].T, x_e @ ups[e].T  # (M_e, I) each
+        outputs.append(swiglu_down(g, u, lambda a, w=downs[e].T: a @ w, rebuild))  # (M_e, H)
     return torch.cat(outputs, dim=0)  # (M, H)
 
 
@@ -119,12 +122,14 @@ def grouped_swiglu(
     gate_proj: torch.Tensor,
     up_proj: torch.Tensor,
     down_proj: torch.Tensor,
+    rebuild: bool = False,
 ) -> torch.Tensor:
     """SwiGLU of every expert by three grouped GEMMs with device offsets (no host sync).
 
     Args: x [M, H] rows sorted by expert (see `grouped_mm_available` for devices and dtypes);
         counts [E] integer tensor on x's device; gate_proj, up_proj [E, I, H];
-        down_proj [E, H, I] (x's dtype).
+        down_proj [E, H, I] (x's dtype); rebuild: make the activation again in backward
+        (`swiglu_down`).
     Returns: [M, H].
     """
     # offs[i] = end row of expert i (int32, non-decreasing); out = x_e @ W_e^T per group, so the
@@ -132,8 +137,12 @@ def grouped_swiglu(
     offs = torch.cumsum(counts, 0, dtype=torch.int32)  # (E,)
     g = F.grouped_mm(x, gate_proj.transpose(-2, -1), offs=offs)  # (M, I)
     u = F.grouped_mm(x, up_proj.transpose(-2, -1), offs=offs)  # (M, I)
-    y = F.grouped_mm(F.silu(g) * u, down_proj.transpose(-2, -1), offs=offs)  # (M, H)
-    return _DenseGrad.apply(y)
+    w_down = down_proj.transpose(-2, -1)
+
+    def down(a: torch.Tensor) -> torch.Tensor:
+        return F.grouped_mm(a, w_down, offs=offs)  # (M, H)
+
+    return _DenseGrad.apply(swiglu_down(g, u, down, rebuild))
 
 
 class _DenseGrad(torch.autograd.Function):
@@ -190,7 +199,7 @@ class _BatchedSwiGLU(torch.autograd.Function):
     """SwiGLU of E experts with C rows each as batched GEMMs; see `batched_swiglu`."""
 
     @staticmethod
-    def forward(ctx, x, num_experts, gate_proj, up_proj, down_proj):  # noqa: ANN001, ANN205
+    def forward(ctx, x, num_experts, gate_proj, up_proj, down_proj, rebuild):  # noqa: ANN001, ANN205
         xb = x.view(num_experts, -1, x.shape[-1])  # (E, C, H), no copy
         g = torch.bmm(xb, gate_proj.transpose(1, 2))  # (E, C, I)
         u = torch.bmm(xb, up_proj.transpose(1, 2))  # (E, C, I)
@@ -198,13 +207,21 @@ class _BatchedSwiGLU(torch.autograd.Function):
         a = sg * u
         y = torch.bmm(a, down_proj.transpose(1, 2))  # (E, C, H)
         # the same activations the per-expert autograd graph keeps (g, silu(g), u, a; x is
-        # the caller's), so switching paths changes neither memory nor recompute
-        ctx.save_for_backward(xb, g, u, sg, a, gate_proj, up_proj, down_proj)
+        # the caller's), so switching paths changes neither memory nor recompute; with
+        # `rebuild` (recompute "light") silu(g) and a are made again in backward
+        ctx.rebuild = rebuild
+        kept = (xb, g, u) if rebuild else (xb, g, u, sg, a)
+        ctx.save_for_backward(*kept, gate_proj, up_proj, down_proj)
         return y.view(x.shape)  # (E*C, H)
 
     @staticmethod
     def backward(ctx, grad_y):  # noqa: ANN001, ANN205
-        xb, g, u, sg, a, gate_proj, up_proj, down_proj = ctx.saved_tensors
+        if ctx.rebuild:
+            xb, g, u, gate_proj, up_proj, down_proj = ctx.saved_tensors
+            sg = F.silu(g)
+            a = sg * u
+        else:
+            xb, g, u, sg, a, gate_proj, up_proj, down_proj = ctx.saved_tensors
         # a gradient from e.g. y.sum() is an expanded (stride 0) view: the GEMMs want rows
         dy = grad_y.contiguous().view(a.shape[0], a.shape[1], -1)  # (E, C, H)
         # each weight gradient is computed in its parameter's layout, as autograd's mm does
@@ -217,7 +234,7 @@ class _BatchedSwiGLU(torch.autograd.Function):
         grad_up = torch.bmm(du.transpose(1, 2), xb)  # (E, I, H)
         # the second product accumulates into the first inside the GEMM (no temporary)
         dx = torch.bmm(dg, gate_proj).baddbmm_(du, up_proj)  # (E, C, H)
-        return dx.view(-1, xb.shape[-1]), None, grad_gate, grad_up, grad_down  # dx: (E*C, H)
+        return dx.view(-1, xb.shape[-1]), None, grad_gate, grad_up, grad_down, None  # dx: (E*C, H)
 
 
 def batched_swiglu(
@@ -226,14 +243,17 @@ def batched_swiglu(
     gate_proj: torch.Tensor,
     up_proj: torch.Tensor,
     down_proj: torch.Tensor,
+    rebuild: bool = False,
 ) -> torch.Tensor:
     """SwiGLU of E experts that all get C rows, by batched GEMMs (a constant number of ops).
 
     Args: x [E*C, H] rows sorted by expert (contiguous); num_experts: E;
-        gate_proj, up_proj [E, I, H]; down_proj [E, H, I].
+        gate_proj, up_proj [E, I, H]; down_proj [E, H, I]; rebuild: keep gate and up only,
+        and make the activation again in backward.
     Returns: [E*C, H].
     """
-    return _BatchedSwiGLU.apply(x.contiguous(), num_experts, gate_proj, up_proj, down_proj)
+    x = x.contiguous()
+    return _BatchedSwiGLU.apply(x, num_experts, gate_proj, up_proj, down_proj, rebuild)
 
 
 class GroupedExperts(nn.Module):
@@ -269,6 +289,7 @@ class GroupedExperts(nn.Module):
         self.gate_proj = nn.Parameter(torch.empty(e, inter, hidden, device=device))
         self.up_proj = nn.Parameter(torch.empty(e, inter, hidden, device=device))
         self.down_proj = nn.Parameter(torch.empty(e, hidden, inter, device=device))
+        self.rebuild_activation = False  # recompute "light" (`set_recompute`)
 
     def _apply(self, fn: Any, recurse: bool = True) -> GroupedExperts:
         # Materializing from meta (`to_empty`) or converting may replace the Parameter
@@ -313,16 +334,17 @@ class GroupedExperts(nn.Module):
         # them, else as a loop over the experts, linear in their number. See
         # `nanotrain.models.expert_compute`.
         x, weights = _as_autocast_would(x, (self.gate_proj, self.up_proj, self.down_proj))
+        rebuild = self.rebuild_activation
         grouped = grouped_mm_available(x, weights[0]) and self._kernels_allowed(x)
         if grouped and isinstance(counts, torch.Tensor) and not reads_sizes_first(x):
-            return grouped_swiglu(x, counts, *weights)
+            return grouped_swiglu(x, counts, *weights, rebuild)
         sizes = counts.tolist() if isinstance(counts, torch.Tensor) else list(counts)
         if equal_group_rows(sizes) is not None and self._kernels_allowed(x):
-            return batched_swiglu(x, len(sizes), *weights)
+            return batched_swiglu(x, len(sizes), *weights, rebuild)
         if grouped:
             offsets_from = counts if isinstance(counts, torch.Tensor) else torch.tensor(sizes)
-            return grouped_swiglu(x, offsets_from.to(x.device), *weights)
-        return looped_swiglu(x, sizes, *weights)
+            return grouped_swiglu(x, offsets_from.to(x.device), *weights, rebuild)
+        return looped_swiglu(x, sizes, *weights, rebuild)
 
     @staticmethod
     def _kernels_allowed(x: torch.Tensor) -> bool:

@@ -10,6 +10,7 @@ Shape comments: B batch, T sequence, heads the attention heads of x, dim the rot
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -17,6 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from nanotrain.parallel.collectives import enter_tensor_parallel_region
+from nanotrain.parallel.saved_rebuild import RebuiltSaves
 from nanotrain.parallel.sp_regather import saved_as_shard
 from nanotrain.parallel.tensor import ColumnParallelLinear, RowParallelLinear
 
@@ -232,6 +234,7 @@ class SwiGLU(nn.Module):
         self.gate_proj = ColumnParallelLinear(hidden, intermediate, shared_input=True, **kw)
         self.up_proj = ColumnParallelLinear(hidden, intermediate, shared_input=True, **kw)
         self.down_proj = RowParallelLinear(intermediate, hidden, **kw)
+        self.rebuild_activation = False  # recompute "light" (`set_recompute`)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shard = x
@@ -244,4 +247,28 @@ class SwiGLU(nn.Module):
             gate, up = self.gate_proj(x), self.up_proj(x)
         # down_proj sums over tp to (B, T, hidden), reduce-scattered to (B, T / tp, hidden)
         # under sequence parallelism
-        return self.down_proj(F.silu(gate) * up)
+        return swiglu_down(gate, up, self.down_proj, self.rebuild_activation)
+
+
+def _silu_product(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    return F.silu(gate) * up
+
+
+def swiglu_down(
+    gate: torch.Tensor,
+    up: torch.Tensor,
+    down: Callable[[torch.Tensor], torch.Tensor],
+    rebuild: bool,
+) -> torch.Tensor:
+    """`down(silu(gate) * up)`. With `rebuild` (recompute "light") the two tensors the
+    activation adds to what backward keeps, silu(gate) and the product, are made again in
+    backward from gate and up, which silu and the product save anyway
+    (`nanotrain.parallel.saved_rebuild`).
+
+    Shapes: gate, up [..., I]; `down` maps [..., I] to the output.
+    """
+    if not rebuild:
+        return down(F.silu(gate) * up)
+    with RebuiltSaves() as saves:
+        act = saves.track(F.silu(gate), F.silu, gate)  # (..., I)
+        return down(saves.track(act * up, _silu_product, gate, up))  # product (..., I)

@@ -55,6 +55,7 @@ from nanotrain.parallel.expert import (
     run_experts_parallel,
 )
 from nanotrain.parallel.node_dispatch import NodeGroups, run_experts_node_limited
+from nanotrain.parallel.saved_rebuild import cast_in_region
 
 
 @dataclass
@@ -108,7 +109,8 @@ class TopKRouter(nn.Module):
 
     def scores(self, h: torch.Tensor) -> torch.Tensor:
         """Affinities s [N, E] in float32 (sigmoid or softmax of the router logits)."""
-        logits = F.linear(h.float(), self.weight.float())  # (N, E)
+        # h in fp32 (under recompute "light" a copy of a rebuilt norm output is rebuilt too)
+        logits = F.linear(cast_in_region(h, torch.float32), self.weight.float())  # (N, E)
         if self.config.scoring_func == "sigmoid":
             return logits.sigmoid()
         return logits.softmax(dim=-1)

@@ -14,6 +14,15 @@ Modes, set per decoder layer (`set_recompute`, or `LanguageModelModule(recompute
   activations. Attention's per-head q/k/v tensors are large next to its FLOPs, so this saves
   much of the memory for little extra compute (the idea behind Megatron's selective recompute).
 
+* ``"light"``: recompute only what is cheap to make again, as DeepSeek-V3 does (report,
+  section 3.2.3; Megatron-Core's ``--recompute-modules layernorm mla_up_proj moe_act``): each
+  decoder layer's two RMSNorms (their outputs, and the copies the next matmuls make of them,
+  are rebuilt from the norm's input), MLA's up-projections with RoPE (the per-head q, k and v
+  the attention core saves are rebuilt from the latents), and the SwiGLU activation of every
+  MLP and expert (silu(gate) and the product are rebuilt from gate and up). Everything else
+  is kept; no collective runs again. The up-projections run twice more in backward: once to
+  rebuild what the attention core saved, once for their own gradients.
+
 Recomputation reruns the same collectives in the same order on every rank (tensor, sequence
 and expert parallelism), so it composes with every MegatronStrategy layout and pipeline
 schedule. Side effects of a forward are not repeated: `is_recomputing()` is true while a
@@ -30,8 +39,10 @@ from typing import Any
 import torch
 from torch.utils.checkpoint import checkpoint
 
+from nanotrain.parallel.saved_rebuild import RebuiltSaves
+
 #: accepted recompute modes
-RECOMPUTE_MODES = (None, "full", "selective")
+RECOMPUTE_MODES = (None, "full", "selective", "light")
 # per thread: a backward running on another thread (the pipeline executor's paired chunks)
 # reruns its forwards while this thread's forward must still count its side effects
 _state = threading.local()
@@ -91,3 +102,12 @@ def check_recompute(mode: str | None) -> None:
     """Raise ValueError for a mode not in `RECOMPUTE_MODES`."""
     if mode not in RECOMPUTE_MODES:
         raise ValueError(f"recompute must be one of {RECOMPUTE_MODES}, got {mode!r}")
+
+
+def rebuilt_norm_then(norm: Callable[..., Any], h: torch.Tensor, then: Callable[..., Any], *args):
+    """`then(norm(h), *args)` with the norm recomputed ("light" mode): the norm keeps only its
+    input h, and wherever `then` saves the norm's output (or a cast of it made through
+    `cast_in_region`) backward makes it again from h (`nanotrain.parallel.saved_rebuild`)."""
+    with RebuiltSaves() as saves:
+        x = saves.track(recomputed(norm, h), norm, h)
+        return then(x, *args)

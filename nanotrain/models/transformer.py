@@ -22,7 +22,7 @@ from nanotrain.models.balance import MoEStats, moe_balance_step
 from nanotrain.models.config import DeepSeekConfig, DenseConfig
 from nanotrain.models.layers import RMSNorm, SwiGLU, rope_cos_sin, tp_size_of
 from nanotrain.models.moe import DeepSeekMoE
-from nanotrain.models.recompute import check_recompute, recomputed
+from nanotrain.models.recompute import check_recompute, rebuilt_norm_then, recomputed
 from nanotrain.parallel.cross_entropy import vocab_parallel_cross_entropy
 from nanotrain.parallel.tensor import ColumnParallelLinear, VocabParallelEmbedding, pad_vocab_size
 
@@ -83,9 +83,14 @@ class DecoderLayer(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         if self.recompute == "selective":
             h = h + recomputed(self.self_attn, self.input_layernorm(h), cos, sin)
+        elif self.recompute == "light":
+            h = h + rebuilt_norm_then(self.input_layernorm, h, self.self_attn, cos, sin)
         else:
             h = h + self.self_attn(self.input_layernorm(h), cos, sin)
-        out = self.mlp(self.post_attention_layernorm(h))
+        if self.recompute == "light":
+            out = rebuilt_norm_then(self.post_attention_layernorm, h, self.mlp)
+        else:
+            out = self.mlp(self.post_attention_layernorm(h))
         if isinstance(out, tuple):
             out, aux = out
         else:
@@ -399,6 +404,11 @@ def set_recompute(model: nn.Module, mode: str | None) -> int:
     layers = [m for m in model.modules() if isinstance(m, DecoderLayer)]
     for layer in layers:
         layer.recompute = mode
+        for m in layer.modules():  # the light mode's parts inside the layer
+            if hasattr(m, "rebuild_activation"):  # SwiGLU MLPs and the routed experts
+                m.rebuild_activation = mode == "light"
+            if hasattr(m, "rebuild_heads"):  # MLA's up-projections
+                m.rebuild_heads = mode == "light"
     models = [m for m in model.modules() if isinstance(m, CausalLM)]
     full = getattr(model, "full", None)  # a PipelineStage runs its head with the model's methods
     if isinstance(full, CausalLM):

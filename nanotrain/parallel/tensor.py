@@ -251,7 +251,7 @@ class ColumnParallelLinear(_TensorParallelModule):
                 y = F.linear(cast_in_region(full), self.weight, self.bias)
         else:
             x = enter_tensor_parallel_region(x, self.tp_group, seq_dim=self.seq_dim)
-            y = F.linear(x, self.weight, self.bias)
+            y = F.linear(cast_in_region(x), self.weight, self.bias)
         if self.gather_output:
             y = gather_from_tensor_parallel_region(y, self.tp_group)  # [..., out]
         return y

@@ -147,19 +147,24 @@ def _gemm_inputs(led: Ledger, part: str, dt: Dtypes, copies: int, elems: int, sh
         led.add(part, elems * shared)
 
 
-def _swiglu(led: Ledger, part: str, dt: Dtypes, rows: int, hidden: int, inter: int) -> None:
+def _swiglu(
+    led: Ledger, part: str, dt: Dtypes, rows: int, hidden: int, inter: int, light: bool
+) -> None:
     """SwiGLU internals: silu saves gate's output, the product saves silu(g) and up's output,
-    down saves the product: 4 [rows, inter] tensors (the input is counted by the caller)."""
-    led.add(part, 4 * rows * inter * dt.gemm)
+    down saves the product: 4 [rows, inter] tensors, 2 when recompute "light" rebuilds
+    silu(g) and the product (the input is counted by the caller)."""
+    led.add(part, (2 if light else 4) * rows * inter * dt.gemm)
     if dt.cast_copies:
         led.add("weight_copies", 3 * hidden * inter * dt.gemm)
 
 
-def _dense_attention(led: Ledger, c: Any, d: Dims, dt: Dtypes) -> None:
+def _dense_attention(led: Ledger, c: Any, d: Dims, dt: Dtypes, light: bool) -> None:
     n, tp, g = d.n, d.tp, dt.gemm
     hq, hkv = c.num_heads // tp * c.head_dim, c.num_kv_heads // tp * c.head_dim
     h = c.hidden_size
-    if d.saves_shards:  # q/k/v read one gathered x, saved as this rank's shard
+    if light:  # q/k/v's input is the rebuilt norm output (or its shard or casts)
+        pass
+    elif d.saves_shards:  # q/k/v read one gathered x, saved as this rank's shard
         led.add("attention", d.t * h * dt.norm_out)
     else:
         _gemm_inputs(led, "attention", dt, 3, n * h, dt.norm_out)  # q/k/v read one entered x
@@ -188,10 +193,12 @@ def rotates_whole_heads(c: Any) -> bool:
 def saves_rope_tables(c: Any, dt: Dtypes, recompute: str | None) -> bool:
     """Whether one microbatch keeps its chunk's cos / sin tables: every checkpoint takes them
     as inputs, and fp32 `apply_rope` saves views of them; MLA's whole-head rotation saves a
-    table of its own per layer instead (`_mla_rope`)."""
-    if recompute is not None:
+    table of its own per layer instead (`_mla_rope`). Recompute "light" checkpoints MLA's
+    up-projections with RoPE, not dense attention's."""
+    mla = hasattr(c, "kv_lora_rank")
+    if recompute in ("full", "selective") or (recompute == "light" and mla):
         return True
-    return dt.gemm == F32 and not (hasattr(c, "kv_lora_rank") and rotates_whole_heads(c))
+    return dt.gemm == F32 and not (mla and rotates_whole_heads(c))
 
 
 def _mla_rope(led: Ledger, c: Any, d: Dims, g: int) -> None:
@@ -208,11 +215,14 @@ def _mla_rope(led: Ledger, c: Any, d: Dims, g: int) -> None:
         led.add("rope", 2 * d.s * (c.qk_head_dim + r) * g)
 
 
-def _mla_attention(led: Ledger, c: Any, d: Dims, dt: Dtypes) -> None:
+def _mla_attention(led: Ledger, c: Any, d: Dims, dt: Dtypes, light: bool) -> None:
     n, t, tp, g = d.n, d.t, d.tp, dt.gemm
     h, heads = c.hidden_size, c.num_heads // tp
     wq, wkv, r = c.q_lora_rank, c.kv_lora_rank, c.qk_rope_head_dim
     nope, dv, dqk = c.qk_nope_head_dim, c.v_head_dim, c.qk_head_dim
+    if light:
+        _mla_attention_light(led, c, d, dt)
+        return
     # replicated down-projections read this rank's T tokens of the norm output; without
     # q_lora_rank, q_proj reads the hidden state entered (all-gathered under sp) itself
     if wq is None and d.saves_shards:
@@ -264,21 +274,60 @@ def _mla_attention(led: Ledger, c: Any, d: Dims, dt: Dtypes) -> None:
         led.add("weight_copies", weights * g)
 
 
-def _dense_mlp(led: Ledger, c: Any, d: Dims, dt: Dtypes, inter: int, part: str) -> None:
-    if d.saves_shards:  # gate/up read one gathered x, saved as this rank's shard
+def _mla_attention_light(led: Ledger, c: Any, d: Dims, dt: Dtypes) -> None:
+    """MLA under recompute "light": the down-projections' input is the rebuilt norm output;
+    the up-projections and RoPE are a checkpoint keeping the latents (and, without
+    q_lora_rank, q_proj's output); the attention core's q, k, v are rebuilt."""
+    n, t, tp, g = d.n, d.t, d.tp, dt.gemm
+    h, heads = c.hidden_size, c.num_heads // tp
+    wq, wkv, r = c.q_lora_rank, c.kv_lora_rank, c.qk_rope_head_dim
+    dv, dqk = c.v_head_dim, c.qk_head_dim
+    _norm(led, t, wkv, g, stored_width=wkv + r)  # kv_a_layernorm on a view of [c_KV | k^R]
+    weights = h * (wkv + r) + heads * dv * h  # kv_a_proj and o_proj cast outside the checkpoint
+    if wq is not None:
+        _norm(led, t, wq, g, stored_width=wq)
+        weights += h * wq
+    else:
+        weights += h * heads * dqk
+        led.add("attention", n * heads * dqk * g)  # q_proj's output enters the checkpoint
+    latent_bytes = max(dt.param, g)
+    if tp > 1:  # the entered latents buffer, as this rank's shard under sp
+        width = (wq or 0) + wkv + r
+        led.add("attention", (t if d.saves_shards else n) * width * latent_bytes)
+    else:  # the norm outputs, and k^R as a view of kv_a's output (its norm's fp32 input)
+        led.add("attention", t * ((wq or 0) + wkv) * latent_bytes)
+        if g != F32:
+            led.add("attention", t * (wkv + r) * g)
+    kernel = "fused" if dqk == dv else d.kernel_for_unequal_dims
+    if kernel == "fused":  # the output (o_proj reads it as a view) and the log-sum-exp
+        led.add("attention", n * heads * dv * g + d.b * heads * d.s * F32)
+    else:  # the math kernel's copies, as without recomputation
+        led.add("attention", n * heads * (2 * dqk + dv) * F32 + d.b * heads * d.s * d.s * F32)
+        led.add("attention", n * heads * dv * g)
+    if dt.cast_copies:
+        led.add("weight_copies", weights * g)
+
+
+def _dense_mlp(
+    led: Ledger, c: Any, d: Dims, dt: Dtypes, inter: int, part: str, light: bool
+) -> None:
+    if light:  # gate/up's input is the rebuilt norm output (or its shard or casts)
+        pass
+    elif d.saves_shards:  # gate/up read one gathered x, saved as this rank's shard
         led.add(part, d.t * c.hidden_size * dt.norm_out)
     else:
         _gemm_inputs(led, part, dt, 2, d.n * c.hidden_size, dt.norm_out)  # gate/up, entered x
-    _swiglu(led, part, dt, d.n, c.hidden_size, inter // d.tp)
+    _swiglu(led, part, dt, d.n, c.hidden_size, inter // d.tp, light)
 
 
-def _moe(led: Ledger, c: Any, d: Dims, dt: Dtypes, ep: int, training: bool) -> None:
+def _moe(led: Ledger, c: Any, d: Dims, dt: Dtypes, ep: int, training: bool, light: bool) -> None:
     t, h, g = d.t, c.hidden_size, dt.gemm
     e, k = c.n_routed_experts, c.num_experts_per_tok
     copies = t * k
-    # router (kept in fp32): its input h.float() (the norm output itself when fp32), the
-    # sigmoid / softmax scores, the top-k indices, and the normalized weights with their sum
-    led.add("moe", t * h * F32 + t * e * F32 + t * k * I64)
+    # router (kept in fp32): its input h.float() (the norm output itself when fp32; rebuilt
+    # under recompute "light"), the sigmoid / softmax scores, the top-k indices, and the
+    # normalized weights with their sum
+    led.add("moe", (0 if light else t * h * F32) + t * e * F32 + t * k * I64)
     if dt.param != F32:
         led.add("weight_copies", e * h * F32)  # weight.float() of a bf16 router
     if c.norm_topk_prob:
@@ -298,7 +347,7 @@ def _moe(led: Ledger, c: Any, d: Dims, dt: Dtypes, ep: int, training: bool) -> N
     # for both (`GroupedExperts` casts its input as autocast would; the fp8/fp4 emulations'
     # per-expert loop casts per matmul instead, one copy more, approximated alike)
     _gemm_inputs(led, "moe", dt, 1, rows * h, dt.norm_out)
-    _swiglu(led, "moe", dt, rows, h, c.moe_intermediate_size)
+    _swiglu(led, "moe", dt, rows, h, c.moe_intermediate_size, light)
     if dt.cast_copies:  # _swiglu counted one expert's weights; the rank holds E / ep
         led.add("weight_copies", (e // ep - 1) * 3 * h * c.moe_intermediate_size * g)
     if getattr(c, "capacity_factor", None) is None:
@@ -313,12 +362,14 @@ def _moe(led: Ledger, c: Any, d: Dims, dt: Dtypes, ep: int, training: bool) -> N
         shared = c.n_shared_experts * c.moe_intermediate_size
         # gate/up's input: under sp saved as the shard, the router's fp32 input itself unless
         # the norm output is bf16; else the same storage only without casts or bf16 norms
-        if d.saves_shards:
+        if light:  # the rebuilt norm output (or its shard or casts)
+            pass
+        elif d.saves_shards:
             if dt.norm_out != F32:
                 led.add("moe", d.t * h * dt.norm_out)
         elif d.sp or dt.cast_copies or dt.norm_out != F32:
             _gemm_inputs(led, "moe", dt, 2, d.n * h, dt.norm_out)
-        _swiglu(led, "moe", dt, d.n, h, shared // d.tp)
+        _swiglu(led, "moe", dt, d.n, h, shared // d.tp, light)
 
 
 def _capacity_slots(c: Any, d: Dims) -> int:
@@ -334,20 +385,21 @@ def decoder_layer(
     """(bytes per part of one decoder layer, bytes recomputed transiently in its backward)."""
     full = Ledger()
     t, h = d.t, c.hidden_size
+    light = recompute == "light"
     # a recomputed block saves its gathered inputs whole, for the backward right after
-    d_attn = d.recomputed() if recompute is not None else d
+    d_attn = d.recomputed() if recompute in ("full", "selective") else d
     d_mlp = d.recomputed() if recompute == "full" else d
-    _norm(full, t, h, dt.stream, h)
+    _layer_norm(full, t, h, dt, light)
     attn = Ledger()
     if hasattr(c, "kv_lora_rank"):
-        _mla_attention(attn, c, d_attn, dt)
+        _mla_attention(attn, c, d_attn, dt, light)
     else:
-        _dense_attention(attn, c, d_attn, dt)
-    _norm(full, t, h, dt.stream, h)
+        _dense_attention(attn, c, d_attn, dt, light)
+    _layer_norm(full, t, h, dt, light)
     if moe:
-        _moe(full, c, d_mlp, dt, ep, training=True)
+        _moe(full, c, d_mlp, dt, ep, training=True, light=light)
     else:
-        _dense_mlp(full, c, d_mlp, dt, c.intermediate_size, "mlp")
+        _dense_mlp(full, c, d_mlp, dt, c.intermediate_size, "mlp", light)
     if recompute == "full":  # checkpoint keeps the layer input; backward rebuilds the rest
         rebuilt = sum(full.values()) + sum(attn.values())
         kept = Ledger(recompute_inputs=t * h * dt.stream)
@@ -357,7 +409,31 @@ def decoder_layer(
         return full, sum(attn.values())
     for part, nbytes in attn.items():
         full.add(part, nbytes)
-    return full, 0
+    return full, _light_transient(c, moe, d, dt) if light else 0
+
+
+def _layer_norm(led: Ledger, t: int, h: int, dt: Dtypes, light: bool) -> None:
+    """A decoder layer's RMSNorm: under recompute "light" a checkpoint keeping its input."""
+    if light:
+        led.add("norms", t * h * dt.stream)
+    else:
+        _norm(led, t, h, dt.stream, h)
+
+
+def _light_transient(c: Any, moe: bool, d: Dims, dt: Dtypes) -> int:
+    """The largest set of tensors recompute "light" rebuilds at once in a layer's backward:
+    MLA's q, k and [k^C | v] for the attention core, or one SwiGLU's silu(gate) and product."""
+    g, tp = dt.gemm, d.tp
+    rebuilt = 0
+    if hasattr(c, "kv_lora_rank"):
+        heads = c.num_heads // tp
+        rebuilt = d.n * heads * (2 * c.qk_head_dim + c.qk_nope_head_dim + c.v_head_dim) * g
+    if moe:
+        rows = d.t * c.num_experts_per_tok if c.capacity_factor is None else _capacity_slots(c, d)
+        inter = c.moe_intermediate_size
+    else:
+        rows, inter = d.n, c.intermediate_size // tp
+    return max(rebuilt, 2 * rows * inter * g)
 
 
 def head_and_loss(

@@ -40,7 +40,7 @@ class PlanLayout(MeshLayout):
         sequence_parallel: shard activations outside the tp matmuls along the sequence.
         pipeline_layout: layers per virtual stage (pp * virtual_pp numbers), None = even.
         schedule: a name of `nanotrain.parallel.schedules.SCHEDULES`; None = the strategy's default.
-        recompute: None, "full" or "selective" (`nanotrain.models.recompute`).
+        recompute: None, "light", "selective" or "full" (`nanotrain.models.recompute`).
         bucket_size_mb: the strategy's gradient bucket size (ZeRO pads each bucket).
         overlap_forward_backward: paired forward and backward chunks run side by side (the
             strategy's option of that name).

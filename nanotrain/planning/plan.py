@@ -9,7 +9,9 @@ The step-time model is deliberately simple and stated in full (docs/planning.md)
   E x C slots) at
   ``peak_flops * compute_efficiency`` (default 0.5: what well-tuned bf16 training reaches);
   full recomputation adds one forward of the layers, the head + loss and the MTP modules
-  (+1/3 of their FLOPs), selective one forward of each attention block (projections and scores: `attention_flops_per_token` / 3);
+  (+1/3 of their FLOPs), selective one forward of each attention block (projections and
+  scores: `attention_flops_per_token` / 3), light two forwards of MLA's up-projections
+  (`up_projection_flops_per_token`; norms and activations are not counted as FLOPs);
 * pipeline: the slowest stage sets the pace; the bubble is the schedule's action lists
   replayed (`nanotrain.planning.schedule_time`): for 1F1B / interleaved
   ``(pp - 1) / (virtual_pp * microbatches)`` of its compute (GPipe's is the same); with
@@ -39,6 +41,7 @@ from nanotrain.models.accounting import (
     attention_flops_per_token,
     flops_per_token_parts,
     total_params,
+    up_projection_flops_per_token,
 )
 from nanotrain.models.moe import expert_capacity
 from nanotrain.parallel.mesh import MeshLayout
@@ -191,6 +194,9 @@ def _stage_flops(config: Any, layout: PlanLayout, workload: Workload, chunks: li
     elif layout.recompute == "selective":  # the attention block's forward again
         attention = attention_flops_per_token(config, workload.seq_len)
         layers += sum(attention / 3 for c in chunks for _ in c)
+    elif layout.recompute == "light":  # MLA's up-projections twice more (the MTP blocks' too)
+        rebuilt = sum(len(c) for c in chunks) + (getattr(config, "mtp_depth", 0) if last else 0)
+        layers += 2 * up_projection_flops_per_token(config) * rebuilt
     split = layers + extras - routed  # tensor parallelism divides all of this
     tokens = workload.tokens_per_step / layout.dp  # each dp replica sees its share
     return (split / layout.tp + routed * routed_rows_per_copy(config, layout, workload)) * tokens

@@ -5,8 +5,8 @@ pp among the divisors of what is left (layers that do not split evenly get
 `layout.balanced_pipeline_layout`), virtual_pp 1 or 2 (with 2: interleaved 1F1B and
 DualPipeV); ep among the divisors of dp that divide the
 routed experts; ZeRO 1 (and 0 / 2 when asked); micro batch sizes 1, 2, 4; recomputation none,
-then selective, then full, stopping at the first that fits (more recomputation only costs
-time); sequence parallelism on whenever tp > 1 (it only
+then light, then selective, then full (`SEARCH_RECOMPUTE`: each costs more compute than the
+one before), stopping at the first that fits; sequence parallelism on whenever tp > 1 (it only
 saves memory, at the same traffic). Each is checked by the strategy's own rules; a layout the
 strategy refuses, or that does not fit in memory, is listed with the reason.
 """
@@ -40,6 +40,10 @@ class SearchResult:
 
     fitting: list[Plan]
     rejected: list[Rejected]
+
+
+#: recompute modes a search tries, in order of the compute they add
+SEARCH_RECOMPUTE: tuple[str | None, ...] = (None, "light", "selective", "full")
 
 
 def _candidates(
@@ -98,7 +102,7 @@ def search_layouts(
     precision: str = "bf16-mixed",
     micro_batch_sizes: Sequence[int] = (1, 2, 4),
     zero_stages: Sequence[int] = (1,),
-    recompute: Sequence[str | None] = (None, "selective", "full"),
+    recompute: Sequence[str | None] = SEARCH_RECOMPUTE,
     model_name: str | None = None,
     **plan_kwargs: Any,
 ) -> SearchResult:

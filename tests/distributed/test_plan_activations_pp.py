@@ -117,6 +117,14 @@ LAYOUTS = {
         "full",
         "bf16-true",
     ),
+    # recompute "light": rebuilt norms (their shards under sp), MLA heads and SwiGLU products
+    "deepseek tp2 sp bf16-mixed light": (
+        "tiny",
+        dict(tp=2, sequence_parallel=True),
+        "light",
+        "bf16-mixed",
+    ),
+    "dense tp2 bf16-true light": ("tiny-dense", dict(tp=2), "light", "bf16-true"),
     "deepseek ep2 (real routing, predicted balanced)": ("tiny", dict(dp=2, ep=2), None),
     "deepseek tp2 sp capacity": ("tiny", dict(tp=2, sequence_parallel=True), None),
     "deepseek ep2 capacity": ("tiny", dict(dp=2, ep=2), None),

@@ -1,5 +1,5 @@
-"""Activation recomputation under tp=2 and pp=2 (1F1B and interleaved) matches one process
-without recomputation, step for step (losses, grad norms, final parameters)."""
+"""Activation recomputation under tp=2, ep=2 and pp=2 (1F1B, interleaved, DualPipeV) matches one
+process without recomputation, step for step (losses, grad norms, final parameters)."""
 
 from __future__ import annotations
 
@@ -15,6 +15,11 @@ LAYOUTS = {
     "tp=2 selective": dict(tp=2),
     "pp=2 1f1b full": dict(pp=2),
     "pp=2 x virtual 2 selective": dict(pp=2, virtual_pp=2),
+    # rebuilt norm shards, MLA heads and SwiGLU products; under DualPipeV's split backward the
+    # weight half unpacks what the input half already rebuilt
+    "tp=2 sp light": dict(tp=2, sequence_parallel=True),
+    "ep=2 light": dict(ep=2),
+    "pp=2 dualpipev light": dict(pp=2, schedule="dualpipev"),
 }
 MODES = {name: name.split()[-1] for name in LAYOUTS}
 

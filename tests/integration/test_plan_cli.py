@@ -85,7 +85,7 @@ GBS = ["--global-batch-size", "16"]
         (["--micro-batch-size", "0", *GBS], "micro-batch-size must be >= 1, got 0"),
         (["--zero_stage", "3", *GBS], "zero_stage must be 0, 1 or 2"),
         (["--precision", "bf8", *GBS], "unknown precision 'bf8'"),
-        (["--recompute", "some", *GBS], "recompute must be none, selective or full"),
+        (["--recompute", "some", *GBS], "recompute must be none, light, selective or full"),
     ],
 )
 def test_plan_refuses_bad_input_with_a_clear_message(capsys, argv, message):

@@ -48,6 +48,27 @@ def test_selective_recompute_adds_a_forward_of_each_attention_block():
     assert sel.largest.activations.peak < none.largest.activations.peak
 
 
+def test_light_recompute_adds_two_forwards_of_the_mla_up_projections():
+    """deepseek-100m by hand: q_b (q_lora_rank -> heads x qk_head_dim) and kv_b (kv_lora_rank
+    -> heads x (nope + v)) per layer, MTP's block included, twice; nothing for dense attention."""
+    c = presets.get("deepseek-100m")
+    s = 512
+    work = Workload(seq_len=s, micro_batch_size=1, global_batch_size=4)
+    none = plan_layout(c, PlanLayout(), work, GPUS["h100"])
+    light = plan_layout(c, PlanLayout(recompute="light"), work, GPUS["h100"])
+    up = c.q_lora_rank * c.num_heads * c.qk_head_dim
+    up += c.kv_lora_rank * c.num_heads * (c.qk_nope_head_dim + c.v_head_dim)
+    total = flops_per_token(c, s)
+    expected = (total + (c.num_layers + c.mtp_depth) * 2 * 2 * up) / total
+    assert light.time_parts["compute"] / none.time_parts["compute"] == pytest.approx(expected)
+    assert light.largest.activations.peak < none.largest.activations.peak
+    dense = presets.get("dense-100m")
+    plain = plan_layout(dense, PlanLayout(), work, GPUS["h100"]).time_parts["compute"]
+    assert plan_layout(dense, PlanLayout(recompute="light"), work, GPUS["h100"]).time_parts[
+        "compute"
+    ] == pytest.approx(plain)
+
+
 @pytest.mark.parametrize(
     ("tp", "sp", "capacity", "rows_per_copy"),
     [

@@ -32,7 +32,7 @@ def _step(mode, kind="tiny"):
     return out.total_loss.detach(), grads, loads, sum(saved)
 
 
-@pytest.mark.parametrize("mode", ["full", "selective"])
+@pytest.mark.parametrize("mode", ["full", "selective", "light"])
 @pytest.mark.parametrize("kind", ["tiny", "tiny-dense"])
 def test_same_loss_and_grads_less_saved_and_loads_counted_once(mode, kind):
     loss, grads, loads, saved = _step(None, kind)
@@ -51,6 +51,45 @@ def test_full_keeps_less_than_selective():
     *_, selective = _step("selective")
     *_, full = _step("full")
     assert full < selective < none
+
+
+# model overrides that take other paths: q_proj without a q latent, equal q/k and v head
+# widths (SDPA's fused CPU kernel instead of the math one), a capacity factor (slots)
+LIGHT_CASES = {
+    "tiny": ("tiny", {}),
+    "no q latent": ("tiny", {"q_lora_rank": None}),
+    "fused attention kernel": ("tiny", {"v_head_dim": 24}),
+    "capacity": ("tiny", {"capacity_factor": 1.25}),
+    "dense": ("tiny-dense", {}),
+}
+
+
+@pytest.mark.parametrize("precision", ["32-true", "bf16-mixed", "bf16-true", "fp8-emulated"])
+@pytest.mark.parametrize("case", list(LIGHT_CASES))
+def test_light_recompute_gives_the_plain_step_bitwise(case, precision):
+    # "light" reruns the same ops on the same inputs: every loss and gradient is bitwise the
+    # one without recomputation, under each precision's casts
+    from nanotrain.precision import resolve_precision
+
+    preset, overrides = LIGHT_CASES[case]
+    config = presets.get(preset, vocab_size=101, **overrides)
+    ids = torch.randint(0, 101, (2, 33), generator=torch.Generator().manual_seed(1))
+    results = []
+    for mode in (None, "light"):
+        torch.manual_seed(0)
+        model = build_model(config)
+        plugin = resolve_precision(precision)
+        plugin.setup_module(model, torch.device("cpu"), is_global_zero=False)
+        set_recompute(model, mode)
+        model.train()
+        with plugin.forward_context():
+            out = model(ids[:, :-1], ids[:, 1:])
+        out.total_loss.backward()
+        results.append((out.total_loss.detach(), [p.grad for p in model.parameters()]))
+    (loss, grads), (loss_light, grads_light) = results
+    assert torch.equal(loss, loss_light)
+    for g, g_light in zip(grads, grads_light, strict=True):
+        assert (g is None and g_light is None) or torch.equal(g, g_light)
 
 
 def test_unknown_mode_is_refused():
