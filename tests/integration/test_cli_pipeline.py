@@ -5,7 +5,9 @@ an MTP module) through the command's own entry point: once on one process, once 
 2-rank gloo world with the variables torchrun sets (torchrun itself is exercised by
 tests/integration/test_torchrun_restart.py), as `--strategy megatron --strategy.pp 2
 --strategy.schedule dualpipev --strategy.overlap_forward_backward true` with an uneven
-`pipeline_layout` (two of the four virtual stages hold no layer). Every logged step's loss
+`pipeline_layout` (two of the four virtual stages hold no layer). The data are the demo
+corpus's windows as right-padded sequences of different lengths (`RaggedTokens`: ignored
+labels, so microbatches and ranks count different numbers of tokens). Every logged step's loss
 terms, grad norm and router biases, and the validation loss, must match (fp32). On a 4-rank
 world the same for pp=4 (1F1B: embedding, one layer, one layer, head and MTP), pp=2 x ep=2 (DualPipeV, node-limited
 dispatch on nodes of one rank) and pp=2 x tp=2 with sequence parallelism (DualPipeV).
@@ -17,20 +19,53 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
+from torch.utils.data import Dataset
 
+from nanotrain.data import TokenDataModule
 from tests.distributed.spawn import run_world
 from tests.integration.test_cli_errors import _command_on_rank
 
 pytestmark = pytest.mark.distributed
 
-#: per step: the loss terms, the grad norm and the router biases the balancing moved
+#: per step: the loss terms, the grad norm, the router biases the balancing moved and the
+#: tokens counted so far (labels that are not ignored)
 KEYS = ("train/loss", "train/lm_loss", "train/mtp_loss", "train/aux_loss", "train/grad_norm",
-        "moe/layer1/bias_abs_max", "moe/layer2/bias_abs_max")  # fmt: skip
+        "moe/layer1/bias_abs_max", "moe/layer2/bias_abs_max", "trainer/consumed_tokens")  # fmt: skip
+
+
+class _Ragged(Dataset):
+    """Window i of `windows` keeps its first 4 + (5 i mod 29) labels; the rest are -100."""
+
+    def __init__(self, windows: Dataset) -> None:
+        self.windows = windows
+
+    def __len__(self) -> int:
+        return len(self.windows)
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        item = dict(self.windows[i])
+        labels = item["labels"].clone()
+        labels[4 + (5 * i) % 29 :] = -100
+        item["labels"] = labels
+        return item
+
+
+class RaggedTokens(TokenDataModule):
+    """`TokenDataModule`'s windows as right-padded sequences of different lengths (`_Ragged`)."""
+
+    def setup(self, stage: str | None = None) -> None:
+        super().setup(stage)
+        for name in ("train_dataset", "val_dataset"):
+            windows = getattr(self, name)
+            if windows is not None and not isinstance(windows, _Ragged):
+                setattr(self, name, _Ragged(windows))
 
 
 def _argv(root: Path, *strategy: str) -> list[str]:
     return [
         "fit", "--config", "examples/configs/tiny_deepseek.yaml", *strategy,
+        "--data.class_path", "tests.integration.test_cli_pipeline.RaggedTokens",
         "--trainer.max_steps", "2", "--trainer.global_batch_size", "8",
         "--trainer.micro_batch_size", "2", "--trainer.val_check_interval", "2",
         "--trainer.limit_val_batches", "1", "--trainer.log_every_n_steps", "1",
@@ -66,6 +101,7 @@ def _assert_same_records(one: Path, other: Path) -> None:
         for key in (*KEYS, "val/loss") if "val/loss" in want else KEYS:
             assert got[step][key] == pytest.approx(want[key], rel=1e-5), (step, key, other.name)
     assert "val/loss" in expected[1]
+    assert expected[0]["trainer/consumed_tokens"] < 8 * 32  # the ignored labels are there
 
 
 #: name -> the strategy's flags, on 4 ranks
