@@ -56,6 +56,7 @@ from nanotrain.parallel.expert import (
 )
 from nanotrain.parallel.node_dispatch import NodeGroups, run_experts_node_limited
 from nanotrain.parallel.saved_rebuild import cast_in_region
+from nanotrain.parallel.weighted_sum import weighted_index_add
 
 
 @dataclass
@@ -169,12 +170,14 @@ def combine(
 ) -> torch.Tensor:
     """Weighted scatter-add of expert outputs back to token order: y_t = sum_k g_{t,k} y_{t,k}.
 
+    Backward keeps the expert outputs, the weights and the token index, not the weighted
+    copies (`weighted_index_add`).
+
     Args: y_sorted [N*K, H] in `dispatched` order; topk_weight [N, K]; num_tokens N.
     Returns: [N, H] in y_sorted's dtype.
     """
     w = topk_weight.reshape(-1)[dispatched.slot].to(y_sorted.dtype)  # (M,): each copy's g_{t,k}
-    out = y_sorted.new_zeros(num_tokens, y_sorted.shape[-1])  # (N, H)
-    return out.index_add(0, dispatched.token_index, y_sorted * w[:, None])  # (N, H)
+    return weighted_index_add(y_sorted, w, dispatched.token_index, num_tokens)  # (N, H)
 
 
 def sequence_balance_loss(

@@ -48,6 +48,7 @@ from torch import Tensor
 from torch.distributed import ProcessGroup
 
 from nanotrain.parallel.expert import all_to_all, expert_counts, run_experts_parallel
+from nanotrain.parallel.weighted_sum import weighted_index_add
 
 __all__ = ["NodeGroups", "inter_node_bytes", "node_split", "run_experts_node_limited"]
 
@@ -178,7 +179,7 @@ def run_experts_node_limited(
     y = run_experts_parallel(copies, counts, experts, groups.intra, fp8_dispatch)
     # 4. summed per row with the weights, inside the node
     w = got_weight.reshape(-1)[slot].to(y.dtype)  # (M,)
-    summed = y.new_zeros(rows.shape[0], y.shape[-1]).index_add(0, copy_row, y * w[:, None])
+    summed = weighted_index_add(y, w, copy_row, rows.shape[0])  # (R, H)
     # 5. back across nodes once per pair, then summed per token; anchored on the rows, so a
     # rank that received none still joins the backward all-to-all
     back = all_to_all(summed, send_pairs, recv_pairs, groups.inter, anchor=rows)  # (Q, H)

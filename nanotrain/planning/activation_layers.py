@@ -351,8 +351,9 @@ def _moe(led: Ledger, c: Any, d: Dims, dt: Dtypes, ep: int, training: bool, ligh
     if dt.cast_copies:  # _swiglu counted one expert's weights; the rank holds E / ep
         led.add("weight_copies", (e // ep - 1) * 3 * h * c.moe_intermediate_size * g)
     if getattr(c, "capacity_factor", None) is None:
-        # combine: slot, the gate weights per copy, the expert outputs and the weighted outputs
-        led.add("moe", copies * I64 + copies * g + 2 * copies * h * g)
+        # combine: the copies' token index, their gate weights and the expert outputs (not
+        # the weighted copies: `weighted_index_add`)
+        led.add("moe", copies * I64 + copies * g + copies * h * g)
     else:
         # combine: each choice's slot, its gate weight and its gathered output; under sequence
         # parallelism for every token of the gathered sequences (d.n, not this rank's d.t)

@@ -174,7 +174,7 @@ def _measure(rank: int, world_size: int, root: str) -> dict[str, int]:
 
 @pytest.fixture(scope="module")
 def measured(tmp_path_factory) -> list[dict[str, int]]:
-    return run_world(_measure, 2, str(tmp_path_factory.mktemp("act")))
+    return run_world(_measure, 2, str(tmp_path_factory.mktemp("act")), timeout=240)
 
 
 @pytest.mark.parametrize("name", list(LAYOUTS))
