@@ -18,7 +18,7 @@ from nanotrain.models.compile import (
     compile_options,
     uses_cuda_graphs,
 )
-from nanotrain.models.recompute import check_recompute
+from nanotrain.models.recompute import check_full_layers, check_recompute
 from nanotrain.models.transformer import set_recompute
 from nanotrain.module import NanoModule
 from nanotrain.parallel.schedules import V_SHAPED_SCHEDULES
@@ -80,6 +80,8 @@ class LanguageModelModule(NanoModule):
             default otherwise), "fused", "foreach" or "loop" (`nanotrain.runtime.optim_kernels`).
         recompute: activation recomputation per decoder layer: None, "light", "selective" or
             "full" (`nanotrain.models.recompute`, docs/performance.md).
+        recompute_full_layers: the first N decoder layers of each pipeline chunk recompute
+            "full", the others `recompute` (Megatron's block method; 0: none).
         compile_layers: torch.compile each decoder layer (`nanotrain.models.compile`): True,
             or a dict of `torch.compile` arguments (e.g. ``{"backend": "aot_eager"}``).
         compile_model: torch.compile the whole model (embedding, layers, head and loss) as one
@@ -104,12 +106,14 @@ class LanguageModelModule(NanoModule):
         eps: float = 1e-8,
         optimizer_impl: str = "auto",
         recompute: str | None = None,
+        recompute_full_layers: int = 0,
         compile_layers: bool | dict[str, Any] = False,
         compile_model: bool | dict[str, Any] = False,
     ) -> None:
         super().__init__()
         adamw_kernel_kwargs(optimizer_impl, [])  # validate before any work
         check_recompute(recompute)
+        check_full_layers(recompute_full_layers, recompute)
         check_compile_options(compile_layers, compile_model)
         if lr <= 0 or min_lr < 0 or min_lr > lr:
             raise ValueError(f"need 0 <= min_lr <= lr and lr > 0, got lr={lr}, min_lr={min_lr}")
@@ -203,7 +207,9 @@ class LanguageModelModule(NanoModule):
                 self.config, mesh=mesh, device="cpu", sequence_parallel=sequence_parallel
             )
         self._warn_replicated_experts(mesh, sequence_parallel)
-        set_recompute(self.model, self.hparams.get("recompute"))
+        set_recompute(
+            self.model, self.hparams.get("recompute"), self.hparams.get("recompute_full_layers", 0)
+        )
         if self.hparams.get("compile_layers"):
             compile_layers(self.model, **compile_options(self.hparams["compile_layers"]))
         if self.hparams.get("compile_model"):

@@ -115,6 +115,9 @@ def _parser() -> Any:
     flag("pipeline_layout", type=list[int] | None, default=None, help="layers per chunk")
     flag("zero_stage", type=int | None, default=None,
          help="0, 1 or 2 (fixed layout default 0, search default 1)")  # fmt: skip
+    flag("recompute_full_layers", type=int, default=0,
+         help="the first N layers of each pipeline chunk recompute fully, the rest "
+         "--recompute (a fixed layout)")  # fmt: skip
     flag("recompute", type=str | None, default=None,
          help="none|light|selective|full (default: none for a fixed layout; searching tries "
          "none, then light, then selective, then full)")  # fmt: skip
@@ -165,6 +168,11 @@ def run_plan(argv: list[str]) -> None:
     config, gpu = _config(cfg.model, cfg.model_overrides), gpu_spec(cfg.gpu)
     recompute = None if cfg.recompute in ("none", "None") else cfg.recompute
     fixed = any(getattr(cfg, k) is not None for k in _LAYOUT_FLAGS)
+    if cfg.recompute_full_layers and not fixed:
+        raise ValueError(
+            "--recompute_full_layers prices one layout: give its sizes too (--tp, --pp, "
+            "--ep, ...); the search tries one recompute mode for every layer"
+        )
     if cfg.node_limited_dispatch is not None and not fixed:
         raise ValueError(
             "--node_limited_dispatch prices one layout: give its sizes too (--tp, --pp, --ep, "
@@ -179,7 +187,8 @@ def run_plan(argv: list[str]) -> None:
             virtual_pp=cfg.virtual_pp or 1, zero_stage=cfg.zero_stage or 0,
             sequence_parallel=bool(cfg.sequence_parallel) if cfg.sequence_parallel is not None
             else tp > 1, pipeline_layout=cfg.pipeline_layout, schedule=cfg.schedule,
-            recompute=recompute, overlap_forward_backward=bool(cfg.overlap_forward_backward),
+            recompute=recompute, recompute_full_layers=cfg.recompute_full_layers,
+            overlap_forward_backward=bool(cfg.overlap_forward_backward),
             node_limited_dispatch=cfg.node_limited_dispatch,
         )  # fmt: skip
         micro = cfg.micro_batch_size or 1
@@ -228,8 +237,10 @@ def plan_for_run(
     if config is None or not hasattr(config, "num_layers"):
         return None
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    recompute = (getattr(module, "hparams", {}) or {}).get("recompute")
-    layout = PlanLayout.from_strategy(strategy, world, recompute=recompute)
+    hparams = getattr(module, "hparams", {}) or {}
+    layout = PlanLayout.from_strategy(
+        strategy, world, hparams.get("recompute"), hparams.get("recompute_full_layers", 0)
+    )
     # the micro batch the run will read: the Trainer's, else its data's loaders' (as the
     # Trainer resolves it: nanotrain.trainer.loaders)
     micro = int(settings.get("micro_batch_size") or getattr(data, "loader_batch_size", None) or 1)

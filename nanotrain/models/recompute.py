@@ -104,6 +104,19 @@ def check_recompute(mode: str | None) -> None:
         raise ValueError(f"recompute must be one of {RECOMPUTE_MODES}, got {mode!r}")
 
 
+def check_full_layers(full_layers: int, mode: str | None) -> None:
+    """Raise ValueError for a `full_layers` that is not an int >= 0, or given with mode "full"
+    (every layer recomputes fully already)."""
+    if isinstance(full_layers, bool) or not isinstance(full_layers, int) or full_layers < 0:
+        raise ValueError(f"recompute_full_layers must be an int >= 0, got {full_layers!r}")
+    if full_layers and mode == "full":
+        raise ValueError(
+            f"recompute_full_layers={full_layers} picks the layers that recompute fully "
+            "among others; with recompute='full' every layer does already: choose another "
+            "recompute mode for the rest, or drop recompute_full_layers"
+        )
+
+
 def rebuilt_norm_then(norm: Callable[..., Any], h: torch.Tensor, then: Callable[..., Any], *args):
     """`then(norm(h), *args)` with the norm recomputed ("light" mode): the norm keeps only its
     input h, and wherever `then` saves the norm's output (or a cast of it made through

@@ -22,7 +22,12 @@ from nanotrain.models.balance import MoEStats, moe_balance_step
 from nanotrain.models.config import DeepSeekConfig, DenseConfig
 from nanotrain.models.layers import RMSNorm, SwiGLU, rope_cos_sin, tp_size_of
 from nanotrain.models.moe import DeepSeekMoE
-from nanotrain.models.recompute import check_recompute, rebuilt_norm_then, recomputed
+from nanotrain.models.recompute import (
+    check_full_layers,
+    check_recompute,
+    rebuilt_norm_then,
+    recomputed,
+)
 from nanotrain.parallel.cross_entropy import vocab_parallel_cross_entropy
 from nanotrain.parallel.tensor import ColumnParallelLinear, VocabParallelEmbedding, pad_vocab_size
 
@@ -393,22 +398,29 @@ class DenseTransformer(CausalLM):
         return DecoderLayer(attn, mlp, c.hidden_size, c.rms_norm_eps, device)
 
 
-def set_recompute(model: nn.Module, mode: str | None) -> int:
+def set_recompute(model: nn.Module, mode: str | None, full_layers: int = 0) -> int:
     """Set the recompute mode of every decoder layer in `model` (and, for "full", recompute the
     head and loss of the model or pipeline stage); returns how many layers were set.
 
+    With `full_layers` N, the first N decoder layers of each pipeline chunk (of the model's
+    layer stack when it is not split into stages) recompute "full" and the others `mode`, as
+    Megatron-LM's ``--recompute-method block --recompute-num-layers N``; MTP blocks take `mode`.
+
     Raises:
-        ValueError: for an unknown mode.
+        ValueError: for an unknown mode, or a negative or non-int `full_layers`.
     """
     check_recompute(mode)
+    check_full_layers(full_layers, mode)
     layers = [m for m in model.modules() if isinstance(m, DecoderLayer)]
+    first = {id(layer) for chunk in _layer_chunks(model) for layer in chunk[:full_layers]}
     for layer in layers:
-        layer.recompute = mode
+        layer_mode = "full" if id(layer) in first else mode
+        layer.recompute = layer_mode
         for m in layer.modules():  # the light mode's parts inside the layer
             if hasattr(m, "rebuild_activation"):  # SwiGLU MLPs and the routed experts
-                m.rebuild_activation = mode == "light"
+                m.rebuild_activation = layer_mode == "light"
             if hasattr(m, "rebuild_heads"):  # MLA's up-projections
-                m.rebuild_heads = mode == "light"
+                m.rebuild_heads = layer_mode == "light"
     models = [m for m in model.modules() if isinstance(m, CausalLM)]
     full = getattr(model, "full", None)  # a PipelineStage runs its head with the model's methods
     if isinstance(full, CausalLM):
@@ -416,3 +428,15 @@ def set_recompute(model: nn.Module, mode: str | None) -> int:
     for m in models:
         m.recompute_head = mode == "full"
     return len(layers)
+
+
+def _layer_chunks(model: nn.Module) -> list[list[nn.Module]]:
+    """The main stack's decoder layers of each pipeline chunk of `model` (a `PipelineStage`:
+    its chunks; a model: its layer list as one chunk)."""
+    layers = getattr(model, "layers", None)
+    chunks = getattr(model, "chunks", None)
+    if isinstance(layers, nn.ModuleDict) and chunks is not None:
+        return [[layers[str(i)] for i in chunk] for chunk in chunks]
+    if isinstance(layers, nn.ModuleList):
+        return [list(layers)]
+    return []

@@ -103,9 +103,11 @@ def _chunk(
     precision: str,
     ep: int,
     recompute: str | None,
+    modes: tuple[str | None, ...],
 ) -> tuple[Ledger, int]:
-    """(bytes per part of one microbatch through one chunk, its largest transient)."""
-    key = (repr(config), layers, first, last, d, precision, ep, recompute)
+    """(bytes per part of one microbatch through one chunk, its largest transient); `modes`:
+    each layer's recompute mode, `recompute` the head's and MTP's."""
+    key = (repr(config), layers, first, last, d, precision, ep, recompute, modes)
     if key in _CACHE:
         return _CACHE[key]
     dt = dtypes_for(precision)
@@ -113,16 +115,16 @@ def _chunk(
     rope_dim = getattr(config, "qk_rope_head_dim", None) or getattr(config, "head_dim", 0)
     if first:
         embedding(led, d, "embedding")
-    per_kind: dict[bool, tuple[Ledger, int]] = {}
-    for i in layers:
+    per_kind: dict[tuple[bool, str | None], tuple[Ledger, int]] = {}
+    for i, mode in zip(layers, modes, strict=True):
         moe = bool(getattr(config, "is_moe_layer", lambda _: False)(i))
-        if moe not in per_kind:
-            per_kind[moe] = decoder_layer(config, moe, d, dt, ep, recompute)
-        part_bytes, rebuilt = per_kind[moe]
+        if (moe, mode) not in per_kind:
+            per_kind[moe, mode] = decoder_layer(config, moe, d, dt, ep, mode)
+        part_bytes, rebuilt = per_kind[moe, mode]
         for part, nbytes in part_bytes.items():
             led.add(part, nbytes)
         transient = max(transient, rebuilt)
-    if layers and saves_rope_tables(config, dt, recompute):
+    if layers and any(saves_rope_tables(config, dt, mode) for mode in modes):
         led.add("rope", 2 * d.s * (rope_dim // 2) * F32)  # the chunk's cos / sin tables
     if last:
         transient = max(transient, head_and_loss(led, config, d, dt, "logits", recompute))
@@ -176,6 +178,7 @@ def activation_estimate(
             workload.precision,
             layout.ep,
             layout.recompute,
+            tuple(layout.chunk_recomputes(layers)),
         )
         per_chunk.append(sum(led.values()))
         copies.append(led.get("weight_copies", 0))

@@ -194,11 +194,19 @@ def _tp(
     return tally
 
 
-def _moe_layers(config: Any, layout: PlanLayout, rank: RankModel) -> int:
-    """MoE layers this pipeline rank runs (its decoder layers and, last, the MTP blocks)."""
-    count = sum(is_moe_layer(config, i) for chunk in rank.chunks for i in chunk)
+def _moe_layers(config: Any, layout: PlanLayout, rank: RankModel, full_only: bool = False) -> int:
+    """MoE layers this pipeline rank runs (its decoder layers and, last, the MTP blocks);
+    with `full_only`, those of them that recompute "full" (and so run their all-to-alls
+    again in backward)."""
+    count = sum(
+        is_moe_layer(config, i)
+        for chunk in rank.chunks
+        for i, mode in zip(chunk, layout.chunk_recomputes(chunk), strict=True)
+        if not full_only or mode == "full"
+    )
     if layout.placement.holds_last(rank.pp_rank) and mtp_is_moe(config):
-        count += getattr(config, "mtp_depth", 0)
+        if not full_only or layout.recompute == "full":
+            count += getattr(config, "mtp_depth", 0)
     return count
 
 
@@ -274,7 +282,7 @@ def _ep(
         copies = e * workload.micro_batch_size * capacity
         split_bytes = 0
     micro = workload.num_microbatches(layout)
-    recompute = layout.recompute == "full"
+    rerun = _moe_layers(config, layout, rank, full_only=True)  # forwards again in backward
     node_split = layout.ep_nodes(config, ranks_per_node)
     group, experts = ep, e
     if node_split is not None:
@@ -283,12 +291,11 @@ def _ep(
         pairs = tokens * nodes_reached(config, nodes) * (nodes - 1) / nodes  # leave the node
         forward = pairs * (dt.dispatch_row(h) + h * dt.matmul + 8 * k) + 16 * (nodes - 1)
         backward = pairs * (dt.dispatch_grad_row(h) + h * dt.matmul + 4 * k)
-        per_layer, calls = forward + backward, 8  # 5 forward (counts, rows, ids, weights,
-        if recompute:  # combine), 3 backward
-            per_layer, calls = per_layer + forward, calls + 5
+        # 5 forward (counts, rows, ids, weights, combine), 3 backward
+        per_layer, calls = forward + backward, 8
         out["ep_inter"].add(
-            micro * layers * per_layer,
-            micro * layers * calls,
+            micro * (layers * per_layer + rerun * forward),
+            micro * (layers * calls + rerun * 5),
             f"{micro} microbatches x {layers} MoE layers x {pairs:.0f} (token, node) rows to "
             f"other nodes of {nodes} ({nodes_reached(config, nodes):.2f} nodes per token; "
             "dispatch + combine, forward + backward, with choices and weights)",
@@ -301,12 +308,10 @@ def _ep(
     forward = ring * experts * split_bytes + rows * (dt.dispatch_row(h) + h * dt.matmul)
     backward = rows * (dt.dispatch_grad_row(h) + h * dt.matmul)
     per_layer, calls = forward + backward, 4 + split_calls
-    if recompute:
-        per_layer, calls = per_layer + forward, calls + 2 + split_calls
     where = "ep ranks" if node_split is None else "ranks of the node"
     out["ep"].add(
-        micro * layers * per_layer,
-        micro * layers * calls,
+        micro * (layers * per_layer + rerun * forward),
+        micro * (layers * calls + rerun * (2 + split_calls)),
         f"{micro} microbatches x {layers} MoE layers x {rows:.0f} token copies out of "
         f"{copies} sent to other {where} (dispatch + combine, forward + backward)"
         + (" + split sizes" if split_calls else ""),

@@ -183,11 +183,11 @@ def tp_collectives(
         stage = layout.placement.stage(rank.pp_rank, c)
         if stage == 0:
             colls += _exit(tokens * h, dt.param, sp, "head")  # vocab-parallel embedding
-        for i in layers:
+        for i, mode in zip(layers, layout.chunk_recomputes(layers), strict=True):
             moe = is_moe_layer(config, i)
             layer = _layer_colls(config, moe, b, tokens, sp, dt)
-            colls += _saved_as_shards(layer, layout.recompute)
-            colls += _recomputed(layer, layout.recompute, _keeps_trailing(config, moe))
+            colls += _saved_as_shards(layer, mode)
+            colls += _recomputed(layer, mode, _keeps_trailing(config, moe))
         if stage == last:
             head = _head_colls(config, tokens, sp, dt)
             head_saved = _saved_as_shards(head, layout.recompute)

@@ -7,10 +7,11 @@ the planner accepts is one `MegatronStrategy` accepts, and the error messages ar
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
-from nanotrain.models.recompute import check_recompute
+from nanotrain.models.recompute import check_full_layers, check_recompute
 from nanotrain.parallel.mesh import MeshLayout
 from nanotrain.parallel.node_dispatch import node_split
 from nanotrain.parallel.pipeline import partition_layers, stage_layers
@@ -41,6 +42,8 @@ class PlanLayout(MeshLayout):
         pipeline_layout: layers per virtual stage (pp * virtual_pp numbers), None = even.
         schedule: a name of `nanotrain.parallel.schedules.SCHEDULES`; None = the strategy's default.
         recompute: None, "light", "selective" or "full" (`nanotrain.models.recompute`).
+        recompute_full_layers: the first N decoder layers of each chunk recompute "full", the
+            others `recompute` (`LanguageModelModule(recompute_full_layers=)`).
         bucket_size_mb: the strategy's gradient bucket size (ZeRO pads each bucket).
         overlap_forward_backward: paired forward and backward chunks run side by side (the
             strategy's option of that name).
@@ -54,6 +57,7 @@ class PlanLayout(MeshLayout):
     pipeline_layout: tuple[int, ...] | None = None
     schedule: str | None = None
     recompute: str | None = None
+    recompute_full_layers: int = 0
     bucket_size_mb: float = 25.0
     overlap_forward_backward: bool = False
     node_limited_dispatch: bool | None = None
@@ -68,6 +72,15 @@ class PlanLayout(MeshLayout):
         if self.overlap_forward_backward:
             check_pairing(self.pp, self.tp, self.virtual_pp, self.schedule)
         check_recompute(self.recompute)
+        check_full_layers(self.recompute_full_layers, self.recompute)
+
+    def layer_recompute(self, position: int) -> str | None:
+        """The recompute mode of the decoder layer at `position` (0-based) within its chunk."""
+        return "full" if position < self.recompute_full_layers else self.recompute
+
+    def chunk_recomputes(self, layers: Sequence[int]) -> list[str | None]:
+        """The recompute mode of each of a chunk's `layers`, in order."""
+        return [self.layer_recompute(i) for i in range(len(layers))]
 
     def strategy(self) -> Any:
         """The `MegatronStrategy` of this layout (not set up: no process group is made)."""
@@ -90,7 +103,11 @@ class PlanLayout(MeshLayout):
 
     @classmethod
     def from_strategy(
-        cls, strategy: Any, world_size: int, recompute: str | None = None
+        cls,
+        strategy: Any,
+        world_size: int,
+        recompute: str | None = None,
+        recompute_full_layers: int = 0,
     ) -> PlanLayout:
         """The layout a `MegatronStrategy` (or single-device / DDP strategy) runs on
         `world_size` ranks; dp is inferred when the strategy leaves it unset."""
@@ -111,6 +128,7 @@ class PlanLayout(MeshLayout):
             overlap_forward_backward=getattr(strategy, "overlap_forward_backward", False),
             node_limited_dispatch=getattr(strategy, "node_limited_dispatch", None),
             recompute=recompute,
+            recompute_full_layers=recompute_full_layers,
             # MegatronStrategy's bucket_size_mb, DDP's bucket_cap_mb
             bucket_size_mb=getattr(
                 strategy, "bucket_size_mb", getattr(strategy, "bucket_cap_mb", 25.0)
@@ -195,7 +213,9 @@ class PlanLayout(MeshLayout):
             parts.append(f"zero{self.zero_stage}")
         if self.sequence_parallel and self.tp > 1:
             parts.append("sp")
-        if self.recompute:
+        if self.recompute_full_layers:
+            parts.append(f"{self.recompute or 'no'}-recompute+{self.recompute_full_layers}full")
+        elif self.recompute:
             parts.append(f"{self.recompute}-recompute")
         if self.overlap_forward_backward:
             parts.append("overlapped")

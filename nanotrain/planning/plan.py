@@ -185,18 +185,29 @@ def _stage_flops(config: Any, layout: PlanLayout, workload: Workload, chunks: li
                  last: bool) -> float:  # fmt: skip
     """Training FLOPs per step on one rank of the stage holding `chunks` (recompute included)."""
     parts = _flop_parts(config, workload.seq_len)
-    layers = sum(parts.layers[i] for c in chunks for i in c)
+    attention = attention_flops_per_token(config, workload.seq_len)
+    up = up_projection_flops_per_token(config)
+    layers = routed = 0.0
+    for c in chunks:
+        for i, mode in zip(c, layout.chunk_recomputes(c), strict=True):
+            layer, layer_routed = parts.layers[i], parts.routed[i]
+            if mode == "full":  # one more forward of the layer
+                layer, layer_routed = layer * 4 / 3, layer_routed * 4 / 3
+            elif mode == "selective":  # the attention block's forward again
+                layer += attention / 3
+            elif mode == "light":  # MLA's up-projections twice more
+                layer += 2 * up
+            layers, routed = layers + layer, routed + layer_routed
     extras = (parts.head + parts.mtp) if last else 0.0
-    routed = sum(parts.routed[i] for c in chunks for i in c) + (parts.mtp_routed if last else 0.0)
-    if layout.recompute == "full":
-        # one more forward of every layer, and of the head + loss and the MTP modules
-        layers, extras, routed = layers * 4 / 3, extras * 4 / 3, routed * 4 / 3
-    elif layout.recompute == "selective":  # the attention block's forward again
-        attention = attention_flops_per_token(config, workload.seq_len)
-        layers += sum(attention / 3 for c in chunks for _ in c)
-    elif layout.recompute == "light":  # MLA's up-projections twice more (the MTP blocks' too)
-        rebuilt = sum(len(c) for c in chunks) + (getattr(config, "mtp_depth", 0) if last else 0)
-        layers += 2 * up_projection_flops_per_token(config) * rebuilt
+    mtp_routed = parts.mtp_routed if last else 0.0
+    depth = getattr(config, "mtp_depth", 0) if last else 0
+    if layout.recompute == "full":  # the head + loss and the MTP modules' forward again
+        extras, mtp_routed = extras * 4 / 3, mtp_routed * 4 / 3
+    elif layout.recompute == "light":  # the MTP blocks' up-projections
+        extras += 2 * up * depth
+    elif layout.recompute == "selective":  # the MTP blocks' attention
+        extras += attention / 3 * depth
+    routed += mtp_routed
     split = layers + extras - routed  # tensor parallelism divides all of this
     tokens = workload.tokens_per_step / layout.dp  # each dp replica sees its share
     return (split / layout.tp + routed * routed_rows_per_copy(config, layout, workload)) * tokens
@@ -383,7 +394,7 @@ def plan_layout(
         exposed_dp = max(0.0, dp - gather - compute * 2 / 3) + gather
         # the weight-gradient half of the backward: a third of the training FLOPs without
         # recomputation (forward, input gradient, weight gradient: one each)
-        no_recompute = replace(layout, recompute=None)
+        no_recompute = replace(layout, recompute=None, recompute_full_layers=0)
         weights = _stage_flops(config, no_recompute, workload, rank.chunks, last) / 3
         weights_t = weights / (peak * compute_efficiency)
         hidden, bubble = 0.0, None

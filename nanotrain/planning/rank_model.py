@@ -174,7 +174,9 @@ def rank_models(config: Any, layout: PlanLayout) -> list[RankModel]:
     # dp, zero, recompute and the schedule (but for its placement) do not change what a
     # rank builds: share the builds
     v_schedule = layout.schedule if layout.placement.v_shape else None
-    shape = layout.replace(dp=layout.ep, zero_stage=0, recompute=None, schedule=v_schedule)
+    shape = layout.replace(
+        dp=layout.ep, zero_stage=0, recompute=None, recompute_full_layers=0, schedule=v_schedule
+    )
     out = []
     for r in range(layout.pp):
         key = (repr(config), shape, r)

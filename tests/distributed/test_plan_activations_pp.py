@@ -125,6 +125,8 @@ LAYOUTS = {
         "bf16-mixed",
     ),
     "dense tp2 bf16-true light": ("tiny-dense", dict(tp=2), "light", "bf16-true"),
+    # each chunk's first layer recomputes fully, the other one light
+    "deepseek 1f1b light, first layer of a chunk full": ("tiny", dict(pp=2), "light"),
     "deepseek ep2 (real routing, predicted balanced)": ("tiny", dict(dp=2, ep=2), None),
     "deepseek tp2 sp capacity": ("tiny", dict(tp=2, sequence_parallel=True), None),
     "deepseek ep2 capacity": ("tiny", dict(dp=2, ep=2), None),
@@ -135,6 +137,8 @@ LAYOUTS = {
 
 # model overrides of some layouts (the rest: none)
 OVERRIDES = {name: {"capacity_factor": 1.25} for name in LAYOUTS if name.endswith("capacity")}
+# recompute_full_layers of some layouts (the rest: 0)
+FULL_LAYERS = {name: 1 for name in LAYOUTS if "first layer of a chunk full" in name}
 
 
 def _unpack_layout(name: str) -> tuple[str, dict, str | None, str]:
@@ -150,6 +154,7 @@ def _measure(rank: int, world_size: int, root: str) -> dict[str, int]:
             preset,
             vocab_size=VOCAB,
             recompute=recompute,
+            recompute_full_layers=FULL_LAYERS.get(name, 0),
             model_overrides={"num_layers": LAYERS, **OVERRIDES.get(name, {})},
         )
         trainer = nt.Trainer(
@@ -181,7 +186,10 @@ def measured(tmp_path_factory) -> list[dict[str, int]]:
 def test_schedule_peak_matches_a_pipeline_step(measured, name):
     preset, kwargs, recompute, precision = _unpack_layout(name)
     config = presets.get(preset, vocab_size=VOCAB, num_layers=LAYERS, **OVERRIDES.get(name, {}))
-    layout = PlanLayout(recompute=recompute, **{"dp": 1, **kwargs})
+    full_layers = FULL_LAYERS.get(name, 0)
+    layout = PlanLayout(
+        recompute=recompute, recompute_full_layers=full_layers, **{"dp": 1, **kwargs}
+    )
     workload = Workload(SEQ, MICRO, GLOBAL, precision=precision)
     for rank, peaks in enumerate(measured):
         pp_rank = rank if layout.pp > 1 else 0

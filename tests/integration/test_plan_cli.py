@@ -86,6 +86,11 @@ GBS = ["--global-batch-size", "16"]
         (["--zero_stage", "3", *GBS], "zero_stage must be 0, 1 or 2"),
         (["--precision", "bf8", *GBS], "unknown precision 'bf8'"),
         (["--recompute", "some", *GBS], "recompute must be none, light, selective or full"),
+        (["--recompute_full_layers", "1", *GBS], "recompute_full_layers prices one layout"),
+        (
+            ["--pp", "2", "--recompute", "full", "--recompute_full_layers", "1", *GBS],
+            "with recompute='full' every layer does already",
+        ),
     ],
 )
 def test_plan_refuses_bad_input_with_a_clear_message(capsys, argv, message):

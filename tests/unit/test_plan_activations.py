@@ -48,14 +48,16 @@ class SavedBytes:
         self._hooks.__exit__(*exc)
 
 
-def measure(preset: str, precision: str, recompute: str | None, **overrides) -> int:
+def measure(
+    preset: str, precision: str, recompute: str | None, full_layers: int = 0, **overrides
+) -> int:
     """Saved bytes of one training forward of `preset` (seq 64, micro batch 2) on CPU."""
     torch.manual_seed(0)
     config = presets.get(preset, **overrides)
     model = build_model(config, device="cpu")
     plugin = resolve_precision(precision)
     plugin.setup_module(model, torch.device("cpu"), is_global_zero=False)
-    set_recompute(model, recompute)
+    set_recompute(model, recompute, full_layers)
     model.train()
     ids = torch.randint(0, config.vocab_size, (MICRO, SEQ))
     labels = torch.randint(0, config.vocab_size, (MICRO, SEQ))
@@ -65,8 +67,10 @@ def measure(preset: str, precision: str, recompute: str | None, **overrides) -> 
     return saved.total
 
 
-def predict(preset: str, precision: str, recompute: str | None, **overrides) -> ActivationEstimate:
-    layout = PlanLayout(recompute=recompute)
+def predict(
+    preset: str, precision: str, recompute: str | None, full_layers: int = 0, **overrides
+) -> ActivationEstimate:
+    layout = PlanLayout(recompute=recompute, recompute_full_layers=full_layers)
     workload = Workload(
         seq_len=SEQ, micro_batch_size=MICRO, global_batch_size=MICRO, precision=precision
     )
@@ -92,6 +96,15 @@ def test_light_recompute_bytes_on_the_other_mla_paths(overrides, precision):
     measured = measure("tiny", precision, "light", **overrides)
     predicted = predict("tiny", precision, "light", **overrides).per_microbatch
     assert predicted == pytest.approx(measured, rel=0.002), (predicted, measured)
+
+
+@pytest.mark.parametrize("recompute", [None, "light"])
+def test_the_first_layers_recomputed_fully_beside_another_mode(recompute):
+    # tiny's dense layer 0 recomputes fully, its MoE layer 1 and the MTP block take the mode
+    measured = measure("tiny", "bf16-mixed", recompute, full_layers=1)
+    predicted = predict("tiny", "bf16-mixed", recompute, full_layers=1).per_microbatch
+    assert predicted == pytest.approx(measured, rel=0.002), (predicted, measured)
+    assert measured < measure("tiny", "bf16-mixed", recompute)
 
 
 @pytest.mark.parametrize("precision", ["32-true", "bf16-mixed"])

@@ -216,3 +216,32 @@ def test_paired_chunks_hide_part_of_the_expert_all_to_all():
     # refused as the strategy refuses it
     with pytest.raises(ValueError, match="overlap_forward_backward needs tp=1"):
         PlanLayout(tp=2, pp=2, dp=8, schedule="dualpipev", overlap_forward_backward=True)
+
+
+def test_the_first_layers_of_a_chunk_recomputed_fully_are_priced_layer_by_layer():
+    """dense-100m: each fully recomputed layer adds a third of its FLOPs; a MoE model without
+    MTP: the ep traffic of N fully recomputed layers of L is light's plus N/L of what full
+    recomputation adds (their forward all-to-alls run again)."""
+    from nanotrain.models.accounting import flops_per_token_parts
+    from nanotrain.planning.communication import comm_estimate
+
+    dense = presets.get("dense-100m")
+    s = 512
+    work = Workload(seq_len=s, micro_batch_size=1, global_batch_size=4)
+    none = plan_layout(dense, PlanLayout(), work, GPUS["h100"]).time_parts["compute"]
+    two = plan_layout(dense, PlanLayout(recompute_full_layers=2), work, GPUS["h100"])
+    layer = flops_per_token_parts(dense, s).layers[0]
+    expected = (flops_per_token(dense, s) + 2 * layer / 3) / flops_per_token(dense, s)
+    assert two.time_parts["compute"] / none == pytest.approx(expected)
+    assert "no-recompute+2full" in two.layout.describe()
+
+    moe = presets.get("deepseek-100m", mtp_depth=0, first_k_dense_replace=0)
+    layers = moe.num_layers
+
+    def ep_bytes(recompute, full_layers=0):
+        layout = PlanLayout(dp=2, ep=2, recompute=recompute, recompute_full_layers=full_layers)
+        return comm_estimate(moe, layout, work).bytes_per_step["ep"]
+
+    light, full = ep_bytes("light"), ep_bytes("full")
+    assert full > light
+    assert ep_bytes("light", 1) == pytest.approx(light + (full - light) / layers)

@@ -92,6 +92,42 @@ def test_light_recompute_gives_the_plain_step_bitwise(case, precision):
         assert (g is None and g_light is None) or torch.equal(g, g_light)
 
 
+def test_full_layers_recompute_the_first_layers_of_each_chunk_fully():
+    from nanotrain.models.stages import PipelineStage
+
+    model = build_model(presets.get("tiny", vocab_size=101, num_layers=4))
+    set_recompute(model, "light", full_layers=1)
+    assert [layer.recompute for layer in model.layers] == ["full", "light", "light", "light"]
+    assert [m.block.recompute for m in model.mtp] == ["light"]  # MTP blocks take the mode
+    assert not model.recompute_head
+    # a pipeline rank: the first layer of each of its chunks
+    stage = PipelineStage(model, [[0, 1], [2, 3]], pp_size=2, pp_rank=0)  # two chunks
+    set_recompute(stage, None, full_layers=1)
+    modes = [[stage.layers[str(i)].recompute for i in chunk] for chunk in stage.chunks]
+    assert all(chunk[0] == "full" and set(chunk[1:]) <= {None} for chunk in modes), modes
+    with pytest.raises(ValueError, match="with recompute='full' every layer does already"):
+        nt.LanguageModelModule("tiny", recompute="full", recompute_full_layers=1)
+    with pytest.raises(ValueError, match="recompute_full_layers must be an int >= 0"):
+        nt.LanguageModelModule("tiny", recompute="light", recompute_full_layers=-1)
+
+
+def test_full_layers_beside_light_give_the_plain_step_bitwise():
+    ids = torch.randint(0, 101, (2, 33), generator=torch.Generator().manual_seed(1))
+    results = []
+    for mode, full_layers in ((None, 0), ("light", 1)):
+        torch.manual_seed(0)
+        model = build_model(presets.get("tiny", vocab_size=101, num_layers=3))
+        set_recompute(model, mode, full_layers=full_layers)
+        model.train()
+        out = model(ids[:, :-1], ids[:, 1:])
+        out.total_loss.backward()
+        results.append((out.total_loss.detach(), [p.grad for p in model.parameters()]))
+    (loss, grads), (loss_mixed, grads_mixed) = results
+    assert torch.equal(loss, loss_mixed)
+    for g, g_mixed in zip(grads, grads_mixed, strict=True):
+        assert (g is None and g_mixed is None) or torch.equal(g, g_mixed)
+
+
 def test_unknown_mode_is_refused():
     with pytest.raises(ValueError, match="recompute must be one of"):
         nt.LanguageModelModule("tiny", recompute="some")
