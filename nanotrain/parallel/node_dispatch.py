@@ -48,7 +48,7 @@ from torch import Tensor
 from torch.distributed import ProcessGroup
 
 from nanotrain.parallel.expert import all_to_all, expert_counts, run_experts_parallel
-from nanotrain.parallel.weighted_sum import weighted_index_add
+from nanotrain.parallel.weighted_sum import index_add_rows, weighted_index_add
 
 __all__ = ["NodeGroups", "inter_node_bytes", "node_split", "run_experts_node_limited"]
 
@@ -183,4 +183,4 @@ def run_experts_node_limited(
     # 5. back across nodes once per pair, then summed per token; anchored on the rows, so a
     # rank that received none still joins the backward all-to-all
     back = all_to_all(summed, send_pairs, recv_pairs, groups.inter, anchor=rows)  # (Q, H)
-    return back.new_zeros(n, back.shape[-1]).index_add(0, pair_token, back)
+    return index_add_rows(back, pair_token, n)  # (N, H)

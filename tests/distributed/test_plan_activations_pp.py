@@ -128,6 +128,12 @@ LAYOUTS = {
     # each chunk's first layer recomputes fully, the other one light
     "deepseek 1f1b light, first layer of a chunk full": ("tiny", dict(pp=2), "light"),
     "deepseek ep2 (real routing, predicted balanced)": ("tiny", dict(dp=2, ep=2), None),
+    # nodes of one rank: node-limited dispatch keeps what the flat one keeps
+    "deepseek ep2 node-limited (real routing, predicted balanced)": (
+        "tiny",
+        dict(dp=2, ep=2, ranks_per_node=1),
+        None,
+    ),
     "deepseek tp2 sp capacity": ("tiny", dict(tp=2, sequence_parallel=True), None),
     "deepseek ep2 capacity": ("tiny", dict(dp=2, ep=2), None),
     "deepseek 1f1b bf16-mixed": ("tiny", dict(pp=2), None, "bf16-mixed"),
@@ -187,6 +193,7 @@ def test_schedule_peak_matches_a_pipeline_step(measured, name):
     preset, kwargs, recompute, precision = _unpack_layout(name)
     config = presets.get(preset, vocab_size=VOCAB, num_layers=LAYERS, **OVERRIDES.get(name, {}))
     full_layers = FULL_LAYERS.get(name, 0)
+    kwargs = {k: v for k, v in kwargs.items() if k != "ranks_per_node"}  # the strategy's only
     layout = PlanLayout(
         recompute=recompute, recompute_full_layers=full_layers, **{"dp": 1, **kwargs}
     )
