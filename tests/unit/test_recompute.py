@@ -69,27 +69,34 @@ LIGHT_CASES = {
 def test_light_recompute_gives_the_plain_step_bitwise(case, precision):
     # "light" reruns the same ops on the same inputs: every loss and gradient is bitwise the
     # one without recomputation, under each precision's casts
+    preset, overrides = LIGHT_CASES[case]
+    _assert_bitwise_equal_steps(
+        presets.get(preset, vocab_size=101, **overrides), precision, "light"
+    )
+
+
+def _assert_bitwise_equal_steps(config, precision, mode, full_layers=0):
+    """One training forward and backward of `config` without recomputation and with `mode`
+    (and `full_layers`): the same loss and gradients, bit for bit."""
     from nanotrain.precision import resolve_precision
 
-    preset, overrides = LIGHT_CASES[case]
-    config = presets.get(preset, vocab_size=101, **overrides)
     ids = torch.randint(0, 101, (2, 33), generator=torch.Generator().manual_seed(1))
     results = []
-    for mode in (None, "light"):
+    for recompute, full in ((None, 0), (mode, full_layers)):
         torch.manual_seed(0)
         model = build_model(config)
         plugin = resolve_precision(precision)
         plugin.setup_module(model, torch.device("cpu"), is_global_zero=False)
-        set_recompute(model, mode)
+        set_recompute(model, recompute, full_layers=full)
         model.train()
         with plugin.forward_context():
             out = model(ids[:, :-1], ids[:, 1:])
         out.total_loss.backward()
         results.append((out.total_loss.detach(), [p.grad for p in model.parameters()]))
-    (loss, grads), (loss_light, grads_light) = results
-    assert torch.equal(loss, loss_light)
-    for g, g_light in zip(grads, grads_light, strict=True):
-        assert (g is None and g_light is None) or torch.equal(g, g_light)
+    (loss, grads), (loss_other, grads_other) = results
+    assert torch.equal(loss, loss_other)
+    for g, g_other in zip(grads, grads_other, strict=True):
+        assert (g is None and g_other is None) or torch.equal(g, g_other)
 
 
 def test_full_layers_recompute_the_first_layers_of_each_chunk_fully():
@@ -112,20 +119,8 @@ def test_full_layers_recompute_the_first_layers_of_each_chunk_fully():
 
 
 def test_full_layers_beside_light_give_the_plain_step_bitwise():
-    ids = torch.randint(0, 101, (2, 33), generator=torch.Generator().manual_seed(1))
-    results = []
-    for mode, full_layers in ((None, 0), ("light", 1)):
-        torch.manual_seed(0)
-        model = build_model(presets.get("tiny", vocab_size=101, num_layers=3))
-        set_recompute(model, mode, full_layers=full_layers)
-        model.train()
-        out = model(ids[:, :-1], ids[:, 1:])
-        out.total_loss.backward()
-        results.append((out.total_loss.detach(), [p.grad for p in model.parameters()]))
-    (loss, grads), (loss_mixed, grads_mixed) = results
-    assert torch.equal(loss, loss_mixed)
-    for g, g_mixed in zip(grads, grads_mixed, strict=True):
-        assert (g is None and g_mixed is None) or torch.equal(g, g_mixed)
+    config = presets.get("tiny", vocab_size=101, num_layers=3)
+    _assert_bitwise_equal_steps(config, "32-true", "light", full_layers=1)
 
 
 def test_unknown_mode_is_refused():
