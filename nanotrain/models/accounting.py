@@ -225,6 +225,27 @@ def attention_flops_per_token(
     return 6.0 * _attention(c).dense + 6.0 * c.num_heads * (qk + v) * keys_per_query
 
 
+def linear_flops_per_token_parts(
+    config: DenseConfig | DeepSeekConfig,
+) -> tuple[tuple[float, ...], float, float]:
+    """Training FLOPs per token of the plain linear layers, the GEMMs an fp8 precision plugin
+    swaps (attention projections, dense MLPs, shared experts, MTP's projection): per decoder
+    layer, of all MTP modules, and of one layer's attention projections. Not counted: the
+    attention scores, the MoE router, the routed experts (`GroupedExperts`) and the head."""
+    c = config
+    per_layer = []
+    for i in range(c.num_layers):
+        moe = _is_moe(c, i)
+        router = c.n_routed_experts * c.hidden_size if moe else 0
+        per_layer.append(6.0 * (_layer(c, moe).dense - router))
+    mtp = 0.0
+    if isinstance(c, DeepSeekConfig) and c.mtp_depth > 0:
+        moe = c.first_k_dense_replace < c.num_layers
+        router = c.n_routed_experts * c.hidden_size if moe else 0
+        mtp = 6.0 * (mtp_params(c).dense - c.mtp_depth * router)
+    return tuple(per_layer), mtp, 6.0 * _attention(c).dense
+
+
 def up_projection_flops_per_token(config: DenseConfig | DeepSeekConfig) -> float:
     """Forward FLOPs per token of one layer's MLA up-projections (q_b_proj with q_lora_rank,
     kv_b_proj), which recompute "light" runs twice more in backward; 0 for dense attention."""

@@ -69,13 +69,13 @@ class GPUSpec:
 
     def flops_for(self, precision: str) -> float:
         """Peak FLOP/s of the matmuls a Trainer `precision` runs: the column the precision
-        plugin itself names (`Precision.peak_precision`: fp32, or tf32 when CUDA TF32
-        matmuls are on, for "32-true"; bf16; fp16; fp8 for Transformer Engine; bf16 for the
-        emulated formats), falling back to the nearest column this GPU lists."""
-        cls = PRECISION_PLUGINS[precision]
-        # peak_precision reads no instance state: ask it without constructing the plugin
-        # (Transformer Engine's constructor needs TE and a GPU; planning must not)
-        column = cls.peak_precision(cls.__new__(cls))
+        plugin itself names (`peak_column`), falling back to the nearest column this GPU
+        lists."""
+        return self.column_flops(peak_column(precision))
+
+    def column_flops(self, column: str) -> float:
+        """Peak FLOP/s of column `column` ("fp8", "bf16", "fp16", "tf32", "fp32"), or of the
+        nearest column this GPU lists."""
         for key in (column, *_FALLBACK[column]):
             if self.peak_flops.get(key):
                 return self.peak_flops[key]
@@ -84,6 +84,17 @@ class GPUSpec:
     def to_dict(self) -> dict:
         """JSON-ready fields."""
         return asdict(self)
+
+
+def peak_column(precision: str) -> str:
+    """The peak-FLOPs column a Trainer `precision` runs its matmuls at, as the plugin itself
+    names it (`Precision.peak_precision`: fp32, or tf32 when CUDA TF32 matmuls are on, for
+    "32-true"; bf16; fp16; fp8 for Transformer Engine and torchao's fp8; bf16 for the emulated
+    formats)."""
+    cls = PRECISION_PLUGINS[precision]
+    # peak_precision reads no instance state: ask it without constructing the plugin
+    # (Transformer Engine's constructor needs TE and a GPU; planning must not)
+    return cls.peak_precision(cls.__new__(cls))
 
 
 #: a column the GPU lacks falls back to these, in order

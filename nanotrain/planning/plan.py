@@ -40,6 +40,7 @@ from nanotrain.models.accounting import (
     active_params,
     attention_flops_per_token,
     flops_per_token_parts,
+    linear_flops_per_token_parts,
     total_params,
     up_projection_flops_per_token,
 )
@@ -48,7 +49,7 @@ from nanotrain.parallel.mesh import MeshLayout
 from nanotrain.planning.activations import ActivationEstimate, activation_estimate
 from nanotrain.planning.communication import CommEstimate, comm_estimate
 from nanotrain.planning.communication_tp import is_moe_layer
-from nanotrain.planning.gpus import GPUSpec
+from nanotrain.planning.gpus import GPUSpec, peak_column
 from nanotrain.planning.layout import PlanLayout, Workload
 from nanotrain.planning.memory import StateMemory, element_size, param_dtype, state_memory
 from nanotrain.planning.rank_model import rank_models
@@ -182,35 +183,64 @@ class Plan:
 
 
 def _stage_flops(config: Any, layout: PlanLayout, workload: Workload, chunks: list[list[int]],
-                 last: bool) -> float:  # fmt: skip
-    """Training FLOPs per step on one rank of the stage holding `chunks` (recompute included)."""
+                 last: bool) -> tuple[float, float]:  # fmt: skip
+    """Training FLOPs per step on one rank of the stage holding `chunks` (recompute included),
+    and the part of them in plain linear layers (`linear_flops_per_token_parts`: what an fp8
+    precision runs in fp8)."""
     parts = _flop_parts(config, workload.seq_len)
+    linear_parts, mtp_linear, projections = linear_flops_per_token_parts(config)
     attention = attention_flops_per_token(config, workload.seq_len)
     up = up_projection_flops_per_token(config)
-    layers = routed = 0.0
+    layers = routed = linear = 0.0
     for c in chunks:
         for i, mode in zip(c, layout.chunk_recomputes(c), strict=True):
-            layer, layer_routed = parts.layers[i], parts.routed[i]
+            layer, layer_routed, layer_linear = parts.layers[i], parts.routed[i], linear_parts[i]
             if mode == "full":  # one more forward of the layer
-                layer, layer_routed = layer * 4 / 3, layer_routed * 4 / 3
+                layer, layer_routed, layer_linear = (
+                    x * 4 / 3 for x in (layer, layer_routed, layer_linear)
+                )
             elif mode == "selective":  # the attention block's forward again
-                layer += attention / 3
+                layer, layer_linear = layer + attention / 3, layer_linear + projections / 3
             elif mode == "light":  # MLA's up-projections twice more
-                layer += 2 * up
-            layers, routed = layers + layer, routed + layer_routed
+                layer, layer_linear = layer + 2 * up, layer_linear + 2 * up
+            layers, routed, linear = layers + layer, routed + layer_routed, linear + layer_linear
     extras = (parts.head + parts.mtp) if last else 0.0
     mtp_routed = parts.mtp_routed if last else 0.0
+    extras_linear = mtp_linear if last else 0.0
     depth = getattr(config, "mtp_depth", 0) if last else 0
     if layout.recompute == "full":  # the head + loss and the MTP modules' forward again
-        extras, mtp_routed = extras * 4 / 3, mtp_routed * 4 / 3
+        extras, mtp_routed, extras_linear = (
+            extras * 4 / 3,
+            mtp_routed * 4 / 3,
+            extras_linear * 4 / 3,
+        )
     elif layout.recompute == "light":  # the MTP blocks' up-projections
-        extras += 2 * up * depth
+        extras, extras_linear = extras + 2 * up * depth, extras_linear + 2 * up * depth
     elif layout.recompute == "selective":  # the MTP blocks' attention
-        extras += attention / 3 * depth
+        extras, extras_linear = (
+            extras + attention / 3 * depth,
+            extras_linear + projections / 3 * depth,
+        )
     routed += mtp_routed
     split = layers + extras - routed  # tensor parallelism divides all of this
     tokens = workload.tokens_per_step / layout.dp  # each dp replica sees its share
-    return (split / layout.tp + routed * routed_rows_per_copy(config, layout, workload)) * tokens
+    total = (split / layout.tp + routed * routed_rows_per_copy(config, layout, workload)) * tokens
+    return total, (linear + extras_linear) / layout.tp * tokens
+
+
+def _compute_seconds(
+    flops: tuple[float, float], gpu: GPUSpec, precision: str, efficiency: float
+) -> float:
+    """Seconds for a stage's (FLOPs, FLOPs in plain linear layers) at `efficiency` of the
+    peak: under an fp8 precision the linear layers at the fp8 peak and the rest (attention
+    scores, routed experts, router, head) at the bf16 one, as the plugins run them; else all
+    at the precision's peak."""
+    total, linear = flops
+    peak = gpu.flops_for(precision)
+    if peak_column(precision) != "fp8":
+        return total / (peak * efficiency)
+    rest_peak = gpu.column_flops("bf16")
+    return (linear / peak + (total - linear) / rest_peak) / efficiency
 
 
 def _overlapped(
@@ -362,13 +392,13 @@ def plan_layout(
         raise ValueError(f"compute_efficiency must be in (0, 1], got {compute_efficiency}")
     num_micro = workload.num_microbatches(layout)
     models = rank_models(config, layout)
-    peak = gpu.flops_for(workload.precision)
     device = "cpu" if gpu.name == "cpu" else "cuda"  # which attention kernels save what
     bandwidth = _bandwidths(config, layout, gpu)
     ranks, stage_times = [], []
     for rank in models:
         last = layout.pp == 1 or layout.placement.holds_last(rank.pp_rank)
-        flops = _stage_flops(config, layout, workload, rank.chunks, last)
+        stage = _stage_flops(config, layout, workload, rank.chunks, last)
+        flops = stage[0]
         comm = comm_estimate(
             config, layout, workload, rank.pp_rank, ranks_per_node=gpu.gpus_per_node
         )
@@ -386,7 +416,7 @@ def plan_layout(
                 comm=comm,
             )
         )
-        compute = flops / (peak * compute_efficiency)
+        compute = _compute_seconds(stage, gpu, workload.precision, compute_efficiency)
         comm_t = _comm_time(comm, bandwidth)
         blocking = sum(t for g, t in comm_t.items() if g in BLOCKING_GROUPS)
         dp = comm_t.get("dp", 0.0) + comm_t.get("expert_dp", 0.0) + comm_t.get("embedding", 0.0)
@@ -395,8 +425,8 @@ def plan_layout(
         # the weight-gradient half of the backward: a third of the training FLOPs without
         # recomputation (forward, input gradient, weight gradient: one each)
         no_recompute = replace(layout, recompute=None, recompute_full_layers=0)
-        weights = _stage_flops(config, no_recompute, workload, rank.chunks, last) / 3
-        weights_t = weights / (peak * compute_efficiency)
+        plain = _stage_flops(config, no_recompute, workload, rank.chunks, last)
+        weights_t = _compute_seconds(plain, gpu, workload.precision, compute_efficiency) / 3
         hidden, bubble = 0.0, None
         if layout.overlap_forward_backward and layout.pp > 1:
             # the pairs hide part of this stage's all-to-all: it paces by what is left

@@ -245,3 +245,22 @@ def test_the_first_layers_of_a_chunk_recomputed_fully_are_priced_layer_by_layer(
     light, full = ep_bytes("light"), ep_bytes("full")
     assert full > light
     assert ep_bytes("light", 1) == pytest.approx(light + (full - light) / layers)
+
+
+@pytest.mark.parametrize("precision", ["transformer-engine", "torchao-float8"])
+def test_fp8_precisions_price_only_the_plain_linear_layers_at_the_fp8_peak(precision):
+    """The fp8 plugins swap the plain linear layers; the attention scores, the router, the
+    routed experts (`GroupedExperts`) and the head run at bf16 (or higher): deepseek-100m by
+    its parts."""
+    from nanotrain.models.accounting import linear_flops_per_token_parts
+
+    c, gpu, s = presets.get("deepseek-100m"), GPUS["h100"], 512
+    work = Workload(seq_len=s, micro_batch_size=1, global_batch_size=4, precision=precision)
+    plan = plan_layout(c, PlanLayout(), work, gpu)
+    per_layer, mtp, _ = linear_flops_per_token_parts(c)
+    linear = (sum(per_layer) + mtp) * 4 * s
+    total = flops_per_token(c, s) * 4 * s
+    fp8, bf16 = gpu.peak_flops["fp8"], gpu.peak_flops["bf16"]
+    expected = (linear / fp8 + (total - linear) / bf16) / 0.5
+    assert plan.time_parts["compute"] == pytest.approx(expected)
+    assert 0 < linear < total / 2  # most of this MoE model's FLOPs are not plain linears
