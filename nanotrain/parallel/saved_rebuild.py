@@ -104,6 +104,7 @@ class RebuiltSaves:
 
     def __init__(self) -> None:
         self._sources: dict[int, _Source] = {}
+        self._shared: set[int] = set()  # storages tracked twice: left alone
         # a cast's storage -> (the cast, weakly; its source; the view cast; dtype; numel)
         self._casts: dict[int, tuple[Any, ...]] = {}
         self._held: list[Tensor] = []  # tracked tensors, alive while the region is open
@@ -148,9 +149,17 @@ class RebuiltSaves:
             return
         recipe = _Recipe(rebuild, tuple(x.detach() for x in inputs), ts[0].device.type)
         for i, t in enumerate(ts):
-            if t.numel() > 0:
-                self._sources[t.untyped_storage().data_ptr()] = _Source(recipe, i, t)
-                self._held.append(t)
+            if t.numel() == 0:
+                continue
+            storage = t.untyped_storage().data_ptr()
+            if storage in self._sources or storage in self._shared:
+                # two tracked tensors on one storage: which one a save is a view of cannot be
+                # told apart, so neither is replaced
+                self._sources.pop(storage, None)
+                self._shared.add(storage)
+                continue
+            self._sources[storage] = _Source(recipe, i, t)
+            self._held.append(t)
 
     def knows(self, x: Tensor) -> bool:
         """Whether `x` lies on a tracked tensor's storage (so a cast of it can be tracked)."""

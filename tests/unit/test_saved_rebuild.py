@@ -136,3 +136,17 @@ def test_the_region_stands_aside_without_grad_and_inside_a_checkpoint(where):
     else:
         checkpoint(body, x, use_reentrant=False).backward()
         assert torch.allclose(x.grad, 2 * x.exp() * x.exp())
+
+
+def test_two_tracked_tensors_on_one_storage_are_both_kept_as_they_are():
+    x = torch.randn(4, 6, requires_grad=True)
+    with RebuiltSaves() as saves:
+        both = x.exp()
+        left, right = both[:, :3], both[:, 3:]
+        saves.track(left, lambda a: pytest.fail("rebuilt"), x)
+        saves.track(right, lambda a: pytest.fail("rebuilt"), x)
+        z = (left * right).sum()  # saves both views: kept, not rebuilt
+    z.backward()
+    e = x.detach().exp()
+    expected = torch.cat([e[:, :3] * e[:, 3:], e[:, 3:] * e[:, :3]], 1)
+    assert torch.allclose(x.grad, expected)
