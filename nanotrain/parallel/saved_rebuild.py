@@ -27,7 +27,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-__all__ = ["RebuiltSaves", "cast_in_region", "recomputing_region_active"]
+__all__ = ["RebuiltSaves", "cast_in_region"]
 
 _local = threading.local()
 
@@ -240,12 +240,6 @@ class RebuiltSaves:
 def _recomputing(pack_hook: Any) -> bool:
     """Whether `pack_hook` is one of torch's checkpoint hooks (a region that is recomputed)."""
     return getattr(pack_hook, "__module__", "") == "torch.utils.checkpoint"
-
-
-def recomputing_region_active() -> bool:
-    """Whether the innermost saved-tensor hooks are a torch checkpoint's."""
-    outer = torch._C._autograd._top_saved_tensors_default_hooks(False)
-    return outer is not None and _recomputing(outer[0])
 
 
 def cast_in_region(x: Tensor, dtype: torch.dtype | None = None) -> Tensor:
