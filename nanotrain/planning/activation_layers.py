@@ -9,7 +9,9 @@ The counts follow what OUR forward code saves (read from `models/attention.py`, 
 not a textbook number. The per-layer structure is that of Korthikanti et al. 2022 ("Reducing
 Activation Recomputation in Large Transformer Models", section 4: tensors inside the tp matmuls
 split by tp, the others split by tp along the sequence under sequence parallelism; selective
-recomputation drops the attention core).
+recomputation drops the attention core). Recompute "light" (`nanotrain.models.recompute`)
+drops what its saved-tensor hooks rebuild: the norms' outputs and their casts, MLA's q, k, v
+and the SwiGLU activations.
 
 Notation, one microbatch of b sequences of s tokens: N = b*s tokens; T = N / tp tokens of the
 residual stream on this rank under sequence parallelism (N without); heads and widths inside
