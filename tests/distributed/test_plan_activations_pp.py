@@ -89,8 +89,6 @@ class _Held:
 # name -> (preset, strategy kwargs, recompute[, precision])
 LAYOUTS = {
     "dense gpipe": ("tiny-dense", dict(pp=2, schedule="gpipe"), None),
-    "dense 1f1b": ("tiny-dense", dict(pp=2, schedule="1f1b"), None),
-    "dense interleaved": ("tiny-dense", dict(pp=2, virtual_pp=2), None),
     "deepseek gpipe": ("tiny", dict(pp=2, schedule="gpipe"), None),
     "deepseek 1f1b": ("tiny", dict(pp=2, schedule="1f1b"), None),
     "deepseek interleaved": ("tiny", dict(pp=2, virtual_pp=2), None),

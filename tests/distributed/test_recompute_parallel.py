@@ -1,5 +1,5 @@
-"""Activation recomputation under tp=2, ep=2 and pp=2 (1F1B, interleaved, DualPipeV) matches one
-process without recomputation, step for step (losses, grad norms, final parameters)."""
+"""Activation recomputation under tp=2 and pp=2 (1F1B, interleaved, DualPipeV) matches one process
+without recomputation, step for step (losses, grad norms, final parameters)."""
 
 from __future__ import annotations
 
@@ -18,15 +18,12 @@ LAYOUTS = {
     # rebuilt norm shards, MLA heads and SwiGLU products; under DualPipeV's split backward the
     # weight half unpacks what the input half already rebuilt
     "tp=2 sp light": dict(tp=2, sequence_parallel=True),
-    "ep=2 light": dict(ep=2),
     "pp=2 dualpipev light": dict(pp=2, schedule="dualpipev"),
-    # each chunk's first layer recomputes fully, the other one light
-    "pp=2 1f1b light+1full": dict(pp=2),
 }
-MODES = {name: name.split()[-1].split("+")[0] for name in LAYOUTS}
+MODES = {name: name.split()[-1] for name in LAYOUTS}
 
 
-def _module(recompute, full_layers=0):
+def _module(recompute):
     return nt.LanguageModelModule(
         "tiny",
         vocab_size=257,
@@ -34,17 +31,12 @@ def _module(recompute, full_layers=0):
         warmup_steps=2,
         model_overrides={"num_layers": LAYERS},
         recompute=recompute,
-        recompute_full_layers=full_layers,
     )
 
 
 def _run(rank: int, world_size: int, root: str) -> dict:
     return {
-        name: fit_module(
-            _module(MODES[name], int(name.endswith("+1full"))),
-            MegatronStrategy(**kw),
-            f"{root}/{i}",
-        )
+        name: fit_module(_module(MODES[name]), MegatronStrategy(**kw), f"{root}/{i}")
         for i, (name, kw) in enumerate(LAYOUTS.items())
     }
 
