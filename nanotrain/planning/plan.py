@@ -187,8 +187,7 @@ def _stage_flops(config: Any, layout: PlanLayout, workload: Workload, chunks: li
     """Training FLOPs per step on one rank of the stage holding `chunks` (recompute included),
     and the part of them in plain linear layers (`linear_flops_per_token_parts`: what an fp8
     precision runs in fp8)."""
-    parts = _flop_parts(config, workload.seq_len)
-    linear_parts, mtp_linear, projections = linear_flops_per_token_parts(config)
+    parts, (linear_parts, mtp_linear, projections) = _flop_parts(config, workload.seq_len)
     attention = attention_flops_per_token(config, workload.seq_len)
     up = up_projection_flops_per_token(config)
     layers = routed = linear = 0.0
@@ -289,14 +288,20 @@ def routed_rows_per_copy(config: Any, layout: PlanLayout, workload: Workload) ->
     return config.n_routed_experts * capacity / (workload.seq_len * config.num_experts_per_tok)
 
 
-_FLOPS: dict[tuple[str, int], FlopParts] = {}
+_FLOPS: dict[tuple[str, int], tuple[FlopParts, tuple[tuple[float, ...], float, float]]] = {}
 
 
-def _flop_parts(config: Any, seq_len: int) -> FlopParts:
-    """`flops_per_token_parts`, cached (a search prices thousands of layouts of one model)."""
+def _flop_parts(
+    config: Any, seq_len: int
+) -> tuple[FlopParts, tuple[tuple[float, ...], float, float]]:
+    """`flops_per_token_parts` and `linear_flops_per_token_parts`, cached (a search prices
+    thousands of layouts of one model)."""
     key = (repr(config), seq_len)
     if key not in _FLOPS:
-        _FLOPS[key] = flops_per_token_parts(config, seq_len)
+        _FLOPS[key] = (
+            flops_per_token_parts(config, seq_len),
+            linear_flops_per_token_parts(config),
+        )
     return _FLOPS[key]
 
 
@@ -470,7 +475,7 @@ def plan_layout(
         total_params=counts[0],
         mtp_params=counts[1] - counts[0],
         active_params_per_token=counts[2],
-        flops_per_step=_flop_parts(config, workload.seq_len).total * workload.tokens_per_step,
+        flops_per_step=_flop_parts(config, workload.seq_len)[0].total * workload.tokens_per_step,
         step_time_s=step,
         time_parts={
             "compute": compute,
