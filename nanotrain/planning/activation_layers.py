@@ -239,11 +239,7 @@ def _mla_attention(led: Ledger, c: Any, d: Dims, dt: Dtypes, light: bool) -> Non
             led.add("attention", (n - t) * h * g)  # its copy is of all N tokens, not T
         elif wq is None and d.sp:
             led.add("attention", n * h * dt.norm_out)
-    _norm(led, t, wkv, g, stored_width=wkv + r)  # kv_a_layernorm on a view of [c_KV | k^R]
-    weights = h * (wkv + r)
-    if wq is not None:
-        _norm(led, t, wq, g, stored_width=wq)
-        weights += h * wq
+    weights = _latent_norms(led, c, d, dt)  # + the down-projections' weights
     # q_b / kv_b read the latents: under tp one entered buffer [RMSNorm(c_Q) | RMSNorm(c_KV) |
     # k^R] (all-gathered under sp) that both save; at tp = 1 the two norm outputs themselves
     # (k^R is then a view of kv_a's output, saved by its norm)
@@ -276,6 +272,18 @@ def _mla_attention(led: Ledger, c: Any, d: Dims, dt: Dtypes, light: bool) -> Non
         led.add("weight_copies", weights * g)
 
 
+def _latent_norms(led: Ledger, c: Any, d: Dims, dt: Dtypes) -> int:
+    """MLA's latent norms (kv_a_layernorm on a view of [c_KV | k^R], q_a_layernorm); returns
+    the down-projections' weight elements."""
+    t, g, h = d.t, dt.gemm, c.hidden_size
+    wq, wkv, r = c.q_lora_rank, c.kv_lora_rank, c.qk_rope_head_dim
+    _norm(led, t, wkv, g, stored_width=wkv + r)
+    if wq is None:
+        return h * (wkv + r)
+    _norm(led, t, wq, g, stored_width=wq)
+    return h * (wkv + r + wq)
+
+
 def _mla_attention_light(led: Ledger, c: Any, d: Dims, dt: Dtypes) -> None:
     """MLA under recompute "light": the down-projections' input is the rebuilt norm output;
     the up-projections and RoPE are a checkpoint keeping the latents (and, without
@@ -284,12 +292,9 @@ def _mla_attention_light(led: Ledger, c: Any, d: Dims, dt: Dtypes) -> None:
     h, heads = c.hidden_size, c.num_heads // tp
     wq, wkv, r = c.q_lora_rank, c.kv_lora_rank, c.qk_rope_head_dim
     dv, dqk = c.v_head_dim, c.qk_head_dim
-    _norm(led, t, wkv, g, stored_width=wkv + r)  # kv_a_layernorm on a view of [c_KV | k^R]
-    weights = h * (wkv + r) + heads * dv * h  # kv_a_proj and o_proj cast outside the checkpoint
-    if wq is not None:
-        _norm(led, t, wq, g, stored_width=wq)
-        weights += h * wq
-    else:
+    # the down-projections and o_proj cast their weights outside the checkpoint
+    weights = _latent_norms(led, c, d, dt) + heads * dv * h
+    if wq is None:
         weights += h * heads * dqk
         led.add("attention", n * heads * dqk * g)  # q_proj's output enters the checkpoint
     latent_bytes = max(dt.param, g)
