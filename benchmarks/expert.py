@@ -61,7 +61,7 @@ import torch.distributed as dist
 import nanotrain.parallel.expert as expert
 from nanotrain.models import build_model, presets
 from nanotrain.models.expert_compute import looped_swiglu
-from nanotrain.models.moe import GroupedExperts, combine, dispatch
+from nanotrain.models.moe import GroupedExperts, combine, copy_weights, dispatch
 from nanotrain.parallel import ParallelMesh
 
 N, H, E, K = 4096, 256, 8, 2  # tokens per rank, hidden, experts, top-k
@@ -98,8 +98,11 @@ def _dispatch_combine(rank: int, world: int, iters: int) -> dict[str, float]:
                 dist.barrier(group=mesh.ep_group)
             start = time.perf_counter()
             d = dispatch(h, idx, E)
-            y_sorted = expert.run_experts_parallel(d.x, d.counts, lambda x, c: x, mesh.ep_group)
-            combine(y_sorted, d, weight, N).sum().backward()
+            y_sorted = expert.run_experts_parallel(
+                d.x, d.counts, lambda x, c, s: x * s[:, None], mesh.ep_group,
+                scale=copy_weights(weight, d),
+            )  # fmt: skip
+            combine(y_sorted, d, N).sum().backward()
             if i >= 2:  # the first two warm up the allocator and the gloo pairs
                 times.append(time.perf_counter() - start)
     finally:

@@ -13,8 +13,10 @@ advance), not the expert computation (G x C rows per expert).
                                                 among expert e's copies from group g),
                                                 E*G*C for a dropped one
     dispatch_to_slots  h, position           -> x_slots [E*G*C, H]
-    experts                                  -> y_slots [E*G*C, H] (`run_experts_in_slots`)
-    combine_from_slots y_slots, weights      -> y [N, H]
+    slot_weights       topk_weight, position -> w_slots [E*G*C] (0 in an empty slot)
+    experts                                  -> y_slots [E*G*C, H], weighted by w_slots
+                                                (`run_experts_in_slots`)
+    combine_from_slots y_slots, position     -> y [N, H]
 
 Which copies are kept is `capacity_keep_mask`'s policy (per group, highest routing weight
 first, then token order); an empty slot holds zeros, which the SwiGLU experts map to zeros,
@@ -41,7 +43,13 @@ from torch import Tensor
 from nanotrain.parallel.collectives import group_size
 from nanotrain.parallel.expert import all_to_all, capacity_buckets, ranks_in_buckets
 
-__all__ = ["combine_from_slots", "dispatch_to_slots", "run_experts_in_slots", "slot_positions"]
+__all__ = [
+    "combine_from_slots",
+    "dispatch_to_slots",
+    "run_experts_in_slots",
+    "slot_positions",
+    "slot_weights",
+]
 
 
 def slot_positions(
@@ -80,29 +88,40 @@ def dispatch_to_slots(h: Tensor, topk_idx: Tensor, position: Tensor, num_slots: 
     return padded[source[:num_slots]]  # (E*G*C, H)
 
 
-def combine_from_slots(
-    y_slots: Tensor, position: Tensor, topk_weight: Tensor, num_tokens: int
-) -> Tensor:
-    """Weighted sum of each token's expert outputs: y_t = sum_k g_{t,k} y_slot(t,k); a dropped
-    choice contributes nothing.
+def slot_weights(topk_weight: Tensor, position: Tensor, num_slots: int) -> Tensor:
+    """Each slot's gate weight, 0 for an empty slot (differentiable in `topk_weight`).
 
-    Args: y_slots [E*G*C, H]; position [N*K]; topk_weight [N, K]; num_tokens N.
+    Args: topk_weight [N, K]; position [N*K] from `slot_positions`; num_slots E*G*C.
+    Returns: [num_slots] in topk_weight's dtype.
+    """
+    # dropped choices all write to the extra entry num_slots, which is cut off (its gradient,
+    # and hence theirs, is zero)
+    padded = topk_weight.new_zeros(num_slots + 1).index_put((position,), topk_weight.reshape(-1))
+    return padded[:num_slots]
+
+
+def combine_from_slots(y_slots: Tensor, position: Tensor, num_tokens: int) -> Tensor:
+    """Each token's expert outputs summed: y_t = sum_k y_slot(t,k), the slots' outputs already
+    weighted (`slot_weights`); a dropped choice contributes nothing. Backward keeps only the
+    positions.
+
+    Args: y_slots [E*G*C, H]; position [N*K]; num_tokens N.
     Returns: [N, H] in y_slots' dtype.
     """
-    k = topk_weight.shape[1]
+    k = position.numel() // num_tokens
     padded = torch.cat([y_slots, y_slots.new_zeros(1, y_slots.shape[-1])])  # (E*G*C + 1, H)
-    w = topk_weight.reshape(-1, 1).to(y_slots.dtype)  # (N*K, 1)
-    return (padded[position] * w).view(num_tokens, k, -1).sum(dim=1)  # (N, K, H) summed: (N, H)
+    return padded[position].view(num_tokens, k, -1).sum(dim=1)  # (N, K, H) summed: (N, H)
 
 
 def run_experts_in_slots(
     x_slots: Tensor,
     num_experts: int,
     slots_per_expert: int,
-    experts: Callable[[Tensor, list[int]], Tensor],
+    experts: Callable[..., Tensor],
     group: object | None,
     peer_slots: list[int] | None = None,
     fp8_dispatch: bool = False,
+    scale: Tensor | None = None,
 ) -> Tensor:
     """The experts over the slot buffer, sending each expert's slots to the rank that owns
     it and back (all-to-all splits known in advance: no size exchange, no host read).
@@ -117,11 +136,14 @@ def run_experts_in_slots(
         peer_slots: S of every rank of `group` in rank order (`peer_slot_counts`), when the
             ranks' batches may differ in shape; None: every rank has this rank's S.
         fp8_dispatch: the slots go out in fp8 with tile scales (`all_to_all`'s `fp8`).
+        scale: optional [E*S] per-slot factor (`slot_weights`), sent along with the slots and
+            handed to the experts as ``experts(x, sizes, scale)``.
     Returns: y_slots [E*S, H] in x_slots' row order.
     """
     p = group_size(group)
+    sizes = [slots_per_expert] * num_experts
     if p == 1:
-        return experts(x_slots, [slots_per_expert] * num_experts)
+        return experts(x_slots, sizes) if scale is None else experts(x_slots, sizes, scale)
     e_local, hidden = num_experts // p, x_slots.shape[-1]
     peers = peer_slots or [slots_per_expert] * p
     send = [e_local * slots_per_expert] * p
@@ -132,7 +154,14 @@ def run_experts_in_slots(
     # one block per source rank: (E_local, that source's S, H)
     blocks = [b.view(e_local, s, hidden) for b, s in zip(x_recv.split(recv), peers, strict=True)]
     by_expert = torch.cat(blocks, dim=1)  # (E_local, sum(peers), H): all sources' slots
-    y = experts(by_expert.reshape(-1, hidden), [sum(peers)] * e_local)  # (E_local * sum(peers), H)
+    local_sizes = [sum(peers)] * e_local
+    if scale is None:
+        y = experts(by_expert.reshape(-1, hidden), local_sizes)  # (E_local * sum(peers), H)
+    else:  # the slots' weights regrouped alike: (E_local * sum(peers),)
+        w_recv = all_to_all(scale, recv, send, group)
+        w_blocks = [b.view(e_local, s) for b, s in zip(w_recv.split(recv), peers, strict=True)]
+        w = torch.cat(w_blocks, dim=1).reshape(-1)
+        y = experts(by_expert.reshape(-1, hidden), local_sizes, w)
     y = y.view(e_local, sum(peers), hidden).split(peers, dim=1)  # per source: (E_local, S, H)
     # back to rows ordered (source rank, local expert, slot): (E_local * sum(peers), H)
     y = torch.cat([part.reshape(-1, hidden) for part in y])

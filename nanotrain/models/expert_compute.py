@@ -96,23 +96,27 @@ def looped_swiglu(
     up_proj: torch.Tensor,
     down_proj: torch.Tensor,
     rebuild: bool = False,
+    scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Per-expert SwiGLU on row slices, linear in the number of experts.
 
     Args: x [M, H] rows sorted by expert; sizes: E host ints summing to M;
         gate_proj, up_proj [E, I, H]; down_proj [E, H, I]; rebuild: make the activation
-        again in backward (`swiglu_down`).
+        again in backward (`swiglu_down`); scale: optional [M, 1] per-row factor of the
+        activation (the rows' gate weights).
     Returns: [M, H].
     """
     # E views each: gates and ups (I, H), downs (H, I)
     gates, ups, downs = gate_proj.unbind(0), up_proj.unbind(0), down_proj.unbind(0)
+    scales = [None] * len(sizes) if scale is None else scale.split(list(sizes), dim=0)
     outputs = []
     for e, x_e in enumerate(x.split(list(sizes), dim=0)):  # x_e: (M_e, H)
         # an expert with no rows still runs (on 0 rows): its weights then get a zero gradient
         # instead of none, so every rank's graph, and hence its backward collectives, has the
         # same shape whatever the routing
         g, u = x_e @ gates[e].T, x_e @ ups[e].T  # (M_e, I) each
-        outputs.append(swiglu_down(g, u, lambda a, w=downs[e].T: a @ w, rebuild))  # (M_e, H)
+        down = lambda a, w=downs[e].T: a @ w  # noqa: E731
+        outputs.append(swiglu_down(g, u, down, rebuild, scales[e]))  # (M_e, H)
     return torch.cat(outputs, dim=0)  # (M, H)
 
 
@@ -123,13 +127,14 @@ def grouped_swiglu(
     up_proj: torch.Tensor,
     down_proj: torch.Tensor,
     rebuild: bool = False,
+    scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """SwiGLU of every expert by three grouped GEMMs with device offsets (no host sync).
 
     Args: x [M, H] rows sorted by expert (see `grouped_mm_available` for devices and dtypes);
         counts [E] integer tensor on x's device; gate_proj, up_proj [E, I, H];
         down_proj [E, H, I] (x's dtype); rebuild: make the activation again in backward
-        (`swiglu_down`).
+        (`swiglu_down`); scale: optional [M, 1] per-row factor of the activation.
     Returns: [M, H].
     """
     # offs[i] = end row of expert i (int32, non-decreasing); out = x_e @ W_e^T per group, so the
@@ -142,7 +147,7 @@ def grouped_swiglu(
     def down(a: torch.Tensor) -> torch.Tensor:
         return F.grouped_mm(a, w_down, offs=offs)  # (M, H)
 
-    return _DenseGrad.apply(swiglu_down(g, u, down, rebuild))
+    return _DenseGrad.apply(swiglu_down(g, u, down, rebuild, scale))
 
 
 class _DenseGrad(torch.autograd.Function):
@@ -199,42 +204,55 @@ class _BatchedSwiGLU(torch.autograd.Function):
     """SwiGLU of E experts with C rows each as batched GEMMs; see `batched_swiglu`."""
 
     @staticmethod
-    def forward(ctx, x, num_experts, gate_proj, up_proj, down_proj, rebuild):  # noqa: ANN001, ANN205
+    def forward(ctx, x, num_experts, gate_proj, up_proj, down_proj, rebuild, scale):  # noqa: ANN001, ANN205
         xb = x.view(num_experts, -1, x.shape[-1])  # (E, C, H), no copy
         g = torch.bmm(xb, gate_proj.transpose(1, 2))  # (E, C, I)
         u = torch.bmm(xb, up_proj.transpose(1, 2))  # (E, C, I)
         sg = F.silu(g)
         a = sg * u
-        y = torch.bmm(a, down_proj.transpose(1, 2))  # (E, C, H)
-        # the same activations the per-expert autograd graph keeps (g, silu(g), u, a; x is
-        # the caller's), so switching paths changes neither memory nor recompute; with
-        # `rebuild` (recompute "light") silu(g) and a are made again in backward
-        ctx.rebuild = rebuild
-        kept = (xb, g, u) if rebuild else (xb, g, u, sg, a)
-        ctx.save_for_backward(*kept, gate_proj, up_proj, down_proj)
+        sb = None if scale is None else scale.view(num_experts, -1, 1)  # (E, C, 1)
+        z = a if sb is None else a * sb  # what the down projection reads
+        y = torch.bmm(z, down_proj.transpose(1, 2))  # (E, C, H)
+        # the same activations the per-expert autograd graph keeps (g, silu(g), u, a, and
+        # with a scale the scaled product; x is the caller's), so switching paths changes
+        # neither memory nor recompute; with `rebuild` (recompute "light") silu(g), a and the
+        # scaled product are made again in backward
+        ctx.rebuild, ctx.scaled = rebuild, sb is not None
+        kept = (xb, g, u) if rebuild else (xb, g, u, sg, a) + (() if sb is None else (z,))
+        ctx.save_for_backward(*kept, *(() if sb is None else (sb,)), gate_proj, up_proj, down_proj)
         return y.view(x.shape)  # (E*C, H)
 
     @staticmethod
     def backward(ctx, grad_y):  # noqa: ANN001, ANN205
+        saved = list(ctx.saved_tensors)
+        gate_proj, up_proj, down_proj = saved[-3:]
+        sb = saved[-4] if ctx.scaled else None
         if ctx.rebuild:
-            xb, g, u, gate_proj, up_proj, down_proj = ctx.saved_tensors
+            xb, g, u = saved[:3]
             sg = F.silu(g)
             a = sg * u
+            z = a if sb is None else a * sb
         else:
-            xb, g, u, sg, a, gate_proj, up_proj, down_proj = ctx.saved_tensors
+            xb, g, u, sg, a = saved[:5]
+            z = saved[5] if ctx.scaled else a
         # a gradient from e.g. y.sum() is an expanded (stride 0) view: the GEMMs want rows
         dy = grad_y.contiguous().view(a.shape[0], a.shape[1], -1)  # (E, C, H)
         # each weight gradient is computed in its parameter's layout, as autograd's mm does
         # per expert (grad_out^T @ input): [E, out, in] written once, nothing to transpose
-        grad_down = torch.bmm(dy.transpose(1, 2), a)  # (E, H, I)
-        da = torch.bmm(dy, down_proj)  # (E, C, I)
+        grad_down = torch.bmm(dy.transpose(1, 2), z)  # (E, H, I)
+        da = torch.bmm(dy, down_proj)  # (E, C, I): the scaled product's gradient so far
+        grad_scale = None
+        if sb is not None:
+            grad_scale = (da * a).sum(-1, keepdim=True).view(-1, 1)  # (E*C, 1)
+            da = da * sb
         dg = torch.ops.aten.silu_backward(da * u, g)
         du = da.mul_(sg)  # da's last use: no new buffer
         grad_gate = torch.bmm(dg.transpose(1, 2), xb)  # (E, I, H)
         grad_up = torch.bmm(du.transpose(1, 2), xb)  # (E, I, H)
         # the second product accumulates into the first inside the GEMM (no temporary)
         dx = torch.bmm(dg, gate_proj).baddbmm_(du, up_proj)  # (E, C, H)
-        return dx.view(-1, xb.shape[-1]), None, grad_gate, grad_up, grad_down, None  # dx: (E*C, H)
+        grads = (dx.view(-1, xb.shape[-1]), None, grad_gate, grad_up, grad_down, None)
+        return (*grads, grad_scale)  # dx: (E*C, H)
 
 
 def batched_swiglu(
@@ -244,16 +262,19 @@ def batched_swiglu(
     up_proj: torch.Tensor,
     down_proj: torch.Tensor,
     rebuild: bool = False,
+    scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """SwiGLU of E experts that all get C rows, by batched GEMMs (a constant number of ops).
 
     Args: x [E*C, H] rows sorted by expert (contiguous); num_experts: E;
         gate_proj, up_proj [E, I, H]; down_proj [E, H, I]; rebuild: keep gate and up only,
-        and make the activation again in backward.
+        and make the activation again in backward; scale: optional [E*C, 1] per-row factor
+        of the activation (the rows' gate weights).
     Returns: [E*C, H].
     """
     x = x.contiguous()
-    return _BatchedSwiGLU.apply(x, num_experts, gate_proj, up_proj, down_proj, rebuild)
+    scale = None if scale is None else scale.contiguous()
+    return _BatchedSwiGLU.apply(x, num_experts, gate_proj, up_proj, down_proj, rebuild, scale)
 
 
 class GroupedExperts(nn.Module):
@@ -266,7 +287,9 @@ class GroupedExperts(nn.Module):
 
     Parameters (HF layout): gate_proj, up_proj [E_local, moe_inter, H];
     down_proj [E_local, H, moe_inter].
-    Shapes: forward(x [M, H] sorted by local expert, counts [E_local] tensor or ints) -> [M, H].
+    Shapes: forward(x [M, H] sorted by local expert, counts [E_local] tensor or ints,
+    scale [M] or None) -> [M, H]. `scale`, the rows' gate weights, multiplies each row's
+    activation before the down projection (so the output is already weighted).
     """
 
     ep_partition_dims = {"gate_proj": 0, "up_proj": 0, "down_proj": 0}
@@ -327,7 +350,12 @@ class GroupedExperts(nn.Module):
             return x
         return _as_autocast_would(x, ())[0]
 
-    def forward(self, x: torch.Tensor, counts: torch.Tensor | Sequence[int]) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        counts: torch.Tensor | Sequence[int],
+        scale: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         # CUDA bf16: grouped GEMMs with device offsets, no host sync. Elsewhere the sizes come
         # to the host (one tolist() when they are a tensor, free on CPU): equal groups run as
         # batched GEMMs (a constant number of ops), others as grouped GEMMs where torch runs
@@ -335,16 +363,18 @@ class GroupedExperts(nn.Module):
         # `nanotrain.models.expert_compute`.
         x, weights = _as_autocast_would(x, (self.gate_proj, self.up_proj, self.down_proj))
         rebuild = self.rebuild_activation
+        if scale is not None:  # (M, 1) in the activation's dtype; its gradient returns in fp32
+            scale = scale.to(x.dtype)[:, None]
         grouped = grouped_mm_available(x, weights[0]) and self._kernels_allowed(x)
         if grouped and isinstance(counts, torch.Tensor) and not reads_sizes_first(x):
-            return grouped_swiglu(x, counts, *weights, rebuild)
+            return grouped_swiglu(x, counts, *weights, rebuild, scale)
         sizes = counts.tolist() if isinstance(counts, torch.Tensor) else list(counts)
         if equal_group_rows(sizes) is not None and self._kernels_allowed(x):
-            return batched_swiglu(x, len(sizes), *weights, rebuild)
+            return batched_swiglu(x, len(sizes), *weights, rebuild, scale)
         if grouped:
             offsets_from = counts if isinstance(counts, torch.Tensor) else torch.tensor(sizes)
-            return grouped_swiglu(x, offsets_from.to(x.device), *weights, rebuild)
-        return looped_swiglu(x, sizes, *weights, rebuild)
+            return grouped_swiglu(x, offsets_from.to(x.device), *weights, rebuild, scale)
+        return looped_swiglu(x, sizes, *weights, rebuild, scale)
 
     @staticmethod
     def _kernels_allowed(x: torch.Tensor) -> bool:

@@ -254,21 +254,35 @@ def _silu_product(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
+def _scaled_silu_product(gate: torch.Tensor, up: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    return F.silu(gate) * up * scale
+
+
 def swiglu_down(
     gate: torch.Tensor,
     up: torch.Tensor,
     down: Callable[[torch.Tensor], torch.Tensor],
     rebuild: bool,
+    scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """`down(silu(gate) * up)`. With `rebuild` (recompute "light") the two tensors the
-    activation adds to what backward keeps, silu(gate) and the product, are made again in
-    backward from gate and up, which silu and the product save anyway
+    """`down(silu(gate) * up)`, or `down(silu(gate) * up * scale)` with a per-row `scale`.
+
+    A routed expert's gate weight enters as `scale`, before the down projection (which is
+    linear, so the output is the weight times the expert's): the combine is then a plain sum
+    that keeps nothing of width hidden, and the weight's gradient comes from the product,
+    which backward has anyway. With `rebuild` (recompute "light") the tensors the activation
+    adds to what backward keeps, silu(gate), the product and the scaled product, are made
+    again in backward from gate, up and scale, which their ops save anyway
     (`nanotrain.parallel.saved_rebuild`).
 
-    Shapes: gate, up [..., I]; `down` maps [..., I] to the output.
+    Shapes: gate, up [..., I]; scale [..., 1] (or None); `down` maps [..., I] to the output.
     """
     if not rebuild:
-        return down(F.silu(gate) * up)
+        product = F.silu(gate) * up
+        return down(product if scale is None else product * scale)
     with RebuiltSaves() as saves:
         act = saves.track(F.silu(gate), F.silu, gate)  # (..., I)
-        return down(saves.track(act * up, _silu_product, gate, up))  # product (..., I)
+        product = saves.track(act * up, _silu_product, gate, up)  # (..., I)
+        if scale is not None:
+            product = saves.track(product * scale, _scaled_silu_product, gate, up, scale)
+        return down(product)  # product (..., I)

@@ -5,8 +5,10 @@ only has to change where tokens go (an all-to-all between `dispatch` and `expert
 
     route    (router)  h [N, H]             -> topk_idx [N, K], topk_weight [N, K], scores [N, E]
     dispatch           h, topk_idx          -> x_sorted [N*K, H] grouped by expert, counts [E]
-    experts            x_sorted, counts     -> y_sorted [N*K, H] (one matmul per expert slice)
-    combine            y_sorted, weights    -> y [N, H] (weighted scatter-add in token order)
+    experts            x_sorted, counts,    -> y_sorted [N*K, H], each copy's output times its
+                       copy_weights            gate weight (applied to the activation, before
+                                               the down projection)
+    combine            y_sorted             -> y [N, H] (scatter-add in token order)
 
 With an expert-parallel group, `experts` becomes `run_experts_parallel` (all-to-all to the
 ranks owning the experts and back, `nanotrain.parallel.expert`). With a capacity factor the
@@ -36,6 +38,7 @@ from nanotrain.models.capacity_dispatch import (
     dispatch_to_slots,
     run_experts_in_slots,
     slot_positions,
+    slot_weights,
 )
 from nanotrain.models.config import DeepSeekConfig
 from nanotrain.models.expert_compute import GroupedExperts
@@ -55,8 +58,8 @@ from nanotrain.parallel.expert import (
     run_experts_parallel,
 )
 from nanotrain.parallel.node_dispatch import NodeGroups, run_experts_node_limited
+from nanotrain.parallel.row_sum import index_add_rows
 from nanotrain.parallel.saved_rebuild import cast_in_region
-from nanotrain.parallel.weighted_sum import weighted_index_add
 
 
 @dataclass
@@ -165,19 +168,21 @@ def dispatch(
     return Dispatched(h[token_index], counts, token_index, slot)  # x: (M, H)
 
 
-def combine(
-    y_sorted: torch.Tensor, dispatched: Dispatched, topk_weight: torch.Tensor, num_tokens: int
-) -> torch.Tensor:
-    """Weighted scatter-add of expert outputs back to token order: y_t = sum_k g_{t,k} y_{t,k}.
+def combine(y_sorted: torch.Tensor, dispatched: Dispatched, num_tokens: int) -> torch.Tensor:
+    """Sum of each token's expert outputs, back in token order: y_t = sum_k y_{t,k}, the
+    outputs already weighted by their gate weights (the experts' `scale`). Backward keeps
+    only the token index (`index_add_rows`).
 
-    Backward keeps the expert outputs, the weights and the token index, not the weighted
-    copies (`weighted_index_add`).
-
-    Args: y_sorted [N*K, H] in `dispatched` order; topk_weight [N, K]; num_tokens N.
+    Args: y_sorted [M, H] in `dispatched` order; num_tokens N.
     Returns: [N, H] in y_sorted's dtype.
     """
-    w = topk_weight.reshape(-1)[dispatched.slot].to(y_sorted.dtype)  # (M,): each copy's g_{t,k}
-    return weighted_index_add(y_sorted, w, dispatched.token_index, num_tokens)  # (N, H)
+    return index_add_rows(y_sorted, dispatched.token_index, num_tokens)  # (N, H)
+
+
+def copy_weights(topk_weight: torch.Tensor, dispatched: Dispatched) -> torch.Tensor:
+    """Each routed copy's gate weight g_{t,k}, in `dispatched` order: [M] from topk_weight
+    [N, K] (its dtype)."""
+    return topk_weight.reshape(-1)[dispatched.slot]
 
 
 def sequence_balance_loss(
@@ -338,10 +343,12 @@ class DeepSeekMoE(nn.Module):
         elif self.config.capacity_factor is None:  # dropless: copies sorted by expert
             d = dispatch(h, topk_idx, e)  # d.x: (N*K, H) sorted by expert
             x_sorted = self._for_dispatch(d.x)  # (N*K, H), the dtype it crosses ranks in
+            # the experts weigh their outputs by the copies' gate weights, which travel along
             y_sorted = run_experts_parallel(
-                x_sorted, d.counts, self.experts, self.ep_group, self.experts.dispatches_fp8
-            )
-            y = combine(y_sorted, d, topk_weight, b * t).view(b, t, hidden)  # (B, T, H)
+                x_sorted, d.counts, self.experts, self.ep_group, self.experts.dispatches_fp8,
+                scale=copy_weights(topk_weight, d),
+            )  # fmt: skip
+            y = combine(y_sorted, d, b * t).view(b, t, hidden)  # (B, T, H)
         else:  # fixed slots: training reads nothing from the device
             y, keep = self._routed_in_slots(x, topk_idx, topk_weight)  # (B, T, H), (N*K,)
         if self.shared_experts is not None:
@@ -405,7 +412,7 @@ class DeepSeekMoE(nn.Module):
         exchange = not self.training or (expert_compute.reads_sizes_first(x) and not compiled)
         if exchange and group_size(self.ep_group) > 1:
             peers = peer_slot_counts(b * capacity, self.ep_group, x.device)
-        # (E*B*C, H) in x_slots' row order
+        # (E*B*C, H) in x_slots' row order, weighted by each slot's gate weight
         y_slots = run_experts_in_slots(
             x_slots,
             e,
@@ -414,9 +421,10 @@ class DeepSeekMoE(nn.Module):
             self.ep_group,
             peers,
             self.experts.dispatches_fp8,
+            scale=slot_weights(weight, position, e * b * capacity),
         )
         # (B, T_full, H)
-        y = combine_from_slots(y_slots, position, weight, b * full_t).view(b, full_t, hidden)
+        y = combine_from_slots(y_slots, position, b * full_t).view(b, full_t, hidden)
         if tp > 1:  # this rank's tokens: slicing sends no gradient to the others' outputs
             start = group_rank(group) * t
             y = y[:, start : start + t]  # (B, T, H)

@@ -329,9 +329,10 @@ def _regroup_order(recv_counts: list[list[int]], device: torch.device) -> Tensor
 def run_experts_parallel(
     x_sorted: Tensor,
     counts: Tensor,
-    experts: Callable[[Tensor, Tensor | list[int]], Tensor],
+    experts: Callable[..., Tensor],
     group: ProcessGroup | None,
     fp8_dispatch: bool = False,
+    scale: Tensor | None = None,
 ) -> Tensor:
     """Send token copies to the ranks owning their experts, run them there, bring them back.
 
@@ -348,17 +349,24 @@ def run_experts_parallel(
             implementation with device offsets (grouped GEMM) never syncs with the host.
         fp8_dispatch: the copies go out in fp8 with tile scales (`all_to_all`'s `fp8`); the
             combine comes back in the experts' output dtype.
+        scale: optional [M] per-copy factor (the gate weights) that travels with the copies
+            (one more all-to-all, as it comes) and is handed to the experts as
+            ``experts(x, counts, scale)``.
     Returns: [M, H] expert outputs in `x_sorted`'s row order.
     """
     if group_size(group) == 1:
-        return experts(x_sorted, counts)
+        return experts(x_sorted, counts) if scale is None else experts(x_sorted, counts, scale)
     splits = exchange_splits(counts, group)
     # dispatch: (R, H), rows ordered (source rank, local expert)
     x_recv = all_to_all(
         x_sorted, splits.output_splits, splits.input_splits, group, fp8=fp8_dispatch
     )
     order = _regroup_order(splits.recv_counts, x_sorted.device)  # (R,)
-    y_local = experts(x_recv[order], splits.local_counts)  # (R, H) by local expert
+    if scale is None:
+        y_local = experts(x_recv[order], splits.local_counts)  # (R, H) by local expert
+    else:
+        scale_recv = all_to_all(scale, splits.output_splits, splits.input_splits, group)  # (R,)
+        y_local = experts(x_recv[order], splits.local_counts, scale_recv[order])
     inverse = torch.empty_like(order)
     inverse[order] = torch.arange(order.numel(), device=order.device)
     # anchored on x_recv: a rank whose experts got no copies still joins the backward

@@ -19,7 +19,7 @@ holds the experts ``[n * E / nodes, (n + 1) * E / nodes)``, which is the flat ow
          or -1) and weights                        -> rows [R, H] on the forwarding rank
       3. the rows' copies sorted by expert within the node; the flat dispatch over ``intra``
          (`run_experts_parallel`) runs them on their ranks and brings them back
-      4. each row's copies summed with their weights  -> [R, H]
+      4. each row's copies, weighted by the experts, summed -> [R, H]
       5. rail all-to-all back, summed per token       -> y [N, H]
 
 Every step is differentiable (the all-to-alls are `all_to_all`'s autograd functions), so the
@@ -48,7 +48,7 @@ from torch import Tensor
 from torch.distributed import ProcessGroup
 
 from nanotrain.parallel.expert import all_to_all, expert_counts, run_experts_parallel
-from nanotrain.parallel.weighted_sum import index_add_rows, weighted_index_add
+from nanotrain.parallel.row_sum import index_add_rows
 
 __all__ = ["NodeGroups", "inter_node_bytes", "node_split", "run_experts_node_limited"]
 
@@ -125,7 +125,7 @@ def run_experts_node_limited(
     topk_idx: Tensor,
     topk_weight: Tensor,
     num_experts: int,
-    experts: Callable[[Tensor, Tensor | list[int]], Tensor],
+    experts: Callable[..., Tensor],
     groups: NodeGroups,
     for_dispatch: Callable[[Tensor], Tensor] = lambda x: x,
     fp8_dispatch: bool = False,
@@ -176,10 +176,11 @@ def run_experts_node_limited(
     # the copies made in h's dtype (fp32 under autocast) and cast after, as the flat dispatch
     # does: their gradients are summed per row in that dtype
     copies = rows.to(h.dtype)[copy_row].to(rows.dtype)  # (M, H)
-    y = run_experts_parallel(copies, counts, experts, groups.intra, fp8_dispatch)
-    # 4. summed per row with the weights, inside the node
-    w = got_weight.reshape(-1)[slot].to(y.dtype)  # (M,)
-    summed = weighted_index_add(y, w, copy_row, rows.shape[0])  # (R, H)
+    # the experts weigh their outputs (`GroupedExperts`' scale)
+    w = got_weight.reshape(-1)[slot]  # (M,)
+    y = run_experts_parallel(copies, counts, experts, groups.intra, fp8_dispatch, scale=w)
+    # 4. summed per row, inside the node
+    summed = index_add_rows(y, copy_row, rows.shape[0])  # (R, H)
     # 5. back across nodes once per pair, then summed per token; anchored on the rows, so a
     # rank that received none still joins the backward all-to-all
     back = all_to_all(summed, send_pairs, recv_pairs, groups.inter, anchor=rows)  # (Q, H)

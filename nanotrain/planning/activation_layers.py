@@ -150,12 +150,22 @@ def _gemm_inputs(led: Ledger, part: str, dt: Dtypes, copies: int, elems: int, sh
 
 
 def _swiglu(
-    led: Ledger, part: str, dt: Dtypes, rows: int, hidden: int, inter: int, light: bool
+    led: Ledger,
+    part: str,
+    dt: Dtypes,
+    rows: int,
+    hidden: int,
+    inter: int,
+    light: bool,
+    scaled: bool = False,
 ) -> None:
     """SwiGLU internals: silu saves gate's output, the product saves silu(g) and up's output,
     down saves the product: 4 [rows, inter] tensors, 2 when recompute "light" rebuilds
-    silu(g) and the product (the input is counted by the caller)."""
-    led.add(part, (2 if light else 4) * rows * inter * dt.gemm)
+    silu(g) and the product (the input is counted by the caller). `scaled` (routed experts:
+    the product times each row's gate weight): the scale [rows, 1], and the scaled product
+    that down saves unless light rebuilds it."""
+    tensors = 2 if light else (5 if scaled else 4)
+    led.add(part, tensors * rows * inter * dt.gemm + (rows * dt.gemm if scaled else 0))
     if dt.cast_copies:
         led.add("weight_copies", 3 * hidden * inter * dt.gemm)
 
@@ -354,18 +364,13 @@ def _moe(led: Ledger, c: Any, d: Dims, dt: Dtypes, ep: int, training: bool, ligh
     # for both (`GroupedExperts` casts its input as autocast would; the fp8/fp4 emulations'
     # per-expert loop casts per matmul instead, one copy more, approximated alike)
     _gemm_inputs(led, "moe", dt, 1, rows * h, dt.norm_out)
-    _swiglu(led, "moe", dt, rows, h, c.moe_intermediate_size, light)
+    _swiglu(led, "moe", dt, rows, h, c.moe_intermediate_size, light, scaled=True)
     if dt.cast_copies:  # _swiglu counted one expert's weights; the rank holds E / ep
         led.add("weight_copies", (e // ep - 1) * 3 * h * c.moe_intermediate_size * g)
-    if getattr(c, "capacity_factor", None) is None:
-        # combine: the copies' token index, their gate weights and the expert outputs (not
-        # the weighted copies: `weighted_index_add`)
-        led.add("moe", copies * I64 + copies * g + copies * h * g)
-    else:
-        # combine: each choice's slot, its gate weight and its gathered output; under sequence
-        # parallelism for every token of the gathered sequences (d.n, not this rank's d.t)
-        whole = d.n * k
-        led.add("moe", whole * I64 + whole * g + whole * h * g)
+    # the combine sums outputs the experts weighed: it keeps the copies' token index (with a
+    # capacity, each choice's slot: under sequence parallelism for every token of the
+    # gathered sequences, d.n, not this rank's d.t)
+    led.add("moe", (copies if getattr(c, "capacity_factor", None) is None else d.n * k) * I64)
     if c.n_shared_experts > 0:
         shared = c.n_shared_experts * c.moe_intermediate_size
         # gate/up's input: under sp saved as the shard, the router's fp32 input itself unless
@@ -430,7 +435,8 @@ def _layer_norm(led: Ledger, t: int, h: int, dt: Dtypes, light: bool) -> None:
 
 def _light_transient(c: Any, moe: bool, d: Dims, dt: Dtypes) -> int:
     """The largest set of tensors recompute "light" rebuilds at once in a layer's backward:
-    MLA's q, k and [k^C | v] for the attention core, or one SwiGLU's silu(gate) and product."""
+    MLA's q, k and [k^C | v] for the attention core, or one SwiGLU's silu(gate) and product
+    (and, for the routed experts, the product scaled by the gate weights)."""
     g, tp = dt.gemm, d.tp
     rebuilt = 0
     if hasattr(c, "kv_lora_rank"):
@@ -438,10 +444,10 @@ def _light_transient(c: Any, moe: bool, d: Dims, dt: Dtypes) -> int:
         rebuilt = d.n * heads * (2 * c.qk_head_dim + c.qk_nope_head_dim + c.v_head_dim) * g
     if moe:
         rows = d.t * c.num_experts_per_tok if c.capacity_factor is None else _capacity_slots(c, d)
-        inter = c.moe_intermediate_size
+        inter, tensors = c.moe_intermediate_size, 3
     else:
-        rows, inter = d.n, c.intermediate_size // tp
-    return max(rebuilt, 2 * rows * inter * g)
+        rows, inter, tensors = d.n, c.intermediate_size // tp, 2
+    return max(rebuilt, tensors * rows * inter * g)
 
 
 def head_and_loss(

@@ -305,16 +305,17 @@ def _ep(
     ring = (group - 1) / group
     split_calls = 1 if split_bytes else 0
     rows = copies * ring  # copies (or slots) that leave the rank
-    forward = ring * experts * split_bytes + rows * (dt.dispatch_row(h) + h * dt.matmul)
-    backward = rows * (dt.dispatch_grad_row(h) + h * dt.matmul)
-    per_layer, calls = forward + backward, 4 + split_calls
+    # each row with its gate weight (fp32, its own all-to-all; its gradient comes back)
+    forward = ring * experts * split_bytes + rows * (dt.dispatch_row(h) + h * dt.matmul + 4)
+    backward = rows * (dt.dispatch_grad_row(h) + h * dt.matmul + 4)
+    per_layer, calls = forward + backward, 6 + split_calls
     where = "ep ranks" if node_split is None else "ranks of the node"
     out["ep"].add(
         micro * (layers * per_layer + rerun * forward),
-        micro * (layers * calls + rerun * (2 + split_calls)),
+        micro * (layers * calls + rerun * (3 + split_calls)),
         f"{micro} microbatches x {layers} MoE layers x {rows:.0f} token copies out of "
-        f"{copies} sent to other {where} (dispatch + combine, forward + backward)"
-        + (" + split sizes" if split_calls else ""),
+        f"{copies} sent to other {where} (dispatch with gate weights + combine, forward + "
+        "backward)" + (" + split sizes" if split_calls else ""),
     )
     return out
 

@@ -35,14 +35,15 @@ pytestmark = pytest.mark.distributed
 
 
 @contextlib.contextmanager
-def recorded_all_to_alls(dtypes: list[torch.dtype]):
+def recorded_all_to_alls(dtypes: list[torch.dtype], weights: list[torch.dtype]):
     """Appends the payload dtype of every floating-point or uint8 (fp8 rows) `all_to_all_single`
-    (the split-size exchanges are int64 and left out)."""
+    of rows to `dtypes`, and of the copies' gate weights (one value per copy, and their
+    gradient) to `weights` (the split-size exchanges are int64 and left out)."""
     real = dist.all_to_all_single
 
     def spy(output, input, *args, **kwargs):
         if input.is_floating_point() or input.dtype == torch.uint8:
-            dtypes.append(input.dtype)
+            (dtypes if input.dim() > 1 else weights).append(input.dtype)
         return real(output, input, *args, **kwargs)
 
     dist.all_to_all_single = spy
@@ -53,15 +54,19 @@ def recorded_all_to_alls(dtypes: list[torch.dtype]):
 
 
 def _run(layer: DeepSeekMoE, rank: int, autocast: bool) -> tuple[list, list[torch.dtype]]:
-    """(output, input grad, parameter grads) of one forward/backward, and the payload dtypes."""
+    """(output, input grad, parameter grads) of one forward/backward, and the payload dtypes
+    of the rows; the gate weights' are checked here: they cross as the router made them (this
+    bare layer's router runs under autocast), out and back."""
     g = torch.Generator().manual_seed(100 + rank)
     x = torch.randn(2, 6, 64, generator=g, requires_grad=True)
     w = torch.randn(2, 6, 64, generator=g)
     dtypes: list[torch.dtype] = []
-    with recorded_all_to_alls(dtypes):
+    weights: list[torch.dtype] = []
+    with recorded_all_to_alls(dtypes, weights):
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
             y, aux = layer(x)
         ((y.float() * w).sum() + aux).backward()
+    assert weights == [torch.bfloat16 if autocast else torch.float32] * 2, weights
     grads = [p.grad.clone() for p in layer.parameters() if p.grad is not None]
     return [y.detach(), x.grad.clone(), grads], dtypes
 

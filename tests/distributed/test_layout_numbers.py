@@ -94,6 +94,9 @@ def fit(
         vocab_size=VOCAB,
         lr=LR,
         warmup_steps=1,
+        # AdamW's default eps (1e-8) turns reduction-order noise in a near-zero gradient into
+        # a step of up to lr (see `assert_same`); 1e-6 keeps such an element where it was
+        eps=1e-6,
         # 4 layers (layer 0 dense, 1-3 MoE); a balance loss large enough that weighing it by
         # tokens instead of sequences shows
         model_overrides={

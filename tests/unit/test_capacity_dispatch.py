@@ -12,8 +12,9 @@ from nanotrain.models.capacity_dispatch import (
     dispatch_to_slots,
     run_experts_in_slots,
     slot_positions,
+    slot_weights,
 )
-from nanotrain.models.moe import DeepSeekMoE, GroupedExperts, combine, dispatch
+from nanotrain.models.moe import DeepSeekMoE, GroupedExperts, combine, copy_weights, dispatch
 from nanotrain.parallel.expert import capacity_keep_mask
 from nanotrain.runtime.sync_guard import HostSyncCounter
 from tests.unit.test_expert_capacity import capacity_config
@@ -53,15 +54,15 @@ def test_slots_match_sorted_kept_copies_with_drops_and_empty_experts():
 
     keep = capacity_keep_mask(idx, w, E, capacity)
     d = dispatch(h, idx, E, keep)
-    reference = combine(experts(d.x, d.counts.tolist()), d, w, N)
+    reference = combine(experts(d.x, d.counts.tolist(), copy_weights(w, d)), d, N)
 
     position, kept = slot_positions(idx, w, E, capacity)
     assert kept.tolist() == keep.tolist()
     assert 0 < int((~kept).sum()) and int(kept.sum()) < E * capacity  # drops and empty slots
     x_slots = dispatch_to_slots(h, idx, position, E * capacity)
-    y = combine_from_slots(
-        run_experts_in_slots(x_slots, E, capacity, experts, None), position, w, N
-    )
+    w_slots = slot_weights(w, position, E * capacity)
+    y_slots = run_experts_in_slots(x_slots, E, capacity, experts, None, scale=w_slots)
+    y = combine_from_slots(y_slots, position, N)
 
     torch.testing.assert_close(y, reference, rtol=1e-5, atol=1e-6)
     for got, want in zip(_grads(y, h, w, *params), _grads(reference, h, w, *params), strict=True):

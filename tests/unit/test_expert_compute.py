@@ -370,3 +370,48 @@ def test_batched_op_count_does_not_grow_with_the_experts():
     small, large = _count_fwd_bwd(2), _count_fwd_bwd(32)
     assert large.ops == small.ops, (small.ops, large.ops)
     assert large.stack_sized <= 3, large.stack_sized  # each weight gradient written once
+
+
+def _paths() -> list[str]:
+    return ["looped", "batched"] + (["grouped"] if cpu_grouped_mm_runs else [])
+
+
+@pytest.mark.parametrize("rebuild", [False, True], ids=["plain", "light"])
+@pytest.mark.parametrize("path", _paths())
+def test_a_scale_weighs_each_rows_output_on_every_path(path, rebuild):
+    # the gate weights enter before the down projection: the output and every gradient are
+    # those of weighing the unscaled output afterwards (fp32 rounding apart), the scale's too
+    ex = _experts(inter=8)  # rows of 32 bytes: the grouped GEMM's alignment
+    sizes = [3] * E if path == "batched" else _sizes()
+    x = torch.randn(sum(sizes), H, requires_grad=True)
+    w = torch.rand(sum(sizes), requires_grad=True)
+    params = [x, w, *ex.parameters()]
+    probe = torch.randn(sum(sizes), H)
+    weights = (ex.gate_proj, ex.up_proj, ex.down_proj)
+    if path == "looped":
+        y = looped_swiglu(x, sizes, *weights, rebuild, w[:, None])
+    elif path == "batched":
+        y = batched_swiglu(x, E, *weights, rebuild, w[:, None])
+    else:
+        y = grouped_swiglu(x, torch.tensor(sizes), *weights, rebuild, w[:, None])
+    ref = _reference(x, sizes, ex) * w[:, None]
+    torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-6)
+    got = torch.autograd.grad((y * probe).sum(), params)
+    want = torch.autograd.grad((ref * probe).sum(), params)
+    for name, a, b in zip(["x", "scale", "gate", "up", "down"], got, want, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5, msg=name)
+
+
+def test_the_module_routes_a_scale_to_the_path_it_picks_and_casts_it():
+    # GroupedExperts.forward takes the scale as [M] in any dtype; under bf16 autocast it is
+    # cast with x, and its gradient comes back in its own dtype
+    ex = _experts()
+    sizes = _sizes()
+    x = torch.randn(sum(sizes), H)
+    w = torch.rand(sum(sizes), requires_grad=True)
+    torch.testing.assert_close(ex(x, sizes, w), ex(x, sizes) * w[:, None], rtol=1e-5, atol=1e-6)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = ex(x, sizes, w)
+    assert y.dtype == torch.bfloat16
+    (grad,) = torch.autograd.grad(y.float().sum(), w)
+    assert grad.dtype == torch.float32 and grad.abs().sum() > 0
