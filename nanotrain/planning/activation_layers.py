@@ -356,6 +356,9 @@ def _moe(led: Ledger, c: Any, d: Dims, dt: Dtypes, ep: int, training: bool, ligh
         # again); under ep the received copies replace them and the regroup permutations
         # are saved
         led.add("moe", copies * I64 * (1 if ep == 1 else 3))
+        # the grouped GEMM's int32 end offset per local expert (the path unequal groups take
+        # on CUDA, and on a CPU where torch runs it)
+        led.add("moe", e // ep * 4)
         rows = copies
     else:
         rows = _capacity_slots(c, d)
