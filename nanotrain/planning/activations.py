@@ -26,6 +26,7 @@ from nanotrain.planning.activation_layers import (
     saves_rope_tables,
 )
 from nanotrain.planning.layout import PlanLayout, Workload
+from nanotrain.planning.rank_model import config_key
 
 __all__ = ["ActivationEstimate", "activation_estimate", "layer_activation_bytes"]
 
@@ -107,7 +108,7 @@ def _chunk(
 ) -> tuple[Ledger, int]:
     """(bytes per part of one microbatch through one chunk, its largest transient); `modes`:
     each layer's recompute mode, `recompute` the head's and MTP's."""
-    key = (repr(config), layers, first, last, d, precision, ep, recompute, modes)
+    key = (config_key(config), layers, first, last, d, precision, ep, recompute, modes)
     if key in _CACHE:
         return _CACHE[key]
     dt = dtypes_for(precision)

@@ -31,6 +31,7 @@ tensor, a point-to-point send N, an all-to-all the rows that leave the rank.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, field
 from typing import Any
@@ -40,6 +41,7 @@ import torch
 from nanotrain.models.moe import expert_capacity
 from nanotrain.parallel.data_parallel import FlatLayout
 from nanotrain.parallel.fp8_wire import fp8_row_bytes
+from nanotrain.parallel.placement import StagePlacement
 from nanotrain.parallel.tensor import pad_vocab_size
 from nanotrain.planning.communication_tp import (
     is_moe_layer,
@@ -47,7 +49,7 @@ from nanotrain.planning.communication_tp import (
     sp_grad_numel,
     tp_collectives,
 )
-from nanotrain.planning.layout import PlanLayout, Workload
+from nanotrain.planning.layout import PlanLayout, Workload, pipeline_actions
 from nanotrain.planning.rank_model import RankModel, rank_models
 from nanotrain.strategies.megatron_grads import bucket_numel_for
 
@@ -219,21 +221,29 @@ def _pp(
     if layout.pp == 1:
         return tally
     micro = workload.num_microbatches(layout)
-    placement = layout.placement
-
-    def crosses(stage: int, to: int) -> bool:
-        return 0 <= to < placement.num_virtual and placement.locate(to)[0] != pp_rank
-
-    sends = 0
-    for a in layout.schedule_actions(micro, pp_rank):
-        stage = placement.stage(pp_rank, a.chunk)
-        sends += (a.kind == "F" and crosses(stage, stage + 1)) or (
-            a.sends_input_grad and crosses(stage, stage - 1)
-        )
+    sends = _pp_sends(layout.schedule, micro, layout.pp, pp_rank, layout.virtual_pp)
     seq = workload.seq_len // (layout.tp if layout.sequence_parallel else 1)
     size = workload.micro_batch_size * seq * config.hidden_size * dt.param
     tally.add(sends * size, sends, f"{sends} sends of [b, s, h] = {_mib(size)}")
     return tally
+
+
+@functools.lru_cache(maxsize=4096)
+def _pp_sends(schedule: str | None, micro: int, pp: int, pp_rank: int, virtual_pp: int) -> int:
+    """Activations and input gradients pipeline rank `pp_rank` sends to another rank in one
+    step of `schedule` (cached: a search prices many layouts of one pipeline shape)."""
+    placement = StagePlacement.for_schedule(schedule, pp, virtual_pp)
+
+    def crosses(to: int) -> bool:
+        return 0 <= to < placement.num_virtual and placement.locate(to)[0] != pp_rank
+
+    sends = 0
+    for a in pipeline_actions(schedule, micro, pp, pp_rank, virtual_pp):
+        stage = placement.stage(pp_rank, a.chunk)
+        sends += (a.kind == "F" and crosses(stage + 1)) or (
+            a.sends_input_grad and crosses(stage - 1)
+        )
+    return sends
 
 
 def nodes_reached(config: Any, nodes: int) -> float:

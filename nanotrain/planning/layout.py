@@ -7,6 +7,7 @@ the planner accepts is one `MegatronStrategy` accepts, and the error messages ar
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any
@@ -21,7 +22,7 @@ from nanotrain.precision import PRECISIONS as PRECISION_PLUGINS
 from nanotrain.precision import precision_name
 from nanotrain.strategies.megatron_pipeline import check_pairing, chunks_per_rank, pick_schedule
 
-__all__ = ["PRECISIONS", "PlanLayout", "Workload", "balanced_pipeline_layout"]
+__all__ = ["PRECISIONS", "PlanLayout", "Workload", "balanced_pipeline_layout", "pipeline_actions"]
 
 #: precision names the planner prices: the Trainer's `precision=` strings
 PRECISIONS = tuple(PRECISION_PLUGINS)
@@ -183,17 +184,16 @@ class PlanLayout(MeshLayout):
             self.placement.v_shape,
         )
 
-    def schedule_actions(self, num_microbatches: int, pp_rank: int) -> list[Action]:
+    def schedule_actions(self, num_microbatches: int, pp_rank: int) -> tuple[Action, ...]:
         """The schedule's forward/backward actions on pipeline rank `pp_rank` (the code's own
         schedule function, not a model of it)."""
-        fn = SCHEDULES[self.schedule or "1f1b"]
-        return fn(num_microbatches, self.pp, pp_rank, self.virtual_pp)
+        return pipeline_actions(self.schedule, num_microbatches, self.pp, pp_rank, self.virtual_pp)
 
     def in_flight(self, num_microbatches: int, pp_rank: int) -> int:
         """Most (microbatch, chunk) forwards rank `pp_rank` holds activations of at once."""
         if self.pp == 1:
             return 1  # gradient accumulation frees each microbatch before the next
-        return max_in_flight(self.schedule_actions(num_microbatches, pp_rank))
+        return _in_flight(self.schedule, num_microbatches, self.pp, pp_rank, self.virtual_pp)
 
     def describe(self) -> str:
         """Short text, e.g. ``tp1 pp4x2 dualpipev dp8 ep4 zero1 full-recompute overlapped`` (the
@@ -301,3 +301,24 @@ def balanced_pipeline_layout(num_layers: int, chunks: int) -> tuple[int, ...] | 
         excess -= give
         i -= 1
     return tuple(layout)
+
+
+# A search prices thousands of layouts that share a few (schedule, microbatches, pp, rank)
+# shapes; each schedule is built once (the actions are frozen, so sharing them is safe).
+@functools.lru_cache(maxsize=4096)
+def pipeline_actions(
+    schedule: str | None, num_microbatches: int, pp: int, pp_rank: int, virtual_pp: int
+) -> tuple[Action, ...]:
+    """`SCHEDULES[schedule]`'s actions on pipeline rank `pp_rank` (None: 1F1B), built once per
+    shape."""
+    fn = SCHEDULES[schedule or "1f1b"]
+    return tuple(fn(num_microbatches, pp, pp_rank, virtual_pp))
+
+
+@functools.lru_cache(maxsize=4096)
+def _in_flight(
+    schedule: str | None, num_microbatches: int, pp: int, pp_rank: int, virtual_pp: int
+) -> int:
+    return max_in_flight(
+        list(pipeline_actions(schedule, num_microbatches, pp, pp_rank, virtual_pp))
+    )

@@ -52,7 +52,7 @@ from nanotrain.planning.communication_tp import is_moe_layer
 from nanotrain.planning.gpus import GPUSpec, peak_column
 from nanotrain.planning.layout import PlanLayout, Workload
 from nanotrain.planning.memory import StateMemory, element_size, param_dtype, state_memory
-from nanotrain.planning.rank_model import rank_models
+from nanotrain.planning.rank_model import config_key, rank_models
 from nanotrain.planning.schedule_time import exposed_all_to_all, schedule_step_time
 
 __all__ = ["Plan", "RankPlan", "plan_layout"]
@@ -296,7 +296,7 @@ def _flop_parts(
 ) -> tuple[FlopParts, tuple[tuple[float, ...], float, float]]:
     """`flops_per_token_parts` and `linear_flops_per_token_parts`, cached (a search prices
     thousands of layouts of one model)."""
-    key = (repr(config), seq_len)
+    key = (config_key(config), seq_len)
     if key not in _FLOPS:
         _FLOPS[key] = (
             flops_per_token_parts(config, seq_len),
@@ -310,7 +310,7 @@ _COUNTS: dict[str, tuple[int, int, int]] = {}
 
 def _param_counts(config: Any) -> tuple[int, int, int]:
     """(total, total with MTP, activated per token), cached per config."""
-    key = repr(config)
+    key = config_key(config)
     if key not in _COUNTS:
         _COUNTS[key] = (
             total_params(config),

@@ -12,6 +12,7 @@ slices), so one build per pipeline rank covers the whole world.
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -120,12 +121,26 @@ def build_rank_model(config: Any, layout: PlanLayout, pp_rank: int = 0) -> nn.Mo
 
 
 _FULL: dict[tuple[str, int, int, bool], nn.Module] = {}
+_CONFIG_KEYS: dict[int, tuple[Any, dict[str, Any], str]] = {}
+
+
+def config_key(config: Any) -> str:
+    """`repr(config)`, the planner's cache key of a model config, made again only when the
+    config changed (a search asks for it hundreds of thousands of times; comparing its fields
+    with a copy taken with the key costs a tenth of a repr)."""
+    hit = _CONFIG_KEYS.get(id(config))
+    if hit is None or hit[0] is not config or vars(config) != hit[1]:
+        if len(_CONFIG_KEYS) > 64:
+            _CONFIG_KEYS.clear()
+        hit = (config, copy.deepcopy(vars(config)), repr(config))
+        _CONFIG_KEYS[id(config)] = hit
+    return hit[2]
 
 
 def _full_model(config: Any, tp: int, ep: int, sequence_parallel: bool) -> nn.Module:
     """The whole model one rank of a tp x ep layout builds (meta device), cached: a
     `PipelineStage` only picks modules of it, so every pipeline rank can share one build."""
-    key = (repr(config), tp, ep, sequence_parallel)
+    key = (config_key(config), tp, ep, sequence_parallel)
     if key not in _FULL:
         if len(_FULL) > 32:
             _FULL.clear()
@@ -165,7 +180,7 @@ def rank_models(config: Any, layout: PlanLayout) -> list[RankModel]:
     Raises:
         ValueError: when the layout does not fit the model (`PlanLayout.validate`).
     """
-    checked = (repr(config), layout)
+    checked = (config_key(config), layout)
     if checked not in _VALID:
         layout.validate(config)
         if len(_VALID) > 4096:
@@ -179,7 +194,7 @@ def rank_models(config: Any, layout: PlanLayout) -> list[RankModel]:
     )
     out = []
     for r in range(layout.pp):
-        key = (repr(config), shape, r)
+        key = (config_key(config), shape, r)
         if key not in _CACHE:
             if len(_CACHE) > 256:
                 _CACHE.clear()

@@ -164,16 +164,26 @@ def _unit_step_time(
     free = [0.0] * pp
     position = [0] * pp
     remaining = sum(len(tasks) for tasks in lists)
+    ended = done.get
     while remaining:
         progressed = False
         for rank, tasks in enumerate(lists):
             at, clock = position[rank], free[rank]
             while at < len(tasks):
                 kinds, needs, gives = tasks[at]
-                ready = [0.0 if n is None else done.get(n) for n in needs]
-                if None in ready:
+                # a task starts when the rank is free and everything it needs has ended
+                start, blocked = clock, False
+                for need in needs:
+                    if need is None:
+                        continue
+                    end = ended(need)
+                    if end is None:
+                        blocked = True
+                        break
+                    start = max(start, end)
+                if blocked:
                     break
-                clock = max(clock, *ready) + seconds(kinds)
+                clock = start + seconds(kinds)
                 for g in gives:
                     if g is not None:
                         done[g] = clock
