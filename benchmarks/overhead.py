@@ -8,6 +8,7 @@ order). Run:
     python benchmarks/overhead.py --steps 500 --rounds 5
     python benchmarks/overhead.py --device cuda --width 256      # the same on one GPU
     python benchmarks/overhead.py --device cuda --sync-check     # host syncs while logging
+    python benchmarks/overhead.py --count-host-work              # ops and Python calls per step
 
 Each run's figure is its median step-to-step time after the warm-up. Prints a table with
 each runner's median over rounds, its ratio to the plain loop's, and the median of the
@@ -15,6 +16,10 @@ per-round ratios ("paired": each round's runners run back to back) and the ratio
 fastest rounds ("best": on a shared box, the cost without interference). The "+log" runners
 (the module logs a tensor, a dict and a MeanMetric every step, the default loggers write
 every 50 steps) are set against "plain loop+log", which does the same work by hand.
+
+`--count-host-work` counts, for each runner, the ATen ops it dispatches and the Python
+functions it calls per step (steps 20-59, leaving out the steps that write the loggers): what
+each step asks of the host, the same on every run, where a shared box's timings are not.
 
 `--device cuda` runs every runner on one GPU (batches copied per step; each run's last step
 waits for the GPU). `--sync-check` fits the logging module with the default callbacks on the
@@ -26,6 +31,8 @@ from __future__ import annotations
 
 import argparse
 import collections
+import cProfile
+import pstats
 import statistics
 import tempfile
 import time
@@ -34,6 +41,7 @@ import lightning.pytorch as pl
 import torch
 import torchmetrics
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.data import DataLoader, TensorDataset
 from torch.utils.tensorboard import SummaryWriter
 
@@ -300,6 +308,65 @@ def sync_check(data: TensorDataset, batch: int, width: int, steps: int = 120) ->
             print(f"  {n}x at {where}")
 
 
+class _OpCounter(TorchDispatchMode):
+    """Counts the ATen ops dispatched while `on`."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops, self.on = 0, False
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+        self.ops += self.on
+        return func(*args, **(kwargs or {}))
+
+
+def _host_work(runner, data: TensorDataset, batch: int, width: int, device: str,
+               counted: list[int]) -> tuple[float, float]:  # fmt: skip
+    """(ATen ops, Python calls) per step of `runner` over the steps in `counted`, from two
+    runs: the op counter's own Python code must not count as the runner's calls."""
+    counter, profile = _OpCounter(), cProfile.Profile()
+    real = _StepClock.at_batch_start
+
+    def counting_ops(clock: _StepClock, step: int) -> None:
+        counter.on = step in counted
+        real(clock, step)
+
+    def profiling(clock: _StepClock, step: int) -> None:
+        # the profile covers exactly the counted steps (it is on from one start to the next)
+        (profile.enable if step in counted else profile.disable)()
+        real(clock, step)
+
+    try:
+        _StepClock.at_batch_start = counting_ops
+        with counter:
+            runner(data, batch, counted[-1] + 2, 10, width, device=device)
+        _StepClock.at_batch_start = profiling
+        runner(data, batch, counted[-1] + 2, 10, width, device=device)
+    finally:
+        _StepClock.at_batch_start = real
+        profile.disable()
+    calls = sum(stat[1] for stat in pstats.Stats(profile).stats.values())
+    return counter.ops / len(counted), calls / len(counted)
+
+
+def count_host_work(data: TensorDataset, batch: int, width: int, device: str) -> None:
+    """Print each runner's ATen ops and Python calls per step over steps [20, 60), leaving out
+    the steps that write the loggers (every 50th), with ratios to its plain loop."""
+    counted = [s for s in range(20, 60) if (s + 1) % 50]
+    per_step = {
+        name: _host_work(runner, data, batch, width, device, counted)
+        for name, runner in RUNNERS.items()
+    }
+    print(
+        f"{'runner':<18} {'ATen ops/step':>13} {'vs plain':>9} {'Python calls/step':>18} {'vs plain':>9}"
+    )
+    for name, (ops, calls) in per_step.items():
+        plain = per_step["plain loop+log" if name.endswith("+log") else "plain loop"]
+        print(
+            f"{name:<18} {ops:>13.1f} {ops / plain[0]:>9.3f} {calls:>18.1f} {calls / plain[1]:>9.3f}"
+        )
+
+
 RUNNERS = {
     "plain loop": run_plain,
     "plain loop+log": run_plain_logging,
@@ -322,9 +389,15 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     parser.add_argument("--sync-check", action="store_true", help="only the GPU sync check")
+    parser.add_argument(
+        "--count-host-work", action="store_true", help="only the ops and Python calls per step"
+    )
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     data = make_data(args.batch * 64, args.width)
+    if args.count_host_work:
+        count_host_work(data, args.batch, args.width, args.device)
+        return
     if args.sync_check:
         sync_check(data, args.batch, args.width)
         return
