@@ -15,7 +15,8 @@
 #           (benchmarks/peer_torchtitan.py; 55 s on an H200)
 #   overhead  the Trainer's per-step cost against a plain loop and lightning.Trainer on the GPU,
 #           logging every step (benchmarks/overhead.py --device cuda, a launch-bound and a
-#           ~2 ms model), and the host syncs while logging (--sync-check)
+#           ~2 ms model), the host syncs while logging (--sync-check) and the ops and Python
+#           calls per step on the GPU path (--count-host-work)
 #   overheadcpu  benchmarks/overhead.py's CPU table on this machine's (quiet) CPU
 # Earlier checks, by name only: sync, syncsource (host syncs of the Trainer), nccl (every
 # strategy on one NCCL rank), experts (expert layer by number of experts), moe, dense (the
@@ -84,6 +85,7 @@ part graphs 30 python3 benchmarks/gpu_fit.py --out "$out/fit" --preset moe-1b \
     --precision bf16-true --compile cudagraphs --no-bare
 part peer 120 python3 benchmarks/peer_torchtitan.py
 part overhead 240 bash -c "python3 benchmarks/overhead.py --device cuda --sync-check;
+    python3 benchmarks/overhead.py --device cuda --count-host-work --width 256;
     python3 benchmarks/overhead.py --device cuda --width 256 --steps 300 --rounds 5;
     python3 benchmarks/overhead.py --device cuda --width 2048 --batch 1024 --steps 200 --rounds 3"
 part overheadcpu 150 python3 benchmarks/overhead.py --width 256 --steps 300 --rounds 5

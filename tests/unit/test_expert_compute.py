@@ -241,6 +241,8 @@ def test_grouped_mm_matches_loop_on_cuda():
         pytest.skip("this GPU has no bf16 grouped GEMM (compute capability < 8.0)")
     sizes = _sizes()
     x = torch.randn(sum(sizes), 16, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    # the gate weights, as the MoE layer hands them in (fp32 from the router)
+    w = torch.rand(sum(sizes), device="cuda", requires_grad=True)
     counts = torch.tensor(sizes, device="cuda")
     if torch.cuda.get_device_capability()[0] in (9, 10):
         # torch's grouped-GEMM kernels take the offsets on the device (Hopper, Blackwell; its
@@ -248,14 +250,15 @@ def test_grouped_mm_matches_loop_on_cuda():
         torch.cuda.synchronize()
         torch.cuda.set_sync_debug_mode("error")
         try:
-            ex(x, counts).float().sum().backward()
+            ex(x, counts, w).float().sum().backward()
         finally:
             torch.cuda.set_sync_debug_mode("default")
-    y = grouped_swiglu(x, counts, ex.gate_proj, ex.up_proj, ex.down_proj)
-    ref = looped_swiglu(x, sizes, ex.gate_proj, ex.up_proj, ex.down_proj)
+    scale = w.to(torch.bfloat16)[:, None]
+    y = grouped_swiglu(x, counts, ex.gate_proj, ex.up_proj, ex.down_proj, scale=scale)
+    ref = looped_swiglu(x, sizes, ex.gate_proj, ex.up_proj, ex.down_proj, scale=scale)
     torch.testing.assert_close(y, ref, rtol=2e-2, atol=2e-2)
-    gy = torch.autograd.grad(y.float().sum(), [x, ex.gate_proj])
-    gr = torch.autograd.grad(ref.float().sum(), [x, ex.gate_proj])
+    gy = torch.autograd.grad(y.float().sum(), [x, ex.gate_proj, w])
+    gr = torch.autograd.grad(ref.float().sum(), [x, ex.gate_proj, w])
     for a, b in zip(gy, gr, strict=True):
         torch.testing.assert_close(a.float(), b.float(), rtol=2e-2, atol=2e-2)
 
