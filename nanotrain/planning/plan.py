@@ -35,25 +35,17 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from nanotrain.models.accounting import (
-    FlopParts,
-    active_params,
-    attention_flops_per_token,
-    flops_per_token_parts,
-    linear_flops_per_token_parts,
-    total_params,
-    up_projection_flops_per_token,
-)
-from nanotrain.models.moe import expert_capacity
+from nanotrain.models.accounting import active_params, total_params
 from nanotrain.parallel.mesh import MeshLayout
 from nanotrain.planning.activations import ActivationEstimate, activation_estimate
 from nanotrain.planning.communication import CommEstimate, comm_estimate
 from nanotrain.planning.communication_tp import is_moe_layer
-from nanotrain.planning.gpus import GPUSpec, peak_column
+from nanotrain.planning.gpus import GPUSpec
 from nanotrain.planning.layout import PlanLayout, Workload
 from nanotrain.planning.memory import StateMemory, element_size, param_dtype, state_memory
 from nanotrain.planning.rank_model import config_key, rank_models
 from nanotrain.planning.schedule_time import exposed_all_to_all, schedule_step_time
+from nanotrain.planning.stage_flops import compute_seconds, flop_parts, stage_flops
 
 __all__ = ["Plan", "RankPlan", "plan_layout"]
 
@@ -182,66 +174,6 @@ class Plan:
         return self.flops_per_step / (self.step_time_s * self.layout.world_size * peak)
 
 
-def _stage_flops(config: Any, layout: PlanLayout, workload: Workload, chunks: list[list[int]],
-                 last: bool) -> tuple[float, float]:  # fmt: skip
-    """Training FLOPs per step on one rank of the stage holding `chunks` (recompute included),
-    and the part of them in plain linear layers (`linear_flops_per_token_parts`: what an fp8
-    precision runs in fp8)."""
-    parts, (linear_parts, mtp_linear, projections) = _flop_parts(config, workload.seq_len)
-    attention = attention_flops_per_token(config, workload.seq_len)
-    up = up_projection_flops_per_token(config)
-    layers = routed = linear = 0.0
-    for c in chunks:
-        for i, mode in zip(c, layout.chunk_recomputes(c), strict=True):
-            layer, layer_routed, layer_linear = parts.layers[i], parts.routed[i], linear_parts[i]
-            if mode == "full":  # one more forward of the layer
-                layer, layer_routed, layer_linear = (
-                    x * 4 / 3 for x in (layer, layer_routed, layer_linear)
-                )
-            elif mode == "selective":  # the attention block's forward again
-                layer, layer_linear = layer + attention / 3, layer_linear + projections / 3
-            elif mode == "light":  # MLA's up-projections twice more
-                layer, layer_linear = layer + 2 * up, layer_linear + 2 * up
-            layers, routed, linear = layers + layer, routed + layer_routed, linear + layer_linear
-    extras = (parts.head + parts.mtp) if last else 0.0
-    mtp_routed = parts.mtp_routed if last else 0.0
-    extras_linear = mtp_linear if last else 0.0
-    depth = getattr(config, "mtp_depth", 0) if last else 0
-    if layout.recompute == "full":  # the head + loss and the MTP modules' forward again
-        extras, mtp_routed, extras_linear = (
-            extras * 4 / 3,
-            mtp_routed * 4 / 3,
-            extras_linear * 4 / 3,
-        )
-    elif layout.recompute == "light":  # the MTP blocks' up-projections
-        extras, extras_linear = extras + 2 * up * depth, extras_linear + 2 * up * depth
-    elif layout.recompute == "selective":  # the MTP blocks' attention
-        extras, extras_linear = (
-            extras + attention / 3 * depth,
-            extras_linear + projections / 3 * depth,
-        )
-    routed += mtp_routed
-    split = layers + extras - routed  # tensor parallelism divides all of this
-    tokens = workload.tokens_per_step / layout.dp  # each dp replica sees its share
-    total = (split / layout.tp + routed * routed_rows_per_copy(config, layout, workload)) * tokens
-    return total, (linear + extras_linear) / layout.tp * tokens
-
-
-def _compute_seconds(
-    flops: tuple[float, float], gpu: GPUSpec, precision: str, efficiency: float
-) -> float:
-    """Seconds for a stage's (FLOPs, FLOPs in plain linear layers) at `efficiency` of the
-    peak: under an fp8 precision the linear layers at the fp8 peak and the rest (attention
-    scores, routed experts, router, head) at the bf16 one, as the plugins run them; else all
-    at the precision's peak."""
-    total, linear = flops
-    peak = gpu.flops_for(precision)
-    if peak_column(precision) != "fp8":
-        return total / (peak * efficiency)
-    rest_peak = gpu.column_flops("bf16")
-    return (linear / peak + (total - linear) / rest_peak) / efficiency
-
-
 def _overlapped(
     layout: PlanLayout, num_micro: int, busy: float, weights_t: float, ep_t: float, rounds: int
 ) -> tuple[float, float]:
@@ -272,37 +204,6 @@ def _bubble(layout: PlanLayout, num_micro: int, busy: float, weights_t: float) -
         layout.schedule, num_micro, layout.pp, layout.virtual_pp, forward, input_grad, weight
     )
     return max(step - num_micro * (forward + input_grad + weight), 0.0)
-
-
-def routed_rows_per_copy(config: Any, layout: PlanLayout, workload: Workload) -> float:
-    """Rows the routed experts compute on one tp rank per routed token copy of its replica.
-
-    The routed experts are replicated over tp (`DeepSeekMoE`): without sequence parallelism
-    every tp rank runs them on all of its replica's tokens (1); with it each runs only its own
-    T / tp tokens (1 / tp), unless a capacity factor makes it gather the whole sequences
-    first (1 again). A capacity factor f runs E x C slots per sequence of S tokens,
-    C = ceil(f S K / E), whether filled or not: E C / (S K) rows per copy (about f)."""
-    capacity = expert_capacity(config, workload.seq_len)
-    if capacity is None:
-        return 1 / layout.tp if layout.sequence_parallel else 1.0
-    return config.n_routed_experts * capacity / (workload.seq_len * config.num_experts_per_tok)
-
-
-_FLOPS: dict[tuple[str, int], tuple[FlopParts, tuple[tuple[float, ...], float, float]]] = {}
-
-
-def _flop_parts(
-    config: Any, seq_len: int
-) -> tuple[FlopParts, tuple[tuple[float, ...], float, float]]:
-    """`flops_per_token_parts` and `linear_flops_per_token_parts`, cached (a search prices
-    thousands of layouts of one model)."""
-    key = (config_key(config), seq_len)
-    if key not in _FLOPS:
-        _FLOPS[key] = (
-            flops_per_token_parts(config, seq_len),
-            linear_flops_per_token_parts(config),
-        )
-    return _FLOPS[key]
 
 
 _COUNTS: dict[str, tuple[int, int, int]] = {}
@@ -402,7 +303,7 @@ def plan_layout(
     ranks, stage_times = [], []
     for rank in models:
         last = layout.pp == 1 or layout.placement.holds_last(rank.pp_rank)
-        stage = _stage_flops(config, layout, workload, rank.chunks, last)
+        stage = stage_flops(config, layout, workload, rank.chunks, last)
         flops = stage[0]
         comm = comm_estimate(
             config, layout, workload, rank.pp_rank, ranks_per_node=gpu.gpus_per_node
@@ -421,7 +322,7 @@ def plan_layout(
                 comm=comm,
             )
         )
-        compute = _compute_seconds(stage, gpu, workload.precision, compute_efficiency)
+        compute = compute_seconds(stage, gpu, workload.precision, compute_efficiency)
         comm_t = _comm_time(comm, bandwidth)
         blocking = sum(t for g, t in comm_t.items() if g in BLOCKING_GROUPS)
         dp = comm_t.get("dp", 0.0) + comm_t.get("expert_dp", 0.0) + comm_t.get("embedding", 0.0)
@@ -430,8 +331,8 @@ def plan_layout(
         # the weight-gradient half of the backward: a third of the training FLOPs without
         # recomputation (forward, input gradient, weight gradient: one each)
         no_recompute = replace(layout, recompute=None, recompute_full_layers=0)
-        plain = _stage_flops(config, no_recompute, workload, rank.chunks, last)
-        weights_t = _compute_seconds(plain, gpu, workload.precision, compute_efficiency) / 3
+        plain = stage_flops(config, no_recompute, workload, rank.chunks, last)
+        weights_t = compute_seconds(plain, gpu, workload.precision, compute_efficiency) / 3
         hidden, bubble = 0.0, None
         if layout.overlap_forward_backward and layout.pp > 1:
             # the pairs hide part of this stage's all-to-all: it paces by what is left
@@ -475,7 +376,7 @@ def plan_layout(
         total_params=counts[0],
         mtp_params=counts[1] - counts[0],
         active_params_per_token=counts[2],
-        flops_per_step=_flop_parts(config, workload.seq_len)[0].total * workload.tokens_per_step,
+        flops_per_step=flop_parts(config, workload.seq_len)[0].total * workload.tokens_per_step,
         step_time_s=step,
         time_parts={
             "compute": compute,
