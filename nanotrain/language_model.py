@@ -18,6 +18,8 @@ from nanotrain.models.compile import (
     compile_options,
     uses_cuda_graphs,
 )
+from nanotrain.models.expert_compute import set_fp8_expert_activations
+from nanotrain.models.fp8_saves import check_fp8_expert_activations
 from nanotrain.models.recompute import check_full_layers, check_recompute
 from nanotrain.models.transformer import set_recompute
 from nanotrain.module import NanoModule
@@ -82,6 +84,11 @@ class LanguageModelModule(NanoModule):
             "full" (`nanotrain.models.recompute`, docs/performance.md).
         recompute_full_layers: the first N decoder layers of each pipeline chunk recompute
             "full", the others `recompute` (Megatron's block method; 0: none).
+        fp8_expert_activations: keep what the routed experts save for backward of their
+            rows and of their SwiGLU's inputs in fp8 with 1 x 128 tile scales, as
+            DeepSeek-V3 does (`nanotrain.models.fp8_saves`): about half of a MoE layer's
+            activations under recompute "light", with the loss unchanged and gradients that
+            read the rounded values. Not with torch.compile.
         compile_layers: torch.compile each decoder layer (`nanotrain.models.compile`): True,
             or a dict of `torch.compile` arguments (e.g. ``{"backend": "aot_eager"}``).
         compile_model: torch.compile the whole model (embedding, layers, head and loss) as one
@@ -107,6 +114,7 @@ class LanguageModelModule(NanoModule):
         optimizer_impl: str = "auto",
         recompute: str | None = None,
         recompute_full_layers: int = 0,
+        fp8_expert_activations: bool = False,
         compile_layers: bool | dict[str, Any] = False,
         compile_model: bool | dict[str, Any] = False,
     ) -> None:
@@ -115,6 +123,7 @@ class LanguageModelModule(NanoModule):
         check_recompute(recompute)
         check_full_layers(recompute_full_layers, recompute)
         check_compile_options(compile_layers, compile_model)
+        check_fp8_expert_activations(fp8_expert_activations, compile_layers or compile_model)
         if lr <= 0 or min_lr < 0 or min_lr > lr:
             raise ValueError(f"need 0 <= min_lr <= lr and lr > 0, got lr={lr}, min_lr={min_lr}")
         if warmup_steps < 0:
@@ -210,6 +219,7 @@ class LanguageModelModule(NanoModule):
         set_recompute(
             self.model, self.hparams.get("recompute"), self.hparams.get("recompute_full_layers", 0)
         )
+        set_fp8_expert_activations(self.model, self.hparams.get("fp8_expert_activations", False))
         if self.hparams.get("compile_layers"):
             compile_layers(self.model, **compile_options(self.hparams["compile_layers"]))
         if self.hparams.get("compile_model"):

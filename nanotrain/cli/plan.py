@@ -121,6 +121,8 @@ def _parser() -> Any:
     flag("recompute", type=str | None, default=None,
          help="none|light|selective|full (default: none for a fixed layout; searching tries "
          "none, then light, then selective, then full)")  # fmt: skip
+    flag("fp8_expert_activations", type=bool, default=False,
+         help="the routed experts keep their rows and SwiGLU inputs in fp8 for backward")  # fmt: skip
     flag("compute_efficiency", type=float, default=0.5,
          help="fraction of peak FLOP/s the matmuls reach (the step-time model)")  # fmt: skip
     flag("json", action="store_true", help="print JSON")
@@ -190,6 +192,7 @@ def run_plan(argv: list[str]) -> None:
             recompute=recompute, recompute_full_layers=cfg.recompute_full_layers,
             overlap_forward_backward=bool(cfg.overlap_forward_backward),
             node_limited_dispatch=cfg.node_limited_dispatch,
+            fp8_expert_activations=cfg.fp8_expert_activations,
         )  # fmt: skip
         micro = cfg.micro_batch_size or 1
         workload = Workload(cfg.seq_len, micro, _batch(cfg, micro * layout.dp), cfg.precision)
@@ -206,6 +209,7 @@ def run_plan(argv: list[str]) -> None:
         micro_batch_sizes=(cfg.micro_batch_size,) if cfg.micro_batch_size else (1, 2, 4),
         zero_stages=(cfg.zero_stage,) if cfg.zero_stage is not None else (1,),
         recompute=SEARCH_RECOMPUTE if cfg.recompute is None else (recompute,),
+        fp8_expert_activations=cfg.fp8_expert_activations,
         model_name=cfg.model, compute_efficiency=cfg.compute_efficiency,
     )  # fmt: skip
     if cfg.json:
@@ -239,7 +243,11 @@ def plan_for_run(
     world = int(os.environ.get("WORLD_SIZE", "1"))
     hparams = getattr(module, "hparams", {}) or {}
     layout = PlanLayout.from_strategy(
-        strategy, world, hparams.get("recompute"), hparams.get("recompute_full_layers", 0)
+        strategy,
+        world,
+        hparams.get("recompute"),
+        hparams.get("recompute_full_layers", 0),
+        hparams.get("fp8_expert_activations", False),
     )
     # the micro batch the run will read: the Trainer's, else its data's loaders' (as the
     # Trainer resolves it: nanotrain.trainer.loaders)

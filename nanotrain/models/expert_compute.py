@@ -41,6 +41,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from nanotrain.models.cast_cache import cached_cast
+from nanotrain.models.fp8_saves import Fp8Saves, check_fp8_expert_activations, keep_in_fp8
 from nanotrain.models.layers import swiglu_down
 from nanotrain.parallel.expert import expert_range, mark_expert_params
 
@@ -208,6 +209,7 @@ class _BatchedSwiGLU(torch.autograd.Function):
         xb = x.view(num_experts, -1, x.shape[-1])  # (E, C, H), no copy
         g = torch.bmm(xb, gate_proj.transpose(1, 2))  # (E, C, I)
         u = torch.bmm(xb, up_proj.transpose(1, 2))  # (E, C, I)
+        keep_in_fp8(g), keep_in_fp8(u)  # as `swiglu_down` does, inside an open `Fp8Saves`
         sg = F.silu(g)
         a = sg * u
         sb = None if scale is None else scale.view(num_experts, -1, 1)  # (E, C, 1)
@@ -290,6 +292,11 @@ class GroupedExperts(nn.Module):
     Shapes: forward(x [M, H] sorted by local expert, counts [E_local] tensor or ints,
     scale [M] or None) -> [M, H]. `scale`, the rows' gate weights, multiplies each row's
     activation before the down projection (so the output is already weighted).
+
+    With `fp8_saved_activations` (`set_fp8_expert_activations`) what backward keeps of the
+    rows and of the SwiGLU's inputs (gate and up outputs) is stored in fp8 with 1 x 128 tile
+    scales (`nanotrain.models.fp8_saves`); the output is unchanged, the gradients read the
+    rounded values.
     """
 
     ep_partition_dims = {"gate_proj": 0, "up_proj": 0, "down_proj": 0}
@@ -313,6 +320,7 @@ class GroupedExperts(nn.Module):
         self.up_proj = nn.Parameter(torch.empty(e, inter, hidden, device=device))
         self.down_proj = nn.Parameter(torch.empty(e, hidden, inter, device=device))
         self.rebuild_activation = False  # recompute "light" (`set_recompute`)
+        self.fp8_saved_activations = False  # `set_fp8_expert_activations`
 
     def _apply(self, fn: Any, recurse: bool = True) -> GroupedExperts:
         # Materializing from meta (`to_empty`) or converting may replace the Parameter
@@ -362,9 +370,19 @@ class GroupedExperts(nn.Module):
         # them, else as a loop over the experts, linear in their number. See
         # `nanotrain.models.expert_compute`.
         x, weights = _as_autocast_would(x, (self.gate_proj, self.up_proj, self.down_proj))
-        rebuild = self.rebuild_activation
         if scale is not None:  # (M, 1) in the activation's dtype; its gradient returns in fp32
             scale = scale.to(x.dtype)[:, None]
+        with Fp8Saves(self.fp8_saved_activations) as saves:
+            return self._swiglu(saves.keep(x), counts, weights, scale)
+
+    def _swiglu(
+        self,
+        x: torch.Tensor,
+        counts: torch.Tensor | Sequence[int],
+        weights: tuple[torch.Tensor, ...],
+        scale: torch.Tensor | None,
+    ) -> torch.Tensor:
+        rebuild = self.rebuild_activation
         grouped = grouped_mm_available(x, weights[0]) and self._kernels_allowed(x)
         if grouped and isinstance(counts, torch.Tensor) and not reads_sizes_first(x):
             return grouped_swiglu(x, counts, *weights, rebuild, scale)
@@ -387,3 +405,18 @@ class GroupedExperts(nn.Module):
             return False
         device = x.device.type
         return not torch.is_autocast_enabled(device) or torch.get_autocast_dtype(device) == x.dtype
+
+
+def set_fp8_expert_activations(model: nn.Module, enabled: bool) -> int:
+    """Keep (or stop keeping) what every routed-expert module in `model` saves of its rows and
+    SwiGLU inputs in fp8 (`GroupedExperts.fp8_saved_activations`); returns how many modules
+    were set. Layers that recompute "full" keep nothing of them either way.
+
+    Raises:
+        TypeError: for an `enabled` that is not a bool.
+    """
+    check_fp8_expert_activations(enabled, compiled=False)
+    experts = [m for m in model.modules() if isinstance(m, GroupedExperts)]
+    for m in experts:
+        m.fp8_saved_activations = enabled
+    return len(experts)

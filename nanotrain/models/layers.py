@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from nanotrain.models.fp8_saves import keep_in_fp8
 from nanotrain.parallel.collectives import enter_tensor_parallel_region
 from nanotrain.parallel.saved_rebuild import RebuiltSaves
 from nanotrain.parallel.sp_regather import saved_as_shard
@@ -273,10 +274,12 @@ def swiglu_down(
     which backward has anyway. With `rebuild` (recompute "light") the tensors the activation
     adds to what backward keeps, silu(gate), the product and the scaled product, are made
     again in backward from gate, up and scale, which their ops save anyway
-    (`nanotrain.parallel.saved_rebuild`).
+    (`nanotrain.parallel.saved_rebuild`). Inside an open `Fp8Saves` (the routed experts with
+    `fp8_saved_activations`) the saves of gate and up are kept in fp8.
 
     Shapes: gate, up [..., I]; scale [..., 1] (or None); `down` maps [..., I] to the output.
     """
+    keep_in_fp8(gate), keep_in_fp8(up)
     if not rebuild:
         product = F.silu(gate) * up
         return down(product if scale is None else product * scale)

@@ -33,6 +33,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Any
 
+from nanotrain.models.fp8_saves import fp8_saved_bytes
 from nanotrain.models.moe import expert_capacity
 from nanotrain.parallel.tensor import pad_vocab_size
 
@@ -61,7 +62,9 @@ class Dtypes:
     stream: the residual stream and embedding output; gemm: GEMM outputs and what is computed
     from them inside a block; param: parameters; cast_copies: each low-precision GEMM saves its
     own low-precision copy of its input (when that input is wider) and of its weight;
-    copies_per_step: the weight copies are made once per step, not per microbatch.
+    copies_per_step: the weight copies are made once per step, not per microbatch;
+    fp8_experts: the routed experts keep their rows and SwiGLU inputs (gate and up outputs)
+    as e4m3 with one fp32 scale per 1 x 128 tile (`nanotrain.models.fp8_saves`).
     """
 
     stream: int
@@ -69,6 +72,7 @@ class Dtypes:
     param: int
     cast_copies: bool
     copies_per_step: bool = False
+    fp8_experts: bool = False
 
     @property
     def norm_out(self) -> int:
@@ -77,17 +81,18 @@ class Dtypes:
 
     def with_stream(self, stream: int) -> Dtypes:
         """The same dtypes with a residual stream of `stream` bytes per element."""
-        return Dtypes(stream, self.gemm, self.param, self.cast_copies, self.copies_per_step)
+        return replace(self, stream=stream)
 
 
-def dtypes_for(precision: str) -> Dtypes:
-    """The `Dtypes` a Trainer precision name saves (see the module docstring)."""
+def dtypes_for(precision: str, fp8_experts: bool = False) -> Dtypes:
+    """The `Dtypes` a Trainer precision name saves (see the module docstring), with the
+    routed experts' saves in fp8 when `fp8_experts`."""
     if precision == "32-true":
-        return Dtypes(4, 4, 4, False)
+        return Dtypes(4, 4, 4, False, fp8_experts=fp8_experts)
     if precision == "bf16-true":
-        return Dtypes(2, 2, 2, False)
+        return Dtypes(2, 2, 2, False, fp8_experts=fp8_experts)
     # autocast (bf16/fp16), whose weight casts last the step, and the emulations built on it
-    return Dtypes(4, 2, 4, True, precision in ("bf16-mixed", "16-mixed"))
+    return Dtypes(4, 2, 4, True, precision in ("bf16-mixed", "16-mixed"), fp8_experts)
 
 
 @dataclass(frozen=True)
@@ -163,8 +168,12 @@ def _swiglu(
     down saves the product: 4 [rows, inter] tensors, 2 when recompute "light" rebuilds
     silu(g) and the product (the input is counted by the caller). `scaled` (routed experts:
     the product times each row's gate weight): the scale [rows, 1], and the scaled product
-    that down saves unless light rebuilds it."""
+    that down saves unless light rebuilds it; with `dt.fp8_experts` their gate and up
+    outputs in fp8."""
     tensors = 2 if light else (5 if scaled else 4)
+    if scaled and dt.fp8_experts:  # gate and up in fp8, the rest as computed
+        led.add(part, 2 * fp8_saved_bytes(rows, inter))
+        tensors -= 2
     led.add(part, tensors * rows * inter * dt.gemm + (rows * dt.gemm if scaled else 0))
     if dt.cast_copies:
         led.add("weight_copies", 3 * hidden * inter * dt.gemm)
@@ -366,7 +375,10 @@ def _moe(led: Ledger, c: Any, d: Dims, dt: Dtypes, ep: int, training: bool, ligh
     # the experts' gate and up GEMMs read their rows; under autocast the layer casts them once
     # for both (`GroupedExperts` casts its input as autocast would; the fp8/fp4 emulations'
     # per-expert loop casts per matmul instead, one copy more, approximated alike)
-    _gemm_inputs(led, "moe", dt, 1, rows * h, dt.norm_out)
+    if dt.fp8_experts:
+        led.add("moe", fp8_saved_bytes(rows, h))
+    else:
+        _gemm_inputs(led, "moe", dt, 1, rows * h, dt.norm_out)
     _swiglu(led, "moe", dt, rows, h, c.moe_intermediate_size, light, scaled=True)
     if dt.cast_copies:  # _swiglu counted one expert's weights; the rank holds E / ep
         led.add("weight_copies", (e // ep - 1) * 3 * h * c.moe_intermediate_size * g)
@@ -402,6 +414,8 @@ def decoder_layer(
     full = Ledger()
     t, h = d.t, c.hidden_size
     light = recompute == "light"
+    if recompute == "full":  # a checkpointed layer keeps nothing in fp8 (`Fp8Saves`)
+        dt = replace(dt, fp8_experts=False)
     # a recomputed block saves its gathered inputs whole, for the backward right after
     d_attn = d.recomputed() if recompute in ("full", "selective") else d
     d_mlp = d.recomputed() if recompute == "full" else d
@@ -422,10 +436,11 @@ def decoder_layer(
         return kept, rebuilt
     if recompute == "selective":  # checkpoint keeps the attention input (the norm output)
         full.add("recompute_inputs", t * h * dt.norm_out)
-        return full, sum(attn.values())
+        return full, max(sum(attn.values()), _fp8_unpacked(c, moe, d, dt))
     for part, nbytes in attn.items():
         full.add(part, nbytes)
-    return full, _light_transient(c, moe, d, dt) if light else 0
+    transient = _light_transient(c, moe, d, dt) if light else 0
+    return full, max(transient, _fp8_unpacked(c, moe, d, dt))
 
 
 def _layer_norm(led: Ledger, t: int, h: int, dt: Dtypes, light: bool) -> None:
@@ -446,11 +461,24 @@ def _light_transient(c: Any, moe: bool, d: Dims, dt: Dtypes) -> int:
         heads = c.num_heads // tp
         rebuilt = d.n * heads * (2 * c.qk_head_dim + c.qk_nope_head_dim + c.v_head_dim) * g
     if moe:
-        rows = d.t * c.num_experts_per_tok if c.capacity_factor is None else _capacity_slots(c, d)
+        rows = _expert_rows(c, d)
         inter, tensors = c.moe_intermediate_size, 3
     else:
         rows, inter, tensors = d.n, c.intermediate_size // tp, 2
-    return max(rebuilt, tensors * rows * inter * g)
+    return max(rebuilt, tensors * rows * inter * g + _fp8_unpacked(c, moe, d, dt))
+
+
+def _expert_rows(c: Any, d: Dims) -> int:
+    """Rows the routed experts compute on per microbatch: token copies, or capacity slots."""
+    return d.t * c.num_experts_per_tok if c.capacity_factor is None else _capacity_slots(c, d)
+
+
+def _fp8_unpacked(c: Any, moe: bool, d: Dims, dt: Dtypes) -> int:
+    """What the routed experts' backward unpacks from fp8 at once (the batched path reads
+    them together): their rows and the gate and up outputs in the GEMMs' dtype."""
+    if not (moe and dt.fp8_experts):
+        return 0
+    return _expert_rows(c, d) * (c.hidden_size + 2 * c.moe_intermediate_size) * dt.gemm
 
 
 def head_and_loss(

@@ -75,9 +75,8 @@ def layer_activation_bytes(
     """Bytes per part that one microbatch saves through decoder layer `layer_idx`."""
     d = _dims(layout, workload, device)
     moe = bool(getattr(config, "is_moe_layer", lambda i: False)(layer_idx))
-    led, _ = decoder_layer(
-        config, moe, d, dtypes_for(workload.precision), layout.ep, layout.recompute
-    )
+    dt = dtypes_for(workload.precision, layout.fp8_expert_activations)
+    led, _ = decoder_layer(config, moe, d, dt, layout.ep, layout.recompute)
     return dict(led)
 
 
@@ -105,13 +104,16 @@ def _chunk(
     ep: int,
     recompute: str | None,
     modes: tuple[str | None, ...],
+    fp8_experts: bool,
 ) -> tuple[Ledger, int]:
     """(bytes per part of one microbatch through one chunk, its largest transient); `modes`:
-    each layer's recompute mode, `recompute` the head's and MTP's."""
+    each layer's recompute mode, `recompute` the head's and MTP's; `fp8_experts`: the routed
+    experts' saves in fp8."""
     key = (config_key(config), layers, first, last, d, precision, ep, recompute, modes)
+    key += (fp8_experts,)
     if key in _CACHE:
         return _CACHE[key]
-    dt = dtypes_for(precision)
+    dt = dtypes_for(precision, fp8_experts)
     led, transient = Ledger(), 0
     rope_dim = getattr(config, "qk_rope_head_dim", None) or getattr(config, "head_dim", 0)
     if first:
@@ -180,6 +182,7 @@ def activation_estimate(
             layout.ep,
             layout.recompute,
             tuple(layout.chunk_recomputes(layers)),
+            layout.fp8_expert_activations,
         )
         per_chunk.append(sum(led.values()))
         copies.append(led.get("weight_copies", 0))

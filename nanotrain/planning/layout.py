@@ -50,6 +50,8 @@ class PlanLayout(MeshLayout):
             strategy's option of that name).
         node_limited_dispatch: the strategy's option of that name (None: wherever an ep
             group spans nodes and the MoE layers are dropless).
+        fp8_expert_activations: the routed experts keep their rows and SwiGLU inputs in fp8
+            for backward (`LanguageModelModule(fp8_expert_activations=)`).
     """
 
     virtual_pp: int = 1
@@ -62,6 +64,7 @@ class PlanLayout(MeshLayout):
     bucket_size_mb: float = 25.0
     overlap_forward_backward: bool = False
     node_limited_dispatch: bool | None = None
+    fp8_expert_activations: bool = False
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -109,6 +112,7 @@ class PlanLayout(MeshLayout):
         world_size: int,
         recompute: str | None = None,
         recompute_full_layers: int = 0,
+        fp8_expert_activations: bool = False,
     ) -> PlanLayout:
         """The layout a `MegatronStrategy` (or single-device / DDP strategy) runs on
         `world_size` ranks; dp is inferred when the strategy leaves it unset."""
@@ -130,6 +134,7 @@ class PlanLayout(MeshLayout):
             node_limited_dispatch=getattr(strategy, "node_limited_dispatch", None),
             recompute=recompute,
             recompute_full_layers=recompute_full_layers,
+            fp8_expert_activations=fp8_expert_activations,
             # MegatronStrategy's bucket_size_mb, DDP's bucket_cap_mb
             bucket_size_mb=getattr(
                 strategy, "bucket_size_mb", getattr(strategy, "bucket_cap_mb", 25.0)
@@ -217,6 +222,8 @@ class PlanLayout(MeshLayout):
             parts.append(f"{self.recompute or 'no'}-recompute+{self.recompute_full_layers}full")
         elif self.recompute:
             parts.append(f"{self.recompute}-recompute")
+        if self.fp8_expert_activations:
+            parts.append("fp8-expert-acts")
         if self.overlap_forward_backward:
             parts.append("overlapped")
         if self.node_limited_dispatch is False and self.ep > 1:

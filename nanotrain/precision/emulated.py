@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from nanotrain.models.fp8_saves import keep_in_fp8_like
 from nanotrain.precision.base import wrap_forward
 from nanotrain.precision.mixed import BF16Mixed
 from nanotrain.precision.policy import PrecisionPolicy, is_grouped_experts
@@ -43,7 +44,8 @@ class _QuantizedLinear(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, w, b, q_x, q_w, q_g, compute_dtype):  # type: ignore[override]
-        xq = q_x(x).to(compute_dtype)
+        # the routed experts' rows kept in fp8 (`Fp8Saves`) keep this copy of them so too
+        xq = keep_in_fp8_like(x, q_x(x).to(compute_dtype))
         wq = q_w(w).to(compute_dtype)
         ctx.save_for_backward(xq, wq)
         ctx.q_g, ctx.has_bias = q_g, b is not None

@@ -13,6 +13,7 @@ import torch
 
 from nanotrain.models import presets
 from nanotrain.models.build import build_model
+from nanotrain.models.expert_compute import set_fp8_expert_activations
 from nanotrain.models.transformer import set_recompute
 from nanotrain.planning.activations import ActivationEstimate, activation_estimate
 from nanotrain.planning.layout import PlanLayout, Workload
@@ -49,15 +50,23 @@ class SavedBytes:
 
 
 def measure(
-    preset: str, precision: str, recompute: str | None, full_layers: int = 0, **overrides
+    preset: str,
+    precision: str,
+    recompute: str | None,
+    full_layers: int = 0,
+    *,
+    fp8: bool = False,
+    **overrides,
 ) -> int:
-    """Saved bytes of one training forward of `preset` (seq 64, micro batch 2) on CPU."""
+    """Saved bytes of one training forward of `preset` (seq 64, micro batch 2) on CPU; `fp8`:
+    the routed experts' saves in fp8."""
     torch.manual_seed(0)
     config = presets.get(preset, **overrides)
     model = build_model(config, device="cpu")
     plugin = resolve_precision(precision)
     plugin.setup_module(model, torch.device("cpu"), is_global_zero=False)
     set_recompute(model, recompute, full_layers)
+    set_fp8_expert_activations(model, fp8)
     model.train()
     ids = torch.randint(0, config.vocab_size, (MICRO, SEQ))
     labels = torch.randint(0, config.vocab_size, (MICRO, SEQ))
@@ -68,9 +77,17 @@ def measure(
 
 
 def predict(
-    preset: str, precision: str, recompute: str | None, full_layers: int = 0, **overrides
+    preset: str,
+    precision: str,
+    recompute: str | None,
+    full_layers: int = 0,
+    *,
+    fp8: bool = False,
+    **overrides,
 ) -> ActivationEstimate:
-    layout = PlanLayout(recompute=recompute, recompute_full_layers=full_layers)
+    layout = PlanLayout(
+        recompute=recompute, recompute_full_layers=full_layers, fp8_expert_activations=fp8
+    )
     workload = Workload(
         seq_len=SEQ, micro_batch_size=MICRO, global_batch_size=MICRO, precision=precision
     )
@@ -105,6 +122,20 @@ def test_the_first_layers_recomputed_fully_beside_another_mode(recompute):
     predicted = predict("tiny", "bf16-mixed", recompute, full_layers=1).per_microbatch
     assert predicted == pytest.approx(measured, rel=0.002), (predicted, measured)
     assert measured < measure("tiny", "bf16-mixed", recompute)
+
+
+@pytest.mark.parametrize("precision", ["32-true", "bf16-true", "bf16-mixed"])
+@pytest.mark.parametrize("recompute", [None, "light", "full"])
+def test_fp8_expert_saves_match_a_cpu_forward(recompute, precision):
+    measured = measure("tiny", precision, recompute, fp8=True)
+    predicted = predict("tiny", precision, recompute, fp8=True)
+    assert predicted.per_microbatch == pytest.approx(measured, rel=0.002), (predicted, measured)
+    plain = measure("tiny", precision, recompute)
+    if recompute == "full":  # a checkpointed layer keeps nothing of its experts anyway
+        assert measured == plain
+    else:
+        assert measured < plain
+        assert predicted.transient > predict("tiny", precision, recompute).transient
 
 
 @pytest.mark.parametrize("precision", ["32-true", "bf16-mixed"])
