@@ -3,9 +3,10 @@
     python benchmarks/recompute.py --preset deepseek-100m --batch 1 --seq-len 512
 
 Counts the bytes autograd keeps for backward during one training forward (each distinct
-tensor storage once, via `saved_tensors_hooks`), for recompute None, "light", "selective" and "full";
-then times forward + backward of each (fp32, CPU, one thread: a rough cost of recomputing).
-Parameters themselves are not counted.
+tensor storage once, via `saved_tensors_hooks`), for recompute None, "light", "selective" and "full",
+and for None and "light" with the routed experts' rows and SwiGLU inputs kept in fp8
+(`fp8_expert_activations`); then times forward + backward of each (fp32, CPU, one thread: a
+rough cost of recomputing). Parameters themselves are not counted.
 """
 
 from __future__ import annotations
@@ -17,12 +18,16 @@ import torch
 from torch.autograd.graph import saved_tensors_hooks
 
 from nanotrain.models import build_model, presets
+from nanotrain.models.expert_compute import set_fp8_expert_activations
 from nanotrain.models.transformer import set_recompute
 
 
-def measure(model: torch.nn.Module, ids: torch.Tensor, mode: str | None) -> tuple[float, float]:
+def measure(
+    model: torch.nn.Module, ids: torch.Tensor, mode: str | None, fp8: bool = False
+) -> tuple[float, float]:
     """(MiB of activations saved during forward, seconds of forward + backward)."""
     set_recompute(model, mode)
+    set_fp8_expert_activations(model, fp8)
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
     seen: dict[int, int] = {}
 
@@ -56,10 +61,12 @@ def main() -> None:
     print("| recompute | activations MiB | vs none | fwd+bwd s |")
     print("|---|---|---|---|")
     base = None
-    for mode in (None, "light", "selective", "full"):
-        mib, s = measure(model, ids, mode)
+    for mode, fp8 in ((None, False), ("light", False), ("selective", False), ("full", False),
+                      (None, True), ("light", True)):  # fmt: skip
+        mib, s = measure(model, ids, mode, fp8)
         base = base or mib
-        print(f"| {mode} | {mib:.1f} | {mib / base:.2f} | {s:.2f} |")
+        name = f"{mode} + fp8 experts" if fp8 else mode
+        print(f"| {name} | {mib:.1f} | {mib / base:.2f} | {s:.2f} |")
 
 
 if __name__ == "__main__":
