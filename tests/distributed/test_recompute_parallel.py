@@ -1,10 +1,12 @@
 """Activation recomputation under tp=2 and pp=2 (1F1B, interleaved, DualPipeV) matches one process
 without recomputation, step for step (losses, grad norms, final parameters); the routed experts'
-fp8 saves (`fp8_expert_activations`) under ep=2 and DualPipeV match one process with them."""
+fp8 saves (`fp8_expert_activations`) under ep=2, tp=2 with sp and DualPipeV match one process
+with them."""
 
 from __future__ import annotations
 
 import pytest
+import torch
 
 import nanotrain as nt
 from nanotrain.strategies.megatron import MegatronStrategy
@@ -22,6 +24,7 @@ LAYOUTS = {
     "pp=2 dualpipev light": dict(pp=2, schedule="dualpipev"),
     # the rows and SwiGLU inputs kept in fp8: the same rounding wherever the experts run
     "ep=2 light fp8": dict(ep=2),
+    "tp=2 sp light fp8": dict(tp=2, sequence_parallel=True),
     "pp=2 dualpipev light fp8": dict(pp=2, schedule="dualpipev"),
 }
 FP8 = {name for name in LAYOUTS if name.endswith("fp8")}
@@ -70,10 +73,31 @@ def test_recompute_layout_matches_single_process(world2, reference, layout):
         _check(result[layout], reference, f"{layout}, rank {rank}")
 
 
+def _check_fp8(result: dict, reference: dict, what: str) -> None:
+    """The fp8 layouts against one process with fp8 saves. Rounding to e4m3 turns the layouts'
+    reduction-order noise (1e-7) into an occasional value rounded to the neighbouring e4m3 number,
+    which AdamW may turn into a visible step of that one element. Measured (1 and 2 threads in
+    the reference): losses within 7e-8, the grad norms of steps 1 and 2 within 3e-7, of step 3
+    within 7e-5, per-parameter grad norms within 3e-7, the logged validation within 1e-6.
+    Without fp8 saves the same run is off by 3e-5 (loss, step 2), 7e-5, 3e-3 and 1e-2 (grad
+    norms) and 1e-2 (per-parameter): each bound below fails that run."""
+    torch.testing.assert_close(result["losses"], reference["losses"], rtol=1e-6, atol=0, msg=what)
+    got, want = result["grad_norms"], reference["grad_norms"]
+    torch.testing.assert_close(got[:2], want[:2], rtol=1e-5, atol=0, msg=what)
+    torch.testing.assert_close(got[2:], want[2:], rtol=2e-3, atol=0, msg=what)
+    assert result["named"].keys() == reference["named"].keys(), what
+    for name, value in reference["named"].items():
+        assert abs(result["named"][name] - value) <= 1e-5 * value + 1e-7, f"{what}: {name}"
+    assert result["logged"].keys() == reference["logged"].keys(), what
+    for name, value in reference["logged"].items():
+        assert result["logged"][name] == pytest.approx(value, rel=1e-5), f"{what}: {name}"
+
+
 @pytest.mark.parametrize("layout", sorted(FP8))
 def test_fp8_expert_saves_match_single_process_with_them(world2, reference_fp8, reference, layout):
     for rank, result in enumerate(world2):
-        _check(result[layout], reference_fp8, f"{layout}, rank {rank}")
+        _check_fp8(result[layout], reference_fp8, f"{layout}, rank {rank}")
     # the rounding reaches the gradients: the run is not the one without fp8 saves
     assert reference_fp8["losses"][0] == reference["losses"][0]  # forward is exact
-    assert reference_fp8["grad_norms"][0] != reference["grad_norms"][0]
+    with pytest.raises(AssertionError):
+        _check_fp8(reference, reference_fp8, "without fp8 saves")
