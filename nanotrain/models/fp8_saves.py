@@ -26,6 +26,7 @@ import torch
 from torch import Tensor
 
 from nanotrain.parallel.fp8_wire import pack_fp8_rows, unpack_fp8_rows
+from nanotrain.parallel.saved_rebuild import PassedOn, open_saved_hooks
 
 __all__ = [
     "Fp8Saves",
@@ -93,15 +94,6 @@ class _Packed:
         self.rows, self.shape, self.dtype = rows, shape, dtype
 
 
-class _Passed:
-    """A saved tensor left to the enclosing hooks: what they packed it as."""
-
-    __slots__ = ("packed",)
-
-    def __init__(self, packed: Any) -> None:
-        self.packed = packed
-
-
 class Fp8Saves:
     """Saved-tensor hooks that keep the named tensors' saves in fp8 (a context manager).
 
@@ -127,15 +119,10 @@ class Fp8Saves:
         return self._hooks is not None
 
     def __enter__(self) -> Fp8Saves:
-        if not self.enabled or torch.compiler.is_compiling() or not torch.is_grad_enabled():
-            return self
-        outer = torch._C._autograd._top_saved_tensors_default_hooks(False)
-        if outer is not None and getattr(outer[0], "__module__", "") == "torch.utils.checkpoint":
-            return self
-        self._outer = outer
-        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
-        self._hooks.__enter__()
-        _regions().append(self)
+        if self.enabled:
+            self._hooks, self._outer = open_saved_hooks(self._pack, self._unpack)
+        if self._hooks is not None:
+            _regions().append(self)
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -158,7 +145,7 @@ class Fp8Saves:
 
     def _pack(self, t: Tensor) -> Any:
         if t.dim() == 0 or t.numel() == 0 or t.untyped_storage().data_ptr() not in self._named:
-            return t if self._outer is None else _Passed(self._outer[0](t))
+            return t if self._outer is None else PassedOn(self._outer[0](t))
         key = (t.untyped_storage().data_ptr(), t.size(), t.stride(), t.storage_offset(), t.dtype)
         hit = self._packed.get(key)
         if hit is not None:
@@ -169,7 +156,7 @@ class Fp8Saves:
         return packed
 
     def _unpack(self, packed: Any) -> Tensor:
-        if isinstance(packed, _Passed):
+        if isinstance(packed, PassedOn):
             return self._outer[1](packed.packed)
         if isinstance(packed, _Packed):
             rows = packed.rows if self._outer is None else self._outer[1](packed.rows)

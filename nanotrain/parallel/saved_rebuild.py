@@ -27,7 +27,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-__all__ = ["RebuiltSaves", "cast_in_region"]
+__all__ = ["PassedOn", "RebuiltSaves", "cast_in_region", "open_saved_hooks"]
 
 _local = threading.local()
 
@@ -85,13 +85,31 @@ class _Marker:
         )
 
 
-class _Passed:
-    """A saved tensor a region left to the enclosing hooks: what they packed it as."""
+class PassedOn:
+    """A saved tensor a region of saved-tensor hooks left to the enclosing hooks: what they
+    packed it as (their unpack hook gets it back)."""
 
     __slots__ = ("packed",)
 
     def __init__(self, packed: Any) -> None:
         self.packed = packed
+
+
+def open_saved_hooks(
+    pack: Callable[[Tensor], Any], unpack: Callable[[Any], Tensor]
+) -> tuple[Any, tuple[Any, Any] | None]:
+    """Enter saved-tensor hooks `pack` / `unpack` for a region that replaces some saves,
+    unless autograd does not record, torch.compile traces, or a torch checkpoint region
+    encloses it (what that saves is recomputed anyway). Returns (the entered hooks, to exit
+    at the region's end, or None where none were entered; the enclosing hooks or None)."""
+    if torch.compiler.is_compiling() or not torch.is_grad_enabled():
+        return None, None
+    outer = torch._C._autograd._top_saved_tensors_default_hooks(False)
+    if outer is not None and _recomputing(outer[0]):
+        return None, None
+    hooks = torch.autograd.graph.saved_tensors_hooks(pack, unpack)
+    hooks.__enter__()
+    return hooks, outer
 
 
 class RebuiltSaves:
@@ -118,15 +136,9 @@ class RebuiltSaves:
 
     # -- the region -----------------------------------------------------------------------
     def __enter__(self) -> RebuiltSaves:
-        if torch.compiler.is_compiling() or not torch.is_grad_enabled():
-            return self
-        outer = torch._C._autograd._top_saved_tensors_default_hooks(False)
-        if outer is not None and _recomputing(outer[0]):
-            return self
-        self._outer_hooks = outer
-        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
-        self._hooks.__enter__()
-        _regions().append(self)
+        self._hooks, self._outer_hooks = open_saved_hooks(self._pack, self._unpack)
+        if self._hooks is not None:
+            _regions().append(self)
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -204,10 +216,10 @@ class RebuiltSaves:
 
     def _pass_on(self, t: Tensor) -> Any:
         """A tensor this region does not replace, through the enclosing hooks if any."""
-        return t if self._outer_hooks is None else _Passed(self._outer_hooks[0](t))
+        return t if self._outer_hooks is None else PassedOn(self._outer_hooks[0](t))
 
     def _unpack(self, packed: Any) -> Tensor:
-        if isinstance(packed, _Passed):
+        if isinstance(packed, PassedOn):
             return self._outer_hooks[1](packed.packed)
         if not isinstance(packed, _Marker) or packed.region is not self:
             return packed
