@@ -18,7 +18,7 @@ from nanotrain.models.compile import (
     compile_options,
     uses_cuda_graphs,
 )
-from nanotrain.models.expert_compute import set_fp8_expert_activations
+from nanotrain.models.expert_compute import set_fp8_dispatch, set_fp8_expert_activations
 from nanotrain.models.fp8_saves import check_fp8_expert_activations
 from nanotrain.models.recompute import check_full_layers, check_recompute
 from nanotrain.models.transformer import set_recompute
@@ -89,6 +89,10 @@ class LanguageModelModule(NanoModule):
             DeepSeek-V3 does (`nanotrain.models.fp8_saves`): about half of a MoE layer's
             activations under recompute "light", with the loss unchanged and gradients that
             read the rounded values. Not with torch.compile.
+        fp8_dispatch: send the routed copies to their experts in fp8 with 1 x 128 tile
+            scales (DeepSeek-V3's dispatch: about half the bytes of bf16; the experts then
+            compute on the rounded rows, under every layout); False leaves it to the
+            precision ("fp8-emulated" dispatches in fp8).
         compile_layers: torch.compile each decoder layer (`nanotrain.models.compile`): True,
             or a dict of `torch.compile` arguments (e.g. ``{"backend": "aot_eager"}``).
         compile_model: torch.compile the whole model (embedding, layers, head and loss) as one
@@ -115,6 +119,7 @@ class LanguageModelModule(NanoModule):
         recompute: str | None = None,
         recompute_full_layers: int = 0,
         fp8_expert_activations: bool = False,
+        fp8_dispatch: bool = False,
         compile_layers: bool | dict[str, Any] = False,
         compile_model: bool | dict[str, Any] = False,
     ) -> None:
@@ -124,6 +129,8 @@ class LanguageModelModule(NanoModule):
         check_full_layers(recompute_full_layers, recompute)
         check_compile_options(compile_layers, compile_model)
         check_fp8_expert_activations(fp8_expert_activations, compile_layers or compile_model)
+        if not isinstance(fp8_dispatch, bool):
+            raise TypeError(f"fp8_dispatch must be True or False, got {fp8_dispatch!r}")
         if lr <= 0 or min_lr < 0 or min_lr > lr:
             raise ValueError(f"need 0 <= min_lr <= lr and lr > 0, got lr={lr}, min_lr={min_lr}")
         if warmup_steps < 0:
@@ -220,6 +227,7 @@ class LanguageModelModule(NanoModule):
             self.model, self.hparams.get("recompute"), self.hparams.get("recompute_full_layers", 0)
         )
         set_fp8_expert_activations(self.model, self.hparams.get("fp8_expert_activations", False))
+        set_fp8_dispatch(self.model, self.hparams.get("fp8_dispatch", False))
         if self.hparams.get("compile_layers"):
             compile_layers(self.model, **compile_options(self.hparams["compile_layers"]))
         if self.hparams.get("compile_model"):

@@ -123,6 +123,8 @@ def _parser() -> Any:
          "none, then light, then selective, then full)")  # fmt: skip
     flag("fp8_expert_activations", type=bool, default=False,
          help="the routed experts keep their rows and SwiGLU inputs in fp8 for backward")  # fmt: skip
+    flag("fp8_dispatch", type=bool, default=False,
+         help="the routed copies cross the ep group in fp8 with tile scales")  # fmt: skip
     flag("compute_efficiency", type=float, default=0.5,
          help="fraction of peak FLOP/s the matmuls reach (the step-time model)")  # fmt: skip
     flag("json", action="store_true", help="print JSON")
@@ -193,6 +195,7 @@ def run_plan(argv: list[str]) -> None:
             overlap_forward_backward=bool(cfg.overlap_forward_backward),
             node_limited_dispatch=cfg.node_limited_dispatch,
             fp8_expert_activations=cfg.fp8_expert_activations,
+            fp8_dispatch=cfg.fp8_dispatch,
         )  # fmt: skip
         micro = cfg.micro_batch_size or 1
         workload = Workload(cfg.seq_len, micro, _batch(cfg, micro * layout.dp), cfg.precision)
@@ -210,6 +213,7 @@ def run_plan(argv: list[str]) -> None:
         zero_stages=(cfg.zero_stage,) if cfg.zero_stage is not None else (1,),
         recompute=SEARCH_RECOMPUTE if cfg.recompute is None else (recompute,),
         fp8_expert_activations=cfg.fp8_expert_activations,
+        fp8_dispatch=cfg.fp8_dispatch,
         model_name=cfg.model, compute_efficiency=cfg.compute_efficiency,
     )  # fmt: skip
     if cfg.json:
@@ -248,6 +252,7 @@ def plan_for_run(
         hparams.get("recompute"),
         hparams.get("recompute_full_layers", 0),
         hparams.get("fp8_expert_activations", False),
+        hparams.get("fp8_dispatch", False),
     )
     # the micro batch the run will read: the Trainer's, else its data's loaders' (as the
     # Trainer resolves it: nanotrain.trainer.loaders)

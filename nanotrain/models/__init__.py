@@ -15,7 +15,7 @@ from nanotrain.models.build import build_model, init_weights
 from nanotrain.models.compile import compile_layers, compile_model
 from nanotrain.models.config import DeepSeekConfig, DenseConfig, ModelConfig
 from nanotrain.models.deepseek import DeepSeekV3
-from nanotrain.models.expert_compute import set_fp8_expert_activations
+from nanotrain.models.expert_compute import set_fp8_dispatch, set_fp8_expert_activations
 from nanotrain.models.lazy import LazyTensor, open_safetensors
 from nanotrain.models.recompute import RECOMPUTE_MODES
 from nanotrain.models.transformer import CausalLM, DenseTransformer, ModelOutput, set_recompute
@@ -38,6 +38,7 @@ __all__ = [
     "init_weights",
     "open_safetensors",
     "presets",
+    "set_fp8_dispatch",
     "set_fp8_expert_activations",
     "set_recompute",
     "total_params",

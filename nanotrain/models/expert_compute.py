@@ -342,8 +342,9 @@ class GroupedExperts(nn.Module):
     #: (`nanotrain.precision.base.wrap_forward`)
     runs_own_precision = False
     #: whether the routed copies cross the ep group in fp8 with 1 x 128 tile scales
-    #: (`nanotrain.parallel.fp8_wire`), set by an fp8 precision that quantizes these experts'
-    #: inputs per tile anyway (`EmulatedFP8`)
+    #: (`nanotrain.parallel.fp8_wire`; without expert parallelism they are rounded as the
+    #: wire would), set by `set_fp8_dispatch` or by an fp8 precision that quantizes these
+    #: experts' inputs per tile anyway (`EmulatedFP8`)
     dispatches_fp8 = False
 
     def for_dispatch(self, x: torch.Tensor) -> torch.Tensor:
@@ -419,4 +420,21 @@ def set_fp8_expert_activations(model: nn.Module, enabled: bool) -> int:
     experts = [m for m in model.modules() if isinstance(m, GroupedExperts)]
     for m in experts:
         m.fp8_saved_activations = enabled
+    return len(experts)
+
+
+def set_fp8_dispatch(model: nn.Module, enabled: bool) -> int:
+    """Send the routed copies of every routed-expert module in `model` to their experts in
+    fp8 with 1 x 128 tile scales, DeepSeek-V3's dispatch (`GroupedExperts.dispatches_fp8`;
+    the combine returns in the experts' output dtype); returns how many modules were set.
+    With `enabled` false the precision decides ("fp8-emulated" dispatches in fp8).
+
+    Raises:
+        TypeError: for an `enabled` that is not a bool.
+    """
+    if not isinstance(enabled, bool):
+        raise TypeError(f"fp8_dispatch must be True or False, got {enabled!r}")
+    experts = [m for m in model.modules() if isinstance(m, GroupedExperts)]
+    for m in experts:
+        m.dispatches_fp8 = enabled or m.dispatches_fp8
     return len(experts)

@@ -57,6 +57,7 @@ from nanotrain.parallel.expert import (
     peer_slot_counts,
     run_experts_parallel,
 )
+from nanotrain.parallel.fp8_wire import fp8_wire_roundtrip
 from nanotrain.parallel.node_dispatch import NodeGroups, run_experts_node_limited
 from nanotrain.parallel.row_sum import index_add_rows
 from nanotrain.parallel.saved_rebuild import cast_in_region
@@ -367,9 +368,13 @@ class DeepSeekMoE(nn.Module):
 
     def _for_dispatch(self, copies: torch.Tensor) -> torch.Tensor:
         """The routed copies [M, H] as they cross the ep group (`GroupedExperts.for_dispatch`:
-        bf16 under bf16 autocast); without expert parallelism they stay as they are. Cast
-        after the copies are made, so their gradients are summed per token in fp32."""
+        bf16 under bf16 autocast); without expert parallelism they stay as they are, unless
+        the dispatch is in fp8 (`GroupedExperts.dispatches_fp8`): they then get the wire's
+        rounding without the wire, as under every other layout. Cast after the copies are
+        made, so their gradients are summed per token in fp32."""
         if group_size(self.ep_group) == 1:
+            if self.experts.dispatches_fp8:  # the values the fp8 wire would deliver
+                return fp8_wire_roundtrip(self.experts.for_dispatch(copies))
             return copies
         return self.experts.for_dispatch(copies)
 

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-__all__ = ["TILE", "pack_fp8_rows", "unpack_fp8_rows", "fp8_row_bytes"]
+__all__ = ["TILE", "fp8_row_bytes", "fp8_wire_roundtrip", "pack_fp8_rows", "unpack_fp8_rows"]
 
 TILE = 128
 _E4M3 = torch.float8_e4m3fn
@@ -50,3 +50,23 @@ def unpack_fp8_rows(packed: Tensor, hidden: int, dtype: torch.dtype) -> Tensor:
     scales = packed[:, hidden:].contiguous().view(torch.float32).view(r, tiles, 1)
     grouped = F.pad(values, (0, tiles * TILE - hidden)).view(r, tiles, TILE)
     return (grouped / scales).view(r, tiles * TILE)[:, :hidden].to(dtype)
+
+
+class _WireRoundTrip(torch.autograd.Function):
+    """Forward: what the fp8 wire delivers; backward: the gradient as it is, as the wire's
+    all-to-all hands it back."""
+
+    @staticmethod
+    def forward(ctx, x):  # noqa: ANN001, ANN205
+        return unpack_fp8_rows(pack_fp8_rows(x), x.shape[-1], x.dtype)
+
+    @staticmethod
+    def backward(ctx, grad):  # noqa: ANN001, ANN205
+        return grad
+
+
+def fp8_wire_roundtrip(x: Tensor) -> Tensor:
+    """x [M, H] as the fp8 wire would deliver it (``unpack_fp8_rows(pack_fp8_rows(x))``), with
+    the gradient passed straight through: the rows of a dispatch in fp8 that crosses no rank
+    (one expert-parallel rank), so that every layout computes on the same values."""
+    return _WireRoundTrip.apply(x)

@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import functools
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -124,8 +124,12 @@ class WireDtypes:
         return hidden * width
 
 
-def wire_dtypes(precision: str, reduce_dtype: torch.dtype = torch.float32) -> WireDtypes:
-    """The `WireDtypes` of a Trainer precision name (`nanotrain.planning.PRECISIONS`).
+def wire_dtypes(
+    precision: str, reduce_dtype: torch.dtype = torch.float32, fp8_dispatch: bool = False
+) -> WireDtypes:
+    """The `WireDtypes` of a Trainer precision name (`nanotrain.planning.PRECISIONS`), with
+    the routed copies in fp8 rows when `fp8_dispatch` (`LanguageModelModule(fp8_dispatch=)`;
+    their gradients return in the dispatch dtype the precision has otherwise).
 
     Under autocast ("bf16-mixed", "16-mixed", the emulated formats, Transformer Engine,
     torchao's float8) the parameters stay fp32, so do the embedding output, norms and residual
@@ -137,14 +141,17 @@ def wire_dtypes(precision: str, reduce_dtype: torch.dtype = torch.float32) -> Wi
     policy.
     """
     reduce = torch.tensor([], dtype=reduce_dtype).element_size()
-    if precision == "32-true":
-        return WireDtypes(4, 4, 4, 4, 4, 4)
-    if precision == "bf16-true":
-        return WireDtypes(2, 2, 2, 2, 4, reduce)
     if precision == "fp8-emulated":
         return WireDtypes(4, 2, 1, 4, 4, reduce, dispatch_grad=4, dispatch_fp8=True)
-    dispatch = 4 if precision.endswith("-emulated") else 2
-    return WireDtypes(4, 2, dispatch, 4, 4, reduce)
+    if precision == "32-true":
+        wire = WireDtypes(4, 4, 4, 4, 4, 4)
+    elif precision == "bf16-true":
+        wire = WireDtypes(2, 2, 2, 2, 4, reduce)
+    else:
+        wire = WireDtypes(4, 2, 4 if precision.endswith("-emulated") else 2, 4, 4, reduce)
+    if not fp8_dispatch:
+        return wire
+    return replace(wire, dispatch=1, dispatch_grad=wire.dispatch, dispatch_fp8=True)
 
 
 @dataclass
@@ -448,7 +455,7 @@ def comm_estimate(
     if not 0 <= pp_rank < layout.pp:
         raise ValueError(f"pp_rank={pp_rank} is outside [0, pp={layout.pp})")
     rank = rank_models(config, layout)[pp_rank]
-    dt = wire_dtypes(workload.precision, reduce_dtype)
+    dt = wire_dtypes(workload.precision, reduce_dtype, layout.fp8_dispatch)
     tallies = {
         "tp": _tp(config, layout, workload, rank, dt),
         "pp": _pp(layout, workload, config, pp_rank, dt),

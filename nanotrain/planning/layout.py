@@ -52,6 +52,8 @@ class PlanLayout(MeshLayout):
             group spans nodes and the MoE layers are dropless).
         fp8_expert_activations: the routed experts keep their rows and SwiGLU inputs in fp8
             for backward (`LanguageModelModule(fp8_expert_activations=)`).
+        fp8_dispatch: the routed copies cross the ep group in fp8 with tile scales
+            (`LanguageModelModule(fp8_dispatch=)`; "fp8-emulated" does so anyway).
     """
 
     virtual_pp: int = 1
@@ -65,6 +67,7 @@ class PlanLayout(MeshLayout):
     overlap_forward_backward: bool = False
     node_limited_dispatch: bool | None = None
     fp8_expert_activations: bool = False
+    fp8_dispatch: bool = False
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -113,6 +116,7 @@ class PlanLayout(MeshLayout):
         recompute: str | None = None,
         recompute_full_layers: int = 0,
         fp8_expert_activations: bool = False,
+        fp8_dispatch: bool = False,
     ) -> PlanLayout:
         """The layout a `MegatronStrategy` (or single-device / DDP strategy) runs on
         `world_size` ranks; dp is inferred when the strategy leaves it unset."""
@@ -135,6 +139,7 @@ class PlanLayout(MeshLayout):
             recompute=recompute,
             recompute_full_layers=recompute_full_layers,
             fp8_expert_activations=fp8_expert_activations,
+            fp8_dispatch=fp8_dispatch,
             # MegatronStrategy's bucket_size_mb, DDP's bucket_cap_mb
             bucket_size_mb=getattr(
                 strategy, "bucket_size_mb", getattr(strategy, "bucket_cap_mb", 25.0)
@@ -224,6 +229,8 @@ class PlanLayout(MeshLayout):
             parts.append(f"{self.recompute}-recompute")
         if self.fp8_expert_activations:
             parts.append("fp8-expert-acts")
+        if self.fp8_dispatch and self.ep > 1:
+            parts.append("fp8-dispatch")
         if self.overlap_forward_backward:
             parts.append("overlapped")
         if self.node_limited_dispatch is False and self.ep > 1:

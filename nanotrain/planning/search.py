@@ -104,11 +104,13 @@ def search_layouts(
     zero_stages: Sequence[int] = (1,),
     recompute: Sequence[str | None] = SEARCH_RECOMPUTE,
     fp8_expert_activations: bool = False,
+    fp8_dispatch: bool = False,
     model_name: str | None = None,
     **plan_kwargs: Any,
 ) -> SearchResult:
     """Price every candidate layout (module docstring); return those that fit, fastest first.
-    With `fp8_expert_activations` every candidate keeps the routed experts' saves in fp8.
+    With `fp8_expert_activations` every candidate keeps the routed experts' saves in fp8, with
+    `fp8_dispatch` every one sends the routed copies in fp8.
 
     The batch is `global_batch_size` sequences, or `global_batch_tokens` tokens rounded per
     layout to the nearest whole number of microbatches on every data-parallel replica.
@@ -129,7 +131,11 @@ def search_layouts(
             # rejected when even the last mode does not fit
             last: Rejected | None = None
             for mode in recompute:
-                layout = base.replace(recompute=mode, fp8_expert_activations=fp8_expert_activations)
+                layout = base.replace(
+                    recompute=mode,
+                    fp8_expert_activations=fp8_expert_activations,
+                    fp8_dispatch=fp8_dispatch,
+                )
                 try:
                     batch = global_batch_size
                     if batch is None:

@@ -11,7 +11,9 @@ before. A layer whose experts a precision plugin keeps high (`wrap_forward`, as 
 that keeps the routed experts in fp32 does) dispatches fp32, as does a layer without
 autocast. Under "fp8-emulated" (experts set up by `EmulatedFP8`) the copies go out as fp8
 rows with tile scales (uint8 on the wire) and give bitwise the numbers of the fp32 dispatch
-the experts then quantize to the same tiles.
+the experts then quantize to the same tiles. With `set_fp8_dispatch` under bf16 autocast the
+rows go out as fp8 rows too and the combine and gradients in bf16; without autocast the ep=2
+layer gives what one rank gives when it rounds the rows as the wire would (`_for_dispatch`).
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ import torch.distributed as dist
 
 from nanotrain.models import presets
 from nanotrain.models.build import init_weights
-from nanotrain.models.expert_compute import GroupedExperts
+from nanotrain.models.expert_compute import GroupedExperts, set_fp8_dispatch
 from nanotrain.models.moe import DeepSeekMoE
 from nanotrain.parallel import ParallelMesh
 from nanotrain.precision.base import wrap_forward
@@ -66,14 +68,17 @@ def _run(layer: DeepSeekMoE, rank: int, autocast: bool) -> tuple[list, list[torc
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
             y, aux = layer(x)
         ((y.float() * w).sum() + aux).backward()
-    assert weights == [torch.bfloat16 if autocast else torch.float32] * 2, weights
+    if layer.ep_group is not None:
+        assert weights == [torch.bfloat16 if autocast else torch.float32] * 2, weights
     grads = [p.grad.clone() for p in layer.parameters() if p.grad is not None]
     return [y.detach(), x.grad.clone(), grads], dtypes
 
 
-def _layer(mesh: ParallelMesh, capacity: float | None, keep_high: bool = False) -> DeepSeekMoE:
+def _layer(
+    mesh: ParallelMesh | None, capacity: float | None, keep_high: bool = False
+) -> DeepSeekMoE:
     config = presets.get("tiny", aux_loss_alpha=0.01, capacity_factor=capacity)
-    layer = DeepSeekMoE(config, ep_group=mesh.ep_group)
+    layer = DeepSeekMoE(config, ep_group=None if mesh is None else mesh.ep_group)
     init_weights(layer, torch.Generator().manual_seed(3))
     if keep_high:  # what Precision.apply_to_linear does to a layer the policy keeps high
         wrap_forward(layer.experts, lambda: torch.autocast("cpu", enabled=False))
@@ -108,6 +113,16 @@ def _cases(rank: int, world_size: int) -> dict:
         fp8_same = all(torch.equal(a, b) for a, b in zip(*flat, strict=True))
         out[capacity] = (same, built_dtypes, before_dtypes, high_dtypes, fp32_dtypes)
         out[f"fp8 {capacity}"] = (fp8_same, fp8_dtypes)
+        # the option, under bf16 autocast (dtypes) and in fp32 against one rank (numbers)
+        layer = _layer(mesh, capacity)
+        set_fp8_dispatch(layer, True)
+        _, option_dtypes = _run(layer, rank, autocast=True)
+        results = []
+        for ep_mesh, fp8 in ((mesh, True), (None, True), (None, False)):
+            layer = _layer(ep_mesh, capacity)
+            set_fp8_dispatch(layer, fp8)
+            results.append(_run(layer, rank, autocast=False)[0][:2])  # output, input grad
+        out[f"option {capacity}"] = (option_dtypes, results)
     return out
 
 
@@ -151,3 +166,17 @@ def test_for_dispatch_casts_only_what_autocast_would():
     wrap_forward(experts, contextlib.nullcontext)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         assert experts.for_dispatch(x) is x  # a precision plugin runs these experts
+
+
+def test_fp8_dispatch_option_sends_fp8_rows_and_every_layout_computes_on_them(world):
+    for rank_result in world:
+        for capacity in (None, 1.0):
+            dtypes, (ep2, one_rank, one_rank_plain) = rank_result[f"option {capacity}"]
+            case = f"capacity_factor={capacity}"
+            # fp8 rows out; the combine, its gradient and the copies' gradients in bf16
+            assert dtypes == [torch.uint8] + [torch.bfloat16] * 3, case
+            for got, want, plain in zip(ep2, one_rank, one_rank_plain, strict=True):
+                # one rank rounds the rows as the wire does: equal up to the experts' GEMM
+                # grouping; without the rounding the output is off by far more
+                torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6, msg=case)
+                assert (got - plain).abs().max() > 1e-4, case

@@ -81,6 +81,7 @@ def measure(kind: str, strategy_kwargs: dict, extra: dict, root: str) -> dict[st
         vocab_size=LM_VOCAB,
         model_overrides=overrides,
         recompute=extra.get("recompute"),
+        fp8_dispatch=extra.get("fp8_dispatch", False),
     )
     precision = extra.get("precision", "32-true")
     micro, batch = extra.get("batch", (MICRO, GLOBAL))
@@ -102,7 +103,12 @@ def measure(kind: str, strategy_kwargs: dict, extra: dict, root: str) -> dict[st
     with meter:
         trainer.fit(module, train_dataloaders=RandomTokens())
     mesh = strategy.mesh
-    layout = PlanLayout.from_strategy(strategy, mesh.world_size, extra.get("recompute"))
+    layout = PlanLayout.from_strategy(
+        strategy,
+        mesh.world_size,
+        extra.get("recompute"),
+        fp8_dispatch=extra.get("fp8_dispatch", False),
+    )
     workload = Workload(SEQ, micro, batch, precision)
     estimate = comm_estimate(
         module.config,
@@ -172,6 +178,12 @@ WORLD2 = {
     "dense tp=2 sp bf16-mixed": ("tiny-dense", dict(tp=2, sequence_parallel=True), BF16_MIXED),
     "deepseek ep=2 bf16-mixed": ("tiny", dict(ep=2), BF16_MIXED),
     "deepseek ep=2 fp8-emulated": ("tiny", dict(ep=2), {"precision": "fp8-emulated"}),
+    # fp8 rows out under bf16 autocast, the copies' gradients back in bf16
+    "deepseek ep=2 bf16-mixed fp8 dispatch": (
+        "tiny",
+        dict(ep=2),
+        {**BF16_MIXED, "fp8_dispatch": True},
+    ),
     "deepseek tp=2 bf16-true": ("tiny", dict(tp=2), BF16_TRUE),
     "deepseek dp=2 zero2 bf16-true": ("tiny", dict(zero_stage=2), BF16_TRUE),
 }

@@ -5,7 +5,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from nanotrain.parallel.fp8_wire import fp8_row_bytes, pack_fp8_rows, unpack_fp8_rows
+from nanotrain.parallel.fp8_wire import (
+    fp8_row_bytes,
+    fp8_wire_roundtrip,
+    pack_fp8_rows,
+    unpack_fp8_rows,
+)
 from nanotrain.precision.quant import qdq_fp8
 
 
@@ -32,3 +37,17 @@ def test_no_rows_pack_to_no_rows():
     packed = pack_fp8_rows(torch.empty(0, 64))
     assert packed.shape == (0, 68)
     assert unpack_fp8_rows(packed, 64, torch.bfloat16).shape == (0, 64)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_roundtrip_without_a_wire_gives_its_values_and_passes_the_gradient(dtype):
+    # a dispatch in fp8 on one expert-parallel rank: the rows the wire would deliver, and the
+    # gradient the wire's all-to-all would hand back (unchanged)
+    x = torch.randn(5, 200, dtype=dtype, requires_grad=True)
+    y = fp8_wire_roundtrip(x)
+    assert y.dtype == dtype
+    assert torch.equal(y, unpack_fp8_rows(pack_fp8_rows(x), 200, dtype))
+    assert not torch.equal(y, x)
+    g = torch.randn(5, 200, dtype=dtype)
+    y.backward(g)
+    assert torch.equal(x.grad, g)
