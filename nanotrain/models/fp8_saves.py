@@ -25,7 +25,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from nanotrain.parallel.fp8_wire import pack_fp8_rows, unpack_fp8_rows
+from nanotrain.parallel.fp8_wire import fp8_row_bytes, pack_fp8_rows, unpack_fp8_rows
 from nanotrain.parallel.saved_rebuild import PassedOn, open_saved_hooks
 
 __all__ = [
@@ -47,8 +47,8 @@ def _regions() -> list[Fp8Saves]:
 
 def fp8_saved_bytes(rows: int, width: int) -> int:
     """Bytes `rows` rows of `width` values take when kept in fp8: the e4m3 values and one
-    fp32 scale per 1 x 128 tile of each row."""
-    return rows * (width + 4 * -(-width // 128))
+    fp32 scale per 1 x 128 tile of each row (the fp8 wire's rows)."""
+    return rows * fp8_row_bytes(width)
 
 
 def check_fp8_expert_activations(enabled: Any, compiled: Any) -> None:
