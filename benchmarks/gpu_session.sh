@@ -18,6 +18,9 @@
 #           ~2 ms model), the host syncs while logging (--sync-check) and the ops and Python
 #           calls per step on the GPU path (--count-host-work)
 #   overheadcpu  benchmarks/overhead.py's CPU table on this machine's (quiet) CPU
+#   recompute  the activations autograd keeps on the GPU path (fused attention, grouped-GEMM
+#           experts, fp8 expert saves) by recompute mode, beside the planner's figure
+#           (benchmarks/recompute.py --device cuda)
 # Earlier checks, by name only: sync, syncsource (host syncs of the Trainer), nccl (every
 # strategy on one NCCL rank), experts (expert layer by number of experts), moe, dense (the
 # bare loop's MFU). Each part has its own time limit, so one slow part cannot starve the
@@ -28,7 +31,7 @@ cd "$(dirname "$0")/.."
 out="${1:-${OUT:-/tmp/gpu}}"
 wanted=("${@:2}")
 [ ${#wanted[@]} -gt 0 ] || wanted=(tests fit fp8 plan graphs peer)
-parts=" tests fit fp8 plan graphs peer overhead overheadcpu sync syncsource nccl experts moe dense "
+parts=" tests fit fp8 plan graphs peer overhead overheadcpu recompute sync syncsource nccl experts moe dense "
 for name in "${wanted[@]}"; do
     if [[ "$parts" != *" $name "* ]]; then
         echo "unknown part '$name'; the parts are:$parts" >&2
@@ -89,6 +92,9 @@ part overhead 240 bash -c "python3 benchmarks/overhead.py --device cuda --sync-c
     python3 benchmarks/overhead.py --device cuda --width 256 --steps 300 --rounds 5;
     python3 benchmarks/overhead.py --device cuda --width 2048 --batch 1024 --steps 200 --rounds 3"
 part overheadcpu 150 python3 benchmarks/overhead.py --width 256 --steps 300 --rounds 5
+part recompute 90 bash -c "python3 benchmarks/recompute.py --device cuda --precision bf16-mixed \
+    --batch 2 --seq-len 2048; python3 benchmarks/recompute.py --device cuda --precision bf16-true \
+    --batch 1 --seq-len 2048"
 part sync 120 python3 benchmarks/gpu.py --sync-check-only
 part syncsource 200 python3 benchmarks/gpu.py --find-syncs ddp:bf16-mixed --find-syncs ddp:bf16-true \
     --find-syncs single:bf16-mixed --find-syncs single:bf16-true \
@@ -101,6 +107,7 @@ echo "== summary"
 grep -sh "^| \|gap of\|largest micro-batch\|exit " "$out/fit.log" "$out/fp8.log" "$out/plan.log" "$out/graphs.log"
 grep -sh "FAILED\|passed\|failed\|error" "$out/tests.log" | tail -8
 grep -sh "^| \|^peer" "$out/peer.log"
+grep -sh "^| \|^deepseek" "$out/recompute.log"
 grep -sh "^sync check\|^  step\|^steps=\|^[a-z ]*loop\|^nanotrain\|^lightning" "$out/overhead.log" "$out/overheadcpu.log"
 grep -sh "^sync check\|^  [0-9]*x " "$out/sync.log"
 grep -sh "^sync sources\|^  [0-9]*x \|^  steady" "$out/syncsource.log" | cut -c1-400

@@ -283,12 +283,28 @@ def _mla_attention(led: Ledger, c: Any, d: Dims, dt: Dtypes, light: bool) -> Non
         led.add("attention", n * heads * (2 * dqk + nope + 2 * dv) * g)
         led.add("attention", d.b * heads * d.s * F32)
     else:
-        # CPU math kernel (head dims differ): fp32 scaled q, k, the [s, s] probabilities and
-        # a contiguous v; o_proj saves a contiguous copy of the output
-        led.add("attention", n * heads * (2 * dqk + dv) * F32 + d.b * heads * d.s * d.s * F32)
-        led.add("attention", n * heads * dv * g)
+        # CPU math kernel (head dims differ): fp32 q, k, v for its GEMMs and the [s, s]
+        # probabilities; o_proj saves a contiguous copy of the output
+        led.add("attention", _math_kernel_qkv(c, d, dt, light=False))
+        led.add("attention", d.b * heads * d.s * d.s * F32 + n * heads * dv * g)
     if dt.cast_copies:
         led.add("weight_copies", weights * g)
+
+
+def _math_kernel_qkv(c: Any, d: Dims, dt: Dtypes, light: bool) -> int:
+    """What the CPU math attention path (`causal_attention`) saves of q, k and v: fp32 copies
+    laid out per head [b*heads, s, d], except where its reshapes are views. That happens with
+    fp32 activations (no cast) and one sequence per microbatch (b = 1 merges into the heads
+    dim): v is then a view of kv_b's output [s, heads*(nope + dv)], which is saved whole, and
+    under recompute "light" q, k and v are all views of the rebuilt tensors (kept as
+    recipes)."""
+    heads = c.num_heads // d.tp
+    dqk, dv = c.qk_head_dim, c.v_head_dim
+    if dt.gemm != F32 or d.b > 1:
+        return d.n * heads * (2 * dqk + dv) * F32
+    if light:
+        return 0
+    return d.n * heads * (2 * dqk + c.qk_nope_head_dim + dv) * F32
 
 
 def _latent_norms(led: Ledger, c: Any, d: Dims, dt: Dtypes) -> int:
@@ -327,9 +343,9 @@ def _mla_attention_light(led: Ledger, c: Any, d: Dims, dt: Dtypes) -> None:
     kernel = "fused" if dqk == dv else d.kernel_for_unequal_dims
     if kernel == "fused":  # the output (o_proj reads it as a view) and the log-sum-exp
         led.add("attention", n * heads * dv * g + d.b * heads * d.s * F32)
-    else:  # the math kernel's copies, as without recomputation
-        led.add("attention", n * heads * (2 * dqk + dv) * F32 + d.b * heads * d.s * d.s * F32)
-        led.add("attention", n * heads * dv * g)
+    else:  # the math kernel's q, k, v, probabilities and output, as without recomputation
+        led.add("attention", _math_kernel_qkv(c, d, dt, light=True))
+        led.add("attention", d.b * heads * d.s * d.s * F32 + n * heads * dv * g)
     if dt.cast_copies:
         led.add("weight_copies", weights * g)
 

@@ -56,6 +56,7 @@ def measure(
     full_layers: int = 0,
     *,
     fp8: bool = False,
+    micro: int = MICRO,
     **overrides,
 ) -> int:
     """Saved bytes of one training forward of `preset` (seq 64, micro batch 2) on CPU; `fp8`:
@@ -68,8 +69,8 @@ def measure(
     set_recompute(model, recompute, full_layers)
     set_fp8_expert_activations(model, fp8)
     model.train()
-    ids = torch.randint(0, config.vocab_size, (MICRO, SEQ))
-    labels = torch.randint(0, config.vocab_size, (MICRO, SEQ))
+    ids = torch.randint(0, config.vocab_size, (micro, SEQ))
+    labels = torch.randint(0, config.vocab_size, (micro, SEQ))
     with SavedBytes(model) as saved, plugin.forward_context():
         out = model(ids, labels)
     out.total_loss.backward()  # the graph is complete and runs
@@ -83,13 +84,14 @@ def predict(
     full_layers: int = 0,
     *,
     fp8: bool = False,
+    micro: int = MICRO,
     **overrides,
 ) -> ActivationEstimate:
     layout = PlanLayout(
         recompute=recompute, recompute_full_layers=full_layers, fp8_expert_activations=fp8
     )
     workload = Workload(
-        seq_len=SEQ, micro_batch_size=MICRO, global_batch_size=MICRO, precision=precision
+        seq_len=SEQ, micro_batch_size=micro, global_batch_size=micro, precision=precision
     )
     return activation_estimate(presets.get(preset, **overrides), layout, workload, device="cpu")
 
@@ -122,6 +124,16 @@ def test_the_first_layers_recomputed_fully_beside_another_mode(recompute):
     predicted = predict("tiny", "bf16-mixed", recompute, full_layers=1).per_microbatch
     assert predicted == pytest.approx(measured, rel=0.002), (predicted, measured)
     assert measured < measure("tiny", "bf16-mixed", recompute)
+
+
+@pytest.mark.parametrize("precision", ["32-true", "bf16-mixed"])
+@pytest.mark.parametrize("recompute", [None, "light"])
+def test_one_sequence_per_microbatch_matches_a_cpu_forward(recompute, precision):
+    # with fp32 activations and b = 1 the CPU attention path reshapes q, k, v by views: v is
+    # kv_b's whole output, and under light recomputation all three are rebuilt tensors' views
+    measured = measure("tiny", precision, recompute, micro=1)
+    predicted = predict("tiny", precision, recompute, micro=1).per_microbatch
+    assert predicted == pytest.approx(measured, rel=0.002), (predicted, measured)
 
 
 @pytest.mark.parametrize("precision", ["32-true", "bf16-true", "bf16-mixed"])
