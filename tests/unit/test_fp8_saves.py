@@ -23,6 +23,7 @@ from nanotrain.models.expert_compute import (
 )
 from nanotrain.models.fp8_saves import Fp8Saves, fp8_saved_bytes
 from nanotrain.precision.quant import qdq_fp8
+from tests.precision_helpers import VOCAB, fit
 
 H, INTER = 256, 160  # two 128-wide tiles per row, the second ragged for INTER
 
@@ -183,3 +184,26 @@ def test_the_module_sets_every_routed_expert_module_including_mtp():
     experts = [m for m in module.model.modules() if isinstance(m, GroupedExperts)]
     assert len(experts) == 2  # tiny: one MoE layer and the MTP block's
     assert all(m.fp8_saved_activations for m in experts)
+
+
+def test_a_run_with_the_fp8_expert_options_resumes_exactly(tmp_path):
+    # the options are hyperparameters: a resumed run keeps them, and rounds as the first did
+    def module():
+        return LanguageModelModule(
+            "tiny",
+            vocab_size=VOCAB,
+            lr=3e-3,
+            warmup_steps=2,
+            recompute="light",
+            fp8_expert_activations=True,
+            fp8_dispatch=True,
+        )
+
+    _, straight = fit("32-true", steps=4, root=str(tmp_path / "straight"), module=module())
+    fit("32-true", steps=2, root=str(tmp_path / "split"), module=module())
+    trainer, resumed = fit(
+        "32-true", steps=4, root=str(tmp_path / "split"), module=module(), ckpt_path="last"
+    )
+    assert trainer.module.hparams["fp8_expert_activations"] is True
+    assert resumed.losses == straight.losses[2:]
+    assert resumed.grad_norms == straight.grad_norms[2:]
