@@ -15,8 +15,9 @@
 #           (benchmarks/peer_torchtitan.py; 55 s on an H200)
 #   overhead  the Trainer's per-step cost against a plain loop and lightning.Trainer on the GPU,
 #           logging every step (benchmarks/overhead.py --device cuda, a launch-bound and a
-#           ~2 ms model), the host syncs while logging (--sync-check) and the ops and Python
-#           calls per step on the GPU path (--count-host-work)
+#           ~2 ms model), the host syncs while logging (--sync-check), the ops and Python
+#           calls per step on the GPU path (--count-host-work) and where the logging runs
+#           spend host time (--host-profile)
 #   overheadcpu  benchmarks/overhead.py's CPU table on this machine's (quiet) CPU
 #   recompute  the activations autograd keeps on the GPU path (fused attention, grouped-GEMM
 #           experts, fp8 expert saves) by recompute mode, beside the planner's figure
@@ -89,6 +90,7 @@ part graphs 30 python3 benchmarks/gpu_fit.py --out "$out/fit" --preset moe-1b \
 part peer 120 python3 benchmarks/peer_torchtitan.py
 part overhead 240 bash -c "python3 benchmarks/overhead.py --device cuda --sync-check;
     python3 benchmarks/overhead.py --device cuda --count-host-work --width 256;
+    python3 benchmarks/overhead.py --device cuda --host-profile --width 256;
     python3 benchmarks/overhead.py --device cuda --width 256 --steps 300 --rounds 5;
     python3 benchmarks/overhead.py --device cuda --width 2048 --batch 1024 --steps 200 --rounds 3"
 part overheadcpu 150 python3 benchmarks/overhead.py --width 256 --steps 300 --rounds 5
@@ -109,6 +111,7 @@ grep -sh "FAILED\|passed\|failed\|error" "$out/tests.log" | tail -8
 grep -sh "^| \|^peer" "$out/peer.log"
 grep -sh "^| \|^deepseek" "$out/recompute.log"
 grep -sh "^sync check\|^  step\|^steps=\|^[a-z ]*loop\|^nanotrain\|^lightning" "$out/overhead.log" "$out/overheadcpu.log"
+grep -sh -A8 "^Python functions\|^ops and CUDA" "$out/overhead.log" | cut -c1-160
 grep -sh "^sync check\|^  [0-9]*x " "$out/sync.log"
 grep -sh "^sync sources\|^  [0-9]*x \|^  steady" "$out/syncsource.log" | cut -c1-400
 grep -sh "matches single\|bf16-mixed  \|bf16-true  \|NCCL check\|Error" "$out/nccl.log"

@@ -9,6 +9,7 @@ order). Run:
     python benchmarks/overhead.py --device cuda --width 256      # the same on one GPU
     python benchmarks/overhead.py --device cuda --sync-check     # host syncs while logging
     python benchmarks/overhead.py --count-host-work              # ops and Python calls per step
+    python benchmarks/overhead.py --device cuda --host-profile   # where the host time goes
 
 Each run's figure is its median step-to-step time after the warm-up. Prints a table with
 each runner's median over rounds, its ratio to the plain loop's, and the median of the
@@ -20,6 +21,11 @@ every 50 steps) are set against "plain loop+log", which does the same work by ha
 `--count-host-work` counts, for each runner, the ATen ops it dispatches and the Python
 functions it calls per step (steps 20-59, leaving out the steps that write the loggers): what
 each step asks of the host, the same on every run, where a shared box's timings are not.
+
+`--host-profile` profiles "plain loop+log" and "nanotrain+log" over the same steps and prints
+where each spends host time per step, and where nanotrain+log spends more: its Python
+functions by own time (cProfile) and its ops and CUDA runtime calls by self CPU time
+(torch.profiler: kernel launches, waits in synchronizing calls).
 
 `--device cuda` runs every runner on one GPU (batches copied per step; each run's last step
 waits for the GPU). `--sync-check` fits the logging module with the default callbacks on the
@@ -349,6 +355,75 @@ def _host_work(runner, data: TensorDataset, batch: int, width: int, device: str,
     return counter.ops / len(counted), calls / len(counted)
 
 
+def _host_time(runner, data: TensorDataset, batch: int, width: int, device: str,
+               counted: list[int]) -> tuple[dict[str, float], dict[str, float]]:  # fmt: skip
+    """Per step of `runner` over the steps in `counted`: (µs of own time per Python function,
+    µs of self CPU time per op or CUDA runtime call), from two runs (each profiler's own
+    work stays out of the other's figures)."""
+    profile = cProfile.Profile()
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if device == "cuda":
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    ops = torch.profiler.profile(activities=activities)
+    real = _StepClock.at_batch_start
+    state = {"ops": False}
+
+    def profiling_python(clock: _StepClock, step: int) -> None:
+        (profile.enable if step in counted else profile.disable)()
+        real(clock, step)
+
+    def profiling_ops(clock: _StepClock, step: int) -> None:
+        if step in counted and not state["ops"]:
+            ops.start()
+            state["ops"] = True
+        elif step not in counted and state["ops"]:
+            ops.stop()
+            state["ops"] = False
+        real(clock, step)
+
+    try:
+        _StepClock.at_batch_start = profiling_python
+        runner(data, batch, counted[-1] + 2, 10, width, device=device)
+        profile.disable()
+        _StepClock.at_batch_start = profiling_ops
+        runner(data, batch, counted[-1] + 2, 10, width, device=device)
+    finally:
+        _StepClock.at_batch_start = real
+        profile.disable()
+        if state["ops"]:
+            ops.stop()
+    n = len(counted)
+    python = collections.Counter()
+    for (filename, line, name), stat in pstats.Stats(profile).stats.items():
+        where = filename.split("site-packages/")[-1].split("/work/main/")[-1]
+        python[f"{name} ({where}:{line})"] += stat[2] * 1e6 / n  # tottime, µs per step
+    by_op = collections.Counter()
+    for event in ops.key_averages():
+        by_op[event.key] += event.self_cpu_time_total / n
+    return dict(python), dict(by_op)
+
+
+def host_profile(data: TensorDataset, batch: int, width: int, device: str) -> None:
+    """Print where "plain loop+log" and "nanotrain+log" spend host time per step (steps 20-59
+    but the logger-writing one), and the largest differences."""
+    counted = [s for s in range(20, 60) if (s + 1) % 50]
+    runs = {
+        name: _host_time(RUNNERS[name], data, batch, width, device, counted)
+        for name in ("plain loop+log", "nanotrain+log")
+    }
+    for kind, index in (("Python functions, own time", 0), ("ops and CUDA calls, self CPU", 1)):
+        plain, ours = runs["plain loop+log"][index], runs["nanotrain+log"][index]
+        print(f"{kind} (µs per step): plain loop+log {sum(plain.values()):.0f}, "
+              f"nanotrain+log {sum(ours.values()):.0f}")  # fmt: skip
+        extra = {k: ours.get(k, 0.0) - plain.get(k, 0.0) for k in set(plain) | set(ours)}
+        print("  most added by nanotrain+log:")
+        for key, more in sorted(extra.items(), key=lambda kv: -kv[1])[:15]:
+            print(f"    {more:+9.1f}  {key}")
+        print("  most of nanotrain+log's:")
+        for key, value in sorted(ours.items(), key=lambda kv: -kv[1])[:10]:
+            print(f"    {value:9.1f}  {key}")
+
+
 def count_host_work(data: TensorDataset, batch: int, width: int, device: str) -> None:
     """Print each runner's ATen ops and Python calls per step over steps [20, 60), leaving out
     the steps that write the loggers (every 50th), with ratios to its plain loop."""
@@ -392,11 +467,17 @@ def main() -> None:
     parser.add_argument(
         "--count-host-work", action="store_true", help="only the ops and Python calls per step"
     )
+    parser.add_argument(
+        "--host-profile", action="store_true", help="only where the logging runs spend host time"
+    )
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     data = make_data(args.batch * 64, args.width)
     if args.count_host_work:
         count_host_work(data, args.batch, args.width, args.device)
+        return
+    if args.host_profile:
+        host_profile(data, args.batch, args.width, args.device)
         return
     if args.sync_check:
         sync_check(data, args.batch, args.width)
