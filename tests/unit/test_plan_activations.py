@@ -59,8 +59,8 @@ def measure(
     micro: int = MICRO,
     **overrides,
 ) -> int:
-    """Saved bytes of one training forward of `preset` (seq 64, micro batch 2) on CPU; `fp8`:
-    the routed experts' saves in fp8."""
+    """Saved bytes of one training forward of `preset` (seq 64, `micro` sequences) on CPU;
+    `fp8`: the routed experts' saves in fp8."""
     torch.manual_seed(0)
     config = presets.get(preset, **overrides)
     model = build_model(config, device="cpu")
