@@ -12,7 +12,7 @@ from typing import Any
 from nanotrain.parallel.mesh import validate_layout
 from nanotrain.planning.gpus import GPUS, GPUSpec, gpu_spec
 from nanotrain.planning.layout import PlanLayout, Workload
-from nanotrain.planning.plan import Plan, plan_layout
+from nanotrain.planning.plan import Plan, plan_layout, suggest_fp8_saves
 from nanotrain.planning.report import format_plan, format_search, plan_json, search_json
 from nanotrain.planning.search import SEARCH_RECOMPUTE, search_layouts
 from nanotrain.strategies.layout_checks import model_dims
@@ -199,8 +199,9 @@ def run_plan(argv: list[str]) -> None:
         )  # fmt: skip
         micro = cfg.micro_batch_size or 1
         workload = Workload(cfg.seq_len, micro, _batch(cfg, micro * layout.dp), cfg.precision)
-        plan = plan_layout(config, layout, workload, gpu, model_name=cfg.model,
-                           compute_efficiency=cfg.compute_efficiency)  # fmt: skip
+        priced = dict(model_name=cfg.model, compute_efficiency=cfg.compute_efficiency)
+        plan = plan_layout(config, layout, workload, gpu, **priced)
+        plan = suggest_fp8_saves(plan, config, **priced)
         print(json.dumps(plan_json(plan), indent=2) if cfg.json else format_plan(plan), end="")
         return
     result = search_layouts(
@@ -262,9 +263,9 @@ def plan_for_run(
     seq_len = int(getattr(data, "seq_len", None) or getattr(config, "max_seq_len", 2048))
     # the Trainer's precision as given: a name, an alias or a plugin object
     workload = Workload(seq_len, micro, gbs, settings.get("precision") or "32-true")
-    plan = plan_layout(
-        config, layout, workload, _device_spec(gpu), model_name=type(module).__name__
-    )
+    device = _device_spec(gpu)
+    plan = plan_layout(config, layout, workload, device, model_name=type(module).__name__)
+    plan = suggest_fp8_saves(plan, config, model_name=type(module).__name__)
     if not is_megatron(strategy):
         plan.notes.append(
             f"{type(strategy).__name__} is priced as MegatronStrategy(dp={layout.dp}); torch "

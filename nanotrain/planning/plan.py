@@ -390,3 +390,22 @@ def plan_layout(
         slowest_comm_s=dict(slowest_comm),
         hidden_comm_s=hidden,
     )
+
+
+def suggest_fp8_saves(plan: Plan, config: Any, **plan_kwargs: Any) -> Plan:
+    """`plan` with a note when it does not fit but would with the routed experts' saves in
+    fp8 (`fp8_expert_activations`, off in its layout): the largest rank's memory then, and
+    the step time, which it does not change. `plan_kwargs`: as given to `plan_layout`."""
+    layout = plan.layout
+    routed = getattr(config, "n_routed_experts", 0) > 0
+    if plan.fits or layout.fp8_expert_activations or not routed or layout.recompute == "full":
+        return plan
+    fp8 = replace(layout, fp8_expert_activations=True)
+    other = plan_layout(config, fp8, plan.workload, plan.gpu, **plan_kwargs)
+    if other.fits:
+        plan.notes.append(
+            f"with the routed experts' activations in fp8 (fp8_expert_activations=True, "
+            f"--fp8_expert_activations true) it fits: {other.largest.memory / GiB:.2f} GiB on "
+            f"stage {other.largest.pp_rank} (the plan prices no time for packing them)"
+        )
+    return plan

@@ -199,3 +199,26 @@ def test_traffic_prints_every_group_that_sends_anything():
     assert _traffic({"other": 12}) == "other 12 B"
     assert _traffic({"ep": 1240 * 2**30}) == "ep 1240 GiB"  # no 1.24e+03
     assert _traffic({"tp": 0, "dp": 0}) == "none"
+
+
+def test_a_layout_that_fits_only_with_fp8_expert_saves_says_so(capsys):
+    # the paper's layout with light recomputation on the full batch: about 90 GiB on the
+    # first stage, about 79 with the routed experts' activations in fp8
+    paper = [*PAPER[: PAPER.index("--global-batch-tokens") + 1], "62914560",
+             *PAPER[PAPER.index("--global-batch-tokens") + 2 :]]  # fmt: skip
+    light = [*paper[: paper.index("--recompute") + 1], "light", *paper[paper.index("full") + 1 :]]
+    assert main([*light, "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["fits"] is False
+    suggested = [n for n in out["notes"] if "fp8_expert_activations" in n]
+    assert len(suggested) == 1 and "it fits" in suggested[0], out["notes"]
+    assert main([*light, "--fp8_expert_activations", "true", "--json"]) == 0
+    with_fp8 = json.loads(capsys.readouterr().out)
+    assert with_fp8["fits"] is True
+    assert f"{with_fp8['max_memory_bytes'] / 2**30:.2f} GiB" in suggested[0]
+    # no suggestion where fp8 saves would not make it fit either
+    none = [*paper[: paper.index("--recompute") + 1], "none", *paper[paper.index("full") + 1 :]]
+    assert main([*none, "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["fits"] is False
+    assert not [n for n in out["notes"] if "fp8_expert_activations" in n]
