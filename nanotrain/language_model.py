@@ -19,7 +19,7 @@ from nanotrain.models.compile import (
     uses_cuda_graphs,
 )
 from nanotrain.models.expert_compute import set_fp8_dispatch, set_fp8_expert_activations
-from nanotrain.models.fp8_saves import check_fp8_expert_activations
+from nanotrain.models.fp8_saves import check_flag, check_fp8_expert_activations
 from nanotrain.models.recompute import check_full_layers, check_recompute
 from nanotrain.models.transformer import set_recompute
 from nanotrain.module import NanoModule
@@ -129,8 +129,7 @@ class LanguageModelModule(NanoModule):
         check_full_layers(recompute_full_layers, recompute)
         check_compile_options(compile_layers, compile_model)
         check_fp8_expert_activations(fp8_expert_activations, compile_layers or compile_model)
-        if not isinstance(fp8_dispatch, bool):
-            raise TypeError(f"fp8_dispatch must be True or False, got {fp8_dispatch!r}")
+        check_flag("fp8_dispatch", fp8_dispatch)
         if lr <= 0 or min_lr < 0 or min_lr > lr:
             raise ValueError(f"need 0 <= min_lr <= lr and lr > 0, got lr={lr}, min_lr={min_lr}")
         if warmup_steps < 0:

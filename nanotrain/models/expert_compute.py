@@ -41,7 +41,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from nanotrain.models.cast_cache import cached_cast
-from nanotrain.models.fp8_saves import Fp8Saves, check_fp8_expert_activations, keep_in_fp8
+from nanotrain.models.fp8_saves import (
+    Fp8Saves,
+    check_flag,
+    check_fp8_expert_activations,
+    keep_in_fp8,
+)
 from nanotrain.models.layers import swiglu_down
 from nanotrain.parallel.expert import expert_range, mark_expert_params
 
@@ -373,7 +378,9 @@ class GroupedExperts(nn.Module):
         x, weights = _as_autocast_would(x, (self.gate_proj, self.up_proj, self.down_proj))
         if scale is not None:  # (M, 1) in the activation's dtype; its gradient returns in fp32
             scale = scale.to(x.dtype)[:, None]
-        with Fp8Saves(self.fp8_saved_activations) as saves:
+        if not self.fp8_saved_activations:
+            return self._swiglu(x, counts, weights, scale)
+        with Fp8Saves() as saves:
             return self._swiglu(saves.keep(x), counts, weights, scale)
 
     def _swiglu(
@@ -432,8 +439,7 @@ def set_fp8_dispatch(model: nn.Module, enabled: bool) -> int:
     Raises:
         TypeError: for an `enabled` that is not a bool.
     """
-    if not isinstance(enabled, bool):
-        raise TypeError(f"fp8_dispatch must be True or False, got {enabled!r}")
+    check_flag("fp8_dispatch", enabled)
     experts = [m for m in model.modules() if isinstance(m, GroupedExperts)]
     for m in experts:
         m.dispatches_fp8 = enabled or m.dispatches_fp8

@@ -30,6 +30,7 @@ from nanotrain.parallel.saved_rebuild import PassedOn, open_saved_hooks
 
 __all__ = [
     "Fp8Saves",
+    "check_flag",
     "check_fp8_expert_activations",
     "fp8_saved_bytes",
     "keep_in_fp8",
@@ -51,12 +52,17 @@ def fp8_saved_bytes(rows: int, width: int) -> int:
     return rows * fp8_row_bytes(width)
 
 
+def check_flag(name: str, value: Any) -> None:
+    """Raise TypeError unless `value` is a bool (an on/off option called `name`)."""
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be True or False, got {value!r}")
+
+
 def check_fp8_expert_activations(enabled: Any, compiled: Any) -> None:
     """Raise for an `enabled` that is not a bool, or one that is on with torch.compile on
     (`compiled`), under which saved-tensor hooks do not run: the fp8 saves would silently
     not happen, and the gradients would differ from an uncompiled run's."""
-    if not isinstance(enabled, bool):
-        raise TypeError(f"fp8_expert_activations must be True or False, got {enabled!r}")
+    check_flag("fp8_expert_activations", enabled)
     if enabled and compiled:
         raise ValueError(
             "fp8_expert_activations keeps saved tensors in fp8 through saved-tensor hooks, "

@@ -376,6 +376,7 @@ def _moe(led: Ledger, c: Any, d: Dims, dt: Dtypes, ep: int, training: bool, ligh
         led.add("moe", t * k * F32 + t * F32)
     if training and c.aux_loss_alpha > 0:
         led.add("moe", t * F32 + 2 * d.b * e * F32)  # balance loss: score sums, [B, E] stats
+    rows = _expert_rows(c, d)
     if getattr(c, "capacity_factor", None) is None:
         # dispatch: token_index; the sorted copies (fp32 under autocast, which casts them
         # again); under ep the received copies replace them and the regroup permutations
@@ -384,9 +385,7 @@ def _moe(led: Ledger, c: Any, d: Dims, dt: Dtypes, ep: int, training: bool, ligh
         # the grouped GEMM's int32 end offset per local expert (the path unequal groups take
         # on CUDA, and on a CPU where torch runs it)
         led.add("moe", e // ep * 4)
-        rows = copies
     else:
-        rows = _capacity_slots(c, d)
         led.add("moe", (rows + 1) * I64)  # dispatch: each slot's source token (or none)
     # the experts' gate and up GEMMs read their rows; under autocast the layer casts them once
     # for both (`GroupedExperts` casts its input as autocast would; the fp8/fp4 emulations'
@@ -455,8 +454,7 @@ def decoder_layer(
         return full, max(sum(attn.values()), _fp8_unpacked(c, moe, d, dt))
     for part, nbytes in attn.items():
         full.add(part, nbytes)
-    transient = _light_transient(c, moe, d, dt) if light else 0
-    return full, max(transient, _fp8_unpacked(c, moe, d, dt))
+    return full, _light_transient(c, moe, d, dt) if light else _fp8_unpacked(c, moe, d, dt)
 
 
 def _layer_norm(led: Ledger, t: int, h: int, dt: Dtypes, light: bool) -> None:
