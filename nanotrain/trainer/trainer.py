@@ -37,10 +37,10 @@ from nanotrain.trainer.evaluation import EvaluationMethods, finish_epoch
 from nanotrain.trainer.hook_checks import (
     WINDOW_HOOKS,
     check_hooks,
-    class_overrides,
     overrides,
     uses_any_hook,
 )
+from nanotrain.trainer.hook_dispatch import CallbackHooks
 from nanotrain.trainer.lightning_args import check_accelerator, setting_names, unknown_setting_error
 from nanotrain.trainer.loaders import build_loaders, draw_as_lightning, split_data_arguments
 from nanotrain.trainer.loggers import LoggerGroup, make_loggers, user_loggers
@@ -113,6 +113,7 @@ class Trainer(LightningTrainerProperties, TrainStepMethods, EvaluationMethods, C
         self._interrupted = False
         self._is_last_batch = False
         self._uses_window_hooks = False  # see hook_checks.WINDOW_HOOKS
+        self._callback_hooks = CallbackHooks()
         self.progress_bar_metrics: dict[str, torch.Tensor] = {}
         self.training = False
         self.validating = False
@@ -184,11 +185,9 @@ class Trainer(LightningTrainerProperties, TrainStepMethods, EvaluationMethods, C
         if hook == "on_exception":
             self._interrupted = True
         try:
-            # as Lightning, over the live list (a callback appended by a hook runs at once);
-            # a callback whose hook is its base class's no-op is not called
-            for cb in self.callbacks:
-                if hook in getattr(cb, "__dict__", ()) or class_overrides(type(cb), hook):
-                    getattr(cb, hook)(self, module, *args)
+            # as Lightning, over the live list; a callback whose hook is its base's no-op is
+            # not called
+            self._callback_hooks.call(self.callbacks, hook, self, module, *args)
             module_hook = getattr(module, hook, None)
             if callable(module_hook) and hook not in ("on_exception",):
                 if module_hook(*args) == -1 and hook == "on_train_batch_start":

@@ -53,3 +53,19 @@ def test_hooks_reach_overriding_callbacks_and_callbacks_added_mid_run(tmp_path):
     assert late.calls == 4  # added while step 2 ended, after its adder: steps 2 to 5
     assert lightning_style.calls == 5  # one microbatch per step
     assert on_instance == [1, 2, 3, 4, 5]
+
+
+def test_the_kept_answer_follows_every_change_of_the_list():
+    from nanotrain.trainer.hook_dispatch import CallbackHooks
+
+    first, second, third = StepEnds(), StepEnds(), StepEnds()
+    callbacks = [first, nt.Callback(), second]
+    hooks = CallbackHooks()
+    args = (None, None, None, None, 0)
+    hooks.call(callbacks, "on_train_step_end", *args)
+    callbacks.remove(second)  # removed: no longer reached
+    hooks.call(callbacks, "on_train_step_end", *args)
+    callbacks[1] = third  # replaced in place, same length: reached
+    hooks.call(callbacks, "on_train_step_end", *args)
+    hooks.call(callbacks, "on_train_epoch_end", None, None)  # a hook none of them defines
+    assert (first.calls, second.calls, third.calls) == (3, 1, 1)
