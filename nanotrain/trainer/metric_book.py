@@ -64,7 +64,10 @@ def _scalar_on(value: Any, device: torch.device, name: str) -> Tensor:
     Raises:
         ValueError: a tensor of more than one element.
     """
-    value = value.detach() if isinstance(value, Tensor) else torch.as_tensor(value)
+    if not isinstance(value, Tensor):
+        value = torch.as_tensor(value)
+    elif value.requires_grad:
+        value = value.detach()
     if value.dim() != 0:
         if value.numel() != 1:
             raise ValueError(
@@ -171,7 +174,8 @@ class MetricBook:
         batch_size: int | None,
     ) -> None:
         """Add one value to `name`'s aggregator (created on first use in this scope)."""
-        if isinstance(value, torchmetrics.Metric):
+        # a tensor first: the Metric check is an ABC's, slower, and a step logs tensors
+        if not isinstance(value, Tensor) and isinstance(value, torchmetrics.Metric):
             scope.entries[name] = _Entry(value, prog_bar, logger, user_metric=True)
             return
         entry = scope.entries.get(name)
@@ -182,12 +186,16 @@ class MetricBook:
                 metric = self._aggregator(reduce, sync_dist)
             entry = scope.entries[name] = _Entry(metric, prog_bar, logger, user_metric=False)
         value = _scalar_on(value, self._device_fn(), name)
-        if isinstance(entry.metric, torchmetrics.MeanMetric) or getattr(
-            entry.metric, "takes_weight", False
-        ):
-            entry.metric.update(value, weight=batch_size if batch_size is not None else 1.0)
+        metric = entry.metric
+        weighted = (
+            metric.takes_weight
+            if type(metric) is StepAggregator
+            else isinstance(metric, torchmetrics.MeanMetric)
+        )
+        if weighted:
+            metric.update(value, weight=batch_size if batch_size is not None else 1.0)
         else:
-            entry.metric.update(value)
+            metric.update(value)
 
     def _aggregator(self, reduce: str, sync_dist: bool) -> torchmetrics.Metric:
         # nan_strategy="disable": the default checks every update for NaN on the host (a
