@@ -3,7 +3,8 @@
 The Trainer calls a hook only on the callbacks that define it beyond their base class's no-op
 (`hook_checks.overrides`). Asking that of every callback at every hook call is a measurable
 part of a small model's step (docs/benchmarks.md, `overhead.py`), so the answer is kept per
-hook and found again whenever the list changes (compared element by element, by identity).
+hook and found again whenever the list changes (element by element, by identity) or
+a callback it left out gets the hook assigned on the instance.
 """
 
 from __future__ import annotations
@@ -17,21 +18,36 @@ class CallbackHooks:
     """The callbacks of a live list that define each hook, in the list's order."""
 
     def __init__(self) -> None:
-        self._seen: list[Any] = []  # the list's elements when `_by_hook` was filled
-        self._by_hook: dict[str, list[Any]] = {}
+        # the list's elements when `_by_hook` was filled (held: their ids stay theirs)
+        self._seen: list[Any] = []
+        self._seen_ids: list[int] = []
+        # hook -> (callbacks that define it, the instance dicts of those that do not)
+        self._by_hook: dict[str, tuple[list[Any], list[dict]]] = {}
 
     def call(self, callbacks: list[Any], hook: str, *args: Any) -> None:
-        """Call `hook(*args)` on every callback of `callbacks` that defines it. As Lightning
-        iterates the live list, a callback one of these calls appends runs in this call too.
-        A callback whose class does not define the hook but gets it assigned on the instance
-        is seen from the next change of the list on (or from the start, if assigned before)."""
-        if callbacks != self._seen:  # identity of each element first: no __eq__ is called
-            self._seen, self._by_hook = list(callbacks), {}
-        reached = self._by_hook.get(hook)
-        if reached is None:
-            reached = self._by_hook[hook] = [cb for cb in self._seen if overrides(cb, hook)]
+        """Call `hook(*args)` on every callback of `callbacks` that defines it (on its class
+        or on the instance), in order. As Lightning iterates the live list, a callback one of
+        these calls appends runs in this call too."""
+        ids = list(map(id, callbacks))  # by identity: a callback's own __eq__ is not asked
+        if ids != self._seen_ids:
+            self._seen, self._seen_ids, self._by_hook = list(callbacks), ids, {}
+        kept = self._by_hook.get(hook)
+        if kept is not None:
+            for instance_dict in kept[1]:
+                if hook in instance_dict:  # assigned on a callback since: find them again
+                    kept = None
+                    break
+        if kept is None:
+            reached: list[Any] = []
+            others: list[dict] = []
+            for cb in self._seen:
+                if overrides(cb, hook):
+                    reached.append(cb)
+                elif hasattr(cb, "__dict__"):
+                    others.append(vars(cb))
+            kept = self._by_hook[hook] = (reached, others)
         known = len(self._seen)
-        for cb in reached:
+        for cb in kept[0]:
             getattr(cb, hook)(*args)
         while len(callbacks) > known:  # appended by one of the calls above
             cb = callbacks[known]

@@ -69,3 +69,17 @@ def test_the_kept_answer_follows_every_change_of_the_list():
     hooks.call(callbacks, "on_train_step_end", *args)
     hooks.call(callbacks, "on_train_epoch_end", None, None)  # a hook none of them defines
     assert (first.calls, second.calls, third.calls) == (3, 1, 1)
+
+
+def test_a_hook_assigned_on_a_callback_mid_run_is_called_from_then_on():
+    from nanotrain.trainer.hook_dispatch import CallbackHooks
+
+    late, before = nt.Callback(), StepEnds()
+    callbacks, calls = [before, late], []
+    hooks = CallbackHooks()
+    args = (None, None, None, None, 0)
+    hooks.call(callbacks, "on_train_step_end", *args)
+    late.on_train_step_end = lambda *a: calls.append(before.calls)  # in its place: after `before`
+    hooks.call(callbacks, "on_train_step_end", *args)
+    hooks.call(callbacks, "on_train_step_end", *args)
+    assert calls == [2, 3]
