@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections import Counter
 
 import torch
+import torchmetrics
 
 import nanotrain as nt
 import nanotrain.models.expert_compute as expert_compute
@@ -113,3 +114,49 @@ def test_train_state_counts_on_the_device_and_reads_once_when_asked():
     resumed.load_state_dict(saved)
     resumed.add_consumed(8, 4)
     assert (resumed.consumed_samples, resumed.consumed_tokens) == (24, 200)
+
+
+class _LogsEveryStep(nt.NanoModule):
+    """A regressor that logs as tutorials do, every step: a tensor (also to the progress bar),
+    a dict, and a torchmetrics Metric (for the epoch)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = torch.nn.Linear(8, 1)
+        # the Metric's own NaN check reads the device; "disable" leaves only nanotrain's work
+        self.mean_loss = torchmetrics.MeanMetric(nan_strategy="disable")
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        pred = self.net(x).squeeze(-1)
+        loss = torch.nn.functional.mse_loss(pred, y)
+        self.log("train_loss", loss, prog_bar=True)
+        self.log_dict({"pred_mean": pred.mean(), "target_mean": y.mean()})
+        self.mean_loss(loss)
+        self.log("mean_loss", self.mean_loss, on_step=False, on_epoch=True)
+        return loss
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=1e-3, fused=True)
+
+
+def test_logging_a_tensor_a_dict_and_a_metric_every_step_reads_nothing_between_log_steps(
+    tmp_path,
+):
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(64, 8, generator=g)
+    data = torch.utils.data.TensorDataset(x, x.sum(-1))
+    record = _Record(steps=(1, 2))  # steps 2 and 3 of 4: 1 and 4 log
+    trainer = nt.Trainer(
+        strategy=nt.SingleDeviceStrategy("cpu"),
+        max_steps=4,
+        global_batch_size=8,
+        micro_batch_size=8,
+        default_root_dir=str(tmp_path),
+        log_every_n_steps=4,
+        callbacks=[record],
+    )
+    trainer.fit(_LogsEveryStep(), train_dataloaders=data)
+    found = Counter(r for r in record.records if not r[1].endswith(ALLOWED))
+    assert not found, f"host syncs in a non-logging step: {dict(found)}"
+    assert set(trainer.logged_metrics) >= {"train_loss", "pred_mean", "mean_loss"}
