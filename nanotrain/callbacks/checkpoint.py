@@ -15,11 +15,10 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from nanotrain.callbacks.base import Callback
+from nanotrain.callbacks.checkpoint_names import CheckpointNames
 from nanotrain.callbacks.checkpoint_options import (
     check_filename,
-    check_name,
     check_options,
-    format_name,
     is_int,
     merge_interval,
     merge_steps,
@@ -27,9 +26,10 @@ from nanotrain.callbacks.checkpoint_options import (
 from nanotrain.callbacks.checkpoint_retention import CheckpointRetention
 from nanotrain.checkpoint.async_save import PendingSave
 from nanotrain.checkpoint.collective import attempt, raise_first_failure
-from nanotrain.checkpoint.commit import LAST_POINTER, check_writable
-from nanotrain.checkpoint.files import WEIGHTS_ONLY_KEY, check_resumable
+from nanotrain.checkpoint.commit import check_writable
+from nanotrain.checkpoint.files import check_resumable
 from nanotrain.checkpoint.health import gather_nonfinite
+from nanotrain.checkpoint.save_load import save_weights_only
 from nanotrain.checkpoint.step_flag import StepFlag
 from nanotrain.runtime.run_files import RunFilesError
 
@@ -40,10 +40,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-# The key of trainer_state.pt that marks a checkpoint holding the model weights only.
 
-
-class ModelCheckpoint(CheckpointRetention, Callback):
+class ModelCheckpoint(CheckpointNames, CheckpointRetention, Callback):
     """Save checkpoints on a cadence and at the end of training; keep the `save_top_k` best.
 
     Lightning's `ModelCheckpoint` arguments with Lightning's meaning (docs/checkpointing.md
@@ -107,12 +105,6 @@ class ModelCheckpoint(CheckpointRetention, Callback):
             `fit`, when resuming a weights-only checkpoint; at a save, when `monitor` is not in
             `trainer.callback_metrics`.
     """
-
-    CHECKPOINT_JOIN_CHAR = "-"
-    CHECKPOINT_EQUALS_CHAR = "="
-    CHECKPOINT_NAME_LAST = LAST_POINTER
-    FILE_EXTENSION = ""  # checkpoints are directories
-    STARTING_VERSION = 1
 
     def __init__(
         self,
@@ -439,7 +431,7 @@ class ModelCheckpoint(CheckpointRetention, Callback):
         dropped = [Path(e["path"]) for e in entries if e["path"] not in kept]
         try:
             if self.save_weights_only and not full:
-                write_weights_only(trainer, path, {self.state_key: self.state_dict()})
+                save_weights_only(trainer, path, {self.state_key: self.state_dict()})
             elif self.async_save:
                 self._pending = (PendingSave(trainer, path), dropped, before)
             else:
@@ -466,56 +458,6 @@ class ModelCheckpoint(CheckpointRetention, Callback):
             raise
         self._delete(trainer, dropped)
 
-    # -- names ----------------------------------------------------------------------------------
-    def _monitor_candidates(self, trainer: Trainer) -> dict[str, torch.Tensor]:
-        """`trainer.callback_metrics` with "epoch" and "step" as Lightning adds them."""
-        metrics = dict(trainer.callback_metrics)
-        for key, value in (("epoch", trainer.current_epoch), ("step", trainer.global_step)):
-            logged = metrics.get(key)
-            metrics[key] = logged.int() if isinstance(logged, torch.Tensor) else torch.tensor(value)
-        return metrics
-
-    def format_checkpoint_name(self, metrics: dict[str, Any], ver: int | None = None) -> str:
-        """The directory name `filename` gives for `metrics` (Lightning's formatting: missing
-        keys become 0; `ver` appends "-v<ver>"). Without a `filename`: "step-XXXXXXXX"."""
-        if self.filename is None:
-            name = f"step-{int(metrics['step']):08d}"
-        else:
-            name = format_name(
-                self.filename,
-                dict(metrics),
-                self.auto_insert_metric_name,
-                self.CHECKPOINT_EQUALS_CHAR,
-            )
-        if ver is not None:
-            name = self.CHECKPOINT_JOIN_CHAR.join((name, f"v{ver}"))
-        return name
-
-    def _path(
-        self, trainer: Trainer, metrics: dict[str, Any], tag: str | None, reusable: str | None
-    ) -> Path:
-        assert self.dirpath is not None
-        name = self.format_checkpoint_name(metrics)
-        if tag:
-            name = self.CHECKPOINT_JOIN_CHAR.join((name, tag))
-        check_name(name, self.filename)
-        path = self.dirpath / name
-        if self.filename is None or not self.enable_version_counter:
-            # nanotrain's step names: one step's state has one name (a resumed run saving a
-            # step again writes the same state)
-            return path
-        chosen = None
-        if trainer.is_global_zero:  # rank 0 looks at the folder; every rank takes its answer
-            version = self.STARTING_VERSION
-            chosen = path
-            while chosen.exists() and str(chosen) != reusable:
-                chosen = self.dirpath / self.CHECKPOINT_JOIN_CHAR.join((name, f"v{version}"))
-                version += 1
-            chosen = str(chosen)
-        if trainer.world_size > 1:
-            chosen = trainer.strategy.broadcast_object(chosen)
-        return Path(chosen)
-
     # -- messages -------------------------------------------------------------------------------
     def _missing_monitor(self, trainer: Trainer) -> ValueError:
         logged = sorted(trainer.callback_metrics)
@@ -536,38 +478,6 @@ class ModelCheckpoint(CheckpointRetention, Callback):
         if trainer.is_global_zero:
             for path in paths:
                 shutil.rmtree(path, ignore_errors=True)
-
-
-# -- weights-only checkpoints -------------------------------------------------------------------
-def write_weights_only(trainer: Trainer, path: Path, callback_states: dict[str, Any]) -> Path:
-    """Write a checkpoint of the model weights only (collective: call on every rank).
-
-    Beside the weights it holds what loading them needs (the config that
-    `load_from_checkpoint` rebuilds the module from, what the module's `on_save_checkpoint`
-    records, e.g. LanguageModelModule's model config for `nanotrain export`), the step and
-    epoch, and `callback_states` (ModelCheckpoint's, so that ckpt_path="best" finds the best);
-    no optimizer, LR scheduler, data position or RNG state: `fit` refuses to resume it.
-    """
-    from nanotrain.checkpoint import save_load
-
-    final = Path(path)
-    payload: dict[str, Any] = {
-        "model": trainer.strategy.model_state_dict(),
-        "optimizer": None,
-        "config": trainer.resolved_config(),
-        "global_step": trainer.global_step,
-        "epoch": trainer.current_epoch,
-        "callbacks": callback_states,
-        WEIGHTS_ONLY_KEY: True,
-    }
-    # As Lightning: the module's hook runs for a weights-only checkpoint, the callbacks' do not.
-    hook = getattr(trainer.module, "on_save_checkpoint", None)
-    if callable(hook):
-        hook(payload)
-    snapshot = save_load.Snapshot.of(trainer, payload)
-    tmp = save_load.temporary_dir_on_all_ranks(trainer, final)
-    written, error = attempt(lambda: save_load._write_files(trainer, payload, tmp))
-    return save_load.conclude(trainer, final, tmp, snapshot, written, error)
 
 
 # -- helpers ------------------------------------------------------------------------------------

@@ -65,6 +65,35 @@ def save_checkpoint(trainer: Trainer, path: Path) -> Path:
     return conclude(trainer, final, tmp, snapshot, written, error)
 
 
+def save_weights_only(trainer: Trainer, path: Path, callback_states: dict[str, Any]) -> Path:
+    """Write a checkpoint of the model weights only (collective: call on every rank).
+
+    Beside the weights it holds what loading them needs (the config that
+    `load_from_checkpoint` rebuilds the module from, what the module's `on_save_checkpoint`
+    records, e.g. LanguageModelModule's model config for `nanotrain export`), the step and
+    epoch, and `callback_states` (ModelCheckpoint's, so that ckpt_path="best" finds the best);
+    no optimizer, LR scheduler, data position or RNG state: `fit` refuses to resume it.
+    """
+    final = Path(path)
+    payload: dict[str, Any] = {
+        "model": trainer.strategy.model_state_dict(),
+        "optimizer": None,
+        "config": trainer.resolved_config(),
+        "global_step": trainer.global_step,
+        "epoch": trainer.current_epoch,
+        "callbacks": callback_states,
+        files.WEIGHTS_ONLY_KEY: True,
+    }
+    # As Lightning: the module's hook runs for a weights-only checkpoint, the callbacks' do not.
+    hook = getattr(trainer.module, "on_save_checkpoint", None)
+    if callable(hook):
+        hook(payload)
+    snapshot = Snapshot.of(trainer, payload)
+    tmp = temporary_dir_on_all_ranks(trainer, final)
+    written, error = attempt(lambda: _write_files(trainer, payload, tmp))
+    return conclude(trainer, final, tmp, snapshot, written, error)
+
+
 class Snapshot(NamedTuple):
     """What `meta.json` records about the state being saved, taken when the save starts (an
     asynchronous save commits later, when the trainer has moved on)."""
