@@ -29,7 +29,7 @@ from nanotrain.checkpoint.collective import attempt, raise_first_failure
 from nanotrain.checkpoint.commit import check_writable
 from nanotrain.checkpoint.files import check_resumable
 from nanotrain.checkpoint.health import gather_nonfinite
-from nanotrain.checkpoint.save_load import save_weights_only
+from nanotrain.checkpoint.save_load import write_weights_only
 from nanotrain.checkpoint.step_flag import StepFlag
 from nanotrain.runtime.run_files import RunFilesError
 
@@ -431,7 +431,7 @@ class ModelCheckpoint(CheckpointNames, CheckpointRetention, Callback):
         dropped = [Path(e["path"]) for e in entries if e["path"] not in kept]
         try:
             if self.save_weights_only and not full:
-                save_weights_only(trainer, path, {self.state_key: self.state_dict()})
+                write_weights_only(trainer, path, {self.state_key: self.state_dict()})
             elif self.async_save:
                 self._pending = (PendingSave(trainer, path), dropped, before)
             else:

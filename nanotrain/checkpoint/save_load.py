@@ -65,7 +65,7 @@ def save_checkpoint(trainer: Trainer, path: Path) -> Path:
     return conclude(trainer, final, tmp, snapshot, written, error)
 
 
-def save_weights_only(trainer: Trainer, path: Path, callback_states: dict[str, Any]) -> Path:
+def write_weights_only(trainer: Trainer, path: Path, callback_states: dict[str, Any]) -> Path:
     """Write a checkpoint of the model weights only (collective: call on every rank).
 
     Beside the weights it holds what loading them needs (the config that
