@@ -11,13 +11,11 @@ The loop never asks how the job is parallelized: the strategy answers every layo
 from __future__ import annotations
 
 import copy
-import os
 from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
 import torch
-from lightning.fabric.utilities.seed import seed_everything
 from lightning.pytorch.utilities.model_summary import summarize
 from torch.utils.data import DataLoader
 
@@ -28,11 +26,10 @@ from nanotrain.precision import Precision, resolve_precision
 from nanotrain.runtime.collective_errors import explain_timeout
 from nanotrain.runtime.exit_codes import EXIT_PREEMPTED
 from nanotrain.runtime.rng import set_deterministic
-from nanotrain.runtime.run_files import run_files_error
 from nanotrain.strategies import Strategy, resolve_strategy
 from nanotrain.strategies.base import StepOutput
 from nanotrain.trainer.checkpoint_methods import CheckpointMethods
-from nanotrain.trainer.config import TrainerConfig, resolve_seed
+from nanotrain.trainer.config import TrainerConfig
 from nanotrain.trainer.evaluation import EvaluationMethods, finish_epoch
 from nanotrain.trainer.hook_checks import (
     WINDOW_HOOKS,
@@ -43,17 +40,23 @@ from nanotrain.trainer.hook_checks import (
 from nanotrain.trainer.hook_dispatch import CallbackHooks
 from nanotrain.trainer.lightning_args import check_accelerator, setting_names, unknown_setting_error
 from nanotrain.trainer.loaders import build_loaders, draw_as_lightning, split_data_arguments
-from nanotrain.trainer.loggers import LoggerGroup, make_loggers, user_loggers
+from nanotrain.trainer.loggers import LoggerGroup, user_loggers
 from nanotrain.trainer.metric_book import MetricBook, to_float
 from nanotrain.trainer.preemption import PreemptionWatch, stop_if_preempted
 from nanotrain.trainer.properties import LightningTrainerProperties
-from nanotrain.trainer.run_dir import default_config, write_config
+from nanotrain.trainer.run_setup import RunSetupMethods
 from nanotrain.trainer.state import TrainState
 from nanotrain.trainer.train_step import TrainStepMethods
 from nanotrain.trainer.validation import run_validation
 
 
-class Trainer(LightningTrainerProperties, TrainStepMethods, EvaluationMethods, CheckpointMethods):
+class Trainer(
+    LightningTrainerProperties,
+    TrainStepMethods,
+    EvaluationMethods,
+    CheckpointMethods,
+    RunSetupMethods,
+):
     """Runs `fit`, `validate`, `test` and `predict` for a `NanoModule` (or a plain
     LightningModule) under any `Strategy`.
 
@@ -242,78 +245,6 @@ class Trainer(LightningTrainerProperties, TrainStepMethods, EvaluationMethods, C
         # Lightning's order: the setup hooks, then configure_model
         self._call("setup", stage)
         self.strategy.setup_module(module)
-
-    def _seed(self) -> None:
-        """Seed the stage: the Trainer's seed if given, else `lightning.seed_everything`'s
-        (PL_GLOBAL_SEED), else 0. seed_everything sets PL_GLOBAL_SEED for the stage (Lightning
-        code inside it reads it, e.g. worker seeding); `_teardown` puts back what was there,
-        so that one Trainer's explicit seed does not become a later Trainer's default.
-
-        After the user's own `seed_everything(n)` (and no Trainer seed) the global RNGs are
-        left as the user's code left them, as Lightning leaves them: data or weights drawn
-        between that call and `fit` come out as under lightning.Trainer; n still seeds the
-        samplers and workers."""
-        requested = self.requested_settings.seed
-        self.settings.seed = resolve_seed(requested)
-        if not self._seed_env_saved:
-            self._seed_env_saved, self._seed_env_before = True, os.environ.get("PL_GLOBAL_SEED")
-        if requested is None and self._seed_env_before is not None:
-            return
-        seed_everything(self.settings.seed, verbose=False)
-
-    def _restore_global_seed(self) -> None:
-        if not self._seed_env_saved:
-            return
-        if self._seed_env_before is None:
-            os.environ.pop("PL_GLOBAL_SEED", None)
-        else:
-            os.environ["PL_GLOBAL_SEED"] = self._seed_env_before
-        self._seed_env_saved = False
-
-    def _plan_run_dir(self, ckpt_path: Any) -> None:
-        # Decide only (nothing is written until the inputs and the checkpoint are validated).
-        from nanotrain.checkpoint.resume import plan_on_rank_zero
-
-        s = self.settings
-        experiment = Path(s.default_root_dir) / s.name
-        plan = plan_on_rank_zero(self.strategy, experiment, s, ckpt_path, self.callbacks)
-        self.run_dir, self._resume_path = plan.run_dir, plan.checkpoint
-
-    def _make_run_dir(self) -> None:
-        # Only now, with inputs and the resumed checkpoint validated, is anything written.
-        from nanotrain.checkpoint.collective import attempt, raise_first_failure
-
-        def make() -> None:
-            try:
-                (self.run_dir / "checkpoints").mkdir(parents=True, exist_ok=True)
-                write_config(self.run_dir, self.resolved_config())
-                self.strategy.precision.write_record(self.run_dir)
-            except OSError as err:  # read-only, no permission, a file in the way, disk full
-                raise run_files_error(
-                    err, self.run_dir, "the run directory", "--trainer.default_root_dir"
-                ) from err
-            names = self.settings.loggers if self._use_named_loggers else []
-            self.loggers = make_loggers(self.run_dir, names, self._user_loggers)
-            if self.settings.enable_autolog_hparams:
-                self.loggers.log_hyperparams(self.hyperparameters())
-
-        error = attempt(make)[1] if self.is_global_zero else None
-        raise_first_failure(self.strategy, error, f"creating the run directory {self.run_dir}")
-
-    def hyperparameters(self) -> dict[str, Any]:
-        """What the loggers record as hyperparameters: the module's `hparams` merged with the
-        datamodule's (as Lightning), else the resolved config."""
-        params: dict[str, Any] = {}
-        for obj in (self.module, self.datamodule):
-            params.update(dict(getattr(obj, "hparams", {}) or {}))
-        return params or dict(self.resolved_config())
-
-    def resolved_config(self) -> dict[str, Any]:
-        """The config recorded in `config.yaml` and in checkpoints: what was passed as `config`,
-        else the trainer settings and the module's and datamodule's plain hyperparameters."""
-        if self._user_config is not None:
-            return self._user_config
-        return default_config(self.settings.to_dict(), self.strategy, self.module, self.datamodule)
 
     def _build_loaders(self, stage: str, train_loader: Any, val_loader: Any) -> None:
         from nanotrain.data.sampler import ResumableBatchList
