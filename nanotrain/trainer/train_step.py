@@ -13,8 +13,9 @@ one accumulation window; `batch_idx` counts microbatches as Lightning counts bat
     → on_before_optimizer_step(optimizer) (gradients not yet clipped; the step's norm known)
     → configure_gradient_clipping(optimizer, gradient_clip_val, gradient_clip_algorithm)
     → optimizer_step(epoch, batch_idx, optimizer, closure) → strategy's update
-    → lr_scheduler_step(scheduler, None) (step-interval ones; epoch-interval ones at the
-      epoch's last step)
+    → global_step counts the step → lr_scheduler_step(scheduler, None) (step-interval ones;
+      epoch-interval ones at the epoch's last step; each when Lightning's batch or epoch
+      index + 1 is a multiple of its frequency)
     → on_train_batch_end(outputs, batch, batch_idx) of the last microbatch
     → log → on_train_step_end(outputs: StepOutput, microbatches, step_idx) → validation cadence
 
@@ -109,9 +110,7 @@ class TrainStepMethods:
             module.configure_gradient_clipping(optimizer, s.gradient_clip_val, clip_algorithm)
             optimizer.skip_if = out.skip_flag
             module.optimizer_step(st.epoch, first + n - 1, optimizer, lambda: out.loss)
-            self._step_scheduler("step")
-        if last_step:  # as Lightning: at the epoch's last batch, before its end hooks
-            self._step_scheduler("epoch")
+        updated = not self._skip_requested
         self._skip_requested = False
         if out.skipped:
             st.skipped_steps += 1
@@ -119,6 +118,12 @@ class TrainStepMethods:
         # Lightning's convention: this step's records (and the validation and epoch end after
         # it) are written at the steps completed before it, global_step - 1 (`logged_step`)
         self._step_taken = True
+        # as Lightning: the schedulers step after the update (global_step counts it), the
+        # epoch-interval ones at the epoch's last batch, before its end hooks
+        if updated:
+            self._step_scheduler("step", first + n - 1)
+        if last_step:
+            self._step_scheduler("epoch", st.epoch)
         st.steps_in_epoch += 1
         st.add_consumed(out.num_samples, out.num_tokens)  # on the device: no host read
         self._train_sampler.advance(s.micro_batch_size * n)
@@ -140,12 +145,13 @@ class TrainStepMethods:
         if self._val_loader is not None and self._val_check_due():
             self._run_validation()
 
-    def _step_scheduler(self: Trainer, interval: str) -> None:
+    def _step_scheduler(self: Trainer, interval: str, index: int) -> None:
+        """Step an `interval` scheduler where Lightning does: when ``index + 1`` (`index`: the
+        step's last batch index in the epoch, or the epoch) is a multiple of its frequency."""
         setup = self.strategy.optimizer_setup
         if setup is None or setup.scheduler is None or setup.scheduler.interval != interval:
             return
-        count = self.state.global_step if interval == "step" else self.state.epoch
-        if (count + (1 if interval == "step" else 0)) % setup.scheduler.frequency == 0:
+        if (index + 1) % setup.scheduler.frequency == 0:
             self.module.lr_scheduler_step(setup.scheduler.scheduler, None)
 
     def clip_gradients(

@@ -1,0 +1,94 @@
+"""Lightning habits around the optimizer step (scheduler cadence, what the hooks read, Trainer
+arguments given as Lightning takes them) give lightning.Trainer's result under
+nanotrain.Trainer: the same module and data run under both, and their weights and records
+are compared."""
+
+from __future__ import annotations
+
+import copy
+
+import lightning.pytorch as pl
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+import nanotrain as nt
+
+
+def _data(n: int = 64) -> TensorDataset:
+    g = torch.Generator().manual_seed(123)
+    x = torch.randn(n, 4, generator=g)
+    return TensorDataset(x, x @ torch.tensor([[1.0], [-2.0], [0.5], [3.0]]))
+
+
+class Regression(pl.LightningModule):
+    """Linear regression with SGD and an optional LR scheduler config."""
+
+    def __init__(self, scheduler: dict | None = None) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 1)
+        self.scheduler = scheduler
+        self.seen_in_scheduler_step: list[int] = []
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        loss = F.mse_loss(self.lin(x), y)
+        self.log("train_loss", loss)
+        return loss
+
+    def configure_optimizers(self):
+        opt = torch.optim.SGD(self.parameters(), lr=0.05)
+        if self.scheduler is None:
+            return opt
+        sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, **self.scheduler}}
+
+    def lr_scheduler_step(self, scheduler, metric):
+        self.seen_in_scheduler_step.append(self.global_step)
+        scheduler.step()
+
+
+def _both(module: pl.LightningModule, tmp_path, **trainer_args):
+    """Fit a copy of `module` under each Trainer with the same arguments; return both."""
+    runs = []
+    for kind in ("lightning", "nanotrain"):
+        copy_of = copy.deepcopy(module)
+        pl.seed_everything(0, verbose=False)
+        common = dict(
+            logger=False, enable_checkpointing=False, enable_progress_bar=False,
+            default_root_dir=str(tmp_path / kind), **trainer_args,
+        )  # fmt: skip
+        if kind == "lightning":
+            trainer = pl.Trainer(accelerator="cpu", devices=1, enable_model_summary=False, **common)
+        else:
+            trainer = nt.Trainer(enable_monitors=False, **common)
+        trainer.fit(copy_of, DataLoader(_data(), batch_size=8))
+        runs.append(copy_of)
+    return runs
+
+
+def _same_weights(a: nn.Module, b: nn.Module) -> None:
+    for (name, x), y in zip(a.state_dict().items(), b.state_dict().values(), strict=True):
+        torch.testing.assert_close(x, y, rtol=0, atol=1e-6, msg=name)
+
+
+@pytest.mark.parametrize(
+    "scheduler,trainer_args",
+    [
+        ({"interval": "epoch", "frequency": 2}, {"max_epochs": 3}),
+        ({"interval": "step", "frequency": 3}, {"max_epochs": 2}),  # counts batches per epoch
+        ({"interval": "step", "frequency": 3}, {"max_epochs": 2, "accumulate_grad_batches": 2}),
+    ],
+)
+def test_a_scheduler_steps_at_lightnings_frequency(tmp_path, scheduler, trainer_args):
+    lightning_run, nanotrain_run = _both(Regression(scheduler), tmp_path, **trainer_args)
+    assert nanotrain_run.seen_in_scheduler_step == lightning_run.seen_in_scheduler_step
+    _same_weights(lightning_run, nanotrain_run)
+
+
+def test_lr_scheduler_step_reads_the_step_count_that_includes_its_update(tmp_path):
+    lightning_run, nanotrain_run = _both(Regression({"interval": "step"}), tmp_path, max_steps=4)
+    assert lightning_run.seen_in_scheduler_step == [1, 2, 3, 4]
+    assert nanotrain_run.seen_in_scheduler_step == [1, 2, 3, 4]
