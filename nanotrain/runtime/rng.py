@@ -11,12 +11,16 @@ import numpy as np
 import torch
 
 
-def set_deterministic(enabled: bool) -> None:
-    """Ask torch for deterministic kernels (errors on ops that have none) when `enabled`."""
+def set_deterministic(mode: bool | str | None) -> None:
+    """Ask torch for deterministic kernels as Lightning's `deterministic` does: True (errors on
+    ops that have none), "warn" (warns on them), False (off); None leaves torch as it is."""
+    if mode is None:
+        return
+    enabled = mode is True or mode == "warn"
     if enabled:
         # cuBLAS needs a fixed workspace to be deterministic; harmless on CPU.
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-    torch.use_deterministic_algorithms(enabled)
+    torch.use_deterministic_algorithms(enabled, warn_only=mode == "warn")
     torch.backends.cudnn.benchmark = not enabled
     torch.backends.cudnn.deterministic = enabled
 

@@ -52,7 +52,9 @@ class TrainerConfig:
             and the data shuffled. Default None: after `lightning.seed_everything(n)` (the
             PL_GLOBAL_SEED environment variable) the RNGs are left as the user's code left
             them and n seeds the data order and workers, as in Lightning; else seed 0.
-        deterministic: use only deterministic kernels (slower; errors on ops without one).
+        deterministic: as Lightning: True uses only deterministic kernels (slower; errors on
+            ops without one), "warn" warns on those ops instead, False turns it off, None
+            (default) leaves torch's setting as it is.
         shuffle: whether the training data is shuffled every epoch (default None: as the
             training DataLoader's sampler says; a bare Dataset is shuffled). True or False
             must agree with a DataLoader's sampler.
@@ -93,13 +95,13 @@ class TrainerConfig:
     val_check_interval: int | None = None
     check_val_every_n_epoch: int | None = 1
     limit_val_batches: int | float | None = None
-    log_every_n_steps: int = 10
+    log_every_n_steps: int = 50  # Lightning's default
     default_root_dir: str = "runs"
     name: str = "default"
     version: int | None = None
     loggers: list[str] = field(default_factory=lambda: ["tensorboard", "jsonl"])
     seed: int | None = None
-    deterministic: bool = False
+    deterministic: bool | str | None = None
     shuffle: bool | None = None
     enable_checkpointing: bool = True
     enable_progress_bar: bool = True
@@ -150,6 +152,11 @@ class TrainerConfig:
                 f"{type(self.default_root_dir).__name__}"
             )
         self.default_root_dir = os.fspath(self.default_root_dir)  # recorded in config.yaml
+        if self.deterministic not in (None, True, False, "warn"):
+            raise ValueError(
+                f"deterministic must be True, False, 'warn' or None (torch's setting left as it "
+                f"is), got {self.deterministic!r}"
+            )
         if self.log_every_n_steps <= 0:
             raise ValueError(f"log_every_n_steps must be positive, got {self.log_every_n_steps}")
         if self.gradient_clip_val is not None and self.gradient_clip_val <= 0:

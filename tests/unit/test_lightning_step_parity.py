@@ -92,3 +92,36 @@ def test_lr_scheduler_step_reads_the_step_count_that_includes_its_update(tmp_pat
     lightning_run, nanotrain_run = _both(Regression({"interval": "step"}), tmp_path, max_steps=4)
     assert lightning_run.seen_in_scheduler_step == [1, 2, 3, 4]
     assert nanotrain_run.seen_in_scheduler_step == [1, 2, 3, 4]
+
+
+def _torch_determinism() -> tuple[bool, bool]:
+    return (
+        torch.are_deterministic_algorithms_enabled(),
+        torch.is_deterministic_algorithms_warn_only_enabled(),
+    )
+
+
+@pytest.mark.parametrize("mode", [None, True, "warn", False])
+def test_deterministic_sets_torch_as_lightning_does(tmp_path, mode):
+    before = _torch_determinism()
+    seen = {}
+    try:
+        for kind in ("lightning", "nanotrain"):
+            torch.use_deterministic_algorithms(True)  # a user's own setting, before the Trainer
+            if kind == "lightning":
+                pl.Trainer(accelerator="cpu", devices=1, deterministic=mode, logger=False)
+            else:
+                trainer = nt.Trainer(
+                    deterministic=mode, max_steps=1, default_root_dir=str(tmp_path),
+                    enable_checkpointing=False, enable_progress_bar=False, logger=False,
+                )  # fmt: skip
+                trainer.fit(Regression(), DataLoader(_data(), batch_size=8))
+            seen[kind] = _torch_determinism()
+    finally:
+        torch.use_deterministic_algorithms(before[0], warn_only=before[1])
+    assert seen["nanotrain"] == seen["lightning"]
+
+
+def test_an_unknown_deterministic_mode_is_refused():
+    with pytest.raises(ValueError, match="deterministic must be True, False, 'warn' or None"):
+        nt.Trainer(deterministic="always", max_steps=1)
