@@ -55,7 +55,8 @@ def parse_optimizer_config(config: Any) -> OptimizerSetup:
     """Turn a `configure_optimizers` result into an `OptimizerSetup`.
 
     Accepted: an optimizer; a one-element list/tuple of one; `([optimizer], [scheduler])`;
-    a dict `{"optimizer": opt, "lr_scheduler": sched | {"scheduler": sched, "interval": ...}}`.
+    a dict `{"optimizer": opt, "lr_scheduler": sched | {"scheduler": sched, "interval": ...}}`,
+    alone or as a one-element list/tuple.
     As in Lightning, a bare scheduler steps once per epoch unless `interval="step"` is given.
 
     Raises:
@@ -69,14 +70,22 @@ def parse_optimizer_config(config: Any) -> OptimizerSetup:
         sched = config.get("lr_scheduler")
         return OptimizerSetup(config["optimizer"], _scheduler_config(sched) if sched else None)
     if isinstance(config, (list, tuple)):
+        if len(config) == 1 and isinstance(config[0], dict):  # Lightning's list of one dict
+            return parse_optimizer_config(config[0])
         if len(config) == 2 and isinstance(config[0], (list, tuple)):
             optimizers, schedulers = list(config[0]), list(config[1])
         else:
             optimizers, schedulers = list(config), []
-        if len(optimizers) != 1 or not isinstance(optimizers[0], torch.optim.Optimizer):
+        if len(optimizers) != 1:
             raise ValueError(
                 f"nanotrain trains with exactly one optimizer; configure_optimizers gave "
                 f"{len(optimizers)}. Put all parameter groups into one optimizer."
+            )
+        if not isinstance(optimizers[0], torch.optim.Optimizer):
+            raise ValueError(
+                "configure_optimizers must return an optimizer, ([optimizer], [scheduler]) or "
+                f"{{'optimizer': ..., 'lr_scheduler': ...}} (or a list of one); its list held "
+                f"a {type(optimizers[0]).__name__}"
             )
         if len(schedulers) > 1:
             raise ValueError("nanotrain supports at most one LR scheduler per run")

@@ -125,3 +125,30 @@ def test_deterministic_sets_torch_as_lightning_does(tmp_path, mode):
 def test_an_unknown_deterministic_mode_is_refused():
     with pytest.raises(ValueError, match="deterministic must be True, False, 'warn' or None"):
         nt.Trainer(deterministic="always", max_steps=1)
+
+
+def test_the_logging_cadence_defaults_to_lightnings():
+    lightning_default = pl.Trainer(logger=False, enable_progress_bar=False).log_every_n_steps
+    assert nt.Trainer(max_steps=1).log_every_n_steps == lightning_default
+
+
+class ListOfOneDict(Regression):
+    """`configure_optimizers` returning Lightning's list of one config dict."""
+
+    def configure_optimizers(self):
+        return [super().configure_optimizers()]
+
+
+def test_a_list_of_one_optimizer_dict_trains_as_under_lightning(tmp_path):
+    lightning_run, nanotrain_run = _both(
+        ListOfOneDict({"interval": "step", "frequency": 2}), tmp_path, max_epochs=1
+    )
+    assert nanotrain_run.seen_in_scheduler_step == lightning_run.seen_in_scheduler_step != []
+    _same_weights(lightning_run, nanotrain_run)
+
+
+def test_a_list_holding_something_else_names_it():
+    from nanotrain.strategies.optimizers import parse_optimizer_config
+
+    with pytest.raises(ValueError, match="its list held a str"):
+        parse_optimizer_config(["adam"])
