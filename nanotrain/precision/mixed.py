@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 from nanotrain.precision.base import Precision
 from nanotrain.precision.policy import PrecisionPolicy
@@ -80,6 +81,20 @@ class FP16Mixed(Precision):
             "fp32 parameters, gradients and optimizer state; matmuls under fp16 autocast; "
             "dynamic loss scaling"
         )
+
+    def setup_module(
+        self, module: nn.Module, device: torch.device, is_global_zero: bool = True
+    ) -> None:
+        """As `Precision.setup_module`; on the CPU it also warns (rank 0) that fp16 runs as
+        asked there, where lightning.Trainer switches to bf16-mixed."""
+        super().setup_module(module, device, is_global_zero)
+        if device.type == "cpu" and is_global_zero:
+            warnings.warn(
+                "precision='16-mixed' on the CPU runs fp16 autocast with loss scaling, as asked; "
+                "lightning.Trainer would switch to 'bf16-mixed' here, so pass "
+                "precision='bf16-mixed' for Lightning's run",
+                stacklevel=2,
+            )
 
     @property
     def loss_scale(self) -> float:

@@ -268,20 +268,31 @@ class Strategy(ABC):
         return (p for p in self.module.parameters() if p.requires_grad)
 
     def batch_to_device(self, batch: Any) -> Any:
-        """Move every tensor in a (nested) batch to `root_device`."""
+        """Move every tensor in a (nested) batch to `root_device`; under a precision with
+        low-precision parameters ("bf16-true") its floating-point tensors are cast to that
+        dtype, as Lightning's `convert_input` does (integer tensors, e.g. token ids, stay)."""
         device = self.root_device
+        dtype = self.precision.param_dtype
         # the common shapes of a batch (a tensor, or a flat tuple/list/dict of tensors) directly:
         # Lightning's general walk costs tens of microseconds a step on a small model
         non_blocking = device.type not in ("cpu", "mps")  # as Lightning: async to a GPU
-        if isinstance(batch, Tensor):
-            return batch.to(device, non_blocking=non_blocking)
-        if type(batch) in (tuple, list) and all(isinstance(v, Tensor) for v in batch):
-            return type(batch)(v.to(device, non_blocking=non_blocking) for v in batch)
-        if type(batch) is dict and all(isinstance(v, Tensor) for v in batch.values()):
-            return {k: v.to(device, non_blocking=non_blocking) for k, v in batch.items()}
+        if dtype is None:
+            if isinstance(batch, Tensor):
+                return batch.to(device, non_blocking=non_blocking)
+            if type(batch) in (tuple, list) and all(isinstance(v, Tensor) for v in batch):
+                return type(batch)(v.to(device, non_blocking=non_blocking) for v in batch)
+            if type(batch) is dict and all(isinstance(v, Tensor) for v in batch.values()):
+                return {k: v.to(device, non_blocking=non_blocking) for k, v in batch.items()}
         from lightning.fabric.utilities.apply_func import move_data_to_device
 
-        return move_data_to_device(batch, device)
+        moved = move_data_to_device(batch, device)
+        if dtype is None:
+            return moved
+        from lightning.fabric.utilities.apply_func import apply_to_collection
+
+        return apply_to_collection(
+            moved, Tensor, lambda t: t.to(dtype) if t.is_floating_point() else t
+        )
 
     # -- one optimizer step ------------------------------------------------------------------
     @abstractmethod

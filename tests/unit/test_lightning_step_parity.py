@@ -152,3 +152,42 @@ def test_a_list_holding_something_else_names_it():
 
     with pytest.raises(ValueError, match="its list held a str"):
         parse_optimizer_config(["adam"])
+
+
+class SeesDtypes(Regression):
+    """Records the dtypes of the batch `training_step` gets (a float input, an int tensor)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.dtypes: list[tuple[torch.dtype, torch.dtype]] = []
+
+    def training_step(self, batch, batch_idx):
+        x, y, ids = batch
+        self.dtypes.append((x.dtype, ids.dtype))
+        return F.mse_loss(self.lin(x).float(), y.float())
+
+
+def test_bf16_true_casts_the_floating_inputs_as_lightning_does(tmp_path):
+    seen = {}
+    for kind in ("lightning", "nanotrain"):
+        module, x = SeesDtypes(), torch.randn(16, 4)
+        data = DataLoader(TensorDataset(x, x.sum(-1, keepdim=True), torch.arange(16)), batch_size=8)
+        common = dict(
+            precision="bf16-true", max_steps=2, logger=False, enable_checkpointing=False,
+            enable_progress_bar=False, default_root_dir=str(tmp_path / kind),
+        )  # fmt: skip
+        if kind == "lightning":
+            pl.Trainer(accelerator="cpu", devices=1, **common).fit(module, data)
+        else:
+            nt.Trainer(**common).fit(module, data)
+        seen[kind] = module.dtypes
+    assert seen["nanotrain"] == seen["lightning"] == [(torch.bfloat16, torch.int64)] * 2
+
+
+def test_fp16_mixed_on_the_cpu_says_lightning_would_switch_to_bf16(tmp_path):
+    trainer = nt.Trainer(
+        precision="16-mixed", max_steps=1, logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, default_root_dir=str(tmp_path),
+    )  # fmt: skip
+    with pytest.warns(UserWarning, match="lightning.Trainer would switch to 'bf16-mixed'"):
+        trainer.fit(Regression(), DataLoader(_data(), batch_size=8))
