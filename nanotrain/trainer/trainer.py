@@ -308,7 +308,11 @@ class Trainer(
             stop_if_preempted(self, self._preemption, final=True)
             # what fit writes from here belongs to its last step (as that step's epoch end)
             self._step_taken = self.state.global_step > 0
-            if self.metric_book.has_epoch_values():  # stopped mid-epoch: write what it logged
+            if self.state.steps_in_epoch > 0 and not self._preempted:
+                # stopped mid-epoch (max_steps, max_tokens, should_stop): as Lightning, the
+                # epoch's end hooks still run (the data position stays, for an exact resume)
+                finish_epoch(self, "on_train_epoch_end")
+            elif self.metric_book.has_epoch_values():  # write what the epoch logged
                 self.log_metrics(self.metric_book.close_epoch()[0])
             last_validated = self._last_val_step == self.state.global_step
             if self._val_loader is not None and not last_validated and not self._preempted:

@@ -191,3 +191,32 @@ def test_fp16_mixed_on_the_cpu_says_lightning_would_switch_to_bf16(tmp_path):
     )  # fmt: skip
     with pytest.warns(UserWarning, match="lightning.Trainer would switch to 'bf16-mixed'"):
         trainer.fit(Regression(), DataLoader(_data(), batch_size=8))
+
+
+class EpochEnds(Regression):
+    """Records each `on_train_epoch_end` (epoch, step) and the epoch-mean loss it sees;
+    sets `should_stop` at `stop_at` steps."""
+
+    def __init__(self, stop_at: int | None = None) -> None:
+        super().__init__()
+        self.stop_at, self.ends = stop_at, []
+
+    def training_step(self, batch, batch_idx):
+        if self.global_step == self.stop_at:
+            self.trainer.should_stop = True
+        x, y = batch
+        loss = F.mse_loss(self.lin(x), y)
+        self.log("epoch_loss", loss, on_step=False, on_epoch=True)
+        return loss
+
+    def on_train_epoch_end(self):
+        mean = float(self.trainer.callback_metrics["epoch_loss"])
+        self.ends.append((self.current_epoch, self.global_step, round(mean, 6)))
+
+
+@pytest.mark.parametrize("stop_at,trainer_args", [(None, {"max_steps": 3}), (2, {"max_epochs": 3})])
+def test_an_epoch_stopped_midway_still_ends_as_under_lightning(tmp_path, stop_at, trainer_args):
+    lightning_run, nanotrain_run = _both(EpochEnds(stop_at), tmp_path, **trainer_args)
+    assert len(lightning_run.ends) == 1
+    assert nanotrain_run.ends == lightning_run.ends
+    _same_weights(lightning_run, nanotrain_run)
