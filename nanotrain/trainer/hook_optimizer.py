@@ -29,12 +29,27 @@ class HookOptimizer:
         strategy: the strategy whose optimizer this is.
     """
 
-    def __init__(self, strategy: Strategy) -> None:
+    def __init__(self, strategy: Strategy, before_update: Callable[[], bool] | None = None) -> None:
         self._strategy = strategy
+        #: Lightning's work between the closure and the update (`on_before_optimizer_step`,
+        #: clipping); returns False when the update is to be skipped
+        self._before_update = before_update
         #: a 0-dim device flag: where True, the update is dropped on the device (NaNGuard)
         self.skip_if: Tensor | None = None
         #: whether `step` ran in this optimizer step
         self.stepped = False
+        #: whether the closure `closure_for` made was called (Lightning refuses a step without)
+        self.closure_ran = False
+
+    def closure_for(self, loss: Any) -> Callable[[], Any]:
+        """Lightning's optimizer closure for this step: the forward and backward of every
+        microbatch ran before `optimizer_step`, so calling it returns the step's `loss`."""
+
+        def closure() -> Any:
+            self.closure_ran = True
+            return loss
+
+        return closure
 
     @property
     def optimizer(self) -> Any:
@@ -42,12 +57,14 @@ class HookOptimizer:
         return self._strategy.optimizer
 
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
-        """Apply this step's update. `closure` (Lightning's optimizer closure) returns the
-        step's loss: the forward and backward of every microbatch ran before this hook, so
-        calling it computes nothing again."""
+        """Apply this step's update, as Lightning's `optimizer.step(closure)`: the closure,
+        then `on_before_optimizer_step` and gradient clipping (`before_update`; a callback may
+        skip the update there), then the strategy's update."""
         loss = closure() if closure is not None else None
-        self._strategy.optimizer_step(skip_if=self.skip_if)
         self.stepped = True
+        if self._before_update is not None and not self._before_update():
+            return loss
+        self._strategy.optimizer_step(skip_if=self.skip_if)
         return loss
 
     def zero_grad(self, set_to_none: bool = True) -> None:

@@ -10,9 +10,11 @@ one accumulation window; `batch_idx` counts microbatches as Lightning counts bat
         → (i = 0: on_before_zero_grad(optimizer); optimizer_zero_grad(epoch, batch_idx, opt))
         → on_before_backward(loss) → backward → on_after_backward() (the last microbatch's
           gradients reduced across replicas) → on_train_batch_end (all but the last)
-    → on_before_optimizer_step(optimizer) (gradients not yet clipped; the step's norm known)
-    → configure_gradient_clipping(optimizer, gradient_clip_val, gradient_clip_algorithm)
-    → optimizer_step(epoch, batch_idx, optimizer, closure) → strategy's update
+    → optimizer_step(epoch, batch_idx, optimizer, closure), whose optimizer.step(closure)
+      runs, as Lightning's: the closure (returns the step's loss: forward and backward ran
+      above) → on_before_optimizer_step(optimizer) (gradients not yet clipped; the step's
+      norm known) → configure_gradient_clipping(optimizer, gradient_clip_val,
+      gradient_clip_algorithm) → the strategy's update
     → global_step counts the step → lr_scheduler_step(scheduler, None) (step-interval ones;
       epoch-interval ones at the epoch's last step; each when Lightning's batch or epoch
       index + 1 is a multiple of its frequency)
@@ -87,7 +89,7 @@ class TrainStepMethods:
         last_step = step_idx + 1 == st.steps_per_epoch
         self._step_taken = False  # records of this step's start: `logged_step` = global_step
         self._call("on_train_step_start", microbatches, step_idx)
-        optimizer = HookOptimizer(strategy)
+        optimizer = HookOptimizer(strategy, lambda: self._before_update(optimizer))
         window = _Window(self, optimizer, microbatches, first, last_step)
         in_loop = window.active and strategy.supports_microbatch_hooks
         if not in_loop:
@@ -99,17 +101,8 @@ class TrainStepMethods:
         out.grad_norm = strategy.clip_grad_norm_(None)  # measured before any clipping
         self.step_output = out
         self._skip_requested = False
-        self._call("on_before_optimizer_step", optimizer)
-        if self._skip_requested:
-            strategy.skip_step()
-            out.skipped = True
-        else:
-            clip_algorithm = s.gradient_clip_algorithm
-            if clip_algorithm is None and s.gradient_clip_val is not None:
-                clip_algorithm = "norm"
-            module.configure_gradient_clipping(optimizer, s.gradient_clip_val, clip_algorithm)
-            optimizer.skip_if = out.skip_flag
-            module.optimizer_step(st.epoch, first + n - 1, optimizer, lambda: out.loss)
+        module.optimizer_step(st.epoch, first + n - 1, optimizer, optimizer.closure_for(out.loss))
+        _check_stepped(module, optimizer)
         updated = not self._skip_requested
         self._skip_requested = False
         if out.skipped:
@@ -144,6 +137,23 @@ class TrainStepMethods:
             self.metric_book.clear()
         if self._val_loader is not None and self._val_check_due():
             self._run_validation()
+
+    def _before_update(self: Trainer, optimizer: HookOptimizer) -> bool:
+        """What Lightning runs inside `optimizer.step(closure)` after the closure:
+        `on_before_optimizer_step` (where a callback may skip the update), then
+        `configure_gradient_clipping`. Returns whether the update is to be applied."""
+        s, out = self.settings, self.step_output
+        self._call("on_before_optimizer_step", optimizer)
+        if self._skip_requested:
+            self.strategy.skip_step()
+            out.skipped = True
+            return False
+        clip_algorithm = s.gradient_clip_algorithm
+        if clip_algorithm is None and s.gradient_clip_val is not None:
+            clip_algorithm = "norm"
+        self.module.configure_gradient_clipping(optimizer, s.gradient_clip_val, clip_algorithm)
+        optimizer.skip_if = out.skip_flag
+        return True
 
     def _step_scheduler(self: Trainer, interval: str, index: int) -> None:
         """Step an `interval` scheduler where Lightning does: when ``index + 1`` (`index`: the
@@ -225,6 +235,22 @@ class TrainStepMethods:
         self.log_metrics(metrics)
         self.callback_metrics.update(self.metric_book.unforked(logged))
         self.progress_bar_metrics.update({"loss": out.loss, **prog})
+
+
+def _check_stepped(module: Any, optimizer: HookOptimizer) -> None:
+    """After the module's `optimizer_step`: Lightning's error for a closure never called. (An
+    override that calls the closure but not `optimizer.step` skips the update, as under
+    Lightning: the step still counts, and its gradients are dropped at the next zero_grad.)
+
+    Raises:
+        RuntimeError: naming the override and what to call instead.
+    """
+    if not optimizer.closure_ran:
+        raise RuntimeError(
+            f"{type(module).__name__}.optimizer_step did not call the optimizer closure (as "
+            "Lightning, which refuses this too): call optimizer.step(closure=optimizer_closure), "
+            "or optimizer_closure() to skip the update"
+        )
 
 
 def _agreeing(name: str, configured: Any, given: Any) -> Any:

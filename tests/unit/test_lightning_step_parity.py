@@ -220,3 +220,51 @@ def test_an_epoch_stopped_midway_still_ends_as_under_lightning(tmp_path, stop_at
     assert len(lightning_run.ends) == 1
     assert nanotrain_run.ends == lightning_run.ends
     _same_weights(lightning_run, nanotrain_run)
+
+
+class HookCounts(Regression):
+    """Counts `on_before_optimizer_step` and `configure_gradient_clipping` calls."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.counts = {"before": 0, "clip": 0}
+
+    def on_before_optimizer_step(self, optimizer):
+        self.counts["before"] += 1
+
+    def configure_gradient_clipping(
+        self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None
+    ):
+        self.counts["clip"] += 1
+        super().configure_gradient_clipping(optimizer, gradient_clip_val, gradient_clip_algorithm)
+
+
+class UpdatesEveryOtherStep(HookCounts):
+    """Runs the closure on every batch but steps the optimizer on even ones only."""
+
+    def optimizer_step(self, epoch, batch_idx, optimizer, optimizer_closure):
+        if batch_idx % 2 == 0:
+            optimizer.step(closure=optimizer_closure)
+        else:
+            optimizer_closure()
+
+
+def test_an_optimizer_step_that_skips_updates_trains_as_under_lightning(tmp_path):
+    lightning_run, nanotrain_run = _both(UpdatesEveryOtherStep(), tmp_path, max_epochs=1)
+    # on_before_optimizer_step and clipping run inside optimizer.step(closure), as Lightning's
+    assert nanotrain_run.counts == lightning_run.counts == {"before": 4, "clip": 4}
+    _same_weights(lightning_run, nanotrain_run)
+
+
+class NeverRunsTheClosure(Regression):
+    def optimizer_step(self, epoch, batch_idx, optimizer, optimizer_closure):
+        pass
+
+
+def test_an_optimizer_step_that_never_runs_the_closure_is_refused_as_lightning(tmp_path):
+    trainer = nt.Trainer(
+        max_steps=2, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+        default_root_dir=str(tmp_path),
+    )  # fmt: skip
+    with pytest.raises(RuntimeError, match="did not call the optimizer closure"):
+        trainer.fit(NeverRunsTheClosure(), DataLoader(_data(), batch_size=8))
