@@ -36,7 +36,9 @@ class TrainerConfig:
             [-gradient_clip_val, gradient_clip_val].
         val_check_interval: validate every this many optimizer steps, counted as Lightning
             counts them: over the whole run when check_val_every_n_epoch is None, else within
-            each epoch it selects (then not at epoch ends). None: at epoch ends only.
+            each epoch it selects (then not at epoch ends). A float in (0, 1]: after every
+            int(fraction × the epoch's batches) batches of each epoch, as Lightning (1.0: at
+            the epoch's end). None: at epoch ends only.
         check_val_every_n_epoch: validate in every this many epochs: at their end without
             val_check_interval, as Lightning does (None: val_check_interval counts over
             the whole run).
@@ -92,7 +94,7 @@ class TrainerConfig:
     accumulate_grad_batches: int | None = None
     gradient_clip_val: float | None = None
     gradient_clip_algorithm: str | None = None
-    val_check_interval: int | None = None
+    val_check_interval: int | float | None = None
     check_val_every_n_epoch: int | None = 1
     limit_val_batches: int | float | None = None
     log_every_n_steps: int = 50  # Lightning's default
@@ -117,11 +119,23 @@ class TrainerConfig:
     enable_autolog_hparams: bool = True
 
     def __post_init__(self) -> None:
+        # Lightning's spellings: -1 is "no limit", a clip value of 0 "no clipping", a float
+        # val_check_interval a fraction of the epoch (1.0: at its end, as None)
+        for name in ("max_steps", "max_epochs"):
+            if getattr(self, name) == -1 and type(getattr(self, name)) is int:
+                setattr(self, name, None)
+        if self.gradient_clip_val == 0:
+            self.gradient_clip_val = None
+        _check_val_fraction(self.val_check_interval, self.check_val_every_n_epoch)
+        if self.val_check_interval == 1.0 and type(self.val_check_interval) is float:
+            self.val_check_interval = None
         if self.max_steps is None and self.max_epochs is None and self.max_tokens is None:
             raise ValueError(
                 "the Trainer needs a stopping rule: set max_steps, max_epochs or max_tokens"
             )
-        names = ("max_steps", "max_epochs", "max_tokens", "val_check_interval")
+        names = ("max_steps", "max_epochs", "max_tokens")
+        if type(self.val_check_interval) is not float:
+            names += ("val_check_interval",)
         for name in (*names, "check_val_every_n_epoch"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value <= 0):
@@ -236,4 +250,25 @@ def _check_limit_val_batches(limit: int | float | None) -> None:
         raise ValueError(
             f"limit_val_batches must be an int >= 0 (a count), a float in (0, 1] (a fraction) "
             f"or None (all), got {limit!r}"
+        )
+
+
+def _check_val_fraction(value: Any, every_n_epochs: int | None) -> None:
+    """A float `val_check_interval` is Lightning's fraction of an epoch: in (0, 1], and it
+    needs epochs to be a fraction of (`check_val_every_n_epoch` set).
+
+    Raises:
+        ValueError: naming the value and what to pass instead.
+    """
+    if type(value) is not float:
+        return
+    if not 0.0 < value <= 1.0:
+        raise ValueError(
+            f"val_check_interval={value!r}: a float is a fraction of the training epoch, in "
+            "(0, 1]; pass an int to validate every that many optimizer steps"
+        )
+    if every_n_epochs is None:
+        raise ValueError(
+            f"val_check_interval={value!r} is a fraction of an epoch, which needs "
+            "check_val_every_n_epoch (as Lightning); pass an int number of steps instead"
         )

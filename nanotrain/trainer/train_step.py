@@ -198,13 +198,18 @@ class TrainStepMethods:
             self.strategy.clip_grads_(norm, clip_value=gradient_clip_val)
 
     def _val_check_due(self: Trainer) -> bool:
-        """Whether an int `val_check_interval` asks for validation after this step, as
+        """Whether `val_check_interval` asks for validation after this step, as
         Lightning counts it: over the whole run without `check_val_every_n_epoch`, else within
         each epoch that `check_val_every_n_epoch` selects (in optimizer steps, not batches)."""
         st, s = self.state, self.settings
         every, per_epochs = s.val_check_interval, s.check_val_every_n_epoch
         if not every:
             return False
+        if type(every) is float:  # a fraction of each epoch, counted in batches as Lightning
+            n = self.num_microbatches
+            k = max(1, int(st.steps_per_epoch * n * every))
+            batches = st.steps_in_epoch * n  # the epoch's batches once this step is done
+            return (st.epoch + 1) % per_epochs == 0 and batches // k > (batches - n) // k
         if per_epochs is None:
             return st.global_step % every == 0
         return (st.epoch + 1) % per_epochs == 0 and st.steps_in_epoch % every == 0

@@ -268,3 +268,69 @@ def test_an_optimizer_step_that_never_runs_the_closure_is_refused_as_lightning(t
     )  # fmt: skip
     with pytest.raises(RuntimeError, match="did not call the optimizer closure"):
         trainer.fit(NeverRunsTheClosure(), DataLoader(_data(), batch_size=8))
+
+
+class Validated(Regression):
+    """Records the step of every validation run."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.validated_at: list[int] = []
+
+    def validation_step(self, batch, batch_idx):
+        x, y = batch
+        self.log("val_loss", F.mse_loss(self.lin(x), y))
+
+    def on_validation_end(self):
+        self.validated_at.append(self.global_step)
+
+
+def _both_validated(tmp_path, **trainer_args):
+    runs, original = [], Validated()
+    for kind in ("lightning", "nanotrain"):
+        module = copy.deepcopy(original)
+        pl.seed_everything(0, verbose=False)
+        common = dict(
+            logger=False, enable_checkpointing=False, enable_progress_bar=False,
+            default_root_dir=str(tmp_path / kind), **trainer_args,
+        )  # fmt: skip
+        if kind == "lightning":
+            trainer = pl.Trainer(accelerator="cpu", devices=1, num_sanity_val_steps=0, **common)
+        else:
+            trainer = nt.Trainer(enable_monitors=False, **common)
+        train, val = DataLoader(_data(), batch_size=8), DataLoader(_data(16), batch_size=8)
+        trainer.fit(module, train, val)
+        runs.append(module)
+    return runs
+
+
+@pytest.mark.parametrize("fraction", [0.5, 0.3, 1.0])
+def test_a_float_val_check_interval_is_a_fraction_of_the_epoch_as_in_lightning(tmp_path, fraction):
+    lightning_run, nanotrain_run = _both_validated(
+        tmp_path, max_epochs=2, val_check_interval=fraction
+    )
+    # nanotrain validates once more at the end of fit when the last step was not validated
+    assert nanotrain_run.validated_at[: len(lightning_run.validated_at)] == (
+        lightning_run.validated_at
+    )
+    assert set(nanotrain_run.validated_at[len(lightning_run.validated_at) :]) <= {16}
+    _same_weights(lightning_run, nanotrain_run)
+
+
+def test_lightnings_spellings_of_no_limit_and_no_clipping_are_taken(tmp_path):
+    lightning_run, nanotrain_run = _both(
+        Regression(), tmp_path, max_epochs=-1, max_steps=5, gradient_clip_val=0
+    )
+    _same_weights(lightning_run, nanotrain_run)
+
+
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        ({"val_check_interval": 1.5}, "a float is a fraction of the training epoch"),
+        ({"val_check_interval": 0.5, "check_val_every_n_epoch": None}, "needs check_val"),
+    ],
+)
+def test_a_fraction_val_check_interval_out_of_lightnings_range_is_refused(args, message):
+    with pytest.raises(ValueError, match=message):
+        nt.Trainer(max_steps=1, **args)

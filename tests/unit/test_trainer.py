@@ -75,6 +75,7 @@ def test_hook_order_matches_the_documented_sequence(tmp_path):
         + step  # as Lightning: no validation at the epoch's end (4 is no multiple of 3)
         + ["on_train_epoch_end", "on_train_epoch_start"]
         + step * 2  # the epoch's steps 1 and 2
+        + ["on_train_epoch_end"]  # as Lightning: max_steps ends the epoch midway
         + val  # the final validation of fit
         + ["on_train_end", "on_fit_end", "teardown"]
     )
@@ -150,8 +151,8 @@ def test_request_stop_ends_after_the_current_step(tmp_path):
 
 
 def test_grads_are_clipped_after_on_before_optimizer_step_as_in_lightning(tmp_path):
-    # Lightning: on_before_optimizer_step sees the unclipped gradients; configure_gradient_
-    # clipping runs after it; optimizer_step then applies the clipped ones
+    # Lightning: inside optimizer.step(closure), on_before_optimizer_step sees the unclipped
+    # gradients; configure_gradient_clipping runs after it; the update applies the clipped ones
     seen = {}
 
     def total(module):
@@ -164,8 +165,8 @@ def test_grads_are_clipped_after_on_before_optimizer_step_as_in_lightning(tmp_pa
 
     class Stepping(Classifier):
         def optimizer_step(self, epoch, batch_idx, optimizer, optimizer_closure=None):
-            seen["at_step"] = total(self).item()
             optimizer.step(closure=optimizer_closure)
+            seen["at_step"] = total(self).item()  # what the update applied
 
     torch.manual_seed(0)
     trainer = make_trainer(tmp_path, max_steps=1, gradient_clip_val=1e-3, callbacks=[Check()])
