@@ -103,8 +103,10 @@ class NanoModule(pl.LightningModule):
         `on_epoch` default as in Lightning: per step in `training_step` and the training batch
         hooks, per epoch (training epoch or validation/test run) everywhere else, including the
         epoch-end hooks. Step values are averaged over the step's microbatches and written
-        every `log_every_n_steps`; epoch values are reduced with `reduce_fx` (weighted by
-        `batch_size` for "mean") and written at the epoch's end. `sync_dist=True` also reduces
+        every `log_every_n_steps`; epoch values are reduced with `reduce_fx` ("mean"
+        weighted by `batch_size`, or in validation / test by the batch's size as Lightning
+        infers it) and written at the epoch's end; `logger=False` values reach
+        `trainer.callback_metrics` only. `sync_dist=True` also reduces
         over data-parallel replicas. Both flags: written as `<name>_step` and `<name>_epoch`.
 
         Raises:

@@ -88,8 +88,10 @@ def inspect_source(source: DataLoader | Dataset, what: str) -> DataSource:
 
     Raises:
         TypeError: an iterable-style dataset or something that is not a map-style dataset.
-        ValueError: an empty dataset, or a DataLoader with ``batch_size=None`` (no batching).
+        ValueError: several DataLoaders (a list, tuple or dict of them), an empty dataset,
+            or a DataLoader with ``batch_size=None`` (no batching).
     """
+    _refuse_several_loaders(source, what)
     if isinstance(source, DataLoader):
         dataset = source.dataset
     else:
@@ -130,6 +132,18 @@ def inspect_source(source: DataLoader | Dataset, what: str) -> DataSource:
     else:
         data.batch_sampler = batches
     return data
+
+
+def _refuse_several_loaders(source: Any, what: str) -> None:
+    """Lightning runs a list of DataLoaders one after the other (`dataloader_idx`); nanotrain
+    reads one."""
+    items = source.values() if isinstance(source, dict) else source
+    if isinstance(source, list | tuple | dict) and any(isinstance(i, DataLoader) for i in items):
+        raise ValueError(
+            f"got {len(source)} {what} DataLoaders; nanotrain reads one {what} DataLoader: "
+            "pass one (join the datasets with torch.utils.data.ConcatDataset, or run one "
+            "validate / test / predict call per DataLoader)"
+        )
 
 
 def _plain_permutation(sampler: RandomSampler) -> bool:

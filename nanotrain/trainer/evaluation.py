@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import math
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
@@ -12,30 +13,73 @@ from typing import TYPE_CHECKING, Any
 import lightning.pytorch as pl
 import torch
 import torchmetrics
+from lightning.pytorch.loops.evaluation_loop import _EvaluationLoop
 from torch.utils.data import DataLoader, Sampler
 
 from nanotrain.trainer.loaders import draw_as_lightning
-from nanotrain.trainer.metric_book import MetricBook, to_float
+from nanotrain.trainer.metric_book import MetricBook, ScopeValues, to_float
 
 if TYPE_CHECKING:
     from nanotrain.trainer import Trainer
 
 
 def finish_epoch(trainer: Trainer, hook: str) -> dict[str, torch.Tensor]:
-    """End a training epoch or a validation / test run: the epoch values logged so far are
-    computed into `trainer.callback_metrics`, then `hook` (e.g. "on_validation_epoch_end")
-    runs and may log more, then everything is written to the loggers at the current step and
-    Metric objects are reset. Returns the values written."""
+    """End a training epoch or a validation / test run, as Lightning does: the epoch values
+    logged so far go into `trainer.callback_metrics` (a name logged with both flags also under
+    its plain name, and `logger=False` ones too), then `hook` (e.g. "on_validation_epoch_end")
+    runs and may log more, then the values are written to the loggers at the current step,
+    published again, and Metric objects are reset. Returns the values written."""
     book = trainer.metric_book
-    logged, prog = book.compute_epoch()
-    trainer.callback_metrics.update({k: v.detach() for k, v in {**prog, **logged}.items()})
+    _publish_epoch(trainer, book, book.compute_epoch())
     trainer._call(hook)
-    logged, prog = book.close_epoch()
-    trainer.callback_metrics.update({k: v.detach() for k, v in prog.items()})
-    trainer.log_metrics(logged)
-    trainer.callback_metrics.update(book.unforked(logged))
-    trainer.progress_bar_metrics.update(prog)
-    return logged
+    values = book.close_epoch()
+    trainer.log_metrics(values.logger)
+    _publish_epoch(trainer, book, values)
+    trainer.progress_bar_metrics.update(values.prog_bar)
+    return values.logger
+
+
+def _publish_epoch(trainer: Trainer, book: MetricBook, values: ScopeValues) -> None:
+    callback = {k: v.detach() for k, v in values.callback.items()}
+    trainer.callback_metrics.update(callback)
+    trainer.callback_metrics.update(book.unforked(callback))
+
+
+def evaluation_batch(
+    trainer: Trainer, stage: str, step: Callable[..., Any], batch: Any, batch_idx: int
+) -> Any:
+    """One real batch of a validation or test run (`stage` "validation" or "test"), as
+    Lightning's evaluation loop runs it: values logged from `on_<stage>_batch_start` to
+    `on_<stage>_batch_end` are weighted by the batch's size (unless given a `batch_size`);
+    then the batch's `on_step` values are written to the loggers (`write_evaluation_step`).
+    Returns the step's output."""
+    book = trainer.metric_book
+    book.start_batch(batch)
+    trainer._call(f"on_{stage}_batch_start", batch, batch_idx)
+    output = step(trainer.module, batch, batch_idx)
+    trainer._call(f"on_{stage}_batch_end", output, batch, batch_idx)
+    book.end_batch()
+    write_evaluation_step(trainer, book.close_step())
+    return output
+
+
+def write_evaluation_step(trainer: Trainer, values: ScopeValues) -> None:
+    """One evaluation batch's `on_step` values, where Lightning puts them: the progress bar,
+    `logged_metrics` and the loggers, the row at the number of batches this loader ran before
+    (counted over every validation of a `fit`; without an `epoch` column), but not
+    `callback_metrics` (Lightning's holds only the run's epoch values)."""
+    trainer.progress_bar_metrics.update(values.prog_bar)
+    loader = trainer._val_loader if trainer.validating else trainer._eval_loader
+    row = getattr(loader, "batches_run", 0)  # the loader is rebuilt, so counts from 0, per stage
+    loader.batches_run = row + 1
+    if not values.logger:
+        return
+    trainer.logged_metrics.update({k: v.detach() for k, v in values.logger.items()})
+    metrics = {k: to_float(v) for k, v in values.logger.items()}
+    if trainer.testing:
+        _write_to_user_loggers(trainer, metrics, step=row)
+    else:
+        trainer.loggers.log_metrics(metrics, row)
 
 
 def _defines(module: Any, name: str) -> bool:
@@ -97,10 +141,13 @@ def padding_step(trainer: Trainer, step: Callable[..., Any], batch: Any, batch_i
     """Run `step(module, batch, batch_idx)` (a strategy's step) for a padding batch: its
     forward runs (it may be a collective), but what it logs goes nowhere and the module's Metric objects are left as they were."""
     kept = trainer._book
-    trainer._book = MetricBook(lambda: trainer.strategy.root_device, None)
+    trainer._book = MetricBook(lambda: trainer.strategy.root_device, kept._process_group)
     try:
         with metrics_frozen(trainer.module):
             step(trainer.module, batch, batch_idx)
+        # computed as a real batch's are: `sync_dist` values reduce over the ranks, which all
+        # enter that reduction
+        trainer._book.close_step()
     finally:
         trainer._book = kept
 
@@ -117,10 +164,11 @@ def _source(trainer: Trainer, dataloaders: Any, hook: str, stage: str) -> Any:
     return source
 
 
-def run_test(trainer: Trainer, dataloaders: Any) -> list[dict[str, float]]:
+def run_test(trainer: Trainer, dataloaders: Any, verbose: bool = True) -> list[dict[str, float]]:
     """Run `test_step` over the whole test data (each rank its share) with the model in eval
     mode and no gradients, emitting the test hooks; returns [metrics] (Lightning's shape: one
-    dict per dataloader), the epoch values logged, reduced as in validation.
+    dict per dataloader), the epoch values logged, reduced as in validation; `verbose` prints
+    them as Lightning's table (rank 0).
 
     Raises:
         ValueError: the module has no `test_step` or there is no test data.
@@ -148,31 +196,35 @@ def run_test(trainer: Trainer, dataloaders: Any) -> list[dict[str, float]]:
         if batch_idx >= loader.batch_sampler.num_real_batches:
             padding_step(trainer, test_step, batch, batch_idx)
             continue
-        trainer._call("on_test_batch_start", batch, batch_idx)
-        output = test_step(module, batch, batch_idx)
-        trainer._call("on_test_batch_end", output, batch, batch_idx)
+        evaluation_batch(trainer, "test", test_step, batch, batch_idx)
     logged = finish_epoch(trainer, "on_test_epoch_end")
     trainer._call("on_test_end")
     trainer.testing = False
     metrics = {k: to_float(v) for k, v in logged.items()}
-    _write_to_user_loggers(trainer, metrics)
+    _write_to_user_loggers(trainer, {**metrics, "epoch": trainer.current_epoch})
+    if verbose and trainer.is_global_zero:
+        _EvaluationLoop._print_results([metrics], "test")
     return [metrics]
 
 
-def _write_to_user_loggers(trainer: Trainer, metrics: dict[str, float]) -> None:
-    """The test results in the user's own Lightning loggers (rank 0), where lightning.Trainer
-    writes them: at `global_step`, with the `epoch` column. nanotrain's own loggers belong
-    to the run directory of a fit or validate, which `test` does not create."""
+def _write_to_user_loggers(trainer: Trainer, metrics: dict[str, float], step: int | None = None):
+    """Test values in the user's own Lightning loggers (rank 0), where lightning.Trainer
+    writes them: the results at `global_step` (with the `epoch` column), a batch's values at
+    `step`. nanotrain's own loggers belong to the run directory of a fit or validate, which
+    `test` does not create."""
     if not metrics or not trainer.is_global_zero:
         return
     for logger in trainer._user_loggers:
-        logger.log_metrics({**metrics, "epoch": trainer.current_epoch}, step=trainer.global_step)
+        logger.log_metrics(metrics, step=trainer.global_step if step is None else step)
         logger.save()
 
 
-def run_predict(trainer: Trainer, dataloaders: Any) -> list[Any]:
+def run_predict(
+    trainer: Trainer, dataloaders: Any, return_predictions: bool | None = None
+) -> list[Any] | None:
     """Run `predict_step` over the whole predict data (each rank its share, in order) without
-    gradients; returns this rank's outputs, one per batch (None outputs included).
+    gradients; returns this rank's outputs, one per batch (None outputs included), or None
+    (and keeps no output) with `return_predictions=False`.
 
     Raises:
         ValueError: the module has no `predict_step` and no `forward`, there is no data, or
@@ -197,11 +249,12 @@ def run_predict(trainer: Trainer, dataloaders: Any) -> list[Any]:
         trainer._call("on_predict_batch_start", batch, batch_idx)
         output = trainer.strategy.predict_step(module, batch, batch_idx)
         trainer._call("on_predict_batch_end", output, batch, batch_idx)
-        outputs.append(output)
+        if return_predictions is not False:
+            outputs.append(output)
     trainer._call("on_predict_epoch_end")
     trainer._call("on_predict_end")
     trainer.predicting = False
-    return outputs
+    return None if return_predictions is False else outputs
 
 
 class EvaluationMethods:
@@ -214,10 +267,13 @@ class EvaluationMethods:
         datamodule: Any = None,
         dataloaders: Any = None,
         ckpt_path: str | None = None,
+        verbose: bool = True,
     ) -> list[dict[str, float]]:
         """Run `test_step` once over the test data (`datamodule.test_dataloader()` or
-        `dataloaders`); returns [metrics], as Lightning. See `evaluation_loops.run_test`."""
-        return self._evaluate("test", module, datamodule, dataloaders, ckpt_path)
+        `dataloaders`); returns [metrics] and, with `verbose`, prints them, as Lightning. See
+        `run_test`."""
+        run = functools.partial(run_test, verbose=verbose)
+        return self._evaluate(run, "test", module, datamodule, dataloaders, ckpt_path)
 
     def predict(
         self: Trainer,
@@ -225,13 +281,22 @@ class EvaluationMethods:
         datamodule: Any = None,
         dataloaders: Any = None,
         ckpt_path: str | None = None,
-    ) -> list[Any]:
+        return_predictions: bool | None = None,
+    ) -> list[Any] | None:
         """Run `predict_step` over the predict data (`datamodule.predict_dataloader()` or
-        `dataloaders`); returns this rank's outputs per batch. See `run_predict`."""
-        return self._evaluate("predict", module, datamodule, dataloaders, ckpt_path)
+        `dataloaders`); returns this rank's outputs per batch (None with
+        `return_predictions=False`), as Lightning. See `run_predict`."""
+        run = functools.partial(run_predict, return_predictions=return_predictions)
+        return self._evaluate(run, "predict", module, datamodule, dataloaders, ckpt_path)
 
     def _evaluate(
-        self: Trainer, stage: str, module: Any, datamodule: Any, loaders: Any, ckpt: Any
+        self: Trainer,
+        run: Callable[[Trainer, Any], Any],
+        stage: str,
+        module: Any,
+        datamodule: Any,
+        loaders: Any,
+        ckpt: Any,
     ) -> Any:
         from nanotrain.trainer.loaders import split_data_arguments
 
@@ -240,7 +305,7 @@ class EvaluationMethods:
             self._setup(module, datamodule, stage, ckpt)
             if ckpt is not None:
                 self._resume(self._resume_path or ckpt, weights_only=True)
-            return (run_test if stage == "test" else run_predict)(self, loaders)
+            return run(self, loaders)
         except BaseException as exc:
             if self.module is not None:
                 self._call("on_exception", exc)

@@ -17,6 +17,7 @@ What a DataLoader decides, as under `lightning.Trainer`:
 from __future__ import annotations
 
 import functools
+import math
 import os
 import warnings
 from typing import Any
@@ -50,7 +51,9 @@ def build_loaders(
     Sources, as in Lightning: the dataloaders passed, else the datamodule's
     `train_dataloader()` / `val_dataloader()` where it defines them, else the module's.
     Validation reads the same samples under any layout (`validation_loader`); it is skipped
-    when `limit_val_batches` is 0 or there is no validation data.
+    when `limit_val_batches` is 0, there is no validation data, or `drop_last` leaves no
+    batch. Sets `trainer._num_val_batches` (Lightning's `num_val_batches`, which stays after
+    the stage).
 
     Raises:
         ValueError: `fit` without training data, a batch setting that contradicts the
@@ -94,6 +97,10 @@ def build_loaders(
             settings.accumulate_grad_batches = accumulate
         if settings.limit_val_batches != 0:
             val_loader = validation_loader(data, settings, shard, batch)
+    # Lightning's `num_val_batches`, which outlives the stage
+    trainer._num_val_batches = [] if val_loader is None else [val_loader.num_batches]
+    if val_loader is not None and not val_loader.num_batches:
+        val_loader = None  # drop_last leaves no batch: no validation, as Lightning
     return train_loader, train_sampler, val_loader
 
 
@@ -273,18 +280,20 @@ def validation_loader(
     shard: DataShard,
     batch_size: int | None = None,
 ) -> DataLoader:
-    """The validation loader of this data-parallel shard: the first samples of the set
-    (`limit_val_batches` counted in global batches of `global_batch_size`, or a fraction of
-    the set: `validation_sample_count`) dealt over the shards, `batch_size` (default: the
-    micro batch) at a time, none dropped; every shard yields the same number of batches
-    (padding batches from `loader.batch_sampler.num_real_batches` on; see
-    `ValidationBatchSampler`). A custom sampler or batch sampler is read as it yields its
-    batches (one shard only), `limit_val_batches` of them (a count or a fraction).
+    """The validation loader of this data-parallel shard: the batches Lightning runs per rank
+    (`validation_batches`: a fractional `limit_val_batches` and `drop_last` applied; an int
+    `limit_val_batches` counts global batches of `global_batch_size` samples), as the first
+    samples of the set dealt over the shards, `batch_size` (default: the micro batch) at a
+    time; every shard yields the same number of batches (padding batches from
+    `loader.batch_sampler.num_real_batches` on; see `ValidationBatchSampler`). A custom
+    sampler or batch sampler is read as it yields its batches (one shard only),
+    `limit_val_batches` of them. `loader.num_batches` is Lightning's `num_val_batches` entry.
 
     Raises:
-        TypeError, ValueError: as `inspect_source`; a custom sampler under data parallelism.
+        TypeError, ValueError: as `inspect_source`; a custom sampler under data parallelism;
+            a fractional `limit_val_batches` that leaves no batch.
     """
-    from nanotrain.data.sampler import ValidationBatchSampler, validation_sample_count
+    from nanotrain.data.sampler import ValidationBatchSampler
 
     data = source if isinstance(source, DataSource) else inspect_source(source, "validation")
     warn_if_shuffled(data)
@@ -296,19 +305,44 @@ def validation_loader(
         batches = [list(b) for b in data.batch_sampler]
         batches = batches[: val_batch_limit(settings.limit_val_batches, len(batches))]
         sampler: Sampler = FixedBatches(batches)
+        num_batches = len(batches)
     else:
-        count = validation_sample_count(
-            settings.limit_val_batches, len(data.dataset), settings.global_batch_size
-        )
-        sampler = ValidationBatchSampler(count, batch_size, shard.index, shard.count)
+        length, limit = len(data.dataset), settings.limit_val_batches
+        fraction = None if isinstance(limit, int) else limit
+        num_batches = validation_batches(fraction, length, batch_size, shard.count, data.drop_last)
+        # Lightning's rank r reads positions r, r + n, ... of the set: over all ranks, the
+        # first num_batches × batch_size × n samples
+        count = min(num_batches * batch_size * shard.count, length)
+        if isinstance(limit, int):  # a count of global batches (Lightning: of batches per rank)
+            count = min(limit * settings.global_batch_size, count)
+            num_batches = math.ceil(math.ceil(count / shard.count) / batch_size)
+        sampler = ValidationBatchSampler(max(count, 1), batch_size, shard.index, shard.count)
     loader = DataLoader(data.dataset, batch_sampler=sampler, generator=generator, **data.extra)
+    loader.num_batches = num_batches
     return lightning_rng_parity(loader, data)
+
+
+def validation_batches(
+    limit: int | float | None, length: int, batch_size: int, ranks: int, drop_last: bool
+) -> int:
+    """Validation batches per rank, as Lightning counts them: each of `ranks` ranks reads
+    ``ceil(length / ranks)`` samples (`DistributedSampler`'s share) in batches of
+    `batch_size`, its partial last batch dropped with `drop_last`; of those it runs
+    `limit` (an int, at most all), ``int(limit × batches)`` (a float) or all (None).
+
+    Raises:
+        ValueError: a float `limit` that leaves no batch (Lightning's error).
+    """
+    per_rank = math.ceil(length / ranks)
+    available = per_rank // batch_size if drop_last else math.ceil(per_rank / batch_size)
+    return val_batch_limit(limit, available)
 
 
 def evaluation_loader(trainer: Any, source: Any, what: str, ordered: Any) -> DataLoader:
     """The test / predict loader of this shard: `source`'s batch size (the Trainer's
     micro_batch_size must agree with it; a bare Dataset: the Trainer's micro batch, or that
-    of its last fit, else 1), every sample once in order, built by `ordered(
+    of its last fit, else 1), every sample once in order (but a `drop_last` DataLoader's
+    partial last batch), built by `ordered(
     length, batch_size, shard)` (a batch sampler); a custom sampler or batch sampler is read
     as it yields its batches (one shard only).
 
@@ -326,7 +360,11 @@ def evaluation_loader(trainer: Any, source: Any, what: str, ordered: Any) -> Dat
         # a bare Dataset: the micro batch of the last fit, if any
         default = trainer.settings.micro_batch_size
         batch = resolve_micro_batch(trainer.requested_settings.micro_batch_size, data, default)
-        batches = ordered(len(data.dataset), batch, shard)
+        length = len(data.dataset)
+        if data.drop_last:  # as Lightning: each rank's partial last batch left out
+            whole = validation_batches(None, length, batch, shard.count, drop_last=True)
+            length = min(whole * batch * shard.count, length)
+        batches = ordered(length, batch, shard)
     generator = torch.Generator().manual_seed(trainer.settings.seed)
     loader = DataLoader(data.dataset, batch_sampler=batches, generator=generator, **data.extra)
     return lightning_rng_parity(loader, data)
@@ -360,10 +398,20 @@ def _overrides(obj: Any, name: str, base: type) -> bool:
 
 
 def val_batch_limit(limit: int | float | None, available: int) -> int:
-    """Batches to run of a loader that is not nanotrain's own validation loader: all (None),
-    a fraction (float <= 1) or a count (int), at most `available`."""
+    """Batches to run of `available`, as Lightning's `limit_val_batches` says: all (None),
+    ``int(limit × available)`` (a float), or a count (an int), at most `available`.
+
+    Raises:
+        ValueError: a float `limit` that leaves no batch of several (Lightning's error).
+    """
     if limit is None:
         return available
-    if isinstance(limit, float) and limit <= 1.0:
-        return max(1, int(available * limit)) if limit > 0 else 0
+    if isinstance(limit, float):
+        batches = int(available * limit)
+        if batches == 0 and limit > 0 and available > 0:
+            raise ValueError(
+                f"limit_val_batches={limit} of {available} validation batches is less than one "
+                f"batch; use at least limit_val_batches={1 / available} (or an int count)"
+            )
+        return batches
     return min(int(limit), available)

@@ -3,13 +3,15 @@
 Every logged name lives in one or both of two scopes:
 
 - the *step* scope (``on_step=True``): values of one optimizer step, averaged over its
-  microbatches (or reduced with ``reduce_fx``); the Trainer writes them on logging steps;
+  microbatches (or reduced with ``reduce_fx``), or of one validation / test batch; the
+  Trainer writes them on logging steps (after every validation / test batch);
 - the *epoch* scope (``on_epoch=True``): values of a whole training epoch or validation / test
   run, reduced with ``reduce_fx`` and written once at its end.
 
 A name logged with both flags is written as ``<name>_step`` and ``<name>_epoch`` (as Lightning
-does). Values may be numbers, tensors or torchmetrics ``Metric`` objects; a Metric logged for
-the epoch is computed at the end of the epoch (synchronized over the data-parallel
+does). Means are weighted by each value's ``batch_size``: given, or inferred from the batch
+running when it was logged (`start_batch`), as Lightning infers it. Values may be numbers,
+tensors or torchmetrics ``Metric`` objects; a Metric logged for the epoch is computed at the end of the epoch (synchronized over the data-parallel
 ``process_group``) and reset afterwards, one logged for the step contributes the value of its
 last ``forward`` call.
 """
@@ -18,10 +20,11 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torchmetrics
+from lightning.pytorch.utilities.data import extract_batch_size
 from torch import Tensor
 
 from nanotrain.trainer.step_values import StepAggregator
@@ -112,6 +115,16 @@ class _Scope:
         self.entries: dict[str, _Entry] = {}
 
 
+class ScopeValues(NamedTuple):
+    """The computed values of one scope, by where they go (as Lightning sorts them): the
+    loggers (`logger=True`), the progress bar (`prog_bar=True`) and `callback_metrics`
+    (every value, `logger=False` ones included). Device tensors."""
+
+    logger: dict[str, Tensor]
+    prog_bar: dict[str, Tensor]
+    callback: dict[str, Tensor]
+
+
 class MetricBook:
     """Holds the step scope and the epoch scope of `self.log` values.
 
@@ -127,6 +140,35 @@ class MetricBook:
         self._step = _Scope()
         self._epoch = _Scope()
         self._forked: dict[str, str] = {}  # "<name>_step" / "<name>_epoch" -> "<name>"
+        self._batch: Any = None  # the batch running now (`start_batch`), None between batches
+        self._batch_size: int | None = None  # inferred from `_batch`, once per batch
+
+    def start_batch(self, batch: Any) -> None:
+        """A batch starts: epoch means of values logged without `batch_size` from now until
+        `end_batch` are weighted by its size (Lightning's `extract_batch_size`: the first
+        dimension of its first tensor)."""
+        self._batch, self._batch_size = batch, None
+
+    def end_batch(self) -> None:
+        """The batch has ended: values logged from now on weigh 1 (as in Lightning's epoch-end
+        hooks)."""
+        self._batch, self._batch_size = None, None
+
+    def _weight(self, batch_size: int | None, value: Any, on_epoch: bool, reduce: str) -> int:
+        """The weight of one logged value, as Lightning's `_ResultCollection` picks it: the
+        given `batch_size`, else the size already inferred for this batch, else (for a mean
+        over the epoch of a plain value, inside a batch) the batch's inferred size, else 1."""
+        if batch_size is not None:
+            return batch_size
+        if self._batch_size is not None:
+            return self._batch_size
+        if self._batch is None or not on_epoch or reduce != "mean":
+            return 1
+        # a Metric object is computed, not averaged (the Metric check is an ABC's: slow)
+        if not isinstance(value, Tensor) and isinstance(value, torchmetrics.Metric):
+            return 1
+        self._batch_size = extract_batch_size(self._batch)
+        return self._batch_size
 
     def log(
         self,
@@ -150,6 +192,7 @@ class MetricBook:
         if not (on_step or on_epoch):
             raise ValueError(f"self.log({name!r}): on_step and on_epoch cannot both be False")
         reduce = reduce_name(reduce_fx)
+        batch_size = self._weight(batch_size, value, on_epoch, reduce)
         both = on_step and on_epoch
         if both:
             self._forked.update({f"{name}_step": name, f"{name}_epoch": name})
@@ -171,9 +214,10 @@ class MetricBook:
         logger: bool,
         sync_dist: bool,
         reduce: str,
-        batch_size: int | None,
+        batch_size: int,
     ) -> None:
-        """Add one value to `name`'s aggregator (created on first use in this scope)."""
+        """Add one value (of weight `batch_size`, for a mean) to `name`'s aggregator (created
+        on first use in this scope)."""
         # a tensor first: the Metric check is an ABC's, slower, and a step logs tensors
         if not isinstance(value, Tensor) and isinstance(value, torchmetrics.Metric):
             scope.entries[name] = _Entry(value, prog_bar, logger, user_metric=True)
@@ -193,7 +237,7 @@ class MetricBook:
             else isinstance(metric, torchmetrics.MeanMetric)
         )
         if weighted:
-            metric.update(value, weight=batch_size if batch_size is not None else 1.0)
+            metric.update(value, weight=batch_size)
         else:
             metric.update(value)
 
@@ -221,18 +265,18 @@ class MetricBook:
         finally:
             metric.process_group = own_group
 
-    def _close(self, scope: _Scope, epoch: bool) -> tuple[dict[str, Tensor], dict[str, Tensor]]:
-        logged: dict[str, Tensor] = {}
-        prog: dict[str, Tensor] = {}
+    def _close(self, scope: _Scope, epoch: bool) -> ScopeValues:
+        values = ScopeValues({}, {}, {})
         for name, entry in scope.entries.items():
             value = self._compute(entry, epoch)
             if value is None:
                 continue
+            values.callback[name] = value
             if entry.logger:
-                logged[name] = value
+                values.logger[name] = value
             if entry.prog_bar:
-                prog[name] = value
-        return logged, prog
+                values.prog_bar[name] = value
+        return values
 
     def unforked(self, values: dict[str, Tensor]) -> dict[str, Tensor]:
         """`values` of names logged with both flags under their plain name (as Lightning's
@@ -240,16 +284,24 @@ class MetricBook:
         value during the epoch, the epoch value at its end)."""
         return {self._forked[k]: v for k, v in values.items() if k in self._forked}
 
-    def peek(self) -> tuple[dict[str, Tensor], dict[str, Tensor]]:
-        """The step scope's values so far (loggers, progress bar), as device tensors, without
-        ending it (the aggregators cache what they computed until their next update)."""
+    def read_step(self) -> ScopeValues:
+        """The step scope's values so far, without ending it (the aggregators cache what they
+        computed until their next update)."""
         return self._close(self._step, epoch=False)
 
-    def close(self) -> tuple[dict[str, Tensor], dict[str, Tensor]]:
-        """End the step scope: (values for loggers, values for the progress bar); start anew."""
+    def close_step(self) -> ScopeValues:
+        """End the step scope: its values; start anew."""
         result = self._close(self._step, epoch=False)
         self._step = _Scope()
         return result
+
+    def peek(self) -> tuple[dict[str, Tensor], dict[str, Tensor]]:
+        """(values for loggers, values for the progress bar) of `read_step`."""
+        return self.read_step()[:2]
+
+    def close(self) -> tuple[dict[str, Tensor], dict[str, Tensor]]:
+        """(values for loggers, values for the progress bar) of `close_step`."""
+        return self.close_step()[:2]
 
     def clear(self) -> None:
         """Drop everything logged in the step scope (a step that is not a logging step)."""
@@ -259,12 +311,12 @@ class MetricBook:
         """Whether anything was logged for the epoch scope since it was last closed."""
         return bool(self._epoch.entries)
 
-    def compute_epoch(self) -> tuple[dict[str, Tensor], dict[str, Tensor]]:
-        """The epoch scope's values (loggers, progress bar) without ending it: hooks logging
-        at the end of the epoch add to the same scope before `close_epoch`."""
+    def compute_epoch(self) -> ScopeValues:
+        """The epoch scope's values without ending it: hooks logging at the end of the epoch
+        add to the same scope before `close_epoch`."""
         return self._close(self._epoch, epoch=True)
 
-    def close_epoch(self) -> tuple[dict[str, Tensor], dict[str, Tensor]]:
+    def close_epoch(self) -> ScopeValues:
         """End the epoch scope: compute its values, reset the Metric objects logged in it (as
         Lightning does at the end of an epoch) and start anew."""
         result = self._close(self._epoch, epoch=True)

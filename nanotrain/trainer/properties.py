@@ -162,18 +162,10 @@ class LightningTrainerProperties:
 
     @property
     def num_val_batches(self) -> list[int]:
-        """Validation batches per run on this process, one entry per loader (as Lightning);
-        nanotrain's own validation loader has `limit_val_batches` applied already and its
-        padding batches (which log nothing) are not counted."""
-        from nanotrain.trainer.loaders import val_batch_limit
-
-        loader = self._val_loader
-        if loader is None:
-            return []
-        real = getattr(loader.batch_sampler, "num_real_batches", None)
-        if real is not None:
-            return [real]
-        return [val_batch_limit(self.settings.limit_val_batches, len(loader))]
+        """Validation batches per run on this process, one entry per loader, as Lightning
+        counts them (`limit_val_batches` and `drop_last` applied); set when fit / validate
+        builds its loaders and kept after it ([] before, or without validation data)."""
+        return getattr(self, "_num_val_batches", [])
 
     @property
     def num_test_batches(self) -> list[int]:

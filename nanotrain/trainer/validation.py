@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from nanotrain.trainer.loaders import draw_as_lightning, val_batch_limit
+from nanotrain.trainer.loaders import draw_as_lightning
 from nanotrain.trainer.metric_book import MetricBook, to_float
 
 if TYPE_CHECKING:
@@ -19,11 +19,12 @@ def run_validation(trainer: Trainer, lightning_has_it: bool = True) -> dict[str,
     nanotrain's own extra passes do not, so they never disturb the training RNG.
 
     The loader reads the same samples under any layout (`nanotrain.trainer.loaders.validation_loader`,
-    which also applies `limit_val_batches`). Its padding batches (a shard with fewer samples
+    which also applies `limit_val_batches`); each batch runs as `evaluation.evaluation_batch`
+    (its `on_step` values written after it). Its padding batches (a shard with fewer samples
     than another, from `batch_sampler.num_real_batches` on) run the forward, which can be a
     collective, but what they log is discarded, the module's Metric objects are left as
     they were, and no batch hook sees them."""
-    from nanotrain.trainer.evaluation import finish_epoch, padding_step
+    from nanotrain.trainer.evaluation import evaluation_batch, finish_epoch, padding_step
 
     module = trainer.module
     was_training = module.training
@@ -36,26 +37,28 @@ def run_validation(trainer: Trainer, lightning_has_it: bool = True) -> dict[str,
     trainer.validating = True
     module.eval()
     trainer._call("on_validation_start")
-    trainer._call("on_validation_epoch_start")
-    loader = trainer._val_loader
-    real = getattr(loader.batch_sampler, "num_real_batches", None)
-    limit = (
-        val_batch_limit(trainer.settings.limit_val_batches, len(loader)) if real is None else None
-    )
-    for batch_idx, batch in enumerate(loader):
-        if limit is not None and batch_idx >= limit:
-            break
-        batch = trainer.strategy.batch_to_device(batch)
-        if real is not None and batch_idx >= real:
-            padding_step(trainer, trainer.strategy.validation_step, batch, batch_idx)
-            continue
-        trainer._call("on_validation_batch_start", batch, batch_idx)
-        output = trainer.strategy.validation_step(module, batch, batch_idx)
-        trainer._call("on_validation_batch_end", output, batch, batch_idx)
-    logged = finish_epoch(trainer, "on_validation_epoch_end")
+    # as Lightning: fit's validation is not training (`trainer.training` False in its steps and
+    # epoch hooks); the start and end hooks still see the fit's flag, which callbacks read as
+    # "inside fit"
+    fitting, trainer.training = trainer.training, False
+    try:
+        trainer._call("on_validation_epoch_start")
+        loader = trainer._val_loader
+        real = loader.batch_sampler.num_real_batches
+        for batch_idx, batch in enumerate(loader):
+            batch = trainer.strategy.batch_to_device(batch)
+            if batch_idx >= real:
+                padding_step(trainer, trainer.strategy.validation_step, batch, batch_idx)
+                continue
+            evaluation_batch(
+                trainer, "validation", trainer.strategy.validation_step, batch, batch_idx
+            )
+        logged = finish_epoch(trainer, "on_validation_epoch_end")
+    finally:
+        trainer.training = fitting
     trainer._book = train_book
     trainer._last_val_step = trainer.state.global_step
     module.train(was_training)
-    trainer.validating = False
     trainer._call("on_validation_end")
+    trainer.validating = False
     return {k: to_float(v) for k, v in logged.items()}
