@@ -14,6 +14,16 @@ import torch
 torch.set_num_threads(1)
 
 
+@pytest.fixture(autouse=True)
+def no_global_seed(monkeypatch):
+    """Every test starts without Lightning's global seed and leaves none behind: a test that
+    calls `lightning.seed_everything` would otherwise decide the seed of every later test in
+    its process (setenv first: delenv of an unset variable records nothing to put back)."""
+    for name in ("PL_GLOBAL_SEED", "PL_SEED_WORKERS"):
+        monkeypatch.setenv(name, "0")
+        monkeypatch.delenv(name)
+
+
 @pytest.fixture
 def failing_import(monkeypatch):
     """`failing_import(prefix, error)`: from now on, importing a module whose name starts

@@ -263,7 +263,7 @@ class ModelCheckpoint(CheckpointNames, CheckpointRetention, Callback):
             self._save_trigger(trainer)
 
     def on_validation_end(self, trainer: Trainer, module: NanoModule) -> None:
-        if not trainer.training:
+        if not trainer.is_fitting:
             return  # `validate` alone saves nothing (as Lightning outside fitting)
         if self._skip(trainer):
             return
@@ -275,11 +275,6 @@ class ModelCheckpoint(CheckpointNames, CheckpointRetention, Callback):
             self._save_trigger(trainer)
 
     def on_train_end(self, trainer: Trainer, module: NanoModule) -> None:
-        st = trainer.state
-        if 0 < st.steps_in_epoch < st.steps_per_epoch:
-            # Lightning ends an epoch cut short by max_steps or a stop request with
-            # on_train_epoch_end, which saves on the epoch cadence; nanotrain's loop does not.
-            self.on_train_epoch_end(trainer, module)
         if self.save_last and self._last_saved_step != trainer.global_step:
             self._save_as(trainer, "last")
         self.finish_pending(trainer)
@@ -294,7 +289,7 @@ class ModelCheckpoint(CheckpointNames, CheckpointRetention, Callback):
             self._pending = None
 
     def on_exception(self, trainer: Trainer, module: NanoModule, exception: BaseException) -> None:
-        if not self.save_on_exception or not trainer.training:
+        if not self.save_on_exception or not trainer.is_fitting:
             return
         try:
             self._save_as(trainer, "last", tag="exception")

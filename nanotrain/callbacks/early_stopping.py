@@ -148,12 +148,12 @@ class EarlyStopping(Callback):
 
     def on_train_epoch_end(self, trainer: Trainer, module: NanoModule) -> None:
         """Check at the end of each training epoch (when the check runs there)."""
-        if self._check_on_train_epoch_end and trainer.training:
+        if self._check_on_train_epoch_end and trainer.is_fitting:
             self._run_check(trainer)
 
     def on_validation_end(self, trainer: Trainer, module: NanoModule) -> None:
         """Check after each validation run of `fit` (when the check runs there)."""
-        if not self._check_on_train_epoch_end and trainer.training:
+        if not self._check_on_train_epoch_end and trainer.is_fitting:
             self._run_check(trainer)
 
     def _run_check(self, trainer: Trainer) -> None:

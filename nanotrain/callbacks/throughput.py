@@ -121,7 +121,7 @@ class ThroughputMonitor(Callback):
 
     def on_validation_start(self, trainer: Trainer, module: NanoModule) -> None:
         """Stop counting time while validation runs."""
-        if trainer.training:
+        if trainer.is_fitting:
             self._validation_started = self.clock()
 
     def on_validation_end(self, trainer: Trainer, module: NanoModule) -> None:

@@ -295,14 +295,6 @@ class MetricBook:
         self._step = _Scope()
         return result
 
-    def peek(self) -> tuple[dict[str, Tensor], dict[str, Tensor]]:
-        """(values for loggers, values for the progress bar) of `read_step`."""
-        return self.read_step()[:2]
-
-    def close(self) -> tuple[dict[str, Tensor], dict[str, Tensor]]:
-        """(values for loggers, values for the progress bar) of `close_step`."""
-        return self.close_step()[:2]
-
     def clear(self) -> None:
         """Drop everything logged in the step scope (a step that is not a logging step)."""
         self._step = _Scope()

@@ -130,7 +130,7 @@ class TrainStepMethods:
             self.metric_book.clear()
         self._call("on_train_step_end", out, microbatches, step_idx)
         if log_step:  # what on_train_step_end logged is written with its step
-            logged_in_hook = self.metric_book.close()[0]
+            logged_in_hook = self.metric_book.close_step().logger
             if logged_in_hook:
                 self.log_metrics(logged_in_hook)
         else:
@@ -218,16 +218,16 @@ class TrainStepMethods:
         """As Lightning: the step's `self.log` values are in `callback_metrics` and
         `progress_bar_metrics` every step, before its last `on_train_batch_end` (device
         tensors: no host read); the loggers get them on log steps only."""
-        logged, prog = self.metric_book.peek()
-        if logged:
-            self.callback_metrics.update(logged)
-            self.callback_metrics.update(self.metric_book.unforked(logged))
-        if prog:
-            self.progress_bar_metrics.update(prog)
+        values = self.metric_book.read_step()
+        if values.callback:  # every value, `logger=False` ones too (as Lightning)
+            self.callback_metrics.update(values.callback)
+            self.callback_metrics.update(self.metric_book.unforked(values.callback))
+        if values.prog_bar:
+            self.progress_bar_metrics.update(values.prog_bar)
 
     def _log_train(self: Trainer, out: StepOutput) -> None:
         st = self.state
-        logged, prog = self.metric_book.close()
+        logged, prog, callback = self.metric_book.close_step()
         metrics = {
             "train/loss": out.loss,
             "train/grad_norm": out.grad_norm,
@@ -238,7 +238,8 @@ class TrainStepMethods:
         metrics.update(out.metrics)
         metrics.update(logged)
         self.log_metrics(metrics)
-        self.callback_metrics.update(self.metric_book.unforked(logged))
+        self.callback_metrics.update(callback)
+        self.callback_metrics.update(self.metric_book.unforked(callback))
         self.progress_bar_metrics.update({"loss": out.loss, **prog})
 
 

@@ -16,6 +16,7 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
+from lightning.pytorch.loops.evaluation_loop import _EvaluationLoop
 from lightning.pytorch.utilities.model_summary import summarize
 from torch.utils.data import DataLoader
 
@@ -119,6 +120,9 @@ class Trainer(
         self._callback_hooks = CallbackHooks()
         self.progress_bar_metrics: dict[str, torch.Tensor] = {}
         self.training = False
+        # from the start of `fit` to its end (Lightning's `trainer.state.fn == "fit"`): what
+        # callbacks ask when they mean "inside fit" (`training` is False in fit's validation)
+        self.is_fitting = False
         self.validating = False
         self.testing = False
         self.predicting = False
@@ -286,6 +290,7 @@ class Trainer(
             datamodule, train_dataloaders, val_dataloaders
         )
         try:
+            self.is_fitting = True
             self._setup(module, datamodule, "fit", ckpt_path)
             self._build_loaders("fit", train_dataloaders, val_dataloaders)
             self.strategy.setup_optimizers(module)
@@ -317,9 +322,9 @@ class Trainer(
             last_validated = self._last_val_step == self.state.global_step
             if self._val_loader is not None and not last_validated and not self._preempted:
                 self._run_validation(lightning_has_it=False)
-            self.training = False
-            self._call("on_train_end")
+            self._call("on_train_end")  # as Lightning: still training in both
             self._call("on_fit_end")
+            self.training = False
         except BaseException as exc:
             if self.module is not None:
                 self._call("on_exception", exc)
@@ -328,6 +333,7 @@ class Trainer(
                 raise stalled from exc
             raise
         finally:
+            self.training = self.is_fitting = False
             if self._preemption is not None:
                 self._preemption.uninstall()
             self._teardown("fit")
@@ -409,9 +415,11 @@ class Trainer(
         datamodule: Any = None,
         dataloaders: Any = None,
         ckpt_path: str | Path | None = None,
+        verbose: bool = True,
     ) -> list[dict[str, float]]:
         """Run one pass over the validation data; returns `[metrics]` (Lightning's shape: one
-        dict per dataloader) with the epoch values logged, reduced over the ranks.
+        dict per dataloader) with the epoch values logged, reduced over the ranks, and with
+        `verbose` prints them on rank 0 as Lightning's results table.
 
         Raises:
             ValueError: the module has no `validation_step` (as Lightning), or no
@@ -438,7 +446,10 @@ class Trainer(
             if self._resume_path is not None:
                 self._resume(self._resume_path, weights_only=True)
             self._make_run_dir()
-            return [self._run_validation()]
+            metrics = self._run_validation()
+            if verbose and self.is_global_zero:
+                _EvaluationLoop._print_results([metrics], "validate")
+            return [metrics]
         except BaseException as exc:
             if self.module is not None:
                 self._call("on_exception", exc)

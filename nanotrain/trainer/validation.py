@@ -35,12 +35,11 @@ def run_validation(trainer: Trainer, lightning_has_it: bool = True) -> dict[str,
     if lightning_has_it:  # a pass lightning.Trainer also runs: its RNG draw too
         draw_as_lightning(trainer._val_loader)
     trainer.validating = True
+    # as Lightning: fit's validation is not training (`trainer.training` False from its start
+    # hook to its end hook; callbacks ask `trainer.is_fitting` for "inside fit")
+    training, trainer.training = trainer.training, False
     module.eval()
     trainer._call("on_validation_start")
-    # as Lightning: fit's validation is not training (`trainer.training` False in its steps and
-    # epoch hooks); the start and end hooks still see the fit's flag, which callbacks read as
-    # "inside fit"
-    fitting, trainer.training = trainer.training, False
     try:
         trainer._call("on_validation_epoch_start")
         loader = trainer._val_loader
@@ -54,11 +53,11 @@ def run_validation(trainer: Trainer, lightning_has_it: bool = True) -> dict[str,
                 trainer, "validation", trainer.strategy.validation_step, batch, batch_idx
             )
         logged = finish_epoch(trainer, "on_validation_epoch_end")
+        trainer._book = train_book
+        trainer._last_val_step = trainer.state.global_step
+        module.train(was_training)
+        trainer._call("on_validation_end")
     finally:
-        trainer.training = fitting
-    trainer._book = train_book
-    trainer._last_val_step = trainer.state.global_step
-    module.train(was_training)
-    trainer._call("on_validation_end")
+        trainer.training = training
     trainer.validating = False
     return {k: to_float(v) for k, v in logged.items()}

@@ -570,7 +570,7 @@ def test_early_stopping_strict_false_skips_a_missing_metric(tmp_path, caplog):
 def test_early_stopping_verbose_and_log_rank_zero_only(caplog):
     def fake(rank: int):
         return SimpleNamespace(
-            training=True,
+            is_fitting=True,
             global_rank=rank,
             world_size=2,
             is_global_zero=rank == 0,

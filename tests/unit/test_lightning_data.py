@@ -107,16 +107,6 @@ def assert_same_weights(a: nn.Module, b: nn.Module) -> None:
         torch.testing.assert_close(p, q, rtol=0, atol=1e-6)
 
 
-@pytest.fixture(autouse=True)
-def no_global_seed(monkeypatch):
-    """Every test starts without lightning's global seed and leaves none behind (setenv
-    first: delenv of an unset variable records nothing to put back, and seed_everything in
-    a test sets it)."""
-    for name in ("PL_GLOBAL_SEED", "PL_SEED_WORKERS"):
-        monkeypatch.setenv(name, "0")
-        monkeypatch.delenv(name)
-
-
 @pytest.mark.parametrize("accumulate", [1, 2])
 def test_the_dataloaders_batch_size_and_order_give_lightnings_run(tmp_path, accumulate):
     loader = lambda: DataLoader(dataset(), batch_size=8, shuffle=False)  # noqa: E731

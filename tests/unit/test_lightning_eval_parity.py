@@ -277,3 +277,59 @@ def test_test_verbose_and_predict_return_predictions_are_lightnings(tmp_path, ca
 def test_num_val_batches_stays_after_fit(tmp_path):
     runs = _fit_both(Regression(), tmp_path, val=_val, max_epochs=1, limit_val_batches=2)
     assert runs["nanotrain"][0].num_val_batches == runs["lightning"][0].num_val_batches == [2]
+
+
+class FlagReader(pl.Callback):
+    """`trainer.training` / `trainer.validating` at the hooks around fit's validation and at
+    the end of fit."""
+
+    def __init__(self) -> None:
+        self.seen: list[tuple[str, bool, bool]] = []
+
+    def _read(self, hook: str, trainer) -> None:
+        self.seen.append((hook, trainer.training, trainer.validating))
+
+    def on_validation_start(self, trainer, module) -> None:
+        self._read("on_validation_start", trainer)
+
+    def on_validation_end(self, trainer, module) -> None:
+        self._read("on_validation_end", trainer)
+
+    def on_train_end(self, trainer, module) -> None:
+        self._read("on_train_end", trainer)
+
+    def on_fit_end(self, trainer, module) -> None:
+        self._read("on_fit_end", trainer)
+
+
+def test_trainer_training_around_fits_validation_and_at_its_end_is_lightnings(tmp_path):
+    readers = {}
+
+    def reader(kind):
+        readers[kind] = FlagReader()
+        return [readers[kind]]
+
+    _fit_both(Regression(), tmp_path, val=_val, callbacks=reader, max_epochs=1)
+    assert readers["nanotrain"].seen == readers["lightning"].seen
+    assert ("on_validation_start", False, True) in readers["nanotrain"].seen
+    assert ("on_fit_end", True, False) in readers["nanotrain"].seen
+
+
+def test_a_training_value_logged_with_logger_false_reaches_callback_metrics_only(tmp_path):
+    module = Regression(train_log=dict(logger=False))
+    runs = _fit_both(module, tmp_path, max_epochs=2)
+    _same_epoch_end_metrics(runs)
+    assert "train_loss" in runs["nanotrain"][2].seen[0][1]
+    assert _column(tmp_path, "nanotrain", "train_loss") == []
+
+
+def test_validate_prints_its_results_unless_verbose_is_false(tmp_path, capsys):
+    torch.manual_seed(0)
+    module = Regression(val_log={})
+    for kind in ("lightning", "nanotrain"):
+        trainer = _trainer(kind, tmp_path, max_epochs=1)
+        capsys.readouterr()
+        trainer.validate(copy.deepcopy(module), dataloaders=_val(20))
+        assert "val_loss" in capsys.readouterr().out, kind
+        trainer.validate(copy.deepcopy(module), dataloaders=_val(20), verbose=False)
+        assert "val_loss" not in capsys.readouterr().out, kind
