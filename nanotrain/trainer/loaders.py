@@ -281,8 +281,9 @@ def validation_loader(
     batch_size: int | None = None,
 ) -> DataLoader:
     """The validation loader of this data-parallel shard: the batches Lightning runs per rank
-    (`validation_batches`: a fractional `limit_val_batches` and `drop_last` applied; an int
-    `limit_val_batches` counts global batches of `global_batch_size` samples), as the first
+    (`limit_val_batches` and `drop_last` applied to whole global batches of
+    `global_batch_size` samples: an int n = the first n, a fraction f = int(f × their
+    number); in one process without accumulation, Lightning's own batches), as the first
     samples of the set dealt over the shards, `batch_size` (default: the micro batch) at a
     time; every shard yields the same number of batches (padding batches from
     `loader.batch_sampler.num_real_batches` on; see `ValidationBatchSampler`). A custom
@@ -307,42 +308,25 @@ def validation_loader(
         sampler: Sampler = FixedBatches(batches)
         num_batches = len(batches)
     else:
-        length, limit = len(data.dataset), settings.limit_val_batches
-        fraction = None if isinstance(limit, int) else limit
-        num_batches = validation_batches(fraction, length, batch_size, shard.count, data.drop_last)
-        # Lightning's rank r reads positions r, r + n, ... of the set: over all ranks, the
-        # first num_batches × batch_size × n samples
-        count = min(num_batches * batch_size * shard.count, length)
-        if isinstance(limit, int):  # a count of global batches (Lightning: of batches per rank)
-            count = min(limit * settings.global_batch_size, count)
-            num_batches = math.ceil(math.ceil(count / shard.count) / batch_size)
+        # limits and drop_last count whole global batches (in one process without
+        # accumulation: Lightning's own batches), so that every layout reads the same samples
+        length, per_step = len(data.dataset), settings.global_batch_size
+        whole = length // per_step if data.drop_last else math.ceil(length / per_step)
+        count = min(val_batch_limit(settings.limit_val_batches, whole) * per_step, length)
+        # dealt over the ranks as Lightning's DistributedSampler deals them, a micro batch at
+        # a time: each rank's number of batches is Lightning's `num_val_batches` entry
+        num_batches = math.ceil(math.ceil(count / shard.count) / batch_size)
         sampler = ValidationBatchSampler(max(count, 1), batch_size, shard.index, shard.count)
     loader = DataLoader(data.dataset, batch_sampler=sampler, generator=generator, **data.extra)
     loader.num_batches = num_batches
     return lightning_rng_parity(loader, data)
 
 
-def validation_batches(
-    limit: int | float | None, length: int, batch_size: int, ranks: int, drop_last: bool
-) -> int:
-    """Validation batches per rank, as Lightning counts them: each of `ranks` ranks reads
-    ``ceil(length / ranks)`` samples (`DistributedSampler`'s share) in batches of
-    `batch_size`, its partial last batch dropped with `drop_last`; of those it runs
-    `limit` (an int, at most all), ``int(limit × batches)`` (a float) or all (None).
-
-    Raises:
-        ValueError: a float `limit` that leaves no batch (Lightning's error).
-    """
-    per_rank = math.ceil(length / ranks)
-    available = per_rank // batch_size if drop_last else math.ceil(per_rank / batch_size)
-    return val_batch_limit(limit, available)
-
-
 def evaluation_loader(trainer: Any, source: Any, what: str, ordered: Any) -> DataLoader:
     """The test / predict loader of this shard: `source`'s batch size (the Trainer's
     micro_batch_size must agree with it; a bare Dataset: the Trainer's micro batch, or that
     of its last fit, else 1), every sample once in order (but a `drop_last` DataLoader's
-    partial last batch), built by `ordered(
+    partial last batch, of the whole set), built by `ordered(
     length, batch_size, shard)` (a batch sampler); a custom sampler or batch sampler is read
     as it yields its batches (one shard only).
 
@@ -361,9 +345,8 @@ def evaluation_loader(trainer: Any, source: Any, what: str, ordered: Any) -> Dat
         default = trainer.settings.micro_batch_size
         batch = resolve_micro_batch(trainer.requested_settings.micro_batch_size, data, default)
         length = len(data.dataset)
-        if data.drop_last:  # as Lightning: each rank's partial last batch left out
-            whole = validation_batches(None, length, batch, shard.count, drop_last=True)
-            length = min(whole * batch * shard.count, length)
+        if data.drop_last:  # as Lightning in one process: the partial last batch left out
+            length = length // batch * batch  # (of the whole set: the same under any layout)
         batches = ordered(length, batch, shard)
     generator = torch.Generator().manual_seed(trainer.settings.seed)
     loader = DataLoader(data.dataset, batch_sampler=batches, generator=generator, **data.extra)
