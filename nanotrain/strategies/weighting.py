@@ -212,6 +212,12 @@ def extract_loss(output: Any) -> Tensor:
         return output
     if isinstance(output, dict) and isinstance(output.get("loss"), Tensor):
         return output["loss"]
+    if output is None:
+        raise TypeError(
+            "training_step returned None: Lightning skips such a batch, but nanotrain steps "
+            "whole global batches on every rank together; return the loss, and leave unwanted "
+            "samples out of the data (or weigh them 0 in the loss)"
+        )
     raise TypeError(
         "training_step must return the loss as a scalar tensor or a dict with a 'loss' tensor, "
         f"got {type(output).__name__}"

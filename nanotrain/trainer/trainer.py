@@ -223,6 +223,8 @@ class Trainer(
                 )
         self.module, self.datamodule = module, datamodule
         self._interrupted = False
+        if stage != "fit":  # as Lightning: an evaluation run starts with no metrics
+            self.callback_metrics, self.logged_metrics, self.progress_bar_metrics = {}, {}, {}
         # a Lightning hook this Trainer would not call is an error now, not a different run
         check_hooks(module, self.callbacks, self.strategy)
         self._uses_window_hooks = uses_any_hook(module, self.callbacks, WINDOW_HOOKS)

@@ -333,3 +333,12 @@ def test_validate_prints_its_results_unless_verbose_is_false(tmp_path, capsys):
         assert "val_loss" in capsys.readouterr().out, kind
         trainer.validate(copy.deepcopy(module), dataloaders=_val(20), verbose=False)
         assert "val_loss" not in capsys.readouterr().out, kind
+
+
+def test_an_evaluation_run_after_fit_starts_with_no_metrics_as_lightning(tmp_path):
+    runs = _fit_both(Regression(train_log={}, val_log={}), tmp_path, val=_val, max_epochs=1)
+    seen = {}
+    for kind, (trainer, module, _) in runs.items():
+        trainer.predict(module, dataloaders=_val(8))
+        seen[kind] = dict(trainer.callback_metrics)
+    assert seen["nanotrain"] == seen["lightning"] == {}

@@ -334,3 +334,17 @@ def test_lightnings_spellings_of_no_limit_and_no_clipping_are_taken(tmp_path):
 def test_a_fraction_val_check_interval_out_of_lightnings_range_is_refused(args, message):
     with pytest.raises(ValueError, match=message):
         nt.Trainer(max_steps=1, **args)
+
+
+class ReturnsNone(Regression):
+    def training_step(self, batch, batch_idx):
+        return None
+
+
+def test_a_training_step_returning_none_is_refused_with_the_reason(tmp_path):
+    trainer = nt.Trainer(
+        max_steps=2, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+        default_root_dir=str(tmp_path),
+    )  # fmt: skip
+    with pytest.raises(TypeError, match="returned None: Lightning skips such a batch"):
+        trainer.fit(ReturnsNone(), DataLoader(_data(), batch_size=8))
