@@ -50,8 +50,9 @@ class Regression(pl.LightningModule):
         scheduler.step()
 
 
-def _both(module: pl.LightningModule, tmp_path, **trainer_args):
-    """Fit a copy of `module` under each Trainer with the same arguments; return both."""
+def _both(module: pl.LightningModule, tmp_path, val: bool = False, **trainer_args):
+    """Fit a copy of `module` under each Trainer with the same arguments (and, with `val`, a
+    validation set of 16 samples); return both."""
     runs = []
     for kind in ("lightning", "nanotrain"):
         copy_of = copy.deepcopy(module)
@@ -61,10 +62,14 @@ def _both(module: pl.LightningModule, tmp_path, **trainer_args):
             default_root_dir=str(tmp_path / kind), **trainer_args,
         )  # fmt: skip
         if kind == "lightning":
-            trainer = pl.Trainer(accelerator="cpu", devices=1, enable_model_summary=False, **common)
+            trainer = pl.Trainer(
+                accelerator="cpu", devices=1, enable_model_summary=False,
+                num_sanity_val_steps=0, **common,
+            )  # fmt: skip
         else:
             trainer = nt.Trainer(enable_monitors=False, **common)
-        trainer.fit(copy_of, DataLoader(_data(), batch_size=8))
+        validation = DataLoader(_data(16), batch_size=8) if val else None
+        trainer.fit(copy_of, DataLoader(_data(), batch_size=8), validation)
         runs.append(copy_of)
     return runs
 
@@ -285,29 +290,10 @@ class Validated(Regression):
         self.validated_at.append(self.global_step)
 
 
-def _both_validated(tmp_path, **trainer_args):
-    runs, original = [], Validated()
-    for kind in ("lightning", "nanotrain"):
-        module = copy.deepcopy(original)
-        pl.seed_everything(0, verbose=False)
-        common = dict(
-            logger=False, enable_checkpointing=False, enable_progress_bar=False,
-            default_root_dir=str(tmp_path / kind), **trainer_args,
-        )  # fmt: skip
-        if kind == "lightning":
-            trainer = pl.Trainer(accelerator="cpu", devices=1, num_sanity_val_steps=0, **common)
-        else:
-            trainer = nt.Trainer(enable_monitors=False, **common)
-        train, val = DataLoader(_data(), batch_size=8), DataLoader(_data(16), batch_size=8)
-        trainer.fit(module, train, val)
-        runs.append(module)
-    return runs
-
-
 @pytest.mark.parametrize("fraction", [0.5, 0.3, 1.0])
 def test_a_float_val_check_interval_is_a_fraction_of_the_epoch_as_in_lightning(tmp_path, fraction):
-    lightning_run, nanotrain_run = _both_validated(
-        tmp_path, max_epochs=2, val_check_interval=fraction
+    lightning_run, nanotrain_run = _both(
+        Validated(), tmp_path, val=True, max_epochs=2, val_check_interval=fraction
     )
     # nanotrain validates once more at the end of fit when the last step was not validated
     assert nanotrain_run.validated_at[: len(lightning_run.validated_at)] == (
