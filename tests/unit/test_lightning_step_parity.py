@@ -74,6 +74,16 @@ def _both(module: pl.LightningModule, tmp_path, val: bool = False, **trainer_arg
     return runs
 
 
+def _fit_nanotrain(module: pl.LightningModule, tmp_path, **trainer_args) -> nt.Trainer:
+    """Fit `module` for 2 steps (unless told otherwise) under nanotrain.Trainer alone."""
+    trainer = nt.Trainer(
+        **{"max_steps": 2, **trainer_args}, logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, default_root_dir=str(tmp_path),
+    )  # fmt: skip
+    trainer.fit(module, DataLoader(_data(), batch_size=8))
+    return trainer
+
+
 def _same_weights(a: nn.Module, b: nn.Module) -> None:
     for (name, x), y in zip(a.state_dict().items(), b.state_dict().values(), strict=True):
         torch.testing.assert_close(x, y, rtol=0, atol=1e-6, msg=name)
@@ -116,11 +126,7 @@ def test_deterministic_sets_torch_as_lightning_does(tmp_path, mode):
             if kind == "lightning":
                 pl.Trainer(accelerator="cpu", devices=1, deterministic=mode, logger=False)
             else:
-                trainer = nt.Trainer(
-                    deterministic=mode, max_steps=1, default_root_dir=str(tmp_path),
-                    enable_checkpointing=False, enable_progress_bar=False, logger=False,
-                )  # fmt: skip
-                trainer.fit(Regression(), DataLoader(_data(), batch_size=8))
+                _fit_nanotrain(Regression(), tmp_path, deterministic=mode, max_steps=1)
             seen[kind] = _torch_determinism()
     finally:
         torch.use_deterministic_algorithms(before[0], warn_only=before[1])
@@ -190,12 +196,8 @@ def test_bf16_true_casts_the_floating_inputs_as_lightning_does(tmp_path):
 
 
 def test_fp16_mixed_on_the_cpu_says_lightning_would_switch_to_bf16(tmp_path):
-    trainer = nt.Trainer(
-        precision="16-mixed", max_steps=1, logger=False, enable_checkpointing=False,
-        enable_progress_bar=False, default_root_dir=str(tmp_path),
-    )  # fmt: skip
     with pytest.warns(UserWarning, match="lightning.Trainer would switch to 'bf16-mixed'"):
-        trainer.fit(Regression(), DataLoader(_data(), batch_size=8))
+        _fit_nanotrain(Regression(), tmp_path, precision="16-mixed", max_steps=1)
 
 
 class EpochEnds(Regression):
@@ -267,12 +269,8 @@ class NeverRunsTheClosure(Regression):
 
 
 def test_an_optimizer_step_that_never_runs_the_closure_is_refused_as_lightning(tmp_path):
-    trainer = nt.Trainer(
-        max_steps=2, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-        default_root_dir=str(tmp_path),
-    )  # fmt: skip
     with pytest.raises(RuntimeError, match="did not call the optimizer closure"):
-        trainer.fit(NeverRunsTheClosure(), DataLoader(_data(), batch_size=8))
+        _fit_nanotrain(NeverRunsTheClosure(), tmp_path)
 
 
 class Validated(Regression):
@@ -328,9 +326,5 @@ class ReturnsNone(Regression):
 
 
 def test_a_training_step_returning_none_is_refused_with_the_reason(tmp_path):
-    trainer = nt.Trainer(
-        max_steps=2, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-        default_root_dir=str(tmp_path),
-    )  # fmt: skip
     with pytest.raises(TypeError, match="returned None: Lightning skips such a batch"):
-        trainer.fit(ReturnsNone(), DataLoader(_data(), batch_size=8))
+        _fit_nanotrain(ReturnsNone(), tmp_path)
