@@ -52,23 +52,36 @@ class LearningRateMonitor(Callback):
     (`lr/weight_decay=0.0`), else "group<i>" (see `param_group_names`).
 
     Args:
-        log_every_n_steps: cadence; None uses the Trainer's.
+        log_every_n_steps: cadence; None uses the Trainer's. Lightning's positional
+            `logging_interval` ("step", "epoch") is taken here too.
         log_momentum: also log `momentum/<group>` (SGD momentum or Adam's beta1).
         log_weight_decay: also log `weight_decay/<group>`.
+        logging_interval: Lightning's: None or "step" log on the Trainer's log steps,
+            "epoch" once at the start of each training epoch.
 
     Raises:
-        ValueError: for a non-positive cadence.
+        ValueError: for a non-positive cadence or another `logging_interval`.
     """
 
     def __init__(
         self,
-        log_every_n_steps: int | None = None,
+        log_every_n_steps: int | str | None = None,
         log_momentum: bool = False,
         log_weight_decay: bool = False,
+        *,
+        logging_interval: str | None = None,
     ) -> None:
+        if isinstance(log_every_n_steps, str):  # Lightning's first argument
+            logging_interval, log_every_n_steps = log_every_n_steps, None
+        if logging_interval not in (None, "step", "epoch"):
+            raise ValueError(
+                f"logging_interval must be None, 'step' or 'epoch' (as Lightning's), got "
+                f"{logging_interval!r}"
+            )
         if log_every_n_steps is not None and log_every_n_steps <= 0:
             raise ValueError(f"log_every_n_steps must be positive or None, got {log_every_n_steps}")
         self.log_every_n_steps = log_every_n_steps
+        self.logging_interval = logging_interval
         self.log_momentum = log_momentum
         self.log_weight_decay = log_weight_decay
 
@@ -76,10 +89,17 @@ class LearningRateMonitor(Callback):
         self, trainer: Trainer, module: NanoModule, microbatches: list[Any], step_idx: int
     ) -> None:
         """Log the rates this step will use, on log steps."""
+        if self.logging_interval == "epoch":
+            return
         step = trainer.global_step + 1  # the step's number once it completes: the cadence
         every = self.log_every_n_steps or trainer.settings.log_every_n_steps
         if step % every == 0:
             # logged_step: the steps completed before this one, as Lightning's own monitor
+            trainer.log_metrics(self.read(trainer.strategy.optimizer), step=trainer.logged_step)
+
+    def on_train_epoch_start(self, trainer: Trainer, module: NanoModule) -> None:
+        """With `logging_interval="epoch"`: log the rates the epoch starts with."""
+        if self.logging_interval == "epoch":
             trainer.log_metrics(self.read(trainer.strategy.optimizer), step=trainer.logged_step)
 
     def read(self, optimizer: torch.optim.Optimizer) -> dict[str, float]:

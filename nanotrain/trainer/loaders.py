@@ -374,10 +374,12 @@ def draw_as_lightning(loader: DataLoader | None) -> None:
 
 
 def _overrides(obj: Any, name: str, base: type) -> bool:
-    """Whether `obj` defines hook `name` itself (not `base`'s default)."""
-    return callable(getattr(obj, name, None)) and getattr(type(obj), name, None) is not getattr(
-        base, name, None
-    )
+    """Whether `obj` defines hook `name` itself, on its class or on the instance (as
+    `LightningDataModule.from_datasets` does), not `base`'s default."""
+    if not callable(getattr(obj, name, None)):
+        return False
+    own = name in getattr(obj, "__dict__", {})
+    return own or getattr(type(obj), name, None) is not getattr(base, name, None)
 
 
 def val_batch_limit(limit: int | float | None, available: int) -> int:

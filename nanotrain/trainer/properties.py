@@ -99,9 +99,15 @@ class LightningTrainerProperties:
         return self.module
 
     @property
-    def log_dir(self) -> Path | None:
-        """The run directory (None before fit/validate starts)."""
-        return self.run_dir
+    def log_dir(self) -> str | None:
+        """As Lightning's: the first Lightning logger's `log_dir` when you passed one that has
+        it (e.g. a TensorBoardLogger), else the run directory (None before fit/validate)."""
+        for logger in getattr(self, "_user_loggers", None) or []:
+            folder = getattr(logger, "log_dir", None)
+            if folder is not None:
+                return str(folder)
+            break  # Lightning reads the first logger only
+        return None if self.run_dir is None else str(self.run_dir)
 
     @property
     def train_dataloader(self) -> DataLoader | None:

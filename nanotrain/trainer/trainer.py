@@ -223,8 +223,8 @@ class Trainer(
                 )
         self.module, self.datamodule = module, datamodule
         self._interrupted = False
-        if stage != "fit":  # as Lightning: an evaluation run starts with no metrics
-            self.callback_metrics, self.logged_metrics, self.progress_bar_metrics = {}, {}, {}
+        # as Lightning: every stage (a second fit too) starts with no metrics
+        self.callback_metrics, self.logged_metrics, self.progress_bar_metrics = {}, {}, {}
         # a Lightning hook this Trainer would not call is an error now, not a different run
         check_hooks(module, self.callbacks, self.strategy)
         self._uses_window_hooks = uses_any_hook(module, self.callbacks, WINDOW_HOOKS)
@@ -306,6 +306,7 @@ class Trainer(
             self.training = True
             module.train()
             self._call("on_train_start")
+            first_step = self.state.global_step
             at_start = self.settings.validate_at_start and not self.global_step
             if at_start and self._val_loader is not None:
                 self._run_validation(lightning_has_it=False)
@@ -315,7 +316,8 @@ class Trainer(
             stop_if_preempted(self, self._preemption, final=True)
             # what fit writes from here belongs to its last step (as that step's epoch end)
             self._step_taken = self.state.global_step > 0
-            if self.state.steps_in_epoch > 0 and not self._preempted:
+            stepped = self.state.global_step > first_step  # a second fit may run no step
+            if self.state.steps_in_epoch > 0 and stepped and not self._preempted:
                 # stopped mid-epoch (max_steps, max_tokens, should_stop): as Lightning, the
                 # epoch's end hooks still run (the data position stays, for an exact resume)
                 finish_epoch(self, "on_train_epoch_end")
@@ -461,6 +463,8 @@ class Trainer(
 
     def _teardown(self, stage: str) -> None:
         self._restore_global_seed()  # first: whatever fails below, the next stage starts clean
+        if self.datamodule is not None:  # as Lightning: the datamodule's, then the hooks'
+            self.datamodule.teardown(stage)
         if self.module is not None:
             self._call("teardown", stage)
         self.loggers.finalize()

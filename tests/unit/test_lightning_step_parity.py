@@ -328,3 +328,115 @@ class ReturnsNone(Regression):
 def test_a_training_step_returning_none_is_refused_with_the_reason(tmp_path):
     with pytest.raises(TypeError, match="returned None: Lightning skips such a batch"):
         _fit_nanotrain(ReturnsNone(), tmp_path)
+
+
+def _lr_rows(path) -> list[tuple[int, float]]:
+    """(step, lr) of every row of a CSVLogger's metrics.csv that has a learning rate."""
+    import csv
+
+    with open(path) as f:
+        rows = list(csv.DictReader(f))
+    key = next(k for k in rows[0] if k.startswith("lr"))
+    return [(int(r["step"]), float(r[key])) for r in rows if r.get(key)]
+
+
+@pytest.mark.parametrize("interval", ["epoch", "step"])
+def test_the_lr_monitor_takes_lightnings_logging_interval(tmp_path, interval):
+    from lightning.pytorch.loggers import CSVLogger
+
+    from nanotrain.callbacks import LearningRateMonitor
+
+    rows = {}
+    for kind in ("lightning", "nanotrain"):
+        logger = CSVLogger(str(tmp_path / kind), name="", version="")
+        common = dict(
+            max_epochs=2, logger=logger, enable_checkpointing=False, enable_progress_bar=False,
+            default_root_dir=str(tmp_path / kind), log_every_n_steps=4,
+        )  # fmt: skip
+        if kind == "lightning":
+            monitor = pl.callbacks.LearningRateMonitor(interval)  # positional, as Lightning's
+            trainer = pl.Trainer(
+                accelerator="cpu", devices=1, callbacks=[monitor], enable_model_summary=False,
+                **common,
+            )  # fmt: skip
+        else:
+            monitor = LearningRateMonitor(interval)
+            trainer = nt.Trainer(enable_monitors=False, callbacks=[monitor], **common)
+        trainer.fit(Regression({"interval": "step"}), DataLoader(_data(), batch_size=8))
+        rows[kind] = _lr_rows(tmp_path / kind / "metrics.csv")
+    assert rows["nanotrain"] == pytest.approx(rows["lightning"])
+
+
+def test_the_lr_monitor_refuses_an_unknown_logging_interval():
+    from nanotrain.callbacks import LearningRateMonitor
+
+    with pytest.raises(ValueError, match="logging_interval must be None, 'step' or 'epoch'"):
+        LearningRateMonitor(logging_interval="batch")
+
+
+class Data(pl.LightningDataModule):
+    """Records its setup / teardown calls."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: list[tuple[str, str]] = []  # Lightning passes a str enum: equal to "fit"
+
+    def setup(self, stage: str) -> None:
+        self.calls.append(("setup", stage))
+
+    def teardown(self, stage: str) -> None:
+        self.calls.append(("teardown", stage))
+
+    def train_dataloader(self) -> DataLoader:
+        return DataLoader(_data(), batch_size=8)
+
+
+def test_the_datamodule_is_torn_down_and_its_instance_loaders_read_as_lightning(tmp_path):
+    from lightning.pytorch.loggers import TensorBoardLogger
+
+    seen = {}
+    for kind in ("lightning", "nanotrain"):
+        data = Data()
+        logger = TensorBoardLogger(str(tmp_path / kind), name="tb", version=0)
+        common = dict(
+            max_steps=2, logger=logger, enable_checkpointing=False, enable_progress_bar=False,
+            default_root_dir=str(tmp_path / kind),
+        )  # fmt: skip
+        if kind == "lightning":
+            trainer = pl.Trainer(accelerator="cpu", devices=1, **common)
+        else:
+            trainer = nt.Trainer(**common)
+        trainer.fit(Regression(), datamodule=data)
+        from_datasets = pl.LightningDataModule.from_datasets(_data(), batch_size=8)
+        trainer.fit(Regression(), datamodule=from_datasets)  # loaders set on the instance
+        seen[kind] = (data.calls, trainer.log_dir.replace(str(tmp_path / kind), "<root>"))
+    assert seen["nanotrain"] == seen["lightning"]
+    assert seen["nanotrain"][1] == "<root>/tb/version_0"  # the logger's folder, as a str
+    assert seen["nanotrain"][0] == [("setup", "fit"), ("teardown", "fit")]
+
+
+class LogsEpochEnds(Regression):
+    def __init__(self) -> None:
+        super().__init__()
+        self.epoch_ends = 0
+
+    def on_train_epoch_end(self):
+        self.epoch_ends += 1
+
+
+def test_a_second_fit_that_trains_nothing_ends_no_epoch_and_keeps_no_metrics(tmp_path):
+    seen = {}
+    for kind in ("lightning", "nanotrain"):
+        module = LogsEpochEnds()
+        common = dict(
+            max_steps=5, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+            default_root_dir=str(tmp_path / kind),
+        )  # fmt: skip
+        if kind == "lightning":
+            trainer = pl.Trainer(accelerator="cpu", devices=1, **common)
+        else:
+            trainer = nt.Trainer(**common)
+        for _ in range(2):
+            trainer.fit(module, DataLoader(_data(), batch_size=8))
+        seen[kind] = (module.epoch_ends, dict(trainer.callback_metrics), trainer.global_step)
+    assert seen["nanotrain"] == seen["lightning"] == (1, {}, 5)
