@@ -28,8 +28,8 @@ def saved_hparams(payload: dict[str, Any]) -> dict[str, Any]:
 def load_module(cls: type, path: str | Path, strict: bool = True, **kwargs: Any) -> Any:
     """`cls` built with the hyperparameters recorded in the checkpoint at `path` (a checkpoint
     directory, a folder of checkpoints or its `last` file; `kwargs` override them), its
-    model built (`configure_model`) and loaded with the checkpoint's weights, on the CPU, in
-    eval mode, after `on_load_checkpoint(checkpoint)`. Works for checkpoints of every layout
+    model built (`configure_model`), `on_load_checkpoint(checkpoint)` called (the weights under
+    "state_dict", as Lightning's), then loaded with those weights, on the CPU, in eval mode. Works for checkpoints of every layout
     (sharded ones are merged in this process).
 
     Raises:
@@ -51,6 +51,19 @@ def load_module(cls: type, path: str | Path, strict: bool = True, **kwargs: Any)
         state = load_model_weights(ckpt)
     else:
         state = merge_model_shards(ckpt, module)
+    # as Lightning: the hook runs before the weights load, on the checkpoint under Lightning's
+    # names ("state_dict": what it renames or replaces there is what loads)
+    train_state = payload.get("train_state") or {}
+    checkpoint = {
+        "epoch": train_state.get("epoch"),
+        "global_step": train_state.get("global_step"),
+        **payload,
+        "state_dict": state,
+    }
+    hook = getattr(module, "on_load_checkpoint", None)
+    if callable(hook):
+        hook(checkpoint)
+    state = checkpoint["state_dict"]
     own = module.state_dict()
     shapes = [
         f"{name} {tuple(state[name].shape)} vs {tuple(own[name].shape)}"
@@ -71,7 +84,4 @@ def load_module(cls: type, path: str | Path, strict: bool = True, **kwargs: Any)
             "it was trained with (keyword arguments override the recorded ones), or pass "
             "strict=False"
         )
-    hook = getattr(module, "on_load_checkpoint", None)
-    if callable(hook):
-        hook(payload)
     return module.eval()

@@ -12,7 +12,8 @@ if TYPE_CHECKING:
 
 def make_payload(trainer: Trainer) -> dict[str, Any]:
     """This rank's resume state: "model", "optimizer", "lr_scheduler", "train_state", "data"
-    (sampler position), "rng", "callbacks" ({state_key: state}), "config"; then
+    (sampler position), "rng", "callbacks" ({state_key: state}), "config", and "datamodule"
+    (a datamodule's `state_dict`, when it has one, as Lightning saves it); then
     `on_save_checkpoint` hooks may add keys (plain values and tensors only)."""
     strategy = trainer.strategy
     setup = strategy.optimizer_setup
@@ -28,16 +29,30 @@ def make_payload(trainer: Trainer) -> dict[str, Any]:
         "callbacks": {cb.state_key: cb.state_dict() for cb in trainer.callbacks},
         "config": trainer.resolved_config(),
     }
+    datamodule_state = trainer.datamodule.state_dict() if trainer.datamodule is not None else None
+    if datamodule_state:
+        payload["datamodule"] = datamodule_state
     trainer._call("on_save_checkpoint", payload)
     return payload
 
 
 def restore_payload(trainer: Trainer, payload: dict[str, Any], weights_only: bool = False) -> None:
-    """Load a `make_payload` result into the trainer (only the model when weights_only), then
-    run the `on_load_checkpoint` hooks."""
+    """Run the `on_load_checkpoint` hooks, then load a `make_payload` result into the trainer
+    (only the model when weights_only). As Lightning, the hooks run before anything loads and
+    see the checkpoint under Lightning's names too: the weights as "state_dict" (what a hook
+    renames or replaces there is what loads), "epoch" and "global_step"."""
     strategy = trainer.strategy
+    payload["state_dict"] = payload.pop("model")
+    train_state = payload.get("train_state") or {}
+    for key in ("epoch", "global_step"):
+        if key not in payload and key in train_state:
+            payload[key] = train_state[key]
+    trainer._call("on_load_checkpoint", payload)
+    payload["model"] = payload.pop("state_dict")
     strategy.load_model_state_dict(payload["model"])
     if not weights_only:
+        if payload.get("datamodule") is not None and trainer.datamodule is not None:
+            trainer.datamodule.load_state_dict(payload["datamodule"])
         setup = strategy.optimizer_setup
         if payload.get("optimizer") is not None and setup is not None:
             strategy.load_optimizer_state_dict(payload["optimizer"])
@@ -51,4 +66,3 @@ def restore_payload(trainer: Trainer, payload: dict[str, Any], weights_only: boo
             if cb.state_key in saved_callbacks:
                 cb.load_state_dict(saved_callbacks[cb.state_key])
         restore_rng_state(payload["rng"])
-    trainer._call("on_load_checkpoint", payload)

@@ -48,9 +48,9 @@ def plan_resume(
     """Decide the run directory and the checkpoint for `ckpt_path`, reading only.
 
     - None: a fresh run in `version_<version>` (None: the next free number).
-    - "last": the newest complete checkpoint in the experiment's versions (only in
-      `version_<version>` when a version is given), continuing its run directory; none
-      found → a fresh run, logged.
+    - "last": the newest complete checkpoint in the `dirpath` of a ModelCheckpoint among
+      `callbacks`, else in the experiment's versions (only in `version_<version>` when a
+      version is given), continuing its run directory; none found → a fresh run, logged.
     - "best": the best checkpoint of the run's ModelCheckpoint (see `find_best`; `callbacks`
       are the Trainer's), continuing its run directory.
     - a path: that checkpoint (see `resolve_checkpoint_path`); a checkpoint inside a run
@@ -69,6 +69,11 @@ def plan_resume(
         resumed = _run_dir_of(ckpt)
         return ResumePlan(resumed if resumed is not None else fresh, ckpt)
     if str(ckpt_path) == LAST:
+        for folder in _saver_dirs(callbacks):  # a ModelCheckpoint's own dirpath first
+            found = find_last(folder)
+            if found is not None:
+                resumed = _run_dir_of(found)
+                return ResumePlan(resumed if resumed is not None else fresh, found)
         for run_dir in _versions_newest_first(experiment_dir, version):
             found = find_last(run_dir / "checkpoints")
             if found is not None:
@@ -97,10 +102,25 @@ def resolve_checkpoint_path(trainer: Trainer, ckpt_path: str | Path) -> Path:
         ValueError: "best" when no best checkpoint is known.
     """
     if str(ckpt_path) == LAST:
+        for folder in _saver_dirs(trainer.callbacks):
+            found = find_last(folder)
+            if found is not None:
+                return found
         return _require(find_last(trainer.checkpoint_dir), trainer.checkpoint_dir)
     if str(ckpt_path) == BEST:
         return find_best(trainer.callbacks, [trainer.checkpoint_dir])
     return resolve_path(Path(ckpt_path))
+
+
+def _saver_dirs(callbacks: Any) -> list[Path]:
+    """The folders ModelCheckpoints among `callbacks` were given (`dirpath`), in order: where
+    `ckpt_path="last"` looks first, as Lightning does."""
+    found = []
+    for cb in callbacks or []:
+        folder = getattr(cb, "_user_dirpath", None)  # a ModelCheckpoint's own dirpath
+        if folder is not None and hasattr(cb, "last_model_path"):
+            found.append(Path(folder))
+    return found
 
 
 def find_best(callbacks: Any, checkpoint_dirs: list[Path]) -> Path:

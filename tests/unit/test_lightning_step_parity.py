@@ -440,3 +440,47 @@ def test_a_second_fit_that_trains_nothing_ends_no_epoch_and_keeps_no_metrics(tmp
             trainer.fit(module, DataLoader(_data(), batch_size=8))
         seen[kind] = (module.epoch_ends, dict(trainer.callback_metrics), trainer.global_step)
     assert seen["nanotrain"] == seen["lightning"] == (1, {}, 5)
+
+
+class StatefulData(Data):
+    """A datamodule with state, as Lightning saves it in checkpoints."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.loaded: dict | None = None
+
+    def state_dict(self) -> dict:
+        return {"epochs_seen": 1}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        self.loaded = state_dict
+
+
+class RenamesOnLoad(Regression):
+    """Key surgery in `on_load_checkpoint`, as Lightning users do it: the saved bias is
+    replaced by zeros before the weights load."""
+
+    def on_load_checkpoint(self, checkpoint):
+        self.seen = (checkpoint["epoch"], checkpoint["global_step"])
+        checkpoint["state_dict"]["lin.bias"] = torch.zeros(1)
+
+
+def test_checkpoints_carry_lightnings_names_and_the_datamodule_state(tmp_path):
+    from nanotrain.callbacks import ModelCheckpoint
+
+    saver = ModelCheckpoint(dirpath=tmp_path / "mine")  # a custom folder: "last" looks there
+    trainer = nt.Trainer(
+        max_steps=3, logger=False, enable_progress_bar=False, callbacks=[saver],
+        default_root_dir=str(tmp_path),
+    )  # fmt: skip
+    trainer.fit(Regression(), datamodule=StatefulData())
+    resumed, data = RenamesOnLoad(), StatefulData()
+    again = nt.Trainer(
+        max_steps=4, logger=False, enable_progress_bar=False,
+        callbacks=[ModelCheckpoint(dirpath=tmp_path / "mine")], default_root_dir=str(tmp_path),
+    )  # fmt: skip
+    again.fit(resumed, datamodule=data, ckpt_path="last")
+    assert data.loaded == {"epochs_seen": 1}
+    assert resumed.seen == (0, 3)
+    loaded = type(resumed).load_from_checkpoint(saver.last_model_path)  # the adopted class
+    assert float(loaded.lin.bias) == 0.0 and loaded.seen == (0, 3)
