@@ -263,8 +263,10 @@ class ModelCheckpoint(CheckpointNames, CheckpointRetention, Callback):
             self._save_trigger(trainer)
 
     def on_validation_end(self, trainer: Trainer, module: NanoModule) -> None:
-        if not trainer.is_fitting:
-            return  # `validate` alone saves nothing (as Lightning outside fitting)
+        if not trainer.is_fitting or trainer.validation_is_extra:
+            # `validate` alone saves nothing (as Lightning outside fitting), and a validation
+            # lightning.Trainer would not run (fit's final one) does not rank checkpoints
+            return
         if self._skip(trainer):
             return
         if self._defer_save:

@@ -153,7 +153,9 @@ class EarlyStopping(Callback):
 
     def on_validation_end(self, trainer: Trainer, module: NanoModule) -> None:
         """Check after each validation run of `fit` (when the check runs there)."""
-        if not self._check_on_train_epoch_end and trainer.is_fitting:
+        # not after a validation lightning.Trainer would not run (fit's final one)
+        extra = trainer.validation_is_extra
+        if not self._check_on_train_epoch_end and trainer.is_fitting and not extra:
             self._run_check(trainer)
 
     def _run_check(self, trainer: Trainer) -> None:

@@ -123,6 +123,9 @@ class Trainer(
         # from the start of `fit` to its end (Lightning's `trainer.state.fn == "fit"`): what
         # callbacks ask when they mean "inside fit" (`training` is False in fit's validation)
         self.is_fitting = False
+        # during a validation pass lightning.Trainer would not run (fit's final one,
+        # validate_at_start): ModelCheckpoint and EarlyStopping do not act on it
+        self.validation_is_extra = False
         self.validating = False
         self.testing = False
         self.predicting = False

@@ -38,6 +38,7 @@ def run_validation(trainer: Trainer, lightning_has_it: bool = True) -> dict[str,
     # as Lightning: fit's validation is not training (`trainer.training` False from its start
     # hook to its end hook; callbacks ask `trainer.is_fitting` for "inside fit")
     training, trainer.training = trainer.training, False
+    trainer.validation_is_extra = not lightning_has_it
     module.eval()
     trainer._call("on_validation_start")
     try:
@@ -59,5 +60,6 @@ def run_validation(trainer: Trainer, lightning_has_it: bool = True) -> dict[str,
         trainer._call("on_validation_end")
     finally:
         trainer.training = training
+        trainer.validation_is_extra = False
     trainer.validating = False
     return {k: to_float(v) for k, v in logged.items()}

@@ -132,7 +132,9 @@ def test_non_finite_metric_stops_at_once():
 
 def test_missing_monitor_is_an_error_naming_the_logged_metrics():
     stopper = EarlyStopping(monitor="val/acc")
-    trainer = SimpleNamespace(is_fitting=True, callback_metrics={"val/loss": torch.tensor(1.0)})
+    trainer = SimpleNamespace(
+        is_fitting=True, validation_is_extra=False, callback_metrics={"val/loss": torch.tensor(1.0)}
+    )
     with pytest.raises(ValueError, match=r"'val/acc'.*\['val/loss'\]"):
         stopper.on_validation_end(trainer, None)
 

@@ -571,6 +571,7 @@ def test_early_stopping_verbose_and_log_rank_zero_only(caplog):
     def fake(rank: int):
         return SimpleNamespace(
             is_fitting=True,
+            validation_is_extra=False,
             global_rank=rank,
             world_size=2,
             is_global_zero=rank == 0,

@@ -6,6 +6,7 @@ are compared."""
 from __future__ import annotations
 
 import copy
+from pathlib import Path
 
 import lightning.pytorch as pl
 import pytest
@@ -484,3 +485,37 @@ def test_checkpoints_carry_lightnings_names_and_the_datamodule_state(tmp_path):
     assert resumed.seen == (0, 3)
     loaded = type(resumed).load_from_checkpoint(saver.last_model_path)  # the adopted class
     assert float(loaded.lin.bias) == 0.0 and loaded.seen == (0, 3)
+
+
+def test_fits_final_validation_does_not_move_the_best_checkpoint_or_early_stopping(tmp_path):
+    from nanotrain.callbacks import EarlyStopping, ModelCheckpoint
+
+    seen = {}
+    for kind in ("lightning", "nanotrain"):
+        own = pl.callbacks if kind == "lightning" else None
+        saver = (own.ModelCheckpoint if own else ModelCheckpoint)(
+            dirpath=tmp_path / kind / "ckpt", monitor="val_loss", filename="{epoch}-{step}"
+        )
+        stopper = (own.EarlyStopping if own else EarlyStopping)("val_loss", patience=5)
+        common = dict(
+            max_epochs=3, val_check_interval=5, check_val_every_n_epoch=None, logger=False,
+            enable_progress_bar=False, callbacks=[saver, stopper],
+            default_root_dir=str(tmp_path / kind),
+        )  # fmt: skip
+        if kind == "lightning":
+            trainer = pl.Trainer(accelerator="cpu", devices=1, num_sanity_val_steps=0, **common)
+        else:
+            trainer = nt.Trainer(enable_monitors=False, **common)
+        module = Validated()
+        torch.manual_seed(0)
+        module.lin.reset_parameters()
+        trainer.fit(module, DataLoader(_data(), batch_size=8), DataLoader(_data(16), batch_size=8))
+        seen[kind] = (
+            module.validated_at,
+            Path(saver.best_model_path).name.removesuffix(".ckpt"),
+            float(saver.best_model_score),
+            float(stopper.best_score),
+        )
+    # nanotrain validates once more at step 24 (the end of fit); nothing is ranked by it
+    assert seen["nanotrain"][0] == seen["lightning"][0] + [24]
+    assert seen["nanotrain"][1:] == pytest.approx(seen["lightning"][1:])
