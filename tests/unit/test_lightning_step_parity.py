@@ -85,6 +85,18 @@ def _fit_nanotrain(module: pl.LightningModule, tmp_path, **trainer_args) -> nt.T
     return trainer
 
 
+def _trainer(kind: str, tmp_path, **args):
+    """A lightning.Trainer or a nanotrain.Trainer (no checkpointing or progress bar unless
+    asked), writing under `tmp_path / kind`."""
+    common = dict(
+        enable_checkpointing=False, enable_progress_bar=False,
+        default_root_dir=str(tmp_path / kind), **args,
+    )  # fmt: skip
+    if kind == "lightning":
+        return pl.Trainer(accelerator="cpu", devices=1, **common)
+    return nt.Trainer(**common)
+
+
 def _same_weights(a: nn.Module, b: nn.Module) -> None:
     for (name, x), y in zip(a.state_dict().items(), b.state_dict().values(), strict=True):
         torch.testing.assert_close(x, y, rtol=0, atol=1e-6, msg=name)
@@ -399,14 +411,7 @@ def test_the_datamodule_is_torn_down_and_its_instance_loaders_read_as_lightning(
     for kind in ("lightning", "nanotrain"):
         data = Data()
         logger = TensorBoardLogger(str(tmp_path / kind), name="tb", version=0)
-        common = dict(
-            max_steps=2, logger=logger, enable_checkpointing=False, enable_progress_bar=False,
-            default_root_dir=str(tmp_path / kind),
-        )  # fmt: skip
-        if kind == "lightning":
-            trainer = pl.Trainer(accelerator="cpu", devices=1, **common)
-        else:
-            trainer = nt.Trainer(**common)
+        trainer = _trainer(kind, tmp_path, max_steps=2, logger=logger)
         trainer.fit(Regression(), datamodule=data)
         from_datasets = pl.LightningDataModule.from_datasets(_data(), batch_size=8)
         trainer.fit(Regression(), datamodule=from_datasets)  # loaders set on the instance
@@ -429,14 +434,7 @@ def test_a_second_fit_that_trains_nothing_ends_no_epoch_and_keeps_no_metrics(tmp
     seen = {}
     for kind in ("lightning", "nanotrain"):
         module = LogsEpochEnds()
-        common = dict(
-            max_steps=5, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-            default_root_dir=str(tmp_path / kind),
-        )  # fmt: skip
-        if kind == "lightning":
-            trainer = pl.Trainer(accelerator="cpu", devices=1, **common)
-        else:
-            trainer = nt.Trainer(**common)
+        trainer = _trainer(kind, tmp_path, max_steps=5, logger=False)
         for _ in range(2):
             trainer.fit(module, DataLoader(_data(), batch_size=8))
         seen[kind] = (module.epoch_ends, dict(trainer.callback_metrics), trainer.global_step)
