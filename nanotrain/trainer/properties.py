@@ -65,8 +65,10 @@ class LightningTrainerProperties:
 
     @property
     def current_epoch(self) -> int:
-        """Index of the current pass over the training data."""
-        return self.state.epoch
+        """Index of the current pass over the training data; after `fit` ended an epoch
+        midway (its `on_train_epoch_end` ran), the next one's, as Lightning counts (the
+        checkpoint keeps the data position: a resume continues the cut epoch)."""
+        return self.state.epoch + (1 if self._epoch_cut_short else 0)
 
     @property
     def global_rank(self) -> int:

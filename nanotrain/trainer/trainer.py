@@ -126,6 +126,7 @@ class Trainer(
         # during a validation pass lightning.Trainer would not run (fit's final one,
         # validate_at_start): ModelCheckpoint and EarlyStopping do not act on it
         self.validation_is_extra = False
+        self._epoch_cut_short = False  # fit ended an epoch midway: see `current_epoch`
         self.validating = False
         self.testing = False
         self.predicting = False
@@ -295,7 +296,7 @@ class Trainer(
             datamodule, train_dataloaders, val_dataloaders
         )
         try:
-            self.is_fitting = True
+            self.is_fitting, self._epoch_cut_short = True, False
             self._setup(module, datamodule, "fit", ckpt_path)
             self._build_loaders("fit", train_dataloaders, val_dataloaders)
             self.strategy.setup_optimizers(module)
@@ -320,7 +321,8 @@ class Trainer(
             # what fit writes from here belongs to its last step (as that step's epoch end)
             self._step_taken = self.state.global_step > 0
             stepped = self.state.global_step > first_step  # a second fit may run no step
-            if self.state.steps_in_epoch > 0 and stepped and not self._preempted:
+            cut_short = self.state.steps_in_epoch > 0 and stepped and not self._preempted
+            if cut_short:
                 # stopped mid-epoch (max_steps, max_tokens, should_stop): as Lightning, the
                 # epoch's end hooks still run (the data position stays, for an exact resume)
                 finish_epoch(self, "on_train_epoch_end")
@@ -329,6 +331,7 @@ class Trainer(
             last_validated = self._last_val_step == self.state.global_step
             if self._val_loader is not None and not last_validated and not self._preempted:
                 self._run_validation(lightning_has_it=False)
+            self._epoch_cut_short = cut_short  # as Lightning: from here the epoch counts as done
             self._call("on_train_end")  # as Lightning: still training in both
             self._call("on_fit_end")
             self.training = False
