@@ -29,7 +29,8 @@ def load_module(cls: type, path: str | Path, strict: bool = True, **kwargs: Any)
     """`cls` built with the hyperparameters recorded in the checkpoint at `path` (a checkpoint
     directory, a folder of checkpoints or its `last` file; `kwargs` override them), its
     model built (`configure_model`), `on_load_checkpoint(checkpoint)` called (the weights under
-    "state_dict", as Lightning's), then loaded with those weights, on the CPU, in eval mode. Works for checkpoints of every layout
+    "state_dict", as Lightning's), then loaded with those weights, on the CPU, left in the
+    mode it was built in (as Lightning: call `.eval()` for inference). Works for checkpoints of every layout
     (sharded ones are merged in this process).
 
     Raises:
@@ -84,4 +85,4 @@ def load_module(cls: type, path: str | Path, strict: bool = True, **kwargs: Any)
             "it was trained with (keyword arguments override the recorded ones), or pass "
             "strict=False"
         )
-    return module.eval()
+    return module

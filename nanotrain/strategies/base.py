@@ -207,8 +207,9 @@ class Strategy(ABC):
         """Process group over which logged metrics with `sync_dist=True` are averaged."""
         return None
 
-    def barrier(self) -> None:
-        """Wait for every process (no-op for one process)."""
+    def barrier(self, name: str | None = None) -> None:
+        """Wait for every process (no-op for one process); `name` is Lightning's label of the
+        barrier, accepted and unused."""
 
     def broadcast_object(self, obj: Any, src: int = 0) -> Any:
         """Return rank `src`'s `obj` on every process (identity for one process)."""

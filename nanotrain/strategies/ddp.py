@@ -99,7 +99,7 @@ class DDPStrategy(ReplicatedStrategy):
     def metric_process_group(self) -> Any:
         return dist.group.WORLD
 
-    def barrier(self) -> None:
+    def barrier(self, name: str | None = None) -> None:
         dist.barrier()
 
     def broadcast_object(self, obj: Any, src: int = 0) -> Any:

@@ -369,7 +369,7 @@ class MegatronStrategy(MegatronGradNorms, Strategy):
     def metric_process_group(self) -> Any:
         return self.mesh.dp_group
 
-    def barrier(self) -> None:
+    def barrier(self, name: str | None = None) -> None:
         if dist.is_initialized():
             dist.barrier()
 

@@ -23,6 +23,20 @@ if TYPE_CHECKING:
     from nanotrain.trainer import Trainer
 
 
+def module_modes(module: torch.nn.Module) -> dict[str, bool]:
+    """Each submodule's training flag, by name: what an evaluation run puts back afterwards,
+    as Lightning does (a submodule the user put in eval mode, e.g. a frozen backbone with
+    BatchNorm, stays so)."""
+    return {name: sub.training for name, sub in module.named_modules()}
+
+
+def restore_modes(module: torch.nn.Module, modes: dict[str, bool]) -> None:
+    """Put back the training flags `module_modes` took."""
+    for name, sub in module.named_modules():
+        if name in modes:
+            sub.training = modes[name]
+
+
 def finish_epoch(trainer: Trainer, hook: str) -> dict[str, torch.Tensor]:
     """End a training epoch or a validation / test run, as Lightning does: the epoch values
     logged so far go into `trainer.callback_metrics` (a name logged with both flags also under
@@ -183,6 +197,7 @@ def run_test(trainer: Trainer, dataloaders: Any, verbose: bool = True) -> list[d
         lambda: trainer.strategy.root_device, trainer.strategy.metric_process_group
     )
     trainer.testing = True
+    modes = module_modes(module)
     module.eval()
     trainer._call("on_test_start")
     trainer._call("on_test_epoch_start")
@@ -199,6 +214,7 @@ def run_test(trainer: Trainer, dataloaders: Any, verbose: bool = True) -> list[d
         evaluation_batch(trainer, "test", test_step, batch, batch_idx)
     logged = finish_epoch(trainer, "on_test_epoch_end")
     trainer._call("on_test_end")
+    restore_modes(module, modes)  # as Lightning: after the end hook
     trainer.testing = False
     metrics = {k: to_float(v) for k, v in logged.items()}
     _write_to_user_loggers(trainer, {**metrics, "epoch": trainer.current_epoch})

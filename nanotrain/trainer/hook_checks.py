@@ -109,6 +109,25 @@ def backward_hooks_refusal(strategy: Any) -> str:
     )
 
 
+#: LightningDataModule hooks the nanotrain Trainer does not call (as the module's of the same name)
+UNSUPPORTED_DATAMODULE_HOOKS = ("transfer_batch_to_device", "on_before_batch_transfer",
+                                "on_after_batch_transfer")  # fmt: skip
+
+
+def check_datamodule_hooks(datamodule: Any) -> None:
+    """Raise ValueError at the start of a stage for a batch-transfer hook `datamodule` overrides
+    (Lightning calls them; nanotrain's strategy moves each batch itself)."""
+    if datamodule is None:
+        return
+    for name in UNSUPPORTED_DATAMODULE_HOOKS:
+        own = getattr(type(datamodule), name, None)
+        if own is not None and own is not getattr(pl.LightningDataModule, name, None):
+            raise ValueError(
+                f"{type(datamodule).__name__}.{name} is a Lightning hook the nanotrain Trainer "
+                f"does not call: {_TRANSFER}"
+            )
+
+
 def check_hooks(module: Any, callbacks: list[Callback], strategy: Strategy) -> None:
     """Raise ValueError at fit start for a hook `module` or a callback overrides that the
     nanotrain Trainer would not call, or that `strategy`'s layout cannot run."""

@@ -34,6 +34,7 @@ from nanotrain.trainer.config import TrainerConfig
 from nanotrain.trainer.evaluation import EvaluationMethods, finish_epoch
 from nanotrain.trainer.hook_checks import (
     WINDOW_HOOKS,
+    check_datamodule_hooks,
     check_hooks,
     overrides,
     uses_any_hook,
@@ -231,6 +232,7 @@ class Trainer(
         self.callback_metrics, self.logged_metrics, self.progress_bar_metrics = {}, {}, {}
         # a Lightning hook this Trainer would not call is an error now, not a different run
         check_hooks(module, self.callbacks, self.strategy)
+        check_datamodule_hooks(datamodule)
         self._uses_window_hooks = uses_any_hook(module, self.callbacks, WINDOW_HOOKS)
         module.trainer = self
         if datamodule is not None:
@@ -304,11 +306,16 @@ class Trainer(
                 self._resume(self._resume_path)
             self._make_run_dir()
             if self.settings.enable_model_summary and self.is_global_zero:
-                print(summarize(module, max_depth=1))
+                # Lightning's summary runs `example_input_array` through its own Trainer's
+                # batch hooks when the module has one; detached, it uses the module's own
+                attached, module._trainer = module._trainer, None
+                try:
+                    print(summarize(module, max_depth=1))
+                finally:
+                    module._trainer = attached
             self._preemption = PreemptionWatch(self.settings.preemption_signals).install()
             self._call("on_fit_start")
-            self.training = True
-            module.train()
+            self.training = True  # the module's modes stay as you set them (as Lightning)
             self._call("on_train_start")
             first_step = self.state.global_step
             at_start = self.settings.validate_at_start and not self.global_step

@@ -24,10 +24,16 @@ def run_validation(trainer: Trainer, lightning_has_it: bool = True) -> dict[str,
     than another, from `batch_sampler.num_real_batches` on) run the forward, which can be a
     collective, but what they log is discarded, the module's Metric objects are left as
     they were, and no batch hook sees them."""
-    from nanotrain.trainer.evaluation import evaluation_batch, finish_epoch, padding_step
+    from nanotrain.trainer.evaluation import (
+        evaluation_batch,
+        finish_epoch,
+        module_modes,
+        padding_step,
+        restore_modes,
+    )
 
     module = trainer.module
-    was_training = module.training
+    modes = module_modes(module)
     new_book = lambda: MetricBook(  # noqa: E731
         lambda: trainer.strategy.root_device, trainer.strategy.metric_process_group
     )
@@ -56,8 +62,8 @@ def run_validation(trainer: Trainer, lightning_has_it: bool = True) -> dict[str,
         logged = finish_epoch(trainer, "on_validation_epoch_end")
         trainer._book = train_book
         trainer._last_val_step = trainer.state.global_step
-        module.train(was_training)
         trainer._call("on_validation_end")
+        restore_modes(module, modes)  # as Lightning: after the end hook, submodule by submodule
     finally:
         trainer.training = training
         trainer.validation_is_extra = False

@@ -520,3 +520,59 @@ def test_fits_final_validation_does_not_move_the_best_checkpoint_or_early_stoppi
     # nanotrain validates once more at step 24 (the end of fit); nothing is ranked by it
     assert seen["nanotrain"][0] == seen["lightning"][0] + [24]
     assert seen["nanotrain"][1:] == pytest.approx(seen["lightning"][1:])
+
+
+class FrozenBackbone(Regression):
+    """A BatchNorm + Dropout backbone the user froze and put in eval mode before fit."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.backbone = nn.Sequential(nn.BatchNorm1d(4), nn.Dropout(0.5))
+        self.backbone.eval().requires_grad_(False)
+        self.modes: list[bool] = []
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        self.modes.append(self.backbone.training)
+        return F.mse_loss(self.lin(self.backbone(x)), y)
+
+    def validation_step(self, batch, batch_idx):
+        x, y = batch
+        self.log("val_loss", F.mse_loss(self.lin(self.backbone(x)), y))
+
+
+def test_a_submodule_left_in_eval_mode_stays_so_through_fit_and_validation(tmp_path):
+    lightning_run, nanotrain_run = _both(FrozenBackbone(), tmp_path, val=True, max_epochs=2)
+    assert nanotrain_run.modes == lightning_run.modes == [False] * 16
+    _same_weights(lightning_run, nanotrain_run)  # the BatchNorm's running statistics included
+
+
+class TransfersInTheDatamodule(Data):
+    def on_before_batch_transfer(self, batch, dataloader_idx):
+        return batch
+
+
+def test_a_datamodules_batch_transfer_hook_is_refused_at_the_start(tmp_path):
+    with pytest.raises(ValueError, match="on_before_batch_transfer is a Lightning hook"):
+        _trainer("nanotrain", tmp_path, max_steps=1).fit(
+            Regression(), datamodule=TransfersInTheDatamodule()
+        )
+
+
+class WithExampleInput(Regression):
+    def __init__(self) -> None:
+        super().__init__()
+        self.example_input_array = torch.zeros(2, 4)
+
+    def forward(self, x):
+        return self.lin(x)
+
+    def on_fit_start(self):
+        self.trainer.strategy.barrier("fit-start")  # Lightning's signature: a name
+
+
+def test_the_summary_of_a_module_with_an_example_input_and_a_named_barrier(tmp_path, capsys):
+    _trainer("nanotrain", tmp_path, max_steps=1, enable_model_summary=True).fit(
+        WithExampleInput(), DataLoader(_data(), batch_size=8)
+    )
+    assert "[2, 4]" in capsys.readouterr().out  # the In sizes column, as Lightning prints it

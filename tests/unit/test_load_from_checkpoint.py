@@ -34,7 +34,7 @@ def test_hyperparameters_and_weights_come_back_from_every_form_of_path(tmp_path)
     for path in (ckpt_dir / "step-00000003", ckpt_dir, ckpt_dir / "last", str(ckpt_dir)):
         loaded = Classifier.load_from_checkpoint(path)
         assert loaded.hparams.lr == 0.07 and loaded.hparams.hidden == 12
-        assert not loaded.training and _same_weights(loaded, module)
+        assert loaded.training and _same_weights(loaded, module)  # as Lightning: not eval()
     # keyword arguments override the recorded hyperparameters, as in Lightning
     assert Classifier.load_from_checkpoint(ckpt_dir, lr=0.5).hparams.lr == 0.5
 
