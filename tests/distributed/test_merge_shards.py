@@ -112,7 +112,7 @@ def test_merged_shards_equal_the_tensors_gathered_in_the_run(trained, layout):
         assert torch.equal(merged[name], tensor), f"{layout}: {name} differs"
     # Lightning's habit: the module class rebuilds itself from the (sharded) checkpoint
     module = nt.LanguageModelModule.load_from_checkpoint(trained[layout]["ckpt"])
-    assert not module.training
+    assert module.training  # as Lightning: left in the mode it was built in
     for name, tensor in module.state_dict().items():
         assert torch.equal(tensor, merged[name]), f"{layout}: {name} differs after loading"
 
