@@ -168,6 +168,8 @@ class ModelCheckpoint(CheckpointNames, CheckpointRetention, Callback):
         self._every_n_epochs = every_n_epochs
         self.keep_best_k = keep_best_k or 0
         self.async_save = async_save
+        #: the final save of fit competes for the top k (set on the Trainer's default callback)
+        self.final_save_competes = False
         # An asynchronous save still being written: (PendingSave, paths to delete once it is
         # committed, the state to restore if it fails).
         self._pending: tuple[Any, list[Path], dict[str, Any]] | None = None
@@ -278,7 +280,11 @@ class ModelCheckpoint(CheckpointNames, CheckpointRetention, Callback):
 
     def on_train_end(self, trainer: Trainer, module: NanoModule) -> None:
         if self.save_last and self._last_saved_step != trainer.global_step:
-            self._save_as(trainer, "last")
+            # the Trainer's default callback (a step cadence, where Lightning's default saves
+            # every epoch) counts its final save among the newest top k, so that
+            # ckpt_path="best" finds the trained state as after Lightning's default
+            final = "candidate" if self.final_save_competes and self.monitor is None else "last"
+            self._save_as(trainer, final)
         self.finish_pending(trainer)
 
     def teardown(self, trainer: Trainer, module: NanoModule, stage: str) -> None:

@@ -34,7 +34,9 @@ def default_callbacks(
     """
     callbacks: list[Callback] = []
     if enable_checkpointing:
-        callbacks.append(ModelCheckpoint(every_n_steps=100, save_top_k=3))
+        default_saver = ModelCheckpoint(every_n_steps=100, save_top_k=3)
+        default_saver.final_save_competes = True  # `ckpt_path="best"`: the trained state
+        callbacks.append(default_saver)
     if enable_progress_bar:
         callbacks.append(ProgressBar())
     callbacks.append(NaNGuard())

@@ -46,13 +46,14 @@ def shown_metrics(trainer: Trainer) -> dict[str, float]:
     """
     bar = {k: float(v) for k, v in trainer.progress_bar_metrics.items()}
     logged = trainer.callback_metrics
+    total = float(logged["train/loss"]) if "train/loss" in logged else None
     if "train/lm_loss" not in logged:
-        return bar
+        return bar if total is None else {**bar, "loss": total}
     shown = {"lm_loss": float(logged["train/lm_loss"])}
     if "train/bpb" in logged:
         shown["bpb"] = float(logged["train/bpb"])
-    if "loss" in bar:
-        shown["total_loss"] = bar.pop("loss")
+    if total is not None:
+        shown["total_loss"] = total
     shown.update(bar)
     return shown
 
@@ -194,7 +195,7 @@ class ProgressBar(Callback):
         """Print the validation metrics shown in the progress bar (plain mode)."""
         if self._active != "plain":
             return
-        shown = {k: float(v) for k, v in trainer.progress_bar_metrics.items() if k != "loss"}
+        shown = {k: float(v) for k, v in trainer.progress_bar_metrics.items()}
         values = " | ".join(f"{k} {v:.4f}" for k, v in shown.items())
         self._write(
             f"validation at step {trainer.global_step}" + (f" | {values}" if values else "")

@@ -240,7 +240,7 @@ class TrainStepMethods:
         self.log_metrics(metrics)
         self.callback_metrics.update(callback)
         self.callback_metrics.update(self.metric_book.unforked(callback))
-        self.progress_bar_metrics.update({"loss": out.loss, **prog})
+        self.progress_bar_metrics.update(prog)  # as Lightning: the module's values only
 
 
 def _check_stepped(module: Any, optimizer: HookOptimizer) -> None:

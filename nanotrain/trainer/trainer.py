@@ -111,7 +111,7 @@ class Trainer(
         self.run_dir: Path | None = None
         self._resume_path: Path | None = None
         self._preemption: PreemptionWatch | None = None
-        self.loggers = LoggerGroup()
+        self.loggers = LoggerGroup(self._user_loggers)  # as Lightning: yours, outside a stage
         self.step_output: StepOutput | None = None
         self.callback_metrics: dict[str, torch.Tensor] = {}
         self.logged_metrics: dict[str, torch.Tensor] = {}  # the last values sent to loggers
@@ -230,6 +230,8 @@ class Trainer(
         self._interrupted = False
         # as Lightning: every stage (a second fit too) starts with no metrics
         self.callback_metrics, self.logged_metrics, self.progress_bar_metrics = {}, {}, {}
+        if stage in ("test", "predict"):  # no run folder: test writes to your loggers itself
+            self.loggers = LoggerGroup()
         # a Lightning hook this Trainer would not call is an error now, not a different run
         check_hooks(module, self.callbacks, self.strategy)
         check_datamodule_hooks(datamodule)
@@ -481,7 +483,7 @@ class Trainer(
         if self.module is not None:
             self._call("teardown", stage)
         self.loggers.finalize()
-        self.loggers = LoggerGroup()
+        self.loggers = LoggerGroup(self._user_loggers)  # as Lightning: yours stay readable
         self._step_taken = False  # validate/test after fit log at global_step, as Lightning
         self._train_loader = self._val_loader = None
         self.strategy.teardown()

@@ -184,9 +184,13 @@ def test_host_weights_are_reused_while_the_counts_repeat():
 def test_progress_bar_leads_with_the_lm_loss_and_names_the_total(tmp_path):
     trainer = make_trainer(tmp_path)
     trainer.callback_metrics.update(
-        {"train/lm_loss": torch.tensor(2.0), "train/bpb": torch.tensor(1.5)}
+        {
+            "train/lm_loss": torch.tensor(2.0),
+            "train/bpb": torch.tensor(1.5),
+            "train/loss": torch.tensor(2.25),  # the Trainer's objective (not a progress-bar key)
+        }
     )
-    trainer.progress_bar_metrics.update({"loss": torch.tensor(2.25), "val/loss": torch.tensor(3)})
+    trainer.progress_bar_metrics.update({"val/loss": torch.tensor(3)})
     assert shown_metrics(trainer) == {
         "lm_loss": 2.0,
         "bpb": 1.5,

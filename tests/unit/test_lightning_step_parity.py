@@ -88,10 +88,10 @@ def _fit_nanotrain(module: pl.LightningModule, tmp_path, **trainer_args) -> nt.T
 def _trainer(kind: str, tmp_path, **args):
     """A lightning.Trainer or a nanotrain.Trainer (no checkpointing or progress bar unless
     asked), writing under `tmp_path / kind`."""
-    common = dict(
-        enable_checkpointing=False, enable_progress_bar=False,
-        default_root_dir=str(tmp_path / kind), **args,
-    )  # fmt: skip
+    common = {
+        "enable_checkpointing": False, "enable_progress_bar": False,
+        "default_root_dir": str(tmp_path / kind), **args,
+    }  # fmt: skip
     if kind == "lightning":
         return pl.Trainer(accelerator="cpu", devices=1, **common)
     return nt.Trainer(**common)
@@ -576,3 +576,36 @@ def test_the_summary_of_a_module_with_an_example_input_and_a_named_barrier(tmp_p
         WithExampleInput(), DataLoader(_data(), batch_size=8)
     )
     assert "[2, 4]" in capsys.readouterr().out  # the In sizes column, as Lightning prints it
+
+
+class LogsToTheBar(Validated):
+    def training_step(self, batch, batch_idx):
+        loss = super().training_step(batch, batch_idx)
+        self.log("bar_loss", loss, prog_bar=True)
+        return loss
+
+
+def test_loggers_bar_metrics_and_the_default_best_checkpoint_are_lightnings(tmp_path):
+    from lightning.pytorch.loggers import CSVLogger
+
+    seen, original = {}, LogsToTheBar()
+    for kind in ("lightning", "nanotrain"):
+        logger = CSVLogger(str(tmp_path / kind), name="", version="")
+        trainer = _trainer(
+            kind, tmp_path, max_epochs=2, logger=logger, log_every_n_steps=1,
+            enable_checkpointing=True,  # the Trainer's default ModelCheckpoint
+        )  # fmt: skip
+        before = list(trainer.loggers)
+        module = copy.deepcopy(original)
+        trainer.fit(module, DataLoader(_data(), batch_size=8))
+        bar = sorted(trainer.progress_bar_metrics)
+        best = trainer.validate(module, DataLoader(_data(16), batch_size=8), ckpt_path="best")
+        seen[kind] = (
+            before == [logger] and trainer.logger is logger,  # yours, outside fit too
+            bar,
+            trainer.global_step,
+            best,
+        )
+    assert seen["nanotrain"][:3] == seen["lightning"][:3] == (True, ["bar_loss"], 16)
+    # ckpt_path="best" of the default ModelCheckpoint: the trained state, as Lightning's
+    assert seen["nanotrain"][3][0]["val_loss"] == pytest.approx(seen["lightning"][3][0]["val_loss"])
