@@ -111,7 +111,7 @@ class Trainer(
         self.run_dir: Path | None = None
         self._resume_path: Path | None = None
         self._preemption: PreemptionWatch | None = None
-        self.loggers = LoggerGroup(self._user_loggers)  # as Lightning: yours, outside a stage
+        self.loggers = self._your_loggers()  # as Lightning: yours, outside a stage
         self.step_output: StepOutput | None = None
         self.callback_metrics: dict[str, torch.Tensor] = {}
         self.logged_metrics: dict[str, torch.Tensor] = {}  # the last values sent to loggers
@@ -476,6 +476,10 @@ class Trainer(
         finally:
             self._teardown("validate")
 
+    def _your_loggers(self) -> LoggerGroup:
+        """The Lightning loggers you passed, on the rank that writes (none elsewhere)."""
+        return LoggerGroup(self._user_loggers if self.is_global_zero else [])
+
     def _teardown(self, stage: str) -> None:
         self._restore_global_seed()  # first: whatever fails below, the next stage starts clean
         if self.datamodule is not None:  # as Lightning: the datamodule's, then the hooks'
@@ -483,7 +487,7 @@ class Trainer(
         if self.module is not None:
             self._call("teardown", stage)
         self.loggers.finalize()
-        self.loggers = LoggerGroup(self._user_loggers)  # as Lightning: yours stay readable
+        self.loggers = self._your_loggers()  # as Lightning: yours stay readable
         self._step_taken = False  # validate/test after fit log at global_step, as Lightning
         self._train_loader = self._val_loader = None
         self.strategy.teardown()
