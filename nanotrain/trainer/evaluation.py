@@ -23,6 +23,12 @@ if TYPE_CHECKING:
     from nanotrain.trainer import Trainer
 
 
+def print_results(trainer: Trainer, metrics: dict[str, float], stage: str) -> None:
+    """Lightning's results table of a `validate` or `test` run (`stage`), on rank 0."""
+    if trainer.is_global_zero:
+        _EvaluationLoop._print_results([metrics], stage)
+
+
 def module_modes(module: torch.nn.Module) -> dict[str, bool]:
     """Each submodule's training flag, by name: what an evaluation run puts back afterwards,
     as Lightning does (a submodule the user put in eval mode, e.g. a frozen backbone with
@@ -218,8 +224,8 @@ def run_test(trainer: Trainer, dataloaders: Any, verbose: bool = True) -> list[d
     trainer.testing = False
     metrics = {k: to_float(v) for k, v in logged.items()}
     _write_to_user_loggers(trainer, {**metrics, "epoch": trainer.current_epoch})
-    if verbose and trainer.is_global_zero:
-        _EvaluationLoop._print_results([metrics], "test")
+    if verbose:
+        print_results(trainer, metrics, "test")
     return [metrics]
 
 

@@ -11,8 +11,8 @@ Every logged name lives in one or both of two scopes:
 A name logged with both flags is written as ``<name>_step`` and ``<name>_epoch`` (as Lightning
 does). Means are weighted by each value's ``batch_size``: given, or inferred from the batch
 running when it was logged (`start_batch`), as Lightning infers it. Values may be numbers,
-tensors or torchmetrics ``Metric`` objects; a Metric logged for the epoch is computed at the end of the epoch (synchronized over the data-parallel
-``process_group``) and reset afterwards, one logged for the step contributes the value of its
+tensors or torchmetrics ``Metric`` objects; a Metric logged for the epoch is computed at the
+end of the epoch (synchronized over the data-parallel ``process_group``) and reset afterwards, one logged for the step contributes the value of its
 last ``forward`` call.
 """
 

@@ -104,11 +104,10 @@ class LightningTrainerProperties:
     def log_dir(self) -> str | None:
         """As Lightning's: the first Lightning logger's `log_dir` when you passed one that has
         it (e.g. a TensorBoardLogger), else the run directory (None before fit/validate)."""
-        for logger in getattr(self, "_user_loggers", None) or []:
-            folder = getattr(logger, "log_dir", None)
-            if folder is not None:
-                return str(folder)
-            break  # Lightning reads the first logger only
+        first = self._user_loggers[0] if self._user_loggers else None
+        folder = getattr(first, "log_dir", None)  # Lightning reads the first logger only
+        if folder is not None:
+            return str(folder)
         return None if self.run_dir is None else str(self.run_dir)
 
     @property

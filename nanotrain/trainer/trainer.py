@@ -16,7 +16,6 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
-from lightning.pytorch.loops.evaluation_loop import _EvaluationLoop
 from lightning.pytorch.utilities.model_summary import summarize
 from torch.utils.data import DataLoader
 
@@ -31,7 +30,7 @@ from nanotrain.strategies import Strategy, resolve_strategy
 from nanotrain.strategies.base import StepOutput
 from nanotrain.trainer.checkpoint_methods import CheckpointMethods
 from nanotrain.trainer.config import TrainerConfig
-from nanotrain.trainer.evaluation import EvaluationMethods, finish_epoch
+from nanotrain.trainer.evaluation import EvaluationMethods, finish_epoch, print_results
 from nanotrain.trainer.hook_checks import (
     WINDOW_HOOKS,
     check_datamodule_hooks,
@@ -466,8 +465,8 @@ class Trainer(
                 self._resume(self._resume_path, weights_only=True)
             self._make_run_dir()
             metrics = self._run_validation()
-            if verbose and self.is_global_zero:
-                _EvaluationLoop._print_results([metrics], "validate")
+            if verbose:
+                print_results(self, metrics, "validate")
             return [metrics]
         except BaseException as exc:
             if self.module is not None:
