@@ -96,10 +96,7 @@ def write_evaluation_step(trainer: Trainer, values: ScopeValues) -> None:
         return
     trainer.logged_metrics.update({k: v.detach() for k, v in values.logger.items()})
     metrics = {k: to_float(v) for k, v in values.logger.items()}
-    if trainer.testing:
-        _write_to_user_loggers(trainer, metrics, step=row)
-    else:
-        trainer.loggers.log_metrics(metrics, row)
+    trainer.loggers.log_metrics(metrics, row)
 
 
 def _defines(module: Any, name: str) -> bool:
@@ -223,22 +220,9 @@ def run_test(trainer: Trainer, dataloaders: Any, verbose: bool = True) -> list[d
     restore_modes(module, modes)  # as Lightning: after the end hook
     trainer.testing = False
     metrics = {k: to_float(v) for k, v in logged.items()}
-    _write_to_user_loggers(trainer, {**metrics, "epoch": trainer.current_epoch})
     if verbose:
         print_results(trainer, metrics, "test")
     return [metrics]
-
-
-def _write_to_user_loggers(trainer: Trainer, metrics: dict[str, float], step: int | None = None):
-    """Test values in the user's own Lightning loggers (rank 0), where lightning.Trainer
-    writes them: the results at `global_step` (with the `epoch` column), a batch's values at
-    `step`. nanotrain's own loggers belong to the run directory of a fit or validate, which
-    `test` does not create."""
-    if not metrics or not trainer.is_global_zero:
-        return
-    for logger in trainer._user_loggers:
-        logger.log_metrics(metrics, step=trainer.global_step if step is None else step)
-        logger.save()
 
 
 def run_predict(

@@ -229,8 +229,6 @@ class Trainer(
         self._interrupted = False
         # as Lightning: every stage (a second fit too) starts with no metrics
         self.callback_metrics, self.logged_metrics, self.progress_bar_metrics = {}, {}, {}
-        if stage in ("test", "predict"):  # no run folder: test writes to your loggers itself
-            self.loggers = LoggerGroup()
         # a Lightning hook this Trainer would not call is an error now, not a different run
         check_hooks(module, self.callbacks, self.strategy)
         check_datamodule_hooks(datamodule)
