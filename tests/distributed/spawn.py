@@ -11,7 +11,9 @@ Used by every multi-process test::
 Why fork: a forked rank is ready in well under 0.2 s, a spawned one takes seconds to re-import
 torch. Fork's two known traps are handled here: every rank sets one intra-op thread before
 touching torch (a forked child with a thread pool can deadlock), and garbage is collected
-before ``destroy_process_group`` (a live DDP model can hang it). The parent's objects are frozen
+before ``destroy_process_group`` (a live DDP model can hang it). Ctrl-C stops a world at once:
+the ranks ignore SIGINT (a terminal sends it to them as well), the parent's KeyboardInterrupt
+kills them, and a rank whose parent dies is killed with it (Linux), so none outlives its test. The parent's objects are frozen
 (``gc.freeze``) while the ranks fork, so a rank's garbage collector never walks or touches the
 inherited heap: without it, a world spends about a quarter more CPU. Results travel back as
 plain pickles over one pipe per rank (never through shared memory, which dies with the child).
@@ -21,7 +23,9 @@ from __future__ import annotations
 
 import gc
 import multiprocessing as mp
+import os
 import pickle
+import signal
 import socket
 import time
 import traceback
@@ -34,6 +38,8 @@ import torch
 import torch._dynamo  # noqa: F401  (pre-imported once here: saves each forked rank ~1 s)
 import torch.distributed as dist
 import torch.nn.parallel.distributed  # noqa: F401  (same reason)
+
+from tests.process_tree import die_with_parent
 
 __all__ = ["RankError", "run_world", "free_port"]
 
@@ -57,8 +63,13 @@ def _rank_main(
     pg_timeout: float,
     conn: Connection,
     args: tuple,
+    parent_pid: int,
 ) -> None:
     torch.set_num_threads(1)  # first, before any torch op in the forked child
+    # Ctrl-C is the parent's to handle (it kills the world); a rank that raised
+    # KeyboardInterrupt would start tearing down a process group its peers still use
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    die_with_parent(parent_pid)  # a parent killed outright (xdist gives up on a worker)
     try:
         dist.init_process_group(
             "gloo",
@@ -119,7 +130,7 @@ def run_world(
             reader, writer = ctx.Pipe(duplex=False)
             proc = ctx.Process(
                 target=_rank_main,
-                args=(fn, rank, world_size, port, pg_timeout, writer, args),
+                args=(fn, rank, world_size, port, pg_timeout, writer, args, os.getpid()),
                 name=f"nanotrain-rank{rank}",
                 daemon=True,  # if the test process itself dies, the ranks die with it
             )

@@ -33,7 +33,10 @@ from nanotrain.precision.base import wrap_forward
 from nanotrain.precision.emulated import EmulatedFP8
 from tests.distributed.spawn import run_world
 
-pytestmark = pytest.mark.distributed
+pytestmark = [
+    pytest.mark.distributed,
+    pytest.mark.numerics,
+]  # .ci/run reruns these on other kernels
 
 
 @contextlib.contextmanager

@@ -21,6 +21,9 @@ from tests.distributed.spawn import run_world
 from tests.precision_helpers import fit
 
 PRECISIONS = ("32-true", "bf16-mixed", "bf16-true", "16-mixed", "fp8-emulated", "fp4-emulated")
+# layout against one process under numerical bounds: rerun on other CPU kernels by .ci/run
+pytestmark = [pytest.mark.distributed, pytest.mark.numerics]
+
 STEPS = 3
 # Relative loss tolerance against one process, per precision. Under tp=2 a row-parallel GEMM
 # adds two half-contractions; under autocast each half is rounded to the low dtype before the

@@ -2,12 +2,19 @@
 2-rank gloo world, against the same precision in one process; the bf16 reduce option;
 bf16-true resume.
 
-Why fp32-level tolerances hold even for bf16 here: with the same global batch, one process
-runs two microbatches and each of two data-parallel ranks runs one of them; every forward and
-backward is the same computation on the same microbatch, and the per-microbatch loss weights
-differ by exactly 2 (a power of two, exact in bf16). Only the fp32 summation of the two
-microbatch gradients changes order. Expert parallelism regroups tokens into different GEMMs,
-so ep cells use the bf16 tolerance.
+Why most cells hold an fp32 bound even in bf16, fp16 and fp8: every run here takes microbatches
+of one sample, so one process and each layout run every low-precision GEMM on the same rows
+(a data-parallel rank reads samples 0 and 2 of a global batch, one process 0, 1, 2, 3; with
+two samples per microbatch they would pair up differently, and a low-precision GEMM's rounded
+output depends on which rows share it). The per-microbatch loss weights differ by exactly 2 (a
+power of two, exact in every dtype). What is left is fp32 arithmetic in another order: the sum
+of the four per-sample gradients (and, under ZeRO, the sharded grad norm), whose terms round
+to within 3 u32 (u32 = 2^-24 = 6e-8) of each other's sum, plus AdamW amplifying that for
+elements whose gradient is ~0 (see test_megatron.assert_matches).
+
+Two kinds of cell round low-precision values differently, and take a bound of their dtype:
+expert parallelism regroups tokens into other expert GEMMs, and DualPipeV in bf16-true
+rounds its bf16 weight gradients in other groups (its split backward).
 """
 
 from __future__ import annotations
@@ -23,13 +30,23 @@ from nanotrain.strategies.megatron import MegatronStrategy
 from tests.distributed.spawn import run_world
 from tests.precision_helpers import VOCAB, fit
 
+# layout against one process under numerical bounds: rerun on other CPU kernels by .ci/run
+pytestmark = [pytest.mark.distributed, pytest.mark.numerics]
+
 STEPS = 3
-# Measured max relative loss differences against one process over 3 steps: bf16 ~1.5e-4
-# (the data-parallel ranks batch different samples together, and bf16 CPU GEMMs do not give
-# row results independent of the other rows), fp16 ~4e-6 (3e-5 under ep), emulated fp8 ~1.4e-3 (the same, plus
-# per-tile scales rounding differently). Bounds: a few times the measured value; a wrong
-# gradient or lost update changes the loss by >1e-2.
-BF16_TOL, FP16_TOL, FP8_TOL = 1e-3, 1e-4, 5e-3
+# Same rows (fp32 order only): 1e-5, the suite's fp32 bound. Measured worst relative loss
+# difference over 3 steps, on ATen's default, AVX2 and AVX512 kernels and with the reference
+# on 1 and 2 threads (tests/numerics_log.py; table in the 2026-12-02 report of issue 55):
+# 2.4e-6 (ZeRO-2 bf16-mixed); most cells are bitwise equal.
+SAME_ROWS_TOL = 1e-5
+# Regrouped rows: each differently grouped GEMM output (and each gradient element from it)
+# differs by up to one unit roundoff of its dtype (bf16 2^-8 = 3.9e-3, fp16 2^-11 = 4.9e-4 at
+# its normal range, far more for gradients the loss scale leaves subnormal, e4m3 2^-4), and
+# AdamW's per-element normalisation passes a relative gradient error straight into the next
+# updates. Measured worst over the same six settings: bf16 1.6e-4, fp16 9.5e-5 (2.1e-4 with two
+# samples per microbatch), fp8-emulated 1.2e-3. A wrong gradient or a lost update changes the
+# loss by >1e-2: the bounds sit 5-10x above the measured values and 2-10x below that.
+BF16_TOL, FP16_TOL, FP8_TOL = 1e-3, 1e-3, 5e-3
 
 
 def fp16_low_scale():
@@ -43,25 +60,27 @@ def _dualpipev() -> MegatronStrategy:
 
 
 # (case, precision name, precision factory, strategy factory, preset, relative tolerance)
+SAME = SAME_ROWS_TOL
 CASES = [
-    ("ddp", "bf16-mixed", None, lambda: DDPStrategy(), "tiny-dense", BF16_TOL),
-    ("ddp", "bf16-true", None, lambda: DDPStrategy(), "tiny-dense", BF16_TOL),
-    ("ddp", "16-mixed", None, lambda: DDPStrategy(), "tiny-dense", FP16_TOL),
-    ("ddp", "fp8-emulated", None, lambda: DDPStrategy(), "tiny-dense", FP8_TOL),
-    ("zero1", "bf16-true", None, lambda: MegatronStrategy(zero_stage=1), "tiny-dense", BF16_TOL),
-    ("zero1", "16-mixed", None, lambda: MegatronStrategy(zero_stage=1), "tiny-dense", FP16_TOL),
-    ("zero2", "bf16-mixed", None, lambda: MegatronStrategy(zero_stage=2), "tiny-dense", BF16_TOL),
+    ("ddp", "bf16-mixed", None, lambda: DDPStrategy(), "tiny-dense", SAME),
+    ("ddp", "bf16-true", None, lambda: DDPStrategy(), "tiny-dense", SAME),
+    ("ddp", "16-mixed", None, lambda: DDPStrategy(), "tiny-dense", SAME),
+    ("ddp", "fp8-emulated", None, lambda: DDPStrategy(), "tiny-dense", SAME),
+    ("zero1", "bf16-true", None, lambda: MegatronStrategy(zero_stage=1), "tiny-dense", SAME),
+    ("zero1", "16-mixed", None, lambda: MegatronStrategy(zero_stage=1), "tiny-dense", SAME),
+    ("zero2", "bf16-mixed", None, lambda: MegatronStrategy(zero_stage=2), "tiny-dense", SAME),
     ("ep2", "bf16-true", None, lambda: MegatronStrategy(ep=2, zero_stage=1), "tiny", BF16_TOL),
     ("ep2", "16-mixed@2^8", fp16_low_scale, lambda: MegatronStrategy(ep=2), "tiny", FP16_TOL),
     ("ep2", "fp8-emulated", None, lambda: MegatronStrategy(ep=2), "tiny", FP8_TOL),
     # DualPipeV (pp=2, 4 microbatches of 1: its split backwards and V turn): the MoE preset's
     # two layers on stages 0 and 2, rank 0 also holding the head and MTP
     ("dualpipev", "bf16-true", None, lambda: _dualpipev(), "tiny", BF16_TOL),
-    ("dualpipev", "16-mixed@2^8", fp16_low_scale, lambda: _dualpipev(), "tiny", FP16_TOL),
-    ("dualpipev", "fp8-emulated", None, lambda: _dualpipev(), "tiny", FP8_TOL),
+    ("dualpipev", "16-mixed@2^8", fp16_low_scale, lambda: _dualpipev(), "tiny", SAME),
+    ("dualpipev", "fp8-emulated", None, lambda: _dualpipev(), "tiny", SAME),
 ]  # fmt: skip
-# DualPipeV needs at least 2·pp microbatches: the global batch of 4 in microbatches of 1
-MICRO_BATCH = {"dualpipev": 1}
+# one sample per microbatch everywhere (see the module docstring); DualPipeV needs at least
+# 2·pp microbatches, which the global batch of 4 then gives
+MICRO = 1
 
 
 def make_precision(name, factory):
@@ -88,11 +107,10 @@ class WithUnusedParameter(nt.LanguageModelModule):
 
 def _run_cases(rank: int, world: int, root: str) -> dict:
     out = {}
-    for i, (case, name, factory, make, preset, _) in enumerate(CASES):
+    for i, (_, name, factory, make, preset, _) in enumerate(CASES):
         plugin = make_precision(name, factory)
-        micro = MICRO_BATCH.get(case, 2)
         _, rec = fit(
-            plugin, make(), steps=STEPS, root=f"{root}/{i}", preset=preset, micro_batch=micro
+            plugin, make(), steps=STEPS, root=f"{root}/{i}", preset=preset, micro_batch=MICRO
         )
         out[i] = rec.losses
     # the bf16 wire dtype: close to the fp32 reduction, but not the same numbers
@@ -101,11 +119,12 @@ def _run_cases(rank: int, world: int, root: str) -> dict:
         ("reduce_bf16_ddp", lambda: DDPStrategy()),
     ):
         plugin = BF16Mixed(reduce_dtype=torch.bfloat16)
-        _, rec = fit(plugin, make(), steps=STEPS, root=f"{root}/{key}")
+        _, rec = fit(plugin, make(), steps=STEPS, root=f"{root}/{key}", micro_batch=MICRO)
         out[key] = rec.losses
     # bf16-true under DDP: fp32 main grads in many small buckets, each launched from the
-    # gradient hooks while backward still runs (recorded per run): on the fp32 and the bf16
-    # wire, with two microbatches per rank, and with a parameter that never gets a gradient
+    # gradient hooks while backward still runs (recorded per run): with two microbatches per
+    # rank (as CASES) on the fp32 and the bf16 wire, with one (two samples), and with a
+    # parameter that never gets a gradient
     launches: list[bool] = []  # per bucket launch: inside backward?
     launch = GradBuckets._launch
 
@@ -114,9 +133,9 @@ def _run_cases(rank: int, world: int, root: str) -> dict:
         return launch(self, b)
 
     runs = {
-        "ddp_buckets": ("bf16-true", 2, None),
-        "ddp_buckets_bf16_wire": (BF16True(reduce_dtype=torch.bfloat16), 2, None),
-        "ddp_buckets_accumulated": ("bf16-true", 1, None),
+        "ddp_buckets": ("bf16-true", MICRO, None),
+        "ddp_buckets_bf16_wire": (BF16True(reduce_dtype=torch.bfloat16), MICRO, None),
+        "ddp_buckets_one_microbatch": ("bf16-true", 2, None),
         "ddp_buckets_unused": ("bf16-true", 2, WithUnusedParameter()),
     }
     GradBuckets._launch = recording_launch
@@ -150,12 +169,11 @@ def _run_cases(rank: int, world: int, root: str) -> dict:
 def references(tmp_path_factory):
     root = str(tmp_path_factory.mktemp("ref"))
     refs = {}
-    wanted = {(c[1], c[2], c[4]) for c in CASES} | {("bf16-mixed", None, "tiny-dense")}
-    for name, factory, preset in wanted:
+    wanted = {(c[1], c[2], c[4], MICRO) for c in CASES} | {("bf16-true", None, "tiny-dense", 2)}
+    for name, factory, preset, micro in wanted:
         plugin = make_precision(name, factory)
-        refs[(name, preset)] = fit(plugin, "single", steps=STEPS, root=root, preset=preset)[
-            1
-        ].losses
+        _, rec = fit(plugin, "single", steps=STEPS, root=root, preset=preset, micro_batch=micro)
+        refs[(name, preset, micro)] = rec.losses
     return refs
 
 
@@ -165,35 +183,38 @@ def test_precisions_under_ddp_zero_and_ep_match_one_process(tmp_path, references
         assert results[0][i] == results[1][i], (case, name)
         torch.testing.assert_close(
             torch.tensor(results[0][i]),
-            torch.tensor(references[(name, preset)]),
+            torch.tensor(references[(name, preset, MICRO)]),
             rtol=tol,
             atol=0,
             msg=f"{case} {name}",
         )
-    ref = torch.tensor(references[("bf16-mixed", "tiny-dense")])
-    # same layout with the fp32 wire: CASES 6 (Megatron ZeRO-2) and 0 (DDP), bf16-mixed
+    ref = torch.tensor(references[("bf16-mixed", "tiny-dense", MICRO)])
+    # same layout with the fp32 wire: CASES 6 (Megatron ZeRO-2) and 0 (DDP), bf16-mixed. The
+    # bf16 wire rounds each summed gradient element once (relative 2^-8): bf16's bound
     for key, same_layout in (("reduce_bf16_megatron", 6), ("reduce_bf16_ddp", 0)):
         got = torch.tensor(results[0][key])
         torch.testing.assert_close(got, ref, rtol=BF16_TOL, atol=0, msg=key)
         fp32_wire = torch.tensor(results[0][same_layout])
         assert not torch.equal(got[1:], fp32_wire[1:]), f"{key}: the bf16 wire changed nothing"
-    # DDP bf16-true: small buckets sum the same two fp32 values per element as CASES 1's one
-    # 25 MB bucket, and every bucket is sent from backward's hooks, once per step
+    # DDP bf16-true: small buckets sum the same fp32 values per element as CASES 1's one 25 MB
+    # bucket; with two microbatches per rank the first only accumulates and the last sends
+    # every bucket from backward's hooks, once per step
     losses, launched = results[0]["ddp_buckets"]
     assert losses == results[0][1]
-    assert len(launched) >= 2 * 4 * STEPS and all(launched), "buckets waited for backward"
-    buckets = len(launched) // STEPS
-    ref = torch.tensor(references[("bf16-true", "tiny-dense")])
+    one_microbatch, launched_once = results[0]["ddp_buckets_one_microbatch"]
+    buckets = len(launched_once) // STEPS
+    assert buckets >= 8 and len(launched_once) == buckets * STEPS and all(launched_once)
+    assert len(launched) == buckets * STEPS and all(launched)
+    ref = torch.tensor(references[("bf16-true", "tiny-dense", MICRO)])
     got, _ = results[0]["ddp_buckets_bf16_wire"]
     torch.testing.assert_close(torch.tensor(got), ref, rtol=BF16_TOL, atol=0)
     assert not torch.equal(torch.tensor(got[1:]), torch.tensor(losses[1:])), "bf16 wire: no change"
-    # two microbatches per rank: the first only accumulates, the last sends each bucket once
-    got, launched = results[0]["ddp_buckets_accumulated"]
-    torch.testing.assert_close(torch.tensor(got), ref, rtol=BF16_TOL, atol=0)
-    assert len(launched) == buckets * STEPS and all(launched)
+    # one microbatch of two samples per rank: the rows pair up unlike one process's (bf16's bound)
+    ref = torch.tensor(references[("bf16-true", "tiny-dense", 2)])
+    torch.testing.assert_close(torch.tensor(one_microbatch), ref, rtol=BF16_TOL, atol=0)
     # a parameter without a gradient holds its bucket back until after backward (`finish`)
     got, launched = results[0]["ddp_buckets_unused"]
-    assert got == losses
+    assert got == one_microbatch
     assert len(launched) > buckets * STEPS and not all(launched) and any(launched)
     straight, resumed = results[0]["resume"]
     assert resumed == straight[2:]  # exact: the fp32 masters came back from the checkpoint

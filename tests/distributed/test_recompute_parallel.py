@@ -12,7 +12,10 @@ import torch
 import nanotrain as nt
 from nanotrain.strategies.megatron import MegatronStrategy
 from tests.distributed.spawn import run_world
-from tests.distributed.test_pipeline import LAYERS, _check, fit_module
+from tests.distributed.test_pipeline import LAYERS, STEPS, _check, fit_module
+
+# layout against one process under numerical bounds: rerun on other CPU kernels by .ci/run
+pytestmark = [pytest.mark.distributed, pytest.mark.numerics]
 
 TP2_SP, DUALPIPEV = dict(tp=2, sequence_parallel=True), dict(pp=2, schedule="dualpipev")
 LIGHT_FP8 = {"recompute": "light", "fp8_expert_activations": True}
@@ -90,31 +93,47 @@ def test_recompute_layout_matches_single_process(world2, reference, layout):
 @pytest.mark.parametrize("layout", DISPATCH)
 def test_fp8_dispatch_matches_single_process_with_it(world2, reference_dispatch, reference, layout):
     # the rows are rounded before any expert reads them, on one rank as on the wire; what is
-    # left is the experts' GEMM grouping (measured within 1.1e-6 over 3 steps)
+    # left is the experts' GEMM grouping, which may land a row element on another e4m3 number
     for rank, result in enumerate(world2):
-        _check(result[layout], reference_dispatch, f"{layout}, rank {rank}")
+        _check_fp8(result[layout], reference_dispatch, f"{layout}, rank {rank}")
     with pytest.raises(AssertionError):  # the rounding changes the run, from its first loss
-        _check(reference, reference_dispatch, "without fp8 dispatch")
+        _check_fp8(reference, reference_dispatch, "without fp8 dispatch")
+
+
+LR = 3e-3  # _module's learning rate
 
 
 def _check_fp8(result: dict, reference: dict, what: str) -> None:
-    """The fp8 layouts against one process with fp8 saves. Rounding to e4m3 turns the layouts'
-    reduction-order noise (1e-7) into an occasional value rounded to the neighbouring e4m3 number,
-    which AdamW may turn into a visible step of that one element. Measured (1 and 2 threads in
-    the reference): losses within 7e-8, the grad norms of steps 1 and 2 within 3e-7, of step 3
-    within 7e-5, per-parameter grad norms within 3e-7, the logged validation within 1e-6.
-    Without fp8 saves the same run is off by 3e-5 (loss, step 2), 7e-5, 3e-3 and 1e-2 (grad
-    norms) and 1e-2 (per-parameter): each bound below fails that run."""
-    torch.testing.assert_close(result["losses"], reference["losses"], rtol=1e-6, atol=0, msg=what)
+    """The fp8 layouts (expert saves or dispatch in fp8) against one process with the same
+    option. e4m3 keeps 3 mantissa bits: neighbouring numbers lie 2^-3 of a value apart. A value
+    the layout computes in another fp32 order (1e-7 away) lands now and then on the neighbour
+    of one process's, which moves that element by an eighth of itself, and AdamW may turn that
+    into a visible step of one weight. How many such flips a run has depends on the CPU's
+    kernels (ATen's default, AVX2, AVX512, thread count; other CPUs' BLAS): the bounds allow
+    flips. Measured worst over those six settings (tests/numerics_log.py): losses 4.6e-7, grad
+    norms of steps 1-2 1.4e-5, of step 3 6.7e-5. What dropping the rounding moves (the
+    `pytest.raises` checks): losses 4.7e-5 (dispatch) and 1.2e-4 (saves), grad norms 2.6e-3
+    (steps 1-2) and 1.1e-2 (step 3), per-parameter grad norms 1e-2. Each bound sits between."""
+    torch.testing.assert_close(result["losses"], reference["losses"], rtol=1e-5, atol=0, msg=what)
     got, want = result["grad_norms"], reference["grad_norms"]
-    torch.testing.assert_close(got[:2], want[:2], rtol=1e-5, atol=0, msg=what)
+    torch.testing.assert_close(got[:2], want[:2], rtol=1e-4, atol=0, msg=what)
     torch.testing.assert_close(got[2:], want[2:], rtol=2e-3, atol=0, msg=what)
     assert result["named"].keys() == reference["named"].keys(), what
     for name, value in reference["named"].items():
-        assert abs(result["named"][name] - value) <= 1e-5 * value + 1e-7, f"{what}: {name}"
+        assert abs(result["named"][name] - value) <= 2e-3 * value + 1e-7, f"{what}: {name}"
     assert result["logged"].keys() == reference["logged"].keys(), what
     for name, value in reference["logged"].items():
         assert result["logged"][name] == pytest.approx(value, rel=1e-5), f"{what}: {name}"
+    # weights: all but one in a thousand elements within 1e-4 + 1e-4 relative, none further
+    # than AdamW can move two runs apart (2 lr per step): a flipped element's weight may take
+    # a step of up to lr, where a wrong gradient moves most elements
+    assert result["params"].keys() == reference["params"].keys(), what
+    for name, value in reference["params"].items():
+        mine = result["params"][name][: value.shape[0]]  # a vocab-parallel head is padded
+        diff = (mine - value).abs()
+        off = int((diff > 1e-4 + 1e-4 * value.abs()).sum())
+        assert off <= max(2, value.numel() // 1000), f"{what}: {name}: {off} elements off"
+        assert float(diff.max()) <= 2 * LR * STEPS, f"{what}: {name} by {float(diff.max())}"
 
 
 @pytest.mark.parametrize("layout", FP8_SAVES)
