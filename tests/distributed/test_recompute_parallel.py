@@ -111,7 +111,7 @@ def _check_fp8(result: dict, reference: dict, what: str) -> None:
     into a visible step of one weight. How many such flips a run has depends on the CPU's
     kernels (ATen's default, AVX2, AVX512, thread count; other CPUs' BLAS): the bounds allow
     flips. Measured worst over those six settings (tests/numerics_log.py): losses 4.6e-7, grad
-    norms of steps 1-2 1.4e-5, of step 3 6.7e-5. What dropping the rounding moves (the
+    norms of steps 1-2 1.4e-5, of step 3 6.7e-5, the logged validation terms 5.2e-6. What dropping the rounding moves (the
     `pytest.raises` checks): losses 4.7e-5 (dispatch) and 1.2e-4 (saves), grad norms 2.6e-3
     (steps 1-2) and 1.1e-2 (step 3), per-parameter grad norms 1e-2. Each bound sits between."""
     torch.testing.assert_close(result["losses"], reference["losses"], rtol=1e-5, atol=0, msg=what)
@@ -123,16 +123,18 @@ def _check_fp8(result: dict, reference: dict, what: str) -> None:
         assert abs(result["named"][name] - value) <= 2e-3 * value + 1e-7, f"{what}: {name}"
     assert result["logged"].keys() == reference["logged"].keys(), what
     for name, value in reference["logged"].items():
-        assert result["logged"][name] == pytest.approx(value, rel=1e-5), f"{what}: {name}"
-    # weights: all but one in a thousand elements within 1e-4 + 1e-4 relative, none further
-    # than AdamW can move two runs apart (2 lr per step): a flipped element's weight may take
-    # a step of up to lr, where a wrong gradient moves most elements
+        assert result["logged"][name] == pytest.approx(value, rel=1e-4), f"{what}: {name}"
+    # weights: all but one in a hundred elements of each within 1e-4 + 1e-4 relative, none
+    # further than AdamW can move two runs apart (2 lr per step). One flipped element of a
+    # saved row changes a whole row of its weight's gradient slightly, and AdamW turns that
+    # into steps of up to lr where the gradient is ~0 (measured: 25 of 16,384 elements of one
+    # expert's gate_proj, 0.15%); a wrong gradient moves most elements
     assert result["params"].keys() == reference["params"].keys(), what
     for name, value in reference["params"].items():
         mine = result["params"][name][: value.shape[0]]  # a vocab-parallel head is padded
         diff = (mine - value).abs()
         off = int((diff > 1e-4 + 1e-4 * value.abs()).sum())
-        assert off <= max(2, value.numel() // 1000), f"{what}: {name}: {off} elements off"
+        assert off <= max(2, value.numel() // 100), f"{what}: {name}: {off} elements off"
         assert float(diff.max()) <= 2 * LR * STEPS, f"{what}: {name} by {float(diff.max())}"
 
 

@@ -36,7 +36,7 @@ def test_ctrl_c_ends_workers_worlds_and_subprocesses_and_prints_the_failures(tmp
     notes.touch()
     env = dict(os.environ, NANOTRAIN_INTERRUPT_PIDS=str(notes), PYTHONPATH=str(ROOT))
     run = subprocess.Popen(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-n", "2"]
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-n", "1"]
         + ["tests/integration/interrupt_case.py"],
         cwd=ROOT,
         env=env,
