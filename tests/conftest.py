@@ -1,11 +1,13 @@
-"""Suite-wide settings: one intra-op thread per process.
+"""Suite-wide settings: one intra-op thread per process; Ctrl-C stops the whole run.
 
 The suite runs on 2 shared cores; tiny models gain nothing from a thread pool, and several
 pools (pytest plus spawned ranks or CLI subprocesses) oversubscribe the cores badly.
 ``NANOTRAIN_TEST_THREADS=2`` runs the single-process references with two threads instead (the
 ranks of a forked world keep one, see tests/distributed/spawn.py): the numerical bounds must
 hold whatever the reference's reduction order. ``NANOTRAIN_NUMERICS_LOG=FILE`` records how much
-of each tolerance every comparison uses (tests/numerics_log.py).
+of each tolerance every comparison uses (tests/numerics_log.py). SIGINT handling and the
+controlling process's child subreaper end every worker, world and subprocess within seconds of
+Ctrl-C (tests/process_tree.py; tests/integration/test_interrupt.py proves it).
 """
 
 import builtins

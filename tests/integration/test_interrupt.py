@@ -29,6 +29,20 @@ def _alive(pid: int) -> bool:
     return state != "Z"  # a zombie has ended; only its parent's wait is due
 
 
+def _in_group(pgid: int) -> list[int]:
+    """Live processes of process group `pgid` (the inner pytest, its worker, the ranks)."""
+    found = []
+    for name in os.listdir("/proc"):
+        if name.isdigit():
+            try:
+                fields = Path(f"/proc/{name}/stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[2]) == pgid and fields[0] != "Z":
+                found.append(int(name))
+    return found
+
+
 def test_ctrl_c_ends_workers_worlds_and_subprocesses_and_prints_the_failures(tmp_path):
     if not Path("/proc/self/stat").exists():
         pytest.skip("counts processes through /proc (Linux)")
@@ -62,6 +76,7 @@ def test_ctrl_c_ends_workers_worlds_and_subprocesses_and_prints_the_failures(tmp
             run.wait()
     assert took < STOPS_WITHIN
     assert [pid for pid in pids if _alive(pid)] == [], out
+    assert _in_group(run.pid) == [], out  # the xdist worker too
     assert run.returncode == pytest.ExitCode.INTERRUPTED, out
     assert "KeyboardInterrupt" in out, out
     assert "FAILED tests/integration/interrupt_case.py::test_fails_before_the_interrupt" in out
