@@ -13,8 +13,10 @@ to within 3 u32 (u32 = 2^-24 = 6e-8) of each other's sum, plus AdamW amplifying 
 elements whose gradient is ~0 (see test_megatron.assert_matches).
 
 Two kinds of cell round low-precision values differently, and take a bound of their dtype:
-expert parallelism regroups tokens into other expert GEMMs, and DualPipeV in bf16-true
-rounds its bf16 weight gradients in other groups (its split backward).
+expert parallelism regroups tokens into other expert GEMMs, and DualPipeV computes the weight
+gradients apart from the input gradients (its split backward), which rounds them differently
+on some kernels (measured: bitwise equal in fp16 and fp8 on ATen's default kernels, 1e-4 apart
+in fp8 on AVX2).
 """
 
 from __future__ import annotations
@@ -34,11 +36,14 @@ from tests.precision_helpers import VOCAB, fit
 pytestmark = [pytest.mark.distributed, pytest.mark.numerics]
 
 STEPS = 3
-# Same rows (fp32 order only): 1e-5, the suite's fp32 bound. Measured worst relative loss
-# difference over 3 steps, on ATen's default, AVX2 and AVX512 kernels and with the reference
-# on 1 and 2 threads (tests/numerics_log.py; table in the 2026-12-02 report of issue 55):
-# 2.4e-6 (ZeRO-2 bf16-mixed); most cells are bitwise equal.
-SAME_ROWS_TOL = 1e-5
+# Same rows (fp32 order only): 1e-5, the suite's fp32 bound, where the weights the forward
+# reads are fp32 (bf16-mixed, 16-mixed, fp8-emulated). Under bf16-true the weights are bf16
+# copies of fp32 masters: a master that lands 1e-7 away from one process's flips to the
+# neighbouring bf16 number now and then (one weight moves by 2^-8 of itself), so 1e-4.
+# Measured worst relative loss difference over 3 steps, on ATen's default, AVX2 and AVX512
+# kernels and with the reference on 1 and 2 threads (tests/numerics_log.py): fp32 weights
+# 2.4e-6, bf16 weights 6.4e-6 (ZeRO-1); many cells are bitwise equal.
+SAME, SAME_BF16_WEIGHTS = 1e-5, 1e-4
 # Regrouped rows: each differently grouped GEMM output (and each gradient element from it)
 # differs by up to one unit roundoff of its dtype (bf16 2^-8 = 3.9e-3, fp16 2^-11 = 4.9e-4 at
 # its normal range, far more for gradients the loss scale leaves subnormal, e4m3 2^-4), and
@@ -60,13 +65,12 @@ def _dualpipev() -> MegatronStrategy:
 
 
 # (case, precision name, precision factory, strategy factory, preset, relative tolerance)
-SAME = SAME_ROWS_TOL
 CASES = [
     ("ddp", "bf16-mixed", None, lambda: DDPStrategy(), "tiny-dense", SAME),
-    ("ddp", "bf16-true", None, lambda: DDPStrategy(), "tiny-dense", SAME),
+    ("ddp", "bf16-true", None, lambda: DDPStrategy(), "tiny-dense", SAME_BF16_WEIGHTS),
     ("ddp", "16-mixed", None, lambda: DDPStrategy(), "tiny-dense", SAME),
     ("ddp", "fp8-emulated", None, lambda: DDPStrategy(), "tiny-dense", SAME),
-    ("zero1", "bf16-true", None, lambda: MegatronStrategy(zero_stage=1), "tiny-dense", SAME),
+    ("zero1", "bf16-true", None, lambda: MegatronStrategy(zero_stage=1), "tiny-dense", SAME_BF16_WEIGHTS),
     ("zero1", "16-mixed", None, lambda: MegatronStrategy(zero_stage=1), "tiny-dense", SAME),
     ("zero2", "bf16-mixed", None, lambda: MegatronStrategy(zero_stage=2), "tiny-dense", SAME),
     ("ep2", "bf16-true", None, lambda: MegatronStrategy(ep=2, zero_stage=1), "tiny", BF16_TOL),
@@ -75,8 +79,8 @@ CASES = [
     # DualPipeV (pp=2, 4 microbatches of 1: its split backwards and V turn): the MoE preset's
     # two layers on stages 0 and 2, rank 0 also holding the head and MTP
     ("dualpipev", "bf16-true", None, lambda: _dualpipev(), "tiny", BF16_TOL),
-    ("dualpipev", "16-mixed@2^8", fp16_low_scale, lambda: _dualpipev(), "tiny", SAME),
-    ("dualpipev", "fp8-emulated", None, lambda: _dualpipev(), "tiny", SAME),
+    ("dualpipev", "16-mixed@2^8", fp16_low_scale, lambda: _dualpipev(), "tiny", FP16_TOL),
+    ("dualpipev", "fp8-emulated", None, lambda: _dualpipev(), "tiny", FP8_TOL),
 ]  # fmt: skip
 # one sample per microbatch everywhere (see the module docstring); DualPipeV needs at least
 # 2·pp microbatches, which the global batch of 4 then gives

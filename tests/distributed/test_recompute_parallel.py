@@ -124,17 +124,18 @@ def _check_fp8(result: dict, reference: dict, what: str) -> None:
     assert result["logged"].keys() == reference["logged"].keys(), what
     for name, value in reference["logged"].items():
         assert result["logged"][name] == pytest.approx(value, rel=1e-4), f"{what}: {name}"
-    # weights: all but one in a hundred elements of each within 1e-4 + 1e-4 relative, none
+    # weights: all but one in twenty elements of each within 1e-4 + 1e-4 relative, none
     # further than AdamW can move two runs apart (2 lr per step). One flipped element of a
     # saved row changes a whole row of its weight's gradient slightly, and AdamW turns that
-    # into steps of up to lr where the gradient is ~0 (measured: 25 of 16,384 elements of one
-    # expert's gate_proj, 0.15%); a wrong gradient moves most elements
+    # into steps of up to lr where the gradient is ~0; routing scores pass it on to the router
+    # gate (measured worst: 25 of 16,384 elements of an expert's gate_proj, 7 of the router
+    # gate's 512, 1.4%); a wrong gradient moves most elements
     assert result["params"].keys() == reference["params"].keys(), what
     for name, value in reference["params"].items():
         mine = result["params"][name][: value.shape[0]]  # a vocab-parallel head is padded
         diff = (mine - value).abs()
         off = int((diff > 1e-4 + 1e-4 * value.abs()).sum())
-        assert off <= max(2, value.numel() // 100), f"{what}: {name}: {off} elements off"
+        assert off <= max(2, value.numel() // 20), f"{what}: {name}: {off} elements off"
         assert float(diff.max()) <= 2 * LR * STEPS, f"{what}: {name} by {float(diff.max())}"
 
 
