@@ -3,15 +3,17 @@
 With ``NANOTRAIN_NUMERICS_LOG=FILE`` set, every ``torch.testing.assert_close`` and every
 ``pytest.approx`` scalar comparison appends one JSON line to FILE before it decides::
 
-    {"test": node id, "site": "file:line" of the comparing code, "rtol": .., "atol": ..,
-     "rel": largest |got - want| / |want|, "used": largest |got - want| / (atol + rtol |want|)}
+    {"test": node id, "site": "file:line" of the comparing code, "what": its message,
+     "rtol": .., "atol": .., "rel": largest |got - want| / |want|,
+     "used": largest |got - want| / (atol + rtol |want|)}
 
-``used`` above 1 means the comparison fails. With ``NANOTRAIN_NUMERICS_LOG_ONLY=1`` as well, the
-wrapped comparisons record and never raise, so one run measures every comparison of a test
-even past the first that would fail (the test's outcome then means nothing). Aggregate the file over runs under each
-``ATEN_CPU_CAPABILITY`` and thread count (``NANOTRAIN_TEST_THREADS``) to see which bound is
-closest to its limit on which kernels: ``python -m tests.numerics_log FILE...`` prints, per site,
-the worst ``rel`` and ``used`` of the comparisons that were meant to pass.
+``used`` above 1 means the comparison fails. With ``NANOTRAIN_NUMERICS_LOG_ONLY=1`` as well,
+the wrapped comparisons record and never raise, so one run measures every comparison of a test
+even past the first that would fail (the test's outcome then means nothing). Aggregate files
+from runs under each ``ATEN_CPU_CAPABILITY`` and thread count (``NANOTRAIN_TEST_THREADS``) to
+see which bound is closest to its limit on which kernels: ``python -m tests.numerics_log
+FILE...`` prints, per comparison and file, the worst ``used`` and ``rel`` of those meant to
+pass and the smallest ``rel`` of those over their bound.
 Ranks forked by ``run_world`` inherit the hook and append to the same file (one line per write).
 """
 
