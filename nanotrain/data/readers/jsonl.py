@@ -56,6 +56,30 @@ class _ZstdStream(io.RawIOBase):
         return size
 
 
+class _Counted(io.RawIOBase):
+    """Passes a decompressed stream through, counting its bytes and line breaks, so an error
+    can say where the text broke (reading is buffered ahead of the lines handed out)."""
+
+    def __init__(self, inner: IO[bytes]) -> None:
+        self.inner = inner
+        self.bytes = 0
+        self.newlines = 0
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer) -> int:  # noqa: ANN001 (a writable bytes-like object)
+        # read1: at most one step of the decompressor, so the bytes it produced before a
+        # failure are counted instead of being lost inside one large read
+        read = getattr(self.inner, "read1", self.inner.read)
+        data = read(min(len(buffer), 1 << 16))
+        size = len(data)
+        buffer[:size] = data
+        self.bytes += size
+        self.newlines += data.count(b"\n")
+        return size
+
+
 def read_jsonl(
     path: Path, text_field: str, compression: str | None = None
 ) -> Iterator[tuple[str, bool]]:
@@ -72,16 +96,17 @@ def read_jsonl(
             stream is truncated/corrupt (file, line, and compressed byte offset reached).
     """
     with open(path, "rb") as raw:
-        stream = io.BufferedReader(_open_binary(path, compression, raw), 1 << 20)
+        counted = _Counted(_open_binary(path, compression, raw))
+        stream = io.BufferedReader(counted, 1 << 20)
         line_no = 0
         while True:
             try:
                 line = stream.readline()
             except (EOFError, OSError, zlib.error) as err:
-                raise _broken(path, compression, line_no, raw.tell(), err) from err
+                raise _broken(path, compression, counted, raw.tell(), err) from err
             except Exception as err:  # zstandard.ZstdError has no common base to name here
                 if type(err).__module__.startswith("zstandard"):
-                    raise _broken(path, compression, line_no, raw.tell(), err) from err
+                    raise _broken(path, compression, counted, raw.tell(), err) from err
                 raise
             if not line:
                 return
@@ -91,10 +116,13 @@ def read_jsonl(
             yield _document(path, line_no, line, text_field), True
 
 
-def _broken(path: Path, compression: str | None, line_no: int, offset: int, err: Exception):
+def _broken(
+    path: Path, compression: str | None, counted: _Counted, offset: int, err: Exception
+) -> ValueError:
     return ValueError(
-        f"'{path}' is truncated or corrupt ({compression} stream broke after line {line_no}, "
-        f"at compressed byte {offset}: {err}); download or copy the file again"
+        f"'{path}' is truncated or corrupt: the {compression} stream broke in line "
+        f"{counted.newlines + 1} (at text byte {counted.bytes}, compressed byte {offset}: "
+        f"{err}); download or copy the file again"
     )
 
 

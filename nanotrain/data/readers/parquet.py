@@ -24,7 +24,7 @@ def read_parquet(path: Path, text_field: str) -> Iterator[tuple[str, bool]]:
         parquet = pq.ParquetFile(path)
     except (pa.ArrowException, OSError) as err:
         raise ValueError(
-            f"'{path}' is not a readable Parquet file (broke before row 0: {err}); "
+            f"'{path}' is not a readable Parquet file (broke before row 0: {str(err).strip()}); "
             "download or copy the file again"
         ) from err
     names = parquet.schema_arrow.names
@@ -40,18 +40,22 @@ def read_parquet(path: Path, text_field: str) -> Iterator[tuple[str, bool]]:
             f"text_field=<a string column of {names}>"
         )
     row = 0
-    batches = parquet.iter_batches(batch_size=BATCH_ROWS, columns=[text_field])
-    while True:
-        try:
-            batch = next(batches)
-        except StopIteration:
-            return
-        except (pa.ArrowException, OSError) as err:
-            raise ValueError(
-                f"'{path}' is corrupt: reading broke at row {row} ({err}); download or copy "
-                "the file again"
-            ) from err
-        for text in batch.column(0).to_pylist():
-            row += 1
-            if text is not None:
-                yield text, True
+    # Row group by row group, so an error names the row group and row where it broke.
+    for group in range(parquet.num_row_groups):
+        batches = parquet.iter_batches(
+            batch_size=BATCH_ROWS, row_groups=[group], columns=[text_field]
+        )
+        while True:
+            try:
+                batch = next(batches)
+            except StopIteration:
+                break
+            except (pa.ArrowException, OSError) as err:
+                raise ValueError(
+                    f"'{path}' is corrupt: reading broke at row {row} (row group {group}: "
+                    f"{str(err).strip()}); download or copy the file again"
+                ) from err
+            for text in batch.column(0).to_pylist():
+                row += 1
+                if text is not None:
+                    yield text, True
