@@ -22,7 +22,7 @@ from .tokenizers import ByteTokenizer, Tokenizer
 
 # Characters of text per batch sent to a worker: large enough to amortize the transfer,
 # small enough that 2 * num_workers of them are little memory.
-BATCH_CHARS = 1 << 18
+BATCH_CHARS = 1 << 16
 
 
 @dataclass

@@ -37,7 +37,8 @@ class _ZstdStream(io.RawIOBase):
 
     def readinto(self, buffer) -> int:  # noqa: ANN001 (a writable bytes-like object)
         while not self._pending:
-            chunk = self._raw.read(1 << 18)
+            # small compressed steps: a step can inflate many times over, all at once
+            chunk = self._raw.read(1 << 14)
             if not chunk:
                 if self._in_frame:
                     raise EOFError("the file ends inside a zstd frame")

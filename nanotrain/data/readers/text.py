@@ -7,7 +7,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 # Bytes read per step: the whole file is never in memory at once.
-BLOCK_BYTES = 1 << 20
+BLOCK_BYTES = 1 << 18
 
 
 def read_text_file(path: Path, formats_hint: str) -> Iterator[tuple[str, bool]]:
