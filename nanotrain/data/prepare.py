@@ -359,14 +359,6 @@ def _with_eos(tokenizer: Any, eos_token: str) -> Tokenizer:
     return HFTokenizer(path, eos_token=eos_token)
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """Command line: ``python -m nanotrain.data.prepare`` is ``nanotrain prepare``."""
-    from nanotrain.cli.commands import run_prepare
-
-    run_prepare(list(sys.argv[1:] if argv is None else argv))
-    return 0
-
-
 def format_summary(meta: dict[str, Any], out: Path) -> str:
     """One line describing a prepared corpus, for the CLI."""
     train, val = meta["splits"]["train"], meta["splits"]["val"]
@@ -375,7 +367,3 @@ def format_summary(meta: dict[str, Any], out: Path) -> str:
         f"'{out}': {train['tokens']:,} train + {val['tokens']:,} val tokens "
         f"({meta['dtype']}, vocab {meta['vocab_size']}, {meta['bytes_per_token']:.3f} bytes/token)"
     )
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())
