@@ -133,6 +133,11 @@ class HFTokenizer:
                 "pass eos_token=<its EOS token string>"
             )
 
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        # the library's pickle does not keep encode_special_tokens (a spawned worker's copy)
+        self.__dict__.update(state)
+        self._tok.encode_special_tokens = True
+
     def encode(self, text: str) -> list[int]:
         """Return the ids of ``text`` without special tokens (no BOS/EOS added); special-token
         strings inside ``text`` (``<|endoftext|>``) are encoded as ordinary text."""

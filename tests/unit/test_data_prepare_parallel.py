@@ -68,3 +68,18 @@ def test_progress_line_counts_documents_tokens_and_speed(tmp_path, capsys):
 def test_num_workers_must_be_positive(tmp_path):
     with pytest.raises(ValueError, match="num_workers must be >= 1, got 0"):
         prepare(["text"], tmp_path / "o", num_workers=0)
+
+
+def test_cli_takes_num_workers_and_says_what_val_fraction_means(tmp_path, capsys):
+    from nanotrain.cli.commands import run_prepare
+
+    with pytest.raises(SystemExit):
+        run_prepare(["--help"])
+    help_text = " ".join(capsys.readouterr().out.split())
+    assert "share of the text's bytes held out for validation" in help_text
+    assert "tokenizer processes (default: the CPU count)" in help_text
+    (tmp_path / "c.jsonl").write_text('{"text": "from the cli"}\n')
+    args = ["--inputs", str(tmp_path / "c.jsonl"), "--out", str(tmp_path / "o")]
+    run_prepare([*args, "--num_workers", "2", "--progress", "false", "--val_fraction", "0"])
+    assert "prepared 1 documents from 1 files" in capsys.readouterr().out
+    assert read_metadata(tmp_path / "o")["total_tokens"] == len("from the cli") + 1

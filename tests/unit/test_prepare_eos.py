@@ -41,3 +41,15 @@ def test_literal_end_of_text_inside_a_document_stays_text(tmp_path):
     first = stream[: ends[0]].tolist()
     assert tok.decode(first) == docs[0]
     assert len(first) > len("before  after")  # the marker is spelled out in byte tokens
+
+
+def test_a_pickled_tokenizer_still_reads_the_marker_as_text(tmp_path):
+    """Workers started with spawn get a pickled tokenizer; it must encode the same."""
+    import pickle
+
+    from nanotrain.data import train_bpe
+
+    tok = train_bpe(["plain words and more words " * 20], 270, tmp_path / "tok.json")
+    clone = pickle.loads(pickle.dumps(tok))
+    assert clone.encode("a <|endoftext|> b") == tok.encode("a <|endoftext|> b")
+    assert tok.eos_id not in clone.encode("a <|endoftext|> b")
