@@ -4,7 +4,7 @@ The main process reads and cuts the text into batches of chunks; ``num_workers``
 tokenize them (the pattern of nanoGPT's fineweb.py: a process pool over documents); results
 come back in submission order, so the output does not depend on the number of workers. At
 most ``2 * num_workers`` batches are in flight, so memory stays bounded however fast the
-reader is (`multiprocessing.Pool.imap` would read the whole input ahead).
+reader is (`Pool.imap` would read the whole input ahead).
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ import multiprocessing
 import os
 from collections import deque
 from collections.abc import Iterable, Iterator
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 
 import numpy as np
@@ -102,7 +103,8 @@ def tokenize_batch(
 def one_thread_per_tokenizer() -> Iterator[None]:
     """`tokenizers` runs batches on a thread pool unless TOKENIZERS_PARALLELISM is false; a
     worker process must use one thread (the workers are the parallelism), and a process
-    forked after the pool was used would otherwise print a warning."""
+    forked after the pool was used would otherwise print a warning. Set for the whole
+    `prepare`, since the workers are forked at the first batch."""
     before = os.environ.get("TOKENIZERS_PARALLELISM")
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
     try:
@@ -139,25 +141,32 @@ def tokenize_in_order(
     Reading ``batches`` (the input files) happens in this process while the workers
     tokenize. Errors from a worker are raised here; the workers are stopped on any error.
     """
-    if num_workers <= 1:
-        with one_thread_per_tokenizer():
+    with one_thread_per_tokenizer():
+        if num_workers <= 1:
             for batch in batches:
                 yield tokenize_batch(tok, batch, dtype)
-        return
-    # fork: workers inherit the tokenizer without pickling and start in milliseconds
+        else:
+            yield from _in_worker_processes(batches, tok, dtype, num_workers)
+
+
+def _in_worker_processes(
+    batches: Iterable[list[tuple[str, bool]]], tok: Tokenizer, dtype: np.dtype, num_workers: int
+) -> Iterator[TokenizedBatch]:
+    # fork: workers inherit the tokenizer without pickling and start in milliseconds.
+    # ProcessPoolExecutor, not Pool: a worker that dies (killed for memory) raises
+    # BrokenProcessPool here instead of hanging.
     methods = multiprocessing.get_all_start_methods()
     context = multiprocessing.get_context("fork" if "fork" in methods else "spawn")
-    with one_thread_per_tokenizer():
-        pool = context.Pool(num_workers, initializer=_init_worker, initargs=(tok, dtype))
+    pool = ProcessPoolExecutor(
+        num_workers, mp_context=context, initializer=_init_worker, initargs=(tok, dtype)
+    )
     try:
         pending: deque = deque()
         for batch in batches:
-            pending.append(pool.apply_async(_work, (batch,)))
+            pending.append(pool.submit(_work, batch))
             if len(pending) >= 2 * num_workers:
-                yield pending.popleft().get()
+                yield pending.popleft().result()
         while pending:
-            yield pending.popleft().get()
-        pool.close()
-        pool.join()
+            yield pending.popleft().result()
     finally:
-        pool.terminate()
+        pool.shutdown(wait=True, cancel_futures=True)
