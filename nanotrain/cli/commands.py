@@ -203,8 +203,9 @@ def _apply_seed_everything(config: Any) -> None:
 
 
 def run_prepare(argv: list[str]) -> None:
-    """`nanotrain prepare --inputs A [B ...] --out DIR [--tokenizer byte|tok.json]`: text (files,
-    folders, globs, .jsonl) → memory-mapped token shards + metadata.json."""
+    """`nanotrain prepare --inputs A [B ...] --out DIR [--tokenizer byte|tok.json]`: a corpus
+    (Parquet, .jsonl / .json lines, .jsonl.gz, .jsonl.zst, text files, a datasets save_to_disk
+    folder; files, folders or globs) → memory-mapped token shards + metadata.json."""
     from nanotrain.data.metadata import read_metadata
     from nanotrain.data.prepare import format_summary, prepare
 
@@ -215,7 +216,8 @@ def run_prepare(argv: list[str]) -> None:
         type=str,
         nargs="+",
         required=True,
-        help="files, folders or globs of text / .jsonl",
+        help="files, folders or globs: .parquet, .jsonl, .json (JSON lines), .jsonl.gz, "
+        ".jsonl.zst, text files (one document each), datasets save_to_disk folders",
     )
     parser.add_argument("--out", type=str, required=True, help="output folder for the shards")
     parser.add_argument(
@@ -231,13 +233,19 @@ def run_prepare(argv: list[str]) -> None:
         help="end-of-text token appended after each document, e.g. '<｜end▁of▁sentence｜>' "
         "(tokenizer.json only; default: the first known one in the vocabulary)",
     )
-    parser.add_argument("--text_field", type=str, default="text", help="JSONL field with the text")
+    parser.add_argument(
+        "--text_field",
+        type=str,
+        default="text",
+        help="JSON field / Parquet or datasets column that holds the text",
+    )
     parser.add_argument("--shard_tokens", type=int, default=2**24, help="tokens per shard file")
     parser.add_argument(
         "--val_fraction",
         type=float,
         default=0.05,
-        help="fraction of documents held out for validation",
+        help="share of the text's bytes held out for validation, in [0, 1); chunks are picked "
+        "without regard to their length, so validation's document lengths match training's",
     )
     parser.add_argument(
         "--split_chunk_chars",
@@ -245,6 +253,18 @@ def run_prepare(argv: list[str]) -> None:
         default=2**16,
         help="documents longer than this are cut into chunks of about this many characters "
         "before the train/val split",
+    )
+    parser.add_argument(
+        "--num_workers",
+        type=int | None,
+        default=None,
+        help="tokenizer processes (default: the CPU count); the output is the same for any",
+    )
+    parser.add_argument(
+        "--progress",
+        type=bool | None,
+        default=None,
+        help="draw documents, tokens and tokens/s while working (default: on a terminal)",
     )
     cfg = parser.parse_args(argv)
     out = prepare(
@@ -256,6 +276,8 @@ def run_prepare(argv: list[str]) -> None:
         cfg.val_fraction,
         split_chunk_chars=cfg.split_chunk_chars,
         eos_token=cfg.eos_token,
+        num_workers=cfg.num_workers,
+        progress=cfg.progress,
     )
     print(format_summary(read_metadata(out), out))
 

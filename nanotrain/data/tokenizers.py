@@ -115,6 +115,9 @@ class HFTokenizer:
             self._tok = _HFTok.from_file(str(self.path))
         except Exception as err:  # tokenizers raises a bare Exception on parse errors
             raise ValueError(f"cannot read tokenizer '{path}': {err}") from err
+        # Text is text: a literal "<|endoftext|>" inside a document encodes as its characters,
+        # never as the special id, so only `prepare` decides where documents end.
+        self._tok.encode_special_tokens = True
         self.sha256 = _file_sha256(self.path)
         self.name = f"bpe-{self.sha256[:8]}"
         self.vocab_size = int(self._tok.get_vocab_size(with_added_tokens=True))
@@ -130,9 +133,20 @@ class HFTokenizer:
                 "pass eos_token=<its EOS token string>"
             )
 
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        # the library's pickle does not keep encode_special_tokens (a spawned worker's copy)
+        self.__dict__.update(state)
+        self._tok.encode_special_tokens = True
+
     def encode(self, text: str) -> list[int]:
-        """Return the ids of ``text`` without special tokens (no BOS/EOS added)."""
+        """Return the ids of ``text`` without special tokens (no BOS/EOS added); special-token
+        strings inside ``text`` (``<|endoftext|>``) are encoded as ordinary text."""
         return list(self._tok.encode(text, add_special_tokens=False).ids)
+
+    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        """`encode` of each text, in one call into the `tokenizers` library."""
+        encodings = self._tok.encode_batch(texts, add_special_tokens=False)
+        return [encoding.ids for encoding in encodings]
 
     def decode(self, ids: Sequence[int]) -> str:
         """Return the text of ``ids``, skipping special tokens such as EOS."""
