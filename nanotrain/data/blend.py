@@ -25,7 +25,6 @@ import torch
 from torch.utils.data import Dataset
 
 
-
 def parse_blend(data_path: Mapping[str, Any]) -> list[tuple[str, Path, float]]:
     """``[(name, path, weight)]`` of a blend given as ``{path: weight}``, weights normalised to
     sum to 1, in the order given. A part's name is its folder's name (the path as given where
@@ -194,7 +193,9 @@ def merged_metadata(metas: Sequence[dict[str, Any]], names: Sequence[str]) -> di
             )
     merged = dict(first)
     merged["max_token_id"] = max(int(m["max_token_id"]) for m in metas)
-    tokens = [int(m["splits"]["val"]["tokens"]) or int(m["splits"]["train"]["tokens"]) for m in metas]
+    tokens = [
+        int(m["splits"]["val"]["tokens"]) or int(m["splits"]["train"]["tokens"]) for m in metas
+    ]
     text_bytes = sum(float(m["bytes_per_token"]) * t for m, t in zip(metas, tokens, strict=True))
     merged["bytes_per_token"] = text_bytes / max(sum(tokens), 1)
     return merged
