@@ -25,11 +25,9 @@ from tests.unit.test_checkpoint import LossRecorder, make_trainer
 SEQ = 16
 
 
-@pytest.fixture(scope="module")
-def corpora(tmp_path_factory):
-    """Two prepared corpora (byte tokenizer) told apart by their letters: "a" holds only
-    a-e, "b" only v-z (and newlines), with 2 200 and 1 300 bytes of text."""
-    root = tmp_path_factory.mktemp("blend")
+def make_corpora(root):
+    """Two prepared corpora (byte tokenizer) in `root`/a and `root`/b, told apart by their
+    letters: "a" holds only a-e, "b" only v-z (and newlines)."""
     for name, letters, lines in (("a", "abcde", 40), ("b", "vwxyz", 24)):
         src = root / f"src_{name}"
         src.mkdir()
@@ -38,6 +36,11 @@ def corpora(tmp_path_factory):
             (src / f"{doc}.txt").write_text("\n".join(rows) + "\n")
         prepare([src], root / name, val_fraction=0.25)
     return root
+
+
+@pytest.fixture(scope="module")
+def corpora(tmp_path_factory):
+    return make_corpora(tmp_path_factory.mktemp("blend"))
 
 
 def part_of(window: torch.Tensor) -> str:
