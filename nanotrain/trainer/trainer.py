@@ -384,6 +384,7 @@ class Trainer(
                         ]
                     except StopIteration:
                         ran_out = True
+                        self._step_scheduler("epoch", st.epoch)  # as Lightning: at its end
                         break
                     self._train_step(micro)
                     stop_if_preempted(self, self._preemption)

@@ -92,6 +92,28 @@ def test_a_stream_trains_as_the_map_style_dataset_of_its_samples_across_epochs(t
     assert bare == mapped
 
 
+class EpochDecay(nt.LanguageModelModule):
+    """SGD whose learning rate drops tenfold at every epoch's end."""
+
+    def configure_optimizers(self):
+        sgd = torch.optim.SGD(self.parameters(), lr=0.5)
+        decay = torch.optim.lr_scheduler.StepLR(sgd, step_size=1, gamma=0.1)
+        return {"optimizer": sgd, "lr_scheduler": {"scheduler": decay, "interval": "epoch"}}
+
+
+def test_an_epoch_scheduler_steps_when_the_stream_runs_out(tmp_path):
+    runs = []
+    for name, data in (("map", DataLoader(Samples(20), 2)), ("stream", Stream(20))):
+        recorder = LossRecorder()
+        trainer = make_trainer(
+            tmp_path / name, 5, [recorder], micro_batch_size=2, global_batch_size=8
+        )
+        trainer.fit(EpochDecay("tiny-dense", vocab_size=VOCAB), train_dataloaders=data)
+        runs.append([float(recorder.losses[s]) for s in sorted(recorder.losses)])
+        assert trainer.lr_scheduler_configs[0].scheduler.get_last_lr() == [pytest.approx(5e-3)]
+    assert runs[1] == runs[0]
+
+
 def test_replicas_read_disjoint_shares_that_make_up_each_global_batch():
     stream = Stream(30)
     shares = []
