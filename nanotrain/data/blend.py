@@ -138,37 +138,40 @@ class BlendedDataset(Dataset):
 
 
 class PartsValidationDataset(Dataset):
-    """Every part's items once, in order, each dict item with ``"part"`` (its part's index,
-    a 0-dim LongTensor) added; each part padded with label-free copies of its last item
-    (``labels`` all -100) to a multiple of ``pad_to``.
+    """Every part's items once, each dict item with ``"part"`` (its part's index, a 0-dim
+    LongTensor) added; each part padded with label-free copies of its last item (``labels``
+    all -100) to whole blocks of ``pad_to`` items, the blocks of all parts spread evenly over
+    the set (`blend_index` over the parts' block counts), so that a prefix of it (a
+    ``limit_val_batches``) holds every part in proportion to its size.
 
     With ``pad_to = micro_batch_size × data-parallel size``, every micro batch of the Trainer's
     validation order (each rank reading positions ``r, r + n, ...``, ``micro_batch_size`` at a
-    time) holds one part only, and the padding adds no token to any mean.
+    time) lies in one block, so it holds one part only; the padding adds no token to any mean.
 
     Args:
         parts: map-style datasets of dicts with ``"input_ids"`` and ``"labels"``.
-        pad_to: the multiple each part is padded to, >= 1.
+        pad_to: the block size, >= 1.
     """
 
     def __init__(self, parts: Sequence[Dataset], pad_to: int = 1) -> None:
         if pad_to < 1:
             raise ValueError(f"pad_to must be >= 1, got {pad_to}")
-        self.parts = list(parts)
+        self.parts, self.pad_to = list(parts), pad_to
         self.lengths = [len(p) for p in parts]
-        padded = [-(-n // pad_to) * pad_to for n in self.lengths]
-        self.starts = np.concatenate([[0], np.cumsum(padded)]).astype(np.int64)
+        blocks = [-(-n // pad_to) for n in self.lengths]
+        self.block_part, self.block_index = blend_index(blocks)
 
     def __len__(self) -> int:
-        return int(self.starts[-1])
+        return len(self.block_part) * self.pad_to
 
     def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
         if index < 0:
             index += len(self)
         if not 0 <= index < len(self):
             raise IndexError(f"index {index} out of range for {len(self)} validation samples")
-        k = int(np.searchsorted(self.starts, index, side="right")) - 1
-        local = index - int(self.starts[k])
+        block, offset = divmod(index, self.pad_to)
+        k = int(self.block_part[block])
+        local = int(self.block_index[block]) * self.pad_to + offset
         item = dict(self.parts[k][min(local, self.lengths[k] - 1)])
         if local >= self.lengths[k]:  # padding: a real window's shape, no label
             item["labels"] = torch.full_like(item["labels"], -100)
