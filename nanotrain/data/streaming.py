@@ -35,6 +35,21 @@ def can_resume(dataset: Any) -> bool:
     )
 
 
+def check_stream_settings(val_check_interval: int | float | None) -> None:
+    """Refuse what needs the epoch's length, which a stream does not know in advance.
+
+    Raises:
+        ValueError: a fractional ``val_check_interval`` (as `lightning.Trainer` refuses it
+            for an `IterableDataset`).
+    """
+    if type(val_check_interval) is float:
+        raise ValueError(
+            f"val_check_interval={val_check_interval} is a fraction of an epoch, whose length "
+            "a stream (IterableDataset) does not know; use an int (every that many optimizer "
+            "steps) or None (at each epoch's end, when the stream runs out)"
+        )
+
+
 class StreamSampler:
     """Where the Trainer is in a stream: the epoch and the global samples consumed in it, and
     (for a checkpoint) the dataset's own position.

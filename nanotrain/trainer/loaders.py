@@ -87,7 +87,11 @@ def build_loaders(
             seed=settings.seed if data.seed is None else data.seed,
             rank=trainer.strategy.global_rank,
         )
-        if not data.stream:
+        if data.stream:
+            from nanotrain.data.streaming import check_stream_settings
+
+            check_stream_settings(settings.val_check_interval)
+        else:
             _warn_if_samples_left(trainer, data, train_sampler, accumulate)
     source = data_source(val_source, datamodule, module, "val_dataloader")
     if source is not None and (stage == "validate" or settings.limit_val_batches != 0):

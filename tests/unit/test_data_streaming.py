@@ -162,6 +162,8 @@ def test_what_a_stream_cannot_do_is_refused_with_the_fix(tmp_path):
         fit(tmp_path, DataLoader(Stream(40), batch_size=2, num_workers=1), 1)
     with pytest.raises(ValueError, match=r"cannot shuffle the training IterableDataset"):
         fit(tmp_path, Stream(40), 1, shuffle=True)
+    with pytest.raises(ValueError, match="val_check_interval=0.5 is a fraction of an epoch"):
+        fit(tmp_path, Stream(40), 1, val_check_interval=0.5)
     with pytest.raises(ValueError, match="ended after 6 samples, fewer than one global batch"):
         fit(tmp_path, Stream(6), 1)
     with pytest.raises(TypeError, match="validation data is an IterableDataset"):
