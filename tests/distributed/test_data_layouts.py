@@ -4,8 +4,8 @@ One process is the reference. A blend of two prepared corpora (70/30) trains 3 s
 validated; under dp=2 (DDP), tp=2, pp=2 and ep=2 (world 2) and dp=4 (world 4) the per-step
 losses and grad norms and `val/loss`, `val/loss/a`, `val/loss/b` match it. A stream (an
 `IterableDataset`) under dp=2 and dp=4 matches the one-process run of the map-style dataset of
-the same samples in order, and its replicas train on disjoint samples that make up the
-global batch.
+the same samples in order, its replicas train on disjoint samples that make up the
+global batch, and under dp=2 it resumes from a checkpoint exactly.
 """
 
 from __future__ import annotations
@@ -46,21 +46,22 @@ class Seen(nt.Callback):
         self.grad_norms.append(float(outputs.grad_norm))
 
 
-def fit(strategy: Any, root: str, data: Any) -> dict[str, Any]:
-    """`STEPS` steps (global batch 8, micro batch 2) of the tiny DeepSeek preset; a
-    TokenDataModule is validated after."""
+def fit(
+    strategy: Any, root: str, data: Any, steps: int = STEPS, ckpt_path: str | None = None
+) -> dict[str, Any]:
+    """`steps` steps (global batch 8, micro batch 2) of the tiny DeepSeek preset, saving a
+    checkpoint at the end; a TokenDataModule is validated after."""
     seen = Seen()
     module = nt.LanguageModelModule("tiny", vocab_size=257, warmup_steps=1, lr=1e-3, eps=1e-6)
     trainer = nt.Trainer(
         strategy=strategy,
-        max_steps=STEPS,
+        max_steps=steps,
         global_batch_size=8,
         micro_batch_size=2,
         callbacks=[seen],
         default_root_dir=root,
         loggers=[],
         limit_val_batches=0,
-        enable_checkpointing=False,
         seed=3,
     )
     if isinstance(data, TokenDataModule):
@@ -69,7 +70,7 @@ def fit(strategy: Any, root: str, data: Any) -> dict[str, Any]:
         metrics = trainer.validate(module, data, verbose=False)[0]
         val = [float(metrics[k]) for k in VAL_KEYS]
     else:
-        trainer.fit(module, train_dataloaders=data)
+        trainer.fit(module, train_dataloaders=data, ckpt_path=ckpt_path)
         val = []
     return {"losses": seen.losses, "grad_norms": seen.grad_norms, "val": val, "seen": seen.samples}
 
@@ -103,6 +104,10 @@ def _world(rank: int, world_size: int, root: str, corpora: str) -> dict[str, dic
         for i, (n, s) in enumerate(blends.items())
     }
     stream = fit(nt.strategies.DDPStrategy(), f"{root}/s", _stream())
+    if world_size == 2:  # saved after step 2 by 2 replicas, resumed by 2: step 3 as straight
+        fit(nt.strategies.DDPStrategy(), f"{root}/r", _stream(), steps=2)
+        resumed = fit(nt.strategies.DDPStrategy(), f"{root}/r", _stream(), ckpt_path="last")
+        assert resumed["losses"] == stream["losses"][2:], (resumed["losses"], stream["losses"])
     # the stream's samples this step, over all replicas: gathered for the test
     shares: list[Any] = [None] * world_size
     dist.all_gather_object(shares, stream["seen"])
