@@ -114,6 +114,35 @@ def test_an_epoch_scheduler_steps_when_the_stream_runs_out(tmp_path):
     assert runs[1] == runs[0]
 
 
+class Rows(IterableDataset):
+    """The rows of `tests.unit.test_lightning_data.dataset(20)` as a stream."""
+
+    def __iter__(self):
+        from tests.unit.test_lightning_data import dataset
+
+        return iter(dataset(20))
+
+
+def test_a_stream_with_max_steps_trains_as_under_lightning(tmp_path):
+    from tests.unit.test_lightning_data import (
+        assert_same_weights,
+        fresh,
+        lightning_fit,
+        nt_trainer,
+    )
+
+    lit_module, nt_module = fresh(), fresh()
+    # 5 batches of 4 per epoch: 7 steps run into the second epoch
+    lit = lightning_fit(lit_module, DataLoader(Rows(), batch_size=4), max_steps=7, max_epochs=None)
+    ours = nt_trainer(tmp_path, max_steps=7, max_epochs=None)
+    ours.fit(nt_module, DataLoader(Rows(), batch_size=4))
+    assert ours.global_step == lit.global_step == 7
+    expected = [list(range(i, i + 4)) for i in range(0, 20, 4)] + [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert nt_module.seen == lit_module.seen == expected
+    assert ours.current_epoch == lit.current_epoch == 2  # the cut epoch counts as done
+    assert_same_weights(nt_module, lit_module)
+
+
 def test_replicas_read_disjoint_shares_that_make_up_each_global_batch():
     stream = Stream(30)
     shares = []
