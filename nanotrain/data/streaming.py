@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import copy
 import sys
+import warnings
 from collections.abc import Callable, Iterator
 from itertools import islice
 from typing import Any
@@ -198,6 +199,14 @@ class StreamLoader:
                         f"the training stream {type(s.dataset).__name__} ended after "
                         f"{len(window)} samples, fewer than one global batch of {size}; "
                         "use more data or a smaller global batch"
+                    )
+                if window and r == 0:
+                    warnings.warn(
+                        f"the training stream ended {len(window)} samples into a global batch "
+                        f"of {size}; nanotrain leaves them out of the epoch, where "
+                        "lightning.Trainer would train them in a last, smaller step",
+                        UserWarning,
+                        stacklevel=2,
                     )
                 return  # the stream ran out: the epoch ends, the partial batch left out
             from_start = False
