@@ -354,11 +354,32 @@ class LanguageModelModule(NanoModule):
             return {"loss": out.total_loss, "stage_output": out}
         tokens = int(self.count_tokens(batch))
         self.log("val/loss", out.loss, sync_dist=True, batch_size=tokens, prog_bar=True)
+        self._log_part_losses(batch, out.loss, tokens)
         bytes_per_token = getattr(self._datamodule(), "bytes_per_token", None)
         if bytes_per_token:
             bpb = out.loss / math.log(2) / bytes_per_token
             self.log("val/bpb", bpb, sync_dist=True, batch_size=tokens)
         return out.loss
+
+    def _log_part_losses(self, batch: dict[str, torch.Tensor], loss: torch.Tensor, tokens: int):
+        """A blend's validation batch (``"part"``, one part per batch: `TokenDataModule`) logs
+        ``val/loss/<name>`` for every part, weighted by its tokens in this batch (0 for the
+        other parts), so every rank logs the same names and each mean is over its part's
+        tokens alone."""
+        names = getattr(self._datamodule(), "part_names", None)
+        if "part" not in batch or not names:
+            return
+        part = batch["part"]
+        if bool((part != part[0]).any()):
+            raise ValueError(
+                "a validation batch mixes parts of the blend; per-part losses need one part "
+                "per batch: use TokenDataModule's val_dataloader (it pads each part to a "
+                "multiple of micro batch × data-parallel size)"
+            )
+        k = int(part[0])
+        for i, name in enumerate(names):
+            weight = tokens if i == k else 0
+            self.log(f"val/loss/{name}", loss, sync_dist=True, batch_size=weight)
 
     def on_validation_epoch_end(self) -> None:
         """Perplexity from the averaged loss (a mean of per-batch perplexities would be wrong)."""

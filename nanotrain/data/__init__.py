@@ -1,9 +1,11 @@
 """Token data: tokenizers, `prepare` (text → token shards), the demo corpus, the memory-mapped
-`TokenShardDataset`, the `ResumableDistributedSampler` and the `TokenDataModule`.
+`TokenShardDataset`, blends (`BlendedDataset`), streams (`streaming`), the
+`ResumableDistributedSampler` and the `TokenDataModule`.
 
 See docs/data.md for the on-disk format and the sampler's ordering guarantee.
 """
 
+from .blend import BlendedDataset
 from .datamodule import TokenDataModule
 from .dataset import TokenShardDataset, check_vocab
 from .demo import DEFAULT_DEMO_BYTES, default_cache_dir, demo_corpus_files, prepare_demo
@@ -14,6 +16,7 @@ from .tokenizers import ByteTokenizer, HFTokenizer, Tokenizer, load_tokenizer, t
 
 __all__ = [
     "DEFAULT_DEMO_BYTES",
+    "BlendedDataset",
     "ByteTokenizer",
     "HFTokenizer",
     "ResumableDistributedSampler",

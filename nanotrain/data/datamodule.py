@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, Dataset
 
+from .blend import BlendedDataset, PartsValidationDataset, merged_metadata, parse_blend
 from .dataset import TokenShardDataset, check_vocab
 from .demo import DEFAULT_DEMO_BYTES, default_cache_dir, prepare_demo
 from .metadata import read_metadata
@@ -25,9 +27,16 @@ class TokenDataModule(pl.LightningDataModule):
     a `ResumableDistributedSampler`'s order (training windows shuffled unless
     ``shuffle=False``, validation in order).
 
+    A blend (``data_path={"corpus/a": 0.7, "corpus/b": 0.3}``) serves each corpus's training
+    windows at its weight (`BlendedDataset`: weights normalised, a fixed index, so order,
+    sharding and resume are those of one map-style dataset); validation reads every part's
+    validation windows once, each micro batch from one part, and ``LanguageModelModule`` logs
+    ``val/loss`` over all of them and ``val/loss/<name>`` for each part (``part_names``).
+
     Args:
-        data_path: a folder written by `nanotrain prepare`; None uses the demo corpus (the
-            Python standard library's source), prepared once into
+        data_path: a folder written by `nanotrain prepare`, or a blend ``{folder: weight}``
+            of such folders (prepared with the same tokenizer); None uses the demo corpus
+            (the Python standard library's source), prepared once into
             ``$NANOTRAIN_CACHE/demo-<tokenizer>-<demo_max_bytes>`` (default cache
             ``~/.cache/nanotrain``).
         tokenizer: ``"byte"`` or a ``tokenizer.json`` path, for the demo corpus. A prepared
@@ -43,12 +52,13 @@ class TokenDataModule(pl.LightningDataModule):
     Raises:
         ValueError: an argument out of range (at construction); a missing or unprepared
             ``data_path`` (in `prepare_data`/`setup`, with a hint to run `nanotrain prepare`);
-            a split shorter than one example (in `setup`).
+            a split shorter than one example (in `setup`); a blend with a weight that is not
+            positive, or of corpora prepared with different tokenizers.
     """
 
     def __init__(
         self,
-        data_path: str | None = None,
+        data_path: str | dict[str, float] | None = None,
         tokenizer: str = "byte",
         seq_len: int = 128,
         micro_batch_size: int | None = None,
@@ -72,14 +82,19 @@ class TokenDataModule(pl.LightningDataModule):
             )
         self.save_hyperparameters()
         self.data_path = data_path
+        # [(name, folder, normalised weight)] of a blend; None for one corpus
+        self.blend = parse_blend(data_path) if isinstance(data_path, Mapping) else None
+        self._part_metadata: list[dict[str, Any]] = []
+        self.part_names: list[str] = []  # the validation parts, in `val_dataset` order
+        self._val_parts: list[TokenShardDataset] = []
         self.tokenizer_spec = tokenizer
         self.seq_len, self.micro_batch_size = seq_len, micro_batch_size
         self.num_workers, self.demo_max_bytes = num_workers, demo_max_bytes
         self.shuffle = bool(shuffle)
         self._metadata: dict[str, Any] | None = None
         self._tokenizer: Tokenizer | None = None
-        self.train_dataset: TokenShardDataset | None = None
-        self.val_dataset: TokenShardDataset | None = None
+        self.train_dataset: Dataset | None = None
+        self.val_dataset: Dataset | None = None
 
     # -- where the data lives ------------------------------------------------------------------
     def _demo_dir(self) -> Path:
@@ -88,7 +103,10 @@ class TokenDataModule(pl.LightningDataModule):
 
     @property
     def path(self) -> Path:
-        """The prepared folder this module reads (the demo cache folder when no data_path)."""
+        """The prepared folder this module reads (the demo cache folder when no data_path; a
+        blend's first corpus)."""
+        if self.blend is not None:
+            return self.blend[0][1]
         if self.data_path is None:
             return self._demo_dir()
         return Path(os.fspath(self.data_path)).expanduser()
@@ -98,7 +116,12 @@ class TokenDataModule(pl.LightningDataModule):
             # Idempotent and safe under races, so every rank may call it: the ranks that
             # come after local rank 0's `prepare_data` find the cache and return at once.
             prepare_demo(self.path, self.tokenizer_spec, self.demo_max_bytes)
-        self._metadata = read_metadata(self.path)
+        if self.blend is None:
+            self._metadata = read_metadata(self.path)
+            return self._metadata
+        self._part_metadata = [read_metadata(path) for _, path, _ in self.blend]
+        names = [name for name, _, _ in self.blend]
+        self._metadata = merged_metadata(self._part_metadata, names)
         return self._metadata
 
     @property
@@ -126,10 +149,38 @@ class TokenDataModule(pl.LightningDataModule):
         A val split with no tokens at all (``val_fraction=0``) leaves ``val_dataset`` None.
         """
         meta = self._ensure_prepared()
+        if self.blend is not None:
+            self._setup_blend(stage)
+            return
         if stage in (None, "fit"):
             self.train_dataset = TokenShardDataset(meta, "train", self.seq_len)
         if stage in (None, "fit", "validate") and meta["splits"]["val"]["tokens"] > 0:
             self.val_dataset = TokenShardDataset(meta, "val", self.seq_len)
+
+    def _setup_blend(self, stage: str | None) -> None:
+        assert self.blend is not None
+        if stage in (None, "fit"):
+            parts = [TokenShardDataset(m, "train", self.seq_len) for m in self._part_metadata]
+            self.train_dataset = BlendedDataset(parts, [w for _, _, w in self.blend])
+        if stage in (None, "fit", "validate"):
+            # a part without validation tokens has no val/loss/<name>
+            with_val = [
+                (name, meta)
+                for (name, _, _), meta in zip(self.blend, self._part_metadata, strict=True)
+                if meta["splits"]["val"]["tokens"] > 0
+            ]
+            self.part_names = [name for name, _ in with_val]
+            self._val_parts = [TokenShardDataset(m, "val", self.seq_len) for _, m in with_val]
+            self.val_dataset = PartsValidationDataset(self._val_parts) if with_val else None
+
+    def _data_parallel_size(self) -> int:
+        """Replicas that share the validation batches: the nanotrain Trainer's data-parallel
+        size, `lightning.Trainer`'s world size, 1 without a Trainer."""
+        trainer = getattr(self, "trainer", None)
+        strategy = getattr(trainer, "strategy", None)
+        if callable(getattr(strategy, "data_shard", None)):
+            return int(strategy.data_shard().count)
+        return int(getattr(trainer, "world_size", 1) or 1)
 
     def train_dataloader(self) -> DataLoader:
         """Training windows (shuffled unless ``shuffle=False``), `loader_batch_size` per batch,
@@ -151,6 +202,10 @@ class TokenDataModule(pl.LightningDataModule):
             self.setup("validate")
         if self.val_dataset is None:
             return None
+        if self.blend is not None:
+            # each micro batch from one part (see PartsValidationDataset), for any layout
+            pad_to = self.loader_batch_size * self._data_parallel_size()
+            self.val_dataset = PartsValidationDataset(self._val_parts, pad_to)
         return DataLoader(
             self.val_dataset,
             batch_size=self.loader_batch_size,

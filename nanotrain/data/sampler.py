@@ -157,11 +157,15 @@ class ResumableDistributedSampler(torch.utils.data.Sampler[int]):
                 differs from this sampler's, or the consumed samples do not split evenly
                 over this sampler's shards.
         """
-        if "batches" in state:
+        if "batches" in state or state.get("kind") == "stream":
+            what = (
+                "a stream (IterableDataset)"
+                if "kind" in state
+                else ("the batches of the DataLoader's own batch_sampler (or sampler)")
+            )
             raise ValueError(
-                "cannot resume: the checkpoint read the batches of the DataLoader's own "
-                "batch_sampler (or sampler), this run a plain shuffled or sequential order; "
-                "train with the same DataLoader"
+                f"cannot resume: the checkpoint read {what}, this run a plain shuffled or "
+                "sequential order; train with the same DataLoader"
             )
         for key in ("dataset_len", "global_batch_size", "shuffle", "seed"):
             if key in state and state[key] != getattr(self, key):

@@ -46,10 +46,10 @@ KEPT_SETTINGS = (
 
 @dataclass
 class DataSource:
-    """What the Trainer reads of a DataLoader or a bare map-style Dataset.
+    """What the Trainer reads of a DataLoader or a bare Dataset.
 
     Attributes:
-        dataset: the map-style dataset.
+        dataset: the map-style dataset, or (training only) an `IterableDataset`.
         what: "training", "validation", "test" or "predict" (for messages).
         extra: the DataLoader settings kept (`KEPT_SETTINGS`).
         batch_size: the DataLoader's batch size (None: a bare Dataset, or a batch sampler
@@ -61,6 +61,7 @@ class DataSource:
         batch_sampler: the batch sampler to read as it yields batches, when the DataLoader has
             a custom ``batch_sampler`` or a ``sampler`` other than torch's sequential, random
             (without replacement, over the whole set) and distributed ones; else None.
+        stream: the dataset is an `IterableDataset` (read by `nanotrain.data.streaming`).
     """
 
     dataset: Dataset
@@ -73,6 +74,7 @@ class DataSource:
     distributed: DistributedSampler | None = None
     draws_global_seed: bool = False
     batch_sampler: Any = None
+    stream: bool = False
 
     @property
     def custom_name(self) -> str:
@@ -84,10 +86,11 @@ class DataSource:
 
 
 def inspect_source(source: DataLoader | Dataset, what: str) -> DataSource:
-    """Read what a DataLoader (or a bare map-style Dataset) says about batches and order.
+    """Read what a DataLoader (or a bare Dataset) says about batches and order.
 
     Raises:
-        TypeError: an iterable-style dataset or something that is not a map-style dataset.
+        TypeError: an iterable-style dataset for anything but training, or something that
+            is not a dataset.
         ValueError: several DataLoaders (a list, tuple or dict of them), an empty dataset,
             or a DataLoader with ``batch_size=None`` (no batching).
     """
@@ -96,11 +99,9 @@ def inspect_source(source: DataLoader | Dataset, what: str) -> DataSource:
         dataset = source.dataset
     else:
         dataset = source
-    if (
-        isinstance(dataset, IterableDataset)
-        or not hasattr(dataset, "__len__")
-        or not hasattr(dataset, "__getitem__")
-    ):
+    if isinstance(dataset, IterableDataset):
+        return _stream_source(source, dataset, what)
+    if not hasattr(dataset, "__len__") or not hasattr(dataset, "__getitem__"):
         raise TypeError(
             "nanotrain needs a map-style dataset (with __len__ and __getitem__) so that it can "
             "shard it across processes and resume at the exact next sample; got "
@@ -131,6 +132,34 @@ def inspect_source(source: DataLoader | Dataset, what: str) -> DataSource:
         data.drop_last = data.drop_last or sampler.drop_last
     else:
         data.batch_sampler = batches
+    return data
+
+
+def _stream_source(source: Any, dataset: IterableDataset, what: str) -> DataSource:
+    """A training `IterableDataset` (bare or in a DataLoader without workers)."""
+    if what != "training":
+        raise TypeError(
+            f"the {what} data is an IterableDataset ({type(dataset).__name__}); nanotrain reads "
+            f"{what} data as a map-style dataset (__len__ and __getitem__), so that every "
+            "sample is read once under any layout: pass e.g. a list of its samples, or a "
+            "datasets.Dataset (not streaming)"
+        )
+    data = DataSource(dataset, what, stream=True, shuffle=False)
+    if not isinstance(source, DataLoader):
+        return data
+    if source.num_workers:
+        raise ValueError(
+            f"the training DataLoader reads the IterableDataset {type(dataset).__name__} with "
+            f"num_workers={source.num_workers}; nanotrain reads a stream in the training "
+            "process (each replica its share, in an order it can resume): use num_workers=0"
+        )
+    if source.batch_size is None:
+        raise ValueError(
+            "the training DataLoader has batch_size=None (no automatic batching); nanotrain "
+            "batches the samples itself: give the DataLoader a batch_size"
+        )
+    data.batch_size, data.drop_last = source.batch_size, source.drop_last
+    data.extra = {"collate_fn": source.collate_fn}
     return data
 
 
@@ -216,6 +245,14 @@ def resolve_shuffle(requested: bool | None, data: DataSource) -> bool | None:
         ValueError: the Trainer's shuffle contradicts the DataLoader's sampler, or is set for
             a custom sampler.
     """
+    if data.stream:
+        if requested:
+            raise ValueError(
+                "Trainer(shuffle=True) cannot shuffle the training IterableDataset: a stream "
+                "is read in its own order; shuffle in the dataset (e.g. datasets' "
+                ".shuffle(seed=..., buffer_size=...)) and drop the Trainer's shuffle"
+            )
+        return False
     if data.batch_sampler is not None:
         if requested is not None:
             raise ValueError(

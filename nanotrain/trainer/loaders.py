@@ -27,6 +27,7 @@ from torch.utils.data import (
     DataLoader,
     Dataset,
     Sampler,
+    default_collate,
 )
 
 from nanotrain.strategies.base import DataShard
@@ -86,7 +87,12 @@ def build_loaders(
             seed=settings.seed if data.seed is None else data.seed,
             rank=trainer.strategy.global_rank,
         )
-        _warn_if_samples_left(trainer, data, train_sampler, accumulate)
+        if data.stream:
+            from nanotrain.data.streaming import check_stream_settings
+
+            check_stream_settings(settings.val_check_interval)
+        else:
+            _warn_if_samples_left(trainer, data, train_sampler, accumulate)
     source = data_source(val_source, datamodule, module, "val_dataloader")
     if source is not None and (stage == "validate" or settings.limit_val_batches != 0):
         data = inspect_source(source, "validation")
@@ -155,7 +161,8 @@ def rebatch(
 ) -> tuple[DataLoader, Any]:
     """Return (loader, sampler): the data's dataset, collate function and worker settings,
     read `micro_batch_size` at a time in the order of a `ResumableDistributedSampler`, or,
-    for a custom sampler or batch sampler, its own batches (`ResumableBatchList`).
+    for a custom sampler or batch sampler, its own batches (`ResumableBatchList`); an
+    `IterableDataset` as a stream (`StreamLoader`, `StreamSampler`).
 
     Raises:
         ValueError: a dataset smaller than a global batch, a DistributedSampler made for
@@ -163,6 +170,12 @@ def rebatch(
     """
     from nanotrain.data.sampler import ResumableBatchList, ResumableDistributedSampler
 
+    if data.stream:  # an IterableDataset: `nanotrain.data.streaming` reads it
+        from nanotrain.data.streaming import StreamLoader, StreamSampler
+
+        stream = StreamSampler(data.dataset, global_batch_size, shard.index, shard.count)
+        collate = data.extra.get("collate_fn") or default_collate
+        return StreamLoader(stream, micro_batch_size, collate), stream
     extra = dict(data.extra)
     if os.environ.get("PL_SEED_WORKERS") == "1" and extra.get("worker_init_fn") is None:
         # as Lightning after seed_everything(workers=True): workers seed themselves from it

@@ -375,14 +375,20 @@ class Trainer(
                 if st.steps_in_epoch == 0:  # a resumed epoch made its draw before the save
                     draw_as_lightning(self._train_loader)
                 batches = iter(self._train_loader)
+                ran_out = False  # a stream (IterableDataset) ended: so does its epoch
                 while st.steps_in_epoch < st.steps_per_epoch and not self._done():
-                    micro = [
-                        self.strategy.batch_to_device(next(batches))
-                        for _ in range(self.num_microbatches)
-                    ]
+                    try:
+                        micro = [
+                            self.strategy.batch_to_device(next(batches))
+                            for _ in range(self.num_microbatches)
+                        ]
+                    except StopIteration:
+                        ran_out = True
+                        self._step_scheduler("epoch", st.epoch)  # as Lightning: at its end
+                        break
                     self._train_step(micro)
                     stop_if_preempted(self, self._preemption)
-                if st.steps_in_epoch < st.steps_per_epoch:
+                if st.steps_in_epoch < st.steps_per_epoch and not ran_out:
                     break  # stopped mid-epoch
             else:  # resumed at an epoch's end, which runs again: its records are its last step's
                 self._step_taken = True

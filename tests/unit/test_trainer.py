@@ -224,8 +224,9 @@ def test_empty_and_iterable_datasets_are_rejected(tmp_path):
         def __iter__(self):
             yield torch.zeros(8), torch.tensor(0)
 
-    with pytest.raises(TypeError, match="map-style"):
-        make_trainer(tmp_path).fit(Classifier(), train_dataloaders=Stream())
+    # a stream trains (tests/unit/test_data_streaming.py); evaluation data must be map-style
+    with pytest.raises(TypeError, match="validation data is an IterableDataset.*map-style"):
+        make_trainer(tmp_path).validate(Classifier(), dataloaders=Stream())
 
 
 def test_validate_returns_reduced_metrics(tmp_path):
