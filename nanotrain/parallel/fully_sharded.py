@@ -160,6 +160,8 @@ def shard_fully(
     for stack in experts:
         fully_shard(stack, mesh=expert_mesh, reshard_after_forward=reshard_after_forward, **common)
         stack.set_gradient_divide_factor(float(dp_size))
+        if device.type != "cuda":  # gloo has no PREMUL_SUM: sum, then divide
+            stack.set_force_sum_reduction_for_comms(True)
     for block in blocks:
         fully_shard(block, mesh=dp_mesh, reshard_after_forward=reshard_after_forward, **common)
     runner = StepRunner(module)
