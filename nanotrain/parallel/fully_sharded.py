@@ -169,6 +169,21 @@ def shard_fully(
     return runner
 
 
+def reduce_after_schedule(runner: StepRunner) -> None:
+    """Reduce-scatter every unit's accumulated gradient once a pipeline schedule has run all
+    its backwards with gradient sync off: the schedule calls ``torch.autograd.backward`` on
+    stage activations per microbatch and chunk, so no single backward is every unit's last.
+    This is what `torch.distributed.pipelining` does after its schedules (FSDP2's
+    post-backward of each parameter group, then the root's end-of-backward callback)."""
+    runner.set_is_last_backward(True)
+    runner.set_requires_gradient_sync(True)
+    state = fully_shard.state(runner)
+    for unit_state in state._state_ctx.all_states:
+        for group in unit_state._fsdp_param_groups:
+            group.post_backward()
+    state._root_post_backward_final_callback()
+
+
 def sharded_params(module: nn.Module) -> Iterator[tuple[str, nn.Parameter]]:
     """``(name, parameter)`` of every trainable parameter, each once."""
     seen: set[int] = set()

@@ -213,7 +213,14 @@ class MegatronStrategy(ShardedMethods, MegatronGradNorms, Strategy):
             )
         if zero_stage not in (0, 1, 2, 3):
             raise ValueError(f"zero_stage must be 0, 1, 2 or 3, got {zero_stage!r}")
-        check_zero3_options(zero_stage, cpu_offload, reshard_after_forward, pp, self.schedule)
+        check_zero3_options(
+            zero_stage,
+            cpu_offload,
+            reshard_after_forward,
+            pp,
+            self.schedule,
+            self.overlap_forward_backward,
+        )
         self.cpu_offload = bool(cpu_offload)
         self.reshard_after_forward = bool(reshard_after_forward)
         self._fsdp: FullyShardedModel | None = None
@@ -550,8 +557,9 @@ class MegatronStrategy(ShardedMethods, MegatronGradNorms, Strategy):
         """Forward only: through the pipeline stages under pp > 1 (every stage logs the
         global values), else `module.<step_name>` ("validation_step" or "test_step")."""
         if self._pipeline is not None:
+            run = None if self._fsdp is None else self._fsdp.run
             return self._pipeline.validation_step(
-                module, batch, batch_idx, self.precision, step_name
+                module, batch, batch_idx, self.precision, step_name, run=run
             )
         if self._fsdp is not None:
             with torch.no_grad(), self.precision.forward_context():

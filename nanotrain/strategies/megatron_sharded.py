@@ -8,6 +8,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
+import torch
 from torch import Tensor
 
 from nanotrain.parallel.fully_sharded import local_tensor
@@ -40,6 +41,12 @@ class ShardedMethods:
         assert fsdp is not None
         weighed = weigh_microbatches(self, module, microbatches)
         accumulator = LossAccumulator(weighed)
+        if self._pipeline is not None:
+            fsdp.set_sync(False)  # `fsdp.finish` reduce-scatters after the schedule
+            sums = self._pipeline.train_step(
+                module, microbatches, accumulator, batch_idx, fsdp, self.precision, run=fsdp.run
+            )
+            return self._finish_sharded_step(fsdp, accumulator, weighed, sums)
         num_micro = len(microbatches)
         for i, microbatch in enumerate(microbatches):
             fsdp.set_sync(i == num_micro - 1)
@@ -61,12 +68,18 @@ class ShardedMethods:
             if hooks is not None:
                 hooks.after()
                 hooks.end(i, output, objective)
+        return self._finish_sharded_step(fsdp, accumulator, weighed, accumulator.sums)
+
+    def _finish_sharded_step(
+        self, fsdp: FullyShardedModel, accumulator: LossAccumulator, weighed: Any, sums: Tensor
+    ) -> StepOutput:
+        """The sequence-parallel sum, unscaling, and the step's global loss terms."""
         fsdp.reduce_sequence_parallel_grads()
         if self.precision.uses_loss_scaling:
             mesh = self.mesh
             grads = [g for _, g in fsdp.local_grads()]
             self.precision.unscale_grads_(grads, [mesh.tp_group, mesh.pp_group, mesh.dp_group])
-        loss, terms = accumulator.finish(self, accumulator.sums)
+        loss, terms = accumulator.finish(self, sums)
         return StepOutput(
             loss=loss,
             num_tokens=weighed.tokens,
@@ -87,7 +100,10 @@ class ShardedMethods:
         `megatron_zero3`); clip if asked."""
         if self._fsdp is None:
             return super().clip_grad_norm_(max_norm)
-        norm = self._fsdp.square_norms().sum().sqrt().float()
+        total = self._stage_square_norms_sharded().sum()
+        if self._pipeline is not None:
+            total = self._pipeline.sum_over_stages(total)
+        norm = total.sqrt().float()
         if max_norm is not None:
             clip_grads_(self.grads_for_clipping(), norm, max_norm)
         return norm
@@ -97,7 +113,22 @@ class ShardedMethods:
         if self._fsdp is None:
             return super().named_grad_norms()
         norms = self._fsdp.square_norms().sqrt().float()
-        return {name: norms[i] for i, (name, _) in enumerate(self._fsdp.named)}
+        named = {name: norms[i] for i, (name, _) in enumerate(self._fsdp.named)}
+        if self._pipeline is None:
+            return named
+        merged = self._pipeline.gather_over_stages({k: float(v) for k, v in named.items()})
+        return {k: torch.tensor(v, device=self.root_device) for k, v in merged.items()}
+
+    def _stage_square_norms_sharded(self) -> Tensor:
+        """Per-parameter squared grad norms of this stage, a shared embedding copy left out
+        on the stages that do not count it."""
+        assert self._fsdp is not None
+        sq = self._fsdp.square_norms()
+        if self._pipeline is not None:
+            assert self.module is not None
+            params = [p for _, p in self._fsdp.named]
+            sq = sq * self._pipeline.square_norm_mask(self.module, params)
+        return sq
 
     def full_tensor(self, name: str, tensor: Tensor) -> Tensor:
         """The whole value of parameter ``name`` (or its gradient) from this rank's piece."""

@@ -20,7 +20,12 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 
 from nanotrain.parallel.collectives import all_gather_along_dim
 from nanotrain.parallel.expert import is_expert_param
-from nanotrain.parallel.fully_sharded import StepRunner, local_tensor, shard_fully
+from nanotrain.parallel.fully_sharded import (
+    StepRunner,
+    local_tensor,
+    reduce_after_schedule,
+    shard_fully,
+)
 from nanotrain.parallel.grads import (
     all_reduce_coalesced,
     gather_tp_shards,
@@ -30,6 +35,7 @@ from nanotrain.parallel.grads import (
     sequence_parallel_params,
 )
 from nanotrain.parallel.mesh import ParallelMesh
+from nanotrain.parallel.schedules import SPLIT_BACKWARD_SCHEDULES
 
 if TYPE_CHECKING:
     from nanotrain.precision.base import Precision
@@ -123,6 +129,12 @@ class FullyShardedModel:
         unsharded gradients locally (the others)."""
         if self.runner is not None:
             self.runner.set_requires_gradient_sync(sync)
+
+    def finish(self) -> None:
+        """After a pipeline schedule: reduce-scatter what every backward accumulated
+        (`reduce_after_schedule`), then turn sync off again for the next step's schedule."""
+        if self.runner is not None:
+            reduce_after_schedule(self.runner)
 
     def local_grads(self) -> list[tuple[int, Tensor]]:
         """``(index in named, local gradient shard)`` of every parameter with a gradient."""
@@ -261,13 +273,19 @@ class FullyShardedModel:
 
 
 def check_zero3_options(
-    zero_stage: int, cpu_offload: bool, reshard_after_forward: bool, pp: int, schedule: str
+    zero_stage: int,
+    cpu_offload: bool,
+    reshard_after_forward: bool,
+    pp: int,
+    schedule: str,
+    overlap_forward_backward: bool = False,
 ) -> None:
     """Refuse, at construction, the ZeRO-3 options and combinations that cannot work.
 
     Raises:
         ValueError: ``cpu_offload`` or ``reshard_after_forward=False`` without ZeRO-3, or
-            ZeRO-3 with pipeline parallelism (reason in the message).
+            ZeRO-3 with a schedule that splits backwards (zb_*, DualPipeV; reason in the
+            message).
     """
     if zero_stage != 3:
         if cpu_offload:
@@ -281,11 +299,18 @@ def check_zero3_options(
                 "ZeRO-0/1/2 every rank keeps whole parameters anyway"
             )
         return
-    if pp > 1:
+    if overlap_forward_backward:
         raise ValueError(
-            f"zero_stage=3 with pp={pp} (schedule {schedule!r}) is not supported: the pipeline "
-            "schedules run each chunk's backward through torch.autograd.backward on stage "
-            "activations, outside the FSDP2 hooks that reduce-scatter the gradients, and "
-            "split input/weight backwards leave FSDP2 no point where a layer's gradient is "
-            "complete. Use zero_stage=1 or 2 with pp, or ZeRO-3 with pp=1 (tp/ep/dp compose)"
+            "zero_stage=3 with overlap_forward_backward=True is not supported: the paired "
+            "backward runs on a second thread while the forward gathers parameters, and "
+            "FSDP2's per-unit state is driven by one thread; use overlap_forward_backward="
+            "False, or zero_stage=1/2"
+        )
+    if schedule in SPLIT_BACKWARD_SCHEDULES and pp > 1:
+        raise ValueError(
+            f"zero_stage=3 with schedule {schedule!r} is not supported: it splits each backward "
+            "into an input half and a weight half, and the weight half differentiates "
+            "with respect to the parameters autograd saw, which under FSDP2 are the "
+            "temporary gathered copies freed after the input half. Use schedule='1f1b', "
+            "'interleaved_1f1b' or 'gpipe' with ZeRO-3, or zero_stage=1/2 with this schedule"
         )
