@@ -153,6 +153,10 @@ class MegatronStrategy(ShardedMethods, MegatronGradNorms, Strategy):
         reshard_after_forward: ZeRO-3 only: free each decoder layer's gathered parameters
             after its forward and gather them again in backward (True), or keep them from
             forward to backward (False: one all-gather fewer per layer, more memory).
+        reduce_scatter_every_microbatch: ZeRO-3 with pp=1 only: reduce-scatter each
+            microbatch's gradients into the shards (one reduce-scatter per microbatch)
+            instead of accumulating whole rank-local gradients until the last microbatch
+            (one reduce-scatter per step, but whole gradients in memory meanwhile).
 
     Raises:
         TypeError, ValueError: for invalid sizes or options, at construction (layouts that do
@@ -180,6 +184,7 @@ class MegatronStrategy(ShardedMethods, MegatronGradNorms, Strategy):
         node_limited_dispatch: bool | None = None,
         cpu_offload: bool = False,
         reshard_after_forward: bool = True,
+        reduce_scatter_every_microbatch: bool = False,
     ) -> None:
         super().__init__()
         check_sizes(tp=tp, pp=pp, ep=ep, dp=dp, virtual_pp=virtual_pp)
@@ -221,6 +226,13 @@ class MegatronStrategy(ShardedMethods, MegatronGradNorms, Strategy):
             self.schedule,
             self.overlap_forward_backward,
         )
+        if reduce_scatter_every_microbatch and (zero_stage != 3 or pp > 1):
+            raise ValueError(
+                "reduce_scatter_every_microbatch=True needs zero_stage=3 and pp=1 (got "
+                f"zero_stage={zero_stage}, pp={pp}): only ZeRO-3 keeps gradient shards, and "
+                "under pp the schedule reduces once after all its backwards"
+            )
+        self.reduce_scatter_every_microbatch = bool(reduce_scatter_every_microbatch)
         self.cpu_offload = bool(cpu_offload)
         self.reshard_after_forward = bool(reshard_after_forward)
         self._fsdp: FullyShardedModel | None = None

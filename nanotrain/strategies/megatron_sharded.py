@@ -26,6 +26,7 @@ class ShardedMethods:
     """Mixin of `MegatronStrategy`; ``self._fsdp`` is the `FullyShardedModel` under ZeRO-3."""
 
     _fsdp: FullyShardedModel | None
+    reduce_scatter_every_microbatch: bool
 
     def _forward_backward_sharded(
         self,
@@ -35,8 +36,9 @@ class ShardedMethods:
         hooks: MicrobatchHooks | None,
     ) -> StepOutput:
         """Every microbatch's forward and backward through FSDP2; only the last one
-        reduce-scatters (the others accumulate unsharded gradients locally), so the
-        gradient is the same sum as the buckets' of ZeRO-0/1/2, divided by dp."""
+        reduce-scatters (the others accumulate unsharded gradients locally), or with
+        ``reduce_scatter_every_microbatch`` each one adds its reduce-scattered gradient to
+        the shards: either way the same sum as the buckets' of ZeRO-0/1/2, divided by dp."""
         fsdp = self._fsdp
         assert fsdp is not None
         weighed = weigh_microbatches(self, module, microbatches)
@@ -49,7 +51,7 @@ class ShardedMethods:
             return self._finish_sharded_step(fsdp, accumulator, weighed, sums)
         num_micro = len(microbatches)
         for i, microbatch in enumerate(microbatches):
-            fsdp.set_sync(i == num_micro - 1)
+            fsdp.set_sync(self.reduce_scatter_every_microbatch or i == num_micro - 1)
             if hooks is not None:
                 hooks.start(i, microbatch)
 

@@ -28,6 +28,16 @@ pytestmark = pytest.mark.distributed
 WORLD2 = {
     "dense zero3 dp=2 + state round trip": ("tiny-dense", dict(zero_stage=3), 2),
     "deepseek zero3 dp=2 cpu_offload": ("tiny", dict(zero_stage=3, cpu_offload=True), None),
+    "FSDPStrategy SHARD_GRAD_OP dp=2": (
+        "tiny-dense",
+        dict(fsdp=dict(sharding_strategy="SHARD_GRAD_OP", process_group_backend="gloo")),
+        None,
+    ),
+    "dense zero3 dp=2 reduce-scatter every microbatch": (
+        "tiny-dense",
+        dict(zero_stage=3, reduce_scatter_every_microbatch=True),
+        None,
+    ),
 }
 WORLD4 = {
     "sp-toy zero3 tp=2+sp x dp=2": ("sp", dict(tp=2, zero_stage=3, sequence_parallel=True), None),
@@ -38,6 +48,12 @@ WORLD4 = {
         None,
     ),
     "dense zero3 dp=4": ("tiny-dense", dict(zero_stage=3), None),
+    "dense zero3 pp=2 x dp=2 interleaved": (
+        "tiny-dense",
+        dict(pp=2, virtual_pp=2, pipeline_layout=[1, 0, 1, 0], zero_stage=3),
+        None,
+    ),
+    "deepseek zero3 pp=2 x dp=2 gpipe": ("tiny", dict(pp=2, schedule="gpipe", zero_stage=3), None),
 }
 
 
@@ -58,7 +74,9 @@ class Bytes(nt.Callback):
 
 
 def _fit(kind: str, kwargs: dict, root: str, roundtrip_at: int | None) -> dict:
-    strategy = MegatronStrategy(**kwargs)
+    kwargs = dict(kwargs)
+    lightning = kwargs.pop("fsdp", None)  # Lightning's spelling: FSDPStrategy(**those)
+    strategy = MegatronStrategy(**kwargs) if lightning is None else nt.FSDPStrategy(**lightning)
     bytes_cb = Bytes()
     original = nt.Trainer.__init__
 
@@ -107,8 +125,14 @@ def test_zero3_two_ranks_match_one_process(world2, references, layout):
 
 @pytest.mark.parametrize("layout", list(WORLD4))
 def test_zero3_four_ranks_match_one_process(world4, references, layout):
+    reference = references[WORLD4[layout][0]]
+    held: set[str] = set()
     for rank, result in enumerate(world4):
-        tm.assert_matches(result[layout], references[WORLD4[layout][0]], f"{layout}, rank {rank}")
+        # a pipeline stage holds (and gathers) only its own parameters; together they are all
+        mine = {k: v for k, v in reference["params"].items() if k in result[layout]["params"]}
+        held |= set(mine)
+        tm.assert_matches(result[layout], {**reference, "params": mine}, f"{layout}, rank {rank}")
+    assert held == set(reference["params"]), layout
 
 
 def test_zero3_per_rank_bytes_are_one_dp_th_of_the_model(world4, references):

@@ -76,13 +76,29 @@ def test_lightning_arguments_refused_by_name(kwargs, message):
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
-        (dict(zero_stage=3, pp=2), "zero_stage=3 with pp=2"),
-        (dict(zero_stage=3, pp=2, schedule="dualpipev"), "'dualpipev'"),
+        (dict(zero_stage=3, pp=2, schedule="dualpipev"), "'dualpipev' is not supported"),
+        (dict(zero_stage=3, pp=2, schedule="zb_1f1b"), "splits each backward"),
+        (
+            dict(zero_stage=3, pp=2, virtual_pp=2, overlap_forward_backward=True),
+            "overlap_forward_backward=True is not supported",
+        ),
         (dict(zero_stage=1, cpu_offload=True), "cpu_offload=True needs zero_stage=3"),
         (dict(zero_stage=2, reshard_after_forward=False), "needs zero_stage=3"),
         (dict(zero_stage=4), "zero_stage must be 0, 1, 2 or 3"),
+        (dict(zero_stage=2, reduce_scatter_every_microbatch=True), "needs zero_stage=3 and pp=1"),
+        (
+            dict(zero_stage=3, pp=2, reduce_scatter_every_microbatch=True),
+            "needs zero_stage=3 and pp=1",
+        ),
     ],
 )
 def test_megatron_zero3_refusals(kwargs, message):
     with pytest.raises(ValueError, match=message):
         nt.MegatronStrategy(**kwargs)
+
+
+def test_zero3_accepts_the_schedules_without_split_backwards():
+    for schedule in ("gpipe", "1f1b"):
+        assert nt.MegatronStrategy(zero_stage=3, pp=2, schedule=schedule).zero_stage == 3
+    strategy = nt.MegatronStrategy(zero_stage=3, pp=2, virtual_pp=2)
+    assert strategy.schedule == "interleaved_1f1b"
