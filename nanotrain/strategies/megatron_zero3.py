@@ -18,6 +18,7 @@ from torch import Tensor, nn
 from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.distributed.tensor import DTensor, distribute_tensor
 
+from nanotrain.models.cast_cache import drop_step_casts
 from nanotrain.parallel.collectives import all_gather_along_dim
 from nanotrain.parallel.expert import is_expert_param
 from nanotrain.parallel.fully_sharded import (
@@ -121,8 +122,15 @@ class FullyShardedModel:
 
     # -- the step ------------------------------------------------------------------------------
     def run(self, fn: Any, *args: Any) -> Any:
-        """``fn(*args)`` inside FSDP2's root hooks (parameters gathered as each unit runs)."""
-        return fn(*args) if self.runner is None else self.runner(fn, *args)
+        """``fn(*args)`` inside FSDP2's root hooks (parameters gathered as each unit runs);
+        the step's weight casts are dropped after it (`drop_step_casts`), so under autocast
+        each microbatch keeps its own low-precision copies until its backward."""
+        if self.runner is None:
+            return fn(*args)
+        try:
+            return self.runner(fn, *args)
+        finally:
+            drop_step_casts()  # each microbatch casts the gathered weights itself
 
     def set_sync(self, sync: bool) -> None:
         """Whether the next backward reduce-scatters (the last microbatch) or accumulates
