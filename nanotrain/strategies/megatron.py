@@ -1,4 +1,4 @@
-"""MegatronStrategy: tensor (+ sequence), pipeline, expert and data parallelism, ZeRO-1/2.
+"""MegatronStrategy: tensor (+ sequence), pipeline, expert and data parallelism, ZeRO-1/2/3.
 
 It composes the pieces of `nanotrain.parallel`: a `ParallelMesh` of process groups (the model
 is built against it in ``configure_model``), flat gradient buckets reduced while backward runs
@@ -8,6 +8,8 @@ cross-shard grad norm (`grads`). With ``pp > 1`` the microbatch loop is a pipeli
 (`megatron_pipeline.PipelineEngine`, GPipe, 1F1B or interleaved 1F1B) and the grad norm also
 sums over the pipeline group. With ``ep > 1`` each MoE layer holds ``1 / ep`` of the routed
 experts and moves token copies to them with all-to-all (`nanotrain.parallel.expert`).
+``zero_stage=3`` replaces the buckets and the sharded optimizer by torch's FSDP2
+(`nanotrain.parallel.fully_sharded`, driven by `megatron_sharded` / `megatron_zero3`).
 
 Per optimizer step (the loop the Trainer drives):
 
@@ -474,8 +476,10 @@ class MegatronStrategy(ShardedMethods, MegatronGradNorms, Strategy):
         scheduler keeps driving it: see `nanotrain.parallel.zero`)."""
         setup = super().setup_optimizers(module)
         masters = self.precision.master_weights
-        if self._fsdp is not None:  # FSDP2's fp32 shards are the master weights
-            return setup
+        if self._fsdp is not None:
+            if masters and not self._fsdp.distributed:  # one process: plain fp32 masters
+                self._master_holder = MasterWeights(setup.optimizer)
+            return setup  # else FSDP2's fp32 shards are the master weights
         if self.zero_stage > 0:
             assert self._grads is not None, "setup_module() must run before setup_optimizers()"
             self._zero = ZeroOptimizer(

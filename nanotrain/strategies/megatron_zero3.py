@@ -83,7 +83,8 @@ class FullyShardedModel:
         sequence_parallel: bool,
     ) -> None:
         self.module, self.mesh = module, mesh
-        if precision.master_weights:  # FSDP2 keeps fp32 shards and gathers them in bf16
+        self.distributed = mesh.world_size > 1  # one process: nothing to shard or wrap
+        if precision.master_weights and self.distributed:  # fp32 shards, gathered in bf16
             with torch.no_grad():
                 for p in module.parameters():
                     if p.is_floating_point():
@@ -97,7 +98,6 @@ class FullyShardedModel:
         if sequence_parallel and mesh.tp_size > 1:
             sp_ids = {id(p) for p in sequence_parallel_params(module)}
         sp_names = {n for n in names if id(params[n]) in sp_ids}
-        self.distributed = mesh.world_size > 1
         self.runner: StepRunner | None = None
         if self.distributed:
             self.runner = shard_fully(

@@ -10,6 +10,7 @@ from torch.distributed.fsdp import CPUOffload, ShardingStrategy
 
 import nanotrain as nt
 from nanotrain.strategies import resolve_strategy
+from tests.unit.test_language_model import RandomTokens
 
 
 def test_strategy_fsdp_is_zero3_over_every_rank():
@@ -102,3 +103,32 @@ def test_zero3_accepts_the_schedules_without_split_backwards():
         assert nt.MegatronStrategy(zero_stage=3, pp=2, schedule=schedule).zero_stage == 3
     strategy = nt.MegatronStrategy(zero_stage=3, pp=2, virtual_pp=2)
     assert strategy.schedule == "interleaved_1f1b"
+
+
+def test_zero3_on_one_process_trains_as_one_device(tmp_path):
+    """Nothing to shard on one process: ZeRO-3 must give the one-device numbers."""
+
+    def losses(strategy) -> list[float]:
+        seen: list[float] = []
+
+        class Record(nt.Callback):
+            def on_train_step_end(self, trainer, module, outputs, batch, batch_idx) -> None:
+                seen.append(float(outputs.loss))
+
+        module = nt.LanguageModelModule("tiny-dense", vocab_size=64, lr=1e-2, warmup_steps=1)
+        trainer = nt.Trainer(
+            strategy=strategy,
+            max_steps=2,
+            global_batch_size=4,
+            micro_batch_size=2,
+            default_root_dir=str(tmp_path / type(strategy).__name__),
+            loggers=[],
+            seed=1,
+            callbacks=[Record()],
+            enable_checkpointing=False,
+        )
+        trainer.fit(module, train_dataloaders=RandomTokens(8, 64))
+        return seen
+
+    one = losses(nt.SingleDeviceStrategy("cpu"))
+    assert losses(nt.FSDPStrategy(process_group_backend="gloo")) == pytest.approx(one, rel=1e-6)
