@@ -11,6 +11,7 @@ over dp, tp and ep (`tests.distributed.test_megatron.assert_matches`).
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -116,7 +117,63 @@ def _run_layouts(rank: int, world_size: int, root: str, layouts: dict) -> dict:
         out[name] = _fit(kind, strategy, f"{root}/{len(out)}", roundtrip_at, counter)
         out[name]["bytes"], out[name]["layer_numel"] = counter.bytes, counter.layer_numel
         out[name]["dp"] = strategy.mesh.dp_size
+    if world_size == 2:
+        out["nan guard"] = _nan_guard_run(f"{root}/nan")
     return out
+
+
+class NaNAtStep2(nt.LanguageModelModule):
+    """The tiny dense model whose loss is NaN at step 2 (1-based)."""
+
+    def training_step(self, batch: Any, batch_idx: int) -> Any:
+        out = super().training_step(batch, batch_idx)
+        if self.trainer.global_step + 1 == 2:  # the loss terms are what backward reads
+            terms = out["loss_terms"]
+            out = {**out, "loss_terms": replace(terms, values=terms.values * float("nan"))}
+        return out
+
+
+class ShardSnapshots(nt.Callback):
+    """This rank's parameter shards at the start of every step."""
+
+    def __init__(self) -> None:
+        self.before: dict[int, list[torch.Tensor]] = {}
+
+    def on_train_step_start(self, trainer, module, batch, batch_idx) -> None:
+        step = trainer.global_step + 1
+        self.before[step] = [local_tensor(p).detach().clone() for p in module.parameters()]
+
+
+def _nan_guard_run(root: str) -> dict:
+    """ZeRO-3 with NaNGuard(action="skip"): the NaN step leaves every shard as it was."""
+    from nanotrain.callbacks.nan_guard import NaNGuard
+
+    snaps = ShardSnapshots()
+    trainer = nt.Trainer(
+        strategy=MegatronStrategy(zero_stage=3),
+        max_steps=3,
+        global_batch_size=8,
+        micro_batch_size=2,
+        callbacks=[NaNGuard(action="skip"), snaps],
+        default_root_dir=root,
+        loggers=[],
+        seed=3,
+    )
+    module = NaNAtStep2("tiny-dense", vocab_size=tm.LM_VOCAB, lr=1e-2, warmup_steps=2)
+    trainer.fit(module, train_dataloaders=tm.RandomTokens())
+    unchanged = all(
+        torch.equal(a, b) for a, b in zip(snaps.before[2], snaps.before[3], strict=True)
+    )
+    moved = any(
+        not torch.equal(a, b) for a, b in zip(snaps.before[1], snaps.before[2], strict=True)
+    )
+    finite = all(torch.isfinite(local_tensor(p)).all() for p in module.parameters())
+    return {
+        "unchanged": unchanged,
+        "moved": moved,
+        "finite": finite,
+        "skipped": trainer.state.skipped_steps,
+    }
 
 
 def _reference_kind(kind: str) -> str:
@@ -149,6 +206,12 @@ def test_zero3_two_ranks_match_one_process(world2, references, layout):
     reference = references[_reference_kind(WORLD2[layout][0])]
     for rank, result in enumerate(world2):
         tm.assert_matches(result[layout], reference, f"{layout}, rank {rank}")
+
+
+def test_zero3_nan_guard_skip_leaves_every_shard_unchanged(world2):
+    for result in world2:
+        r = result["nan guard"]
+        assert r["unchanged"] and r["moved"] and r["finite"] and r["skipped"] == 1, r
 
 
 def test_zero3_bf16_mixed_matches_one_process_within_bf16_noise(world2, references):
