@@ -32,7 +32,7 @@ function inside the root's hooks.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -52,8 +52,8 @@ from nanotrain.parallel.expert import is_expert_param
 __all__ = [
     "StepRunner",
     "local_tensor",
-    "is_fully_sharded",
     "shard_fully",
+    "reduce_after_schedule",
     "wrapped_units",
 ]
 
@@ -78,11 +78,6 @@ class StepRunner(nn.Module):
 def local_tensor(tensor: Tensor) -> Tensor:
     """This rank's shard of a `DTensor`; any other tensor as it is."""
     return tensor.to_local() if isinstance(tensor, DTensor) else tensor
-
-
-def is_fully_sharded(tensor: Tensor) -> bool:
-    """Whether ``tensor`` is a `DTensor` (an FSDP2 parameter, its gradient or state)."""
-    return isinstance(tensor, DTensor)
 
 
 def _is_expert_stack(module: nn.Module) -> bool:
@@ -182,12 +177,3 @@ def reduce_after_schedule(runner: StepRunner) -> None:
         for group in unit_state._fsdp_param_groups:
             group.post_backward()
     state._root_post_backward_final_callback()
-
-
-def sharded_params(module: nn.Module) -> Iterator[tuple[str, nn.Parameter]]:
-    """``(name, parameter)`` of every trainable parameter, each once."""
-    seen: set[int] = set()
-    for name, p in module.named_parameters():
-        if p.requires_grad and id(p) not in seen:
-            seen.add(id(p))
-            yield name, p
