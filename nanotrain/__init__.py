@@ -24,6 +24,7 @@ _EXPORTS = {
     "DDPStrategy": "nanotrain.strategies",
     "EXIT_NONFINITE": "nanotrain.runtime.exit_codes",
     "EXIT_PREEMPTED": "nanotrain.runtime.exit_codes",
+    "FSDPStrategy": "nanotrain.strategies",
     "LanguageModelModule": "nanotrain.language_model",
     "LossTerms": "nanotrain.loss_terms",
     "MegatronStrategy": "nanotrain.strategies",
@@ -43,6 +44,7 @@ __all__ = [
     "DDPStrategy",
     "EXIT_NONFINITE",
     "EXIT_PREEMPTED",
+    "FSDPStrategy",
     "LanguageModelModule",
     "LossTerms",
     "MegatronStrategy",
@@ -88,6 +90,7 @@ if TYPE_CHECKING:  # what type checkers and IDEs see
     from nanotrain.runtime.exit_codes import EXIT_NONFINITE, EXIT_PREEMPTED
     from nanotrain.strategies import (
         DDPStrategy,
+        FSDPStrategy,
         MegatronStrategy,
         SingleDeviceStrategy,
         StepOutput,

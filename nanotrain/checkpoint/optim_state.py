@@ -22,6 +22,7 @@ from collections.abc import Callable
 from typing import Any, NamedTuple
 
 from torch import Tensor
+from torch.distributed.tensor import DTensor
 
 SEP = "::"
 #: the piece key of fp32 master weights (when the precision keeps parameters in bf16): the
@@ -69,6 +70,10 @@ def optimizer_slots(strategy: Any) -> list[list[Slot]]:
         for q in group["params"]:
             if id(q) in pieces:
                 slots.append(pieces[id(q)])
+            elif id(q) in names and isinstance(q, DTensor):  # ZeRO-3: this rank's FSDP shard
+                local = q.to_local()
+                start = fsdp_shard_offset(q)
+                slots.append(Slot(names[id(q)], start, local.numel(), tuple(local.shape)))
             elif id(q) in names:
                 slots.append(Slot(names[id(q)], 0, q.numel(), tuple(q.shape)))
             elif getattr(strategy, "zero_stage", 0) and zero is None:
@@ -84,6 +89,20 @@ def optimizer_slots(strategy: Any) -> list[list[Slot]]:
                 )
         groups.append(slots)
     return groups
+
+
+def fsdp_shard_offset(param: DTensor) -> int:
+    """Where this rank's FSDP2 shard of ``param`` (``Shard(0)``: rows in chunks of
+    ``ceil(dim0 / group size)``) starts in the flattened rank-local tensor."""
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    _, offset = compute_local_shape_and_global_offset(
+        param.shape, param.device_mesh, param.placements
+    )
+    if not param.shape:
+        return 0
+    row = param.shape[1:].numel()
+    return min(int(offset[0]), param.shape[0]) * row
 
 
 def piece_key(key: str, start: int, name: str) -> str:
@@ -117,6 +136,8 @@ def export_state(strategy: Any) -> tuple[dict[str, Tensor], dict[str, Any]]:
             if keeps_masters:
                 pieces[piece_key(MASTER_KEY, slot.start, slot.name)] = q.detach().reshape(-1)
             for key, value in optimizer.state.get(q, {}).items():
+                if isinstance(value, DTensor):
+                    value = value.to_local()
                 if isinstance(value, Tensor) and value.dim() > 0 and value.numel() == slot.numel:
                     pieces[piece_key(key, slot.start, slot.name)] = value.detach().reshape(-1)
                 else:

@@ -226,7 +226,15 @@ def _place_model(strategy: Any, module: Any, full: dict[str, Tensor]) -> Any:
             "layout the checkpoint was saved under"
         )
     inner = {k[len(_PREFIX) :]: v for k, v in full.items() if k.startswith(_PREFIX)}
-    load_full_state_dict(model, inner, strict=True)
+    if getattr(strategy, "_fsdp", None) is not None:
+        # ZeRO-3: the rank-local (tp / ep) slices, each rank then keeping its FSDP shard
+        local = {}
+        for name in strategy.module.state_dict():
+            prefix, _, leaf = name[len(_PREFIX) :].rpartition(".")
+            local[name] = shard_full_entry(model, model.get_submodule(prefix), leaf, full[name])
+        strategy.load_model_state_dict(local)
+    else:
+        load_full_state_dict(model, inner, strict=True)
 
     def shard(name: str, whole: Tensor) -> Tensor:
         prefix, _, local = name[len(_PREFIX) :].rpartition(".")

@@ -20,7 +20,7 @@ from contextlib import contextmanager
 import torch
 from torch import Tensor
 
-__all__ = ["cached_cast", "step_cast_cache"]
+__all__ = ["cached_cast", "drop_step_casts", "step_cast_cache"]
 
 _local = threading.local()
 
@@ -37,6 +37,18 @@ def step_cast_cache() -> Iterator[None]:
     finally:
         if outer is None:
             _local.cache = None
+
+
+def drop_step_casts() -> None:
+    """Forget the step's casts (autocast's and `cached_cast`'s) so the next forward casts
+    again; what the current autograd graph saved stays alive through it. ZeRO-3 calls this
+    after every forward: a cast made from a gathered FSDP2 parameter must not outlive its
+    microbatch (autograd would accumulate the next microbatch's weight gradient through the
+    old cast's node, after FSDP2 has collected that unit's gradients)."""
+    torch.clear_autocast_cache()
+    cache = getattr(_local, "cache", None)
+    if cache:
+        cache.clear()
 
 
 def cached_cast(t: Tensor, dtype: torch.dtype) -> Tensor:

@@ -1,4 +1,4 @@
-"""MegatronStrategy: tensor (+ sequence), pipeline, expert and data parallelism, ZeRO-1/2.
+"""MegatronStrategy: tensor (+ sequence), pipeline, expert and data parallelism, ZeRO-1/2/3.
 
 It composes the pieces of `nanotrain.parallel`: a `ParallelMesh` of process groups (the model
 is built against it in ``configure_model``), flat gradient buckets reduced while backward runs
@@ -8,6 +8,8 @@ cross-shard grad norm (`grads`). With ``pp > 1`` the microbatch loop is a pipeli
 (`megatron_pipeline.PipelineEngine`, GPipe, 1F1B or interleaved 1F1B) and the grad norm also
 sums over the pipeline group. With ``ep > 1`` each MoE layer holds ``1 / ep`` of the routed
 experts and moves token copies to them with all-to-all (`nanotrain.parallel.expert`).
+``zero_stage=3`` replaces the buckets and the sharded optimizer by torch's FSDP2
+(`nanotrain.parallel.fully_sharded`, driven by `megatron_sharded` / `megatron_zero3`).
 
 Per optimizer step (the loop the Trainer drives):
 
@@ -70,6 +72,8 @@ from nanotrain.strategies.megatron_pipeline import (
     embedding_groups,
     pick_schedule,
 )
+from nanotrain.strategies.megatron_sharded import ShardedMethods
+from nanotrain.strategies.megatron_zero3 import FullyShardedModel, check_zero3_options
 from nanotrain.strategies.optimizers import OptimizerSetup
 from nanotrain.strategies.rendezvous import (
     DEFAULT_TIMEOUT_S,
@@ -89,7 +93,7 @@ if TYPE_CHECKING:
 _REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "mean": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}
 
 
-class MegatronStrategy(MegatronGradNorms, Strategy):
+class MegatronStrategy(ShardedMethods, MegatronGradNorms, Strategy):
     """Tensor, sequence, pipeline, expert and data parallelism with optional ZeRO-1/2, on an
     explicit mesh.
 
@@ -107,8 +111,10 @@ class MegatronStrategy(MegatronGradNorms, Strategy):
             ranks (must divide dp and the model's number of routed experts).
         dp: data-parallel size; None infers ``world_size // (tp * pp)``.
         zero_stage: 0 (replicated optimizer), 1 (optimizer state sharded over dp; expert
-            state over expert-dp) or 2 (also gradients reduce-scattered, each rank keeping
-            its shard).
+            state over expert-dp), 2 (also gradients reduce-scattered, each rank keeping
+            its shard) or 3 (also parameters: torch's FSDP2 `fully_shard` per decoder layer,
+            on routed experts over expert-dp, and on the root; see
+            `nanotrain.parallel.fully_sharded`).
         sequence_parallel: shard norm/residual activations along the sequence over tp; the
             model must build its tensor-parallel layers with ``sequence_parallel=True``.
         bucket_size_mb: size of one gradient bucket (one collective) in MiB.
@@ -144,6 +150,15 @@ class MegatronStrategy(MegatronGradNorms, Strategy):
             expert-parallel group spans several nodes (with equally many of its ranks on each)
             and the MoE layers are dropless; True: required (an error where it cannot apply);
             False: never. Every rank must see the same ranks_per_node.
+        cpu_offload: ZeRO-3 only: keep parameter, gradient and optimizer-state shards in
+            host memory (FSDP2's `CPUOffloadPolicy`; the optimizer steps on the CPU).
+        reshard_after_forward: ZeRO-3 only: free each decoder layer's gathered parameters
+            after its forward and gather them again in backward (True), or keep them from
+            forward to backward (False: one all-gather fewer per layer, more memory).
+        reduce_scatter_every_microbatch: ZeRO-3 with pp=1 only: reduce-scatter each
+            microbatch's gradients into the shards (one reduce-scatter per microbatch)
+            instead of accumulating whole rank-local gradients until the last microbatch
+            (one reduce-scatter per step, but whole gradients in memory meanwhile).
 
     Raises:
         TypeError, ValueError: for invalid sizes or options, at construction (layouts that do
@@ -169,6 +184,9 @@ class MegatronStrategy(MegatronGradNorms, Strategy):
         overlap_forward_backward: bool = False,
         ranks_per_node: int | None = None,
         node_limited_dispatch: bool | None = None,
+        cpu_offload: bool = False,
+        reshard_after_forward: bool = True,
+        reduce_scatter_every_microbatch: bool = False,
     ) -> None:
         super().__init__()
         check_sizes(tp=tp, pp=pp, ep=ep, dp=dp, virtual_pp=virtual_pp)
@@ -200,8 +218,26 @@ class MegatronStrategy(MegatronGradNorms, Strategy):
                 f"ep={ep} does not divide dp={dp} (expert parallelism is carved out of data "
                 f"parallelism); pick ep among the divisors of {dp}, or a dp that ep divides"
             )
-        if zero_stage not in (0, 1, 2):
-            raise ValueError(f"zero_stage must be 0, 1 or 2, got {zero_stage!r}")
+        if zero_stage not in (0, 1, 2, 3):
+            raise ValueError(f"zero_stage must be 0, 1, 2 or 3, got {zero_stage!r}")
+        check_zero3_options(
+            zero_stage,
+            cpu_offload,
+            reshard_after_forward,
+            pp,
+            self.schedule,
+            self.overlap_forward_backward,
+        )
+        if reduce_scatter_every_microbatch and (zero_stage != 3 or pp > 1):
+            raise ValueError(
+                "reduce_scatter_every_microbatch=True needs zero_stage=3 and pp=1 (got "
+                f"zero_stage={zero_stage}, pp={pp}): only ZeRO-3 keeps gradient shards, and "
+                "under pp the schedule reduces once after all its backwards"
+            )
+        self.reduce_scatter_every_microbatch = bool(reduce_scatter_every_microbatch)
+        self.cpu_offload = bool(cpu_offload)
+        self.reshard_after_forward = bool(reshard_after_forward)
+        self._fsdp: FullyShardedModel | None = None
         if not bucket_size_mb > 0:
             raise ValueError(f"bucket_size_mb must be > 0, got {bucket_size_mb}")
         self.tp, self.pp, self.ep, self.dp = tp, pp, ep, dp
@@ -411,6 +447,17 @@ class MegatronStrategy(MegatronGradNorms, Strategy):
         params = backward_order(module)
         check_built_model(module, params, self.mesh, self.sequence_parallel)
         precision = self.precision
+        if self.zero_stage == 3:
+            self._fsdp = FullyShardedModel(
+                module,
+                self.mesh,
+                precision,
+                self.root_device,
+                reshard_after_forward=self.reshard_after_forward,
+                cpu_offload=self.cpu_offload,
+                sequence_parallel=self.sequence_parallel,
+            )
+            return
         self._grads, self._expert_sets = build_grad_buckets(
             params,
             expert_param_ids(module),
@@ -429,6 +476,10 @@ class MegatronStrategy(MegatronGradNorms, Strategy):
         scheduler keeps driving it: see `nanotrain.parallel.zero`)."""
         setup = super().setup_optimizers(module)
         masters = self.precision.master_weights
+        if self._fsdp is not None:
+            if masters and not self._fsdp.distributed:  # one process: plain fp32 masters
+                self._master_holder = MasterWeights(setup.optimizer)
+            return setup  # else FSDP2's fp32 shards are the master weights
         if self.zero_stage > 0:
             assert self._grads is not None, "setup_module() must run before setup_optimizers()"
             self._zero = ZeroOptimizer(
@@ -452,6 +503,8 @@ class MegatronStrategy(MegatronGradNorms, Strategy):
     ) -> StepOutput:
         """Accumulate the gradient of the mean loss over the global batch's tokens; reduce it
         over dp (and tp under SP). `hooks` need `supports_microbatch_hooks`."""
+        if self._fsdp is not None:
+            return self._forward_backward_sharded(module, microbatches, batch_idx, hooks)
         grads = self._grads
         assert grads is not None, "setup_module() must run before forward_backward()"
         weighed = weigh_microbatches(self, module, microbatches)
@@ -520,9 +573,13 @@ class MegatronStrategy(MegatronGradNorms, Strategy):
         """Forward only: through the pipeline stages under pp > 1 (every stage logs the
         global values), else `module.<step_name>` ("validation_step" or "test_step")."""
         if self._pipeline is not None:
+            run = None if self._fsdp is None else self._fsdp.run
             return self._pipeline.validation_step(
-                module, batch, batch_idx, self.precision, step_name
+                module, batch, batch_idx, self.precision, step_name, run=run
             )
+        if self._fsdp is not None:
+            with torch.no_grad(), self.precision.forward_context():
+                return self._fsdp.run(getattr(module, step_name), batch, batch_idx)
         return super().validation_step(module, batch, batch_idx, step_name)
 
     def predict_step(self, module: NanoModule, batch: Any, batch_idx: int) -> Any:
@@ -534,6 +591,9 @@ class MegatronStrategy(MegatronGradNorms, Strategy):
                 "stage holds the whole model; predict with pp=1 (tp/ep/dp are fine), or export "
                 "the checkpoint with `nanotrain export` and predict from that"
             )
+        if self._fsdp is not None:
+            with torch.no_grad(), self.precision.forward_context():
+                return self._fsdp.run(module.predict_step, batch, batch_idx)
         return super().predict_step(module, batch, batch_idx)
 
     @property
@@ -543,8 +603,8 @@ class MegatronStrategy(MegatronGradNorms, Strategy):
 
     @property
     def supports_backward_hooks(self) -> bool:
-        """Not under pp > 1 nor ZeRO-2 (the reduced gradients live in this rank's shards, not
-        in `.grad`)."""
+        """Not under pp > 1 nor ZeRO-2/3 (the reduced gradients live in this rank's shards,
+        not whole in `.grad`)."""
         return self.pp == 1 and self.zero_stage < 2
 
     def _updater(self) -> Any:
@@ -553,7 +613,11 @@ class MegatronStrategy(MegatronGradNorms, Strategy):
         return self._zero if self._zero is not None else super()._updater()
 
     def zero_grad(self) -> None:
-        """Zero the gradient buffers (the grads stay views of them)."""
+        """Zero the gradient buffers (the grads stay views of them); under ZeRO-3 drop the
+        gradient shards."""
+        if self._fsdp is not None:
+            self.optimizer.zero_grad(set_to_none=True)
+            return
         assert self._grads is not None
         self._grads.zero_()
 
@@ -563,9 +627,11 @@ class MegatronStrategy(MegatronGradNorms, Strategy):
         if self._grads is not None:
             self._grads.remove_hooks()
         self._grads = self._zero = self._master_holder = None
+        # the ZeRO-3 model stays wrapped: full_tensor still gathers its shards after fit
         self._expert_sets, self._sp_params = [], []
         if self._owns_process_group and dist.is_initialized():
             dist.destroy_process_group()
             self._owns_process_group = False
             self._mesh = None  # its groups died with the process group
+            self._fsdp = None
             self._pipeline = None

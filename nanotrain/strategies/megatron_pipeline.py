@@ -17,7 +17,7 @@ Validation replays ``validation_step`` the same way after a forward-only schedul
 from __future__ import annotations
 
 import datetime
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -26,6 +26,7 @@ from torch import Tensor
 
 from nanotrain.models.stages import PipelineStage
 from nanotrain.models.transformer import ModelOutput
+from nanotrain.parallel.fully_sharded import local_tensor
 from nanotrain.parallel.grads import all_reduce_coalesced
 from nanotrain.parallel.pipeline import PipelineComm, open_channels
 from nanotrain.parallel.schedule_runner import ScheduleStats, run_schedule
@@ -280,13 +281,17 @@ class PipelineEngine:
         batch_idx: int,
         grads: GradBucketSets,
         precision: Precision | None = None,
+        run: Callable[..., Any] | None = None,
     ) -> Tensor:
         """Run the schedule (forward and backward of every microbatch, each chunk's loss
         terms weighed by ``accumulator.objective``), sum the shared embedding grads, reduce
         every grad over dp, and replay ``training_step`` with the global loss terms. Returns
         the accumulator's weighed term sums of this data-parallel replica, summed over stages
         (the strategy reduces them over dp). ``precision``: its forward context wraps every
-        forward and its loss scale multiplies every backward."""
+        forward and its loss scale multiplies every backward. ``run``: calls each
+        ``training_step`` (ZeRO-3: inside FSDP2's root hooks, `megatron_zero3`); under it
+        ``grads`` reduce-scatter in ``finish`` after the whole schedule, before the shared
+        embedding's sum (which then adds the two stages' equal shards)."""
         precision = precision or Precision()
         stage = self.stage_of(module)
         num_micro = len(microbatches)
@@ -298,13 +303,15 @@ class PipelineEngine:
 
         def training_step(batch: Any) -> Any:
             with precision.forward_context():
+                if run is not None:
+                    return run(module.training_step, batch, batch_idx)
                 return module.training_step(batch, batch_idx)
 
         step = self._forward_step(stage, training_step, microbatches, terms, accumulator.objective)
         shared = self.shared_params(module)
         # With a shared embedding the dp reduction must wait for the cross-stage sum below;
         # otherwise it overlaps the last backward as without pipelining.
-        before_last = None if shared else (lambda: grads.set_sync(True))
+        before_last = None if shared or run is not None else (lambda: grads.set_sync(True))
         grads.set_sync(False)
         self.last_stats = run_schedule(
             actions,
@@ -315,10 +322,15 @@ class PipelineEngine:
             params=list(stage.parameters()),
             overlap=self.overlap,
         )
+        if run is not None:
+            with named_range("nanotrain/grad_reduction"):
+                grads.finish()
         if shared:
-            all_reduce_coalesced([grad_of(p) for p in shared], self.embedding_group)
-        with named_range("nanotrain/grad_reduction"):
-            grads.finish()
+            pieces = [local_tensor(grad_of(p)) for p in shared if grad_of(p) is not None]
+            all_reduce_coalesced(pieces, self.embedding_group)
+        if run is None:
+            with named_range("nanotrain/grad_reduction"):
+                grads.finish()
         terms = self._global_terms(terms, over_dp=True)
         has_mtp = _has_mtp(stage)
         with torch.no_grad():
@@ -334,6 +346,7 @@ class PipelineEngine:
         batch_idx: int,
         precision: Precision | None = None,
         step_name: str = "validation_step",
+        run: Callable[..., Any] | None = None,
     ) -> Any:
         """Forward-only through the stages (inside ``precision``'s forward context), then
         ``module.<step_name>`` ("validation_step" or "test_step") replayed with the global
@@ -346,7 +359,7 @@ class PipelineEngine:
 
         def validation_step(b: Any) -> Any:
             with precision.forward_context():
-                return eval_step(b, batch_idx)
+                return eval_step(b, batch_idx) if run is None else run(eval_step, b, batch_idx)
 
         step = self._forward_step(stage, validation_step, [batch], terms)
         actions = forward_only(1, self.mesh.pp_size, self.mesh.pp_rank, self.virtual_pp)
