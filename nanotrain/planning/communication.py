@@ -49,14 +49,16 @@ from nanotrain.planning.communication_tp import (
     sp_grad_numel,
     tp_collectives,
 )
+from nanotrain.planning import zero3
 from nanotrain.planning.layout import PlanLayout, Workload, pipeline_actions
+from nanotrain.planning.memory import element_size, gather_dtype
 from nanotrain.planning.rank_model import RankModel, rank_models
 from nanotrain.strategies.megatron_grads import bucket_numel_for
 
 __all__ = ["GROUPS", "CommEstimate", "WireDtypes", "comm_estimate", "wire_dtypes"]
 
 #: the groups of `CommEstimate.bytes_per_step`
-GROUPS = ("tp", "pp", "ep", "ep_inter", "dp", "expert_dp", "embedding", "other")
+GROUPS = ("tp", "pp", "ep", "ep_inter", "dp", "expert_dp", "embedding", "host", "other")
 
 
 @dataclass(frozen=True)
@@ -337,10 +339,56 @@ def _ep(
     return out
 
 
-def _dp(layout: PlanLayout, rank: RankModel, dt: WireDtypes) -> dict[str, _Tally]:
+def _zero3(
+    layout: PlanLayout, rank: RankModel, dt: WireDtypes, micro: int, gather: int
+) -> dict[str, _Tally]:
+    """ZeRO-3 (FSDP2), per microbatch and FSDP unit (`zero3.zero3_units`): an all-gather of
+    its padded shards in the gather dtype (`gather` bytes, `memory.gather_dtype`) in forward and, for blocks and expert stacks with
+    ``reshard_after_forward``, again in backward (the root is never resharded after
+    forward); a reduce-scatter of its gradient in the reduce dtype. Wire bytes of a group of
+    g: ``(g - 1) x shard`` each. With ``cpu_offload`` the shards cross PCIe ("host"): to the
+    GPU before each all-gather, the gradient shard back after each reduce-scatter."""
+    out = {"dp": _Tally(), "expert_dp": _Tally(), "host": _Tally()}
+    units = zero3.zero3_units(rank)
+    gathers = 2 if layout.reshard_after_forward else 1
+    for name, group, unit_list, passes in (
+        ("dp", layout.dp, [units.root] if units.root else [], 1),
+        ("dp", layout.dp, units.blocks, gathers),
+        ("expert_dp", layout.expert_dp, units.experts, gathers),
+    ):
+        shard = sum(zero3.sharded_numel(u, group) for u in unit_list)
+        n = len(unit_list)
+        if not n:
+            continue
+        if group > 1:
+            out[name].add(
+                micro * passes * (group - 1) * shard * gather,
+                micro * passes * n,
+                f"{micro} x {passes} all-gathers of {n} units ({shard} shard elements x "
+                f"{gather} B)",
+            )
+            out[name].add(
+                micro * (group - 1) * shard * dt.reduce,
+                micro * n,
+                f"{micro} reduce-scatters of {n} units x {dt.reduce} B",
+            )
+        if layout.cpu_offload:
+            out["host"].add(
+                micro * (passes * dt.param + dt.param) * shard,
+                micro * (passes + 1) * n,
+                f"{micro} x ({passes} copies of {n} parameter shards in + their gradient out)",
+            )
+    return out
+
+
+def _dp(
+    layout: PlanLayout, rank: RankModel, dt: WireDtypes, micro: int = 1, gather: int = 2
+) -> dict[str, _Tally]:
     """Per bucket: grad all-reduce / reduce-scatter (ZeRO-2) in the reduce dtype; under ZeRO
     an all-gather of the updated parameters in their dtype. Dense over dp, experts over
-    expert-dp; the padded flat buffers of `RankModel.flat_numels`."""
+    expert-dp; the padded flat buffers of `RankModel.flat_numels`. ZeRO-3: `_zero3`."""
+    if layout.zero_stage == 3:
+        return _zero3(layout, rank, dt, micro, gather)
     out = {"dp": _Tally(), "expert_dp": _Tally()}
     bucket = bucket_numel_for(dt.param, layout.bucket_size_mb)
     for name, params, g in (
@@ -424,6 +472,10 @@ def _other(
     return out
 
 
+def _gather_size(workload: Workload) -> int:
+    return element_size(gather_dtype(workload.precision))
+
+
 def comm_estimate(
     config: Any,
     layout: PlanLayout,
@@ -460,9 +512,10 @@ def comm_estimate(
         "tp": _tp(config, layout, workload, rank, dt),
         "pp": _pp(layout, workload, config, pp_rank, dt),
         **_ep(config, layout, workload, rank, dt, ranks_per_node),
-        **_dp(layout, rank, dt),
+        **_dp(layout, rank, dt, workload.num_microbatches(layout), _gather_size(workload)),
         "embedding": _embedding(config, layout, pp_rank, dt),
     }
+    tallies.setdefault("host", _Tally())
     other = _other(config, layout, workload, rank)
     tallies["other"] = _Tally(
         sum(t.bytes for t in other.values()),

@@ -38,7 +38,11 @@ class PlanLayout(MeshLayout):
         tp, pp, dp, ep: tensor-, pipeline-, data- and expert-parallel sizes.
         virtual_pp: model chunks per pipeline rank (interleaved 1F1B when > 1; 2 under
             DualPipeV, whatever is given).
-        zero_stage: 0, 1 or 2 (optimizer state, and with 2 the gradients, sharded over dp).
+        zero_stage: 0, 1 or 2 (optimizer state, and with 2 the gradients, sharded over dp),
+            or 3 (FSDP2: parameters too, `nanotrain.planning.zero3`).
+        cpu_offload: ZeRO-3's shards, gradients and optimizer state on the host.
+        reshard_after_forward: ZeRO-3 frees each block's gathered parameters after its
+            forward and gathers them again in backward (False: kept, gathered once).
         sequence_parallel: shard activations outside the tp matmuls along the sequence.
         pipeline_layout: layers per virtual stage (pp * virtual_pp numbers), None = even.
         schedule: a name of `nanotrain.parallel.schedules.SCHEDULES`; None = the strategy's default.
@@ -68,9 +72,18 @@ class PlanLayout(MeshLayout):
     node_limited_dispatch: bool | None = None
     fp8_expert_activations: bool = False
     fp8_dispatch: bool = False
+    cpu_offload: bool = False
+    reshard_after_forward: bool = True
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        if self.zero_stage not in (0, 1, 2, 3):
+            raise ValueError(f"zero_stage must be 0, 1, 2 or 3, got {self.zero_stage!r}")
+        if self.cpu_offload and self.zero_stage != 3:
+            raise ValueError(
+                f"cpu_offload=True needs zero_stage=3 (got {self.zero_stage}): only ZeRO-3's "
+                "shards move to the host"
+            )
         if self.pipeline_layout is not None:
             object.__setattr__(self, "pipeline_layout", tuple(self.pipeline_layout))
         object.__setattr__(self, "schedule", pick_schedule(self.schedule, self.virtual_pp))
@@ -93,7 +106,13 @@ class PlanLayout(MeshLayout):
         """The `MegatronStrategy` of this layout (not set up: no process group is made)."""
         from nanotrain.strategies.megatron import MegatronStrategy
 
+        zero3 = {}
+        if self.zero_stage == 3:
+            zero3 = dict(
+                cpu_offload=self.cpu_offload, reshard_after_forward=self.reshard_after_forward
+            )
         return MegatronStrategy(
+            **zero3,
             tp=self.tp,
             pp=self.pp,
             ep=self.ep,
@@ -125,6 +144,8 @@ class PlanLayout(MeshLayout):
         dp = getattr(strategy, "dp", None) or world_size // (tp * pp)
         layout = getattr(strategy, "pipeline_layout", None)
         return cls(
+            cpu_offload=getattr(strategy, "cpu_offload", False),
+            reshard_after_forward=getattr(strategy, "reshard_after_forward", True),
             tp=tp,
             pp=pp,
             dp=dp,
@@ -153,7 +174,10 @@ class PlanLayout(MeshLayout):
             ValueError / TypeError: the strategy's message (sizes that do not divide the
                 heads, experts, layers or world size; a bad pipeline layout or schedule).
         """
-        self.strategy().validate_model(config, world_size=self.world_size)
+        # how the model splits does not depend on the ZeRO stage: checked with a stage the
+        # strategy of every version takes (ZeRO-3's own refusals come with its constructor)
+        split = self if self.zero_stage < 3 else replace(self, zero_stage=2, cpu_offload=False)
+        split.strategy().validate_model(config, world_size=self.world_size)
         if self.pp == 1 and self.virtual_pp == 1 and self.pipeline_layout is not None:
             partition_layers(config.num_layers, 1, 1, self.pipeline_layout)
 
@@ -221,6 +245,10 @@ class PlanLayout(MeshLayout):
             parts.append(f"ep{self.ep}")
         if self.zero_stage:
             parts.append(f"zero{self.zero_stage}")
+        if self.zero_stage == 3 and not self.reshard_after_forward:
+            parts.append("no-reshard")
+        if self.cpu_offload:
+            parts.append("offload")
         if self.sequence_parallel and self.tp > 1:
             parts.append("sp")
         if self.recompute_full_layers:

@@ -57,6 +57,7 @@ def format_plan(plan: Plan) -> str:
     """Multi-line text: the model and layout, per-stage memory (GiB) by kind, FLOPs and
     communication per step, and the estimated step time."""
     w, lay = plan.workload, plan.layout
+    zero3 = lay.zero_stage == 3
     lines = [
         f"model {plan.model}: {_count(plan.total_params)} parameters"
         + (f" (+{_count(plan.mtp_params)} MTP)" if plan.mtp_params else "")
@@ -67,7 +68,8 @@ def format_plan(plan: Plan) -> str:
         f"step), micro batch {w.micro_batch_size}, {w.num_microbatches(lay)} microbatches "
         f"per replica, precision {w.precision}",
         "",
-        "memory per GPU (GiB)",
+        "memory per GPU (GiB)"
+        + (" (gathered: ZeRO-3's unsharded copies at work)" if zero3 else ""),
         f"{'stage':>5} {'layers':>6} {'params':>9} {'weights':>8} {'grads':>8} {'master':>8} "
         f"{'optim':>8} {'activ':>8} {'reserve':>8} {'total':>8}",
     ]
@@ -76,7 +78,8 @@ def format_plan(plan: Plan) -> str:
         lines.append(
             f"{r.pp_rank:>5} {r.layers:>6} {_count(r.params):>9} {_gib(m['params']):>8} "
             f"{_gib(m['grads']):>8} {_gib(m['master_weights']):>8} {_gib(m['optimizer']):>8} "
-            f"{_gib(m['activations']):>8} {_gib(m['reserve']):>8} {_gib(m['total']):>8}"
+            + (f"{_gib(m['gathered']):>8} " if zero3 else "")
+            + f"{_gib(m['activations']):>8} {_gib(m['reserve']):>8} {_gib(m['total']):>8}"
         )
     big, slow = plan.largest, plan.slowest
     lines += [
