@@ -43,13 +43,13 @@ from nanotrain.parallel.data_parallel import FlatLayout
 from nanotrain.parallel.fp8_wire import fp8_row_bytes
 from nanotrain.parallel.placement import StagePlacement
 from nanotrain.parallel.tensor import pad_vocab_size
+from nanotrain.planning import zero3
 from nanotrain.planning.communication_tp import (
     is_moe_layer,
     mtp_is_moe,
     sp_grad_numel,
     tp_collectives,
 )
-from nanotrain.planning import zero3
 from nanotrain.planning.layout import PlanLayout, Workload, pipeline_actions
 from nanotrain.planning.memory import element_size, gather_dtype
 from nanotrain.planning.rank_model import RankModel, rank_models

@@ -37,12 +37,12 @@ from typing import Any
 
 from nanotrain.models.accounting import active_params, total_params
 from nanotrain.parallel.mesh import MeshLayout
+from nanotrain.planning import zero3
 from nanotrain.planning.activations import ActivationEstimate, activation_estimate
 from nanotrain.planning.communication import CommEstimate, comm_estimate
 from nanotrain.planning.communication_tp import is_moe_layer
 from nanotrain.planning.gpus import GPUSpec
 from nanotrain.planning.layout import PlanLayout, Workload
-from nanotrain.planning import zero3
 from nanotrain.planning.memory import (
     StateMemory,
     element_size,
