@@ -342,12 +342,14 @@ def _ep(
 def _zero3(
     layout: PlanLayout, rank: RankModel, dt: WireDtypes, micro: int, gather: int
 ) -> dict[str, _Tally]:
-    """ZeRO-3 (FSDP2), per microbatch and FSDP unit (`zero3.zero3_units`): an all-gather of
-    its padded shards in the gather dtype (`gather` bytes, `memory.gather_dtype`) in forward and, for blocks and expert stacks with
-    ``reshard_after_forward``, again in backward (the root is never resharded after
-    forward); a reduce-scatter of its gradient in the reduce dtype. Wire bytes of a group of
-    g: ``(g - 1) x shard`` each. With ``cpu_offload`` the shards cross PCIe ("host"): to the
-    GPU before each all-gather, the gradient shard back after each reduce-scatter."""
+    """ZeRO-3 (FSDP2), per FSDP unit (`zero3.zero3_units`): every microbatch an all-gather of
+    its padded shards in the gather dtype (`gather` bytes, `memory.gather_dtype`) in forward
+    and, for blocks and expert stacks with ``reshard_after_forward``, again in backward (the
+    root is never resharded after forward); one reduce-scatter of its gradient per step, in
+    the reduce dtype, on the last microbatch (the strategy syncs gradients only there).
+    Wire bytes of a group of g: ``(g - 1) x shard`` each. With ``cpu_offload`` the fp32
+    shards cross PCIe ("host"): to the GPU before each all-gather, the gradient shard back
+    after the reduce-scatter."""
     out = {"dp": _Tally(), "expert_dp": _Tally(), "host": _Tally()}
     units = zero3.zero3_units(rank)
     gathers = 2 if layout.reshard_after_forward else 1
@@ -368,15 +370,15 @@ def _zero3(
                 f"{gather} B)",
             )
             out[name].add(
-                micro * (group - 1) * shard * dt.reduce,
-                micro * n,
-                f"{micro} reduce-scatters of {n} units x {dt.reduce} B",
+                (group - 1) * shard * dt.reduce,
+                n,
+                f"reduce-scatter of {n} units x {dt.reduce} B",
             )
         if layout.cpu_offload:
             out["host"].add(
-                micro * (passes * dt.param + dt.param) * shard,
-                micro * (passes + 1) * n,
-                f"{micro} x ({passes} copies of {n} parameter shards in + their gradient out)",
+                (micro * passes + 1) * shard * 4,
+                micro * passes * n + n,
+                f"{micro} x {passes} copies of {n} fp32 shards in, their gradients out",
             )
     return out
 

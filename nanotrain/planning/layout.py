@@ -79,10 +79,23 @@ class PlanLayout(MeshLayout):
         super().__post_init__()
         if self.zero_stage not in (0, 1, 2, 3):
             raise ValueError(f"zero_stage must be 0, 1, 2 or 3, got {self.zero_stage!r}")
+        # the strategy's own refusals (`check_zero3_options`), here so that a plan is
+        # refused at once with its reason
         if self.cpu_offload and self.zero_stage != 3:
             raise ValueError(
                 f"cpu_offload=True needs zero_stage=3 (got {self.zero_stage}): only ZeRO-3's "
                 "shards move to the host"
+            )
+        if not self.reshard_after_forward and self.zero_stage != 3:
+            raise ValueError(
+                f"reshard_after_forward=False needs zero_stage=3 (got {self.zero_stage}): "
+                "under ZeRO-0/1/2 every rank keeps whole parameters anyway"
+            )
+        if self.zero_stage == 3 and self.pp > 1:
+            raise ValueError(
+                f"zero_stage=3 with pp={self.pp} is not supported by MegatronStrategy (the "
+                "pipeline schedules run backward outside FSDP2's hooks); use zero_stage=1 or "
+                "2 with pp, or ZeRO-3 with pp=1"
             )
         if self.pipeline_layout is not None:
             object.__setattr__(self, "pipeline_layout", tuple(self.pipeline_layout))

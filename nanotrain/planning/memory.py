@@ -23,9 +23,11 @@ drops the full buffer, so between steps a rank holds only the shard, but during 
 full buffer is still there: the *peak* gradient memory of ZeRO-2 is the full buffer plus the
 shard (Megatron frees bucket by bucket; we do not, see docs/planning.md).
 
-ZeRO-3 (FSDP2) holds padded per-tensor shards instead (`nanotrain.planning.zero3`): parameters
-and gradients ``ceil(rows / g) x rest`` per tensor, the optimizer state of the rank's own rows,
-and while it computes the gathered copies of the units at work (`StateMemory.gathered`); with
+ZeRO-3 (FSDP2) holds padded per-tensor fp32 shards instead (`nanotrain.planning.zero3`):
+parameters and gradients ``ceil(rows / g) x rest`` per tensor (under "bf16-true" the fp32
+shards are the masters, gathered in bf16), the optimizer state of the rank's own rows, while
+it computes the gathered copies of the units at work (`StateMemory.gathered`), and, with more
+than one microbatch, the whole gradients accumulated before the one reduce-scatter; with
 ``cpu_offload`` the shards, gradients, masters and optimizer state are on the host
 (`StateMemory.host`) and the GPU holds only the gathered copies and the buffers.
 """
@@ -157,46 +159,50 @@ def _owned_counts(flat: FlatLayout) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def gather_dtype(precision: str) -> torch.dtype:
-    """The dtype ZeRO-3 gathers parameters in: the precision's autocast dtype when it has
-    one (FSDP2's `MixedPrecisionPolicy.param_dtype`), else the parameters' own."""
-    return getattr(PRECISION_PLUGINS[precision], "autocast_dtype", None) or param_dtype(precision)
+    """The dtype ZeRO-3 gathers parameters in (`fsdp_mixed_precision`): the precision's
+    parameter dtype ("bf16-true": bf16 copies of the fp32 shards), fp32 under every other
+    precision (autocast casts inside the forward, as on one process)."""
+    return param_dtype(precision)
 
 
 def zero3_optimizer_pieces(rank: RankModel, layout: PlanLayout) -> list[tuple[int, int]]:
     """Per data-parallel rank, (elements, tensors) the optimizer updates under ZeRO-3: its
     unpadded FSDP2 shard of every tensor (dense over dp, experts over dp / ep: data-parallel
-    rank d is rank ``d % (dp / ep)`` of its expert-data-parallel group), every tensor counted
-    (an empty shard still has its state entry)."""
+    rank d is rank ``d // ep`` of its expert-data-parallel group, `MeshLayout`'s
+    ``dp_rank = ep_rank + ep * expert_dp_rank``), every tensor counted (an empty shard still
+    has its state entry)."""
     dense = zero3.local_numels(rank.dense, layout.dp)
     experts = zero3.local_numels(rank.experts, layout.expert_dp)
     tensors = len(rank.dense) + len(rank.experts)
-    return [(dense[d] + experts[d % layout.expert_dp], tensors) for d in range(layout.dp)]
+    return [(dense[d] + experts[d // layout.ep], tensors) for d in range(layout.dp)]
 
 
 def _zero3_memory(rank: RankModel, layout: PlanLayout, workload: Workload) -> StateMemory:
     """`state_memory` under ZeRO-3 (module docstring), for data-parallel rank 0, which
-    holds the most (torch.chunk gives the first ranks the full rows)."""
-    size = element_size(param_dtype(workload.precision))
+    holds the most (torch.chunk gives the first ranks the full rows). The shards are fp32
+    under every precision ("bf16-true" too: they are its master weights) and so are their
+    gradients. With more than one microbatch, the strategy lets the gradients of all but
+    the last accumulate unsharded (FSDP2 without gradient sync) and reduce-scatters once:
+    during backward a rank then also holds every parameter's whole gradient in fp32."""
     shard = zero3.sharded_numel(rank.dense, layout.dp) + zero3.sharded_numel(
         rank.experts, layout.expert_dp
     )
     elements, tensors = zero3_optimizer_pieces(rank, layout)[0]
-    params = shard * size
-    grads = shard * size  # FSDP2's sharded gradients take the sharded parameters' dtype
-    master = elements * _FP32 if size != _FP32 else 0
+    params = grads = shard * _FP32
+    accumulated = rank.params * _FP32 if workload.num_microbatches(layout) > 1 else 0
     optimizer = workload.optimizer_states * elements * _FP32 + tensors * _FP32
     gathered = zero3.gathered_bytes(
-        rank, layout, element_size(gather_dtype(workload.precision)), size
+        rank, layout, element_size(gather_dtype(workload.precision)), _FP32
     )
     host = 0
     if layout.cpu_offload:
-        host = params + grads + master + optimizer
-        params = grads = master = optimizer = 0
+        host = params + grads + optimizer
+        params = grads = optimizer = 0
     return StateMemory(
         params=params + rank.buffer_bytes,
         grads=grads,
-        grads_peak=grads,
-        master=master,
+        grads_peak=grads + accumulated,
+        master=0,
         optimizer=optimizer,
         optimizer_elements=elements,
         gathered=gathered,

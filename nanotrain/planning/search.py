@@ -5,7 +5,7 @@ pp among the divisors of what is left (layers that do not split evenly get
 `layout.balanced_pipeline_layout`), virtual_pp 1 or 2 (with 2: interleaved 1F1B and
 DualPipeV); ep among the divisors of dp that divide the
 routed experts; ZeRO 1 and 3 (and 0 / 2 when asked; ZeRO-3 only where dp > 1, since it shards
-over dp); micro batch sizes 1, 2, 4; recomputation none, then light, then selective, then
+over dp, and pp = 1, since the strategy runs it without a pipeline); micro batch sizes 1, 2, 4; recomputation none, then light, then selective, then
 full (`SEARCH_RECOMPUTE`: each costs more compute than the one before), stopping at the first
 that fits; under ZeRO-3, when no recomputation mode fits, the same modes again with
 ``cpu_offload`` (it frees the GPU of all model state but the gathered copies, at the price of
@@ -73,8 +73,9 @@ def _candidates(
                     if experts and experts % ep:
                         continue
                     for zero in zero_stages:
-                        if zero == 3 and dp == 1:
-                            continue  # nothing to shard over: the same as no ZeRO
+                        if zero == 3 and (dp == 1 or pp > 1):
+                            # dp = 1: nothing to shard over; pp > 1: the strategy refuses
+                            continue
                         for schedule in _schedules(vpp):
                             yield PlanLayout(
                                 tp=tp,
