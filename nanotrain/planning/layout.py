@@ -189,7 +189,11 @@ class PlanLayout(MeshLayout):
         """
         # how the model splits does not depend on the ZeRO stage: checked with a stage the
         # strategy of every version takes (ZeRO-3's own refusals come with its constructor)
-        split = self if self.zero_stage < 3 else replace(self, zero_stage=2, cpu_offload=False)
+        split = (
+            self
+            if self.zero_stage < 3
+            else replace(self, zero_stage=2, cpu_offload=False, reshard_after_forward=True)
+        )
         split.strategy().validate_model(config, world_size=self.world_size)
         if self.pp == 1 and self.virtual_pp == 1 and self.pipeline_layout is not None:
             partition_layers(config.num_layers, 1, 1, self.pipeline_layout)
