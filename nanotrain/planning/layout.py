@@ -17,7 +17,12 @@ from nanotrain.parallel.mesh import MeshLayout
 from nanotrain.parallel.node_dispatch import node_split
 from nanotrain.parallel.pipeline import partition_layers, stage_layers
 from nanotrain.parallel.placement import StagePlacement
-from nanotrain.parallel.schedules import SCHEDULES, Action, max_in_flight
+from nanotrain.parallel.schedules import (
+    SCHEDULES,
+    SPLIT_BACKWARD_SCHEDULES,
+    Action,
+    max_in_flight,
+)
 from nanotrain.precision import PRECISIONS as PRECISION_PLUGINS
 from nanotrain.precision import precision_name
 from nanotrain.strategies.megatron_pipeline import check_pairing, chunks_per_rank, pick_schedule
@@ -91,12 +96,6 @@ class PlanLayout(MeshLayout):
                 f"reshard_after_forward=False needs zero_stage=3 (got {self.zero_stage}): "
                 "under ZeRO-0/1/2 every rank keeps whole parameters anyway"
             )
-        if self.zero_stage == 3 and self.pp > 1:
-            raise ValueError(
-                f"zero_stage=3 with pp={self.pp} is not supported by MegatronStrategy (the "
-                "pipeline schedules run backward outside FSDP2's hooks); use zero_stage=1 or "
-                "2 with pp, or ZeRO-3 with pp=1"
-            )
         if self.pipeline_layout is not None:
             object.__setattr__(self, "pipeline_layout", tuple(self.pipeline_layout))
         object.__setattr__(self, "schedule", pick_schedule(self.schedule, self.virtual_pp))
@@ -106,6 +105,19 @@ class PlanLayout(MeshLayout):
             check_pairing(self.pp, self.tp, self.virtual_pp, self.schedule)
         check_recompute(self.recompute)
         check_full_layers(self.recompute_full_layers, self.recompute)
+        if self.zero_stage == 3 and self.overlap_forward_backward:
+            raise ValueError(
+                "zero_stage=3 with overlap_forward_backward=True is not supported by "
+                "MegatronStrategy (FSDP2's per-unit state is driven by one thread); use "
+                "overlap_forward_backward=False, or zero_stage=1/2"
+            )
+        if self.zero_stage == 3 and self.pp > 1 and self.schedule in SPLIT_BACKWARD_SCHEDULES:
+            raise ValueError(
+                f"zero_stage=3 with schedule {self.schedule!r} is not supported by "
+                "MegatronStrategy (its weight half differentiates the gathered copies FSDP2 "
+                "frees after the input half); use schedule='1f1b', 'interleaved_1f1b' or "
+                "'gpipe' with ZeRO-3, or zero_stage=1/2 with this schedule"
+            )
 
     def layer_recompute(self, position: int) -> str | None:
         """The recompute mode of the decoder layer at `position` (0-based) within its chunk."""

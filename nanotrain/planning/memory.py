@@ -181,15 +181,17 @@ def _zero3_memory(rank: RankModel, layout: PlanLayout, workload: Workload) -> St
     """`state_memory` under ZeRO-3 (module docstring), for data-parallel rank 0, which
     holds the most (torch.chunk gives the first ranks the full rows). The shards are fp32
     under every precision ("bf16-true" too: they are its master weights) and so are their
-    gradients. With more than one microbatch, the strategy lets the gradients of all but
-    the last accumulate unsharded (FSDP2 without gradient sync) and reduce-scatters once:
-    during backward a rank then also holds every parameter's whole gradient in fp32."""
+    gradients. With more than one microbatch, or any under pp > 1, the strategy lets the
+    gradients accumulate unsharded (FSDP2 without gradient sync) and reduce-scatters once at
+    the end (after the last microbatch; after the whole schedule under pp): during backward a
+    rank then also holds every parameter's whole gradient in fp32."""
     shard = zero3.sharded_numel(rank.dense, layout.dp) + zero3.sharded_numel(
         rank.experts, layout.expert_dp
     )
     elements, tensors = zero3_optimizer_pieces(rank, layout)[0]
     params = grads = shard * _FP32
-    accumulated = rank.params * _FP32 if workload.num_microbatches(layout) > 1 else 0
+    accumulates = layout.pp > 1 or workload.num_microbatches(layout) > 1
+    accumulated = rank.params * _FP32 if accumulates else 0
     optimizer = workload.optimizer_states * elements * _FP32 + tensors * _FP32
     gathered = zero3.gathered_bytes(
         rank, layout, element_size(gather_dtype(workload.precision)), _FP32

@@ -46,6 +46,7 @@ from nanotrain.planning.layout import PlanLayout, Workload
 from nanotrain.planning.memory import (
     StateMemory,
     element_size,
+    gather_dtype,
     param_dtype,
     state_memory,
     zero3_optimizer_pieces,
@@ -287,21 +288,37 @@ def _gather_time(rank: Any, layout: PlanLayout, workload: Workload,
 
 
 def _zero3_exposed(rank: Any, layout: PlanLayout, workload: Workload, comm_t: dict[str, float],
-                   compute: float, num_micro: int) -> tuple[float, float]:  # fmt: skip
-    """(exposed data-parallel seconds, host optimizer seconds) per step under ZeRO-3: FSDP2
-    prefetches the next unit's all-gather (and, with cpu_offload, its host copy) while one
-    computes and reduce-scatters behind the backward, so only what exceeds the compute
-    shows, plus the root unit's first gather of each microbatch, which nothing precedes.
-    With cpu_offload the optimizer steps on the host after the backward, at
+                   bandwidth: dict[str, tuple[float, float]], compute: float,
+                   num_micro: int) -> tuple[float, float]:  # fmt: skip
+    """(exposed data-parallel seconds, host optimizer seconds) per step under ZeRO-3.
+
+    FSDP2 prefetches the next unit's all-gather (and, with cpu_offload, its host copy) while
+    one computes, so the gathers show only where they exceed the compute, plus the root
+    unit's gather at the start of each microbatch, which nothing precedes. The one
+    reduce-scatter per unit runs in the last microbatch's backward (pp = 1: only what exceeds
+    that backward shows) or after the whole schedule (pp > 1: all of it shows). With
+    cpu_offload the optimizer steps on the host after the backward, at
     `zero3.HOST_ADAM_BYTES_PER_S` (not overlapped)."""
-    traffic = sum(comm_t.get(g, 0.0) for g in ("dp", "expert_dp", "embedding", "host"))
     units = zero3.zero3_units(rank)
-    first = 0.0
-    if comm_t.get("dp", 0.0) and units.root:  # the root's share of the dp gathers' time
-        shard = zero3.sharded_numel(units.root, layout.dp)
-        total = zero3.sharded_numel(rank.dense, layout.dp)
-        first = comm_t["dp"] * shard / max(total, 1) / (2 if layout.reshard_after_forward else 1)
-    exposed = max(0.0, traffic - compute) + min(first, traffic)
+    gather = element_size(gather_dtype(workload.precision))
+    reduce_t = first = 0.0
+    for name, group, unit_list in (
+        ("dp", layout.dp, [units.root, *units.blocks]),
+        ("expert_dp", layout.expert_dp, units.experts),
+    ):
+        unit_list = [u for u in unit_list if u]
+        if group > 1 and unit_list:
+            bw, latency = bandwidth[name]
+            shard = sum(zero3.sharded_numel(u, group) for u in unit_list)
+            reduce_t += (group - 1) * shard * 4 / bw + len(unit_list) * latency  # fp32
+    if layout.dp > 1 and units.root:
+        bw, latency = bandwidth["dp"]
+        root = zero3.sharded_numel(units.root, layout.dp)
+        first = num_micro * ((layout.dp - 1) * root * gather / bw + latency)
+    traffic = sum(comm_t.get(g, 0.0) for g in ("dp", "expert_dp", "embedding", "host"))
+    gathers = max(traffic - reduce_t - first, 0.0)
+    last_backward = 0.0 if layout.pp > 1 else compute * 2 / 3 / num_micro
+    exposed = max(0.0, gathers - compute) + first + max(0.0, reduce_t - last_backward)
     host = 0.0
     if layout.cpu_offload:
         elements = max(e for e, _ in zero3_optimizer_pieces(rank, layout))
@@ -360,7 +377,7 @@ def plan_layout(
         host_step = 0.0
         if layout.zero_stage == 3:
             exposed_dp, host_step = _zero3_exposed(
-                rank, layout, workload, comm_t, compute, num_micro
+                rank, layout, workload, comm_t, bandwidth, compute, num_micro
             )
         else:
             gather = min(_gather_time(rank, layout, workload, bandwidth), dp)

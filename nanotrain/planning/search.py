@@ -5,7 +5,7 @@ pp among the divisors of what is left (layers that do not split evenly get
 `layout.balanced_pipeline_layout`), virtual_pp 1 or 2 (with 2: interleaved 1F1B and
 DualPipeV); ep among the divisors of dp that divide the
 routed experts; ZeRO 1 and 3 (and 0 / 2 when asked; ZeRO-3 only where dp > 1, since it shards
-over dp, and pp = 1, since the strategy runs it without a pipeline); micro batch sizes 1, 2, 4; recomputation none, then light, then selective, then
+over dp, and not with DualPipeV, whose split backwards the strategy refuses under it); micro batch sizes 1, 2, 4; recomputation none, then light, then selective, then
 full (`SEARCH_RECOMPUTE`: each costs more compute than the one before), stopping at the first
 that fits; under ZeRO-3, when no recomputation mode fits, the same modes again with
 ``cpu_offload`` (it frees the GPU of all model state but the gathered copies, at the price of
@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from nanotrain.parallel.layout_checks import divisors
+from nanotrain.parallel.schedules import SPLIT_BACKWARD_SCHEDULES
 from nanotrain.planning.gpus import GPUSpec
 from nanotrain.planning.layout import PlanLayout, Workload, balanced_pipeline_layout
 from nanotrain.planning.plan import Plan, plan_layout
@@ -73,10 +74,11 @@ def _candidates(
                     if experts and experts % ep:
                         continue
                     for zero in zero_stages:
-                        if zero == 3 and (dp == 1 or pp > 1):
-                            # dp = 1: nothing to shard over; pp > 1: the strategy refuses
-                            continue
+                        if zero == 3 and dp == 1:
+                            continue  # nothing to shard over
                         for schedule in _schedules(vpp):
+                            if zero == 3 and pp > 1 and schedule in SPLIT_BACKWARD_SCHEDULES:
+                                continue  # the strategy refuses it (`PlanLayout`)
                             yield PlanLayout(
                                 tp=tp,
                                 pp=pp,

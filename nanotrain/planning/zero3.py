@@ -1,9 +1,10 @@
 """ZeRO-3 (FSDP2, `MegatronStrategy(zero_stage=3)`) priced from the rank's meta-device model.
 
 The wrapping rule is the strategy's (`nanotrain.parallel.fully_sharded`): every routed-expert
-stack is one FSDP unit over the expert-data-parallel group, every decoder layer and MTP block
-one over the data-parallel group (its experts excluded), and the root (embedding, final norm,
-head, anything left) one over the data-parallel group that is never resharded after forward.
+stack is one FSDP unit over the expert-data-parallel group, every decoder layer one over the
+data-parallel group (its experts excluded), and the root (embedding, final norm, head, MTP
+blocks, anything left) one over the data-parallel group that is never resharded after
+forward.
 
 FSDP2 shards each parameter on dim 0 of the rank-local tensor (a tensor-parallel slice):
 ``c = ceil(rows / g)`` rows per rank of a group of `g`, rank r holding
@@ -86,7 +87,7 @@ class Zero3Units:
 
     Attributes:
         root: the root unit (embedding, final norm, head, anything not in a block).
-        blocks: each decoder layer and MTP block without its routed experts (over dp).
+        blocks: each decoder layer without its routed experts (over dp).
         experts: each routed-expert stack (over expert-dp).
     """
 
@@ -96,11 +97,11 @@ class Zero3Units:
 
 
 def _block_modules(module: nn.Module) -> list[nn.Module]:
-    """Entries of every ``layers`` / ``mtp`` ModuleList or ModuleDict, once each (the
-    strategy's rule; a pipeline stage reaches its layers twice)."""
+    """Entries of every ``layers`` ModuleList or ModuleDict, once each (the strategy's rule;
+    a pipeline stage reaches its layers twice)."""
     seen: dict[int, nn.Module] = {}
     for name, sub in module.named_modules():
-        if name.rpartition(".")[2] not in ("layers", "mtp"):
+        if name.rpartition(".")[2] != "layers":
             continue
         entries = sub.values() if isinstance(sub, nn.ModuleDict) else sub
         if isinstance(sub, nn.ModuleDict | nn.ModuleList):

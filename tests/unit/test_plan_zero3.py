@@ -47,7 +47,7 @@ def test_units_cover_every_trained_parameter_once(preset, layout):
               *[p for e in units.experts for p in e]]  # fmt: skip
     assert sorted(map(id, listed)) == sorted(map(id, rank.dense + rank.experts))
     mtp = getattr(config, "mtp_depth", 0)
-    assert len(units.blocks) == config.num_layers + mtp
+    assert len(units.blocks) == config.num_layers  # the MTP blocks are in the root
     moe = sum(config.is_moe_layer(i) for i in range(config.num_layers)) if mtp else 0
     # one expert stack per MoE layer (and per MTP block, whose layer is MoE in "tiny")
     assert len(units.experts) == (moe + mtp if moe else 0)
@@ -134,8 +134,11 @@ def test_refusals():
         PlanLayout(dp=2, zero_stage=2, cpu_offload=True)
     with pytest.raises(ValueError, match="reshard_after_forward=False needs zero_stage=3"):
         PlanLayout(dp=2, reshard_after_forward=False)
-    with pytest.raises(ValueError, match="zero_stage=3 with pp=2 is not supported"):
-        PlanLayout(pp=2, dp=2, zero_stage=3)
+    with pytest.raises(ValueError, match="zero_stage=3 with schedule 'dualpipev' is not"):
+        PlanLayout(pp=2, dp=2, zero_stage=3, schedule="dualpipev")
+    with pytest.raises(ValueError, match="zero_stage=3 with overlap_forward_backward=True"):
+        PlanLayout(pp=2, virtual_pp=2, dp=2, zero_stage=3, overlap_forward_backward=True)
+    PlanLayout(pp=2, virtual_pp=2, dp=2, zero_stage=3)  # interleaved 1F1B runs
     with pytest.raises(ValueError, match="zero_stage must be 0, 1, 2 or 3"):
         PlanLayout(zero_stage=4)
 
