@@ -132,6 +132,8 @@ def plan_json(plan: Plan) -> dict[str, Any]:
             "ep": lay.ep,
             "virtual_pp": lay.virtual_pp,
             "zero_stage": lay.zero_stage,
+            "cpu_offload": lay.cpu_offload,
+            "reshard_after_forward": lay.reshard_after_forward,
             "sequence_parallel": lay.sequence_parallel,
             "pipeline_layout": None if lay.pipeline_layout is None else list(lay.pipeline_layout),
             "schedule": lay.schedule,
@@ -153,6 +155,7 @@ def plan_json(plan: Plan) -> dict[str, Any]:
                 "layers": r.layers,
                 "params": r.params,
                 "memory_bytes": r.memory_parts(),
+                "host_bytes": r.state.host,  # ZeRO-3 cpu_offload: state on the host
                 "activations_per_microbatch_bytes": r.activations.per_microbatch_chunk,
                 "in_flight_microbatches": r.activations.in_flight,
                 "flops_per_step": r.flops,
