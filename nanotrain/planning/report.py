@@ -108,7 +108,7 @@ def format_plan(plan: Plan) -> str:
             if plan.hidden_comm_s
             else ""
         )
-        + "; overlapping the backward "
+        + ("; overlapping the compute " if zero3 else "; overlapping the backward ")
         + _seconds(plan.slowest_comm_s, blocking=False)
         + ")",
     ]
