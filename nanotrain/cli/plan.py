@@ -114,7 +114,12 @@ def _parser() -> Any:
          "nodes); false: once per expert")  # fmt: skip
     flag("pipeline_layout", type=list[int] | None, default=None, help="layers per chunk")
     flag("zero_stage", type=int | None, default=None,
-         help="0, 1 or 2 (fixed layout default 0, search default 1)")  # fmt: skip
+         help="0, 1, 2 or 3 (fixed layout default 0; the search tries 1 and 3)")  # fmt: skip
+    flag("cpu_offload", type=bool | None, default=None,
+         help="ZeRO-3's shards, gradients and optimizer state on the host (default: off for "
+         "a fixed layout; the search tries it where nothing else fits)")  # fmt: skip
+    flag("reshard_after_forward", type=bool, default=True,
+         help="ZeRO-3 gathers each layer again in backward (false: keeps it gathered)")  # fmt: skip
     flag("recompute_full_layers", type=int, default=0,
          help="the first N layers of each pipeline chunk recompute fully, the rest "
          "--recompute (a fixed layout)")  # fmt: skip
@@ -144,8 +149,10 @@ def _check_args(cfg: Any) -> None:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
     if (cfg.global_batch_size is None) == (cfg.global_batch_tokens is None):
         raise ValueError("give one of --global-batch-tokens (e.g. 4M) and --global-batch-size")
-    if cfg.zero_stage is not None and cfg.zero_stage not in (0, 1, 2):
-        raise ValueError(f"--zero_stage must be 0, 1 or 2, got {cfg.zero_stage}")
+    if cfg.zero_stage is not None and cfg.zero_stage not in (0, 1, 2, 3):
+        raise ValueError(f"--zero_stage must be 0, 1, 2 or 3, got {cfg.zero_stage}")
+    if cfg.cpu_offload and cfg.zero_stage not in (None, 3):
+        raise ValueError(f"--cpu_offload true needs --zero_stage 3, got {cfg.zero_stage}")
     if not 0 < cfg.compute_efficiency <= 1:
         raise ValueError(f"--compute_efficiency must be in (0, 1], got {cfg.compute_efficiency}")
     if cfg.recompute not in (None, "none", "None", "light", "selective", "full"):
@@ -188,7 +195,10 @@ def run_plan(argv: list[str]) -> None:
         dp = validate_layout(cfg.gpus, tp, pp, ep, cfg.dp, **model_dims(config))
         layout = PlanLayout(
             tp=tp, pp=pp, ep=ep, dp=dp,
-            virtual_pp=cfg.virtual_pp or 1, zero_stage=cfg.zero_stage or 0,
+            virtual_pp=cfg.virtual_pp or 1,
+            zero_stage=cfg.zero_stage if cfg.zero_stage is not None
+            else 3 if cfg.cpu_offload else 0,
+            cpu_offload=bool(cfg.cpu_offload), reshard_after_forward=cfg.reshard_after_forward,
             sequence_parallel=bool(cfg.sequence_parallel) if cfg.sequence_parallel is not None
             else tp > 1, pipeline_layout=cfg.pipeline_layout, schedule=cfg.schedule,
             recompute=recompute, recompute_full_layers=cfg.recompute_full_layers,
@@ -211,7 +221,9 @@ def run_plan(argv: list[str]) -> None:
         else parse_count(cfg.global_batch_tokens),
         precision=cfg.precision,
         micro_batch_sizes=(cfg.micro_batch_size,) if cfg.micro_batch_size else (1, 2, 4),
-        zero_stages=(cfg.zero_stage,) if cfg.zero_stage is not None else (1,),
+        zero_stages=(cfg.zero_stage,) if cfg.zero_stage is not None
+        else (3,) if cfg.cpu_offload else (1, 3),
+        cpu_offload=cfg.cpu_offload, reshard_after_forward=cfg.reshard_after_forward,
         recompute=SEARCH_RECOMPUTE if cfg.recompute is None else (recompute,),
         fp8_expert_activations=cfg.fp8_expert_activations,
         fp8_dispatch=cfg.fp8_dispatch,

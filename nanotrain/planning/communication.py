@@ -43,6 +43,7 @@ from nanotrain.parallel.data_parallel import FlatLayout
 from nanotrain.parallel.fp8_wire import fp8_row_bytes
 from nanotrain.parallel.placement import StagePlacement
 from nanotrain.parallel.tensor import pad_vocab_size
+from nanotrain.planning import zero3
 from nanotrain.planning.communication_tp import (
     is_moe_layer,
     mtp_is_moe,
@@ -50,13 +51,14 @@ from nanotrain.planning.communication_tp import (
     tp_collectives,
 )
 from nanotrain.planning.layout import PlanLayout, Workload, pipeline_actions
+from nanotrain.planning.memory import element_size, gather_dtype
 from nanotrain.planning.rank_model import RankModel, rank_models
 from nanotrain.strategies.megatron_grads import bucket_numel_for
 
 __all__ = ["GROUPS", "CommEstimate", "WireDtypes", "comm_estimate", "wire_dtypes"]
 
 #: the groups of `CommEstimate.bytes_per_step`
-GROUPS = ("tp", "pp", "ep", "ep_inter", "dp", "expert_dp", "embedding", "other")
+GROUPS = ("tp", "pp", "ep", "ep_inter", "dp", "expert_dp", "embedding", "host", "other")
 
 
 @dataclass(frozen=True)
@@ -337,10 +339,58 @@ def _ep(
     return out
 
 
-def _dp(layout: PlanLayout, rank: RankModel, dt: WireDtypes) -> dict[str, _Tally]:
+def _zero3(
+    layout: PlanLayout, rank: RankModel, dt: WireDtypes, micro: int, gather: int
+) -> dict[str, _Tally]:
+    """ZeRO-3 (FSDP2), per FSDP unit (`zero3.zero3_units`): every microbatch an all-gather of
+    its padded shards in the gather dtype (`gather` bytes, `memory.gather_dtype`) in forward
+    and, for blocks and expert stacks with ``reshard_after_forward``, again in backward (the
+    root is never resharded after forward); one reduce-scatter of its gradient per step, in
+    the reduce dtype, on the last microbatch (the strategy syncs gradients only there).
+    Wire bytes of a group of g: ``(g - 1) x shard`` each. With ``cpu_offload`` the fp32
+    shards cross PCIe ("host"): to the GPU before each all-gather, the gradient shard back
+    after the reduce-scatter."""
+    out = {"dp": _Tally(), "expert_dp": _Tally(), "host": _Tally()}
+    units = zero3.zero3_units(rank)
+    gathers = 2 if layout.reshard_after_forward else 1
+    for name, group, unit_list, passes in (
+        ("dp", layout.dp, [units.root] if units.root else [], 1),
+        ("dp", layout.dp, units.blocks, gathers),
+        ("expert_dp", layout.expert_dp, units.experts, gathers),
+    ):
+        shard = sum(zero3.sharded_numel(u, group) for u in unit_list)
+        n = len(unit_list)
+        if not n:
+            continue
+        if group > 1:
+            out[name].add(
+                micro * passes * (group - 1) * shard * gather,
+                micro * passes * n,
+                f"{micro} x {passes} all-gathers of {n} units ({shard} shard elements x "
+                f"{gather} B)",
+            )
+            out[name].add(
+                (group - 1) * shard * dt.reduce,
+                n,
+                f"reduce-scatter of {n} units x {dt.reduce} B",
+            )
+        if layout.cpu_offload:
+            out["host"].add(
+                (micro * passes + 1) * shard * 4,
+                micro * passes * n + n,
+                f"{micro} x {passes} copies of {n} fp32 shards in, their gradients out",
+            )
+    return out
+
+
+def _dp(
+    layout: PlanLayout, rank: RankModel, dt: WireDtypes, micro: int = 1, gather: int = 2
+) -> dict[str, _Tally]:
     """Per bucket: grad all-reduce / reduce-scatter (ZeRO-2) in the reduce dtype; under ZeRO
     an all-gather of the updated parameters in their dtype. Dense over dp, experts over
-    expert-dp; the padded flat buffers of `RankModel.flat_numels`."""
+    expert-dp; the padded flat buffers of `RankModel.flat_numels`. ZeRO-3: `_zero3`."""
+    if layout.zero_stage == 3:
+        return _zero3(layout, rank, dt, micro, gather)
     out = {"dp": _Tally(), "expert_dp": _Tally()}
     bucket = bucket_numel_for(dt.param, layout.bucket_size_mb)
     for name, params, g in (
@@ -424,6 +474,10 @@ def _other(
     return out
 
 
+def _gather_size(workload: Workload) -> int:
+    return element_size(gather_dtype(workload.precision))
+
+
 def comm_estimate(
     config: Any,
     layout: PlanLayout,
@@ -460,9 +514,10 @@ def comm_estimate(
         "tp": _tp(config, layout, workload, rank, dt),
         "pp": _pp(layout, workload, config, pp_rank, dt),
         **_ep(config, layout, workload, rank, dt, ranks_per_node),
-        **_dp(layout, rank, dt),
+        **_dp(layout, rank, dt, workload.num_microbatches(layout), _gather_size(workload)),
         "embedding": _embedding(config, layout, pp_rank, dt),
     }
+    tallies.setdefault("host", _Tally())
     other = _other(config, layout, workload, rank)
     tallies["other"] = _Tally(
         sum(t.bytes for t in other.values()),

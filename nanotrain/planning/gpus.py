@@ -39,6 +39,9 @@ class GPUSpec:
         inter_node_bw: bytes/s one GPU sends off its node (its NIC share).
         gpus_per_node: GPUs sharing the fast intra-node links.
         mem_bw: device memory bandwidth (bytes/s; listed, not used by the step-time model).
+        pcie_bw: bytes/s between the GPU and its host, one direction (ZeRO-3's cpu_offload
+            copies): ~80% of the PCIe x16 link's nominal rate (PCI-SIG: 32 GB/s Gen4,
+            64 GB/s Gen5), what pinned-memory copies reach.
     """
 
     name: str
@@ -48,6 +51,7 @@ class GPUSpec:
     inter_node_bw: float
     gpus_per_node: int = 8
     mem_bw: float = 0.0
+    pcie_bw: float = 25 * _GB
 
     def __post_init__(self) -> None:
         problems = []
@@ -58,7 +62,7 @@ class GPUSpec:
             problems.append(
                 "peak_flops must map a column (fp8, bf16, fp16, tf32, fp32) to FLOP/s > 0"
             )
-        for name in ("intra_node_bw", "inter_node_bw"):
+        for name in ("intra_node_bw", "inter_node_bw", "pcie_bw"):
             value = getattr(self, name)
             if not (isinstance(value, int | float) and value > 0 and math.isfinite(value)):
                 problems.append(f"{name} must be > 0 bytes/s, got {value!r}")
@@ -122,7 +126,7 @@ def _peaks(kind: str) -> dict[str, float]:
 
 
 def _spec(name: str, compute: str, mem_gib: float, nvlink_gb: float, hbm_tb: float,
-          ib_gb: float = 50.0) -> GPUSpec:  # fmt: skip
+          ib_gb: float = 50.0, pcie_gb: float = 50.0) -> GPUSpec:  # fmt: skip
     return GPUSpec(
         name=name,
         memory_bytes=mem_gib * 2**30,
@@ -130,12 +134,13 @@ def _spec(name: str, compute: str, mem_gib: float, nvlink_gb: float, hbm_tb: flo
         intra_node_bw=nvlink_gb * _GB,
         inter_node_bw=ib_gb * _GB,
         mem_bw=hbm_tb * 1e12,
+        pcie_bw=pcie_gb * _GB,
     )
 
 
 #: the built-in table (SXM parts; memory as torch reports it; NVLink one direction per GPU)
 GPUS: dict[str, GPUSpec] = {
-    "a100": _spec("a100", "a100", 79.2, 300, 2.0, ib_gb=25.0),
+    "a100": _spec("a100", "a100", 79.2, 300, 2.0, ib_gb=25.0, pcie_gb=25.0),  # PCIe Gen4
     "h100": _spec("h100", "h100", 79.2, 450, 3.35),
     "h800": _spec("h800", "h100", 79.2, 200, 3.35),  # H100 compute, NVLink cut to 400 GB/s
     "h200": _spec("h200", "h100", 139.8, 450, 4.8),

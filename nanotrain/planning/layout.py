@@ -17,7 +17,12 @@ from nanotrain.parallel.mesh import MeshLayout
 from nanotrain.parallel.node_dispatch import node_split
 from nanotrain.parallel.pipeline import partition_layers, stage_layers
 from nanotrain.parallel.placement import StagePlacement
-from nanotrain.parallel.schedules import SCHEDULES, Action, max_in_flight
+from nanotrain.parallel.schedules import (
+    SCHEDULES,
+    SPLIT_BACKWARD_SCHEDULES,
+    Action,
+    max_in_flight,
+)
 from nanotrain.precision import PRECISIONS as PRECISION_PLUGINS
 from nanotrain.precision import precision_name
 from nanotrain.strategies.megatron_pipeline import check_pairing, chunks_per_rank, pick_schedule
@@ -38,7 +43,11 @@ class PlanLayout(MeshLayout):
         tp, pp, dp, ep: tensor-, pipeline-, data- and expert-parallel sizes.
         virtual_pp: model chunks per pipeline rank (interleaved 1F1B when > 1; 2 under
             DualPipeV, whatever is given).
-        zero_stage: 0, 1 or 2 (optimizer state, and with 2 the gradients, sharded over dp).
+        zero_stage: 0, 1 or 2 (optimizer state, and with 2 the gradients, sharded over dp),
+            or 3 (FSDP2: parameters too, `nanotrain.planning.zero3`).
+        cpu_offload: ZeRO-3's shards, gradients and optimizer state on the host.
+        reshard_after_forward: ZeRO-3 frees each block's gathered parameters after its
+            forward and gathers them again in backward (False: kept, gathered once).
         sequence_parallel: shard activations outside the tp matmuls along the sequence.
         pipeline_layout: layers per virtual stage (pp * virtual_pp numbers), None = even.
         schedule: a name of `nanotrain.parallel.schedules.SCHEDULES`; None = the strategy's default.
@@ -68,9 +77,25 @@ class PlanLayout(MeshLayout):
     node_limited_dispatch: bool | None = None
     fp8_expert_activations: bool = False
     fp8_dispatch: bool = False
+    cpu_offload: bool = False
+    reshard_after_forward: bool = True
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        if self.zero_stage not in (0, 1, 2, 3):
+            raise ValueError(f"zero_stage must be 0, 1, 2 or 3, got {self.zero_stage!r}")
+        # the strategy's own refusals (`check_zero3_options`), here so that a plan is
+        # refused at once with its reason
+        if self.cpu_offload and self.zero_stage != 3:
+            raise ValueError(
+                f"cpu_offload=True needs zero_stage=3 (got {self.zero_stage}): only ZeRO-3's "
+                "shards move to the host"
+            )
+        if not self.reshard_after_forward and self.zero_stage != 3:
+            raise ValueError(
+                f"reshard_after_forward=False needs zero_stage=3 (got {self.zero_stage}): "
+                "under ZeRO-0/1/2 every rank keeps whole parameters anyway"
+            )
         if self.pipeline_layout is not None:
             object.__setattr__(self, "pipeline_layout", tuple(self.pipeline_layout))
         object.__setattr__(self, "schedule", pick_schedule(self.schedule, self.virtual_pp))
@@ -80,6 +105,19 @@ class PlanLayout(MeshLayout):
             check_pairing(self.pp, self.tp, self.virtual_pp, self.schedule)
         check_recompute(self.recompute)
         check_full_layers(self.recompute_full_layers, self.recompute)
+        if self.zero_stage == 3 and self.overlap_forward_backward:
+            raise ValueError(
+                "zero_stage=3 with overlap_forward_backward=True is not supported by "
+                "MegatronStrategy (FSDP2's per-unit state is driven by one thread); use "
+                "overlap_forward_backward=False, or zero_stage=1/2"
+            )
+        if self.zero_stage == 3 and self.pp > 1 and self.schedule in SPLIT_BACKWARD_SCHEDULES:
+            raise ValueError(
+                f"zero_stage=3 with schedule {self.schedule!r} is not supported by "
+                "MegatronStrategy (its weight half differentiates the gathered copies FSDP2 "
+                "frees after the input half); use schedule='1f1b', 'interleaved_1f1b' or "
+                "'gpipe' with ZeRO-3, or zero_stage=1/2 with this schedule"
+            )
 
     def layer_recompute(self, position: int) -> str | None:
         """The recompute mode of the decoder layer at `position` (0-based) within its chunk."""
@@ -93,7 +131,13 @@ class PlanLayout(MeshLayout):
         """The `MegatronStrategy` of this layout (not set up: no process group is made)."""
         from nanotrain.strategies.megatron import MegatronStrategy
 
+        zero3 = {}
+        if self.zero_stage == 3:
+            zero3 = dict(
+                cpu_offload=self.cpu_offload, reshard_after_forward=self.reshard_after_forward
+            )
         return MegatronStrategy(
+            **zero3,
             tp=self.tp,
             pp=self.pp,
             ep=self.ep,
@@ -125,6 +169,8 @@ class PlanLayout(MeshLayout):
         dp = getattr(strategy, "dp", None) or world_size // (tp * pp)
         layout = getattr(strategy, "pipeline_layout", None)
         return cls(
+            cpu_offload=getattr(strategy, "cpu_offload", False),
+            reshard_after_forward=getattr(strategy, "reshard_after_forward", True),
             tp=tp,
             pp=pp,
             dp=dp,
@@ -153,7 +199,14 @@ class PlanLayout(MeshLayout):
             ValueError / TypeError: the strategy's message (sizes that do not divide the
                 heads, experts, layers or world size; a bad pipeline layout or schedule).
         """
-        self.strategy().validate_model(config, world_size=self.world_size)
+        # how the model splits does not depend on the ZeRO stage: checked with a stage the
+        # strategy of every version takes (ZeRO-3's own refusals come with its constructor)
+        split = (
+            self
+            if self.zero_stage < 3
+            else replace(self, zero_stage=2, cpu_offload=False, reshard_after_forward=True)
+        )
+        split.strategy().validate_model(config, world_size=self.world_size)
         if self.pp == 1 and self.virtual_pp == 1 and self.pipeline_layout is not None:
             partition_layers(config.num_layers, 1, 1, self.pipeline_layout)
 
@@ -221,6 +274,10 @@ class PlanLayout(MeshLayout):
             parts.append(f"ep{self.ep}")
         if self.zero_stage:
             parts.append(f"zero{self.zero_stage}")
+        if self.zero_stage == 3 and not self.reshard_after_forward:
+            parts.append("no-reshard")
+        if self.cpu_offload:
+            parts.append("offload")
         if self.sequence_parallel and self.tp > 1:
             parts.append("sp")
         if self.recompute_full_layers:

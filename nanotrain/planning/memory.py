@@ -22,6 +22,14 @@ experts. Our ZeRO-2 reduce-scatters the gradient into a shard buffer ``[numel / 
 drops the full buffer, so between steps a rank holds only the shard, but during backward the
 full buffer is still there: the *peak* gradient memory of ZeRO-2 is the full buffer plus the
 shard (Megatron frees bucket by bucket; we do not, see docs/planning.md).
+
+ZeRO-3 (FSDP2) holds padded per-tensor fp32 shards instead (`nanotrain.planning.zero3`):
+parameters and gradients ``ceil(rows / g) x rest`` per tensor (under "bf16-true" the fp32
+shards are the masters, gathered in bf16), the optimizer state of the rank's own rows, while
+it computes the gathered copies of the units at work (`StateMemory.gathered`), and, with more
+than one microbatch, the whole gradients accumulated before the one reduce-scatter; with
+``cpu_offload`` the shards, gradients, masters and optimizer state are on the host
+(`StateMemory.host`) and the GPU holds only the gathered copies and the buffers.
 """
 
 from __future__ import annotations
@@ -31,12 +39,21 @@ from dataclasses import dataclass
 import torch
 
 from nanotrain.parallel.data_parallel import FlatLayout
+from nanotrain.planning import zero3
 from nanotrain.planning.layout import PlanLayout, Workload
 from nanotrain.planning.rank_model import RankModel
 from nanotrain.precision import PRECISIONS as PRECISION_PLUGINS
 from nanotrain.strategies.megatron_grads import bucket_numel_for
 
-__all__ = ["StateMemory", "element_size", "optimizer_pieces", "param_dtype", "state_memory"]
+__all__ = [
+    "StateMemory",
+    "element_size",
+    "gather_dtype",
+    "optimizer_pieces",
+    "param_dtype",
+    "state_memory",
+    "zero3_optimizer_pieces",
+]
 
 _FP32 = 4
 
@@ -63,6 +80,10 @@ class StateMemory:
         optimizer: optimizer state: `Workload.optimizer_states` fp32 tensors per element plus
             a 4-byte step counter per tensor (AdamW), for the owned pieces under ZeRO.
         optimizer_elements: elements the optimizer updates on this rank (its pieces).
+        gathered: ZeRO-3's gathered parameter and gradient copies at their peak (an
+            estimate, `zero3.gathered_bytes`; 0 otherwise).
+        host: bytes on the host instead of the GPU (ZeRO-3 with cpu_offload: the shards,
+            gradients, masters and optimizer state), not in `total`.
     """
 
     params: int
@@ -71,11 +92,13 @@ class StateMemory:
     master: int
     optimizer: int
     optimizer_elements: int
+    gathered: int = 0
+    host: int = 0
 
     @property
     def total(self) -> int:
-        """Peak bytes of the model state (gradients at their peak)."""
-        return self.params + self.grads_peak + self.master + self.optimizer
+        """Peak bytes of the model state on the GPU (gradients at their peak)."""
+        return self.params + self.grads_peak + self.master + self.optimizer + self.gathered
 
 
 def optimizer_pieces(
@@ -135,9 +158,65 @@ def _owned_counts(flat: FlatLayout) -> tuple[torch.Tensor, torch.Tensor]:
     return elements, pieces
 
 
+def gather_dtype(precision: str) -> torch.dtype:
+    """The dtype ZeRO-3 gathers parameters in (`fsdp_mixed_precision`): the precision's
+    parameter dtype ("bf16-true": bf16 copies of the fp32 shards), fp32 under every other
+    precision (autocast casts inside the forward, as on one process)."""
+    return param_dtype(precision)
+
+
+def zero3_optimizer_pieces(rank: RankModel, layout: PlanLayout) -> list[tuple[int, int]]:
+    """Per data-parallel rank, (elements, tensors) the optimizer updates under ZeRO-3: its
+    unpadded FSDP2 shard of every tensor (dense over dp, experts over dp / ep: data-parallel
+    rank d is rank ``d // ep`` of its expert-data-parallel group, `MeshLayout`'s
+    ``dp_rank = ep_rank + ep * expert_dp_rank``), every tensor counted (an empty shard still
+    has its state entry)."""
+    dense = zero3.local_numels(rank.dense, layout.dp)
+    experts = zero3.local_numels(rank.experts, layout.expert_dp)
+    tensors = len(rank.dense) + len(rank.experts)
+    return [(dense[d] + experts[d // layout.ep], tensors) for d in range(layout.dp)]
+
+
+def _zero3_memory(rank: RankModel, layout: PlanLayout, workload: Workload) -> StateMemory:
+    """`state_memory` under ZeRO-3 (module docstring), for data-parallel rank 0, which
+    holds the most (torch.chunk gives the first ranks the full rows). The shards are fp32
+    under every precision ("bf16-true" too: they are its master weights) and so are their
+    gradients. With more than one microbatch, or any under pp > 1, the strategy lets the
+    gradients accumulate unsharded (FSDP2 without gradient sync) and reduce-scatters once at
+    the end (after the last microbatch; after the whole schedule under pp): during backward a
+    rank then also holds every parameter's whole gradient in fp32."""
+    shard = zero3.sharded_numel(rank.dense, layout.dp) + zero3.sharded_numel(
+        rank.experts, layout.expert_dp
+    )
+    elements, tensors = zero3_optimizer_pieces(rank, layout)[0]
+    params = grads = shard * _FP32
+    accumulates = layout.pp > 1 or workload.num_microbatches(layout) > 1
+    accumulated = rank.params * _FP32 if accumulates else 0
+    optimizer = workload.optimizer_states * elements * _FP32 + tensors * _FP32
+    gathered = zero3.gathered_bytes(
+        rank, layout, element_size(gather_dtype(workload.precision)), _FP32
+    )
+    host = 0
+    if layout.cpu_offload:
+        host = params + grads + optimizer
+        params = grads = optimizer = 0
+    return StateMemory(
+        params=params + rank.buffer_bytes,
+        grads=grads,
+        grads_peak=grads + accumulated,
+        master=0,
+        optimizer=optimizer,
+        optimizer_elements=elements,
+        gathered=gathered,
+        host=host,
+    )
+
+
 def state_memory(rank: RankModel, layout: PlanLayout, workload: Workload) -> StateMemory:
     """Bytes of parameters, gradients, masters and optimizer state on one rank of `rank`'s
     pipeline stage (see the module docstring for the rules)."""
+    if layout.zero_stage == 3:
+        return _zero3_memory(rank, layout, workload)
     dtype = param_dtype(workload.precision)
     size = element_size(dtype)
     dense_flat, expert_flat = rank.flat_numels(layout, size)

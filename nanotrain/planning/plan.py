@@ -37,12 +37,20 @@ from typing import Any
 
 from nanotrain.models.accounting import active_params, total_params
 from nanotrain.parallel.mesh import MeshLayout
+from nanotrain.planning import zero3
 from nanotrain.planning.activations import ActivationEstimate, activation_estimate
 from nanotrain.planning.communication import CommEstimate, comm_estimate
 from nanotrain.planning.communication_tp import is_moe_layer
 from nanotrain.planning.gpus import GPUSpec
 from nanotrain.planning.layout import PlanLayout, Workload
-from nanotrain.planning.memory import StateMemory, element_size, param_dtype, state_memory
+from nanotrain.planning.memory import (
+    StateMemory,
+    element_size,
+    gather_dtype,
+    param_dtype,
+    state_memory,
+    zero3_optimizer_pieces,
+)
 from nanotrain.planning.rank_model import config_key, rank_models
 from nanotrain.planning.schedule_time import exposed_all_to_all, schedule_step_time
 from nanotrain.planning.stage_flops import compute_seconds, flop_parts, stage_flops
@@ -92,6 +100,7 @@ class RankPlan:
             "grads": self.state.grads_peak,
             "master_weights": self.state.master,
             "optimizer": self.state.optimizer,
+            "gathered": self.state.gathered,
             "activations": self.activations.peak,
             "reserve": self.reserve,
             "total": self.memory,
@@ -226,7 +235,7 @@ def _bandwidths(config: Any, layout: PlanLayout, gpu: GPUSpec) -> dict[str, tupl
     under node-limited dispatch "ep" is the hop inside a node and "ep_inter" the one between
     nodes."""
     mesh = MeshLayout(tp=layout.tp, pp=layout.pp, dp=layout.dp, ep=layout.ep)
-    out = {"ep_inter": (gpu.inter_node_bw, LATENCY_S[1])}
+    out = {"ep_inter": (gpu.inter_node_bw, LATENCY_S[1]), "host": (gpu.pcie_bw, LATENCY_S[0])}
     if layout.ep_nodes(config, gpu.gpus_per_node) is not None:
         out["ep"] = (gpu.intra_node_bw, LATENCY_S[0])
     for name, axis in (("tp", "tp"), ("pp", "pp"), ("dp", "dp"), ("ep", "ep"),
@@ -278,6 +287,45 @@ def _gather_time(rank: Any, layout: PlanLayout, workload: Workload,
     return out
 
 
+def _zero3_exposed(rank: Any, layout: PlanLayout, workload: Workload, comm_t: dict[str, float],
+                   bandwidth: dict[str, tuple[float, float]], compute: float,
+                   num_micro: int) -> tuple[float, float]:  # fmt: skip
+    """(exposed data-parallel seconds, host optimizer seconds) per step under ZeRO-3.
+
+    FSDP2 prefetches the next unit's all-gather (and, with cpu_offload, its host copy) while
+    one computes, so the gathers show only where they exceed the compute, plus the root
+    unit's gather at the start of each microbatch, which nothing precedes. The one
+    reduce-scatter per unit runs in the last microbatch's backward (pp = 1: only what exceeds
+    that backward shows) or after the whole schedule (pp > 1: all of it shows). With
+    cpu_offload the optimizer steps on the host after the backward, at
+    `zero3.HOST_ADAM_BYTES_PER_S` (not overlapped)."""
+    units = zero3.zero3_units(rank)
+    gather = element_size(gather_dtype(workload.precision))
+    reduce_t = first = 0.0
+    for name, group, unit_list in (
+        ("dp", layout.dp, [units.root, *units.blocks]),
+        ("expert_dp", layout.expert_dp, units.experts),
+    ):
+        unit_list = [u for u in unit_list if u]
+        if group > 1 and unit_list:
+            bw, latency = bandwidth[name]
+            shard = sum(zero3.sharded_numel(u, group) for u in unit_list)
+            reduce_t += (group - 1) * shard * 4 / bw + len(unit_list) * latency  # fp32
+    if layout.dp > 1 and units.root:
+        bw, latency = bandwidth["dp"]
+        root = zero3.sharded_numel(units.root, layout.dp)
+        first = num_micro * ((layout.dp - 1) * root * gather / bw + latency)
+    traffic = sum(comm_t.get(g, 0.0) for g in ("dp", "expert_dp", "embedding", "host"))
+    gathers = max(traffic - reduce_t - first, 0.0)
+    last_backward = 0.0 if layout.pp > 1 else compute * 2 / 3 / num_micro
+    exposed = max(0.0, gathers - compute) + first + max(0.0, reduce_t - last_backward)
+    host = 0.0
+    if layout.cpu_offload:
+        elements = max(e for e, _ in zero3_optimizer_pieces(rank, layout))
+        host = elements * zero3.ADAM_BYTES_PER_ELEMENT / zero3.HOST_ADAM_BYTES_PER_S
+    return exposed, host
+
+
 def plan_layout(
     config: Any,
     layout: PlanLayout,
@@ -326,8 +374,14 @@ def plan_layout(
         comm_t = _comm_time(comm, bandwidth)
         blocking = sum(t for g, t in comm_t.items() if g in BLOCKING_GROUPS)
         dp = comm_t.get("dp", 0.0) + comm_t.get("expert_dp", 0.0) + comm_t.get("embedding", 0.0)
-        gather = min(_gather_time(rank, layout, workload, bandwidth), dp)
-        exposed_dp = max(0.0, dp - gather - compute * 2 / 3) + gather
+        host_step = 0.0
+        if layout.zero_stage == 3:
+            exposed_dp, host_step = _zero3_exposed(
+                rank, layout, workload, comm_t, bandwidth, compute, num_micro
+            )
+        else:
+            gather = min(_gather_time(rank, layout, workload, bandwidth), dp)
+            exposed_dp = max(0.0, dp - gather - compute * 2 / 3) + gather
         # the weight-gradient half of the backward: a third of the training FLOPs without
         # recomputation (forward, input gradient, weight gradient: one each)
         no_recompute = replace(layout, recompute=None, recompute_full_layers=0)
@@ -344,17 +398,33 @@ def plan_layout(
             hidden = max(ep_t - exposed_ep, 0.0)
             blocking -= hidden
         stage_times.append(
-            (compute + blocking, exposed_dp, compute, blocking, comm_t, weights_t, hidden, bubble)
-        )
+            (compute + blocking, exposed_dp, compute, blocking, comm_t, weights_t, hidden, bubble,
+             host_step)
+        )  # fmt: skip
     slowest = max(range(len(stage_times)), key=lambda i: stage_times[i][0])
-    busy, exposed_dp, compute, blocking, slowest_comm, weights_t, hidden, bubble = stage_times[
-        slowest
-    ]
+    busy, exposed_dp, compute, blocking, slowest_comm, weights_t, hidden, bubble, host_step = (
+        stage_times[slowest]
+    )
+    host_step = max(t[8] for t in stage_times)  # every stage waits for the slowest step
     if bubble is None:
         bubble = _bubble(layout, num_micro, busy, weights_t)
-    step = busy + bubble + exposed_dp
+    step = busy + bubble + exposed_dp + host_step
     fits = max(r.memory for r in ranks) <= gpu.memory_bytes
     notes = []
+    time_parts = {
+        "compute": compute,
+        "blocking_comm": blocking,
+        "pipeline_bubble": bubble,
+        "exposed_dp_comm": exposed_dp,
+    }
+    if layout.cpu_offload:
+        time_parts["host_optimizer"] = host_step
+        notes.append(
+            f"cpu_offload: {max(r.state.host for r in ranks) / GiB:.2f} GiB of shards, "
+            f"gradients and optimizer state per GPU on the host; the optimizer steps there "
+            f"({host_step:.3f} s at an assumed {zero3.HOST_ADAM_BYTES_PER_S / 1e9:.0f} GB/s "
+            "of host memory traffic per GPU)"
+        )
     if layout.overlap_forward_backward:
         notes.append(
             "overlap_forward_backward runs on CPU (gloo) only for now (a CUDA stream per "
@@ -378,12 +448,7 @@ def plan_layout(
         active_params_per_token=counts[2],
         flops_per_step=flop_parts(config, workload.seq_len)[0].total * workload.tokens_per_step,
         step_time_s=step,
-        time_parts={
-            "compute": compute,
-            "blocking_comm": blocking,
-            "pipeline_bubble": bubble,
-            "exposed_dp_comm": exposed_dp,
-        },
+        time_parts=time_parts,
         fits=fits,
         notes=notes,
         slowest_stage=slowest,

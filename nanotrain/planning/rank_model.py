@@ -78,6 +78,7 @@ class RankModel:
     _flat: dict[tuple[int, int, int, float], tuple[int, int]] = field(
         default_factory=dict, compare=False, repr=False
     )
+    _units: list[Any] = field(default_factory=list, compare=False, repr=False)  # ZeRO-3's
 
     @property
     def dense_params(self) -> int:
@@ -190,7 +191,13 @@ def rank_models(config: Any, layout: PlanLayout) -> list[RankModel]:
     # rank builds: share the builds
     v_schedule = layout.schedule if layout.placement.v_shape else None
     shape = layout.replace(
-        dp=layout.ep, zero_stage=0, recompute=None, recompute_full_layers=0, schedule=v_schedule
+        dp=layout.ep,
+        zero_stage=0,
+        cpu_offload=False,
+        reshard_after_forward=True,
+        recompute=None,
+        recompute_full_layers=0,
+        schedule=v_schedule,
     )
     out = []
     for r in range(layout.pp):

@@ -57,6 +57,7 @@ def format_plan(plan: Plan) -> str:
     """Multi-line text: the model and layout, per-stage memory (GiB) by kind, FLOPs and
     communication per step, and the estimated step time."""
     w, lay = plan.workload, plan.layout
+    zero3 = lay.zero_stage == 3
     lines = [
         f"model {plan.model}: {_count(plan.total_params)} parameters"
         + (f" (+{_count(plan.mtp_params)} MTP)" if plan.mtp_params else "")
@@ -67,7 +68,8 @@ def format_plan(plan: Plan) -> str:
         f"step), micro batch {w.micro_batch_size}, {w.num_microbatches(lay)} microbatches "
         f"per replica, precision {w.precision}",
         "",
-        "memory per GPU (GiB)",
+        "memory per GPU (GiB)"
+        + (" (gathered: ZeRO-3's unsharded copies at work)" if zero3 else ""),
         f"{'stage':>5} {'layers':>6} {'params':>9} {'weights':>8} {'grads':>8} {'master':>8} "
         f"{'optim':>8} {'activ':>8} {'reserve':>8} {'total':>8}",
     ]
@@ -76,7 +78,8 @@ def format_plan(plan: Plan) -> str:
         lines.append(
             f"{r.pp_rank:>5} {r.layers:>6} {_count(r.params):>9} {_gib(m['params']):>8} "
             f"{_gib(m['grads']):>8} {_gib(m['master_weights']):>8} {_gib(m['optimizer']):>8} "
-            f"{_gib(m['activations']):>8} {_gib(m['reserve']):>8} {_gib(m['total']):>8}"
+            + (f"{_gib(m['gathered']):>8} " if zero3 else "")
+            + f"{_gib(m['activations']):>8} {_gib(m['reserve']):>8} {_gib(m['total']):>8}"
         )
     big, slow = plan.largest, plan.slowest
     lines += [
@@ -105,7 +108,7 @@ def format_plan(plan: Plan) -> str:
             if plan.hidden_comm_s
             else ""
         )
-        + "; overlapping the backward "
+        + ("; overlapping the compute " if zero3 else "; overlapping the backward ")
         + _seconds(plan.slowest_comm_s, blocking=False)
         + ")",
     ]
@@ -129,6 +132,8 @@ def plan_json(plan: Plan) -> dict[str, Any]:
             "ep": lay.ep,
             "virtual_pp": lay.virtual_pp,
             "zero_stage": lay.zero_stage,
+            "cpu_offload": lay.cpu_offload,
+            "reshard_after_forward": lay.reshard_after_forward,
             "sequence_parallel": lay.sequence_parallel,
             "pipeline_layout": None if lay.pipeline_layout is None else list(lay.pipeline_layout),
             "schedule": lay.schedule,
@@ -150,6 +155,7 @@ def plan_json(plan: Plan) -> dict[str, Any]:
                 "layers": r.layers,
                 "params": r.params,
                 "memory_bytes": r.memory_parts(),
+                "host_bytes": r.state.host,  # ZeRO-3 cpu_offload: state on the host
                 "activations_per_microbatch_bytes": r.activations.per_microbatch_chunk,
                 "in_flight_microbatches": r.activations.in_flight,
                 "flops_per_step": r.flops,

@@ -4,9 +4,12 @@ Candidates: tp among the divisors of the world that divide the heads and stay wi
 pp among the divisors of what is left (layers that do not split evenly get
 `layout.balanced_pipeline_layout`), virtual_pp 1 or 2 (with 2: interleaved 1F1B and
 DualPipeV); ep among the divisors of dp that divide the
-routed experts; ZeRO 1 (and 0 / 2 when asked); micro batch sizes 1, 2, 4; recomputation none,
-then light, then selective, then full (`SEARCH_RECOMPUTE`: each costs more compute than the
-one before), stopping at the first that fits; sequence parallelism on whenever tp > 1 (it only
+routed experts; ZeRO 1 and 3 (and 0 / 2 when asked; ZeRO-3 only where dp > 1, since it shards
+over dp, and not with DualPipeV, whose split backwards the strategy refuses under it); micro batch sizes 1, 2, 4; recomputation none, then light, then selective, then
+full (`SEARCH_RECOMPUTE`: each costs more compute than the one before), stopping at the first
+that fits; under ZeRO-3, when no recomputation mode fits, the same modes again with
+``cpu_offload`` (it frees the GPU of all model state but the gathered copies, at the price of
+PCIe copies and a host optimizer step); sequence parallelism on whenever tp > 1 (it only
 saves memory, at the same traffic). Each is checked by the strategy's own rules; a layout the
 strategy refuses, or that does not fit in memory, is listed with the reason.
 """
@@ -18,6 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from nanotrain.parallel.layout_checks import divisors
+from nanotrain.parallel.schedules import SPLIT_BACKWARD_SCHEDULES
 from nanotrain.planning.gpus import GPUSpec
 from nanotrain.planning.layout import PlanLayout, Workload, balanced_pipeline_layout
 from nanotrain.planning.plan import Plan, plan_layout
@@ -70,7 +74,11 @@ def _candidates(
                     if experts and experts % ep:
                         continue
                     for zero in zero_stages:
+                        if zero == 3 and dp == 1:
+                            continue  # nothing to shard over
                         for schedule in _schedules(vpp):
+                            if zero == 3 and pp > 1 and schedule in SPLIT_BACKWARD_SCHEDULES:
+                                continue  # the strategy refuses it (`PlanLayout`)
                             yield PlanLayout(
                                 tp=tp,
                                 pp=pp,
@@ -101,8 +109,10 @@ def search_layouts(
     global_batch_tokens: int | None = None,
     precision: str = "bf16-mixed",
     micro_batch_sizes: Sequence[int] = (1, 2, 4),
-    zero_stages: Sequence[int] = (1,),
+    zero_stages: Sequence[int] = (1, 3),
     recompute: Sequence[str | None] = SEARCH_RECOMPUTE,
+    cpu_offload: bool | None = None,
+    reshard_after_forward: bool = True,
     fp8_expert_activations: bool = False,
     fp8_dispatch: bool = False,
     model_name: str | None = None,
@@ -110,7 +120,9 @@ def search_layouts(
 ) -> SearchResult:
     """Price every candidate layout (module docstring); return those that fit, fastest first.
     With `fp8_expert_activations` every candidate keeps the routed experts' saves in fp8, with
-    `fp8_dispatch` every one sends the routed copies in fp8.
+    `fp8_dispatch` every one sends the routed copies in fp8. `cpu_offload`: None tries
+    ZeRO-3 layouts with it only where they fit nowhere without it, True / False always /
+    never; `reshard_after_forward`: ZeRO-3's option, for every candidate.
 
     The batch is `global_batch_size` sequences, or `global_batch_tokens` tokens rounded per
     layout to the nearest whole number of microbatches on every data-parallel replica.
@@ -130,11 +142,13 @@ def search_layouts(
             # that fits is the fastest that fits, the heavier ones are not priced; a layout is
             # rejected when even the last mode does not fit
             last: Rejected | None = None
-            for mode in recompute:
+            for offload, mode in _memory_savers(base, recompute, cpu_offload):
                 layout = base.replace(
                     recompute=mode,
                     fp8_expert_activations=fp8_expert_activations,
                     fp8_dispatch=fp8_dispatch,
+                    cpu_offload=offload,
+                    reshard_after_forward=reshard_after_forward or base.zero_stage != 3,
                 )
                 try:
                     batch = global_batch_size
@@ -157,6 +171,19 @@ def search_layouts(
                 rejected.append(last)
     fitting.sort(key=lambda p: -p.tokens_per_s)
     return SearchResult(fitting, rejected)
+
+
+def _memory_savers(
+    base: PlanLayout, recompute: Sequence[str | None], cpu_offload: bool | None
+) -> list[tuple[bool, str | None]]:
+    """(cpu_offload, recompute mode) pairs a candidate tries, in order: the recompute modes
+    without offload, then (ZeRO-3, `cpu_offload` None) with it; `cpu_offload` True: with it
+    only."""
+    if base.zero_stage != 3 or cpu_offload is False:
+        return [(False, mode) for mode in recompute]
+    if cpu_offload:
+        return [(True, mode) for mode in recompute]
+    return [(False, mode) for mode in recompute] + [(True, mode) for mode in recompute]
 
 
 def _rounded_batch(layout: PlanLayout, micro: int, sequences: float) -> int:

@@ -83,7 +83,12 @@ GBS = ["--global-batch-size", "16"]
         ([], "give one of"),
         (["--seq-len", "0", *GBS], "seq-len must be >= 1, got 0"),
         (["--micro-batch-size", "0", *GBS], "micro-batch-size must be >= 1, got 0"),
-        (["--zero_stage", "3", *GBS], "zero_stage must be 0, 1 or 2"),
+        (["--zero_stage", "4", *GBS], "zero_stage must be 0, 1, 2 or 3"),
+        (["--zero_stage", "1", "--cpu_offload", "true", *GBS], "needs --zero_stage 3"),
+        (
+            ["--pp", "2", "--zero_stage", "3", "--schedule", "zb_1f1b", *GBS],
+            "zero_stage=3 with schedule 'zb_1f1b' is not supported",
+        ),
         (["--precision", "bf8", *GBS], "unknown precision 'bf8'"),
         (["--recompute", "some", *GBS], "recompute must be none, light, selective or full"),
         (["--recompute_full_layers", "1", *GBS], "recompute_full_layers prices one layout"),
