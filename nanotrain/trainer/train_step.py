@@ -14,7 +14,8 @@ one accumulation window; `batch_idx` counts microbatches as Lightning counts bat
       runs, as Lightning's: the closure (returns the step's loss: forward and backward ran
       above) → on_before_optimizer_step(optimizer) (gradients not yet clipped; the step's
       norm known) → configure_gradient_clipping(optimizer, gradient_clip_val,
-      gradient_clip_algorithm) → the strategy's update
+      gradient_clip_algorithm) (the clip measures the gradients as the hooks left them)
+      → the strategy's update
     → global_step counts the step → lr_scheduler_step(scheduler, None) (step-interval ones;
       epoch-interval ones at the epoch's last step; each when Lightning's batch or epoch
       index + 1 is a multiple of its frequency)
@@ -37,8 +38,10 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 import torch
+from lightning.pytorch.utilities.enums import GradClipAlgorithmType
 
 from nanotrain.strategies.base import MicrobatchHooks, StepOutput
+from nanotrain.trainer.hook_checks import overrides
 from nanotrain.trainer.hook_optimizer import HookOptimizer
 
 if TYPE_CHECKING:
@@ -99,6 +102,7 @@ class TrainStepMethods:
         with strategy.precision.step_context():  # one cast of each weight for the step
             out = strategy.forward_backward(module, microbatches, first, hooks)
         out.grad_norm = strategy.clip_grad_norm_(None)  # measured before any clipping
+        self._norm_is_current = True  # until a hook that may edit the gradients runs
         self.step_output = out
         self._skip_requested = False
         module.optimizer_step(st.epoch, first + n - 1, optimizer, optimizer.closure_for(out.loss))
@@ -141,17 +145,27 @@ class TrainStepMethods:
     def _before_update(self: Trainer, optimizer: HookOptimizer) -> bool:
         """What Lightning runs inside `optimizer.step(closure)` after the closure:
         `on_before_optimizer_step` (where a callback may skip the update), then
-        `configure_gradient_clipping`. Returns whether the update is to be applied."""
+        `configure_gradient_clipping`, with the Trainer's `gradient_clip_val` and
+        `gradient_clip_algorithm` as Lightning passes them (None when not set). Returns whether
+        the update is to be applied.
+
+        As Lightning, the clip measures the norm of the gradients as the hooks left them: when
+        a hook that may edit them ran (yours, not nanotrain's own), the norm is measured again
+        (`step_output.grad_norm`, logged as train/grad_norm, is then that norm)."""
         s, out = self.settings, self.step_output
         self._call("on_before_optimizer_step", optimizer)
         if self._skip_requested:
             self.strategy.skip_step()
             out.skipped = True
             return False
-        clip_algorithm = s.gradient_clip_algorithm
-        if clip_algorithm is None and s.gradient_clip_val is not None:
-            clip_algorithm = "norm"
-        self.module.configure_gradient_clipping(optimizer, s.gradient_clip_val, clip_algorithm)
+        if _user_hook_ran(self, "on_before_optimizer_step"):
+            out.grad_norm = self.strategy.clip_grad_norm_(None)
+        # an override may edit the gradients before it calls clip_gradients
+        self._norm_is_current = not _user_defined(self.module, "configure_gradient_clipping")
+        algorithm = s.gradient_clip_algorithm
+        if algorithm is not None:  # Lightning's type: GradClipAlgorithmType, a str enum
+            algorithm = GradClipAlgorithmType(algorithm.lower())
+        self.module.configure_gradient_clipping(optimizer, s.gradient_clip_val, algorithm)
         optimizer.skip_if = out.skip_flag
         return True
 
@@ -191,11 +205,13 @@ class TrainStepMethods:
             )
         if not gradient_clip_val:
             return
-        norm = self.step_output.grad_norm
-        if algorithm == "norm":
-            self.strategy.clip_grads_(norm, max_norm=gradient_clip_val)
-        else:
-            self.strategy.clip_grads_(norm, clip_value=gradient_clip_val)
+        if algorithm == "value":
+            self.strategy.clip_grads_(self.step_output.grad_norm, clip_value=gradient_clip_val)
+        elif self._norm_is_current:  # the gradients are as the step's norm was measured
+            self.strategy.clip_grads_(self.step_output.grad_norm, max_norm=gradient_clip_val)
+        else:  # as Lightning: the norm of the gradients as they are now
+            self.strategy.clip_grad_norm_(gradient_clip_val)
+        self._norm_is_current = False
 
     def _val_check_due(self: Trainer) -> bool:
         """Whether `val_check_interval` asks for validation after this step, as
@@ -241,6 +257,19 @@ class TrainStepMethods:
         self.callback_metrics.update(callback)
         self.callback_metrics.update(self.metric_book.unforked(callback))
         self.progress_bar_metrics.update(prog)  # as Lightning: the module's values only
+
+
+def _user_defined(obj: Any, hook: str) -> bool:
+    """Whether `obj` has its own `hook` written outside nanotrain (which may edit the
+    gradients; nanotrain's own hooks only read them)."""
+    if not overrides(obj, hook):
+        return False
+    return not getattr(getattr(obj, hook), "__module__", "").startswith("nanotrain.")
+
+
+def _user_hook_ran(trainer: Trainer, hook: str) -> bool:
+    """Whether `hook` of the module or of a callback is the user's (see `_user_defined`)."""
+    return any(_user_defined(obj, hook) for obj in (trainer.module, *trainer.callbacks))
 
 
 def _check_stepped(module: Any, optimizer: HookOptimizer) -> None:
