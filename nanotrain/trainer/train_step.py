@@ -42,7 +42,7 @@ from lightning.pytorch.utilities.enums import GradClipAlgorithmType
 
 from nanotrain.strategies.base import MicrobatchHooks, StepOutput
 from nanotrain.trainer.hook_checks import overrides
-from nanotrain.trainer.hook_optimizer import HookOptimizer
+from nanotrain.trainer.hook_optimizer import HookOptimizer, needs_closure
 
 if TYPE_CHECKING:
     from nanotrain.trainer import Trainer
@@ -101,6 +101,8 @@ class TrainStepMethods:
         hooks = window.hooks() if in_loop else None
         with strategy.precision.step_context():  # one cast of each weight for the step
             out = strategy.forward_backward(module, microbatches, first, hooks)
+        if needs_closure(strategy.optimizer):  # LBFGS: its closure runs the step again
+            optimizer.rerun = lambda: self._rerun_step(window, microbatches, first, in_loop)
         out.grad_norm = strategy.clip_grad_norm_(None)  # measured before any clipping
         self._norm_is_current = True  # until a hook that may edit the gradients runs
         self.step_output = out
@@ -168,6 +170,24 @@ class TrainStepMethods:
         self.module.configure_gradient_clipping(optimizer, s.gradient_clip_val, algorithm)
         optimizer.skip_if = out.skip_flag
         return True
+
+    def _rerun_step(
+        self: Trainer, window: _Window, microbatches: list[Any], first: int, in_loop: bool
+    ) -> torch.Tensor:
+        """What Lightning's optimizer closure runs when the optimizer calls it again (LBFGS):
+        per microbatch training_step, (i = 0) `on_before_zero_grad` and `optimizer_zero_grad`,
+        `on_before_backward`, backward, `on_after_backward`; returns the loss. The step's
+        output then holds this loss and grad norm (Lightning's outputs are the last call's)."""
+        strategy = self.strategy
+        if not in_loop:
+            window.zero_grad()
+        hooks = window.rerun_hooks() if in_loop else None
+        with strategy.precision.step_context():
+            again = strategy.forward_backward(self.module, microbatches, first, hooks)
+        out = self.step_output
+        out.loss, out.grad_norm = again.loss, strategy.clip_grad_norm_(None)
+        self._norm_is_current = True
+        return again.loss
 
     def _step_scheduler(self: Trainer, interval: str, index: int) -> None:
         """Step an `interval` scheduler where Lightning does: when ``index + 1`` (`index`: the
@@ -337,6 +357,11 @@ class _Window:
             start=self.start, before=self._before, after=self._after, end=self._end
         )
 
+    def rerun_hooks(self) -> MicrobatchHooks:
+        """The hooks of a microbatch run again by the optimizer's closure (LBFGS): as
+        Lightning's closure, without the batch start and end hooks."""
+        return MicrobatchHooks(start=_no_hook, before=self._before, after=self._after, end=_no_hook)
+
     def start(self, i: int, batch: Any) -> None:
         """`on_train_batch_start` of microbatch `i`."""
         t = self.trainer
@@ -383,3 +408,7 @@ class _Window:
             if outputs is None:
                 outputs = {"loss": (step_loss / n).detach()}
             self.trainer._call("on_train_batch_end", outputs, self.batches[i], self.first + i)
+
+
+def _no_hook(*args: Any) -> None:
+    """A hook that does nothing (see `_Window.rerun_hooks`)."""

@@ -45,8 +45,9 @@ class Regression(pl.LightningModule):
 def _trainer(kind: str, tmp_path, callbacks: list | None = None, **args: Any):
     common = dict(
         logger=False, enable_checkpointing=False, enable_progress_bar=False,
-        default_root_dir=str(tmp_path / kind), callbacks=callbacks or [], **args,
+        default_root_dir=str(tmp_path / kind), callbacks=callbacks or [],
     )  # fmt: skip
+    common.update(args)
     if kind == "lightning":
         return pl.Trainer(
             accelerator="cpu", devices=1, enable_model_summary=False, num_sanity_val_steps=0,
@@ -148,3 +149,171 @@ def test_configure_gradient_clipping_without_a_clip_value_gets_none(tmp_path):
     reference, ours = _both(ScalesInConfigureClipping(), tmp_path)
     assert ours.given == reference.given == [(None, None)] * 4
     _same_weights(reference, ours)
+
+
+# -- 2. Lightning's call forms -------------------------------------------------------------------
+class Evaluated(Regression):
+    """Regression with validation, test and predict steps that log / return their values."""
+
+    def validation_step(self, batch, batch_idx):
+        x, y = batch
+        self.log("val_loss", F.mse_loss(self.lin(x), y))
+
+    def test_step(self, batch, batch_idx):
+        x, y = batch
+        self.log("test_loss", F.mse_loss(self.lin(x), y))
+
+    def predict_step(self, batch, batch_idx):
+        return self.lin(batch[0])
+
+
+class Data(pl.LightningDataModule):
+    """The regression data for every stage, 8 at a time."""
+
+    def train_dataloader(self):
+        return DataLoader(_data(), batch_size=8)
+
+    def val_dataloader(self):
+        return DataLoader(_data(16), batch_size=8)
+
+    test_dataloader = predict_dataloader = val_dataloader
+
+
+def _call_forms(trainer, module) -> dict[str, Any]:
+    """Lightning's call forms after a fit given positionally: the stages without a module
+    (the fitted one, ckpt_path "best"), a datamodule in the dataloaders' place, and
+    `test(model, dm, "last")` (the string is ckpt_path)."""
+    trainer.fit(module, DataLoader(_data(), batch_size=8), DataLoader(_data(16), batch_size=8))
+    with pytest.warns(UserWarning, match="best"):
+        tested = trainer.test(datamodule=Data(), verbose=False)
+    with pytest.warns(UserWarning, match="best"):
+        validated = trainer.validate(datamodule=Data(), verbose=False)
+    with pytest.warns(UserWarning, match="best"):
+        predicted = trainer.predict(datamodule=Data())
+    return {
+        "test": tested,
+        "validate": validated,
+        "predict": torch.cat(predicted),
+        "test last": trainer.test(module, Data(), "last", False),
+        "validate dm": trainer.validate(module, Data(), verbose=False),
+        "predict dm": torch.cat(trainer.predict(module, Data())),
+    }
+
+
+def test_lightnings_call_forms_give_lightnings_results(tmp_path):
+    results = {}
+
+    def run(trainer, module):
+        results[type(trainer).__module__.split(".")[0]] = _call_forms(trainer, module)
+
+    _both(Evaluated(), tmp_path, run=run, enable_checkpointing=True)
+    reference, ours = results["lightning"], results["nanotrain"]
+    assert ours.keys() == reference.keys()
+    for key, value in reference.items():
+        if isinstance(value, torch.Tensor):
+            assert torch.allclose(ours[key], value, atol=1e-6), key
+        else:
+            assert ours[key] == pytest.approx(value, abs=1e-6), key
+
+
+def test_fit_with_a_datamodule_in_the_dataloaders_place_as_lightning(tmp_path):
+    reference, ours = _both(
+        Evaluated(), tmp_path, run=lambda trainer, module: trainer.fit(module, Data())
+    )
+    _same_weights(reference, ours)
+
+
+def test_a_datamodule_and_dataloaders_together_are_refused_as_lightning(tmp_path):
+    trainer = _trainer("nanotrain", tmp_path, max_steps=1)
+    with pytest.raises(
+        ValueError, match="both train_dataloaders / val_dataloaders and a datamodule"
+    ):
+        trainer.fit(Evaluated(), DataLoader(_data(), batch_size=8), datamodule=Data())
+
+
+def test_a_stage_without_a_model_before_any_fit_is_refused(tmp_path):
+    trainer = _trainer("nanotrain", tmp_path, max_steps=1)
+    with pytest.raises(TypeError, match=r"Trainer.test\(\) needs a LightningModule"):
+        trainer.test(datamodule=Data())
+
+
+def test_weights_only_false_is_refused_with_the_reason(tmp_path):
+    trainer = _trainer("nanotrain", tmp_path, max_steps=1)
+    with pytest.raises(ValueError, match="never does"):
+        trainer.fit(Evaluated(), Data(), weights_only=False)
+
+
+class NoBatchIdx(Regression):
+    """Every step written without `batch_idx`, as Lightning allows."""
+
+    def training_step(self, batch):
+        x, y = batch
+        return F.mse_loss(self.lin(x), y)
+
+    def validation_step(self, batch):
+        self.log("val_loss", F.mse_loss(self.lin(batch[0]), batch[1]))
+
+    def test_step(self, batch):
+        self.log("test_loss", F.mse_loss(self.lin(batch[0]), batch[1]))
+
+    def predict_step(self, batch):
+        return self.lin(batch[0])
+
+
+def test_steps_without_batch_idx_run_as_under_lightning(tmp_path):
+    results = {}
+
+    def run(trainer, module):
+        trainer.fit(module, Data())
+        results[type(trainer).__module__.split(".")[0]] = (
+            trainer.validate(module, Data(), verbose=False),
+            trainer.test(module, Data(), verbose=False),
+            torch.cat(trainer.predict(module, Data())),
+        )
+
+    reference, ours = _both(NoBatchIdx(), tmp_path, run=run)
+    _same_weights(reference, ours)
+    (val_ref, test_ref, pred_ref), (val, test, pred) = results["lightning"], results["nanotrain"]
+    assert val == pytest.approx(val_ref) and test == pytest.approx(test_ref)
+    assert torch.allclose(pred, pred_ref, atol=1e-6)
+    assert "training_step" not in vars(ours)  # the instance's own steps are back after the stage
+
+
+class WithLBFGS(Regression):
+    """LBFGS, whose step calls the closure several times; logs every closure's loss."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.losses: list[float] = []
+
+    def training_step(self, batch, batch_idx):
+        loss = super().training_step(batch, batch_idx)
+        self.losses.append(float(loss.detach()))
+        return loss
+
+    def configure_optimizers(self):
+        return torch.optim.LBFGS(self.parameters(), lr=0.5, max_iter=4)
+
+
+def test_an_optimizer_that_needs_a_closure_trains_as_under_lightning(tmp_path):
+    reference, ours = _both(WithLBFGS(), tmp_path, max_steps=3, gradient_clip_val=None)
+    assert len(ours.losses) == len(reference.losses) > 3  # the closure ran several times a step
+    assert ours.losses == pytest.approx(reference.losses, rel=1e-6)
+    _same_weights(reference, ours)
+
+
+def test_an_optimizer_that_needs_a_closure_is_refused_where_shards_would_change_it(tmp_path):
+    trainer = nt.Trainer(
+        strategy=nt.MegatronStrategy(), max_steps=1, logger=False, enable_checkpointing=False,
+        enable_progress_bar=False,
+    )  # fmt: skip
+    with pytest.raises(ValueError, match="LBFGS.step needs a closure.*strategy='single'"):
+        trainer.fit(WithLBFGS(), Data())
+
+
+def test_tuner_lr_find_is_refused_naming_lightnings_tuner(tmp_path):
+    from lightning.pytorch.tuner import Tuner
+
+    trainer = _trainer("nanotrain", tmp_path, max_steps=4)
+    with pytest.raises(ValueError, match=r"lr_find.*lightning.pytorch.tuner.Tuner\("):
+        Tuner(trainer).lr_find(Regression(), DataLoader(_data(), batch_size=8))
