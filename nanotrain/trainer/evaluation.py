@@ -63,6 +63,8 @@ def _publish_epoch(trainer: Trainer, book: MetricBook, values: ScopeValues) -> N
     callback = {k: v.detach() for k, v in values.callback.items()}
     trainer.callback_metrics.update(callback)
     trainer.callback_metrics.update(book.unforked(callback))
+    # as Lightning's `logged_metrics`, which reads the epoch values from the epoch-end hook on
+    trainer.logged_metrics.update({k: v.detach() for k, v in values.logger.items()})
 
 
 def evaluation_batch(

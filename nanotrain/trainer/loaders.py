@@ -344,9 +344,14 @@ def draw_as_lightning(loader: DataLoader | None) -> None:
     under lightning.Trainer each pass over it (a training epoch, a validation, a test) moves
     the RNG that dropout and data drawn later read. nanotrain's own loaders carry a generator
     (an exact resume re-creates iterators mid-epoch), so the Trainer makes the same draw at the
-    start of each pass itself: the RNG streams, and so the runs, stay Lightning's.
+    start of each pass itself: the RNG streams, and so the runs, stay Lightning's. The loader's
+    own generator is set to draw the same number when the pass's iterator is made, so its
+    workers get Lightning's base seed (and, after `seed_everything(n, workers=True)`,
+    Lightning's `pl_worker_init_function` seeds them from it): random augmentation in workers
+    draws Lightning's numbers. Call it right before `iter(loader)`.
     """
     if loader is not None and getattr(loader, "draws_global_seed", False):
+        loader.generator.set_state(torch.get_rng_state())
         torch.empty((), dtype=torch.int64).random_()
 
 

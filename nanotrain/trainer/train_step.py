@@ -251,10 +251,14 @@ class TrainStepMethods:
         return (st.epoch + 1) % per_epochs == 0 and st.steps_in_epoch % every == 0
 
     def _publish_step_values(self: Trainer) -> None:
-        """As Lightning: the step's `self.log` values are in `callback_metrics` and
-        `progress_bar_metrics` every step, before its last `on_train_batch_end` (device
-        tensors: no host read); the loggers get them on log steps only."""
+        """As Lightning: the step's `self.log` values are in `callback_metrics`,
+        `progress_bar_metrics` and `logged_metrics` (`logger=True` ones, a value logged with
+        on_step and on_epoch as `<name>_step`) every step, before its last
+        `on_train_batch_end` (device tensors: no host read); the loggers get them on log steps
+        only."""
         values = self.metric_book.read_step()
+        if values.logger:
+            self.logged_metrics.update(values.logger)
         if values.callback:  # every value, `logger=False` ones too (as Lightning)
             self.callback_metrics.update(values.callback)
             self.callback_metrics.update(self.metric_book.unforked(values.callback))

@@ -317,3 +317,118 @@ def test_tuner_lr_find_is_refused_naming_lightnings_tuner(tmp_path):
     trainer = _trainer("nanotrain", tmp_path, max_steps=4)
     with pytest.raises(ValueError, match=r"lr_find.*lightning.pytorch.tuner.Tuner\("):
         Tuner(trainer).lr_find(Regression(), DataLoader(_data(), batch_size=8))
+
+
+# -- 3. the global RNG and worker seeds ----------------------------------------------------------
+class DrawsItsData(Regression):
+    """A module whose training data is drawn from the global RNG when the Trainer asks for it
+    (a data-generating `train_dataloader`), and whose steps draw noise."""
+
+    def train_dataloader(self):
+        x = torch.randn(32, 4)
+        return DataLoader(TensorDataset(x, x.sum(1, keepdim=True)), batch_size=8)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return F.mse_loss(self.lin(x + 0.1 * torch.randn_like(x)), y)
+
+
+def test_the_global_rng_is_left_as_your_code_seeded_it(tmp_path, monkeypatch):
+    monkeypatch.delenv("PL_GLOBAL_SEED", raising=False)
+    runs, after = [], []
+    for kind in ("lightning", "nanotrain"):
+        torch.manual_seed(5)  # the user's own seeding, without seed_everything
+        module = DrawsItsData()
+        _trainer(kind, tmp_path, max_steps=4).fit(module)
+        runs.append(module)
+        after.append(torch.rand(3))
+    _same_weights(*runs)
+    assert torch.equal(after[0], after[1])  # the RNG stream after fit is Lightning's too
+    assert "PL_GLOBAL_SEED" not in __import__("os").environ
+
+
+class NoisyData(torch.utils.data.Dataset):
+    """Random augmentation drawn in the DataLoader's workers (torch, NumPy and `random`)."""
+
+    def __init__(self) -> None:
+        self.data = _data()
+
+    def __len__(self) -> int:
+        return len(self.data)
+
+    def __getitem__(self, i):
+        import random
+
+        import numpy as np
+
+        x, y = self.data[i]
+        noise = torch.rand(4) + float(np.random.rand()) + random.random()
+        return x + 0.1 * noise, y
+
+
+@pytest.mark.parametrize("workers", [True, False])
+def test_workers_draw_lightnings_random_augmentation(tmp_path, monkeypatch, workers):
+    monkeypatch.delenv("PL_GLOBAL_SEED", raising=False)
+    monkeypatch.delenv("PL_SEED_WORKERS", raising=False)
+    runs = []
+    for kind in ("lightning", "nanotrain"):
+        pl.seed_everything(3, workers=workers, verbose=False)
+        module = Regression()
+        loader = DataLoader(NoisyData(), batch_size=8, num_workers=2)
+        _trainer(kind, tmp_path, max_steps=8).fit(module, loader)  # two epochs: two draws
+        runs.append(module)
+    _same_weights(*runs)
+
+
+# -- 7. the metric dictionaries ------------------------------------------------------------------
+class LogsEveryKind(Regression):
+    """Logs a step-only value, a step-and-epoch value, a progress-bar value and a value for
+    callbacks only."""
+
+    def training_step(self, batch, batch_idx):
+        loss = super().training_step(batch, batch_idx)
+        self.log("step_only", loss * 2)
+        self.log("both", loss * 3, on_step=True, on_epoch=True)
+        self.log("bar", loss * 4, prog_bar=True)
+        self.log("hidden", loss * 5, logger=False)
+        return loss
+
+
+#: what nanotrain's Trainer adds to `logged_metrics` / `callback_metrics` (documented)
+NANOTRAIN_OWN = {"train/loss", "train/grad_norm", "trainer/consumed_samples"}
+
+
+class MetricDicts(pl.Callback):
+    """The three metric dictionaries at every step's end, each epoch's end and fit's end."""
+
+    def __init__(self) -> None:
+        self.seen: list[tuple] = []
+
+    def _record(self, trainer, when) -> None:
+        def plain(d):
+            return {k: round(float(v), 5) for k, v in d.items() if k not in NANOTRAIN_OWN}
+
+        self.seen.append((when, trainer.global_step, plain(trainer.logged_metrics),
+                          plain(trainer.callback_metrics), plain(trainer.progress_bar_metrics)))  # fmt: skip
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self._record(trainer, "batch end")
+
+    def on_train_epoch_end(self, trainer, pl_module):
+        self._record(trainer, "epoch end")
+
+    def on_fit_end(self, trainer, pl_module):
+        self._record(trainer, "fit end")
+
+
+def test_the_metric_dictionaries_are_filled_every_step_as_lightning(tmp_path):
+    recorders = []
+
+    def callbacks():
+        recorders.append(MetricDicts())
+        return [recorders[-1]]
+
+    _both(LogsEveryKind(), tmp_path, callbacks=callbacks, max_steps=6, log_every_n_steps=4)
+    reference, ours = recorders
+    assert "both_step" in reference.seen[0][2]  # Lightning writes the *_step keys every step
+    assert ours.seen == reference.seen
