@@ -25,6 +25,21 @@ _INSTEAD = {
 }
 
 
+def tuner_refusal(kind: type) -> str:
+    """The refusal of Lightning's tuner `kind` (LearningRateFinder or BatchSizeFinder)."""
+    habit, instead = _INSTEAD[kind]
+    return (
+        f"{habit} is not run by the nanotrain Trainer (it drives lightning.Trainer's own "
+        f"loops); run it with lightning.Trainer instead: {instead}"
+    )
+
+
+class TunerRefusal(AttributeError):
+    """Raised where Lightning's `Tuner.scale_batch_size` first reads a lightning.Trainer
+    internal (`_accelerator_connector`), before it adds its callback: an AttributeError, so
+    that `hasattr` still answers False."""
+
+
 def refuse_tuner_callbacks(callbacks: list[Any]) -> None:
     """Raise for a Lightning tuner callback among `callbacks`.
 
@@ -32,9 +47,6 @@ def refuse_tuner_callbacks(callbacks: list[Any]) -> None:
         ValueError: naming the tuner habit and how to run it with lightning.Trainer.
     """
     for callback in callbacks:
-        for kind, (habit, instead) in _INSTEAD.items():
+        for kind in _INSTEAD:
             if isinstance(callback, kind):
-                raise ValueError(
-                    f"{habit} is not run by the nanotrain Trainer (it drives lightning.Trainer's "
-                    f"own loops); run it with lightning.Trainer instead: {instead}"
-                )
+                raise ValueError(tuner_refusal(kind))

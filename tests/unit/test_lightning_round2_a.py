@@ -317,6 +317,9 @@ def test_tuner_lr_find_is_refused_naming_lightnings_tuner(tmp_path):
     trainer = _trainer("nanotrain", tmp_path, max_steps=4)
     with pytest.raises(ValueError, match=r"lr_find.*lightning.pytorch.tuner.Tuner\("):
         Tuner(trainer).lr_find(Regression(), DataLoader(_data(), batch_size=8))
+    with pytest.raises(AttributeError, match=r"scale_batch_size.*lightning.pytorch.tuner.Tuner"):
+        Tuner(trainer).scale_batch_size(Regression(), DataLoader(_data(), batch_size=8))
+    assert not hasattr(trainer, "_accelerator_connector")  # hasattr still answers
 
 
 # -- 3. the global RNG and worker seeds ----------------------------------------------------------
