@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import warnings
@@ -203,24 +204,26 @@ class LanguageModelModule(NanoModule):
         refusal = strategy.cuda_graphs_refusal() if self._cuda_graphs and strategy else None
         if refusal is not None:
             raise ValueError(refusal)
-        if pp_size > 1:
-            from nanotrain.models.stages import build_pipeline_stage
+        seeded = getattr(self._nano_trainer, "model_init_rng", contextlib.nullcontext)
+        with seeded():  # the same weights on every rank, your RNG stream untouched
+            if pp_size > 1:
+                from nanotrain.models.stages import build_pipeline_stage
 
-            # only this rank's pipeline stage; the strategy runs the schedule over the stages
-            self.model = build_pipeline_stage(
-                self.config,
-                mesh,
-                virtual_pp=getattr(strategy, "virtual_pp", 1),
-                layout=getattr(strategy, "pipeline_layout", None),
-                device="cpu",
-                sequence_parallel=sequence_parallel,
-                v_shape=getattr(strategy, "schedule", None) in V_SHAPED_SCHEDULES,
-                paired_chunks=getattr(strategy, "overlap_forward_backward", False),
-            )
-        else:
-            self.model = build_model(
-                self.config, mesh=mesh, device="cpu", sequence_parallel=sequence_parallel
-            )
+                # only this rank's pipeline stage; the strategy runs the schedule over the stages
+                self.model = build_pipeline_stage(
+                    self.config,
+                    mesh,
+                    virtual_pp=getattr(strategy, "virtual_pp", 1),
+                    layout=getattr(strategy, "pipeline_layout", None),
+                    device="cpu",
+                    sequence_parallel=sequence_parallel,
+                    v_shape=getattr(strategy, "schedule", None) in V_SHAPED_SCHEDULES,
+                    paired_chunks=getattr(strategy, "overlap_forward_backward", False),
+                )
+            else:
+                self.model = build_model(
+                    self.config, mesh=mesh, device="cpu", sequence_parallel=sequence_parallel
+                )
         self._warn_replicated_experts(mesh, sequence_parallel)
         set_recompute(
             self.model, self.hparams.get("recompute"), self.hparams.get("recompute_full_layers", 0)

@@ -7,6 +7,7 @@ commits the directory atomically once all ranks are done (`commit.py`).
 
 from __future__ import annotations
 
+import errno
 import shutil
 import time
 import warnings
@@ -26,6 +27,7 @@ from nanotrain.checkpoint.collective import (
     raise_first_failure,
 )
 from nanotrain.checkpoint.layout import sharded_layout
+from nanotrain.runtime.run_files import RunFilesError
 
 if TYPE_CHECKING:
     from nanotrain.trainer import Trainer
@@ -101,12 +103,41 @@ class Snapshot(NamedTuple):
     step: int
     nonfinite: list[str]
     param_names: list[list[str]] | None
+    nbytes: int = 0  # the tensor bytes this rank writes (what a full disk is told it needs)
 
     @classmethod
     def of(cls, trainer: Trainer, payload: dict[str, Any]) -> Snapshot:
         """The snapshot of `trainer` now; `payload` is what is being saved."""
         nonfinite = health.nonfinite_parts(trainer, payload["model"])
-        return cls(trainer.global_step, nonfinite, _optimizer_param_names(trainer))
+        names = _optimizer_param_names(trainer)
+        return cls(trainer.global_step, nonfinite, names, _tensor_bytes(payload))
+
+
+def _tensor_bytes(obj: Any) -> int:
+    """Bytes of every tensor in a nested payload (dicts, lists, tuples)."""
+    if isinstance(obj, torch.Tensor):
+        return obj.numel() * obj.element_size()
+    if isinstance(obj, dict):
+        return sum(_tensor_bytes(v) for v in obj.values())
+    if isinstance(obj, list | tuple):
+        return sum(_tensor_bytes(v) for v in obj)
+    return 0
+
+
+def disk_full_error(final: Path, needed: int) -> RunFilesError:
+    """The one-line error of a checkpoint save that found the disk full: the folder, the bytes
+    the checkpoint needs and those free, and what to do."""
+    folder = final.parent
+    try:
+        free = f"{shutil.disk_usage(folder).free:,} bytes are free"
+    except OSError:
+        free = "the free space is unknown"
+    return RunFilesError(
+        f"no space left on the disk of {folder} to save checkpoint {final.name}: it needs about "
+        f"{needed:,} bytes and {free}; the partial save was removed and earlier checkpoints "
+        "are untouched; free some space, or save elsewhere with ModelCheckpoint(dirpath=...) "
+        "or --trainer.default_root_dir",
+    )
 
 
 def temporary_dir_on_all_ranks(trainer: Trainer, final: Path) -> Path:
@@ -140,18 +171,22 @@ def conclude(
     """
     strategy = trainer.strategy
     # One exchange is the barrier, the error agreement and the collection of checksums.
-    reports = exchange(strategy, (describe(error), written or {}, snapshot.nonfinite))
-    failed = [(rank, msg) for rank, (msg, _, _) in enumerate(reports) if msg is not None]
+    code = getattr(error, "errno", None)
+    report = (describe(error), written or {}, snapshot.nonfinite, code, snapshot.nbytes)
+    reports = exchange(strategy, report)
+    failed = [(rank, msg) for rank, (msg, *_) in enumerate(reports) if msg is not None]
     if failed:
         if trainer.is_global_zero:
             shutil.rmtree(tmp, ignore_errors=True)
+        if any(r[3] in (errno.ENOSPC, errno.EDQUOT) for r in reports):
+            raise disk_full_error(final, sum(r[4] for r in reports)) from error
         rank, msg = failed[0]
         raise RuntimeError(
             f"writing checkpoint {final} failed on rank {rank}: {msg}. The partial save "
             f"{tmp.name} was removed; earlier checkpoints are untouched"
         ) from error
-    file_info = {name: info for _, infos, _ in reports for name, info in infos.items()}
-    bad = sorted({part for _, _, parts in reports for part in parts})
+    file_info = {name: info for _, infos, *_ in reports for name, info in infos.items()}
+    bad = sorted({part for _, _, parts, *_ in reports for part in parts})
     if trainer.is_global_zero:
         _, error = attempt(
             lambda: _finish(trainer, tmp, final, file_info, snapshot._replace(nonfinite=bad))

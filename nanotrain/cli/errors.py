@@ -1,9 +1,14 @@
 """How the `nanotrain` command reports a user's mistake: one line, once per job, exit code 2.
 
-A wrong flag, a bad value, a missing or unwritable file or a setting the Trainer refuses is
-not a bug of nanotrain, so the command prints only the message (`nanotrain: error: ...`)
-instead of a traceback. Pass `--debug` or set `NANOTRAIN_DEBUG=1` to get every rank's full
-traceback instead.
+A wrong flag, a bad value, a missing or unwritable file (a full disk included) or a setting
+the Trainer refuses is not a bug of nanotrain, so the command prints only the message
+(`nanotrain: error: ...`) instead of a traceback. Pass `--debug` or set `NANOTRAIN_DEBUG=1` to
+get every rank's full traceback instead.
+
+An exception that passed through your own code (your module, callbacks, datamodule, dataset:
+any frame outside nanotrain, the standard library and installed packages) is a bug to find
+in that code: as under Lightning it keeps its traceback, down to your frame, and the command
+exits 1, whatever its type.
 
 Under torchrun, once per job:
 - an error found before the process group exists (parsing, configuration) is the same on
@@ -21,6 +26,7 @@ import argparse
 import os
 import re
 import sys
+import sysconfig
 import time
 from collections.abc import Callable
 from datetime import timedelta
@@ -51,6 +57,11 @@ _PEER_GONE = re.compile(
     r"|failed to recv, got 0 bytes|Connection refused"
 )
 _PACKAGE = str(Path(__file__).resolve().parents[1])
+# where the standard library and installed packages live: code there is not the user's
+_LIBRARIES = tuple(
+    {os.path.realpath(sysconfig.get_paths()[k]) for k in ("stdlib", "platstdlib", "purelib",
+                                                          "platlib")}
+)  # fmt: skip
 
 
 def debug_requested(argv: list[str]) -> bool:
@@ -86,6 +97,27 @@ def _raised_by_nanotrain(exc: BaseException) -> bool:
     while tb is not None and tb.tb_next is not None:
         tb = tb.tb_next
     return tb is not None and tb.tb_frame.f_code.co_filename.startswith(_PACKAGE)
+
+
+def _is_user_file(filename: str) -> bool:
+    """Whether code at `filename` is the user's: not nanotrain, the standard library, an
+    installed package or generated code ("<string>", "<frozen ...>")."""
+    if filename.startswith("<"):
+        return False
+    path = os.path.realpath(filename)
+    return not path.startswith(_PACKAGE) and not path.startswith(_LIBRARIES)
+
+
+def raised_in_user_code(exc: BaseException) -> bool:
+    """Whether the error the one line would report (`_root`) passed through a frame of the
+    user's own code: a bug there, or a call from there that nanotrain refused, which keeps its
+    traceback (see the module docstring)."""
+    tb = _root(exc).__traceback__
+    while tb is not None:
+        if _is_user_file(tb.tb_frame.f_code.co_filename):
+            return True
+        tb = tb.tb_next
+    return False
 
 
 def _root(exc: BaseException) -> BaseException:
@@ -179,6 +211,9 @@ def run_reporting_user_errors(main: Callable[..., int], argv: list[str]) -> int:
     try:
         code = main(argv, recorder)
     except USER_ERRORS as exc:
+        if raised_in_user_code(exc):  # a bug in the user's code: its traceback, exit 1
+            recorder.write("crashed", f"{type(exc).__name__}: {exc}".splitlines()[0][:500])
+            raise
         recorder.write("user_error", one_line(exc))
         if debug:
             raise

@@ -365,7 +365,9 @@ class Strategy(ABC):
             and not self.precision.uses_loss_scaling
         )
 
-    def optimizer_step(self, skip_if: Tensor | None = None) -> None:
+    def optimizer_step(
+        self, skip_if: Tensor | None = None, closure: Callable[[], Any] | None = None
+    ) -> Any:
         """Apply the optimizer update (on fp32 masters when the precision keeps them; skipped
         after an fp16 overflow). The gradients stay until `zero_grad` (the Trainer zeroes them
         at the start of the next step, where Lightning does).
@@ -374,11 +376,18 @@ class Strategy(ABC):
             skip_if: a 0-dim bool device tensor; where it is True the optimizer leaves the
                 weights and its state as they were, decided on the device (needs
                 `can_skip_on_device`).
+            closure: for an optimizer whose `step` needs one (LBFGS), passed to it; the
+                Trainer allows it only where the optimizer steps the parameters themselves.
+
+        Returns: what the optimizer's `step` returned (the closure's first loss, for LBFGS).
         """
+        result = None
         if not self.precision.skip_step:
             with named_range("nanotrain/optimizer_step"), skip_on_device(self.optimizer, skip_if):
-                self._updater().step()
+                updater = self._updater()
+                result = updater.step() if closure is None else updater.step(closure)
         self.precision.after_step()
+        return result
 
     def _updater(self) -> Any:
         """What `optimizer_step` steps: the fp32 master weights when the precision keeps them

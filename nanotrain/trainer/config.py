@@ -51,9 +51,9 @@ class TrainerConfig:
         loggers: which built-in loggers rank 0 writes into the run directory: any of
             "tensorboard", "csv", "jsonl" (Lightning `Logger` objects: `Trainer(logger=...)`).
         seed: seeds Python, NumPy and torch when each stage starts, before the model is built
-            and the data shuffled. Default None: after `lightning.seed_everything(n)` (the
-            PL_GLOBAL_SEED environment variable) the RNGs are left as the user's code left
-            them and n seeds the data order and workers, as in Lightning; else seed 0.
+            and the data shuffled. Default None: the global RNGs are left as the user's code
+            left them (as Lightning), and PL_GLOBAL_SEED (`lightning.seed_everything(n)`), else
+            0, seeds the data order and nanotrain's modules' initial weights.
         deterministic: as Lightning: True uses only deterministic kernels (slower; errors on
             ops without one), "warn" warns on those ops instead, False turns it off, None
             (default) leaves torch's setting as it is.

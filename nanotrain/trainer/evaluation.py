@@ -63,6 +63,8 @@ def _publish_epoch(trainer: Trainer, book: MetricBook, values: ScopeValues) -> N
     callback = {k: v.detach() for k, v in values.callback.items()}
     trainer.callback_metrics.update(callback)
     trainer.callback_metrics.update(book.unforked(callback))
+    # as Lightning's `logged_metrics`, which reads the epoch values from the epoch-end hook on
+    trainer.logged_metrics.update({k: v.detach() for k, v in values.logger.items()})
 
 
 def evaluation_batch(
@@ -269,44 +271,60 @@ class EvaluationMethods:
 
     def test(
         self: Trainer,
-        module: Any,
-        datamodule: Any = None,
+        model: Any = None,
         dataloaders: Any = None,
         ckpt_path: str | None = None,
         verbose: bool = True,
+        datamodule: Any = None,
+        weights_only: bool | None = None,
     ) -> list[dict[str, float]]:
-        """Run `test_step` once over the test data (`datamodule.test_dataloader()` or
-        `dataloaders`); returns [metrics] and, with `verbose`, prints them, as Lightning. See
-        `run_test`."""
+        """Run `test_step` once over the test data (`dataloaders`, else the datamodule's or
+        the module's `test_dataloader()`); returns [metrics] and, with `verbose`, prints them,
+        as Lightning. Lightning's signature and defaults: without `model`, the module of the
+        last stage, and after a fit `ckpt_path` "best" (`nanotrain.trainer.call_forms`).
+        See `run_test`."""
         run = functools.partial(run_test, verbose=verbose)
-        return self._evaluate(run, "test", module, datamodule, dataloaders, ckpt_path)
+        return self._evaluate(run, "test", model, datamodule, dataloaders, ckpt_path, weights_only)
 
     def predict(
         self: Trainer,
-        module: Any,
-        datamodule: Any = None,
+        model: Any = None,
         dataloaders: Any = None,
-        ckpt_path: str | None = None,
+        datamodule: Any = None,
         return_predictions: bool | None = None,
+        ckpt_path: str | None = None,
+        weights_only: bool | None = None,
     ) -> list[Any] | None:
-        """Run `predict_step` over the predict data (`datamodule.predict_dataloader()` or
-        `dataloaders`); returns this rank's outputs per batch (None with
-        `return_predictions=False`), as Lightning. See `run_predict`."""
+        """Run `predict_step` over the predict data (`dataloaders`, else the datamodule's or
+        the module's `predict_dataloader()`); returns this rank's outputs per batch (None with
+        `return_predictions=False`), as Lightning, with Lightning's signature and defaults (see
+        `test`). See `run_predict`."""
         run = functools.partial(run_predict, return_predictions=return_predictions)
-        return self._evaluate(run, "predict", module, datamodule, dataloaders, ckpt_path)
+        return self._evaluate(
+            run, "predict", model, datamodule, dataloaders, ckpt_path, weights_only
+        )
 
     def _evaluate(
         self: Trainer,
         run: Callable[[Trainer, Any], Any],
         stage: str,
-        module: Any,
+        model: Any,
         datamodule: Any,
         loaders: Any,
         ckpt: Any,
+        weights_only: bool | None,
     ) -> Any:
-        from nanotrain.trainer.loaders import split_data_arguments
+        from nanotrain.trainer.call_forms import (
+            check_weights_only,
+            data_arguments,
+            default_ckpt_path,
+            stage_module,
+        )
 
-        datamodule, loaders = split_data_arguments(datamodule, loaders)
+        check_weights_only(weights_only)
+        datamodule, loaders = data_arguments(stage, datamodule, loaders)
+        module, given = stage_module(self, model, stage)
+        ckpt = default_ckpt_path(self, stage, ckpt, given)
         try:
             self._setup(module, datamodule, stage, ckpt)
             if ckpt is not None:

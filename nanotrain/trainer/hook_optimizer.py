@@ -11,15 +11,61 @@ the update uses.
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
+
+import torch
 
 if TYPE_CHECKING:
     from torch import Tensor
 
     from nanotrain.strategies.base import Strategy
 
-__all__ = ["HookOptimizer"]
+__all__ = ["HookOptimizer", "needs_closure"]
+
+
+def needs_closure(optimizer: Any) -> bool:
+    """Whether `optimizer.step` needs a closure that recomputes the loss (LBFGS: its line
+    search evaluates the loss and gradients several times per step)."""
+    if isinstance(optimizer, torch.optim.LBFGS):
+        return True
+    try:
+        closure = inspect.signature(optimizer.step).parameters.get("closure")
+    except (TypeError, ValueError):
+        return False
+    return closure is not None and closure.default is inspect.Parameter.empty
+
+
+def check_closure_optimizer(strategy: Strategy) -> None:
+    """Refuse, at fit start, an optimizer that `needs_closure` where its line search would not
+    read what it reads under one process.
+
+    Raises:
+        ValueError: under a strategy other than SingleDeviceStrategy / DDPStrategy (sharded
+            parameters: its dot products would cover this rank's shard only), with fp32 master
+            weights, or with fp16 loss scaling (as Lightning, which refuses AMP with LBFGS).
+    """
+    from nanotrain.strategies.replicated import ReplicatedStrategy
+
+    optimizer = strategy.optimizer
+    if not needs_closure(optimizer):
+        return
+    name = type(optimizer).__name__
+    if not isinstance(strategy, ReplicatedStrategy):
+        raise ValueError(
+            f"{name}.step needs a closure that recomputes the loss; nanotrain runs it under "
+            f"SingleDeviceStrategy and DDPStrategy only ({type(strategy).__name__} shards the "
+            "parameters, so its line search would read this rank's shard only): train with "
+            "strategy='single' or 'ddp', or use a first-order optimizer (SGD, AdamW)"
+        )
+    if strategy._master_holder is not None or strategy.precision.uses_loss_scaling:
+        raise ValueError(
+            f"{name}.step needs a closure that recomputes the loss, which nanotrain runs in "
+            f"full precision only (precision={strategy.precision.name!r} keeps fp32 master "
+            "weights or scales the loss; Lightning refuses LBFGS with AMP too): use "
+            "precision='32-true' or a first-order optimizer"
+        )
 
 
 class HookOptimizer:
@@ -40,6 +86,9 @@ class HookOptimizer:
         self.stepped = False
         #: whether the closure `closure_for` made was called (Lightning refuses a step without)
         self.closure_ran = False
+        #: for an optimizer that `needs_closure`: runs the step's forward and backward again
+        #: (Lightning's closure: training_step, zero_grad, backward) and returns the loss
+        self.rerun: Callable[[], Any] | None = None
 
     def closure_for(self, loss: Any) -> Callable[[], Any]:
         """Lightning's optimizer closure for this step: the forward and backward of every
@@ -60,12 +109,32 @@ class HookOptimizer:
         """Apply this step's update, as Lightning's `optimizer.step(closure)`: the closure,
         then `on_before_optimizer_step` and gradient clipping (`before_update`; a callback may
         skip the update there), then the strategy's update."""
+        if self.rerun is not None:
+            return self._step_with_closure(closure)
         loss = closure() if closure is not None else None
         self.stepped = True
         if self._before_update is not None and not self._before_update():
             return loss
         self._strategy.optimizer_step(skip_if=self.skip_if)
         return loss
+
+    def _step_with_closure(self, closure: Callable[[], Any] | None) -> Any:
+        """As Lightning for an optimizer that calls its closure (LBFGS): every call of the
+        closure the optimizer makes is followed by `before_update` (on_before_optimizer_step,
+        clipping); the first returns the loss computed before `optimizer_step`, each later one
+        runs the forward and backward again (`rerun`)."""
+        self.stepped = True
+        calls = 0
+
+        def optimizer_closure() -> Any:
+            nonlocal calls
+            loss = (closure() if closure is not None else None) if calls == 0 else self.rerun()
+            calls += 1
+            if self._before_update is not None:
+                self._before_update()
+            return loss
+
+        return self._strategy.optimizer_step(skip_if=self.skip_if, closure=optimizer_closure)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Drop the gradients through the strategy (bucketed gradients stay views of their

@@ -110,29 +110,6 @@ def build_loaders(
     return train_loader, train_sampler, val_loader
 
 
-def split_data_arguments(datamodule: Any, *loaders: Any) -> tuple[Any, ...]:
-    """(datamodule, *loaders) of a call written in Lightning's argument order.
-
-    Lightning's `fit(model, train_dataloaders, val_dataloaders)`, `validate(model,
-    dataloaders)`, `test(...)` and `predict(...)` take the data second; nanotrain's take the
-    datamodule second. A DataLoader or Dataset (or a list of them) in the datamodule's place
-    is therefore data given positionally, Lightning's way: it moves to the loaders' places.
-
-    Raises:
-        TypeError: data in the datamodule's place and in the last loader place too (no
-            Lightning call has that many).
-    """
-    if not isinstance(datamodule, DataLoader | Dataset | list | tuple):
-        return (datamodule, *loaders)
-    if loaders[-1] is not None:
-        raise TypeError(
-            f"got a {type(datamodule).__name__} as the datamodule and data for every loader "
-            "argument; pass the data by name: fit(module, train_dataloaders=..., "
-            "val_dataloaders=...) or fit(module, datamodule=...)"
-        )
-    return (None, datamodule, *loaders[:-1])
-
-
 def data_source(given: Any, datamodule: Any, module: Any, hook: str) -> Any:
     """The data of `hook` (e.g. "train_dataloader"), as Lightning picks it: `given` (the
     dataloaders passed to fit/validate/test/predict), else the datamodule's hook where it
@@ -380,9 +357,14 @@ def draw_as_lightning(loader: DataLoader | None) -> None:
     under lightning.Trainer each pass over it (a training epoch, a validation, a test) moves
     the RNG that dropout and data drawn later read. nanotrain's own loaders carry a generator
     (an exact resume re-creates iterators mid-epoch), so the Trainer makes the same draw at the
-    start of each pass itself: the RNG streams, and so the runs, stay Lightning's.
+    start of each pass itself: the RNG streams, and so the runs, stay Lightning's. The loader's
+    own generator is set to draw the same number when the pass's iterator is made, so its
+    workers get Lightning's base seed (and, after `seed_everything(n, workers=True)`,
+    Lightning's `pl_worker_init_function` seeds them from it): random augmentation in workers
+    draws Lightning's numbers. Call it right before `iter(loader)`.
     """
     if loader is not None and getattr(loader, "draws_global_seed", False):
+        loader.generator.set_state(torch.get_rng_state())
         torch.empty((), dtype=torch.int64).random_()
 
 

@@ -418,6 +418,16 @@ class LightningTrainerProperties:
         with self.strategy.model_init_context():
             yield
 
+    @property
+    def _accelerator_connector(self) -> Any:
+        """Not a nanotrain Trainer attribute: Lightning's `Tuner(trainer).scale_batch_size`
+        reads it first, so it is refused here, naming Lightning's Tuner (`lightning_tuner`)."""
+        from lightning.pytorch.callbacks import BatchSizeFinder
+
+        from nanotrain.trainer.lightning_tuner import TunerRefusal, tuner_refusal
+
+        raise TunerRefusal(tuner_refusal(BatchSizeFinder))
+
     def logs_per_step_by_default(self) -> bool:
         """Lightning's `self.log` default: on_step (not on_epoch) in `training_step` and the
         training batch hooks; on_epoch everywhere else."""

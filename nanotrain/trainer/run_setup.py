@@ -4,10 +4,13 @@ config and hyperparameters recorded there."""
 
 from __future__ import annotations
 
+import contextlib
 import os
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import torch
 from lightning.fabric.utilities.seed import seed_everything
 
 from nanotrain.runtime.run_files import run_files_error
@@ -20,22 +23,35 @@ class RunSetupMethods:
     """Mixin of `nanotrain.Trainer`: seed the stage, plan and make the run directory."""
 
     def _seed(self) -> None:
-        """Seed the stage: the Trainer's seed if given, else `lightning.seed_everything`'s
-        (PL_GLOBAL_SEED), else 0. seed_everything sets PL_GLOBAL_SEED for the stage (Lightning
-        code inside it reads it, e.g. worker seeding); `_teardown` puts back what was there,
-        so that one Trainer's explicit seed does not become a later Trainer's default.
+        """Seed the stage, as Lightning: the global RNGs only when asked. With
+        `Trainer(seed=n)`, `seed_everything(n)` at each stage's start (it sets PL_GLOBAL_SEED
+        for the stage, which Lightning code inside it reads, e.g. worker seeding; `_teardown`
+        puts back what was there, so that one Trainer's seed does not become a later
+        Trainer's default). Without it the global RNGs are left as your code left them
+        (seeded by your `seed_everything(n)`, your `torch.manual_seed`, or not at all), as
+        under lightning.Trainer.
 
-        After the user's own `seed_everything(n)` (and no Trainer seed) the global RNGs are
-        left as the user's code left them, as Lightning leaves them: data or weights drawn
-        between that call and `fit` come out as under lightning.Trainer; n still seeds the
-        samplers and workers."""
+        nanotrain's own randomness stays deterministic either way: the data order and the
+        loaders' generators use the run's seed (`settings.seed`: the Trainer's, else
+        PL_GLOBAL_SEED, else 0), and nanotrain's modules draw their initial weights under
+        `model_init_rng`."""
         requested = self.requested_settings.seed
         self.settings.seed = resolve_seed(requested)
         if not self._seed_env_saved:
             self._seed_env_saved, self._seed_env_before = True, os.environ.get("PL_GLOBAL_SEED")
-        if requested is None and self._seed_env_before is not None:
-            return
-        seed_everything(self.settings.seed, verbose=False)
+        self._global_rng_seeded = requested is not None or self._seed_env_before is not None
+        if requested is not None:
+            seed_everything(self.settings.seed, verbose=False)
+
+    def model_init_rng(self) -> contextlib.AbstractContextManager:
+        """Where nanotrain's own modules (`LanguageModelModule.configure_model`) draw their
+        initial weights: the global RNG as seeded when you seeded it (`Trainer(seed=...)`,
+        `seed_everything`); else a fork of the global torch RNG seeded with the run's seed
+        and put back afterwards, so that the weights are the same on every rank and in every
+        run while your RNG stream stays untouched."""
+        if getattr(self, "_global_rng_seeded", True):
+            return contextlib.nullcontext()
+        return _seeded_fork(self.settings.seed)
 
     def _restore_global_seed(self) -> None:
         if not self._seed_env_saved:
@@ -90,3 +106,13 @@ class RunSetupMethods:
         if self._user_config is not None:
             return self._user_config
         return default_config(self.settings.to_dict(), self.strategy, self.module, self.datamodule)
+
+
+@contextlib.contextmanager
+def _seeded_fork(seed: int) -> Iterator[None]:
+    """The global torch RNGs (CPU and every CUDA device) seeded with `seed` inside, as they
+    were afterwards."""
+    devices = list(range(torch.cuda.device_count())) if torch.cuda.is_available() else []
+    with torch.random.fork_rng(devices=devices):
+        torch.manual_seed(seed)
+        yield

@@ -14,7 +14,8 @@ one accumulation window; `batch_idx` counts microbatches as Lightning counts bat
       runs, as Lightning's: the closure (returns the step's loss: forward and backward ran
       above) → on_before_optimizer_step(optimizer) (gradients not yet clipped; the step's
       norm known) → configure_gradient_clipping(optimizer, gradient_clip_val,
-      gradient_clip_algorithm) → the strategy's update
+      gradient_clip_algorithm) (the clip measures the gradients as the hooks left them)
+      → the strategy's update
     → global_step counts the step → lr_scheduler_step(scheduler, None) (step-interval ones;
       epoch-interval ones at the epoch's last step; each when Lightning's batch or epoch
       index + 1 is a multiple of its frequency)
@@ -37,9 +38,11 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 import torch
+from lightning.pytorch.utilities.enums import GradClipAlgorithmType
 
 from nanotrain.strategies.base import MicrobatchHooks, StepOutput
-from nanotrain.trainer.hook_optimizer import HookOptimizer
+from nanotrain.trainer.hook_checks import overrides
+from nanotrain.trainer.hook_optimizer import HookOptimizer, needs_closure
 
 if TYPE_CHECKING:
     from nanotrain.trainer import Trainer
@@ -98,7 +101,10 @@ class TrainStepMethods:
         hooks = window.hooks() if in_loop else None
         with strategy.precision.step_context():  # one cast of each weight for the step
             out = strategy.forward_backward(module, microbatches, first, hooks)
+        if needs_closure(strategy.optimizer):  # LBFGS: its closure runs the step again
+            optimizer.rerun = lambda: self._rerun_step(window, microbatches, first, in_loop)
         out.grad_norm = strategy.clip_grad_norm_(None)  # measured before any clipping
+        self._norm_is_current = True  # until a hook that may edit the gradients runs
         self.step_output = out
         self._skip_requested = False
         module.optimizer_step(st.epoch, first + n - 1, optimizer, optimizer.closure_for(out.loss))
@@ -141,19 +147,47 @@ class TrainStepMethods:
     def _before_update(self: Trainer, optimizer: HookOptimizer) -> bool:
         """What Lightning runs inside `optimizer.step(closure)` after the closure:
         `on_before_optimizer_step` (where a callback may skip the update), then
-        `configure_gradient_clipping`. Returns whether the update is to be applied."""
+        `configure_gradient_clipping`, with the Trainer's `gradient_clip_val` and
+        `gradient_clip_algorithm` as Lightning passes them (None when not set). Returns whether
+        the update is to be applied.
+
+        As Lightning, the clip measures the norm of the gradients as the hooks left them: when
+        a hook that may edit them ran (yours, not nanotrain's own), the norm is measured again
+        (`step_output.grad_norm`, logged as train/grad_norm, is then that norm)."""
         s, out = self.settings, self.step_output
         self._call("on_before_optimizer_step", optimizer)
         if self._skip_requested:
             self.strategy.skip_step()
             out.skipped = True
             return False
-        clip_algorithm = s.gradient_clip_algorithm
-        if clip_algorithm is None and s.gradient_clip_val is not None:
-            clip_algorithm = "norm"
-        self.module.configure_gradient_clipping(optimizer, s.gradient_clip_val, clip_algorithm)
+        if _user_hook_ran(self, "on_before_optimizer_step"):
+            out.grad_norm = self.strategy.clip_grad_norm_(None)
+        # an override may edit the gradients before it calls clip_gradients
+        self._norm_is_current = not _user_defined(self.module, "configure_gradient_clipping")
+        algorithm = s.gradient_clip_algorithm
+        if algorithm is not None:  # Lightning's type: GradClipAlgorithmType, a str enum
+            algorithm = GradClipAlgorithmType(algorithm.lower())
+        self.module.configure_gradient_clipping(optimizer, s.gradient_clip_val, algorithm)
         optimizer.skip_if = out.skip_flag
         return True
+
+    def _rerun_step(
+        self: Trainer, window: _Window, microbatches: list[Any], first: int, in_loop: bool
+    ) -> torch.Tensor:
+        """What Lightning's optimizer closure runs when the optimizer calls it again (LBFGS):
+        per microbatch training_step, (i = 0) `on_before_zero_grad` and `optimizer_zero_grad`,
+        `on_before_backward`, backward, `on_after_backward`; returns the loss. The step's
+        output then holds this loss and grad norm (Lightning's outputs are the last call's)."""
+        strategy = self.strategy
+        if not in_loop:
+            window.zero_grad()
+        hooks = window.rerun_hooks() if in_loop else None
+        with strategy.precision.step_context():
+            again = strategy.forward_backward(self.module, microbatches, first, hooks)
+        out = self.step_output
+        out.loss, out.grad_norm = again.loss, strategy.clip_grad_norm_(None)
+        self._norm_is_current = True
+        return again.loss
 
     def _step_scheduler(self: Trainer, interval: str, index: int) -> None:
         """Step an `interval` scheduler where Lightning does: when ``index + 1`` (`index`: the
@@ -191,11 +225,13 @@ class TrainStepMethods:
             )
         if not gradient_clip_val:
             return
-        norm = self.step_output.grad_norm
-        if algorithm == "norm":
-            self.strategy.clip_grads_(norm, max_norm=gradient_clip_val)
-        else:
-            self.strategy.clip_grads_(norm, clip_value=gradient_clip_val)
+        if algorithm == "value":
+            self.strategy.clip_grads_(self.step_output.grad_norm, clip_value=gradient_clip_val)
+        elif self._norm_is_current:  # the gradients are as the step's norm was measured
+            self.strategy.clip_grads_(self.step_output.grad_norm, max_norm=gradient_clip_val)
+        else:  # as Lightning: the norm of the gradients as they are now
+            self.strategy.clip_grad_norm_(gradient_clip_val)
+        self._norm_is_current = False
 
     def _val_check_due(self: Trainer) -> bool:
         """Whether `val_check_interval` asks for validation after this step, as
@@ -215,10 +251,14 @@ class TrainStepMethods:
         return (st.epoch + 1) % per_epochs == 0 and st.steps_in_epoch % every == 0
 
     def _publish_step_values(self: Trainer) -> None:
-        """As Lightning: the step's `self.log` values are in `callback_metrics` and
-        `progress_bar_metrics` every step, before its last `on_train_batch_end` (device
-        tensors: no host read); the loggers get them on log steps only."""
+        """As Lightning: the step's `self.log` values are in `callback_metrics`,
+        `progress_bar_metrics` and `logged_metrics` (`logger=True` ones, a value logged with
+        on_step and on_epoch as `<name>_step`) every step, before its last
+        `on_train_batch_end` (device tensors: no host read); the loggers get them on log steps
+        only."""
         values = self.metric_book.read_step()
+        if values.logger:
+            self.logged_metrics.update(values.logger)
         if values.callback:  # every value, `logger=False` ones too (as Lightning)
             self.callback_metrics.update(values.callback)
             self.callback_metrics.update(self.metric_book.unforked(values.callback))
@@ -241,6 +281,19 @@ class TrainStepMethods:
         self.callback_metrics.update(callback)
         self.callback_metrics.update(self.metric_book.unforked(callback))
         self.progress_bar_metrics.update(prog)  # as Lightning: the module's values only
+
+
+def _user_defined(obj: Any, hook: str) -> bool:
+    """Whether `obj` has its own `hook` written outside nanotrain (which may edit the
+    gradients; nanotrain's own hooks only read them)."""
+    if not overrides(obj, hook):
+        return False
+    return not getattr(getattr(obj, hook), "__module__", "").startswith("nanotrain.")
+
+
+def _user_hook_ran(trainer: Trainer, hook: str) -> bool:
+    """Whether `hook` of the module or of a callback is the user's (see `_user_defined`)."""
+    return any(_user_defined(obj, hook) for obj in (trainer.module, *trainer.callbacks))
 
 
 def _check_stepped(module: Any, optimizer: HookOptimizer) -> None:
@@ -308,6 +361,11 @@ class _Window:
             start=self.start, before=self._before, after=self._after, end=self._end
         )
 
+    def rerun_hooks(self) -> MicrobatchHooks:
+        """The hooks of a microbatch run again by the optimizer's closure (LBFGS): as
+        Lightning's closure, without the batch start and end hooks."""
+        return MicrobatchHooks(start=_no_hook, before=self._before, after=self._after, end=_no_hook)
+
     def start(self, i: int, batch: Any) -> None:
         """`on_train_batch_start` of microbatch `i`."""
         t = self.trainer
@@ -354,3 +412,7 @@ class _Window:
             if outputs is None:
                 outputs = {"loss": (step_loss / n).detach()}
             self.trainer._call("on_train_batch_end", outputs, self.batches[i], self.first + i)
+
+
+def _no_hook(*args: Any) -> None:
+    """A hook that does nothing (see `_Window.rerun_hooks`)."""

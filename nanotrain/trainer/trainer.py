@@ -28,6 +28,12 @@ from nanotrain.runtime.exit_codes import EXIT_PREEMPTED
 from nanotrain.runtime.rng import set_deterministic
 from nanotrain.strategies import Strategy, resolve_strategy
 from nanotrain.strategies.base import StepOutput
+from nanotrain.trainer.call_forms import (
+    check_weights_only,
+    data_arguments,
+    default_ckpt_path,
+    stage_module,
+)
 from nanotrain.trainer.checkpoint_methods import CheckpointMethods
 from nanotrain.trainer.config import TrainerConfig
 from nanotrain.trainer.evaluation import EvaluationMethods, finish_epoch, print_results
@@ -39,14 +45,17 @@ from nanotrain.trainer.hook_checks import (
     uses_any_hook,
 )
 from nanotrain.trainer.hook_dispatch import CallbackHooks
+from nanotrain.trainer.hook_optimizer import check_closure_optimizer
 from nanotrain.trainer.lightning_args import check_accelerator, setting_names, unknown_setting_error
-from nanotrain.trainer.loaders import build_loaders, draw_as_lightning, split_data_arguments
+from nanotrain.trainer.lightning_tuner import refuse_tuner_callbacks
+from nanotrain.trainer.loaders import build_loaders, draw_as_lightning
 from nanotrain.trainer.loggers import LoggerGroup, user_loggers
 from nanotrain.trainer.metric_book import MetricBook, to_float
 from nanotrain.trainer.preemption import PreemptionWatch, stop_if_preempted
 from nanotrain.trainer.properties import LightningTrainerProperties
 from nanotrain.trainer.run_setup import RunSetupMethods
 from nanotrain.trainer.state import TrainState
+from nanotrain.trainer.step_signatures import adapt_steps, restore_steps
 from nanotrain.trainer.train_step import TrainStepMethods
 from nanotrain.trainer.validation import run_validation
 
@@ -214,6 +223,7 @@ class Trainer(
     # -- setup shared by fit and validate --------------------------------------------------
     def _setup(self, module: NanoModule, datamodule: Any, stage: str, ckpt_path: Any) -> None:
         module = adopt_lightning_module(module)
+        adapt_steps(module)  # steps without batch_idx, as Lightning calls them
         s = self.settings
         self.strategy.setup_environment()
         check_accelerator(
@@ -231,6 +241,7 @@ class Trainer(
         self.callback_metrics, self.logged_metrics, self.progress_bar_metrics = {}, {}, {}
         # a Lightning hook this Trainer would not call is an error now, not a different run
         check_hooks(module, self.callbacks, self.strategy)
+        refuse_tuner_callbacks(self.callbacks)
         check_datamodule_hooks(datamodule)
         self._uses_window_hooks = uses_any_hook(module, self.callbacks, WINDOW_HOOKS)
         module.trainer = self
@@ -274,33 +285,42 @@ class Trainer(
     # -- fit -----------------------------------------------------------------------------------
     def fit(
         self,
-        module: NanoModule,
-        datamodule: Any = None,
+        model: NanoModule,
         train_dataloaders: Any = None,
         val_dataloaders: Any = None,
+        datamodule: Any = None,
         ckpt_path: str | Path | None = None,
+        weights_only: bool | None = None,
     ) -> None:
-        """Train `module` until max_steps, max_epochs or max_tokens (whichever comes first).
+        """Train `model` until max_steps, max_epochs or max_tokens (whichever comes first).
+        Lightning's signature, positional and keyword (`nanotrain.trainer.call_forms`).
 
         Args:
-            module: the NanoModule to train.
+            model: the module to train (a NanoModule or a plain LightningModule).
+            train_dataloaders / val_dataloaders: a DataLoader or Dataset; without them the
+                datamodule's, else the module's own `train_dataloader()` /
+                `val_dataloader()`, as in Lightning. A datamodule in the first place is the
+                datamodule (`fit(model, dm)`, as Lightning).
             datamodule: a LightningDataModule; its DataLoaders are read with their batch size
                 and their sampler's order, resumably and shared out over the data-parallel
                 replicas (`nanotrain.trainer.loaders`).
-            train_dataloaders / val_dataloaders: a DataLoader or Dataset instead of a datamodule.
-                Without either, the module's own `train_dataloader()` / `val_dataloader()`
-                are used, as in Lightning. Lightning's positional order also works:
-                `fit(module, train_loader, val_loader)` (see `split_data_arguments`).
             ckpt_path: resume from this checkpoint, or "last" for the newest of this experiment.
+            weights_only: None or True (checkpoints are always read without unpickling code).
+
+        Raises:
+            ValueError: a datamodule and dataloaders both, weights_only=False.
         """
-        datamodule, train_dataloaders, val_dataloaders = split_data_arguments(
-            datamodule, train_dataloaders, val_dataloaders
+        check_weights_only(weights_only)
+        datamodule, train_dataloaders, val_dataloaders = data_arguments(
+            "fit", datamodule, train_dataloaders, val_dataloaders
         )
+        module = model
         try:
             self.is_fitting, self._epoch_cut_short = True, False
             self._setup(module, datamodule, "fit", ckpt_path)
             self._build_loaders("fit", train_dataloaders, val_dataloaders)
             self.strategy.setup_optimizers(module)
+            check_closure_optimizer(self.strategy)
             if self._resume_path is not None:
                 self._resume(self._resume_path)
             self._make_run_dir()
@@ -433,21 +453,27 @@ class Trainer(
 
     def validate(
         self,
-        module: NanoModule,
-        datamodule: Any = None,
+        model: NanoModule | None = None,
         dataloaders: Any = None,
         ckpt_path: str | Path | None = None,
         verbose: bool = True,
+        datamodule: Any = None,
+        weights_only: bool | None = None,
     ) -> list[dict[str, float]]:
         """Run one pass over the validation data; returns `[metrics]` (Lightning's shape: one
         dict per dataloader) with the epoch values logged, reduced over the ranks, and with
-        `verbose` prints them on rank 0 as Lightning's results table.
+        `verbose` prints them on rank 0 as Lightning's results table. Lightning's signature
+        and defaults: without `model`, the module of the last stage, and after a fit
+        `ckpt_path` "best" (`nanotrain.trainer.call_forms`).
 
         Raises:
             ValueError: the module has no `validation_step` (as Lightning), or no
                 validation data.
         """
-        datamodule, dataloaders = split_data_arguments(datamodule, dataloaders)
+        check_weights_only(weights_only)
+        datamodule, dataloaders = data_arguments("validate", datamodule, dataloaders)
+        module, given = stage_module(self, model, "validate")
+        ckpt_path = default_ckpt_path(self, "validate", ckpt_path, given)
         try:
             if type(module).validation_step is pl.LightningModule.validation_step:
                 raise ValueError(
@@ -488,6 +514,7 @@ class Trainer(
         if self.datamodule is not None:  # as Lightning: the datamodule's, then the hooks'
             self.datamodule.teardown(stage)
         if self.module is not None:
+            restore_steps(self.module)
             self._call("teardown", stage)
         self.loggers.finalize()
         self.loggers = self._your_loggers()  # as Lightning: yours stay readable
