@@ -173,3 +173,17 @@ def test_module_refuses_a_missing_or_out_of_vocab_eod():
         LanguageModelModule("tiny", document_mask=True, eod_token_id=-1)
     with pytest.raises(TypeError, match="document_mask"):
         LanguageModelModule("tiny", document_mask="yes")
+
+
+def test_the_options_parse_from_the_command_line(capsys):
+    from pathlib import Path
+
+    from nanotrain.cli import main
+
+    config = Path(__file__).resolve().parents[2] / "examples/configs/tiny_deepseek.yaml"
+    flags = ["--model.init_args.document_mask", "true", "--model.init_args.eod_mask_loss", "true"]
+    with pytest.raises(SystemExit) as exc:
+        main(["fit", "--config", str(config), *flags, "--print_config"])
+    assert exc.value.code == 0
+    printed = capsys.readouterr().out
+    assert "document_mask: true" in printed and "eod_mask_loss: true" in printed
