@@ -18,11 +18,11 @@ from nanotrain.models.compile import (
     compile_options,
     uses_cuda_graphs,
 )
-from nanotrain.models.documents import DocumentMask, shift_left
+from nanotrain.models.documents import DocumentMask, set_document_mask, shift_left
 from nanotrain.models.expert_compute import set_fp8_dispatch, set_fp8_expert_activations
 from nanotrain.models.fp8_saves import check_flag, check_fp8_expert_activations
 from nanotrain.models.recompute import check_full_layers, check_recompute
-from nanotrain.models.transformer import set_document_mask, set_recompute
+from nanotrain.models.transformer import set_recompute
 from nanotrain.module import NanoModule
 from nanotrain.parallel.schedules import V_SHAPED_SCHEDULES
 from nanotrain.runtime.optim_kernels import adamw_kernel_kwargs

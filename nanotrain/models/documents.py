@@ -23,6 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from torch import nn
 
 IGNORE_INDEX = -100
 
@@ -117,6 +118,18 @@ class DocumentView:
         """The layout of `input_ids` [B, T] under `documents`."""
         segments = documents.segments(input_ids)
         return cls(documents.positions(segments), documents.attention_mask(segments))
+
+
+def set_document_mask(model: nn.Module, documents: DocumentMask | None) -> None:
+    """Make `model` (a `CausalLM`, or a pipeline stage running one) keep attention inside
+    each packed document and restart positions there, reading boundaries from `documents`'s
+    end-of-document id (None: plain causal attention over the whole window)."""
+    models = [m for m in model.modules() if hasattr(m, "attention_inputs")]
+    full = getattr(model, "full", None)  # a PipelineStage runs its layers with the model's methods
+    if hasattr(full, "attention_inputs"):
+        models.append(full)
+    for m in models:
+        m.documents = documents
 
 
 def shift_left(x: torch.Tensor, k: int, fill: int | bool) -> torch.Tensor:

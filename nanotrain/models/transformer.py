@@ -471,18 +471,6 @@ def set_recompute(model: nn.Module, mode: str | None, full_layers: int = 0) -> i
     return len(layers)
 
 
-def set_document_mask(model: nn.Module, documents: DocumentMask | None) -> None:
-    """Make `model` (a CausalLM, or a pipeline stage running one) keep attention inside each
-    packed document and restart positions there, reading boundaries from `documents`'s
-    end-of-document id (None: plain causal attention over the whole window)."""
-    models = [m for m in model.modules() if isinstance(m, CausalLM)]
-    full = getattr(model, "full", None)  # a PipelineStage runs its layers with the model's methods
-    if isinstance(full, CausalLM):
-        models.append(full)
-    for m in models:
-        m.documents = documents
-
-
 def _layer_chunks(model: nn.Module) -> list[list[nn.Module]]:
     """The main stack's decoder layers of each pipeline chunk of `model` (a `PipelineStage`:
     its chunks; a model: its layer list as one chunk)."""

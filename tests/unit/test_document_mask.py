@@ -7,8 +7,8 @@ import torch
 
 from nanotrain import LanguageModelModule
 from nanotrain.models import build_model, presets
-from nanotrain.models.documents import DocumentMask
-from nanotrain.models.transformer import set_document_mask, set_recompute
+from nanotrain.models.documents import DocumentMask, set_document_mask
+from nanotrain.models.transformer import set_recompute
 
 V, EOD = 257, 256
 # three documents, the last cut by the window's end: 7 and 5 tokens with their EOD, then 4
