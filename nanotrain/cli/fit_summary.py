@@ -69,7 +69,8 @@ def fit_summary(trainer: Any) -> str:
 def _outcome(trainer: Any, report: dict[str, Any]) -> str:
     """`finished: N steps, T tokens in H:MM:SS (R tokens/s; MFU ...)`."""
     status = report.get("status") or ("stopped" if trainer.should_stop else "finished")
-    head = f"{status}: {trainer.global_step:,} steps"
+    # "finished: 600 steps", or a status that names its step ("stopped early at step 8")
+    head = status if "step" in status else f"{status}: {trainer.global_step:,} steps"
     tokens = (report.get("training") or {}).get("tokens")
     if tokens:
         head += f", {int(tokens):,} tokens"

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 
+import nanotrain as nt
 from nanotrain import testing as toy
 from nanotrain.callbacks.progress import ProgressBar
 from nanotrain.callbacks.report import RunReport
@@ -44,3 +45,22 @@ def test_summary_without_monitors_or_validation_keeps_what_it_knows(tmp_path):
     assert lines[0] == "finished: 2 steps"
     assert lines[1] == f"run folder:  {trainer.run_dir}"
     assert len(lines) == 2
+
+
+class StopAtTwo(nt.Callback):
+    def on_train_step_end(self, trainer, module, outputs, batch, batch_idx):
+        if trainer.global_step == 2:
+            trainer.request_stop()
+
+
+def test_summary_of_a_run_stopped_early_names_the_step_once(tmp_path):
+    callbacks = [StopAtTwo(), RunReport()]
+    trainer = toy.make_trainer(tmp_path, callbacks=callbacks, max_steps=5)
+    trainer.fit(Tokens(), train_dataloaders=BlobsData().train_dataloader())
+    assert (
+        fit_summary(trainer)
+        .splitlines()[0]
+        .startswith(
+            "stopped early at step 2, 160 tokens in 0:00:"  # 2 steps x 8 samples x 10 tokens
+        )
+    )
