@@ -2,11 +2,11 @@
 
 Printed on global rank 0 after fit (the report is written by then), e.g.::
 
-    finished: 600 steps, 1,228,800 tokens in 0:01:52 (10,971 tokens/s; MFU n/a: no peak ...)
-    last validation (step 600): val/loss 1.6297 | 2.3512 bits per byte
+    finished: 12 steps, 24,576 tokens in 0:00:18 (1,546 tokens/s; MFU n/a: no peak ...)
+    last validation (step 12): val/loss 4.7076 | 6.7936 bits per byte
     run folder:  runs/tiny_deepseek/version_0
     report:      runs/tiny_deepseek/version_0/report.md
-    checkpoint:  runs/tiny_deepseek/version_0/checkpoints/step-00000600
+    checkpoint:  runs/tiny_deepseek/version_0/checkpoints/step-00000012
     TensorBoard: tensorboard --logdir runs/tiny_deepseek/version_0/tensorboard
 """
 
