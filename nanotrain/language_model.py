@@ -19,6 +19,7 @@ from nanotrain.models.compile import (
     compile_options,
     uses_cuda_graphs,
 )
+from nanotrain.models.documents import DocumentMask, set_document_mask, shift_left
 from nanotrain.models.expert_compute import set_fp8_dispatch, set_fp8_expert_activations
 from nanotrain.models.fp8_saves import check_flag, check_fp8_expert_activations
 from nanotrain.models.recompute import check_full_layers, check_recompute
@@ -102,6 +103,19 @@ class LanguageModelModule(NanoModule):
             ``{"mode": "reduce-overhead"}`` also replays the graphs as CUDA graphs (one GPU,
             `SingleDeviceStrategy` or a one-rank `MegatronStrategy`; refused at fit start
             elsewhere, see `nanotrain.models.compile`).
+        document_mask: attention stays inside each document of a packed window and rotary
+            positions restart at each document, as Megatron's ``--reset-attention-mask
+            --reset-position-ids`` (`nanotrain.models.documents`); boundaries are read from
+            the end-of-document token in input_ids.
+        eod_mask_loss: ignore labels that predict across a document boundary (the token
+            after each end-of-document token; for MTP every target in a later document),
+            as Megatron's ``--eod-mask-loss``. Independent of `document_mask`.
+        eod_token_id: the end-of-document id; None takes the data's (its tokenizer's EOS).
+
+    Raises:
+        ValueError: for an invalid setting (at construction); at fit start, with
+            `document_mask` or `eod_mask_loss`, when neither `eod_token_id` nor the data
+            names an end-of-document id, or it lies outside the vocabulary.
     """
 
     def __init__(
@@ -123,6 +137,9 @@ class LanguageModelModule(NanoModule):
         fp8_dispatch: bool = False,
         compile_layers: bool | dict[str, Any] = False,
         compile_model: bool | dict[str, Any] = False,
+        document_mask: bool = False,
+        eod_mask_loss: bool = False,
+        eod_token_id: int | None = None,
     ) -> None:
         super().__init__()
         adamw_kernel_kwargs(optimizer_impl, [])  # validate before any work
@@ -131,6 +148,10 @@ class LanguageModelModule(NanoModule):
         check_compile_options(compile_layers, compile_model)
         check_fp8_expert_activations(fp8_expert_activations, compile_layers or compile_model)
         check_flag("fp8_dispatch", fp8_dispatch)
+        check_flag("document_mask", document_mask)
+        check_flag("eod_mask_loss", eod_mask_loss)
+        if eod_token_id is not None:
+            DocumentMask(eod_token_id)  # validates the id
         if lr <= 0 or min_lr < 0 or min_lr > lr:
             raise ValueError(f"need 0 <= min_lr <= lr and lr > 0, got lr={lr}, min_lr={min_lr}")
         if warmup_steps < 0:
@@ -144,6 +165,7 @@ class LanguageModelModule(NanoModule):
         self.last_moe_stats: Any = None
         self._seq_len: int | None = None
         self._cuda_graphs = False
+        self.documents: DocumentMask | None = None  # set in configure_model
 
     # -- model -------------------------------------------------------------------------------
     def _resolve_config(self, vocab_size: int | None, from_data: bool = False) -> Any:
@@ -230,12 +252,38 @@ class LanguageModelModule(NanoModule):
         )
         set_fp8_expert_activations(self.model, self.hparams.get("fp8_expert_activations", False))
         set_fp8_dispatch(self.model, self.hparams.get("fp8_dispatch", False))
+        self.documents = self._document_mask(data)
+        set_document_mask(self.model, self.documents)
         if self.hparams.get("compile_layers"):
             compile_layers(self.model, **compile_options(self.hparams["compile_layers"]))
         if self.hparams.get("compile_model"):
             compile_model(self.model, **compile_options(self.hparams["compile_model"]))
         if self._pretrained is not None:
             self._load_pretrained()
+
+    def _document_mask(self, data: Any) -> DocumentMask | None:
+        """The `DocumentMask` the options ask for (None without `document_mask` and
+        `eod_mask_loss`), with the end-of-document id given or the data's."""
+        hp = self.hparams
+        attention, loss = bool(hp.get("document_mask")), bool(hp.get("eod_mask_loss"))
+        if not (attention or loss):
+            return None
+        eod = hp.get("eod_token_id")
+        if eod is None:
+            eod = data_eod_id(data)
+        if eod is None:
+            raise ValueError(
+                "document_mask / eod_mask_loss read document boundaries from the "
+                "end-of-document token, but the data names none; set "
+                "--model.init_args.eod_token_id (LanguageModelModule(eod_token_id=...))"
+            )
+        if eod >= self.config.vocab_size:
+            raise ValueError(
+                f"eod_token_id={eod} lies outside the model's vocabulary "
+                f"[0, {self.config.vocab_size}); set the id your tokenizer appends after "
+                "each document"
+            )
+        return DocumentMask(int(eod), mask_loss=loss, mask_attention=attention)
 
     def _warn_replicated_experts(self, mesh: Any, sequence_parallel: bool) -> None:
         """Warn (global rank 0) when the layout repeats the routed experts on every tp rank."""
@@ -330,11 +378,24 @@ class LanguageModelModule(NanoModule):
         tokens)."""
         if self._nano_trainer is None:
             return None
-        live = batch["labels"] != IGNORE_INDEX
+        labels = batch["labels"]
+        live = self._labels(batch) != IGNORE_INDEX
         sequences = torch.full((), live.shape[0], dtype=torch.long, device=live.device)
         counts = [live.sum(), sequences]
-        counts += [live[:, k:].sum() for k in range(1, self._mtp_depth() + 1)]
+        for k in range(1, self._mtp_depth() + 1):
+            if self.documents is None:
+                target = shift_left(labels, k, IGNORE_INDEX)
+            else:
+                target = self.documents.mtp_targets(batch["input_ids"], labels, k)
+            counts.append((target != IGNORE_INDEX).sum())
         return torch.stack(counts)
+
+    def _labels(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        """The batch's labels as the model's loss reads them (cross-boundary ones ignored
+        under `eod_mask_loss`)."""
+        if self.documents is None:
+            return batch["labels"]
+        return self.documents.labels(batch["input_ids"], batch["labels"])
 
     def _loss_terms(self, out: Any) -> LossTerms:
         """The [2 + D] terms of `loss_counts` from a model (or pipeline stage) output: this
@@ -410,9 +471,10 @@ class LanguageModelModule(NanoModule):
             out.metrics["train/bpb"] = out.metrics["train/lm_loss"] / math.log(2) / bytes_per_token
 
     def count_tokens(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        """Tokens that carry a loss in one microbatch (labels != -100), as a 0-dim int64
-        tensor on the labels' device (counting reads nothing back to the host)."""
-        return (batch["labels"] != IGNORE_INDEX).sum()
+        """Tokens that carry a loss in one microbatch (labels != -100, after `eod_mask_loss`),
+        as a 0-dim int64 tensor on the labels' device (counting reads nothing back to the
+        host)."""
+        return (self._labels(batch) != IGNORE_INDEX).sum()
 
     # -- accounting --------------------------------------------------------------------------
     def flops_per_token(self) -> float | None:
@@ -489,6 +551,21 @@ class LanguageModelModule(NanoModule):
             ids = torch.cat([ids, next_id], dim=1)
         self.train(was_training)
         return ids
+
+
+def data_eod_id(data: Any) -> int | None:
+    """The end-of-document id the data's tokenizer appends after each document, or None
+    (a data module with ``eos_id``, ``metadata["eos_id"]`` or a ``tokenizer.eos_id``)."""
+    if data is None:
+        return None
+    eod = getattr(data, "eos_id", None)
+    if eod is None:
+        metadata = getattr(data, "metadata", None)
+        if isinstance(metadata, dict):
+            eod = metadata.get("eos_id")
+    if eod is None:
+        eod = getattr(getattr(data, "tokenizer", None), "eos_id", None)
+    return None if eod is None else int(eod)
 
 
 def warmup_cosine(warmup_steps: int, decay_steps: int | None, min_ratio: float):

@@ -72,7 +72,9 @@ class ProgressBar(Callback):
 
         step 20/100 (20%) | lm_loss 2.3456 | bpb 3.1234 | total_loss 2.4012 | lr 3.00e-03 | ...
 
-    plus one line per validation run and one when training ends. For a module that logs its
+    plus one line per validation run and one when training ends. In a terminal the bar's
+    text takes each validation's values as it ends, so the last frame shows the final one.
+    For a module that logs its
     LM loss (`LanguageModelModule`) the bar shows that (`lm_loss`, comparable with
     `val/loss`) and its bits per byte, and names the objective with its auxiliary terms
     `total_loss`; other modules show their objective as `loss` (see `shown_metrics`). The
@@ -112,7 +114,10 @@ class ProgressBar(Callback):
         # (time, step, tokens) at the bar's previous update: the rate's window starts there
         self._mark: tuple[float, int, int] = (0.0, 0, 0)
         self._shown: dict[str, float] = {}
+        self._rate_parts: list[str] = []  # tokens/s and s/step of the last update
         self._rich_text = ""
+        # the step the last validation during fit ran after (None: none yet)
+        self.last_validation_step: int | None = None
 
     def _resolve_mode(self, trainer: Trainer) -> str:
         if not trainer.is_global_zero or self.mode == "off":
@@ -126,6 +131,10 @@ class ProgressBar(Callback):
         stream = self.stream or sys.stdout
         stream.write(line + "\n")
         stream.flush()
+
+    def on_fit_start(self, trainer: Trainer, module: NanoModule) -> None:
+        """Forget the previous fit's last validation."""
+        self.last_validation_step = None
 
     def on_train_start(self, trainer: Trainer, module: NanoModule) -> None:
         """Pick the display for this rank and start the clock."""
@@ -192,7 +201,16 @@ class ProgressBar(Callback):
             self._write(self._metrics_text(trainer, with_eta=True))
 
     def on_validation_end(self, trainer: Trainer, module: NanoModule) -> None:
-        """Print the validation metrics shown in the progress bar (plain mode)."""
+        """Print the validation metrics shown in the progress bar (plain mode), or put them
+        in the bar's text (rich: the validation after the last step would otherwise never
+        reach the screen)."""
+        if trainer.is_fitting:
+            self.last_validation_step = trainer.global_step
+        if self._active == "rich":
+            self._shown.update({k: float(v) for k, v in trainer.progress_bar_metrics.items()})
+            self._rich_text = self._compose(trainer, self._rate_parts)
+            self._progress.update(self._task, metrics=self._rich_text)
+            return
         if self._active != "plain":
             return
         shown = {k: float(v) for k, v in trainer.progress_bar_metrics.items()}
@@ -204,22 +222,29 @@ class ProgressBar(Callback):
     def _metrics_text(self, trainer: Trainer, with_eta: bool) -> str:
         step = trainer.global_step
         total = total_steps(trainer)
-        parts = [f"step {step}/{total} ({100 * step / total:.0f}%)" if total else f"step {step}"]
-        parts += [f"{k} {v:.4f}" for k, v in self._shown.items()]
-        optimizer = trainer.strategy.optimizer
-        parts.append(f"lr {float(optimizer.param_groups[0]['lr']):.2e}")
+        rate: list[str] = []
         now, consumed = self.clock(), trainer.state.consumed_tokens
         mark_time, mark_step, mark_tokens = self._mark
         elapsed, steps_done = now - mark_time, step - mark_step
         if elapsed > 0 and steps_done > 0:
             tokens = consumed - mark_tokens
             if tokens:
-                parts.append(f"{tokens / elapsed:,.0f} tok/s")
-            parts.append(f"{elapsed / steps_done:.3f} s/step")
+                rate.append(f"{tokens / elapsed:,.0f} tok/s")
+            rate.append(f"{elapsed / steps_done:.3f} s/step")
             if with_eta and total:
-                parts.append(f"ETA {_format_duration((total - step) * elapsed / steps_done)}")
+                rate.append(f"ETA {_format_duration((total - step) * elapsed / steps_done)}")
             self._mark = (now, step, consumed)
-        return " | ".join(parts)
+            self._rate_parts = [p for p in rate if not p.startswith("ETA")]
+        return self._compose(trainer, rate)
+
+    def _compose(self, trainer: Trainer, rate: list[str]) -> str:
+        """The line: step, the shown metrics, the learning rate, then `rate`'s parts."""
+        step, total = trainer.global_step, total_steps(trainer)
+        parts = [f"step {step}/{total} ({100 * step / total:.0f}%)" if total else f"step {step}"]
+        parts += [f"{k} {v:.4f}" for k, v in self._shown.items()]
+        optimizer = trainer.strategy.optimizer
+        parts.append(f"lr {float(optimizer.param_groups[0]['lr']):.2e}")
+        return " | ".join(parts + rate)
 
     def on_train_end(self, trainer: Trainer, module: NanoModule) -> None:
         """Close the bar, or print a closing line."""

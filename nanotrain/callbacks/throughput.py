@@ -43,7 +43,9 @@ class ThroughputMonitor(Callback):
     Args:
         peak_flops_per_device: dense peak FLOP/s of one device. None looks the device up in
             `nanotrain.callbacks.flops.device_peak_flops` (GPUs only); on CPU or an unlisted GPU, MFU
-            is not logged unless you pass it.
+            is not logged unless you pass it. Then `mfu_note` says why in words (the run's
+            report and `nanotrain fit`'s closing summary show MFU as n/a with it); an unlisted
+            GPU also gets a warning at fit start (on CPU no peak is the expected case).
         precision: which column of the peak table applies ("bf16", "fp16", "fp8", "tf32",
             "fp32" or a torch dtype): the precision the matmuls run in. None (default) asks
             the strategy's precision plugin (`Precision.peak_precision`: bf16 for the bf16
@@ -85,6 +87,8 @@ class ThroughputMonitor(Callback):
         self._reset_window(None)
         self._validation_started: float | None = None
         self._start_step = 0  # the step training (re)started from
+        # why MFU is not measured (None when it is): shown as "MFU n/a" with this note
+        self.mfu_note: str | None = None
 
     def _reset_window(self, start: float | None) -> None:
         self._window_start = start
@@ -106,11 +110,17 @@ class ThroughputMonitor(Callback):
                 f"{self._peak / 1e12:.1f} TFLOP/s per device ({source})",
                 file=sys.stderr,
             )
-        if self._peak is None and trainer.is_global_zero:
+        device = trainer.strategy.root_device
+        self.mfu_note = None
+        if self._peak is None:
+            self.mfu_note = (
+                f"no peak FLOP/s is known for {device.type} at {self.precision}; pass "
+                "ThroughputMonitor(peak_flops_per_device=...) to measure it"
+            )
+        if self._peak is None and trainer.is_global_zero and device.type != "cpu":
+            # a GPU missing from the table: MFU was likely expected, so say so at once
             warnings.warn(
-                f"ThroughputMonitor: no peak FLOP/s known for {trainer.strategy.root_device} at "
-                f"{self.precision}, so throughput/mfu is not logged; pass "
-                "ThroughputMonitor(peak_flops_per_device=...) to get it",
+                f"ThroughputMonitor: throughput/mfu is not logged: {self.mfu_note}",
                 stacklevel=1,  # point at this callback, not at the Trainer that calls it
             )
 

@@ -137,6 +137,9 @@ def run_fit_or_validate(stage: str, argv: list[str], recorder: ExitRecorder | No
         recorder.trainer = trainer  # its run directory gets exit.json too
     if stage == "fit":
         trainer.fit(objects.model, objects.data, ckpt_path=config.ckpt_path)
+        from nanotrain.cli.fit_summary import print_fit_summary
+
+        print_fit_summary(trainer)
         return trainer
     return trainer.validate(objects.model, objects.data, ckpt_path=config.ckpt_path)
 

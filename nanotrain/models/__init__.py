@@ -15,6 +15,7 @@ from nanotrain.models.build import build_model, init_weights
 from nanotrain.models.compile import compile_layers, compile_model
 from nanotrain.models.config import DeepSeekConfig, DenseConfig, ModelConfig
 from nanotrain.models.deepseek import DeepSeekV3
+from nanotrain.models.documents import DocumentMask, set_document_mask
 from nanotrain.models.expert_compute import set_fp8_dispatch, set_fp8_expert_activations
 from nanotrain.models.lazy import LazyTensor, open_safetensors
 from nanotrain.models.recompute import RECOMPUTE_MODES
@@ -27,6 +28,7 @@ __all__ = [
     "DeepSeekV3",
     "DenseConfig",
     "DenseTransformer",
+    "DocumentMask",
     "LazyTensor",
     "ModelConfig",
     "ModelOutput",
@@ -38,6 +40,7 @@ __all__ = [
     "init_weights",
     "open_safetensors",
     "presets",
+    "set_document_mask",
     "set_fp8_dispatch",
     "set_fp8_expert_activations",
     "set_recompute",

@@ -2,7 +2,9 @@
 
 Both run on `torch.nn.functional.scaled_dot_product_attention` with `is_causal=True` (MLA on
 CPU: the same math by hand, see `causal_attention`) and take the rotary tables `(cos, sin)`
-computed once per forward by the model.
+computed once per forward by the model. With packed documents masked
+(`nanotrain.models.documents`) they take an explicit block-causal mask instead, and the
+tables per token (positions restart in each document).
 
 Shape comments name the dims: B batch; T the whole sequence (every position, as attention
 sees it once inside the tensor-parallel region); T_local this rank's part of it (T / tp under
@@ -39,9 +41,16 @@ from nanotrain.parallel.tensor import ColumnParallelLinear, RowParallelLinear
 
 
 def causal_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    scale: float,
+    mask: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """softmax(scale * q k^T + causal mask) v per head, heads merged into the last dim.
+
+    With `mask` (a block-causal [B, 1, T, T] bool, True = may attend, from
+    `nanotrain.models.documents`) it replaces the causal mask; it must keep every diagonal.
 
     On CPU with a value width other than the query/key width (MLA), SDPA has no fused kernel
     and runs its math fallback; this computes the same products by hand (one baddbmm that
@@ -57,7 +66,12 @@ def causal_attention(
     dv = v.shape[-1]
     if q.device.type != "cpu" or q.shape[-1] == dv:
         y = F.scaled_dot_product_attention(
-            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True, scale=scale
+            q.transpose(1, 2),
+            k.transpose(1, 2),
+            v.transpose(1, 2),
+            attn_mask=mask,
+            is_causal=mask is None,
+            scale=scale,
         )  # (B, n, T, d_v)
         return y.transpose(1, 2).reshape(b, t, n * dv)  # (B, T, n * d_v)
     # bf16/fp16 run in fp32, as SDPA's CPU math fallback does (also under autocast, which
@@ -67,8 +81,12 @@ def causal_attention(
         qh = q.transpose(1, 2).reshape(b * n, t, -1).to(work)  # (B*n, T, d_qk)
         kh = k.permute(0, 2, 3, 1).reshape(b * n, -1, t).to(work)  # (B*n, d_qk, T)
         vh = v.transpose(1, 2).reshape(b * n, t, dv).to(work)  # (B*n, T, d_v)
-        mask = torch.full((t, t), float("-inf"), dtype=work, device=q.device).triu_(1)  # (T, T)
-        probs = torch.baddbmm(mask, qh, kh, alpha=scale).softmax(dim=-1)  # (B*n, T, T)
+        if mask is None:
+            bias = torch.full((t, t), float("-inf"), dtype=work, device=q.device).triu_(1)
+        else:  # (B, 1, T, T) bool -> one additive (T, T) bias per head of each sample
+            bias = torch.zeros(mask.shape, dtype=work, device=q.device)
+            bias = bias.masked_fill_(~mask, float("-inf")).expand(b, n, t, t).reshape(b * n, t, t)
+        probs = torch.baddbmm(bias, qh, kh, alpha=scale).softmax(dim=-1)  # (B*n, T, T)
         y = torch.bmm(probs, vh).view(b, n, t, dv)  # (B, n, T, d_v)
     return y.transpose(1, 2).reshape(b, t, n * dv).to(q.dtype)  # (B, T, n * d_v)
 
@@ -107,7 +125,15 @@ class DenseAttention(nn.Module):
         self.v_proj = ColumnParallelLinear(h, config.num_kv_heads * d, shared_input=True, **kw)
         self.o_proj = RowParallelLinear(config.num_heads * d, h, **kw)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        mask: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """x [B, T_local, H]; cos, sin [T, head_dim / 2] or per token [B, T, head_dim / 2];
+        mask: None (causal) or block-causal [B, 1, T, T] bool (`nanotrain.models.documents`)."""
         # (B, T_local, H) -> (B, T, H): all-gathered along the sequence under sequence parallelism
         shard = x
         x = enter_tensor_parallel_region(x, self.tp_group, sequence_parallel=self.sequence_parallel)
@@ -122,8 +148,12 @@ class DenseAttention(nn.Module):
         # (B, n | n_kv, T, head_dim) for SDPA; enable_gqa shares each kv head across its q group
         q, k, v = (z.transpose(1, 2) for z in (q, k, v))
         gqa = self.local_kv_heads != self.local_heads
-        # (B, n, T, head_dim): softmax(q k^T / sqrt(head_dim) + causal mask) v per head
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+        # (B, n, T, head_dim): softmax(q k^T / sqrt(head_dim) + causal mask) v per head; the
+        # block-causal mask of packed documents is given explicitly (SDPA's math or
+        # memory-efficient kernels: flash attention takes no mask)
+        y = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, is_causal=mask is None, enable_gqa=gqa
+        )
         # heads merged back into the last dim: (B, T, n * head_dim)
         y = y.transpose(1, 2).reshape(b, t, self.local_heads * self.head_dim)
         return self.o_proj(y)  # (B, T_local, H): summed over tp (reduce-scattered under SP)
@@ -221,7 +251,15 @@ class MLAttention(nn.Module):
             return None, *pieces, region
         return pieces[0], pieces[1], pieces[2], region
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        mask: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """x [B, T_local, H]; cos, sin [T, rope_dim / 2] or per token [B, T, rope_dim / 2];
+        mask: None (causal) or block-causal [B, 1, T, T] bool (`nanotrain.models.documents`)."""
         # (B, T, q_lora_rank) or None, (B, T, kv_lora_rank), (B, T, rope_dim)
         q_latent, c_kv, k_rope, region = self._latents(x)
         if q_latent is None:  # no q latent: q from x, gathered (and kept as its shard) by q_proj
@@ -230,7 +268,7 @@ class MLAttention(nn.Module):
             with region:  # the up-projections read the latents (saved as the shard under sp)
                 q, k, v = self._heads(q_latent, c_kv, k_rope, cos, sin)
             # (B, T, n * v_dim) into o_proj, which sums over tp: (B, T_local, H) out
-            return self.o_proj(causal_attention(q, k, v, self.scale))
+            return self.o_proj(causal_attention(q, k, v, self.scale, mask))
         # recompute "light": the up-projections keep only the latents (a checkpoint), and the
         # q, k, v the attention core saves are made again from them in backward; both read the
         # latents through the sp region, so they too are kept as the shard
@@ -238,7 +276,7 @@ class MLAttention(nn.Module):
             q, k, v = recomputed(self._heads, q_latent, c_kv, k_rope, cos, sin)
             with RebuiltSaves() as saves:
                 saves.track_all((q, k, v), self._heads, q_latent, c_kv, k_rope, cos, sin)
-                y = causal_attention(q, k, v, self.scale)  # (B, T, n * v_dim)
+                y = causal_attention(q, k, v, self.scale, mask)  # (B, T, n * v_dim)
         return self.o_proj(y)
 
     def _heads(
@@ -260,10 +298,10 @@ class MLAttention(nn.Module):
         q = q.view(b, t, n, self.nope_dim + self.rope_dim)  # (B, T, n, qk_head_dim)
         if self.interleaved and self.nope_dim % 2 == 0:
             # rotate q^R inside the whole head [q^C | q^R]: no split and cat back
-            table = rope_tail_table(cos, sin, self.nope_dim)  # (T, 1, qk_head_dim / 2, 2)
+            table = rope_tail_table(cos, sin, self.nope_dim)  # ([B,] T, 1, qk_head_dim / 2, 2)
             q = rope_tail(q, table)  # (B, T, n, qk_head_dim)
             # k^R, the one rope key every head shares: (B, T, 1, rope_dim)
-            k_rope = rope_tail(k_rope.unsqueeze(2), table[:, :, self.nope_dim // 2 :])
+            k_rope = rope_tail(k_rope.unsqueeze(2), table[..., self.nope_dim // 2 :, :])
         else:
             # q^C (B, T, n, nope_dim) and q^R (B, T, n, rope_dim)
             q_nope, q_rope = q.split([self.nope_dim, self.rope_dim], dim=-1)

@@ -23,6 +23,7 @@ from torch import nn
 
 from nanotrain.models.attention import MLAttention
 from nanotrain.models.config import DeepSeekConfig
+from nanotrain.models.documents import IGNORE_INDEX, shift_left
 from nanotrain.models.layers import RMSNorm, SwiGLU
 from nanotrain.models.moe import DeepSeekMoE
 from nanotrain.models.transformer import (
@@ -55,18 +56,11 @@ def make_deepseek_layer(
     return DecoderLayer(attn, mlp, c.hidden_size, c.rms_norm_eps, device)
 
 
-def shift_left(x: torch.Tensor, k: int, fill: int) -> torch.Tensor:
-    """x[:, t + k] at position t, `fill` in the last k positions. x: [B, T] -> [B, T]."""
-    out = x.new_full(x.shape, fill)
-    if k < x.shape[1]:
-        out[:, : x.shape[1] - k] = x[:, k:]
-    return out
-
-
 class MTPModule(nn.Module):
     """One MTP depth: norms, the [2H -> H] projection and one decoder layer.
 
-    Shapes: forward(h_prev [B, T, H], emb_next [B, T, H], cos, sin) -> (h [B, T, H], aux).
+    Shapes: forward(h_prev [B, T, H], emb_next [B, T, H], cos, sin, mask=None) -> (h [B, T, H],
+    aux); cos, sin and the optional block-causal mask as `DecoderLayer` takes them.
     The caller applies `norm` and the shared head. Under sequence parallelism every tensor is
     [B, T / tp, H]; the norms and `eh_proj` (replicated) run on this rank's tokens.
     """
@@ -99,11 +93,16 @@ class MTPModule(nn.Module):
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps, device=device)
 
     def forward(
-        self, h_prev: torch.Tensor, emb_next: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+        self,
+        h_prev: torch.Tensor,
+        emb_next: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        mask: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         # [RMSNorm(Emb(t_{i+k})); RMSNorm(h^{k-1}_i)]: (B, T, 2H), projected to (B, T, H)
         x = self.eh_proj(torch.cat((self.enorm(emb_next), self.hnorm(h_prev)), dim=-1))
-        return self.block(x, cos, sin)
+        return self.block(x, cos, sin, mask)
 
 
 class DeepSeekV3(CausalLM):
@@ -157,20 +156,29 @@ class DeepSeekV3(CausalLM):
 
         Depth k (1-based) at position t reads token t+k (input_ids shifted left by k) and
         predicts token t+k+1 (labels shifted left by k); the last k positions have no target.
+        With `documents` the blocks attend within position t's document (as the main stack)
+        and, with its `mask_loss`, targets in a later document than t are ignored.
 
         Args: h [B, T, H] ([B, T / tp, H] under sequence parallelism) main-stack output before
         the final norm; input_ids, labels [B, T].
         """
-        cos, sin = self.rope(self.full_seq_len(h), h.device)  # each (T, rope_dim / 2), all T
+        cos, sin, mask = self.attention_inputs(h, input_ids)  # as the main stack's layers
         losses, aux = [], h.new_zeros((), dtype=torch.float32)
         for k, module in enumerate(self.mtp, start=1):
             emb_next = self.embed(shift_left(input_ids, k, 0))  # (B, T, H): Emb(token t+k)
-            h, block_aux = module(h, emb_next, cos, sin)
-            target = shift_left(labels, k, -100)  # (B, T): token t+k+1, -100 in the last k
+            h, block_aux = module(h, emb_next, cos, sin, mask)
+            target = self.mtp_targets(input_ids, labels, k)  # (B, T): token t+k+1 or -100
             _, loss, _ = self.norm_head_loss(module.norm, h, target)  # logits dropped here
             losses.append(loss)
             aux = aux + block_aux
         return torch.stack(losses), aux
+
+    def mtp_targets(self, input_ids: torch.Tensor, labels: torch.Tensor, k: int) -> torch.Tensor:
+        """MTP depth k's targets [B, T]: labels [B, T] shifted left by k (-100 in the last k),
+        with cross-document targets ignored under `documents.mask_loss`."""
+        if self.documents is None:
+            return shift_left(labels, k, IGNORE_INDEX)
+        return self.documents.mtp_targets(input_ids, labels, k)
 
     def forward(
         self,
@@ -184,8 +192,8 @@ class DeepSeekV3(CausalLM):
         run_mtp: None = run the MTP modules when training with labels; False skips them.
         """
         self._check_input(input_ids, labels)
-        h, aux = self.run_layers(self.embed(input_ids))
-        logits, loss, count = self.head_and_loss(h, labels)
+        h, aux = self.run_layers(self.embed(input_ids), input_ids)
+        logits, loss, count = self.head_and_loss(h, self.document_labels(input_ids, labels))
         if run_mtp is None:
             run_mtp = self.training
         mtp_loss = per_depth = None

@@ -148,14 +148,15 @@ def apply_rope(
     """Rotate x by position: each pair (a, b) -> (a cos - b sin, b cos + a sin).
 
     Args:
-        x: [B, T, heads, dim]. cos, sin: [T, dim // 2] from `rope_cos_sin`.
+        x: [B, T, heads, dim]. cos, sin: [T, dim // 2] from `rope_cos_sin`, or [B, T, dim // 2]
+            (each token's own position, `nanotrain.models.documents.rope_at`).
         interleaved: True pairs adjacent dims (x0, x1), (x2, x3), ... as DeepSeek's reference
             code does, and keeps that layout; False pairs dim i with i + dim/2 (Llama's
             "rotate half").
     Returns: tensor like x.
     """
-    cos = cos[:, None, :].to(x.dtype)  # (T, 1, dim/2) broadcasts over heads
-    sin = sin[:, None, :].to(x.dtype)
+    cos = cos.unsqueeze(-2).to(x.dtype)  # ([B,] T, 1, dim/2) broadcasts over heads
+    sin = sin.unsqueeze(-2).to(x.dtype)
     if interleaved:
         a, b = x[..., 0::2], x[..., 1::2]  # each (B, T, heads, dim/2): even, odd dims
         # (B, T, heads, dim/2, 2) flattened back to the interleaved (B, T, heads, dim)
@@ -167,15 +168,17 @@ def apply_rope(
 def rope_tail_table(cos: torch.Tensor, sin: torch.Tensor, skip: int) -> torch.Tensor:
     """Rotation factors for `rope_tail`: 1 on the first `skip` dims, cos + i sin on the rest.
 
-    Args: cos, sin: [T, r // 2] from `rope_cos_sin`; skip: width of the unrotated head (even).
-    Returns: float32 [T, 1, skip // 2 + r // 2, 2], one factor (real, imaginary) per adjacent
+    Args: cos, sin: [T, r // 2] from `rope_cos_sin` (or [B, T, r // 2], per-token positions);
+        skip: width of the unrotated head (even).
+    Returns: float32 [[B,] T, 1, skip // 2 + r // 2, 2], one factor (real, imaginary) per adjacent
     pair of dims. Real-valued, so torch.compile can fuse building it (inductor generates no
     code for complex numbers); eager `rope_tail` views it as complex without a copy.
     """
-    t = cos.shape[0]
-    real = torch.cat((cos.new_ones(t, skip // 2), cos), dim=-1)  # (T, skip/2 + r/2)
-    imag = torch.cat((sin.new_zeros(t, skip // 2), sin), dim=-1)  # (T, skip/2 + r/2)
-    return torch.stack((real.float(), imag.float()), dim=-1)[:, None]  # (T, 1, skip/2 + r/2, 2)
+    lead = cos.shape[:-1]  # (T,) or (B, T)
+    real = torch.cat((cos.new_ones(*lead, skip // 2), cos), dim=-1)  # ([B,] T, skip/2 + r/2)
+    imag = torch.cat((sin.new_zeros(*lead, skip // 2), sin), dim=-1)  # ([B,] T, skip/2 + r/2)
+    # ([B,] T, 1, skip/2 + r/2, 2)
+    return torch.stack((real.float(), imag.float()), dim=-1).unsqueeze(-3)
 
 
 def rope_tail(x: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
@@ -191,8 +194,8 @@ def rope_tail(x: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
     torch.compile (inductor generates no code for complex numbers; it fuses the real form
     into one kernel), take the same math as x * c + pair_swap(x) * s.
 
-    Args: x: [B, T, heads, dim] (dim even); table: [T, 1, dim // 2, 2] from `rope_tail_table`
-        (or a slice of one along dim 2).
+    Args: x: [B, T, heads, dim] (dim even); table: [[B,] T, 1, dim // 2, 2] from
+        `rope_tail_table` (or a slice of one along its pairs' dim, -2).
     Returns: tensor like x.
     """
     pairs = x.unflatten(-1, (-1, 2))  # (B, T, heads, dim/2, 2)

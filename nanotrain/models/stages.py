@@ -186,9 +186,10 @@ class PipelineStage(nn.Module):
         self._input = None
         aux = h.new_zeros((), dtype=torch.float32)
         if self.chunks[chunk]:
-            cos, sin = full.rope(full.full_seq_len(h), h.device)  # each (T, rope_dim / 2)
+            # each ([B,] T, rope_dim / 2); the block-causal mask with `documents`
+            cos, sin, mask = full.attention_inputs(h, input_ids)
             for i in self.chunks[chunk]:
-                h, layer_aux = self.layers[str(i)](h, cos, sin)
+                h, layer_aux = self.layers[str(i)](h, cos, sin, mask)
                 aux = aux + layer_aux
         if not self.is_last_chunk(chunk):
             return StageOutput(logits=None, aux_loss=aux, total_loss=aux, hidden=h)
@@ -198,7 +199,7 @@ class PipelineStage(nn.Module):
         self, h: torch.Tensor, input_ids: torch.Tensor, labels: torch.Tensor | None, aux: Any
     ) -> StageOutput:
         full = self.full
-        logits, loss, count = full.head_and_loss(h, labels)
+        logits, loss, count = full.head_and_loss(h, full.document_labels(input_ids, labels))
         mtp_loss = per_depth = None
         if labels is not None and self.training and hasattr(self, "mtp"):
             per_depth, mtp_aux = full.mtp_losses(h, input_ids, labels)

@@ -1,8 +1,10 @@
 """The decoder stack shared by both families, and the Llama-style dense model.
 
 A model is three separable steps so pipeline parallelism can cut it into stages:
-`embed(input_ids)` -> the `layers` ModuleList (each `layer(h, cos, sin) -> (h, aux_loss)`)
--> `head_and_loss(h, labels)`.
+`embed(input_ids)` -> the `layers` ModuleList (each `layer(h, cos, sin, mask) -> (h, aux_loss)`)
+-> `head_and_loss(h, labels)`. With `documents` set (`nanotrain.models.documents`), attention
+stays inside each packed document and positions restart at each one: `attention_inputs` makes
+the per-token rotary tables and the block-causal mask from input_ids.
 
 Shapes: B batch, T sequence, H hidden, V vocabulary (padded to a multiple of tp: the head
 holds V / tp columns per rank). Under sequence parallelism the hidden states between the
@@ -20,6 +22,7 @@ from torch import nn
 from nanotrain.models.attention import DenseAttention
 from nanotrain.models.balance import MoEStats, moe_balance_step
 from nanotrain.models.config import DeepSeekConfig, DenseConfig
+from nanotrain.models.documents import DocumentMask, DocumentView, rope_at
 from nanotrain.models.layers import RMSNorm, SwiGLU, rope_cos_sin, tp_size_of
 from nanotrain.models.moe import DeepSeekMoE
 from nanotrain.models.recompute import (
@@ -63,9 +66,10 @@ class DecoderLayer(nn.Module):
     """Pre-norm residual block: h + attn(norm(h)), then h + mlp(norm(h)).
 
     `mlp` may be a SwiGLU (returns a tensor) or a DeepSeekMoE (returns (tensor, aux_loss)).
-    Shapes: forward(h [B, T, H], cos, sin) -> (h [B, T, H], aux_loss scalar float32); under
-    sequence parallelism h is [B, T / tp, H] (the norms and residual adds run on this rank's
-    tokens) while cos, sin cover all T positions.
+    Shapes: forward(h [B, T, H], cos, sin, mask=None) -> (h [B, T, H], aux_loss scalar
+    float32); under sequence parallelism h is [B, T / tp, H] (the norms and residual adds run
+    on this rank's tokens) while cos, sin ([T, d] or per token [B, T, d]) and the optional
+    block-causal mask [B, 1, T, T] cover all T positions.
     """
 
     def __init__(self, attention: nn.Module, mlp: nn.Module, hidden: int, eps: float, device: Any):
@@ -77,21 +81,25 @@ class DecoderLayer(nn.Module):
         self.recompute: str | None = None  # activation recomputation (models/recompute.py)
 
     def forward(
-        self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+        self,
+        h: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        mask: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         if self.recompute == "full":
-            return recomputed(self._forward, h, cos, sin)
-        return self._forward(h, cos, sin)
+            return recomputed(self._forward, h, cos, sin, mask)
+        return self._forward(h, cos, sin, mask)
 
     def _forward(
-        self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+        self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor | None
     ) -> tuple[torch.Tensor, torch.Tensor]:
         if self.recompute == "selective":
-            h = h + recomputed(self.self_attn, self.input_layernorm(h), cos, sin)
+            h = h + recomputed(self.self_attn, self.input_layernorm(h), cos, sin, mask)
         elif self.recompute == "light":
-            h = h + rebuilt_norm_then(self.input_layernorm, h, self.self_attn, cos, sin)
+            h = h + rebuilt_norm_then(self.input_layernorm, h, self.self_attn, cos, sin, mask)
         else:
-            h = h + self.self_attn(self.input_layernorm(h), cos, sin)
+            h = h + self.self_attn(self.input_layernorm(h), cos, sin, mask)
         if self.recompute == "light":
             out = rebuilt_norm_then(self.post_attention_layernorm, h, self.mlp)
         else:
@@ -178,6 +186,8 @@ class CausalLM(nn.Module):
         self.tie_weights()
         # recompute "full" reruns the head and loss in backward too (set_recompute sets it)
         self.recompute_head = False
+        # packed documents: block-causal attention, restarting positions (`set_document_mask`)
+        self.documents: DocumentMask | None = None
         # (cos, sin) for max_seq_len positions, kept under torch.compile: `keep_rope_tables`
         self._keep_rope = False
         self._rope_tables: tuple[torch.Tensor, torch.Tensor] | None = None
@@ -253,14 +263,43 @@ class CausalLM(nn.Module):
         """Token embeddings: input_ids [B, T] int64 -> h [B, T, H] ([B, T / tp, H] under SP)."""
         return self.embed_tokens(input_ids)
 
-    def run_layers(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """All decoder layers: h [B, T, H] -> (h [B, T, H], summed aux loss)."""
+    def attention_inputs(
+        self, h: torch.Tensor, input_ids: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """What every decoder layer reads besides h [B, T_local, H]: (cos, sin, mask).
+
+        Without `documents` (or without input_ids): the tables for positions 0 .. T-1, each
+        [T, rope_dim / 2], and mask None (causal). With them: each token's table at its
+        position inside its document, [B, T, rope_dim / 2], and the block-causal mask
+        [B, 1, T, T] from input_ids [B, T] (whole on every rank, also under SP).
+        """
         cos, sin = self.rope(self.full_seq_len(h), h.device)  # each (T, rope_dim / 2), all T
+        if self.documents is None or not self.documents.mask_attention or input_ids is None:
+            return cos, sin, None
+        view = DocumentView.of(self.documents, input_ids)
+        cos, sin = rope_at(cos, sin, view.positions)  # each (B, T, rope_dim / 2)
+        return cos, sin, view.mask
+
+    def run_layers(
+        self, h: torch.Tensor, input_ids: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """All decoder layers: h [B, T, H] -> (h [B, T, H], summed aux loss); input_ids
+        [B, T] give the document boundaries when `documents` is set."""
+        cos, sin, mask = self.attention_inputs(h, input_ids)
         aux = h.new_zeros((), dtype=torch.float32)
         for layer in self.layers:
-            h, layer_aux = layer(h, cos, sin)
+            h, layer_aux = layer(h, cos, sin, mask)
             aux = aux + layer_aux
         return h, aux
+
+    def document_labels(
+        self, input_ids: torch.Tensor, labels: torch.Tensor | None
+    ) -> torch.Tensor | None:
+        """labels [B, T] with those predicting across a document boundary ignored when
+        `documents.mask_loss` (unchanged otherwise, and None stays None)."""
+        if labels is None or self.documents is None:
+            return labels
+        return self.documents.labels(input_ids, labels)
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """Final norm and LM head: h [B, T, H] -> logits [B, T, V / tp]."""
@@ -316,7 +355,9 @@ class CausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None) -> ModelOutput:
         """input_ids, labels: [B, T] int64 (labels already shifted; -100 = ignore)."""
         self._check_input(input_ids, labels)
-        h, aux = self.run_layers(self.embed(input_ids))  # (B, T, H), (B, T / tp, H) under SP
+        # (B, T, H), (B, T / tp, H) under SP
+        h, aux = self.run_layers(self.embed(input_ids), input_ids)
+        labels = self.document_labels(input_ids, labels)
         logits, loss, count = self.head_and_loss(h, labels)  # logits (B, T, V / tp)
         return ModelOutput(logits, loss, aux, None, total_loss(loss, aux), count)
 

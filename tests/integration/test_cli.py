@@ -84,6 +84,19 @@ def test_readme_main_command_trains_and_writes_tensorboard(tmp_path):
     assert val_step == 11 and 0 < val_bpb < start_bpb  # after step 12
     assert (run_dir / "config.yaml").is_file()
     assert (run_dir / "report.md").is_file() and (run_dir / "report/loss.png").is_file()
+    # the first run's screen: no Python warning (CPU has no peak FLOP/s: said once, in the
+    # summary), then a closing summary with the final validation and where everything is
+    assert "Warning" not in result.stderr, result.stderr[-3000:]
+    summary = result.stdout[result.stdout.index("finished: 12 steps") :]
+    (last_loss,) = [value for step, value in scalars(run_dir, "val/loss") if step == 11]
+    assert (
+        f"last validation (step 12): val/loss {last_loss:.4f} | {val_bpb:.4f} bits per byte"
+        in summary
+    )
+    assert re.search(r"\d tokens/s; MFU n/a: no peak FLOP/s is known for cpu", summary)
+    assert f"run folder:  {run_dir}" in summary
+    assert f"report:      {run_dir / 'report.md'}" in summary
+    assert f"TensorBoard: tensorboard --logdir {run_dir / 'tensorboard'}" in summary
 
 
 def test_unknown_config_key_is_rejected(tmp_path, capsys):

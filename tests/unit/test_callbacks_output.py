@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import io
 import json
+import re
 from types import SimpleNamespace
 
 import pytest
@@ -97,6 +98,27 @@ def test_rich_bar_runs_to_the_last_step(tmp_path):
     trainer = make_trainer(tmp_path, callbacks=[ProgressBar(mode="rich", stream=stream)])
     trainer.fit(Classifier(), BlobsData())
     assert "4/4" in stream.getvalue()
+
+
+class StepInValidation(Classifier):
+    """Shows the step each validation ran after in the bar (val/after_step)."""
+
+    def validation_step(self, batch, batch_idx):
+        step = float(self._nano_trainer.global_step)
+        self.log("val/after_step", step, prog_bar=True, batch_size=len(batch[0]))
+        return super().validation_step(batch, batch_idx)
+
+
+def test_rich_bar_last_frame_shows_the_final_validation(tmp_path):
+    # validation after the last step comes after the bar's last step update: its values
+    # still reach the bar, so the last frame does not show the previous validation's
+    stream = io.StringIO()
+    bar = ProgressBar(mode="rich", stream=stream)
+    trainer = make_trainer(tmp_path, callbacks=[bar], val_check_interval=2, max_steps=5)
+    trainer.fit(StepInValidation(), BlobsData())
+    shown = re.findall(r"val/after_step (\d+\.\d+)", stream.getvalue())
+    assert shown and shown[-1] == "5.0000", shown  # validations after steps 2, 4 and 5
+    assert bar.last_validation_step == 5
 
 
 def test_progress_bar_rejects_unknown_mode():
