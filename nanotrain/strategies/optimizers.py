@@ -16,6 +16,9 @@ class SchedulerConfig:
     scheduler: Any
     interval: str = "epoch"
     frequency: int = 1
+    monitor: str | None = None  # a ReduceLROnPlateau's metric, read from callback_metrics
+    strict: bool = True  # the metric missing is an error (else a warning and no step)
+    reduce_on_plateau: bool = False  # stepped with the metric, after validation
 
 
 @dataclass
@@ -26,8 +29,16 @@ class OptimizerSetup:
     scheduler: SchedulerConfig | None = None
 
 
-def _scheduler_config(entry: Any) -> SchedulerConfig:
+def _scheduler_config(entry: Any, monitor: str | None = None) -> SchedulerConfig:
+    """One Lightning lr_scheduler entry (a scheduler or its config dict; `monitor`: the
+    top-level one of configure_optimizers' dict) as a SchedulerConfig.
+
+    Raises:
+        ValueError: a malformed entry, or a ReduceLROnPlateau without a monitor.
+    """
+    strict = True
     if isinstance(entry, dict):
+        monitor, strict = entry.get("monitor", monitor), bool(entry.get("strict", True))
         if "scheduler" not in entry:
             raise ValueError(
                 "an lr_scheduler dict must have a 'scheduler' key, e.g. "
@@ -42,13 +53,16 @@ def _scheduler_config(entry: Any) -> SchedulerConfig:
         entry_scheduler = entry["scheduler"]
     else:
         entry_scheduler, interval, frequency = entry, "epoch", 1
-    if isinstance(entry_scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau):
+    plateau = isinstance(entry_scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau)
+    if isinstance(entry, dict):
+        plateau = bool(entry.get("reduce_on_plateau", plateau))
+    if plateau and monitor is None:
         raise ValueError(
-            "ReduceLROnPlateau (a scheduler stepped with a monitored metric) is not supported "
-            "by nanotrain's Trainer; use a schedule of steps or epochs (e.g. OneCycleLR, "
-            "CosineAnnealingLR)"
+            "a ReduceLROnPlateau scheduler needs the metric it watches (as Lightning): return "
+            '{"optimizer": opt, "lr_scheduler": {"scheduler": sched, "monitor": "val_loss"}} '
+            "from configure_optimizers"
         )
-    return SchedulerConfig(entry_scheduler, interval, frequency)
+    return SchedulerConfig(entry_scheduler, interval, frequency, monitor, strict, plateau)
 
 
 def parse_optimizer_config(config: Any) -> OptimizerSetup:
@@ -67,8 +81,10 @@ def parse_optimizer_config(config: Any) -> OptimizerSetup:
     if isinstance(config, dict):
         if "optimizer" not in config:
             raise ValueError("configure_optimizers returned a dict without an 'optimizer' key")
-        sched = config.get("lr_scheduler")
-        return OptimizerSetup(config["optimizer"], _scheduler_config(sched) if sched else None)
+        sched, monitor = config.get("lr_scheduler"), config.get("monitor")
+        return OptimizerSetup(
+            config["optimizer"], _scheduler_config(sched, monitor) if sched else None
+        )
     if isinstance(config, (list, tuple)):
         if len(config) == 1 and isinstance(config[0], dict):  # Lightning's list of one dict
             return parse_optimizer_config(config[0])
