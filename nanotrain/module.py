@@ -185,11 +185,36 @@ class NanoModule(pl.LightningModule):
         return apply_to_collection(data, Tensor, gather)
 
     def optimizers(self, use_pl_optimizer: bool = True) -> Any:
-        """The optimizer (under nanotrain: the raw `torch.optim.Optimizer`)."""
+        """The optimizer (under nanotrain: the raw `torch.optim.Optimizer`). In manual
+        optimization, as Lightning: each optimizer wrapped to run Lightning's hooks in `step`
+        (`nanotrain.trainer.manual.ManualOptimizer`; the raw ones with
+        `use_pl_optimizer=False`), one alone or a list of several."""
         trainer = self._nano_trainer
         if trainer is None:
             return super().optimizers(use_pl_optimizer)
-        return trainer.strategy.optimizer
+        setup = trainer.strategy.optimizer_setup
+        if setup is None or setup.manual_optimizers is None:
+            return trainer.strategy.optimizer
+        return trainer._manual_optimizers(use_pl_optimizer)
+
+    def manual_backward(self, loss: Tensor, *args: Any, **kwargs: Any) -> None:
+        """As Lightning's: `on_before_backward`, `loss.backward(*args, **kwargs)`, then
+        `on_after_backward`; under the nanotrain Trainer the gradients are averaged over the
+        data-parallel replicas in between (as DDP's reducer in Lightning's backward).
+
+        Raises:
+            RuntimeError: called with automatic optimization (as Lightning).
+        """
+        trainer = self._nano_trainer
+        if trainer is None:
+            return super().manual_backward(loss, *args, **kwargs)
+        if self.automatic_optimization:
+            raise RuntimeError(
+                "to use manual_backward, set automatic_optimization = False in your "
+                "LightningModule's __init__ (as Lightning)"
+            )
+        trainer._manual_backward(loss, *args, **kwargs)
+        return None
 
     @classmethod
     def load_from_checkpoint(  # noqa: D417 - Lightning's arguments
@@ -233,14 +258,20 @@ class NanoModule(pl.LightningModule):
         trainer = self._nano_trainer
         if trainer is None:
             return super().clip_gradients(optimizer, gradient_clip_val, gradient_clip_algorithm)
+        if not self.automatic_optimization:  # the given optimizer's parameters, as Lightning
+            return trainer._manual_clip(optimizer, gradient_clip_val, gradient_clip_algorithm)
         trainer.clip_gradients(gradient_clip_val, gradient_clip_algorithm)
 
     def lr_schedulers(self) -> Any:
-        """The LR scheduler, or None."""
+        """The LR scheduler, or None (in manual optimization, as Lightning: one alone or a
+        list of several)."""
         trainer = self._nano_trainer
         if trainer is None:
             return super().lr_schedulers()
         setup = trainer.strategy.optimizer_setup
+        if setup is not None and setup.manual_schedulers is not None:
+            found = setup.manual_schedulers
+            return None if not found else found[0] if len(found) == 1 else list(found)
         return setup.scheduler.scheduler if setup and setup.scheduler else None
 
 
@@ -248,21 +279,13 @@ def adopt_lightning_module(module: Any) -> NanoModule:
     """Let a plain `lightning.pytorch.LightningModule` run under the nanotrain Trainer.
 
     The instance's class is swapped for a subclass of (its class, NanoModule): every method
-    the user wrote still wins, and `log`, `print`, `optimizers`, `lr_schedulers` come from
-    NanoModule, which speak to the nanotrain Trainer (and fall back to Lightning's otherwise).
+    the user wrote still wins, and `log`, `print`, `optimizers`, `lr_schedulers`,
+    `manual_backward` come from NanoModule, which speak to the nanotrain Trainer (and fall back to Lightning's otherwise).
     A NanoModule is returned unchanged.
 
     Raises:
         TypeError: `module` is not a LightningModule.
-        ValueError: the module uses manual optimization (`automatic_optimization = False`).
     """
-    if isinstance(module, pl.LightningModule) and not module.automatic_optimization:
-        raise ValueError(
-            f"{type(module).__name__} sets automatic_optimization=False; nanotrain's Trainer "
-            "runs the optimization itself (the strategy owns backward, gradient reduction and "
-            "the optimizer step), so manual optimization is not supported: return the loss "
-            "from training_step instead"
-        )
     if isinstance(module, NanoModule):
         return module
     if not isinstance(module, pl.LightningModule):

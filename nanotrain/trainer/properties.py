@@ -288,8 +288,10 @@ class LightningTrainerProperties:
     @property
     def optimizers(self) -> list[Any]:
         """The optimizer of the running fit, as a one-element list ([] before
-        `configure_optimizers` ran)."""
+        `configure_optimizers` ran); in manual optimization every optimizer, in order."""
         setup = self.strategy.optimizer_setup
+        if setup is not None and setup.manual_optimizers is not None:
+            return list(setup.manual_optimizers)  # manual optimization: each one
         return [] if setup is None else [setup.optimizer]
 
     @property
@@ -297,6 +299,8 @@ class LightningTrainerProperties:
         """The LR scheduler with its interval and frequency as Lightning's `LRSchedulerConfig`
         ([] without one)."""
         setup = self.strategy.optimizer_setup
+        if setup is not None and setup.manual_schedulers is not None:  # the module steps them
+            return [LRSchedulerConfig(sched) for sched in setup.manual_schedulers]
         if setup is None or setup.scheduler is None:
             return []
         sched = setup.scheduler

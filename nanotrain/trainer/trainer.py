@@ -49,6 +49,7 @@ from nanotrain.trainer.loaders import (
     split_data_arguments,
 )
 from nanotrain.trainer.loggers import LoggerGroup, user_loggers
+from nanotrain.trainer.manual import ManualMethods, check_manual, manual_step
 from nanotrain.trainer.metric_book import MetricBook, to_float
 from nanotrain.trainer.preemption import PreemptionWatch, stop_if_preempted
 from nanotrain.trainer.properties import LightningTrainerProperties
@@ -64,6 +65,7 @@ class Trainer(
     EvaluationMethods,
     CheckpointMethods,
     RunSetupMethods,
+    ManualMethods,
 ):
     """Runs `fit`, `validate`, `test` and `predict` for a `NanoModule` (or a plain
     LightningModule) under any `Strategy`.
@@ -156,6 +158,7 @@ class Trainer(
         self._last_val_step = -1
         self._book: MetricBook | None = None
         self._fit_sources: tuple[Any, Any] = (None, None)  # fit's loaders, for a reload
+        self._manual = False  # the module's automatic_optimization is False (see manual.py)
         self._last_reload_epoch = 0
         # PL_GLOBAL_SEED as the running stage found it (None: unset), to put back at its end
         self._seed_env_saved = False
@@ -319,7 +322,10 @@ class Trainer(
             self._fit_sources = (train_dataloaders, val_dataloaders)
             self._build_loaders("fit", train_dataloaders, val_dataloaders)
             self._last_reload_epoch = self.state.epoch
-            self.strategy.setup_optimizers(module)
+            self._manual = not self.module.automatic_optimization
+            if self._manual:
+                check_manual(self)  # before the strategy parses several optimizers
+            self.strategy.setup_optimizers(self.module)
             if self._resume_path is not None:
                 self._resume(self._resume_path)
             self._make_run_dir()
@@ -401,7 +407,10 @@ class Trainer(
                         self.strategy.batch_to_device(next(batches))
                         for _ in range(self.num_microbatches)
                     ]
-                    self._train_step(micro)
+                    if self._manual:  # the module steps its optimizers itself
+                        manual_step(self, micro[0])
+                    else:
+                        self._train_step(micro)
                     stop_if_preempted(self, self._preemption)
                 if st.steps_in_epoch < st.steps_per_epoch:
                     break  # stopped mid-epoch

@@ -214,12 +214,6 @@ def test_self_print_prints_on_rank_zero(both_runs, capsys):
     assert capsys.readouterr().out == "hello 3\n"
 
 
-class ManualOptimization(TutorialClassifier):
-    def __init__(self) -> None:
-        super().__init__()
-        self.automatic_optimization = False
-
-
 def quiet_trainer(tmp_path, **kw) -> nt.Trainer:
     return nt.Trainer(
         strategy=nt.SingleDeviceStrategy("cpu"), max_steps=1, micro_batch_size=8,
@@ -229,8 +223,6 @@ def quiet_trainer(tmp_path, **kw) -> nt.Trainer:
 
 
 def test_what_nanotrain_refuses_is_refused_with_the_fix(tmp_path):
-    with pytest.raises(ValueError, match="manual optimization is not supported"):
-        quiet_trainer(tmp_path).fit(ManualOptimization(), TutorialData())
     with pytest.raises(ValueError, match="accelerator='tpu': nanotrain trains on cpu, gpu, cuda"):
         nt.Trainer(max_steps=1, accelerator="tpu")
     with pytest.raises(ValueError, match="num_sanity_val_steps=2: nanotrain runs no sanity"):
