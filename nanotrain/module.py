@@ -230,7 +230,11 @@ class NanoModule(pl.LightningModule):
         file; saved under any layout) gives the module built with its recorded
         hyperparameters (`kwargs` override them) and its weights, on the CPU, in eval mode
         (`nanotrain.checkpoint.module_load.load_module`). Any other path (a Lightning `.ckpt`
-        file) is Lightning's own `load_from_checkpoint`."""
+        file) is Lightning's own `load_from_checkpoint`, after nanotrain has checked that the
+        file loads with `weights_only=True`.
+
+        Raises:
+            ValueError: a file that needs unpickling code (`UnsafeCheckpointError`)."""
         from nanotrain.checkpoint.module_load import load_module
 
         path = Path(checkpoint_path) if isinstance(checkpoint_path, str | Path) else None
@@ -241,6 +245,10 @@ class NanoModule(pl.LightningModule):
                     "its hyperparameters: pass overrides as keyword arguments"
                 )
             return load_module(cls, path, strict=strict is not False, **kwargs)
+        if path is not None and path.is_file():
+            from nanotrain.checkpoint.files import read_torch
+
+            read_torch(path)  # refuses, with the reason, a file that needs unpickling code
         return super().load_from_checkpoint(
             checkpoint_path, map_location, hparams_file, strict, **kwargs
         )

@@ -204,7 +204,9 @@ def manual_step(trainer: Trainer, batch: Any) -> None:
     trainer._train_sampler.advance(s.micro_batch_size)
     trainer._publish_step_values()
     trainer._call("on_train_batch_end", outputs, batch, batch_idx)
-    log_step = st.steps_in_epoch % s.log_every_n_steps == 0 or trainer._done()
+    # as Lightning's cadence in manual optimization: every log_every_n_steps batches
+    batches = st.epoch * st.steps_per_epoch + st.steps_in_epoch
+    log_step = batches % s.log_every_n_steps == 0 or trainer._done()
     trainer.is_log_step = log_step
     if log_step:
         trainer._log_train(out)
