@@ -185,11 +185,36 @@ class NanoModule(pl.LightningModule):
         return apply_to_collection(data, Tensor, gather)
 
     def optimizers(self, use_pl_optimizer: bool = True) -> Any:
-        """The optimizer (under nanotrain: the raw `torch.optim.Optimizer`)."""
+        """The optimizer (under nanotrain: the raw `torch.optim.Optimizer`). In manual
+        optimization, as Lightning: each optimizer wrapped to run Lightning's hooks in `step`
+        (`nanotrain.trainer.manual.ManualOptimizer`; the raw ones with
+        `use_pl_optimizer=False`), one alone or a list of several."""
         trainer = self._nano_trainer
         if trainer is None:
             return super().optimizers(use_pl_optimizer)
-        return trainer.strategy.optimizer
+        setup = trainer.strategy.optimizer_setup
+        if setup is None or setup.manual_optimizers is None:
+            return trainer.strategy.optimizer
+        return trainer._manual_optimizers(use_pl_optimizer)
+
+    def manual_backward(self, loss: Tensor, *args: Any, **kwargs: Any) -> None:
+        """As Lightning's: `on_before_backward`, `loss.backward(*args, **kwargs)`, then
+        `on_after_backward`; under the nanotrain Trainer the gradients are averaged over the
+        data-parallel replicas in between (as DDP's reducer in Lightning's backward).
+
+        Raises:
+            RuntimeError: called with automatic optimization (as Lightning).
+        """
+        trainer = self._nano_trainer
+        if trainer is None:
+            return super().manual_backward(loss, *args, **kwargs)
+        if self.automatic_optimization:
+            raise RuntimeError(
+                "to use manual_backward, set automatic_optimization = False in your "
+                "LightningModule's __init__ (as Lightning)"
+            )
+        trainer._manual_backward(loss, *args, **kwargs)
+        return None
 
     @classmethod
     def load_from_checkpoint(  # noqa: D417 - Lightning's arguments
@@ -205,7 +230,11 @@ class NanoModule(pl.LightningModule):
         file; saved under any layout) gives the module built with its recorded
         hyperparameters (`kwargs` override them) and its weights, on the CPU, in eval mode
         (`nanotrain.checkpoint.module_load.load_module`). Any other path (a Lightning `.ckpt`
-        file) is Lightning's own `load_from_checkpoint`."""
+        file) is Lightning's own `load_from_checkpoint`, after nanotrain has checked that the
+        file loads with `weights_only=True`.
+
+        Raises:
+            ValueError: a file that needs unpickling code (`UnsafeCheckpointError`)."""
         from nanotrain.checkpoint.module_load import load_module
 
         path = Path(checkpoint_path) if isinstance(checkpoint_path, str | Path) else None
@@ -216,6 +245,10 @@ class NanoModule(pl.LightningModule):
                     "its hyperparameters: pass overrides as keyword arguments"
                 )
             return load_module(cls, path, strict=strict is not False, **kwargs)
+        if path is not None and path.is_file():
+            from nanotrain.checkpoint.files import read_torch
+
+            read_torch(path)  # refuses, with the reason, a file that needs unpickling code
         return super().load_from_checkpoint(
             checkpoint_path, map_location, hparams_file, strict, **kwargs
         )
@@ -233,14 +266,20 @@ class NanoModule(pl.LightningModule):
         trainer = self._nano_trainer
         if trainer is None:
             return super().clip_gradients(optimizer, gradient_clip_val, gradient_clip_algorithm)
+        if not self.automatic_optimization:  # the given optimizer's parameters, as Lightning
+            return trainer._manual_clip(optimizer, gradient_clip_val, gradient_clip_algorithm)
         trainer.clip_gradients(gradient_clip_val, gradient_clip_algorithm)
 
     def lr_schedulers(self) -> Any:
-        """The LR scheduler, or None."""
+        """The LR scheduler, or None (in manual optimization, as Lightning: one alone or a
+        list of several)."""
         trainer = self._nano_trainer
         if trainer is None:
             return super().lr_schedulers()
         setup = trainer.strategy.optimizer_setup
+        if setup is not None and setup.manual_schedulers is not None:
+            found = setup.manual_schedulers
+            return None if not found else found[0] if len(found) == 1 else list(found)
         return setup.scheduler.scheduler if setup and setup.scheduler else None
 
 
@@ -248,21 +287,13 @@ def adopt_lightning_module(module: Any) -> NanoModule:
     """Let a plain `lightning.pytorch.LightningModule` run under the nanotrain Trainer.
 
     The instance's class is swapped for a subclass of (its class, NanoModule): every method
-    the user wrote still wins, and `log`, `print`, `optimizers`, `lr_schedulers` come from
-    NanoModule, which speak to the nanotrain Trainer (and fall back to Lightning's otherwise).
+    the user wrote still wins, and `log`, `print`, `optimizers`, `lr_schedulers`,
+    `manual_backward` come from NanoModule, which speak to the nanotrain Trainer (and fall back to Lightning's otherwise).
     A NanoModule is returned unchanged.
 
     Raises:
         TypeError: `module` is not a LightningModule.
-        ValueError: the module uses manual optimization (`automatic_optimization = False`).
     """
-    if isinstance(module, pl.LightningModule) and not module.automatic_optimization:
-        raise ValueError(
-            f"{type(module).__name__} sets automatic_optimization=False; nanotrain's Trainer "
-            "runs the optimization itself (the strategy owns backward, gradient reduction and "
-            "the optimizer step), so manual optimization is not supported: return the loss "
-            "from training_step instead"
-        )
     if isinstance(module, NanoModule):
         return module
     if not isinstance(module, pl.LightningModule):

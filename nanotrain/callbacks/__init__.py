@@ -15,6 +15,7 @@ from nanotrain.callbacks.progress import ProgressBar
 from nanotrain.callbacks.report import RunReport
 from nanotrain.callbacks.text_sampler import TextSampler
 from nanotrain.callbacks.throughput import ThroughputMonitor
+from nanotrain.callbacks.timer import Timer
 
 __all__ = [
     "Callback",
@@ -30,6 +31,7 @@ __all__ = [
     "RunReport",
     "TextSampler",
     "ThroughputMonitor",
+    "Timer",
     "TorchProfiler",
     "default_callbacks",
 ]

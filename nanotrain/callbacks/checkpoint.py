@@ -353,6 +353,8 @@ class ModelCheckpoint(CheckpointNames, CheckpointRetention, Callback):
     def _save_as(self, trainer: Trainer, kind: str, tag: str | None = None) -> None:
         # "candidate": a cadence save competing for the top k; "last": the end-of-training or
         # exception save (weights only when asked), through `save_now` for subclasses.
+        if getattr(trainer, "fast_dev_run", False):
+            return  # as Lightning: a dev run saves no checkpoint
         self._save_kind = kind
         try:
             self.save_now(trainer, tag)

@@ -9,6 +9,7 @@ import lightning.pytorch as pl
 from nanotrain.callbacks.base import Callback
 from nanotrain.callbacks.checkpoint import ModelCheckpoint
 from nanotrain.callbacks.grad_norm import GradNormMonitor
+from nanotrain.callbacks.lightning_builtins import builtin_refusal, lightning_builtin
 from nanotrain.callbacks.lr_monitor import LearningRateMonitor
 from nanotrain.callbacks.moe_load import MoELoadMonitor
 from nanotrain.callbacks.nan_guard import NaNGuard
@@ -51,19 +52,6 @@ def default_callbacks(
     return callbacks
 
 
-def is_user_lightning_callback(cb: Any) -> bool:
-    """Whether `cb` is a user's subclass of `lightning.pytorch.Callback` that inherits
-    nothing from Lightning's built-in callbacks (those read Lightning's Trainer internals);
-    its hooks get Lightning's arguments from the nanotrain Trainer."""
-    if not isinstance(cb, pl.Callback):
-        return False
-    inherited = type(cb).__mro__[1:]
-    return not any(
-        c.__module__.split(".")[0] in ("lightning", "pytorch_lightning") and c is not pl.Callback
-        for c in (type(cb), *inherited)
-    )
-
-
 def with_defaults(
     user: list[Any],
     enable_checkpointing: bool = True,
@@ -77,15 +65,18 @@ def with_defaults(
     last, after the callbacks whose state it saves have updated.
 
     Raises:
-        TypeError: an entry is not a nanotrain Callback.
+        TypeError: an entry is neither a nanotrain Callback nor a lightning.pytorch.Callback
+            subclass of your own, or is one of Lightning's built-in callbacks (naming its
+            nanotrain counterpart: `lightning_builtins.COUNTERPARTS`).
     """
     for cb in user:
-        if not isinstance(cb, Callback) and not is_user_lightning_callback(cb):
+        builtin = lightning_builtin(cb)
+        if builtin is not None:  # its nanotrain counterpart, by name
+            raise builtin_refusal(builtin)
+        if not isinstance(cb, Callback | pl.Callback):
             raise TypeError(
                 f"callbacks must be nanotrain Callbacks (nanotrain.callbacks) or your own "
-                f"subclasses of lightning's Callback, got {type(cb).__name__}; Lightning's "
-                "built-in callbacks read its Trainer's internals and are not supported: use "
-                "their nanotrain counterparts (see docs/lightning.md)"
+                f"subclasses of lightning's Callback, got {type(cb).__name__}"
             )
     given = {type(cb) for cb in user}
     defaults = [

@@ -159,6 +159,8 @@ class EarlyStopping(Callback):
             self._run_check(trainer)
 
     def _run_check(self, trainer: Trainer) -> None:
+        if getattr(trainer, "fast_dev_run", False):
+            return  # as Lightning: a dev run does not stop early
         if self.monitor not in trainer.callback_metrics:
             known = sorted(trainer.callback_metrics)
             message = (

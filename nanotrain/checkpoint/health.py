@@ -38,7 +38,8 @@ def nonfinite_parts(trainer: Trainer, model_state: Mapping[str, Any]) -> list[st
     skipped = getattr(out, "skipped", False) or getattr(trainer, "_skip_requested", False)
     flag = getattr(out, "skip_flag", None)
     skipped = skipped or (flag is not None and bool(flag))  # skipped on the device
-    if out is not None and not skipped and not math.isfinite(float(out.loss.detach().float())):
+    loss = None if out is None else out.loss  # None: a manual step that returned no loss
+    if loss is not None and not skipped and not math.isfinite(float(loss.detach().float())):
         parts.append("loss")
     return parts
 

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 from nanotrain.checkpoint import commit as _commit
 from nanotrain.checkpoint import files
+from nanotrain.checkpoint.lightning_ckpt import is_lightning_file
 
 if TYPE_CHECKING:
     from nanotrain.trainer import Trainer
@@ -54,7 +55,7 @@ def plan_resume(
     - "best": the best checkpoint of the run's ModelCheckpoint (see `find_best`; `callbacks`
       are the Trainer's), continuing its run directory.
     - a path: that checkpoint (see `resolve_checkpoint_path`); a checkpoint inside a run
-      directory continues that run directory.
+      directory continues that run directory; a Lightning `.ckpt` file starts a new one.
 
     Raises:
         FileNotFoundError: an explicit path that does not exist or holds no checkpoint.
@@ -85,6 +86,8 @@ def plan_resume(
         )
         return ResumePlan(fresh, None)
     ckpt = resolve_path(Path(ckpt_path))
+    if is_lightning_file(ckpt):  # lightning.Trainer's run folder is not continued
+        return ResumePlan(fresh, ckpt)
     resumed = _run_dir_of(ckpt)
     return ResumePlan(resumed if resumed is not None else fresh, ckpt)
 

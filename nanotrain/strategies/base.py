@@ -21,7 +21,11 @@ from nanotrain.parallel.grads import clip_grads_
 from nanotrain.precision.base import Precision
 from nanotrain.precision.master import grad_of, load_into
 from nanotrain.runtime.profiling import named_range
-from nanotrain.strategies.optimizers import OptimizerSetup, parse_optimizer_config
+from nanotrain.strategies.optimizers import (
+    OptimizerSetup,
+    parse_manual_config,
+    parse_optimizer_config,
+)
 from nanotrain.strategies.weighting import (  # noqa: F401  (re-exported: strategies use them)
     LossAccumulator,
     MicrobatchWeights,
@@ -252,8 +256,13 @@ class Strategy(ABC):
         self.precision.setup_module(module, self.root_device, self.is_global_zero)
 
     def setup_optimizers(self, module: NanoModule) -> OptimizerSetup:
-        """Call `configure_optimizers` and parse its result (Lightning's accepted forms)."""
-        self.optimizer_setup = parse_optimizer_config(module.configure_optimizers())
+        """Call `configure_optimizers` and parse its result (Lightning's accepted forms; with
+        manual optimization several optimizers and schedulers too)."""
+        config = module.configure_optimizers()
+        if getattr(module, "automatic_optimization", True):
+            self.optimizer_setup = parse_optimizer_config(config)
+        else:
+            self.optimizer_setup = parse_manual_config(config)
         return self.optimizer_setup
 
     @property

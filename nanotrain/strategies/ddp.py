@@ -116,6 +116,20 @@ class DDPStrategy(ReplicatedStrategy):
             out = out / self.world_size
         return out
 
+    def average_grads_(self) -> None:
+        """Average every parameter's `.grad` over the replicas (one flat all-reduce per
+        dtype), as DDP's reducer does in backward: manual optimization's `manual_backward`."""
+        grads = [p.grad for p in self._all_params if p.grad is not None]
+        by_dtype: dict[torch.dtype, list[Tensor]] = {}
+        for g in grads:
+            by_dtype.setdefault(g.dtype, []).append(g)
+        for same in by_dtype.values():
+            flat = torch.cat([g.reshape(-1) for g in same])
+            dist.all_reduce(flat, group=dist.group.WORLD)
+            flat /= self.world_size
+            for g, piece in zip(same, flat.split([g.numel() for g in same]), strict=True):
+                g.copy_(piece.view_as(g))
+
     def _wrap(self, module: Any) -> nn.Module:
         if self._main_grads is not None:
             # low-precision parameters: grads accumulate in fp32 main grads, which

@@ -133,6 +133,12 @@ class ReplicatedStrategy(Strategy):
             skipped=precision.skip_step,
         )
 
+    def average_grads_(self) -> None:
+        """Average every parameter's `.grad` over the data-parallel replicas, in place (manual
+        optimization's `manual_backward`; nothing for one process). Gradients already equal
+        on every replica stay as they are, so calling it after each backward gives what DDP's
+        reducer gives."""
+
     def grads_for_clipping(self) -> list[Tensor]:
         """This replica's (already synchronized) gradients as the optimizer reads them."""
         return [g for g in map(grad_of, self._all_params) if g is not None]

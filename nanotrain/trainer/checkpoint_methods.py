@@ -23,14 +23,30 @@ class CheckpointMethods:
         restore_payload(self, payload, weights_only)
 
     def save_checkpoint(self, path: str | Path) -> Path:
-        """Write a checkpoint of the current state to `path` (call on every rank)."""
+        """Write a checkpoint of the current state to `path` (call on every rank): a
+        nanotrain checkpoint directory, or for a path ending in ".ckpt" a Lightning
+        checkpoint file that `lightning.Trainer(...).fit(ckpt_path=path)` resumes and a plain
+        `LightningModule.load_from_checkpoint(path)` reads
+        (`nanotrain.checkpoint.lightning_ckpt`)."""
         from nanotrain.checkpoint import save_checkpoint
+        from nanotrain.checkpoint.lightning_ckpt import LIGHTNING_SUFFIX, save_lightning
 
+        if Path(path).suffix == LIGHTNING_SUFFIX:
+            return save_lightning(self, Path(path))
         return save_checkpoint(self, Path(path))
 
     def _resume(self, path: Path, weights_only: bool = False) -> None:
         from nanotrain.checkpoint import load_checkpoint
         from nanotrain.checkpoint.files import check_resumable
+        from nanotrain.checkpoint.lightning_ckpt import (
+            is_lightning_file,
+            read_lightning,
+            restore_lightning,
+        )
+
+        if is_lightning_file(Path(path)):  # written by lightning.Trainer (or as its format)
+            restore_lightning(self, read_lightning(Path(path)), weights_only)
+            return
 
         if not weights_only:
             check_resumable(path)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import asdict, dataclass, field
+from datetime import timedelta
 from typing import Any
 
 from nanotrain.trainer.lightning_args import check_launch_arguments
@@ -42,6 +43,24 @@ class TrainerConfig:
         check_val_every_n_epoch: validate in every this many epochs: at their end without
             val_check_interval, as Lightning does (None: val_check_interval counts over
             the whole run).
+        limit_train_batches: as Lightning's: train on the first batches of each epoch only:
+            an int n = n batches (per process, as Lightning counts them; a multiple of
+            accumulate_grad_batches), a float in (0, 1] = int(fraction × the epoch's batches),
+            None for all. The epoch then ends there (epoch-interval schedulers, validation
+            and the epoch-end hooks run), and the next one draws its own order.
+        overfit_batches: as Lightning's: > 0 trains on the first batches in order (shuffle
+            off) and validates on as many: sets limit_train_batches and limit_val_batches to
+            it (an int count or a float fraction; 0: off).
+        fast_dev_run: as Lightning's: True (1) or n runs n training batches (one epoch, the
+            epoch-end validation on n batches), n test / predict batches, with no logger and
+            no checkpoint (ModelCheckpoint and EarlyStopping do nothing); False or 0: off.
+        max_time: as Lightning's: stop training once this much time has passed since
+            training started: "DD:HH:MM:SS", a dict of `datetime.timedelta` arguments, or a
+            timedelta (added as `nanotrain.callbacks.Timer(max_time, interval="step")`
+            unless a Timer is passed; checked after every optimizer step; the time is kept in
+            checkpoints, so a resumed run counts on).
+        reload_dataloaders_every_n_epochs: as Lightning's: call the training (and
+            validation) DataLoader source again every this many epochs (0: never).
         limit_val_batches: how much validation data a run reads, the same samples under any
             layout: an int n = the first n global batches (n × global_batch_size samples),
             a float in (0, 1] = that fraction of the set, None for all, 0 to disable.
@@ -97,6 +116,11 @@ class TrainerConfig:
     val_check_interval: int | float | None = None
     check_val_every_n_epoch: int | None = 1
     limit_val_batches: int | float | None = None
+    limit_train_batches: int | float | None = None
+    overfit_batches: int | float = 0
+    fast_dev_run: int | bool = False
+    max_time: Any = None
+    reload_dataloaders_every_n_epochs: int = 0
     log_every_n_steps: int = 50  # Lightning's default
     default_root_dir: str = "runs"
     name: str = "default"
@@ -129,10 +153,7 @@ class TrainerConfig:
         _check_val_fraction(self.val_check_interval, self.check_val_every_n_epoch)
         if self.val_check_interval == 1.0 and type(self.val_check_interval) is float:
             self.val_check_interval = None
-        if self.max_steps is None and self.max_epochs is None and self.max_tokens is None:
-            raise ValueError(
-                "the Trainer needs a stopping rule: set max_steps, max_epochs or max_tokens"
-            )
+        _apply_debug_switches(self)
         names = ("max_steps", "max_epochs", "max_tokens")
         if type(self.val_check_interval) is not float:
             names += ("val_check_interval",)
@@ -187,6 +208,18 @@ class TrainerConfig:
                 "(validate_at_start=True validates the untrained model at step 0 instead)"
             )
         _check_limit_val_batches(self.limit_val_batches)
+        _check_limit_val_batches(self.limit_train_batches, "limit_train_batches")
+        if type(self.reload_dataloaders_every_n_epochs) is not int or (
+            self.reload_dataloaders_every_n_epochs < 0
+        ):
+            raise ValueError(
+                "reload_dataloaders_every_n_epochs must be an int >= 0 (0: never), got "
+                f"{self.reload_dataloaders_every_n_epochs!r}"
+            )
+        if self.max_time is not None:
+            from nanotrain.callbacks.timer import parse_duration
+
+            parse_duration(self.max_time, "max_time")  # raises ValueError for a bad form
         check_launch_arguments(self.accelerator, self.devices, self.num_nodes)
         unknown = set(self.loggers) - set(LOGGER_NAMES)
         if unknown:
@@ -200,8 +233,69 @@ class TrainerConfig:
         signal_numbers(self.preemption_signals)  # raises ValueError for an unknown name
 
     def to_dict(self) -> dict:
-        """The settings as a plain dict (for config.yaml)."""
-        return asdict(self)
+        """The settings as a plain dict (for config.yaml; a timedelta max_time as its
+        seconds)."""
+        out = asdict(self)
+        if isinstance(self.max_time, timedelta):
+            out["max_time"] = {"seconds": self.max_time.total_seconds()}
+        return out
+
+    def check_stopping_rule(self) -> None:
+        """Raise ValueError when fit has no stopping rule (validate, test and predict need
+        none).
+
+        Raises:
+            ValueError: none of max_steps, max_epochs, max_tokens, max_time, fast_dev_run.
+        """
+        if all(
+            getattr(self, name) is None
+            for name in ("max_steps", "max_epochs", "max_tokens", "max_time")
+        ):
+            raise ValueError(
+                "fit needs a stopping rule: set max_steps, max_epochs, max_tokens or max_time "
+                "(lightning.Trainer would run max_epochs=1000 here: pass that for its run); "
+                "validate, test and predict need none"
+            )
+
+
+def _apply_debug_switches(config: TrainerConfig) -> None:
+    """Lightning's `fast_dev_run` and `overfit_batches`, resolved into the settings they
+    stand for (as Lightning's `_init_debugging_flags`).
+
+    Raises:
+        ValueError: a negative or non-integer fast_dev_run, or a bad overfit_batches, or
+            overfit_batches with shuffle=True.
+    """
+    fast = config.fast_dev_run
+    if type(fast) not in (bool, int) or fast < 0:
+        raise ValueError(f"fast_dev_run must be True, False or an int >= 0, got {fast!r}")
+    overfit = config.overfit_batches
+    if isinstance(overfit, bool) or not isinstance(overfit, int | float) or overfit < 0:
+        raise ValueError(
+            f"overfit_batches must be an int >= 0 (batches) or a float in [0, 1] (a fraction), "
+            f"got {overfit!r}"
+        )
+    if isinstance(overfit, float) and overfit > 1:
+        raise ValueError(
+            f"overfit_batches={overfit!r}: a float is a fraction of the batches, in [0, 1]; "
+            f"pass an int for a number of batches"
+        )
+    if fast:
+        n = int(fast)
+        if not overfit:
+            config.limit_train_batches = config.limit_val_batches = n
+        config.max_steps, config.max_epochs = n, 1
+        config.val_check_interval, config.check_val_every_n_epoch = None, 1
+        config.max_time = None  # Lightning keeps the Timer, which cannot fire in n steps
+        config.enable_checkpointing = False
+        config.loggers = []
+    if overfit:
+        if config.shuffle:
+            raise ValueError(
+                "overfit_batches trains on the first batches in order; shuffle=True "
+                "contradicts it: drop one of them"
+            )
+        config.limit_train_batches = config.limit_val_batches = overfit
 
 
 def resolve_seed(seed: int | None) -> int:
@@ -230,7 +324,7 @@ def resolve_seed(seed: int | None) -> int:
     return value
 
 
-def _check_limit_val_batches(limit: int | float | None) -> None:
+def _check_limit_val_batches(limit: int | float | None, name: str = "limit_val_batches") -> None:
     """An int >= 0 (a count), a float in (0, 1] (a fraction; 0.0 disables too) or None.
 
     Raises:
@@ -241,14 +335,14 @@ def _check_limit_val_batches(limit: int | float | None) -> None:
     if isinstance(limit, float):
         if not 0.0 <= limit <= 1.0:
             raise ValueError(
-                f"limit_val_batches={limit!r}: a float is a fraction of the validation batches and "
+                f"{name}={limit!r}: a float is a fraction of the batches and "
                 "must lie in (0, 1] (1.0 = all); for a number of batches pass an int"
                 + (f", e.g. {int(limit)}" if limit > 1 and limit == int(limit) else "")
             )
         return
     if not isinstance(limit, int) or limit < 0:
         raise ValueError(
-            f"limit_val_batches must be an int >= 0 (a count), a float in (0, 1] (a fraction) "
+            f"{name} must be an int >= 0 (a count), a float in (0, 1] (a fraction) "
             f"or None (all), got {limit!r}"
         )
 

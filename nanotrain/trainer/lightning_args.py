@@ -17,17 +17,12 @@ ACCELERATORS = ("auto", "cpu", "gpu", "cuda")
 
 # Lightning Trainer arguments nanotrain does not take, with what to use instead
 REFUSED_ARGUMENTS = {
-    "limit_train_batches": "use max_steps (or max_epochs) to shorten training",
     "limit_test_batches": "pass a shorter test DataLoader",
     "limit_predict_batches": "pass a shorter predict DataLoader",
     "min_epochs": "nanotrain has no lower bound on training; drop it (EarlyStopping's "
     "patience delays a stop)",
     "min_steps": "nanotrain has no lower bound on training; drop it (EarlyStopping's "
     "patience delays a stop)",
-    "max_time": "use max_steps or max_tokens; a scheduler's time limit ends the run through "
-    "preemption_signals (a checkpoint is saved)",
-    "fast_dev_run": "use max_steps=1 and limit_val_batches=1",
-    "overfit_batches": "pass a DataLoader over the few batches to overfit",
     "profiler": "add nanotrain.callbacks.TorchProfiler (docs/callbacks.md)",
     "detect_anomaly": "wrap your training_step in torch.autograd.detect_anomaly()",
     "benchmark": "set torch.backends.cudnn.benchmark yourself before fit",
@@ -36,8 +31,6 @@ REFUSED_ARGUMENTS = {
     "share of the data (as Lightning's DistributedSampler); drop it",
     "sync_batchnorm": "convert the model with torch.nn.SyncBatchNorm.convert_sync_batchnorm "
     "yourself",
-    "reload_dataloaders_every_n_epochs": "nanotrain builds the DataLoaders once per stage; "
-    "change the data between fits",
     "plugins": "pass a precision plugin as precision=...; other plugins have no nanotrain "
     "counterpart",
     "barebones": "pass enable_progress_bar=False, enable_monitors=False, logger=False",

@@ -76,6 +76,14 @@ def build_loaders(
         micro = resolve_micro_batch(requested.micro_batch_size, data, None)
         total, accumulate = resolve_global_batch(requested, micro, shard.count)
         shuffle = resolve_shuffle(requested.shuffle, data)
+        if settings.overfit_batches and shuffle:  # as Lightning: in order, with its warning
+            warnings.warn(
+                "You requested to overfit but enabled train dataloader shuffling. We are "
+                "turning off the train dataloader shuffling for you.",
+                UserWarning,
+                stacklevel=3,
+            )
+            shuffle = False
         settings.micro_batch_size, settings.global_batch_size = micro, total
         settings.accumulate_grad_batches, settings.shuffle = accumulate, shuffle
         train_loader, train_sampler = rebatch(
@@ -327,9 +335,11 @@ def evaluation_loader(trainer: Any, source: Any, what: str, ordered: Any) -> Dat
     data = inspect_source(source, what)
     warn_if_shuffled(data)
     shard = trainer.strategy.data_shard()
+    dev_run = int(trainer.settings.fast_dev_run)  # as Lightning: n batches of a dev run
     if data.batch_sampler is not None:
         _refuse_custom_under_dp(data, shard)
-        batches: Sampler = FixedBatches([list(b) for b in data.batch_sampler])
+        custom = [list(b) for b in data.batch_sampler]
+        batches: Sampler = FixedBatches(custom[:dev_run] if dev_run else custom)
     else:
         # a bare Dataset: the micro batch of the last fit, if any
         default = trainer.settings.micro_batch_size
@@ -337,6 +347,8 @@ def evaluation_loader(trainer: Any, source: Any, what: str, ordered: Any) -> Dat
         length = len(data.dataset)
         if data.drop_last:  # as Lightning in one process: the partial last batch left out
             length = length // batch * batch  # (of the whole set: the same under any layout)
+        if dev_run:  # the first n batches of each rank: of the set, n × batch × replicas
+            length = min(length, dev_run * batch * shard.count)
         batches = ordered(length, batch, shard)
     generator = torch.Generator().manual_seed(trainer.settings.seed)
     loader = DataLoader(data.dataset, batch_sampler=batches, generator=generator, **data.extra)
@@ -395,3 +407,31 @@ def val_batch_limit(limit: int | float | None, available: int) -> int:
             )
         return batches
     return min(int(limit), available)
+
+
+def limited_steps(limit: int | float | None, steps: int, microbatches: int) -> int:
+    """Optimizer steps of one training epoch under Lightning's `limit_train_batches`: of the
+    epoch's `steps` × `microbatches` batches (per process, as Lightning counts them) all
+    (None), the first ``int(limit × batches)`` (a float) or the first `limit` (an int).
+
+    Raises:
+        ValueError: a limit of 0 batches, or one that is not a whole number of optimizer
+            steps (Lightning would train the rest in a last, smaller step).
+    """
+    if limit is None:
+        return steps
+    available = steps * microbatches
+    batches = int(available * limit) if isinstance(limit, float) else min(int(limit), available)
+    if batches == 0:
+        raise ValueError(
+            f"limit_train_batches={limit!r} leaves no training batch of {available}; "
+            f"use at least limit_train_batches={1 / max(available, 1)} or an int >= 1"
+        )
+    if batches % microbatches and batches < available:
+        raise ValueError(
+            f"limit_train_batches={limit!r} gives {batches} batches per epoch, not a whole "
+            f"number of optimizer steps of accumulate_grad_batches={microbatches} batches "
+            "(lightning.Trainer would step on the rest too); pass a limit of a multiple of "
+            f"{microbatches} batches"
+        )
+    return batches // microbatches

@@ -131,6 +131,28 @@ class LightningTrainerProperties:
         return -1 if self.settings.max_epochs is None else self.settings.max_epochs
 
     @property
+    def fast_dev_run(self) -> int | bool:
+        """As Lightning's: False, True (for 1) or the number of batches of a dev run."""
+        n = self.settings.fast_dev_run
+        return True if n == 1 else n
+
+    @property
+    def limit_train_batches(self) -> int | float:
+        """Lightning's value: the limit set (overfit_batches' when that is on), else 1.0."""
+        limit = self.settings.limit_train_batches
+        return 1.0 if limit is None else limit
+
+    @property
+    def overfit_batches(self) -> int | float:
+        """Lightning's value: the overfit_batches setting (0: off)."""
+        return self.settings.overfit_batches
+
+    @property
+    def reload_dataloaders_every_n_epochs(self) -> int:
+        """Lightning's value: reload the DataLoaders every this many epochs (0: never)."""
+        return self.settings.reload_dataloaders_every_n_epochs
+
+    @property
     def num_training_batches(self) -> int | float:
         """Microbatches this process reads per training epoch (what Lightning counts as
         batches); inf before `fit` has built its loader."""
@@ -266,8 +288,10 @@ class LightningTrainerProperties:
     @property
     def optimizers(self) -> list[Any]:
         """The optimizer of the running fit, as a one-element list ([] before
-        `configure_optimizers` ran)."""
+        `configure_optimizers` ran); in manual optimization every optimizer, in order."""
         setup = self.strategy.optimizer_setup
+        if setup is not None and setup.manual_optimizers is not None:
+            return list(setup.manual_optimizers)  # manual optimization: each one
         return [] if setup is None else [setup.optimizer]
 
     @property
@@ -275,11 +299,20 @@ class LightningTrainerProperties:
         """The LR scheduler with its interval and frequency as Lightning's `LRSchedulerConfig`
         ([] without one)."""
         setup = self.strategy.optimizer_setup
+        if setup is not None and setup.manual_schedulers is not None:  # the module steps them
+            return [LRSchedulerConfig(sched) for sched in setup.manual_schedulers]
         if setup is None or setup.scheduler is None:
             return []
         sched = setup.scheduler
         return [
-            LRSchedulerConfig(sched.scheduler, interval=sched.interval, frequency=sched.frequency)
+            LRSchedulerConfig(
+                sched.scheduler,
+                interval=sched.interval,
+                frequency=sched.frequency,
+                reduce_on_plateau=sched.reduce_on_plateau,
+                monitor=sched.monitor,
+                strict=sched.strict,
+            )  # fmt: skip
         ]
 
     @property

@@ -34,6 +34,7 @@ not log (docs/performance.md).
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -143,6 +144,8 @@ class TrainStepMethods:
             self.metric_book.clear()
         if self._val_loader is not None and self._val_check_due():
             self._run_validation()
+        if updated:  # as Lightning: a plateau scheduler after the step's validation
+            self._step_scheduler("step", first + n - 1, plateau=True)
 
     def _before_update(self: Trainer, optimizer: HookOptimizer) -> bool:
         """What Lightning runs inside `optimizer.step(closure)` after the closure:
@@ -189,14 +192,39 @@ class TrainStepMethods:
         self._norm_is_current = True
         return again.loss
 
-    def _step_scheduler(self: Trainer, interval: str, index: int) -> None:
+    def _step_scheduler(self: Trainer, interval: str, index: int, plateau: bool = False) -> None:
         """Step an `interval` scheduler where Lightning does: when ``index + 1`` (`index`: the
-        step's last batch index in the epoch, or the epoch) is a multiple of its frequency."""
+        step's last batch index in the epoch, or the epoch) is a multiple of its frequency;
+        a ReduceLROnPlateau only in the calls with `plateau` (after the step's validation,
+        after the epoch's end hooks), with its monitored metric.
+
+        Raises:
+            ValueError: a strict plateau scheduler's metric is not in `callback_metrics`."""
         setup = self.strategy.optimizer_setup
         if setup is None or setup.scheduler is None or setup.scheduler.interval != interval:
             return
-        if (index + 1) % setup.scheduler.frequency == 0:
-            self.module.lr_scheduler_step(setup.scheduler.scheduler, None)
+        config = setup.scheduler
+        if (index + 1) % config.frequency or config.reduce_on_plateau != plateau:
+            return
+        metric = None
+        if config.reduce_on_plateau:  # as Lightning: the monitored value, after validation
+            metric = self.callback_metrics.get(config.monitor)
+            if metric is None:
+                if config.strict:
+                    raise ValueError(
+                        f"ReduceLROnPlateau conditioned on metric {config.monitor!r}, which is "
+                        f"not available; available metrics are {sorted(self.callback_metrics)}. "
+                        "Log it (e.g. self.log in validation_step) or change the monitor key "
+                        "of the lr_scheduler dict (strict=False skips the update instead)"
+                    )
+                warnings.warn(
+                    f"ReduceLROnPlateau conditioned on metric {config.monitor!r} which is not "
+                    "available but strict is set to False: the learning rate is not updated",
+                    RuntimeWarning,
+                    stacklevel=2,
+                )
+                return
+        self.module.lr_scheduler_step(config.scheduler, metric)
 
     def clip_gradients(
         self: Trainer, gradient_clip_val: float | None, gradient_clip_algorithm: str | None

@@ -20,7 +20,9 @@ from lightning.pytorch.utilities.model_summary import summarize
 from torch.utils.data import DataLoader
 
 from nanotrain.callbacks.base import Callback
+from nanotrain.callbacks.checkpoint import ModelCheckpoint
 from nanotrain.callbacks.defaults import with_defaults
+from nanotrain.callbacks.timer import Timer
 from nanotrain.module import NanoModule, adopt_lightning_module
 from nanotrain.precision import Precision, resolve_precision
 from nanotrain.runtime.collective_errors import explain_timeout
@@ -48,8 +50,13 @@ from nanotrain.trainer.hook_dispatch import CallbackHooks
 from nanotrain.trainer.hook_optimizer import check_closure_optimizer
 from nanotrain.trainer.lightning_args import check_accelerator, setting_names, unknown_setting_error
 from nanotrain.trainer.lightning_tuner import refuse_tuner_callbacks
-from nanotrain.trainer.loaders import build_loaders, draw_as_lightning
+from nanotrain.trainer.loaders import (
+    build_loaders,
+    draw_as_lightning,
+    limited_steps,
+)
 from nanotrain.trainer.loggers import LoggerGroup, user_loggers
+from nanotrain.trainer.manual import ManualMethods, check_manual, manual_step
 from nanotrain.trainer.metric_book import MetricBook, to_float
 from nanotrain.trainer.preemption import PreemptionWatch, stop_if_preempted
 from nanotrain.trainer.properties import LightningTrainerProperties
@@ -66,6 +73,7 @@ class Trainer(
     EvaluationMethods,
     CheckpointMethods,
     RunSetupMethods,
+    ManualMethods,
 ):
     """Runs `fit`, `validate`, `test` and `predict` for a `NanoModule` (or a plain
     LightningModule) under any `Strategy`.
@@ -111,6 +119,10 @@ class Trainer(
         self.callbacks: list[Callback] = with_defaults(
             list(callbacks or []), s.enable_checkpointing, s.enable_progress_bar, s.enable_monitors
         )
+        if s.fast_dev_run:  # as Lightning: a dev run writes no logs
+            logger = False
+        if s.max_time is not None and not any(isinstance(cb, Timer) for cb in self.callbacks):
+            self.callbacks.insert(_before_savers(self.callbacks), Timer(s.max_time, "step"))
         self._use_named_loggers, self._user_loggers = user_loggers(logger)
         self._user_config = config
         self.state = TrainState()
@@ -153,6 +165,9 @@ class Trainer(
         self._val_loader: DataLoader | None = None
         self._last_val_step = -1
         self._book: MetricBook | None = None
+        self._fit_sources: tuple[Any, Any] = (None, None)  # fit's loaders, for a reload
+        self._manual = False  # the module's automatic_optimization is False (see manual.py)
+        self._last_reload_epoch = 0
         # PL_GLOBAL_SEED as the running stage found it (None: unset), to put back at its end
         self._seed_env_saved = False
         self._seed_env_before: str | None = None
@@ -277,10 +292,13 @@ class Trainer(
             self.strategy.check_step_microbatches(self.num_microbatches)
             sampler = self._train_sampler
             if isinstance(sampler, ResumableBatchList):  # counted in the DataLoader's batches
-                self.state.steps_per_epoch = len(sampler) // self.num_microbatches
+                steps = len(sampler) // self.num_microbatches
             else:
                 samples_per_step = self.settings.micro_batch_size * self.num_microbatches
-                self.state.steps_per_epoch = len(sampler) // samples_per_step
+                steps = len(sampler) // samples_per_step
+            self.state.steps_per_epoch = limited_steps(
+                self.settings.limit_train_batches, steps, self.num_microbatches
+            )
 
     # -- fit -----------------------------------------------------------------------------------
     def fit(
@@ -315,12 +333,19 @@ class Trainer(
             "fit", datamodule, train_dataloaders, val_dataloaders
         )
         module = model
+        self.settings.check_stopping_rule()
         try:
             self.is_fitting, self._epoch_cut_short = True, False
             self._setup(module, datamodule, "fit", ckpt_path)
+            self._fit_sources = (train_dataloaders, val_dataloaders)
             self._build_loaders("fit", train_dataloaders, val_dataloaders)
+            self._last_reload_epoch = self.state.epoch
+            self._manual = not self.module.automatic_optimization
+            if self._manual:
+                check_manual(self)  # before the strategy parses several optimizers
             self.strategy.setup_optimizers(module)
-            check_closure_optimizer(self.strategy)
+            if not self._manual:
+                check_closure_optimizer(self.strategy)
             if self._resume_path is not None:
                 self._resume(self._resume_path)
             self._make_run_dir()
@@ -388,6 +413,8 @@ class Trainer(
         if st.steps_per_epoch == 0:
             raise ValueError("the training data does not fill one global batch")
         while not self._done():
+            if st.steps_in_epoch == 0:
+                self._reload_if_due()
             if st.steps_in_epoch < st.steps_per_epoch:
                 if st.steps_in_epoch == 0:
                     self._train_sampler.set_epoch(st.epoch)
@@ -406,7 +433,10 @@ class Trainer(
                         ran_out = True
                         self._step_scheduler("epoch", st.epoch)  # as Lightning: at its end
                         break
-                    self._train_step(micro)
+                    if self._manual:  # the module steps its optimizers itself
+                        manual_step(self, micro[0])
+                    else:
+                        self._train_step(micro)
                     stop_if_preempted(self, self._preemption)
                 if st.steps_in_epoch < st.steps_per_epoch and not ran_out:
                     break  # stopped mid-epoch
@@ -419,9 +449,19 @@ class Trainer(
                 if self._last_val_step != st.global_step:  # as Lightning: before the hook
                     self._run_validation()
             finish_epoch(self, "on_train_epoch_end")
+            self._step_scheduler("epoch", st.epoch, plateau=True)  # as Lightning: after the hooks
             st.epoch += 1
             st.steps_in_epoch = 0
             self._step_taken = False  # the next epoch starts: see `logged_step`
+
+    def _reload_if_due(self) -> None:
+        """As Lightning's `reload_dataloaders_every_n_epochs`: at the start of every n-th
+        epoch since the last build, ask the sources for the training and validation
+        DataLoaders again (the module's or datamodule's `*_dataloader()`)."""
+        every = self.settings.reload_dataloaders_every_n_epochs
+        if every and self.state.epoch - self._last_reload_epoch >= every:
+            self._build_loaders("fit", *self._fit_sources)
+            self._last_reload_epoch = self.state.epoch
 
     def log_metrics(self, metrics: dict[str, Any], step: int | None = None) -> None:
         """Write scalars to the loggers (rank 0) and remember them in `callback_metrics`.
@@ -521,3 +561,11 @@ class Trainer(
         self._step_taken = False  # validate/test after fit log at global_step, as Lightning
         self._train_loader = self._val_loader = None
         self.strategy.teardown()
+
+
+def _before_savers(callbacks: list[Any]) -> int:
+    """The index before the checkpoint callbacks at the list's end (Lightning runs them last)."""
+    index = len(callbacks)
+    while index and isinstance(callbacks[index - 1], ModelCheckpoint):
+        index -= 1
+    return index

@@ -185,7 +185,7 @@ EXPECTED = {
     "strategy": "unknown strategy 'bogus': use one of the aliases auto, single, ddp, megatron "
     "or a class path such as nanotrain.strategies.MegatronStrategy",
     "prefix": "unrecognized arguments: --trainer.max_step 5",
-    "limit_val": "limit_val_batches=1.5: a float is a fraction of the validation batches and "
+    "limit_val": "limit_val_batches=1.5: a float is a fraction of the batches and "
     "must lie in (0, 1] (1.0 = all); for a number of batches pass an int",
     "seq_len": "the data's seq_len=512 exceeds the model's max_seq_len=256; shorten "
     "--data.init_args.seq_len, or extend the RoPE tables explicitly with "

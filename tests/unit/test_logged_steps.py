@@ -143,7 +143,6 @@ def test_validate_on_a_fresh_trainer_logs_at_step_zero_epoch_zero(tmp_path):
             trainer = trainer_class(
                 default_root_dir=str(tmp_path / f"{name}_root"),
                 logger=CSVLogger(tmp_path / name, name="", version=""),
-                max_steps=1,  # nanotrain asks for a stopping rule at construction
                 enable_progress_bar=False,
                 enable_model_summary=False,
             )

@@ -189,7 +189,7 @@ def test_exception_reaches_on_exception_and_teardown(tmp_path):
 @pytest.mark.parametrize(
     "kwargs, message",
     [
-        (dict(max_steps=None), "stopping rule"),
+        (dict(max_steps=2, fast_dev_run=-1), "fast_dev_run must be"),
         (dict(global_batch_size=12, micro_batch_size=8), "not a multiple of micro_batch_size"),
         (dict(max_steps=0), "max_steps must be a positive integer"),
         (dict(loggers=["wandb"]), "unknown loggers"),
