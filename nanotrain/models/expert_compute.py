@@ -225,23 +225,29 @@ class _BatchedSwiGLU(torch.autograd.Function):
         # neither memory nor recompute; with `rebuild` (recompute "light") silu(g), a and the
         # scaled product are made again in backward
         ctx.rebuild, ctx.scaled = rebuild, sb is not None
-        kept = (xb, g, u) if rebuild else (xb, g, u, sg, a) + (() if sb is None else (z,))
-        ctx.save_for_backward(*kept, *(() if sb is None else (sb,)), gate_proj, up_proj, down_proj)
+        kept = (x, g, u) if rebuild else (x, g, u, sg, a) + (() if sb is None else (z,))
+        # x and the scale themselves are saved, not their views `xb` / `sb`: a saved view of an
+        # input is an alias that torch.compile's autograd.Function tracing refuses to carry
+        # out of the graph
+        ctx.num_experts = num_experts
+        saved_scale = () if scale is None else (scale,)
+        ctx.save_for_backward(*kept, *saved_scale, gate_proj, up_proj, down_proj)
         return y.view(x.shape)  # (E*C, H)
 
     @staticmethod
     def backward(ctx, grad_y):  # noqa: ANN001, ANN205
         saved = list(ctx.saved_tensors)
         gate_proj, up_proj, down_proj = saved[-3:]
-        sb = saved[-4] if ctx.scaled else None
+        sb = saved[-4].view(ctx.num_experts, -1, 1) if ctx.scaled else None  # (E, C, 1)
         if ctx.rebuild:
-            xb, g, u = saved[:3]
+            x, g, u = saved[:3]
             sg = F.silu(g)
             a = sg * u
             z = a if sb is None else a * sb
         else:
-            xb, g, u, sg, a = saved[:5]
+            x, g, u, sg, a = saved[:5]
             z = saved[5] if ctx.scaled else a
+        xb = x.view(ctx.num_experts, -1, x.shape[-1])  # (E, C, H)
         # a gradient from e.g. y.sum() is an expanded (stride 0) view: the GEMMs want rows
         dy = grad_y.contiguous().view(a.shape[0], a.shape[1], -1)  # (E, C, H)
         # each weight gradient is computed in its parameter's layout, as autograd's mm does
