@@ -145,7 +145,9 @@ class HFTokenizer:
 
     def encode_batch(self, texts: list[str]) -> list[list[int]]:
         """`encode` of each text, in one call into the `tokenizers` library."""
-        encodings = self._tok.encode_batch(texts, add_special_tokens=False)
+        # encode_batch_fast (tokenizers >= 0.20) skips the character offsets nanotrain never reads
+        encode = getattr(self._tok, "encode_batch_fast", self._tok.encode_batch)
+        encodings = encode(texts, add_special_tokens=False)
         return [encoding.ids for encoding in encodings]
 
     def decode(self, ids: Sequence[int]) -> str:
