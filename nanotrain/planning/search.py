@@ -7,10 +7,10 @@ DualPipeV); ep among the divisors of dp that divide the
 routed experts; ZeRO 1 and 3 (and 0 / 2 when asked; ZeRO-3 only where dp > 1, since it shards
 over dp, and not with DualPipeV, whose split backwards the strategy refuses under it); micro batch sizes 1, 2, 4; recomputation none, then light, then selective, then
 full (`SEARCH_RECOMPUTE`: each costs more compute than the one before), stopping at the first
-that fits; under ZeRO-3, when no recomputation mode fits, the same modes again with
-``reduce_scatter_every_microbatch`` (pp = 1: no whole gradients accumulated, at one
-reduce-scatter per microbatch), then with ``cpu_offload`` (it frees the GPU of the shards and
-optimizer state, at the price of PCIe copies and a host optimizer step), then both; sequence parallelism on whenever tp > 1 (it only
+that fits; under ZeRO-3 with pp = 1 each mode also with ``reduce_scatter_every_microbatch``
+(no whole gradients accumulated, at one reduce-scatter per microbatch), and when nothing
+fits, the same again with ``cpu_offload`` (it frees the GPU of the shards and optimizer
+state, at the price of PCIe copies and a host optimizer step); sequence parallelism on whenever tp > 1 (it only
 saves memory, at the same traffic). Each is checked by the strategy's own rules; a layout the
 strategy refuses, or that does not fit in memory, is listed with the reason.
 """
@@ -179,14 +179,15 @@ def _memory_savers(
     base: PlanLayout, recompute: Sequence[str | None], cpu_offload: bool | None
 ) -> list[tuple[bool, bool, str | None]]:
     """(cpu_offload, reduce_scatter_every_microbatch, recompute mode) a candidate tries, in
-    order: the recompute modes as they are; under ZeRO-3 then (pp = 1) reduce-scattering
-    every microbatch, then (`cpu_offload` None) offload, then both. `cpu_offload` True: only
-    with offload; False: never."""
+    order: each recompute mode as it is and, under ZeRO-3 with pp = 1, reduce-scattering
+    every microbatch (its reduce-scatters hide behind the backwards, where recomputation
+    costs compute); then (`cpu_offload` None) the same with offload. `cpu_offload` True:
+    only with offload; False: never."""
     if base.zero_stage != 3:
         return [(False, False, mode) for mode in recompute]
     every = (False, True) if base.pp == 1 else (False,)
     offloads = {None: (False, True), True: (True,), False: (False,)}[cpu_offload]
-    return [(off, rs, mode) for off in offloads for rs in every for mode in recompute]
+    return [(off, rs, mode) for off in offloads for mode in recompute for rs in every]
 
 
 def _rounded_batch(layout: PlanLayout, micro: int, sequences: float) -> int:
