@@ -120,6 +120,9 @@ def _parser() -> Any:
          "a fixed layout; the search tries it where nothing else fits)")  # fmt: skip
     flag("reshard_after_forward", type=bool, default=True,
          help="ZeRO-3 gathers each layer again in backward (false: keeps it gathered)")  # fmt: skip
+    flag("reduce_scatter_every_microbatch", type=bool, default=False,
+         help="ZeRO-3 (pp=1) reduce-scatters every microbatch instead of accumulating whole "
+         "gradients (a fixed layout; the search tries it where nothing else fits)")  # fmt: skip
     flag("recompute_full_layers", type=int, default=0,
          help="the first N layers of each pipeline chunk recompute fully, the rest "
          "--recompute (a fixed layout)")  # fmt: skip
@@ -184,6 +187,11 @@ def run_plan(argv: list[str]) -> None:
             "--recompute_full_layers prices one layout: give its sizes too (--tp, --pp, "
             "--ep, ...); the search tries one recompute mode for every layer"
         )
+    if cfg.reduce_scatter_every_microbatch and not fixed:
+        raise ValueError(
+            "--reduce_scatter_every_microbatch prices one layout: give its sizes too (--tp, "
+            "--pp, --dp, ...); the search tries it for ZeRO-3 where nothing else fits"
+        )
     if cfg.node_limited_dispatch is not None and not fixed:
         raise ValueError(
             "--node_limited_dispatch prices one layout: give its sizes too (--tp, --pp, --ep, "
@@ -199,6 +207,7 @@ def run_plan(argv: list[str]) -> None:
             zero_stage=cfg.zero_stage if cfg.zero_stage is not None
             else 3 if cfg.cpu_offload else 0,
             cpu_offload=bool(cfg.cpu_offload), reshard_after_forward=cfg.reshard_after_forward,
+            reduce_scatter_every_microbatch=cfg.reduce_scatter_every_microbatch,
             sequence_parallel=bool(cfg.sequence_parallel) if cfg.sequence_parallel is not None
             else tp > 1, pipeline_layout=cfg.pipeline_layout, schedule=cfg.schedule,
             recompute=recompute, recompute_full_layers=cfg.recompute_full_layers,

@@ -346,13 +346,15 @@ def _zero3(
     its padded shards in the gather dtype (`gather` bytes, `memory.gather_dtype`) in forward
     and, for blocks and expert stacks with ``reshard_after_forward``, again in backward (the
     root is never resharded after forward); one reduce-scatter of its gradient per step, in
-    the reduce dtype, on the last microbatch (the strategy syncs gradients only there).
+    the reduce dtype, on the last microbatch (the strategy syncs gradients only there), or one
+    per microbatch with ``reduce_scatter_every_microbatch``.
     Wire bytes of a group of g: ``(g - 1) x shard`` each. With ``cpu_offload`` the fp32
     shards cross PCIe ("host"): to the GPU before each all-gather, the gradient shard back
     after the reduce-scatter."""
     out = {"dp": _Tally(), "expert_dp": _Tally(), "host": _Tally()}
     units = zero3.zero3_units(rank)
     gathers = 2 if layout.reshard_after_forward else 1
+    reduces = micro if layout.reduce_scatter_every_microbatch else 1
     for name, group, unit_list, passes in (
         ("dp", layout.dp, [units.root] if units.root else [], 1),
         ("dp", layout.dp, units.blocks, gathers),
@@ -370,14 +372,14 @@ def _zero3(
                 f"{gather} B)",
             )
             out[name].add(
-                (group - 1) * shard * dt.reduce,
-                n,
-                f"reduce-scatter of {n} units x {dt.reduce} B",
+                reduces * (group - 1) * shard * dt.reduce,
+                reduces * n,
+                f"{reduces} reduce-scatters of {n} units x {dt.reduce} B",
             )
         if layout.cpu_offload:
             out["host"].add(
-                (micro * passes + 1) * shard * 4,
-                micro * passes * n + n,
+                (micro * passes + reduces) * shard * 4,
+                (micro * passes + reduces) * n,
                 f"{micro} x {passes} copies of {n} fp32 shards in, their gradients out",
             )
     return out

@@ -48,6 +48,9 @@ class PlanLayout(MeshLayout):
         cpu_offload: ZeRO-3's shards, gradients and optimizer state on the host.
         reshard_after_forward: ZeRO-3 frees each block's gathered parameters after its
             forward and gathers them again in backward (False: kept, gathered once).
+        reduce_scatter_every_microbatch: ZeRO-3 with pp = 1 reduce-scatters every
+            microbatch's gradients into the shards instead of accumulating whole gradients
+            until the last one.
         sequence_parallel: shard activations outside the tp matmuls along the sequence.
         pipeline_layout: layers per virtual stage (pp * virtual_pp numbers), None = even.
         schedule: a name of `nanotrain.parallel.schedules.SCHEDULES`; None = the strategy's default.
@@ -79,6 +82,7 @@ class PlanLayout(MeshLayout):
     fp8_dispatch: bool = False
     cpu_offload: bool = False
     reshard_after_forward: bool = True
+    reduce_scatter_every_microbatch: bool = False
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -95,6 +99,12 @@ class PlanLayout(MeshLayout):
             raise ValueError(
                 f"reshard_after_forward=False needs zero_stage=3 (got {self.zero_stage}): "
                 "under ZeRO-0/1/2 every rank keeps whole parameters anyway"
+            )
+        if self.reduce_scatter_every_microbatch and (self.zero_stage != 3 or self.pp > 1):
+            raise ValueError(
+                "reduce_scatter_every_microbatch=True needs zero_stage=3 and pp=1 (got "
+                f"zero_stage={self.zero_stage}, pp={self.pp}): only ZeRO-3 keeps gradient "
+                "shards, and under pp the schedule reduces once after all its backwards"
             )
         if self.pipeline_layout is not None:
             object.__setattr__(self, "pipeline_layout", tuple(self.pipeline_layout))
@@ -134,7 +144,9 @@ class PlanLayout(MeshLayout):
         zero3 = {}
         if self.zero_stage == 3:
             zero3 = dict(
-                cpu_offload=self.cpu_offload, reshard_after_forward=self.reshard_after_forward
+                cpu_offload=self.cpu_offload,
+                reshard_after_forward=self.reshard_after_forward,
+                reduce_scatter_every_microbatch=self.reduce_scatter_every_microbatch,
             )
         return MegatronStrategy(
             **zero3,
@@ -171,6 +183,9 @@ class PlanLayout(MeshLayout):
         return cls(
             cpu_offload=getattr(strategy, "cpu_offload", False),
             reshard_after_forward=getattr(strategy, "reshard_after_forward", True),
+            reduce_scatter_every_microbatch=getattr(
+                strategy, "reduce_scatter_every_microbatch", False
+            ),
             tp=tp,
             pp=pp,
             dp=dp,
@@ -200,12 +215,16 @@ class PlanLayout(MeshLayout):
                 heads, experts, layers or world size; a bad pipeline layout or schedule).
         """
         # how the model splits does not depend on the ZeRO stage: checked with a stage the
-        # strategy of every version takes (ZeRO-3's own refusals come with its constructor)
-        split = (
-            self
-            if self.zero_stage < 3
-            else replace(self, zero_stage=2, cpu_offload=False, reshard_after_forward=True)
-        )
+        # strategy of every version takes (ZeRO-3's refusals are mirrored in __post_init__)
+        split = self
+        if self.zero_stage == 3:
+            split = replace(
+                self,
+                zero_stage=2,
+                cpu_offload=False,
+                reshard_after_forward=True,
+                reduce_scatter_every_microbatch=False,
+            )
         split.strategy().validate_model(config, world_size=self.world_size)
         if self.pp == 1 and self.virtual_pp == 1 and self.pipeline_layout is not None:
             partition_layers(config.num_layers, 1, 1, self.pipeline_layout)
@@ -276,6 +295,8 @@ class PlanLayout(MeshLayout):
             parts.append(f"zero{self.zero_stage}")
         if self.zero_stage == 3 and not self.reshard_after_forward:
             parts.append("no-reshard")
+        if self.reduce_scatter_every_microbatch:
+            parts.append("rs-every-mb")
         if self.cpu_offload:
             parts.append("offload")
         if self.sequence_parallel and self.tp > 1:

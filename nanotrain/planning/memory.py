@@ -184,13 +184,16 @@ def _zero3_memory(rank: RankModel, layout: PlanLayout, workload: Workload) -> St
     gradients. With more than one microbatch, or any under pp > 1, the strategy lets the
     gradients accumulate unsharded (FSDP2 without gradient sync) and reduce-scatters once at
     the end (after the last microbatch; after the whole schedule under pp): during backward a
-    rank then also holds every parameter's whole gradient in fp32."""
+    rank then also holds every parameter's whole gradient in fp32, unless it reduce-scatters
+    every microbatch (``reduce_scatter_every_microbatch``)."""
     shard = zero3.sharded_numel(rank.dense, layout.dp) + zero3.sharded_numel(
         rank.experts, layout.expert_dp
     )
     elements, tensors = zero3_optimizer_pieces(rank, layout)[0]
     params = grads = shard * _FP32
-    accumulates = layout.pp > 1 or workload.num_microbatches(layout) > 1
+    accumulates = layout.pp > 1 or (
+        workload.num_microbatches(layout) > 1 and not layout.reduce_scatter_every_microbatch
+    )
     accumulated = rank.params * _FP32 if accumulates else 0
     optimizer = workload.optimizer_states * elements * _FP32 + tensors * _FP32
     gathered = zero3.gathered_bytes(

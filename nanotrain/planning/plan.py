@@ -296,7 +296,8 @@ def _zero3_exposed(rank: Any, layout: PlanLayout, workload: Workload, comm_t: di
     one computes, so the gathers show only where they exceed the compute, plus the root
     unit's gather at the start of each microbatch, which nothing precedes. The one
     reduce-scatter per unit runs in the last microbatch's backward (pp = 1: only what exceeds
-    that backward shows) or after the whole schedule (pp > 1: all of it shows). With
+    that backward shows; with ``reduce_scatter_every_microbatch`` one in every microbatch's
+    backward) or after the whole schedule (pp > 1: all of it shows). With
     cpu_offload the optimizer steps on the host after the backward, at
     `zero3.HOST_ADAM_BYTES_PER_S` (not overlapped)."""
     units = zero3.zero3_units(rank)
@@ -316,9 +317,10 @@ def _zero3_exposed(rank: Any, layout: PlanLayout, workload: Workload, comm_t: di
         root = zero3.sharded_numel(units.root, layout.dp)
         first = num_micro * ((layout.dp - 1) * root * gather / bw + latency)
     traffic = sum(comm_t.get(g, 0.0) for g in ("dp", "expert_dp", "embedding", "host"))
-    gathers = max(traffic - reduce_t - first, 0.0)
-    last_backward = 0.0 if layout.pp > 1 else compute * 2 / 3 / num_micro
-    exposed = max(0.0, gathers - compute) + first + max(0.0, reduce_t - last_backward)
+    reduces = num_micro if layout.reduce_scatter_every_microbatch else 1
+    gathers = max(traffic - reduces * reduce_t - first, 0.0)
+    backward = 0.0 if layout.pp > 1 else compute * 2 / 3 / num_micro  # of one microbatch
+    exposed = max(0.0, gathers - compute) + first + reduces * max(0.0, reduce_t - backward)
     host = 0.0
     if layout.cpu_offload:
         elements = max(e for e, _ in zero3_optimizer_pieces(rank, layout))

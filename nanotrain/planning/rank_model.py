@@ -195,6 +195,7 @@ def rank_models(config: Any, layout: PlanLayout) -> list[RankModel]:
         zero_stage=0,
         cpu_offload=False,
         reshard_after_forward=True,
+        reduce_scatter_every_microbatch=False,
         recompute=None,
         recompute_full_layers=0,
         schedule=v_schedule,

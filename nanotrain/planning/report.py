@@ -134,6 +134,7 @@ def plan_json(plan: Plan) -> dict[str, Any]:
             "zero_stage": lay.zero_stage,
             "cpu_offload": lay.cpu_offload,
             "reshard_after_forward": lay.reshard_after_forward,
+            "reduce_scatter_every_microbatch": lay.reduce_scatter_every_microbatch,
             "sequence_parallel": lay.sequence_parallel,
             "pipeline_layout": None if lay.pipeline_layout is None else list(lay.pipeline_layout),
             "schedule": lay.schedule,

@@ -7,9 +7,10 @@ DualPipeV); ep among the divisors of dp that divide the
 routed experts; ZeRO 1 and 3 (and 0 / 2 when asked; ZeRO-3 only where dp > 1, since it shards
 over dp, and not with DualPipeV, whose split backwards the strategy refuses under it); micro batch sizes 1, 2, 4; recomputation none, then light, then selective, then
 full (`SEARCH_RECOMPUTE`: each costs more compute than the one before), stopping at the first
-that fits; under ZeRO-3, when no recomputation mode fits, the same modes again with
-``cpu_offload`` (it frees the GPU of all model state but the gathered copies, at the price of
-PCIe copies and a host optimizer step); sequence parallelism on whenever tp > 1 (it only
+that fits; under ZeRO-3 with pp = 1 each mode also with ``reduce_scatter_every_microbatch``
+(no whole gradients accumulated, at one reduce-scatter per microbatch), and when nothing
+fits, the same again with ``cpu_offload`` (it frees the GPU of the shards and optimizer
+state, at the price of PCIe copies and a host optimizer step); sequence parallelism on whenever tp > 1 (it only
 saves memory, at the same traffic). Each is checked by the strategy's own rules; a layout the
 strategy refuses, or that does not fit in memory, is listed with the reason.
 """
@@ -142,12 +143,13 @@ def search_layouts(
             # that fits is the fastest that fits, the heavier ones are not priced; a layout is
             # rejected when even the last mode does not fit
             last: Rejected | None = None
-            for offload, mode in _memory_savers(base, recompute, cpu_offload):
+            for offload, every, mode in _memory_savers(base, recompute, cpu_offload):
                 layout = base.replace(
                     recompute=mode,
                     fp8_expert_activations=fp8_expert_activations,
                     fp8_dispatch=fp8_dispatch,
                     cpu_offload=offload,
+                    reduce_scatter_every_microbatch=every,
                     reshard_after_forward=reshard_after_forward or base.zero_stage != 3,
                 )
                 try:
@@ -175,15 +177,17 @@ def search_layouts(
 
 def _memory_savers(
     base: PlanLayout, recompute: Sequence[str | None], cpu_offload: bool | None
-) -> list[tuple[bool, str | None]]:
-    """(cpu_offload, recompute mode) pairs a candidate tries, in order: the recompute modes
-    without offload, then (ZeRO-3, `cpu_offload` None) with it; `cpu_offload` True: with it
-    only."""
-    if base.zero_stage != 3 or cpu_offload is False:
-        return [(False, mode) for mode in recompute]
-    if cpu_offload:
-        return [(True, mode) for mode in recompute]
-    return [(False, mode) for mode in recompute] + [(True, mode) for mode in recompute]
+) -> list[tuple[bool, bool, str | None]]:
+    """(cpu_offload, reduce_scatter_every_microbatch, recompute mode) a candidate tries, in
+    order: each recompute mode as it is and, under ZeRO-3 with pp = 1, reduce-scattering
+    every microbatch (its reduce-scatters hide behind the backwards, where recomputation
+    costs compute); then (`cpu_offload` None) the same with offload. `cpu_offload` True:
+    only with offload; False: never."""
+    if base.zero_stage != 3:
+        return [(False, False, mode) for mode in recompute]
+    every = (False, True) if base.pp == 1 else (False,)
+    offloads = {None: (False, True), True: (True,), False: (False,)}[cpu_offload]
+    return [(off, rs, mode) for off in offloads for mode in recompute for rs in every]
 
 
 def _rounded_batch(layout: PlanLayout, micro: int, sequences: float) -> int:

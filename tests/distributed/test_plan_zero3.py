@@ -40,7 +40,12 @@ LAYOUTS: dict[str, tuple[str, dict, dict, str]] = {
         dict(tp=2, sequence_parallel=True, zero_stage=3),
         "bf16-true",
     ),
-    "deepseek ep=2 x dp=4": ("tiny", SIX_EXPERTS, dict(ep=2, zero_stage=3), "32-true"),
+    "deepseek ep=2 x dp=4, reduce-scatter every microbatch": (
+        "tiny",
+        SIX_EXPERTS,
+        dict(ep=2, zero_stage=3, reduce_scatter_every_microbatch=True),
+        "32-true",
+    ),
     "dense pp=2 x dp=2": ("tiny-dense", {"num_layers": 4}, dict(pp=2, zero_stage=3), "32-true"),
 }
 #: FSDP2's collectives (the rest on dp is the step's bookkeeping)
@@ -171,7 +176,8 @@ def test_planned_zero3_state_equals_what_each_rank_allocates(world, name):
 @pytest.mark.parametrize("name", [n for n in LAYOUTS if "pp=" not in n])
 def test_planned_zero3_collectives_equal_what_each_rank_sends(world, name):
     """Per step: every microbatch all-gathers the root once and each layer and expert stack
-    twice (forward, backward); one reduce-scatter per unit, on the last microbatch."""
+    twice (forward, backward); one reduce-scatter per unit, on the last microbatch (or on
+    every one)."""
     config, layout, workload = _plan_inputs(name)
     comm = comm_estimate(config, layout, workload)
     for result in world:

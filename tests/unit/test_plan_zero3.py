@@ -81,6 +81,22 @@ def test_collectives_per_step_all_gather_twice_and_reduce_scatter_once():
             assert comm.calls_per_step["dp"] == calls
 
 
+def test_reduce_scatter_every_microbatch_trades_the_whole_gradient_for_reduce_scatters():
+    config = _dense()
+    (rank,) = rank_models(config, PlanLayout(dp=2))
+    work = Workload(seq_len=16, micro_batch_size=1, global_batch_size=6, precision="32-true")
+    once = PlanLayout(dp=2, zero_stage=3)
+    every = PlanLayout(dp=2, zero_stage=3, reduce_scatter_every_microbatch=True)
+    a, b = state_memory(rank, once, work), state_memory(rank, every, work)
+    assert a.grads_peak - b.grads_peak == 4 * total_params(config)
+    assert b.grads_peak == b.grads
+    reduce = total_params(config) * 4 / 2  # one fp32 reduce-scatter over dp=2, no padding
+    extra = comm_estimate(config, every, work).bytes_per_step["dp"]
+    assert extra - comm_estimate(config, once, work).bytes_per_step["dp"] == 2 * reduce
+    with pytest.raises(ValueError, match="reduce_scatter_every_microbatch=True needs"):
+        PlanLayout(pp=2, dp=2, zero_stage=3, reduce_scatter_every_microbatch=True)
+
+
 def test_bf16_true_gathers_bf16_copies_of_fp32_shards():
     config = _dense()
     layout = PlanLayout(dp=2, zero_stage=3)
@@ -161,6 +177,7 @@ def test_search_offers_zero3_where_zero1_does_not_fit_and_offload_where_nothing_
     roomy = search_layouts(config, 8, _gpu(80 * GiB), **kw)
     by_kind = {(p.layout.zero_stage, p.layout.cpu_offload): p for p in roomy.fitting}
     assert set(by_kind) == {(1, False), (3, False)}  # offload only where nothing else fits
+    assert not any(p.layout.reduce_scatter_every_microbatch for p in roomy.fitting)
     assert all(p.layout.dp == 8 for p in roomy.fitting)
     zero1, zero3 = by_kind[(1, False)].largest.memory, by_kind[(3, False)].largest.memory
     work = Workload(seq_len=256, micro_batch_size=1, global_batch_size=8)
