@@ -238,7 +238,6 @@ class Trainer(
     # -- setup shared by fit and validate --------------------------------------------------
     def _setup(self, module: NanoModule, datamodule: Any, stage: str, ckpt_path: Any) -> None:
         module = adopt_lightning_module(module)
-        adapt_steps(module)  # steps without batch_idx, as Lightning calls them
         s = self.settings
         self.strategy.setup_environment()
         check_accelerator(
@@ -251,6 +250,7 @@ class Trainer(
                     f"{type(module).__name__}.count_tokens(batch), or use max_steps/max_epochs"
                 )
         self.module, self.datamodule = module, datamodule
+        adapt_steps(module)  # steps without batch_idx, as Lightning calls them (until teardown)
         self._interrupted = False
         # as Lightning: every stage (a second fit too) starts with no metrics
         self.callback_metrics, self.logged_metrics, self.progress_bar_metrics = {}, {}, {}
