@@ -34,6 +34,10 @@ WORLD2 = {
     # recomputation changes no number: compared with the reference without it
     "deepseek zero3 dp=2 recompute=full": ("tiny+full", dict(zero_stage=3), None),
     "dense zero3 dp=2 bf16-mixed": ("tiny-dense@bf16-mixed", dict(zero_stage=3), None),
+    # fp32 shards gathered in bf16 (FSDP2's param_dtype), fp32 gradient reduce-scatter
+    "dense zero3 dp=2 bf16-true": ("tiny-dense@bf16-true", dict(zero_stage=3), None),
+    # fp32 shards, fp16 autocast, loss scaling with the overflow check over every shard
+    "dense zero3 dp=2 16-mixed": ("tiny-dense@16-mixed", dict(zero_stage=3), None),
     "FSDPStrategy SHARD_GRAD_OP dp=2": (
         "tiny-dense",
         dict(fsdp=dict(sharding_strategy="SHARD_GRAD_OP", process_group_backend="gloo")),
@@ -185,7 +189,7 @@ def _reference_kind(kind: str) -> str:
 @pytest.fixture(scope="module")
 def references(tmp_path_factory) -> dict:
     root = tmp_path_factory.mktemp("reference")
-    kinds = ("tiny-dense", "tiny", "sp", "tiny-dense@bf16-mixed")
+    kinds = ("tiny-dense", "tiny", "sp", *(f"tiny-dense@{p}" for p in ("bf16-mixed", *LOW)))
     return {
         kind: _fit(kind, nt.SingleDeviceStrategy("cpu"), str(root / kind), None) for kind in kinds
     }
@@ -222,6 +226,33 @@ def test_zero3_bf16_mixed_matches_one_process_within_bf16_noise(world2, referenc
         r = result["dense zero3 dp=2 bf16-mixed"]
         torch.testing.assert_close(r["losses"], reference["losses"], rtol=1e-4, atol=0)
         torch.testing.assert_close(r["grad_norms"], reference["grad_norms"], rtol=2e-3, atol=0)
+
+
+# Bounds from each dtype's unit roundoff u (bf16: 2**-8 = 3.9e-3, fp16: 2**-11 = 4.9e-4). The
+# same microbatches run in both, but each rank batches 2 samples per GEMM where one process
+# batches them with others, and CPU low-precision GEMMs round rows differently by batch; the
+# fp32 sums of gradients change order too. Measured over 3 steps (relative, max): bf16-true
+# loss 2.2e-4, grad norm 1.3e-3; 16-mixed loss 2.8e-5, grad norm 8.7e-4 (the fp16 autocast
+# backward sums weight gradients of a few hundred products each, so several u). Bounds: loss
+# u/4; grad norm u (bf16) and 4u (fp16). A lost microbatch or an unreduced shard moves the
+# grad norm by > 1e-2 (the stale-cast bug fixed for bf16-mixed moved it 9%).
+LOW = {"bf16-true": (2.0**-8 / 4, 2.0**-8), "16-mixed": (2.0**-11 / 4, 4 * 2.0**-11)}
+
+
+@pytest.mark.parametrize("precision", list(LOW))
+def test_zero3_low_precision_matches_one_process_within_unit_roundoff(
+    world2, references, precision
+):
+    loss_tol, norm_tol = LOW[precision]
+    reference = references[f"tiny-dense@{precision}"]
+    for rank, result in enumerate(world2):
+        r = result[f"dense zero3 dp=2 {precision}"]
+        msg = f"{precision}, rank {rank}"
+        assert len(r["losses"]) == len(reference["losses"]) == tm.STEPS, msg
+        torch.testing.assert_close(r["losses"], reference["losses"], rtol=loss_tol, atol=0, msg=msg)
+        torch.testing.assert_close(
+            r["grad_norms"], reference["grad_norms"], rtol=norm_tol, atol=0, msg=msg
+        )
 
 
 @pytest.mark.parametrize("layout", list(WORLD4))
