@@ -298,7 +298,7 @@ class PipelineEngine:
         actions = SCHEDULES[self.schedule](
             num_micro, self.mesh.pp_size, self.mesh.pp_rank, self.virtual_pp
         )
-        dtype = next(p.dtype for p in stage.parameters())
+        dtype = activation_dtype(stage, precision)
         terms = torch.zeros(num_micro, 6, dtype=torch.float64, device=self.device)
 
         def training_step(batch: Any) -> Any:
@@ -354,7 +354,7 @@ class PipelineEngine:
         eval_step = getattr(module, step_name)
         precision = precision or Precision()
         stage = self.stage_of(module)
-        dtype = next(p.dtype for p in stage.parameters())
+        dtype = activation_dtype(stage, precision)
         terms = torch.zeros(1, 6, dtype=torch.float64, device=self.device)
 
         def validation_step(b: Any) -> Any:
@@ -400,3 +400,13 @@ class PipelineEngine:
 def _has_mtp(stage: PipelineStage) -> bool:
     """Whether the pipelined model computes an MTP loss (on its last stage, in training)."""
     return stage.training and getattr(stage.config, "mtp_depth", 0) > 0
+
+
+def activation_dtype(stage: PipelineStage, precision: Precision) -> torch.dtype:
+    """The dtype of the activations (and their gradients) the stages send each other: the
+    dtype the parameters compute in. A precision with fp32 master weights ("bf16-true")
+    computes in its ``param_dtype`` even where the parameters are fp32 (ZeRO-3's shards,
+    gathered in ``param_dtype`` by FSDP2); else the parameters' own dtype."""
+    if precision.master_weights:
+        return precision.param_dtype
+    return next(p.dtype for p in stage.parameters())
