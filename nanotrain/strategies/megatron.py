@@ -44,9 +44,8 @@ from torch import Tensor
 from nanotrain.parallel.collectives import all_gather_along_dim
 from nanotrain.parallel.data_parallel import GradBucketSets, backward_order
 from nanotrain.parallel.grads import is_tp_sharded, sequence_parallel_params
-from nanotrain.parallel.mesh import MeshLayout, ParallelMesh, check_sizes, validate_layout
+from nanotrain.parallel.mesh import MeshLayout, ParallelMesh, validate_layout
 from nanotrain.parallel.node_dispatch import node_split
-from nanotrain.parallel.pipeline import partition_layers
 from nanotrain.parallel.schedules import SCHEDULES, V_SHAPED_SCHEDULES
 from nanotrain.parallel.zero import ZeroOptimizer
 from nanotrain.precision.master import MasterWeights
@@ -57,23 +56,20 @@ from nanotrain.strategies.base import (
     StepOutput,
     Strategy,
 )
-from nanotrain.strategies.layout_checks import model_dims
 from nanotrain.strategies.megatron_grads import (
     MegatronGradNorms,
     build_grad_buckets,
     check_built_model,
     expert_param_ids,
 )
+from nanotrain.strategies.megatron_options import check_model_layout, check_options
 from nanotrain.strategies.megatron_pipeline import (
     PipelineEngine,
-    check_pairing,
     check_pairing_device,
-    chunks_per_rank,
     embedding_groups,
-    pick_schedule,
 )
 from nanotrain.strategies.megatron_sharded import ShardedMethods
-from nanotrain.strategies.megatron_zero3 import FullyShardedModel, check_zero3_options
+from nanotrain.strategies.megatron_zero3 import FullyShardedModel
 from nanotrain.strategies.optimizers import OptimizerSetup
 from nanotrain.strategies.rendezvous import (
     DEFAULT_TIMEOUT_S,
@@ -189,57 +185,31 @@ class MegatronStrategy(ShardedMethods, MegatronGradNorms, Strategy):
         reduce_scatter_every_microbatch: bool = False,
     ) -> None:
         super().__init__()
-        check_sizes(tp=tp, pp=pp, ep=ep, dp=dp, virtual_pp=virtual_pp)
-        if virtual_pp > 1 and pp == 1:
-            raise ValueError(f"virtual_pp={virtual_pp} needs pp > 1; use virtual_pp=1")
-        self.schedule = pick_schedule(schedule, virtual_pp)
-        virtual_pp = chunks_per_rank(self.schedule, virtual_pp, pp)
-        if pipeline_layout is not None and len(pipeline_layout) != pp * virtual_pp:
-            raise ValueError(
-                f"pipeline_layout has {len(pipeline_layout)} entries; pp*virtual_pp="
-                f"{pp}*{virtual_pp}={pp * virtual_pp} chunks need one each"
-            )
-        self.virtual_pp = virtual_pp
+        self.schedule, self.virtual_pp = check_options(
+            tp=tp,
+            pp=pp,
+            ep=ep,
+            dp=dp,
+            zero_stage=zero_stage,
+            bucket_size_mb=bucket_size_mb,
+            virtual_pp=virtual_pp,
+            schedule=schedule,
+            pipeline_layout=pipeline_layout,
+            overlap_forward_backward=overlap_forward_backward,
+            ranks_per_node=ranks_per_node,
+            node_limited_dispatch=node_limited_dispatch,
+            cpu_offload=cpu_offload,
+            reshard_after_forward=reshard_after_forward,
+            reduce_scatter_every_microbatch=reduce_scatter_every_microbatch,
+        )
         self.overlap_forward_backward = bool(overlap_forward_backward)
-        if self.overlap_forward_backward:
-            check_pairing(pp, tp, virtual_pp, self.schedule)
         self.pipeline_layout = None if pipeline_layout is None else list(pipeline_layout)
-        if ranks_per_node is not None and ranks_per_node < 1:
-            raise ValueError(f"ranks_per_node must be >= 1, got {ranks_per_node}")
-        if node_limited_dispatch and ep == 1:
-            raise ValueError(
-                "node_limited_dispatch=True needs expert parallelism (ep > 1): with ep=1 every "
-                "expert is on every rank and no token leaves it; set ep or drop the option"
-            )
         self.ranks_per_node = ranks_per_node
         self.node_limited_dispatch = node_limited_dispatch
-        if dp is not None and dp % ep != 0:
-            raise ValueError(
-                f"ep={ep} does not divide dp={dp} (expert parallelism is carved out of data "
-                f"parallelism); pick ep among the divisors of {dp}, or a dp that ep divides"
-            )
-        if zero_stage not in (0, 1, 2, 3):
-            raise ValueError(f"zero_stage must be 0, 1, 2 or 3, got {zero_stage!r}")
-        check_zero3_options(
-            zero_stage,
-            cpu_offload,
-            reshard_after_forward,
-            pp,
-            self.schedule,
-            self.overlap_forward_backward,
-        )
-        if reduce_scatter_every_microbatch and (zero_stage != 3 or pp > 1):
-            raise ValueError(
-                "reduce_scatter_every_microbatch=True needs zero_stage=3 and pp=1 (got "
-                f"zero_stage={zero_stage}, pp={pp}): only ZeRO-3 keeps gradient shards, and "
-                "under pp the schedule reduces once after all its backwards"
-            )
         self.reduce_scatter_every_microbatch = bool(reduce_scatter_every_microbatch)
         self.cpu_offload = bool(cpu_offload)
         self.reshard_after_forward = bool(reshard_after_forward)
         self._fsdp: FullyShardedModel | None = None
-        if not bucket_size_mb > 0:
-            raise ValueError(f"bucket_size_mb must be > 0, got {bucket_size_mb}")
         self.tp, self.pp, self.ep, self.dp = tp, pp, ep, dp
         self.zero_stage = zero_stage
         self.sequence_parallel = bool(sequence_parallel)
@@ -271,23 +241,17 @@ class MegatronStrategy(ShardedMethods, MegatronGradNorms, Strategy):
         Raises:
             ValueError: naming the numbers and a valid alternative.
         """
-        world = self.world_size if world_size is None else world_size
-        dims = model_dims(config)
-        if self.ep > 1 and not dims["num_experts"]:
-            raise ValueError(
-                f"ep={self.ep} splits routed experts, but the model ({type(config).__name__}) "
-                "has none; use ep=1 (its ranks then stay plain data parallel)"
-            )
-        validate_layout(world, self.tp, self.pp, self.ep, self.dp, **dims)
-        layers = getattr(config, "num_layers", None)
-        if self.pp > 1 and layers is not None:
-            partition_layers(layers, self.pp, self.virtual_pp, self.pipeline_layout)
-        if self.node_limited_dispatch and getattr(config, "capacity_factor", None) is not None:
-            raise ValueError(
-                "node_limited_dispatch=True needs dropless MoE layers, but the model has "
-                f"capacity_factor={config.capacity_factor} (its fixed expert slots go by the "
-                "flat dispatch); set capacity_factor=None or node_limited_dispatch=None"
-            )
+        check_model_layout(
+            config,
+            self.world_size if world_size is None else world_size,
+            tp=self.tp,
+            pp=self.pp,
+            ep=self.ep,
+            dp=self.dp,
+            virtual_pp=self.virtual_pp,
+            pipeline_layout=self.pipeline_layout,
+            node_limited_dispatch=self.node_limited_dispatch,
+        )
 
     def check_step_microbatches(self, num_microbatches: int) -> None:
         """The schedule's own check (interleaving: a multiple of pp microbatches; DualPipeV:
