@@ -317,8 +317,10 @@ def check_zero3_options(
     if schedule in SPLIT_BACKWARD_SCHEDULES and pp > 1:
         raise ValueError(
             f"zero_stage=3 with schedule {schedule!r} is not supported: it splits each backward "
-            "into an input half and a weight half, and the weight half differentiates "
-            "with respect to the parameters autograd saw, which under FSDP2 are the "
-            "temporary gathered copies freed after the input half. Use schedule='1f1b', "
-            "'interleaved_1f1b' or 'gpipe' with ZeRO-3, or zero_stage=1/2 with this schedule"
+            "into an input half and a weight half; under FSDP2 the graph's weights are the "
+            "gathered copies, which FSDP2 frees (and post-processes the gradients of) when "
+            "the input half ends, while the weight half is asked for the gradients of the "
+            "sharded parameters, which the graph never saw: weight gradients would be lost. "
+            "Use schedule='1f1b', 'interleaved_1f1b' or 'gpipe' with ZeRO-3, or zero_stage=1/2 "
+            "with this schedule"
         )
