@@ -17,6 +17,7 @@ Validation replays ``validation_step`` the same way after a forward-only schedul
 from __future__ import annotations
 
 import datetime
+import functools
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -308,6 +309,9 @@ class PipelineEngine:
                 return module.training_step(batch, batch_idx)
 
         step = self._forward_step(stage, training_step, microbatches, terms, accumulator.objective)
+        params: Any = list(stage.parameters())
+        if run is not None:  # ZeRO-3: the weight half differentiates the gathered copies
+            params = functools.partial(grads.gathered_params, params)
         shared = self.shared_params(module)
         # With a shared embedding the dp reduction must wait for the cross-stage sum below;
         # otherwise it overlaps the last backward as without pipelining.
@@ -319,7 +323,7 @@ class PipelineEngine:
             step,
             loss_scales=[precision.loss_scale] * num_micro,
             before_last_backward=before_last,
-            params=list(stage.parameters()),
+            params=params,
             overlap=self.overlap,
         )
         if run is not None:

@@ -64,6 +64,25 @@ WORLD4 = {
         None,
     ),
     "deepseek zero3 pp=2 x dp=2 gpipe": ("tiny", dict(pp=2, schedule="gpipe", zero_stage=3), None),
+    # split backwards: the weight halves differentiate FSDP2's gathered copies, kept until
+    # the step's reduce-scatter (weight gradients were lost otherwise: grad norm 40% off)
+    "dense zero3 pp=2 x dp=2 zb_1f1b": (
+        "tiny-dense",
+        dict(pp=2, schedule="zb_1f1b", zero_stage=3),
+        None,
+    ),
+    "deepseek zero3 pp=2 x dp=2 zb_h1": ("tiny", dict(pp=2, schedule="zb_h1", zero_stage=3), None),
+    "dense zero3 pp=2 x dp=2 zb_interleaved_1f1b": (
+        "tiny-dense",
+        dict(
+            pp=2,
+            schedule="zb_interleaved_1f1b",
+            virtual_pp=2,
+            pipeline_layout=[1, 0, 1, 0],
+            zero_stage=3,
+        ),
+        None,
+    ),
     # fp32 shards gathered in bf16: the stages send bf16 activations, not the shards' fp32
     # (a stage whose chunk holds no layer fed fp32 into its bf16 head: a dtype error)
     "dense zero3 pp=2 x dp=2 interleaved bf16-true": (
