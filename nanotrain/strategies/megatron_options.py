@@ -67,9 +67,7 @@ def check_options(
         )
     if zero_stage not in (0, 1, 2, 3):
         raise ValueError(f"zero_stage must be 0, 1, 2 or 3, got {zero_stage!r}")
-    check_zero3_options(
-        zero_stage, cpu_offload, reshard_after_forward, pp, schedule, overlap_forward_backward
-    )
+    check_zero3_options(zero_stage, cpu_offload, reshard_after_forward, overlap_forward_backward)
     if reduce_scatter_every_microbatch and (zero_stage != 3 or pp > 1):
         raise ValueError(
             "reduce_scatter_every_microbatch=True needs zero_stage=3 and pp=1 (got "

@@ -70,8 +70,9 @@ class FullyShardedModel:
         device: the compute device.
         reshard_after_forward, cpu_offload: see `shard_fully`.
         sequence_parallel: whether tp-replicated grads are summed over tp.
-        keep_gathered_in_backward: the pipeline schedule splits backwards (zb_*): keep the
-            gathered parameters from each unit's backward until `finish` (see `set_sync`).
+        keep_gathered_in_backward: the pipeline schedule splits backwards (zb_*,
+            DualPipeV): keep the gathered parameters from each unit's backward until
+            `finish` (see `set_sync`).
     """
 
     def __init__(
@@ -303,15 +304,13 @@ def check_zero3_options(
     zero_stage: int,
     cpu_offload: bool,
     reshard_after_forward: bool,
-    pp: int,
-    schedule: str,
     overlap_forward_backward: bool = False,
 ) -> None:
     """Refuse, at construction, the ZeRO-3 options and combinations that cannot work.
 
     Raises:
         ValueError: ``cpu_offload`` or ``reshard_after_forward=False`` without ZeRO-3, or
-            ZeRO-3 with DualPipeV (reason in the message).
+            ZeRO-3 with ``overlap_forward_backward`` (reason in the message).
     """
     if zero_stage != 3:
         if cpu_offload:
@@ -331,11 +330,4 @@ def check_zero3_options(
             "backward runs on a second thread while the forward gathers parameters, and "
             "FSDP2's per-unit state is driven by one thread; use overlap_forward_backward="
             "False, or zero_stage=1/2"
-        )
-    if schedule == "dualpipev" and pp > 1:
-        raise ValueError(
-            "zero_stage=3 with schedule 'dualpipev' is not supported: it is not verified "
-            "against one process under ZeRO-3 (the zb_* schedules, which split backwards the "
-            "same way, are). Use schedule='zb_1f1b', 'zb_interleaved_1f1b', 'zb_h1', '1f1b', "
-            "'interleaved_1f1b' or 'gpipe' with ZeRO-3, or zero_stage=1/2 with DualPipeV"
         )

@@ -72,6 +72,12 @@ WORLD4 = {
         None,
     ),
     "deepseek zero3 pp=2 x dp=2 zb_h1": ("tiny", dict(pp=2, schedule="zb_h1", zero_stage=3), None),
+    # DualPipeV needs 2·pp microbatches per rank: the global batch in microbatches of 1
+    "deepseek zero3 pp=2 x dp=2 dualpipev": (
+        "tiny:mb1",
+        dict(pp=2, schedule="dualpipev", pipeline_layout=[1, 0, 1, 0], zero_stage=3),
+        None,
+    ),
     "dense zero3 pp=2 x dp=2 zb_interleaved_1f1b": (
         "tiny-dense",
         dict(
@@ -112,12 +118,16 @@ class Bytes(nt.Callback):
 def _fit(
     kind: str, strategy: Any, root: str, roundtrip_at: int | None, bytes_cb: Any = None
 ) -> dict:
-    """`tm.fit` with a byte counter, "<preset>+<recompute>" kinds and "<kind>@<precision>"."""
+    """`tm.fit` with a byte counter, "<preset>+<recompute>" kinds, "<kind>@<precision>" and
+    "<kind>:mb1" (microbatches of 1: the same global batch in more microbatches)."""
+    kind, _, micro = kind.partition(":mb")
     kind, _, precision = kind.partition("@")
     original = nt.Trainer.__init__
 
     def with_bytes(self, *args, callbacks=(), **kw):  # add to tm.fit's Trainer
         extra = [bytes_cb] if bytes_cb is not None else []
+        if micro:
+            kw["micro_batch_size"] = int(micro)
         original(self, *args, callbacks=[*callbacks, *extra], precision=precision or None, **kw)
 
     make_module = tm.make_module
@@ -207,8 +217,9 @@ def _nan_guard_run(root: str) -> dict:
 
 
 def _reference_kind(kind: str) -> str:
-    """The reference a layout is compared with: recomputation changes no number."""
-    preset, _, precision = kind.partition("@")
+    """The reference a layout is compared with: recomputation and the microbatch size change
+    no number."""
+    preset, _, precision = kind.partition(":mb")[0].partition("@")
     return preset.partition("+")[0] + (f"@{precision}" if precision else "")
 
 
@@ -288,7 +299,7 @@ def test_zero3_low_precision_matches_one_process_within_unit_roundoff(
 
 @pytest.mark.parametrize("layout", [k for k in WORLD4 if "@" not in WORLD4[k][0]])
 def test_zero3_four_ranks_match_one_process(world4, references, layout):
-    reference = references[WORLD4[layout][0]]
+    reference = references[_reference_kind(WORLD4[layout][0])]
     held: set[str] = set()
     for rank, result in enumerate(world4):
         # a pipeline stage holds (and gathers) only its own parameters; together they are all
