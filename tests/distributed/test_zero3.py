@@ -6,7 +6,9 @@ Two forked gloo worlds (2 and 4 ranks) each train several layouts one after anot
 against the single-process reference with the same seed, data and global batch (4
 microbatches of 2 per step: 2 per rank and step at dp=2, accumulated with one reduce-scatter): per-step
 losses and grad norms, the first step's per-parameter grad norms, the final parameters gathered
-over dp, tp and ep (`tests.distributed.test_megatron.assert_matches`).
+over dp, tp and ep (`tests.distributed.test_megatron.assert_matches`); every pipeline
+schedule, the split-backward ones (zb_*, DualPipeV) included. Low-precision layouts (bf16-true,
+16-mixed) are compared within bounds from their dtype's unit roundoff (see `LOW`).
 """
 
 from __future__ import annotations
