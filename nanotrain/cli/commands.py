@@ -50,7 +50,7 @@ def run_parser(stage: str) -> ArgumentParser:
         "strategy",
         required=False,
         default=None,
-        help="strategy class (or alias auto|single|ddp|megatron); default: auto",
+        help="strategy class (or alias auto|single|ddp|megatron|fsdp); default: auto",
     )
     parser.add_subclass_arguments(
         NanoModule,

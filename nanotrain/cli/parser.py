@@ -12,6 +12,7 @@ STRATEGY_ALIASES = {
     "single": "nanotrain.strategies.SingleDeviceStrategy",
     "ddp": "nanotrain.strategies.DDPStrategy",
     "megatron": "nanotrain.strategies.MegatronStrategy",
+    "fsdp": "nanotrain.strategies.FSDPStrategy",
 }
 
 

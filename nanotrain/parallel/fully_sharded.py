@@ -32,7 +32,7 @@ function inside the root's hooks.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -177,3 +177,18 @@ def reduce_after_schedule(runner: StepRunner) -> None:
         for group in unit_state._fsdp_param_groups:
             group.post_backward()
     state._root_post_backward_final_callback()
+
+
+def gathered_params(runner: StepRunner, params: Sequence[Tensor]) -> list[Tensor]:
+    """FSDP2's gathered (unsharded) parameter for each of ``params`` (the sharded parameters
+    the modules hold between forwards) that has been gathered once, else the parameter
+    itself. The autograd graph of a forward records the gathered ones: a backward asked for
+    weight gradients separately (a split backward's weight half) must name those."""
+    state = fully_shard.state(runner)
+    gathered: dict[int, Tensor] = {}
+    for unit_state in state._state_ctx.all_states:
+        for group in unit_state._fsdp_param_groups:
+            for fsdp_param in group.fsdp_params:
+                if hasattr(fsdp_param, "_unsharded_param"):
+                    gathered[id(fsdp_param.sharded_param)] = fsdp_param._unsharded_param
+    return [gathered.get(id(p), p) for p in params]

@@ -241,7 +241,8 @@ class _Run:
         tensors, grads = _backward_roots(out, grad, loss, scale)
         if a.kind == "I":
             with named_range(f"nanotrain/stage{stage}/backward_input/mb{m}"), self._span("I", a):
-                inp_grad, weights = backward_input(tensors, grads, inp, self.params)
+                params = self.params() if callable(self.params) else self.params
+                inp_grad, weights = backward_input(tensors, grads, inp, params)
             return inp, inp_grad, weights
         with named_range(f"nanotrain/stage{stage}/backward/mb{m}"), self._span("B", a):
             if tensors:
@@ -330,7 +331,9 @@ def run_schedule(
             refused.
         before_last_backward: called right before the rank's last action that accumulates
             weight gradients, its final B or W (e.g. to turn on overlapped gradient reduction).
-        params: this rank's parameters, for schedules that split backwards (I and W actions).
+        params: this rank's parameters, for schedules that split backwards (I and W actions),
+            or a callable returning them at each input half (ZeRO-3: FSDP2's gathered
+            parameters, which exist only once a forward has gathered them).
         timeline: when given, every action's compute and every wait for a receive are
             appended to it as `TimelineEvent`s, in the order they happen (a paired
             backward's span overlaps its forward's).

@@ -33,7 +33,6 @@ backward) and each microbatch's term is weighed by ``count * dp / global_count``
 
 from __future__ import annotations
 
-import datetime
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -41,13 +40,10 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from nanotrain.parallel.collectives import all_gather_along_dim
 from nanotrain.parallel.data_parallel import GradBucketSets, backward_order
 from nanotrain.parallel.grads import is_tp_sharded, sequence_parallel_params
-from nanotrain.parallel.mesh import MeshLayout, ParallelMesh, check_sizes, validate_layout
-from nanotrain.parallel.node_dispatch import node_split
-from nanotrain.parallel.pipeline import partition_layers
-from nanotrain.parallel.schedules import SCHEDULES, V_SHAPED_SCHEDULES
+from nanotrain.parallel.mesh import ParallelMesh, validate_layout
+from nanotrain.parallel.schedules import SCHEDULES, SPLIT_BACKWARD_SCHEDULES
 from nanotrain.parallel.zero import ZeroOptimizer
 from nanotrain.precision.master import MasterWeights
 from nanotrain.runtime.profiling import named_range
@@ -57,33 +53,24 @@ from nanotrain.strategies.base import (
     StepOutput,
     Strategy,
 )
-from nanotrain.strategies.layout_checks import model_dims
+from nanotrain.strategies.megatron_environment import MegatronEnvironment
 from nanotrain.strategies.megatron_grads import (
     MegatronGradNorms,
     build_grad_buckets,
     check_built_model,
     expert_param_ids,
 )
+from nanotrain.strategies.megatron_options import check_model_layout, check_options
 from nanotrain.strategies.megatron_pipeline import (
     PipelineEngine,
-    check_pairing,
-    check_pairing_device,
-    chunks_per_rank,
-    embedding_groups,
-    pick_schedule,
 )
 from nanotrain.strategies.megatron_sharded import ShardedMethods
-from nanotrain.strategies.megatron_zero3 import FullyShardedModel, check_zero3_options
+from nanotrain.strategies.megatron_zero3 import FullyShardedModel
 from nanotrain.strategies.optimizers import OptimizerSetup
 from nanotrain.strategies.rendezvous import (
-    DEFAULT_TIMEOUT_S,
-    default_group_timeout_s,
-    env_int,
-    join_process_group,
     launched_local_rank,
     launched_rank,
     launched_world_size,
-    process_device,
 )
 from nanotrain.strategies.weighting import LossAccumulator, weigh_microbatches
 
@@ -93,7 +80,7 @@ if TYPE_CHECKING:
 _REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "mean": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}
 
 
-class MegatronStrategy(ShardedMethods, MegatronGradNorms, Strategy):
+class MegatronStrategy(MegatronEnvironment, ShardedMethods, MegatronGradNorms, Strategy):
     """Tensor, sequence, pipeline, expert and data parallelism with optional ZeRO-1/2, on an
     explicit mesh.
 
@@ -189,57 +176,31 @@ class MegatronStrategy(ShardedMethods, MegatronGradNorms, Strategy):
         reduce_scatter_every_microbatch: bool = False,
     ) -> None:
         super().__init__()
-        check_sizes(tp=tp, pp=pp, ep=ep, dp=dp, virtual_pp=virtual_pp)
-        if virtual_pp > 1 and pp == 1:
-            raise ValueError(f"virtual_pp={virtual_pp} needs pp > 1; use virtual_pp=1")
-        self.schedule = pick_schedule(schedule, virtual_pp)
-        virtual_pp = chunks_per_rank(self.schedule, virtual_pp, pp)
-        if pipeline_layout is not None and len(pipeline_layout) != pp * virtual_pp:
-            raise ValueError(
-                f"pipeline_layout has {len(pipeline_layout)} entries; pp*virtual_pp="
-                f"{pp}*{virtual_pp}={pp * virtual_pp} chunks need one each"
-            )
-        self.virtual_pp = virtual_pp
+        self.schedule, self.virtual_pp = check_options(
+            tp=tp,
+            pp=pp,
+            ep=ep,
+            dp=dp,
+            zero_stage=zero_stage,
+            bucket_size_mb=bucket_size_mb,
+            virtual_pp=virtual_pp,
+            schedule=schedule,
+            pipeline_layout=pipeline_layout,
+            overlap_forward_backward=overlap_forward_backward,
+            ranks_per_node=ranks_per_node,
+            node_limited_dispatch=node_limited_dispatch,
+            cpu_offload=cpu_offload,
+            reshard_after_forward=reshard_after_forward,
+            reduce_scatter_every_microbatch=reduce_scatter_every_microbatch,
+        )
         self.overlap_forward_backward = bool(overlap_forward_backward)
-        if self.overlap_forward_backward:
-            check_pairing(pp, tp, virtual_pp, self.schedule)
         self.pipeline_layout = None if pipeline_layout is None else list(pipeline_layout)
-        if ranks_per_node is not None and ranks_per_node < 1:
-            raise ValueError(f"ranks_per_node must be >= 1, got {ranks_per_node}")
-        if node_limited_dispatch and ep == 1:
-            raise ValueError(
-                "node_limited_dispatch=True needs expert parallelism (ep > 1): with ep=1 every "
-                "expert is on every rank and no token leaves it; set ep or drop the option"
-            )
         self.ranks_per_node = ranks_per_node
         self.node_limited_dispatch = node_limited_dispatch
-        if dp is not None and dp % ep != 0:
-            raise ValueError(
-                f"ep={ep} does not divide dp={dp} (expert parallelism is carved out of data "
-                f"parallelism); pick ep among the divisors of {dp}, or a dp that ep divides"
-            )
-        if zero_stage not in (0, 1, 2, 3):
-            raise ValueError(f"zero_stage must be 0, 1, 2 or 3, got {zero_stage!r}")
-        check_zero3_options(
-            zero_stage,
-            cpu_offload,
-            reshard_after_forward,
-            pp,
-            self.schedule,
-            self.overlap_forward_backward,
-        )
-        if reduce_scatter_every_microbatch and (zero_stage != 3 or pp > 1):
-            raise ValueError(
-                "reduce_scatter_every_microbatch=True needs zero_stage=3 and pp=1 (got "
-                f"zero_stage={zero_stage}, pp={pp}): only ZeRO-3 keeps gradient shards, and "
-                "under pp the schedule reduces once after all its backwards"
-            )
         self.reduce_scatter_every_microbatch = bool(reduce_scatter_every_microbatch)
         self.cpu_offload = bool(cpu_offload)
         self.reshard_after_forward = bool(reshard_after_forward)
         self._fsdp: FullyShardedModel | None = None
-        if not bucket_size_mb > 0:
-            raise ValueError(f"bucket_size_mb must be > 0, got {bucket_size_mb}")
         self.tp, self.pp, self.ep, self.dp = tp, pp, ep, dp
         self.zero_stage = zero_stage
         self.sequence_parallel = bool(sequence_parallel)
@@ -271,106 +232,23 @@ class MegatronStrategy(ShardedMethods, MegatronGradNorms, Strategy):
         Raises:
             ValueError: naming the numbers and a valid alternative.
         """
-        world = self.world_size if world_size is None else world_size
-        dims = model_dims(config)
-        if self.ep > 1 and not dims["num_experts"]:
-            raise ValueError(
-                f"ep={self.ep} splits routed experts, but the model ({type(config).__name__}) "
-                "has none; use ep=1 (its ranks then stay plain data parallel)"
-            )
-        validate_layout(world, self.tp, self.pp, self.ep, self.dp, **dims)
-        layers = getattr(config, "num_layers", None)
-        if self.pp > 1 and layers is not None:
-            partition_layers(layers, self.pp, self.virtual_pp, self.pipeline_layout)
-        if self.node_limited_dispatch and getattr(config, "capacity_factor", None) is not None:
-            raise ValueError(
-                "node_limited_dispatch=True needs dropless MoE layers, but the model has "
-                f"capacity_factor={config.capacity_factor} (its fixed expert slots go by the "
-                "flat dispatch); set capacity_factor=None or node_limited_dispatch=None"
-            )
+        check_model_layout(
+            config,
+            self.world_size if world_size is None else world_size,
+            tp=self.tp,
+            pp=self.pp,
+            ep=self.ep,
+            dp=self.dp,
+            virtual_pp=self.virtual_pp,
+            pipeline_layout=self.pipeline_layout,
+            node_limited_dispatch=self.node_limited_dispatch,
+        )
 
     def check_step_microbatches(self, num_microbatches: int) -> None:
         """The schedule's own check (interleaving: a multiple of pp microbatches; DualPipeV:
         at least 2·pp), at fit start rather than at the first step."""
         if self.pp > 1:
             SCHEDULES[self.schedule](num_microbatches, self.pp, 0, self.virtual_pp)
-
-    def setup_environment(self) -> None:
-        if self._mesh is not None:
-            return
-        world = launched_world_size()
-        self.validate_world(world)  # before any process group exists
-        if self.timeout_s is None:  # the group the process is in decides, else torch's default
-            self.timeout_s = default_group_timeout_s() or DEFAULT_TIMEOUT_S
-        # one process needs no group (unless the user made one)
-        if world > 1 and join_process_group("MegatronStrategy", self.backend, self.timeout_s):
-            self._owns_process_group = True
-        self._device = process_device(self.backend)
-        if self.overlap_forward_backward:
-            check_pairing_device(self._device)
-        timeout = datetime.timedelta(seconds=self.timeout_s)
-        v_shape = self.schedule in V_SHAPED_SCHEDULES
-        self._mesh = ParallelMesh.build(
-            self.tp,
-            self.pp,
-            self.ep,
-            self.dp,
-            timeout=timeout,
-            pipeline_v_shape=v_shape,
-            paired_chunks=self.overlap_forward_backward,
-            ranks_per_node=self._agreed_node_size(world),
-        )
-        if self.node_limited_dispatch and self._mesh.ep_node_groups is None:
-            raise ValueError(
-                f"node_limited_dispatch=True, but the expert-parallel group (ep={self.ep}) lies "
-                f"on one node of {self._node_size(world) or world} ranks; pass ranks_per_node "
-                "(or launch on several nodes), or node_limited_dispatch=None"
-            )
-        if self._mesh.pp_size > 1:
-            group = embedding_groups(self._mesh, timeout)
-            self._pipeline = PipelineEngine(
-                self._mesh,
-                self.schedule,
-                self.virtual_pp,
-                self._device,
-                group,
-                overlap=self.overlap_forward_backward,
-            )
-
-    def _agreed_node_size(self, world: int) -> int | None:
-        """`_node_size`, checked to be the same on every rank (each reads its own
-        LOCAL_WORLD_SIZE): ranks that disagree would make different groups and hang.
-
-        Raises:
-            ValueError: on every rank, naming the sizes seen.
-        """
-        size = self._node_size(world)
-        if world == 1 or self.ep == 1 or self.node_limited_dispatch is False:
-            return size
-        mine = torch.tensor([size or 0], dtype=torch.int64, device=self._device)
-        seen = sorted(set(all_gather_along_dim(mine, 0, dist.group.WORLD).tolist()))
-        if len(seen) > 1:
-            raise ValueError(
-                f"the ranks see different node sizes for node-limited dispatch ({seen}; 0: "
-                "flat); launch with the same number of processes on every node, pass "
-                "ranks_per_node=, or node_limited_dispatch=False"
-            )
-        return size
-
-    def _node_size(self, world: int) -> int | None:
-        """Ranks per node for node-limited dispatch, or None where it is off."""
-        if self.node_limited_dispatch is False or self.ep == 1:
-            return None
-        size = self.ranks_per_node or env_int("LOCAL_WORLD_SIZE") or world
-        if self.node_limited_dispatch is None:  # where the ep groups do not split: flat
-            dp = self.validate_world(world)
-            layout = MeshLayout(tp=self.tp, pp=self.pp, dp=dp, ep=self.ep)
-            try:
-                for ranks in layout.groups("ep"):
-                    node_split(ranks, size)
-            except ValueError:
-                return None
-        return size
 
     @property
     def root_device(self) -> torch.device:
@@ -456,6 +334,7 @@ class MegatronStrategy(ShardedMethods, MegatronGradNorms, Strategy):
                 reshard_after_forward=self.reshard_after_forward,
                 cpu_offload=self.cpu_offload,
                 sequence_parallel=self.sequence_parallel,
+                keep_gathered_in_backward=self.pp > 1 and self.schedule in SPLIT_BACKWARD_SCHEDULES,
             )
             return
         self._grads, self._expert_sets = build_grad_buckets(

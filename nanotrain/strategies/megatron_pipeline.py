@@ -17,6 +17,7 @@ Validation replays ``validation_step`` the same way after a forward-only schedul
 from __future__ import annotations
 
 import datetime
+import functools
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -298,7 +299,7 @@ class PipelineEngine:
         actions = SCHEDULES[self.schedule](
             num_micro, self.mesh.pp_size, self.mesh.pp_rank, self.virtual_pp
         )
-        dtype = next(p.dtype for p in stage.parameters())
+        dtype = activation_dtype(stage, precision)
         terms = torch.zeros(num_micro, 6, dtype=torch.float64, device=self.device)
 
         def training_step(batch: Any) -> Any:
@@ -308,6 +309,9 @@ class PipelineEngine:
                 return module.training_step(batch, batch_idx)
 
         step = self._forward_step(stage, training_step, microbatches, terms, accumulator.objective)
+        params: Any = list(stage.parameters())
+        if run is not None:  # ZeRO-3: the weight half differentiates the gathered copies
+            params = functools.partial(grads.gathered_params, params)
         shared = self.shared_params(module)
         # With a shared embedding the dp reduction must wait for the cross-stage sum below;
         # otherwise it overlaps the last backward as without pipelining.
@@ -319,7 +323,7 @@ class PipelineEngine:
             step,
             loss_scales=[precision.loss_scale] * num_micro,
             before_last_backward=before_last,
-            params=list(stage.parameters()),
+            params=params,
             overlap=self.overlap,
         )
         if run is not None:
@@ -354,7 +358,7 @@ class PipelineEngine:
         eval_step = getattr(module, step_name)
         precision = precision or Precision()
         stage = self.stage_of(module)
-        dtype = next(p.dtype for p in stage.parameters())
+        dtype = activation_dtype(stage, precision)
         terms = torch.zeros(1, 6, dtype=torch.float64, device=self.device)
 
         def validation_step(b: Any) -> Any:
@@ -400,3 +404,13 @@ class PipelineEngine:
 def _has_mtp(stage: PipelineStage) -> bool:
     """Whether the pipelined model computes an MTP loss (on its last stage, in training)."""
     return stage.training and getattr(stage.config, "mtp_depth", 0) > 0
+
+
+def activation_dtype(stage: PipelineStage, precision: Precision) -> torch.dtype:
+    """The dtype of the activations (and their gradients) the stages send each other: the
+    dtype the parameters compute in. A precision with fp32 master weights ("bf16-true")
+    computes in its ``param_dtype`` even where the parameters are fp32 (ZeRO-3's shards,
+    gathered in ``param_dtype`` by FSDP2); else the parameters' own dtype."""
+    if precision.master_weights:
+        return precision.param_dtype
+    return next(p.dtype for p in stage.parameters())

@@ -11,6 +11,7 @@ experts) and for experts over ep (expert-dp x ep = dp), then over pp.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -23,6 +24,7 @@ from nanotrain.parallel.collectives import all_gather_along_dim
 from nanotrain.parallel.expert import is_expert_param
 from nanotrain.parallel.fully_sharded import (
     StepRunner,
+    gathered_params,
     local_tensor,
     reduce_after_schedule,
     shard_fully,
@@ -36,7 +38,6 @@ from nanotrain.parallel.grads import (
     sequence_parallel_params,
 )
 from nanotrain.parallel.mesh import ParallelMesh
-from nanotrain.parallel.schedules import SPLIT_BACKWARD_SCHEDULES
 
 if TYPE_CHECKING:
     from nanotrain.precision.base import Precision
@@ -69,6 +70,9 @@ class FullyShardedModel:
         device: the compute device.
         reshard_after_forward, cpu_offload: see `shard_fully`.
         sequence_parallel: whether tp-replicated grads are summed over tp.
+        keep_gathered_in_backward: the pipeline schedule splits backwards (zb_*,
+            DualPipeV): keep the gathered parameters from each unit's backward until
+            `finish` (see `set_sync`).
     """
 
     def __init__(
@@ -81,8 +85,10 @@ class FullyShardedModel:
         reshard_after_forward: bool,
         cpu_offload: bool,
         sequence_parallel: bool,
+        keep_gathered_in_backward: bool = False,
     ) -> None:
         self.module, self.mesh = module, mesh
+        self.keep_gathered_in_backward = keep_gathered_in_backward
         self.distributed = mesh.world_size > 1  # one process: nothing to shard or wrap
         if precision.master_weights and self.distributed:  # fp32 shards, gathered in bf16
             with torch.no_grad():
@@ -134,15 +140,29 @@ class FullyShardedModel:
 
     def set_sync(self, sync: bool) -> None:
         """Whether the next backward reduce-scatters (the last microbatch) or accumulates
-        unsharded gradients locally (the others)."""
+        unsharded gradients locally (the others). Under a schedule that splits backwards
+        (``keep_gathered_in_backward``), sync off also keeps every unit's gathered
+        parameters from its backward until `finish`: the weight halves run after FSDP2's
+        post-backward hook (which fires when the input half ends) and accumulate into them."""
         if self.runner is not None:
             self.runner.set_requires_gradient_sync(sync)
+            if self.keep_gathered_in_backward and not sync:
+                self.runner.set_reshard_after_backward(False, recurse=True)
 
     def finish(self) -> None:
         """After a pipeline schedule: reduce-scatter what every backward accumulated
-        (`reduce_after_schedule`), then turn sync off again for the next step's schedule."""
+        (`reduce_after_schedule`, freeing the gathered parameters), then turn sync off again
+        for the next step's schedule."""
         if self.runner is not None:
+            if self.keep_gathered_in_backward:
+                self.runner.set_reshard_after_backward(True, recurse=True)
             reduce_after_schedule(self.runner)
+
+    def gathered_params(self, params: Sequence[Tensor]) -> list[Tensor]:
+        """FSDP2's gathered copy of each of ``params`` (`fully_sharded.gathered_params`)."""
+        if self.runner is None:
+            return list(params)
+        return gathered_params(self.runner, params)
 
     def local_grads(self) -> list[tuple[int, Tensor]]:
         """``(index in named, local gradient shard)`` of every parameter with a gradient."""
@@ -284,16 +304,13 @@ def check_zero3_options(
     zero_stage: int,
     cpu_offload: bool,
     reshard_after_forward: bool,
-    pp: int,
-    schedule: str,
     overlap_forward_backward: bool = False,
 ) -> None:
     """Refuse, at construction, the ZeRO-3 options and combinations that cannot work.
 
     Raises:
         ValueError: ``cpu_offload`` or ``reshard_after_forward=False`` without ZeRO-3, or
-            ZeRO-3 with a schedule that splits backwards (zb_*, DualPipeV; reason in the
-            message).
+            ZeRO-3 with ``overlap_forward_backward`` (reason in the message).
     """
     if zero_stage != 3:
         if cpu_offload:
@@ -313,12 +330,4 @@ def check_zero3_options(
             "backward runs on a second thread while the forward gathers parameters, and "
             "FSDP2's per-unit state is driven by one thread; use overlap_forward_backward="
             "False, or zero_stage=1/2"
-        )
-    if schedule in SPLIT_BACKWARD_SCHEDULES and pp > 1:
-        raise ValueError(
-            f"zero_stage=3 with schedule {schedule!r} is not supported: it splits each backward "
-            "into an input half and a weight half, and the weight half differentiates "
-            "with respect to the parameters autograd saw, which under FSDP2 are the "
-            "temporary gathered copies freed after the input half. Use schedule='1f1b', "
-            "'interleaved_1f1b' or 'gpipe' with ZeRO-3, or zero_stage=1/2 with this schedule"
         )

@@ -19,7 +19,7 @@ from nanotrain.strategies.megatron import MegatronStrategy
         (dict(tp=0), ValueError, "tp must be >= 1"),
         (dict(tp="2"), TypeError, "tp must be an int"),
         (dict(dp=0), ValueError, "dp must be >= 1"),
-        (dict(zero_stage=3), ValueError, "zero_stage must be 0, 1 or 2"),
+        (dict(zero_stage=4), ValueError, "zero_stage must be 0, 1, 2 or 3, got 4"),
         (dict(bucket_size_mb=0), ValueError, "bucket_size_mb must be > 0"),
         (dict(virtual_pp=2), ValueError, "virtual_pp=2 needs pp > 1"),
         (dict(pp=2, schedule="zigzag"), ValueError, "schedule must be one of"),

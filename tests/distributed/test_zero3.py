@@ -6,7 +6,9 @@ Two forked gloo worlds (2 and 4 ranks) each train several layouts one after anot
 against the single-process reference with the same seed, data and global batch (4
 microbatches of 2 per step: 2 per rank and step at dp=2, accumulated with one reduce-scatter): per-step
 losses and grad norms, the first step's per-parameter grad norms, the final parameters gathered
-over dp, tp and ep (`tests.distributed.test_megatron.assert_matches`).
+over dp, tp and ep (`tests.distributed.test_megatron.assert_matches`); every pipeline
+schedule, the split-backward ones (zb_*, DualPipeV) included. Low-precision layouts (bf16-true,
+16-mixed) are compared within bounds from their dtype's unit roundoff (see `LOW`).
 """
 
 from __future__ import annotations
@@ -34,6 +36,10 @@ WORLD2 = {
     # recomputation changes no number: compared with the reference without it
     "deepseek zero3 dp=2 recompute=full": ("tiny+full", dict(zero_stage=3), None),
     "dense zero3 dp=2 bf16-mixed": ("tiny-dense@bf16-mixed", dict(zero_stage=3), None),
+    # fp32 shards gathered in bf16 (FSDP2's param_dtype), fp32 gradient reduce-scatter
+    "dense zero3 dp=2 bf16-true": ("tiny-dense@bf16-true", dict(zero_stage=3), None),
+    # fp32 shards, fp16 autocast, loss scaling with the overflow check over every shard
+    "dense zero3 dp=2 16-mixed": ("tiny-dense@16-mixed", dict(zero_stage=3), None),
     "FSDPStrategy SHARD_GRAD_OP dp=2": (
         "tiny-dense",
         dict(fsdp=dict(sharding_strategy="SHARD_GRAD_OP", process_group_backend="gloo")),
@@ -60,6 +66,38 @@ WORLD4 = {
         None,
     ),
     "deepseek zero3 pp=2 x dp=2 gpipe": ("tiny", dict(pp=2, schedule="gpipe", zero_stage=3), None),
+    # split backwards: the weight halves differentiate FSDP2's gathered copies, kept until
+    # the step's reduce-scatter (weight gradients were lost otherwise: grad norm 40% off)
+    "dense zero3 pp=2 x dp=2 zb_1f1b": (
+        "tiny-dense",
+        dict(pp=2, schedule="zb_1f1b", zero_stage=3),
+        None,
+    ),
+    "deepseek zero3 pp=2 x dp=2 zb_h1": ("tiny", dict(pp=2, schedule="zb_h1", zero_stage=3), None),
+    # DualPipeV needs 2·pp microbatches per rank: the global batch in microbatches of 1
+    "deepseek zero3 pp=2 x dp=2 dualpipev": (
+        "tiny:mb1",
+        dict(pp=2, schedule="dualpipev", pipeline_layout=[1, 0, 1, 0], zero_stage=3),
+        None,
+    ),
+    "dense zero3 pp=2 x dp=2 zb_interleaved_1f1b": (
+        "tiny-dense",
+        dict(
+            pp=2,
+            schedule="zb_interleaved_1f1b",
+            virtual_pp=2,
+            pipeline_layout=[1, 0, 1, 0],
+            zero_stage=3,
+        ),
+        None,
+    ),
+    # fp32 shards gathered in bf16: the stages send bf16 activations, not the shards' fp32
+    # (a stage whose chunk holds no layer fed fp32 into its bf16 head: a dtype error)
+    "dense zero3 pp=2 x dp=2 interleaved bf16-true": (
+        "tiny-dense@bf16-true",
+        dict(pp=2, virtual_pp=2, pipeline_layout=[1, 0, 1, 0], zero_stage=3),
+        None,
+    ),
 }
 
 
@@ -82,12 +120,16 @@ class Bytes(nt.Callback):
 def _fit(
     kind: str, strategy: Any, root: str, roundtrip_at: int | None, bytes_cb: Any = None
 ) -> dict:
-    """`tm.fit` with a byte counter, "<preset>+<recompute>" kinds and "<kind>@<precision>"."""
+    """`tm.fit` with a byte counter, "<preset>+<recompute>" kinds, "<kind>@<precision>" and
+    "<kind>:mb1" (microbatches of 1: the same global batch in more microbatches)."""
+    kind, _, micro = kind.partition(":mb")
     kind, _, precision = kind.partition("@")
     original = nt.Trainer.__init__
 
     def with_bytes(self, *args, callbacks=(), **kw):  # add to tm.fit's Trainer
         extra = [bytes_cb] if bytes_cb is not None else []
+        if micro:
+            kw["micro_batch_size"] = int(micro)
         original(self, *args, callbacks=[*callbacks, *extra], precision=precision or None, **kw)
 
     make_module = tm.make_module
@@ -177,15 +219,16 @@ def _nan_guard_run(root: str) -> dict:
 
 
 def _reference_kind(kind: str) -> str:
-    """The reference a layout is compared with: recomputation changes no number."""
-    preset, _, precision = kind.partition("@")
+    """The reference a layout is compared with: recomputation and the microbatch size change
+    no number."""
+    preset, _, precision = kind.partition(":mb")[0].partition("@")
     return preset.partition("+")[0] + (f"@{precision}" if precision else "")
 
 
 @pytest.fixture(scope="module")
 def references(tmp_path_factory) -> dict:
     root = tmp_path_factory.mktemp("reference")
-    kinds = ("tiny-dense", "tiny", "sp", "tiny-dense@bf16-mixed")
+    kinds = ("tiny-dense", "tiny", "sp", *(f"tiny-dense@{p}" for p in ("bf16-mixed", *LOW)))
     return {
         kind: _fit(kind, nt.SingleDeviceStrategy("cpu"), str(root / kind), None) for kind in kinds
     }
@@ -224,9 +267,41 @@ def test_zero3_bf16_mixed_matches_one_process_within_bf16_noise(world2, referenc
         torch.testing.assert_close(r["grad_norms"], reference["grad_norms"], rtol=2e-3, atol=0)
 
 
-@pytest.mark.parametrize("layout", list(WORLD4))
+# Bounds from each dtype's unit roundoff u (bf16: 2**-8 = 3.9e-3, fp16: 2**-11 = 4.9e-4). The
+# same microbatches run in both, but each rank batches 2 samples per GEMM where one process
+# batches them with others, and CPU low-precision GEMMs round rows differently by batch; the
+# fp32 sums of gradients change order too. Measured over 3 steps (relative, max): bf16-true
+# loss 2.2e-4, grad norm 1.3e-3; 16-mixed loss 2.8e-5, grad norm 8.7e-4 (the fp16 autocast
+# backward sums weight gradients of a few hundred products each, so several u). Bounds: loss
+# u/4; grad norm u (bf16) and 4u (fp16). A lost microbatch or an unreduced shard moves the
+# grad norm by > 1e-2 (the stale-cast bug fixed for bf16-mixed moved it 9%).
+LOW = {"bf16-true": (2.0**-8 / 4, 2.0**-8), "16-mixed": (2.0**-11 / 4, 4 * 2.0**-11)}
+
+
+@pytest.mark.parametrize(
+    "world, layout",
+    [("world2", f"dense zero3 dp=2 {p}") for p in LOW]
+    + [("world4", "dense zero3 pp=2 x dp=2 interleaved bf16-true")],
+)
+def test_zero3_low_precision_matches_one_process_within_unit_roundoff(
+    request, references, world, layout
+):
+    precision = layout.rpartition(" ")[2]
+    loss_tol, norm_tol = LOW[precision]
+    reference = references[f"tiny-dense@{precision}"]
+    for rank, result in enumerate(request.getfixturevalue(world)):
+        r = result[layout]
+        msg = f"{layout}, rank {rank}"
+        assert len(r["losses"]) == len(reference["losses"]) == tm.STEPS, msg
+        torch.testing.assert_close(r["losses"], reference["losses"], rtol=loss_tol, atol=0, msg=msg)
+        torch.testing.assert_close(
+            r["grad_norms"], reference["grad_norms"], rtol=norm_tol, atol=0, msg=msg
+        )
+
+
+@pytest.mark.parametrize("layout", [k for k in WORLD4 if "@" not in WORLD4[k][0]])
 def test_zero3_four_ranks_match_one_process(world4, references, layout):
-    reference = references[WORLD4[layout][0]]
+    reference = references[_reference_kind(WORLD4[layout][0])]
     held: set[str] = set()
     for rank, result in enumerate(world4):
         # a pipeline stage holds (and gathers) only its own parameters; together they are all

@@ -190,3 +190,19 @@ def test_prepare_then_fit_and_validate_on_prepared_data(tmp_path, capsys):
     capsys.readouterr()
     assert main(["validate", *config, *limits]) == 0
     assert re.search(r"val/loss: \d", capsys.readouterr().out)
+
+
+def test_strategy_alias_fsdp_builds_fsdp_strategy():
+    # `--strategy fsdp` is Lightning's FSDP spelling: nanotrain's FSDPStrategy (ZeRO-3)
+    from nanotrain.cli.commands import run_parser
+    from nanotrain.cli.parser import expand_strategy_alias
+    from nanotrain.strategies import FSDPStrategy
+
+    parser = run_parser("fit")
+    argv = ["--config", str(REPO / "examples/configs/tiny_deepseek.yaml"), "--strategy", "fsdp"]
+    argv += ["--strategy.sharding_strategy", "SHARD_GRAD_OP"]
+    config = parser.parse_args(expand_strategy_alias(argv))
+    del config.trainer.logger  # as the command: the logger is built apart from the config
+    strategy = parser.instantiate(config).strategy
+    assert type(strategy) is FSDPStrategy
+    assert strategy.zero_stage == 3 and strategy.reshard_after_forward is False

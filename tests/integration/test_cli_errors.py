@@ -182,8 +182,8 @@ def rank_runs(data) -> dict[str, list[tuple]]:
 
 EXPECTED = {
     "virtual_pp": "virtual_pp must be >= 1, got 0",
-    "strategy": "unknown strategy 'bogus': use one of the aliases auto, single, ddp, megatron "
-    "or a class path such as nanotrain.strategies.MegatronStrategy",
+    "strategy": "unknown strategy 'bogus': use one of the aliases auto, single, ddp, megatron, "
+    "fsdp or a class path such as nanotrain.strategies.MegatronStrategy",
     "prefix": "unrecognized arguments: --trainer.max_step 5",
     "limit_val": "limit_val_batches=1.5: a float is a fraction of the batches and "
     "must lie in (0, 1] (1.0 = all); for a number of batches pass an int",

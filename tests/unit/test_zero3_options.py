@@ -77,8 +77,6 @@ def test_lightning_arguments_refused_by_name(kwargs, message):
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
-        (dict(zero_stage=3, pp=2, schedule="dualpipev"), "'dualpipev' is not supported"),
-        (dict(zero_stage=3, pp=2, schedule="zb_1f1b"), "splits each backward"),
         (
             dict(zero_stage=3, pp=2, virtual_pp=2, overlap_forward_backward=True),
             "overlap_forward_backward=True is not supported",
