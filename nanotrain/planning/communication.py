@@ -342,10 +342,11 @@ def _ep(
 def _zero3(
     layout: PlanLayout, rank: RankModel, dt: WireDtypes, micro: int, gather: int
 ) -> dict[str, _Tally]:
-    """ZeRO-3 (FSDP2), per FSDP unit (`zero3.zero3_units`): every microbatch an all-gather of
-    its padded shards in the gather dtype (`gather` bytes, `memory.gather_dtype`) in forward
-    and, for blocks and expert stacks with ``reshard_after_forward``, again in backward (the
-    root is never resharded after forward); one reduce-scatter of its gradient per step, in
+    """ZeRO-3 (FSDP2), per FSDP unit (`zero3.zero3_units`): all-gathers of its padded shards
+    in the gather dtype (`gather` bytes, `memory.gather_dtype`), as many as
+    `zero3.gathers_per_step` counts (every microbatch in forward and, for blocks and expert
+    stacks with ``reshard_after_forward``, again in backward; fewer under a split-backward
+    schedule, which keeps the gathered copies from each backward); one reduce-scatter of its gradient per step, in
     the reduce dtype, on the last microbatch (the strategy syncs gradients only there), or one
     per microbatch with ``reduce_scatter_every_microbatch``.
     Wire bytes of a group of g: ``(g - 1) x shard`` each. With ``cpu_offload`` the fp32
@@ -353,10 +354,10 @@ def _zero3(
     after the reduce-scatter."""
     out = {"dp": _Tally(), "expert_dp": _Tally(), "host": _Tally()}
     units = zero3.zero3_units(rank)
-    gathers = 2 if layout.reshard_after_forward else 1
+    root_gathers, gathers = zero3.gathers_per_step(layout, micro, rank.pp_rank)
     reduces = micro if layout.reduce_scatter_every_microbatch else 1
     for name, group, unit_list, passes in (
-        ("dp", layout.dp, [units.root] if units.root else [], 1),
+        ("dp", layout.dp, [units.root] if units.root else [], root_gathers),
         ("dp", layout.dp, units.blocks, gathers),
         ("expert_dp", layout.expert_dp, units.experts, gathers),
     ):
@@ -366,10 +367,9 @@ def _zero3(
             continue
         if group > 1:
             out[name].add(
-                micro * passes * (group - 1) * shard * gather,
-                micro * passes * n,
-                f"{micro} x {passes} all-gathers of {n} units ({shard} shard elements x "
-                f"{gather} B)",
+                passes * (group - 1) * shard * gather,
+                passes * n,
+                f"{passes} all-gathers of {n} units ({shard} shard elements x {gather} B)",
             )
             out[name].add(
                 reduces * (group - 1) * shard * dt.reduce,
@@ -378,9 +378,9 @@ def _zero3(
             )
         if layout.cpu_offload:
             out["host"].add(
-                (micro * passes + reduces) * shard * 4,
-                (micro * passes + reduces) * n,
-                f"{micro} x {passes} copies of {n} fp32 shards in, their gradients out",
+                (passes + reduces) * shard * 4,
+                (passes + reduces) * n,
+                f"{passes} copies of {n} fp32 shards in, their gradients out",
             )
     return out
 

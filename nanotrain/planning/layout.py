@@ -25,7 +25,8 @@ from nanotrain.parallel.schedules import (
 )
 from nanotrain.precision import PRECISIONS as PRECISION_PLUGINS
 from nanotrain.precision import precision_name
-from nanotrain.strategies.megatron_pipeline import check_pairing, chunks_per_rank, pick_schedule
+from nanotrain.strategies.megatron_options import check_options
+from nanotrain.strategies.megatron_pipeline import pick_schedule
 
 __all__ = ["PRECISIONS", "PlanLayout", "Workload", "balanced_pipeline_layout", "pipeline_actions"]
 
@@ -86,48 +87,41 @@ class PlanLayout(MeshLayout):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if self.zero_stage not in (0, 1, 2, 3):
-            raise ValueError(f"zero_stage must be 0, 1, 2 or 3, got {self.zero_stage!r}")
-        # the strategy's own refusals (`check_zero3_options`), here so that a plan is
-        # refused at once with its reason
-        if self.cpu_offload and self.zero_stage != 3:
-            raise ValueError(
-                f"cpu_offload=True needs zero_stage=3 (got {self.zero_stage}): only ZeRO-3's "
-                "shards move to the host"
-            )
-        if not self.reshard_after_forward and self.zero_stage != 3:
-            raise ValueError(
-                f"reshard_after_forward=False needs zero_stage=3 (got {self.zero_stage}): "
-                "under ZeRO-0/1/2 every rank keeps whole parameters anyway"
-            )
-        if self.reduce_scatter_every_microbatch and (self.zero_stage != 3 or self.pp > 1):
-            raise ValueError(
-                "reduce_scatter_every_microbatch=True needs zero_stage=3 and pp=1 (got "
-                f"zero_stage={self.zero_stage}, pp={self.pp}): only ZeRO-3 keeps gradient "
-                "shards, and under pp the schedule reduces once after all its backwards"
-            )
         if self.pipeline_layout is not None:
             object.__setattr__(self, "pipeline_layout", tuple(self.pipeline_layout))
-        object.__setattr__(self, "schedule", pick_schedule(self.schedule, self.virtual_pp))
-        chunks = chunks_per_rank(self.schedule, self.virtual_pp, self.pp)
+        # the strategy's own construction checks (`MegatronStrategy.__init__` runs the same
+        # function), so a plan is refused exactly when the strategy would refuse it, with its
+        # message; the schedule and chunk count are the strategy's resolved ones
+        schedule, chunks = check_options(
+            tp=self.tp,
+            pp=self.pp,
+            ep=self.ep,
+            dp=self.dp,
+            zero_stage=self.zero_stage,
+            bucket_size_mb=self.bucket_size_mb,
+            virtual_pp=self.virtual_pp,
+            schedule=self.schedule,
+            pipeline_layout=self.pipeline_layout,
+            overlap_forward_backward=self.overlap_forward_backward,
+            ranks_per_node=None,
+            node_limited_dispatch=self.node_limited_dispatch,
+            cpu_offload=self.cpu_offload,
+            reshard_after_forward=self.reshard_after_forward,
+            reduce_scatter_every_microbatch=self.reduce_scatter_every_microbatch,
+        )
+        object.__setattr__(self, "schedule", schedule)
         object.__setattr__(self, "virtual_pp", chunks)
-        if self.overlap_forward_backward:
-            check_pairing(self.pp, self.tp, self.virtual_pp, self.schedule)
+        # the model's options, not the strategy's (`LanguageModelModule` checks them)
         check_recompute(self.recompute)
         check_full_layers(self.recompute_full_layers, self.recompute)
-        if self.zero_stage == 3 and self.overlap_forward_backward:
-            raise ValueError(
-                "zero_stage=3 with overlap_forward_backward=True is not supported by "
-                "MegatronStrategy (FSDP2's per-unit state is driven by one thread); use "
-                "overlap_forward_backward=False, or zero_stage=1/2"
-            )
-        if self.zero_stage == 3 and self.pp > 1 and self.schedule in SPLIT_BACKWARD_SCHEDULES:
-            raise ValueError(
-                f"zero_stage=3 with schedule {self.schedule!r} is not supported by "
-                "MegatronStrategy (its weight half differentiates the gathered copies FSDP2 "
-                "frees after the input half); use schedule='1f1b', 'interleaved_1f1b' or "
-                "'gpipe' with ZeRO-3, or zero_stage=1/2 with this schedule"
-            )
+
+    @property
+    def keeps_gathered_in_backward(self) -> bool:
+        """Whether ZeRO-3 keeps each unit's gathered parameters from its backward until the
+        step's reduce-scatter: under a schedule that splits backwards (zb_*, DualPipeV) the
+        weight halves differentiate the gathered copies after FSDP2's post-backward hook
+        (`MegatronStrategy`'s ``keep_gathered_in_backward``, the same rule)."""
+        return self.zero_stage == 3 and self.pp > 1 and self.schedule in SPLIT_BACKWARD_SCHEDULES
 
     def layer_recompute(self, position: int) -> str | None:
         """The recompute mode of the decoder layer at `position` (0-based) within its chunk."""

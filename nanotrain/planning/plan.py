@@ -294,7 +294,8 @@ def _zero3_exposed(rank: Any, layout: PlanLayout, workload: Workload, comm_t: di
 
     FSDP2 prefetches the next unit's all-gather (and, with cpu_offload, its host copy) while
     one computes, so the gathers show only where they exceed the compute, plus the root
-    unit's gather at the start of each microbatch, which nothing precedes. The one
+    unit's gathers (`zero3.gathers_per_step`: at the start of each microbatch, or once under a
+    split-backward schedule), which nothing precedes. The one
     reduce-scatter per unit runs in the last microbatch's backward (pp = 1: only what exceeds
     that backward shows; with ``reduce_scatter_every_microbatch`` one in every microbatch's
     backward) or after the whole schedule (pp > 1: all of it shows). With
@@ -315,7 +316,8 @@ def _zero3_exposed(rank: Any, layout: PlanLayout, workload: Workload, comm_t: di
     if layout.dp > 1 and units.root:
         bw, latency = bandwidth["dp"]
         root = zero3.sharded_numel(units.root, layout.dp)
-        first = num_micro * ((layout.dp - 1) * root * gather / bw + latency)
+        root_gathers, _ = zero3.gathers_per_step(layout, num_micro, rank.pp_rank)
+        first = root_gathers * ((layout.dp - 1) * root * gather / bw + latency)
     traffic = sum(comm_t.get(g, 0.0) for g in ("dp", "expert_dp", "embedding", "host"))
     reduces = num_micro if layout.reduce_scatter_every_microbatch else 1
     gathers = max(traffic - reduces * reduce_t - first, 0.0)

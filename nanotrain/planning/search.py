@@ -22,7 +22,6 @@ from dataclasses import dataclass
 from typing import Any
 
 from nanotrain.parallel.layout_checks import divisors
-from nanotrain.parallel.schedules import SPLIT_BACKWARD_SCHEDULES
 from nanotrain.planning.gpus import GPUSpec
 from nanotrain.planning.layout import PlanLayout, Workload, balanced_pipeline_layout
 from nanotrain.planning.plan import Plan, plan_layout
@@ -78,8 +77,6 @@ def _candidates(
                         if zero == 3 and dp == 1:
                             continue  # nothing to shard over
                         for schedule in _schedules(vpp):
-                            if zero == 3 and pp > 1 and schedule in SPLIT_BACKWARD_SCHEDULES:
-                                continue  # the strategy refuses it (`PlanLayout`)
                             yield PlanLayout(
                                 tp=tp,
                                 pp=pp,

@@ -16,7 +16,8 @@ FSDP2 shards each parameter on dim 0 of the rank-local tensor (a tensor-parallel
 * optimizer state: AdamW's moments are ``zeros_like`` the unpadded local shard, so rank r
   holds its own rows only (`local_numels`; rank 0 holds the most, ``c`` rows per tensor),
   plus one 4-byte step counter per tensor, also on ranks whose shard is empty;
-* gathered copies while a unit computes (`gathered_bytes`, not held between steps).
+* gathered copies while a unit computes (`gathered_bytes`, not held between steps; under a
+  split-backward pipeline schedule every unit's, kept from its backward to the step's end).
 
 With ``cpu_offload`` the sharded parameters, gradients and optimizer state live on the host:
 the GPU holds only the gathered copies.
@@ -30,13 +31,15 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from nanotrain.planning.layout import PlanLayout
+from nanotrain.planning.layout import PlanLayout, pipeline_actions
 from nanotrain.planning.rank_model import RankModel
 
 __all__ = [
     "HOST_ADAM_BYTES_PER_S",
     "Zero3Units",
     "gathered_bytes",
+    "gathers_per_step",
+    "kept_gathered_bytes",
     "local_numels",
     "sharded_numel",
     "zero3_units",
@@ -136,14 +139,61 @@ def zero3_units(rank: RankModel) -> Zero3Units:
     return units
 
 
+def gathers_per_step(layout: PlanLayout, micro: int, pp_rank: int = 0) -> tuple[int, int]:
+    """(all-gathers of the root unit, all-gathers of each block and expert stack) one rank of
+    pipeline stage `pp_rank` makes per step of `micro` microbatches.
+
+    A unit is gathered where it is needed and not gathered already: in every forward, and
+    again in its backward with ``reshard_after_forward`` (the root, never resharded after
+    forward, once per microbatch). Under a split-backward schedule
+    (`PlanLayout.keeps_gathered_in_backward`) a unit stays gathered from its backward (B or
+    I) until the step's reduce-scatter, or until its next forward frees it: the gathers are
+    counted by walking the schedule's actions, per model chunk (the runnable schedules give
+    every chunk the same count, ``micro + 1`` with resharding; the largest is taken), and
+    the root is gathered once per step."""
+    if not layout.keeps_gathered_in_backward:
+        return micro, micro * (2 if layout.reshard_after_forward else 1)
+    gathered: dict[int, bool] = {}
+    count: dict[int, int] = {}
+    for action in pipeline_actions(layout.schedule, micro, layout.pp, pp_rank, layout.virtual_pp):
+        chunk = action.chunk
+        if action.kind == "W":  # differentiates the copies its I left gathered
+            continue
+        if not gathered.get(chunk, False):
+            count[chunk] = count.get(chunk, 0) + 1
+        # a forward frees them again with reshard_after_forward; a backward keeps them
+        gathered[chunk] = action.kind != "F" or not layout.reshard_after_forward
+    return 1, max(count.values(), default=0)
+
+
+def kept_gathered_bytes(rank: RankModel, layout: PlanLayout, gather_size: int) -> int:
+    """Bytes of the gathered copies a rank holds after its schedule's last backward, before
+    the step's reduce-scatter, under a split-backward schedule
+    (`PlanLayout.keeps_gathered_in_backward`; 0 otherwise): every unit of the stage (root,
+    blocks, expert stacks) in FSDP2's padded all-gather buffers, ``sharded_numel x group``
+    elements of `gather_size` bytes each. Exact (`tests/distributed/test_plan_zero3.py`)."""
+    if not layout.keeps_gathered_in_backward:
+        return 0
+    units = zero3_units(rank)
+    dense = sharded_numel(units.root, layout.dp) + sum(
+        sharded_numel(b, layout.dp) for b in units.blocks
+    )
+    experts = sum(sharded_numel(e, layout.expert_dp) for e in units.experts)
+    return (dense * layout.dp + experts * layout.expert_dp) * gather_size
+
+
 def gathered_bytes(rank: RankModel, layout: PlanLayout, gather_size: int, grad_size: int) -> int:
     """Peak bytes of gathered (unsharded) copies a rank holds while it computes, an estimate
     (not held between steps, not measured on CPU): the root unit's parameters (gathered for
     the whole step) plus, with ``reshard_after_forward``, the two largest blocks' (the one
     computing and the one FSDP2 prefetches, each with its experts) and one block's unsharded
     gradient before its reduce-scatter; without it, every block's parameters stay gathered
-    from its forward to its backward. Sizes: `gather_size` bytes per parameter element
-    (the mixed-precision policy's compute dtype), `grad_size` per gradient element."""
+    from its forward to its backward. Under a schedule that splits backwards
+    (`PlanLayout.keeps_gathered_in_backward`: zb_*, DualPipeV with pp > 1) every unit keeps
+    its gathered parameters from its backward until the step's reduce-scatter, so by the
+    cooldown's last backwards the whole stage is gathered: every block counts
+    (`kept_gathered_bytes`). Sizes: `gather_size` bytes per parameter element (the
+    mixed-precision policy's compute dtype), `grad_size` per gradient element."""
     units = zero3_units(rank)
     dp, edp = layout.dp, layout.expert_dp
     root = sharded_numel(units.root, dp) * dp
@@ -156,7 +206,7 @@ def gathered_bytes(rank: RankModel, layout: PlanLayout, gather_size: int, grad_s
         per_block[i] += s
     if not per_block:
         return (root * gather_size) + root * grad_size
-    if layout.reshard_after_forward:
+    if layout.reshard_after_forward and not layout.keeps_gathered_in_backward:
         held = sum(per_block[:2])
     else:
         held = sum(per_block)

@@ -1,9 +1,10 @@
 """The planner's ZeRO-3 figures equal what `MegatronStrategy(zero_stage=3)` (FSDP2) really
 allocates and sends on every rank.
 
-Each layout trains one step of two microbatches on a forked world of 4. Every rank reports
-the bytes of the storages behind its parameter shards (after the step), its gradient shards
-(before the optimizer step, once reduced), its optimizer state and buffers, and the wire
+Each layout trains one step of two microbatches (four at dp=2) on a forked world of 4. Every
+rank reports the bytes of the storages behind its parameter shards (after the step), its
+gradient shards (before the optimizer step, once reduced), its optimizer state and buffers,
+the gathered copies a split-backward schedule leaves until the reduce-scatter, and the wire
 bytes and calls of FSDP2's all-gathers and reduce-scatters on dp and expert-dp (a
 `CommMeter` from the first forward to the optimizer step). The planner, which never ran the
 model, must give the same numbers, byte for byte.
@@ -20,7 +21,13 @@ from torch.utils.data import Dataset
 import nanotrain as nt
 from nanotrain.models import presets
 from nanotrain.planning import CommMeter, PlanLayout, Workload, comm_estimate, rank_models
-from nanotrain.planning.memory import state_memory, zero3_optimizer_pieces
+from nanotrain.planning.memory import (
+    element_size,
+    gather_dtype,
+    state_memory,
+    zero3_optimizer_pieces,
+)
+from nanotrain.planning.zero3 import kept_gathered_bytes
 from nanotrain.strategies.megatron import MegatronStrategy
 from tests.distributed.spawn import run_world
 
@@ -47,6 +54,14 @@ LAYOUTS: dict[str, tuple[str, dict, dict, str]] = {
         "32-true",
     ),
     "dense pp=2 x dp=2": ("tiny-dense", {"num_layers": 4}, dict(pp=2, zero_stage=3), "32-true"),
+    # a split-backward schedule: every unit keeps its gathered parameters from its backward
+    # until the step's reduce-scatter
+    "dense pp=2 x dp=2 zb_1f1b": (
+        "tiny-dense",
+        {"num_layers": 4},
+        dict(pp=2, zero_stage=3, schedule="zb_1f1b"),
+        "32-true",
+    ),
 }
 #: FSDP2's collectives (the rest on dp is the step's bookkeeping)
 FSDP_OPS = (
@@ -78,6 +93,20 @@ def _storage_bytes(tensors: list[torch.Tensor]) -> int:
     return sum(storages.values())
 
 
+def _gathered_storage_bytes(runner: Any) -> int:
+    """Bytes of the allocated storages behind FSDP2's gathered (unsharded) parameters."""
+    from torch.distributed.fsdp import fully_shard
+
+    storages: dict[int, int] = {}
+    for unit_state in fully_shard.state(runner)._state_ctx.all_states:
+        for group in unit_state._fsdp_param_groups:
+            for fsdp_param in group.fsdp_params:
+                if hasattr(fsdp_param, "_unsharded_param"):
+                    storage = fsdp_param._unsharded_param.untyped_storage()
+                    storages[storage.data_ptr()] = storage.nbytes()
+    return sum(storages.values())
+
+
 class Snapshot(nt.Callback):
     """What the rank holds and sends in its first step."""
 
@@ -88,6 +117,14 @@ class Snapshot(nt.Callback):
     def on_train_start(self, trainer, module) -> None:
         self.meter = CommMeter.for_strategy(trainer.strategy)
         self.meter.__enter__()
+        fsdp = trainer.strategy._fsdp
+        finish = fsdp.finish
+
+        def measured_finish() -> None:  # the gathered copies the schedule left behind
+            self.seen["kept_gathered"] = _gathered_storage_bytes(fsdp.runner)
+            finish()
+
+        fsdp.finish = measured_finish
 
     def on_before_optimizer_step(self, trainer, module, optimizer) -> None:
         assert self.meter is not None
@@ -171,17 +208,23 @@ def test_planned_zero3_state_equals_what_each_rank_allocates(world, name):
             assert 2 * got["params"] + got["optimizer"] == held, name
         if not layout.cpu_offload:
             assert got["params"] + got["buffers"] == state.params, name
+        if layout.pp > 1:  # what the schedule leaves gathered until the reduce-scatter
+            kept = kept_gathered_bytes(rank, layout, element_size(gather_dtype(workload.precision)))
+            assert got["kept_gathered"] == kept, name
+            assert (kept > 0) == ("zb_1f1b" in name), name
 
 
-@pytest.mark.parametrize("name", [n for n in LAYOUTS if "pp=" not in n])
+@pytest.mark.parametrize("name", list(LAYOUTS))
 def test_planned_zero3_collectives_equal_what_each_rank_sends(world, name):
     """Per step: every microbatch all-gathers the root once and each layer and expert stack
     twice (forward, backward); one reduce-scatter per unit, on the last microbatch (or on
-    every one)."""
+    every one). Under zb_1f1b the root once per step and each layer once per microbatch and
+    once more (its copies kept from each backward until the next forward frees them). Each
+    pipeline stage prices its own units."""
     config, layout, workload = _plan_inputs(name)
-    comm = comm_estimate(config, layout, workload)
     for result in world:
         got = result[name]
+        comm = comm_estimate(config, layout, workload, pp_rank=got["pp_rank"])
         for group in ("dp", "expert_dp"):
             assert got[f"{group}_wire"] == comm.bytes_per_step[group], (name, group)
             assert got[f"{group}_calls"] == comm.calls_per_step[group], (name, group)
