@@ -14,11 +14,12 @@ import torch
 from nanotrain.cli import main
 from nanotrain.models import presets
 from nanotrain.models.accounting import total_params
-from nanotrain.planning import PlanLayout, Workload, comm_estimate, plan_layout, rank_models
+from nanotrain.planning import PlanLayout, Workload, comm_estimate, plan_layout, rank_models, zero3
 from nanotrain.planning.gpus import GPUS, gpu_spec
 from nanotrain.planning.memory import state_memory
 from nanotrain.planning.search import search_layouts
 from nanotrain.planning.zero3 import local_numels, sharded_numel, zero3_units
+from nanotrain.strategies.megatron import MegatronStrategy
 
 GiB = 2**30
 
@@ -150,13 +151,69 @@ def test_refusals():
         PlanLayout(dp=2, zero_stage=2, cpu_offload=True)
     with pytest.raises(ValueError, match="reshard_after_forward=False needs zero_stage=3"):
         PlanLayout(dp=2, reshard_after_forward=False)
-    with pytest.raises(ValueError, match="zero_stage=3 with schedule 'dualpipev' is not"):
-        PlanLayout(pp=2, dp=2, zero_stage=3, schedule="dualpipev")
     with pytest.raises(ValueError, match="zero_stage=3 with overlap_forward_backward=True"):
         PlanLayout(pp=2, virtual_pp=2, dp=2, zero_stage=3, overlap_forward_backward=True)
-    PlanLayout(pp=2, virtual_pp=2, dp=2, zero_stage=3)  # interleaved 1F1B runs
     with pytest.raises(ValueError, match="zero_stage must be 0, 1, 2 or 3"):
         PlanLayout(zero_stage=4)
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        dict(dp=2, zero_stage=2, cpu_offload=True),
+        dict(dp=2, reshard_after_forward=False),
+        dict(pp=2, virtual_pp=2, dp=2, zero_stage=3, overlap_forward_backward=True),
+        dict(pp=2, dp=2, zero_stage=3, reduce_scatter_every_microbatch=True),
+        dict(pp=2, dp=2, virtual_pp=2, pipeline_layout=(1, 1, 1)),
+        dict(pp=2, dp=2, schedule="no_such_schedule"),
+        dict(dp=2, bucket_size_mb=0),
+        dict(pp=2, dp=2, zero_stage=3, schedule="zb_1f1b"),
+        dict(pp=2, dp=2, zero_stage=3, schedule="dualpipev"),
+        dict(pp=2, dp=2, virtual_pp=2, zero_stage=3, schedule="zb_interleaved_1f1b"),
+        dict(pp=2, dp=2, zero_stage=3, schedule="zb_h1", reshard_after_forward=False),
+    ],
+)
+def test_plan_layout_accepts_and_refuses_what_the_strategy_does(kwargs):
+    """PlanLayout runs the strategy's construction checks: the same layouts refused with
+    the same message, the same accepted with the same schedule and chunks per rank."""
+    try:
+        strategy = MegatronStrategy(**kwargs)
+    except (TypeError, ValueError) as refused:
+        with pytest.raises(type(refused)) as planned:
+            PlanLayout(**kwargs)
+        assert str(planned.value) == str(refused)
+        return
+    layout = PlanLayout(**kwargs)
+    assert (layout.schedule, layout.virtual_pp) == (strategy.schedule, strategy.virtual_pp)
+    assert layout.strategy().schedule == strategy.schedule
+
+
+def test_split_backward_schedules_keep_every_unit_gathered():
+    """zb_*/DualPipeV under ZeRO-3 with pp > 1: the gathered copies of the whole stage are
+    held (the other schedules hold two blocks), and each block is gathered once per
+    microbatch plus once (a forward frees the copies its backward kept; the next backward
+    gathers them again), the root once per step."""
+    config = presets.get("tiny-dense", num_layers=8)
+    work = Workload(seq_len=16, micro_batch_size=1, global_batch_size=16)
+    base = dict(pp=2, dp=2, zero_stage=3)
+    plain, zb = PlanLayout(**base), PlanLayout(**base, schedule="zb_1f1b")
+    assert zb.keeps_gathered_in_backward and not plain.keeps_gathered_in_backward
+    assert not PlanLayout(pp=2, dp=2, zero_stage=1, schedule="zb_1f1b").keeps_gathered_in_backward
+    rank = rank_models(config, zb)[0]
+    units = zero3.zero3_units(rank)
+    blocks = [zero3.sharded_numel(b, 2) * 2 * 4 for b in units.blocks]  # fp32 gathered
+    root = zero3.sharded_numel(units.root, 2) * 2 * 4
+    assert len(blocks) == 4
+    assert zero3.kept_gathered_bytes(rank, zb, 4) == root + sum(blocks)
+    assert zero3.kept_gathered_bytes(rank, plain, 4) == 0
+    kept = state_memory(rank, zb, work).gathered
+    two = state_memory(rank_models(config, plain)[0], plain, work).gathered
+    assert kept - two == sum(sorted(blocks)[:2])  # the two blocks not at work
+    micro = work.num_microbatches(zb)
+    assert zero3.gathers_per_step(plain, micro) == (micro, 2 * micro)
+    assert zero3.gathers_per_step(zb, micro) == (1, micro + 1)
+    no_reshard = PlanLayout(**base, schedule="zb_1f1b", reshard_after_forward=False)
+    assert zero3.gathers_per_step(no_reshard, micro) == (1, 1)
 
 
 def _gpu(memory: float):
