@@ -75,12 +75,17 @@ def test_logged_grad_norms_match_clip_grad_norm_on_a_reference_model(tmp_path):
     monitor = GradNormMonitor(detail_every_n_steps=1, group_by="parameter")
     # a tiny clip threshold shows the logged norm is the one before clipping
     trainer = make_trainer(
-        tmp_path, max_steps=1, shuffle=False, gradient_clip_val=1e-3, callbacks=[monitor]
+        tmp_path,
+        max_steps=1,
+        shuffle=False,
+        gradient_clip_val=1e-3,
+        callbacks=[monitor],
+        seed=0,
     )
     trainer.fit(Classifier(), train_dataloaders=TensorDataset(x, y))
     logged = metrics_by_step(trainer)[1]
 
-    torch.manual_seed(0)  # the Trainer seeds with seed=0 right before building the model
+    torch.manual_seed(0)  # Trainer(seed=0) seeds the global RNG before the model is built
     reference = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 3))
     F.cross_entropy(reference(x[:8]), y[:8]).backward()  # first batch, no shuffling
     expected = torch.nn.utils.clip_grad_norm_(reference.parameters(), max_norm=float("inf"))
