@@ -3,8 +3,9 @@ others the nanotrain counterpart (or what to do) named in the refusal.
 
 Lightning's built-in callbacks read its Trainer's internals (`trainer.fit_loop`,
 `trainer.predict_loop`, `trainer.strategy.optimizer_step`, ...), which the nanotrain Trainer
-does not have. `LambdaCallback` only forwards hooks and runs as it is; every other one is
-refused when the Trainer is built, with its counterpart. Each counterpart named here exists
+does not have. `LambdaCallback` only forwards hooks and runs as it is;
+`BasePredictionWriter` reads `trainer.predict_loop`, which nanotrain's `predict` keeps as
+Lightning's does (`nanotrain.trainer.predict_records`); every other one is refused when the Trainer is built, with its counterpart. Each counterpart named here exists
 (tests/unit/test_refusal_names.py reads every refusal message of the codebase).
 """
 
@@ -13,7 +14,7 @@ from __future__ import annotations
 from typing import Any
 
 #: built-in Lightning callbacks that only use the public hooks: they run unchanged
-RUNS_AS_IS = ("LambdaCallback",)
+RUNS_AS_IS = ("LambdaCallback", "BasePredictionWriter")
 
 _PROGRESS = (
     "use nanotrain.callbacks.ProgressBar (added by default; Trainer(enable_progress_bar=False) "
@@ -52,10 +53,6 @@ COUNTERPARTS: dict[str, str] = {
         "nanotrain keeps one global batch per run (its data order and exact resume depend on "
         "it): set Trainer(accumulate_grad_batches=...), and resume with another value to "
         "change it"
-    ),
-    "BasePredictionWriter": (
-        "write what trainer.predict(...) returns (this rank's outputs), or write each batch "
-        "in on_predict_batch_end of your own lightning.pytorch.Callback subclass"
     ),
     "BaseFinetuning": _FINETUNE,
     "BackboneFinetuning": _FINETUNE,

@@ -58,6 +58,7 @@ from nanotrain.trainer.loaders import (
 from nanotrain.trainer.loggers import LoggerGroup, user_loggers
 from nanotrain.trainer.manual import ManualMethods, check_manual, manual_step
 from nanotrain.trainer.metric_book import MetricBook, to_float
+from nanotrain.trainer.predict_records import PredictRecords
 from nanotrain.trainer.preemption import PreemptionWatch, stop_if_preempted
 from nanotrain.trainer.properties import LightningTrainerProperties
 from nanotrain.trainer.run_setup import RunSetupMethods
@@ -151,6 +152,8 @@ class Trainer(
         self.validating = False
         self.testing = False
         self.predicting = False
+        # what Lightning's BasePredictionWriter reads of a running predict
+        self.predict_loop = PredictRecords()
         self._current_fx: str | None = None  # the hook running now (for self.log defaults)
         self._eval_loader: DataLoader | None = None
         self.should_stop = False

@@ -1,0 +1,138 @@
+"""Lightning's built-in callbacks that run under nanotrain.Trainer give lightning.Trainer's
+result: the same module, seed and data run under both Trainers with the callback, and the
+files it writes and the weights are compared."""
+
+from __future__ import annotations
+
+import copy
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from lightning.pytorch.callbacks import BasePredictionWriter
+from torch import nn
+from torch.utils.data import DataLoader, Sampler, TensorDataset
+
+import nanotrain as nt
+
+
+def _data(n: int = 10) -> TensorDataset:
+    g = torch.Generator().manual_seed(123)
+    x = torch.randn(n, 4, generator=g)
+    return TensorDataset(x, x @ torch.tensor([[1.0], [-2.0], [0.5], [3.0]]))
+
+
+def _trainer(kind: str, tmp_path, callbacks=(), **args):
+    """A Trainer of `kind` ("lightning" or "nanotrain") on one CPU process, with no logger,
+    checkpoint or progress bar."""
+    common = dict(
+        logger=False, enable_checkpointing=False, enable_progress_bar=False,
+        default_root_dir=str(tmp_path / kind), callbacks=list(callbacks), **args,
+    )  # fmt: skip
+    if kind == "lightning":
+        return pl.Trainer(accelerator="cpu", devices=1, enable_model_summary=False, **common)
+    return nt.Trainer(enable_monitors=False, **common)
+
+
+class Regression(pl.LightningModule):
+    """Linear regression with SGD; its prediction of a batch is (inputs' sum, output)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 1)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return nn.functional.mse_loss(self.lin(x), y)
+
+    def predict_step(self, batch, batch_idx):
+        x, _ = batch
+        return {"sum": x.sum(dim=1), "out": self.lin(x)}
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.05)
+
+
+class ListWriter(BasePredictionWriter):
+    """Writes what Lightning's writer hands it into `self.written`, as a user's writer would
+    write files: per batch (prediction, batch indices, batch_idx, dataloader_idx) and per epoch
+    (predictions, batch indices)."""
+
+    def __init__(self, write_interval: str) -> None:
+        super().__init__(write_interval)
+        self.written: list = []
+
+    def write_on_batch_end(
+        self, trainer, pl_module, prediction, batch_indices, batch, batch_idx, dataloader_idx
+    ):
+        self.written.append(("batch", prediction, list(batch_indices), batch_idx, dataloader_idx))
+
+    def write_on_epoch_end(self, trainer, pl_module, predictions, batch_indices):
+        self.written.append(("epoch", predictions, batch_indices))
+
+
+def _predict_both(tmp_path, interval: str, return_predictions, loader_args: dict):
+    """Run `predict` of the same module under each Trainer with a `ListWriter(interval)`;
+    return [(written, returned)] for lightning then nanotrain."""
+    module = Regression()
+    runs = []
+    for kind in ("lightning", "nanotrain"):
+        writer = ListWriter(interval)
+        trainer = _trainer(kind, tmp_path, callbacks=[writer])
+        loader = DataLoader(_data(), **loader_args)
+        returned = trainer.predict(
+            copy.deepcopy(module), loader, return_predictions=return_predictions
+        )
+        runs.append((writer.written, returned))
+    return runs
+
+
+def _same(a, b) -> None:
+    """`a` and `b` are equal nested lists/tuples/dicts of tensors and plain values."""
+    assert type(a) is type(b)
+    if isinstance(a, torch.Tensor):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    elif isinstance(a, dict):
+        assert a.keys() == b.keys()
+        for key in a:
+            _same(a[key], b[key])
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b)
+        for x, y in zip(a, b, strict=True):
+            _same(x, y)
+    else:
+        assert a == b
+
+
+@pytest.mark.parametrize("interval", ["batch", "epoch", "batch_and_epoch"])
+@pytest.mark.parametrize("return_predictions", [None, False])
+def test_a_prediction_writer_writes_what_it_writes_under_lightning(
+    tmp_path, interval, return_predictions
+):
+    lightning_run, nanotrain_run = _predict_both(
+        tmp_path, interval, return_predictions, dict(batch_size=3)
+    )
+    assert lightning_run[0], "the writer wrote nothing under Lightning"
+    _same(lightning_run, nanotrain_run)
+
+
+class GivenBatches(Sampler[list[int]]):
+    """A custom batch sampler: the given batches, in order."""
+
+    def __init__(self, batches: list[list[int]]) -> None:
+        self.batches = batches
+
+    def __iter__(self):
+        return iter(self.batches)
+
+    def __len__(self) -> int:
+        return len(self.batches)
+
+
+def test_a_prediction_writer_gets_a_custom_batch_samplers_indices(tmp_path):
+    batches = [[7, 1], [0, 9, 4], [2]]  # in this order, as the batch sampler yields them
+    lightning_run, nanotrain_run = _predict_both(
+        tmp_path, "batch_and_epoch", None, dict(batch_sampler=GivenBatches(batches))
+    )
+    assert lightning_run[0][-1][2] == [batches]
+    _same(lightning_run, nanotrain_run)
