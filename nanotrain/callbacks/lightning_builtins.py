@@ -5,7 +5,9 @@ Lightning's built-in callbacks read its Trainer's internals (`trainer.fit_loop`,
 `trainer.predict_loop`, `trainer.strategy.optimizer_step`, ...), which the nanotrain Trainer
 does not have. `LambdaCallback` only forwards hooks and runs as it is;
 `BasePredictionWriter` reads `trainer.predict_loop`, which nanotrain's `predict` keeps as
-Lightning's does (`nanotrain.trainer.predict_records`); every other one is refused when the Trainer is built, with its counterpart. Each counterpart named here exists
+Lightning's does (`nanotrain.trainer.predict_records`); `GradientAccumulationScheduler` sets
+`trainer.accumulate_grad_batches` by epoch (`nanotrain.trainer.accumulation_schedule`); every
+other one is refused when the Trainer is built, with its counterpart. Each counterpart named here exists
 (tests/unit/test_refusal_names.py reads every refusal message of the codebase).
 """
 
@@ -14,7 +16,7 @@ from __future__ import annotations
 from typing import Any
 
 #: built-in Lightning callbacks that only use the public hooks: they run unchanged
-RUNS_AS_IS = ("LambdaCallback", "BasePredictionWriter")
+RUNS_AS_IS = ("LambdaCallback", "BasePredictionWriter", "GradientAccumulationScheduler")
 
 _PROGRESS = (
     "use nanotrain.callbacks.ProgressBar (added by default; Trainer(enable_progress_bar=False) "
@@ -49,11 +51,6 @@ COUNTERPARTS: dict[str, str] = {
     "RichProgressBar": _PROGRESS,
     "ModelSummary": _SUMMARY,
     "RichModelSummary": _SUMMARY,
-    "GradientAccumulationScheduler": (
-        "nanotrain keeps one global batch per run (its data order and exact resume depend on "
-        "it): set Trainer(accumulate_grad_batches=...), and resume with another value to "
-        "change it"
-    ),
     "BaseFinetuning": _FINETUNE,
     "BackboneFinetuning": _FINETUNE,
     "StochasticWeightAveraging": _AVERAGING,

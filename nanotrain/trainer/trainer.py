@@ -30,6 +30,10 @@ from nanotrain.runtime.exit_codes import EXIT_PREEMPTED
 from nanotrain.runtime.rng import set_deterministic
 from nanotrain.strategies import Strategy, resolve_strategy
 from nanotrain.strategies.base import StepOutput
+from nanotrain.trainer.accumulation_schedule import (
+    check_accumulation_schedule,
+    load_sampler_state,
+)
 from nanotrain.trainer.call_forms import (
     check_weights_only,
     data_arguments,
@@ -170,6 +174,8 @@ class Trainer(
         self._book: MetricBook | None = None
         self._fit_sources: tuple[Any, Any] = (None, None)  # fit's loaders, for a reload
         self._manual = False  # the module's automatic_optimization is False (see manual.py)
+        # the factor a GradientAccumulationScheduler run was saved with (accumulation_schedule)
+        self._resumed_accumulation: int | None = None
         self._last_reload_epoch = 0
         # PL_GLOBAL_SEED as the running stage found it (None: unset), to put back at its end
         self._seed_env_saved = False
@@ -303,6 +309,10 @@ class Trainer(
                 self.settings.limit_train_batches, steps, self.num_microbatches
             )
 
+    def _load_sampler_state(self, data_state: dict[str, Any]) -> None:
+        """Load the training sampler's checkpointed state (see `load_sampler_state`)."""
+        load_sampler_state(self, data_state)
+
     # -- fit -----------------------------------------------------------------------------------
     def fit(
         self,
@@ -346,6 +356,7 @@ class Trainer(
             self._manual = not self.module.automatic_optimization
             if self._manual:
                 check_manual(self)  # before the strategy parses several optimizers
+            check_accumulation_schedule(self)
             self.strategy.setup_optimizers(module)
             if not self._manual:
                 check_closure_optimizer(self.strategy)

@@ -136,3 +136,88 @@ def test_a_prediction_writer_gets_a_custom_batch_samplers_indices(tmp_path):
     )
     assert lightning_run[0][-1][2] == [batches]
     _same(lightning_run, nanotrain_run)
+
+
+class StepRecorder(pl.Callback):
+    """Records (epoch, global_step, accumulate_grad_batches) at each epoch's end."""
+
+    def __init__(self) -> None:
+        self.seen: list[tuple[int, int, int]] = []
+
+    def on_train_epoch_end(self, trainer, pl_module):
+        self.seen.append(
+            (trainer.current_epoch, trainer.global_step, trainer.accumulate_grad_batches)
+        )
+
+
+def _fit_both(tmp_path, callbacks, n: int = 24, module=None, **args):
+    """Fit copies of one module under each Trainer with deep copies of `callbacks`, batches of
+    2 of `n` samples in order; return [(module, recorder)] per Trainer."""
+    module = Regression() if module is None else module
+    runs = []
+    for kind in ("lightning", "nanotrain"):
+        recorder = StepRecorder()
+        pl.seed_everything(0, verbose=False)
+        trainer = _trainer(kind, tmp_path, [*copy.deepcopy(callbacks), recorder], **args)
+        fitted = copy.deepcopy(module)
+        trainer.fit(fitted, DataLoader(_data(n), batch_size=2))
+        runs.append((fitted, recorder))
+    return runs
+
+
+def _same_weights(a: nn.Module, b: nn.Module) -> None:
+    for (name, x), (_, y) in zip(a.state_dict().items(), b.state_dict().items(), strict=True):
+        torch.testing.assert_close(x, y, rtol=0, atol=1e-6, msg=name)
+
+
+def test_a_gradient_accumulation_schedule_gives_lightnings_steps_and_weights(tmp_path):
+    from lightning.pytorch.callbacks import GradientAccumulationScheduler
+
+    schedule = GradientAccumulationScheduler(scheduling={1: 3, 2: 2})  # epoch 0: 1 (its default)
+    (lightning_module, lightning_seen), (nanotrain_module, nanotrain_seen) = _fit_both(
+        tmp_path, [schedule], max_epochs=3
+    )
+    # 12 batches per epoch: 12 steps of 1, then 4 steps of 3, then 6 of 2
+    assert lightning_seen.seen == [(0, 12, 1), (1, 16, 3), (2, 22, 2)]
+    assert nanotrain_seen.seen == lightning_seen.seen
+    _same_weights(lightning_module, nanotrain_module)
+
+
+def test_a_gradient_accumulation_schedule_that_splits_an_epochs_last_step_is_refused(tmp_path):
+    from lightning.pytorch.callbacks import GradientAccumulationScheduler
+
+    trainer = _trainer(
+        "nanotrain", tmp_path, [GradientAccumulationScheduler(scheduling={1: 3})], max_epochs=2
+    )
+    with pytest.raises(ValueError, match=r"GradientAccumulationScheduler.*multiple of 6"):
+        trainer.fit(Regression(), DataLoader(_data(20), batch_size=2))
+    assert trainer.global_step == 0
+
+
+def test_accumulate_grad_batches_changes_only_at_an_epochs_start(tmp_path):
+    class SetsMidEpoch(pl.Callback):
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            trainer.accumulate_grad_batches = 2
+
+    trainer = _trainer("nanotrain", tmp_path, [SetsMidEpoch()], max_epochs=1)
+    with pytest.raises(ValueError, match="only in on_train_epoch_start"):
+        trainer.fit(Regression(), DataLoader(_data(8), batch_size=2))
+
+
+def test_a_run_with_an_accumulation_schedule_resumes_mid_epoch_exactly(tmp_path):
+    from lightning.pytorch.callbacks import GradientAccumulationScheduler
+
+    def schedule():
+        return GradientAccumulationScheduler(scheduling={1: 3, 2: 2})
+
+    start = Regression()
+    (whole, _), _ = _fit_both(tmp_path / "whole", [schedule()], module=start, max_epochs=3)
+    first = _trainer("nanotrain", tmp_path / "first", [schedule()], max_steps=14)
+    first.fit(copy.deepcopy(start), DataLoader(_data(24), batch_size=2))  # 2 steps into epoch 1
+    first.save_checkpoint(tmp_path / "mid")
+    recorder = StepRecorder()
+    second = _trainer("nanotrain", tmp_path / "second", [schedule(), recorder], max_epochs=3)
+    resumed = copy.deepcopy(start)
+    second.fit(resumed, DataLoader(_data(24), batch_size=2), ckpt_path=tmp_path / "mid")
+    assert recorder.seen == [(1, 16, 3), (2, 22, 2)]
+    _same_weights(whole, resumed)
