@@ -16,7 +16,13 @@ from __future__ import annotations
 from typing import Any
 
 #: built-in Lightning callbacks that only use the public hooks: they run unchanged
-RUNS_AS_IS = ("LambdaCallback", "BasePredictionWriter", "GradientAccumulationScheduler")
+RUNS_AS_IS = (
+    "LambdaCallback",
+    "BasePredictionWriter",
+    "GradientAccumulationScheduler",
+    "BaseFinetuning",
+    "BackboneFinetuning",
+)
 
 _PROGRESS = (
     "use nanotrain.callbacks.ProgressBar (added by default; Trainer(enable_progress_bar=False) "

@@ -43,6 +43,7 @@ from nanotrain.trainer.call_forms import (
 from nanotrain.trainer.checkpoint_methods import CheckpointMethods
 from nanotrain.trainer.config import TrainerConfig
 from nanotrain.trainer.evaluation import EvaluationMethods, finish_epoch, print_results
+from nanotrain.trainer.finetuning_checks import check_finetuning
 from nanotrain.trainer.hook_checks import (
     WINDOW_HOOKS,
     check_datamodule_hooks,
@@ -357,6 +358,7 @@ class Trainer(
             if self._manual:
                 check_manual(self)  # before the strategy parses several optimizers
             check_accumulation_schedule(self)
+            check_finetuning(self)
             self.strategy.setup_optimizers(module)
             if not self._manual:
                 check_closure_optimizer(self.strategy)

@@ -167,7 +167,7 @@ def _fit_both(tmp_path, callbacks, n: int = 24, module=None, **args):
 
 def _same_weights(a: nn.Module, b: nn.Module) -> None:
     for (name, x), (_, y) in zip(a.state_dict().items(), b.state_dict().items(), strict=True):
-        torch.testing.assert_close(x, y, rtol=0, atol=1e-6, msg=name)
+        torch.testing.assert_close(x, y, rtol=0, atol=1e-6, msg=lambda m, name=name: f"{name}: {m}")
 
 
 def test_a_gradient_accumulation_schedule_gives_lightnings_steps_and_weights(tmp_path):
@@ -221,3 +221,72 @@ def test_a_run_with_an_accumulation_schedule_resumes_mid_epoch_exactly(tmp_path)
     second.fit(resumed, DataLoader(_data(24), batch_size=2), ckpt_path=tmp_path / "mid")
     assert recorder.seen == [(1, 16, 3), (2, 22, 2)]
     _same_weights(whole, resumed)
+
+
+class WithBackbone(Regression):
+    """A backbone (with BatchNorm) and a head; Adam with a StepLR schedule over the trainable
+    parameters, as Lightning's BackboneFinetuning documents it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.backbone = nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.BatchNorm1d(6))
+        self.lin = nn.Linear(6, 1)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return nn.functional.mse_loss(self.lin(self.backbone(x)), y)
+
+    def configure_optimizers(self):
+        trainable = [p for p in self.parameters() if p.requires_grad]
+        opt = torch.optim.Adam(trainable, lr=0.01)
+        return [opt], [torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)]
+
+
+class GroupRecorder(pl.Callback):
+    """Records each param group's lr and parameter count at each epoch's end."""
+
+    def __init__(self) -> None:
+        self.seen: list = []
+
+    def on_train_epoch_end(self, trainer, pl_module):
+        groups = trainer.optimizers[0].param_groups
+        self.seen.append([(g["lr"], len(g["params"])) for g in groups])
+
+
+@pytest.mark.parametrize("clip", [None, 0.5])
+def test_backbone_finetuning_unfreezes_as_lightning(tmp_path, clip):
+    from lightning.pytorch.callbacks import BackboneFinetuning
+
+    finetuning = BackboneFinetuning(unfreeze_backbone_at_epoch=1, backbone_initial_ratio_lr=0.1)
+    module = WithBackbone()
+    runs = []
+    for kind in ("lightning", "nanotrain"):
+        recorder = GroupRecorder()
+        pl.seed_everything(0, verbose=False)
+        callbacks = [copy.deepcopy(finetuning), recorder]
+        trainer = _trainer(kind, tmp_path, callbacks, max_epochs=3, gradient_clip_val=clip)
+        fitted = copy.deepcopy(module)
+        trainer.fit(fitted, DataLoader(_data(24), batch_size=4))
+        runs.append((fitted, recorder.seen))
+    (lightning_module, lightning_groups), (nanotrain_module, nanotrain_groups) = runs
+    assert len(lightning_groups[-1]) == 2, "Lightning's run did not add the backbone's group"
+    assert nanotrain_groups == lightning_groups
+    _same_weights(lightning_module, nanotrain_module)
+    assert not torch.equal(lightning_module.backbone[0].weight, module.backbone[0].weight)
+
+
+def test_backbone_finetuning_is_refused_where_it_cannot_give_lightnings_result(tmp_path):
+    from lightning.pytorch.callbacks import BackboneFinetuning
+
+    def fit(**args):
+        callback = BackboneFinetuning(unfreeze_backbone_at_epoch=1)
+        ckpt_path = args.pop("ckpt_path", None)
+        trainer = _trainer("nanotrain", tmp_path, [callback], **args)
+        trainer.fit(WithBackbone(), DataLoader(_data(24), batch_size=4), ckpt_path=ckpt_path)
+        return trainer
+
+    with pytest.raises(ValueError, match="BackboneFinetuning cannot run here.*master weights"):
+        fit(max_epochs=1, precision="bf16-true")
+    fit(max_epochs=2).save_checkpoint(tmp_path / "two")
+    with pytest.raises(ValueError, match="BackboneFinetuning cannot run here: resuming"):
+        fit(max_epochs=3, ckpt_path=tmp_path / "two")
