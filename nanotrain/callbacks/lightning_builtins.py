@@ -6,16 +6,19 @@ Lightning's built-in callbacks read its Trainer's internals (`trainer.fit_loop`,
 does not have. `LambdaCallback` only forwards hooks and runs as it is;
 `BasePredictionWriter` reads `trainer.predict_loop`, which nanotrain's `predict` keeps as
 Lightning's does (`nanotrain.trainer.predict_records`); `GradientAccumulationScheduler` sets
-`trainer.accumulate_grad_batches` by epoch (`nanotrain.trainer.accumulation_schedule`); every
-other one is refused when the Trainer is built, with its counterpart. Each counterpart named here exists
-(tests/unit/test_refusal_names.py reads every refusal message of the codebase).
+`trainer.accumulate_grad_batches` by epoch (`nanotrain.trainer.accumulation_schedule`);
+`BaseFinetuning` and `BackboneFinetuning` edit `trainer.optimizers` (where they cannot give
+Lightning's result they are refused at fit start, `nanotrain.trainer.finetuning_checks`).
+Every other one is refused when the Trainer is built, with its counterpart. Each counterpart
+named here exists (tests/unit/test_refusal_names.py reads every refusal message of the
+codebase).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-#: built-in Lightning callbacks that only use the public hooks: they run unchanged
+#: built-in Lightning callbacks that run unchanged (with the Trainer attributes they read)
 RUNS_AS_IS = (
     "LambdaCallback",
     "BasePredictionWriter",
@@ -29,10 +32,6 @@ _PROGRESS = (
     "drops it)"
 )
 _SUMMARY = "pass Trainer(enable_model_summary=True), which prints Lightning's summary at fit start"
-_FINETUNE = (
-    "no nanotrain counterpart: freeze and unfreeze the backbone yourself in your module's "
-    "on_train_epoch_start (set requires_grad; give the optimizer every parameter from the start)"
-)
 _AVERAGING = (
     "no nanotrain counterpart: keep a torch.optim.swa_utils.AveragedModel in your module and "
     "update it in on_train_batch_end"
@@ -57,8 +56,6 @@ COUNTERPARTS: dict[str, str] = {
     "RichProgressBar": _PROGRESS,
     "ModelSummary": _SUMMARY,
     "RichModelSummary": _SUMMARY,
-    "BaseFinetuning": _FINETUNE,
-    "BackboneFinetuning": _FINETUNE,
     "StochasticWeightAveraging": _AVERAGING,
     "WeightAveraging": _AVERAGING,
     "EMAWeightAveraging": _AVERAGING,
