@@ -21,6 +21,14 @@ from tests.unit.test_lightning_builtin_callbacks import ListWriter, Regression, 
 pytestmark = pytest.mark.distributed
 
 
+LAYOUTS = {
+    "ddp": nt.DDPStrategy,
+    "megatron dp=2": nt.MegatronStrategy,
+    "megatron zero-1": lambda: nt.MegatronStrategy(zero_stage=1),
+    "fsdp": nt.FSDPStrategy,
+}
+
+
 def _trainer(strategy, callbacks, **args) -> nt.Trainer:
     return nt.Trainer(
         strategy=strategy, callbacks=callbacks, logger=False, enable_checkpointing=False,
@@ -33,7 +41,8 @@ def _fit_schedule(strategy, module: Regression, batch_size: int) -> dict[str, to
     trainer = _trainer(strategy, [schedule], max_epochs=3)
     trainer.fit(module, DataLoader(_data(24), batch_size=batch_size))
     assert trainer.global_step == 6 + 2 + 3  # 24 samples: global batches of 4, 12, 8
-    return {k: v.detach().clone() for k, v in module.state_dict().items()}
+    whole = {k: getattr(v, "full_tensor", lambda v=v: v)() for k, v in module.state_dict().items()}
+    return {k: v.detach().clone() for k, v in whole.items()}  # FSDP's shards gathered
 
 
 def _on_rank(rank: int, world_size: int, start: Regression) -> dict:
@@ -41,7 +50,9 @@ def _on_rank(rank: int, world_size: int, start: Regression) -> dict:
     _trainer(nt.DDPStrategy(), [writer]).predict(
         copy.deepcopy(start), DataLoader(_data(10), batch_size=3), return_predictions=False
     )
-    weights = _fit_schedule(nt.DDPStrategy(), copy.deepcopy(start), 2)
+    weights = {
+        name: _fit_schedule(make(), copy.deepcopy(start), 2) for name, make in LAYOUTS.items()
+    }
     with pytest.raises(ValueError, match="BackboneFinetuning cannot run here: under DDPStrategy"):
         _trainer(nt.DDPStrategy(), [BackboneFinetuning(1)], max_epochs=2).fit(
             WithBackbone(), DataLoader(_data(24), batch_size=2)
@@ -60,5 +71,8 @@ def test_builtin_callbacks_under_data_parallelism():
         per_batch = [entry[2] for entry in result["written"] if entry[0] == "batch"]
         assert per_batch == lightnings
         assert result["written"][-1][0] == "epoch" and result["written"][-1][2] == [lightnings]
-        for key, value in result["weights"].items():
-            torch.testing.assert_close(value, single[key], rtol=0, atol=1e-6)
+        for layout, weights in result["weights"].items():
+            for key, value in weights.items():
+                torch.testing.assert_close(
+                    value, single[key], rtol=0, atol=1e-6, msg=lambda m, k=(layout, key): f"{k} {m}"
+                )
