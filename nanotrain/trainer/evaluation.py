@@ -232,8 +232,9 @@ def run_predict(
     trainer: Trainer, dataloaders: Any, return_predictions: bool | None = None
 ) -> list[Any] | None:
     """Run `predict_step` over the whole predict data (each rank its share, in order) without
-    gradients; returns this rank's outputs, one per batch (None outputs included), or None
-    (and keeps no output) with `return_predictions=False`.
+    gradients; returns this rank's outputs, one per batch (None outputs included), moved to
+    the CPU as Lightning moves them, or None with `return_predictions=False`.
+    `trainer.predict_loop` keeps what Lightning's BasePredictionWriter reads (`PredictRecords`).
 
     Raises:
         ValueError: the module has no `predict_step` and no `forward`, there is no data, or
