@@ -27,8 +27,8 @@ def finetuning_refusal(trainer: Any) -> str | None:
             f"under {type(strategy).__name__} the parameters frozen when the module is wrapped "
             "are left out of the gradient reduction (DistributedDataParallel, and the sharded "
             "optimizers, take the trainable set once), so an unfrozen backbone would train on "
-            "each replica's own gradients (lightning.Trainer's DDP does the same); run it on "
-            "one process, or give the optimizer every parameter from the start and set "
+            "each replica's own gradients and the replicas would drift apart; run it on one "
+            "process, or give the optimizer every parameter from the start and set "
             "requires_grad in your module's on_train_epoch_start"
         )
     if strategy.precision.master_weights:
