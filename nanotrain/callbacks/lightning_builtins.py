@@ -3,27 +3,35 @@ others the nanotrain counterpart (or what to do) named in the refusal.
 
 Lightning's built-in callbacks read its Trainer's internals (`trainer.fit_loop`,
 `trainer.predict_loop`, `trainer.strategy.optimizer_step`, ...), which the nanotrain Trainer
-does not have. `LambdaCallback` only forwards hooks and runs as it is; every other one is
-refused when the Trainer is built, with its counterpart. Each counterpart named here exists
-(tests/unit/test_refusal_names.py reads every refusal message of the codebase).
+does not have. `LambdaCallback` only forwards hooks and runs as it is;
+`BasePredictionWriter` reads `trainer.predict_loop`, which nanotrain's `predict` keeps as
+Lightning's does (`nanotrain.trainer.predict_records`); `GradientAccumulationScheduler` sets
+`trainer.accumulate_grad_batches` by epoch (`nanotrain.trainer.accumulation_schedule`);
+`BaseFinetuning` and `BackboneFinetuning` edit `trainer.optimizers` (where they cannot give
+Lightning's result they are refused at fit start, `nanotrain.trainer.finetuning_checks`).
+Every other one is refused when the Trainer is built, with its counterpart. Each counterpart
+named here exists (tests/unit/test_refusal_names.py reads every refusal message of the
+codebase).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-#: built-in Lightning callbacks that only use the public hooks: they run unchanged
-RUNS_AS_IS = ("LambdaCallback",)
+#: built-in Lightning callbacks that run unchanged (with the Trainer attributes they read)
+RUNS_AS_IS = (
+    "LambdaCallback",
+    "BasePredictionWriter",
+    "GradientAccumulationScheduler",
+    "BaseFinetuning",
+    "BackboneFinetuning",
+)
 
 _PROGRESS = (
     "use nanotrain.callbacks.ProgressBar (added by default; Trainer(enable_progress_bar=False) "
     "drops it)"
 )
 _SUMMARY = "pass Trainer(enable_model_summary=True), which prints Lightning's summary at fit start"
-_FINETUNE = (
-    "no nanotrain counterpart: freeze and unfreeze the backbone yourself in your module's "
-    "on_train_epoch_start (set requires_grad; give the optimizer every parameter from the start)"
-)
 _AVERAGING = (
     "no nanotrain counterpart: keep a torch.optim.swa_utils.AveragedModel in your module and "
     "update it in on_train_batch_end"
@@ -48,17 +56,6 @@ COUNTERPARTS: dict[str, str] = {
     "RichProgressBar": _PROGRESS,
     "ModelSummary": _SUMMARY,
     "RichModelSummary": _SUMMARY,
-    "GradientAccumulationScheduler": (
-        "nanotrain keeps one global batch per run (its data order and exact resume depend on "
-        "it): set Trainer(accumulate_grad_batches=...), and resume with another value to "
-        "change it"
-    ),
-    "BasePredictionWriter": (
-        "write what trainer.predict(...) returns (this rank's outputs), or write each batch "
-        "in on_predict_batch_end of your own lightning.pytorch.Callback subclass"
-    ),
-    "BaseFinetuning": _FINETUNE,
-    "BackboneFinetuning": _FINETUNE,
     "StochasticWeightAveraging": _AVERAGING,
     "WeightAveraging": _AVERAGING,
     "EMAWeightAveraging": _AVERAGING,

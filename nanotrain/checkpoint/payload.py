@@ -60,7 +60,7 @@ def restore_payload(trainer: Trainer, payload: dict[str, Any], weights_only: boo
             setup.scheduler.scheduler.load_state_dict(payload["lr_scheduler"])
         trainer.state.load_state_dict(payload["train_state"])
         if payload.get("data") is not None and trainer._train_sampler is not None:
-            trainer._train_sampler.load_state_dict(payload["data"])
+            trainer._load_sampler_state(payload["data"])
         saved_callbacks = payload.get("callbacks", {})
         for cb in trainer.callbacks:
             if cb.state_key in saved_callbacks:

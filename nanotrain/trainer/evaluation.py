@@ -18,6 +18,7 @@ from torch.utils.data import DataLoader, Sampler
 
 from nanotrain.trainer.loaders import draw_as_lightning
 from nanotrain.trainer.metric_book import MetricBook, ScopeValues, to_float
+from nanotrain.trainer.predict_records import PredictRecords
 
 if TYPE_CHECKING:
     from nanotrain.trainer import Trainer
@@ -231,8 +232,9 @@ def run_predict(
     trainer: Trainer, dataloaders: Any, return_predictions: bool | None = None
 ) -> list[Any] | None:
     """Run `predict_step` over the whole predict data (each rank its share, in order) without
-    gradients; returns this rank's outputs, one per batch (None outputs included), or None
-    (and keeps no output) with `return_predictions=False`.
+    gradients; returns this rank's outputs, one per batch (None outputs included), moved to
+    the CPU as Lightning moves them, or None with `return_predictions=False`.
+    `trainer.predict_loop` keeps what Lightning's BasePredictionWriter reads (`PredictRecords`).
 
     Raises:
         ValueError: the module has no `predict_step` and no `forward`, there is no data, or
@@ -245,24 +247,29 @@ def run_predict(
     trainer._eval_loader = loader
     draw_as_lightning(loader)
     trainer.predicting = True
+    returning = return_predictions is not False
+    records = trainer.predict_loop = PredictRecords()
+    records.start(trainer.callbacks)
     module.eval()
     trainer._call("on_predict_start")
     trainer._call("on_predict_epoch_start")
-    outputs = []
     for batch_idx, batch in enumerate(loader):
         batch = trainer.strategy.batch_to_device(batch)
         if batch_idx >= loader.batch_sampler.num_real_batches:
             padding_step(trainer, trainer.strategy.predict_step, batch, batch_idx)
             continue
+        # the dataset indices of the batch, as Lightning's index-recording batch sampler
+        records.before_batch(loader.batch_sampler.batches[batch_idx])
         trainer._call("on_predict_batch_start", batch, batch_idx)
         output = trainer.strategy.predict_step(module, batch, batch_idx)
         trainer._call("on_predict_batch_end", output, batch, batch_idx)
-        if return_predictions is not False:
-            outputs.append(output)
+        records.keep(output, returning)
     trainer._call("on_predict_epoch_end")
+    outputs = records.predictions if returning else None
+    records.end(returning)
     trainer._call("on_predict_end")
     trainer.predicting = False
-    return None if return_predictions is False else outputs
+    return outputs
 
 
 class EvaluationMethods:

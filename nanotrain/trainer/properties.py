@@ -167,6 +167,14 @@ class LightningTrainerProperties:
         a stage starts; before that, from the settings as given, 1 when they say nothing)."""
         return self.num_microbatches
 
+    @accumulate_grad_batches.setter
+    def accumulate_grad_batches(self, factor: int) -> None:
+        """Change the factor at an epoch's start, in `on_train_epoch_start`, as Lightning's
+        GradientAccumulationScheduler does (`accumulation_schedule.set_accumulation`)."""
+        from nanotrain.trainer.accumulation_schedule import set_accumulation
+
+        set_accumulation(self, factor)
+
     @property
     def estimated_stepping_batches(self) -> int | float:
         """Optimizer steps the whole `fit` will take: the smallest of `max_steps` and

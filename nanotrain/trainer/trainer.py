@@ -30,6 +30,10 @@ from nanotrain.runtime.exit_codes import EXIT_PREEMPTED
 from nanotrain.runtime.rng import set_deterministic
 from nanotrain.strategies import Strategy, resolve_strategy
 from nanotrain.strategies.base import StepOutput
+from nanotrain.trainer.accumulation_schedule import (
+    check_accumulation_schedule,
+    load_sampler_state,
+)
 from nanotrain.trainer.call_forms import (
     check_weights_only,
     data_arguments,
@@ -39,6 +43,7 @@ from nanotrain.trainer.call_forms import (
 from nanotrain.trainer.checkpoint_methods import CheckpointMethods
 from nanotrain.trainer.config import TrainerConfig
 from nanotrain.trainer.evaluation import EvaluationMethods, finish_epoch, print_results
+from nanotrain.trainer.finetuning_checks import check_finetuning
 from nanotrain.trainer.hook_checks import (
     WINDOW_HOOKS,
     check_datamodule_hooks,
@@ -58,6 +63,7 @@ from nanotrain.trainer.loaders import (
 from nanotrain.trainer.loggers import LoggerGroup, user_loggers
 from nanotrain.trainer.manual import ManualMethods, check_manual, manual_step
 from nanotrain.trainer.metric_book import MetricBook, to_float
+from nanotrain.trainer.predict_records import PredictRecords
 from nanotrain.trainer.preemption import PreemptionWatch, stop_if_preempted
 from nanotrain.trainer.properties import LightningTrainerProperties
 from nanotrain.trainer.run_setup import RunSetupMethods
@@ -151,6 +157,8 @@ class Trainer(
         self.validating = False
         self.testing = False
         self.predicting = False
+        # what Lightning's BasePredictionWriter reads of a running predict
+        self.predict_loop = PredictRecords()
         self._current_fx: str | None = None  # the hook running now (for self.log defaults)
         self._eval_loader: DataLoader | None = None
         self.should_stop = False
@@ -167,6 +175,8 @@ class Trainer(
         self._book: MetricBook | None = None
         self._fit_sources: tuple[Any, Any] = (None, None)  # fit's loaders, for a reload
         self._manual = False  # the module's automatic_optimization is False (see manual.py)
+        # the factor a GradientAccumulationScheduler run was saved with (accumulation_schedule)
+        self._resumed_accumulation: int | None = None
         self._last_reload_epoch = 0
         # PL_GLOBAL_SEED as the running stage found it (None: unset), to put back at its end
         self._seed_env_saved = False
@@ -300,6 +310,10 @@ class Trainer(
                 self.settings.limit_train_batches, steps, self.num_microbatches
             )
 
+    def _load_sampler_state(self, data_state: dict[str, Any]) -> None:
+        """Load the training sampler's checkpointed state (see `load_sampler_state`)."""
+        load_sampler_state(self, data_state)
+
     # -- fit -----------------------------------------------------------------------------------
     def fit(
         self,
@@ -343,6 +357,8 @@ class Trainer(
             self._manual = not self.module.automatic_optimization
             if self._manual:
                 check_manual(self)  # before the strategy parses several optimizers
+            check_accumulation_schedule(self)
+            check_finetuning(self)
             self.strategy.setup_optimizers(module)
             if not self._manual:
                 check_closure_optimizer(self.strategy)
