@@ -37,7 +37,6 @@ _V3_YARN = {
 }
 
 
-
 def _llama31(hidden: int, layers: int, heads: int, ffn: int) -> dict[str, Any]:
     """Llama-3.1's config.json shapes. Its context extension past 8,192 tokens uses the
     "llama3" rope scaling, which the models do not implement, so the presets keep the 8,192
