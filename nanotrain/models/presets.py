@@ -10,7 +10,9 @@
 | `tiny-dense`       | dense    | CPU tests: Llama-style with GQA                           |
 | `deepseek-100m`    | DeepSeek | benchmarks: ~100M-class MoE model                         |
 | `dense-100m`       | dense    | benchmarks: ~100M-class Llama-style model                 |
+| `dense-8b`         | dense    | Llama-3.1-8B's shapes (8.03B)                             |
 | `deepseek-v2-lite` | DeepSeek | DeepSeek-V2-Lite (15.7B total, 2.4B activated)            |
+| `dense-70b`        | dense    | Llama-3.1-70B's shapes (70.6B)                            |
 | `deepseek-v3-671b` | DeepSeek | DeepSeek-V3 (671B total, 37B activated, MTP depth 1)      |
 
 `markdown_table()` renders the parameter counts of every preset (used by docs/models.md).
@@ -33,6 +35,25 @@ _V3_YARN = {
     "mscale": 1.0,
     "mscale_all_dim": 1.0,
 }
+
+
+def _llama31(hidden: int, layers: int, heads: int, ffn: int) -> dict[str, Any]:
+    """Llama-3.1's config.json shapes. Its context extension past 8,192 tokens uses the
+    "llama3" rope scaling, which the models do not implement, so the presets keep the 8,192
+    tokens of Llama-3's pre-training."""
+    return dict(
+        vocab_size=128256,
+        hidden_size=hidden,
+        num_layers=layers,
+        num_heads=heads,
+        num_kv_heads=8,
+        intermediate_size=ffn,
+        max_seq_len=8192,
+        rope_theta=500000.0,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=False,
+    )
+
 
 _PRESETS: dict[str, tuple[type[DenseConfig] | type[DeepSeekConfig], dict[str, Any]]] = {
     "tiny": (
@@ -116,6 +137,7 @@ _PRESETS: dict[str, tuple[type[DenseConfig] | type[DeepSeekConfig], dict[str, An
             rope_theta=500000.0,
         ),
     ),
+    "dense-8b": (DenseConfig, _llama31(hidden=4096, layers=32, heads=32, ffn=14336)),
     # DeepSeek-V2-Lite config.json: no query compression, softmax routing with aux loss, no
     # bias balancing and no MTP.
     "deepseek-v2-lite": (
@@ -148,6 +170,7 @@ _PRESETS: dict[str, tuple[type[DenseConfig] | type[DeepSeekConfig], dict[str, An
             bias_update_speed=0.0,
         ),
     ),
+    "dense-70b": (DenseConfig, _llama31(hidden=8192, layers=80, heads=64, ffn=28672)),
     # DeepSeek-V3 config.json plus the paper's training hyper-parameters (section 4.2):
     # alpha = 1e-4, gamma = 0.001, lambda = 0.3 (for the first 10T tokens).
     "deepseek-v3-671b": (

@@ -48,6 +48,18 @@ def test_deepseek_v2_lite_counts_match_its_paper():
     assert int(acc.active_params(config) / 1e8) == 24  # 2.4B
 
 
+@pytest.mark.parametrize("name, published", [("dense-8b", 8.03e9), ("dense-70b", 70.55e9)])
+def test_llama31_presets_count_the_published_parameters(name, published):
+    # Meta's Llama-3.1 model cards: 8.03B and 70.55B parameters (untied embedding and head).
+    config = presets.get(name)
+    assert isinstance(config, DenseConfig) and not config.tie_word_embeddings
+    assert (config.vocab_size, config.num_kv_heads, config.rope_theta) == (128256, 8, 500000.0)
+    assert config.rms_norm_eps == 1e-5
+    counted = _count(build_model(config, device="meta"))
+    assert counted == pytest.approx(published, rel=0.005)
+    assert acc.total_params(config) == counted
+
+
 @pytest.mark.parametrize(
     "name, overrides",
     [
