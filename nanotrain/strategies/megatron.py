@@ -406,6 +406,11 @@ class MegatronStrategy(MegatronEnvironment, ShardedMethods, MegatronGradNorms, S
             grads.release()
         if self.precision.uses_loss_scaling:
             self._unscale_grads()
+        return self._step_output(accumulator, sums, weighed)
+
+    def _step_output(self, accumulator: LossAccumulator, sums: Tensor, weighed: Any) -> StepOutput:
+        """The step's global loss terms (reduced from the accumulator's local `sums`) with its
+        token and sample counts and the precision's metrics."""
         loss, terms = accumulator.finish(self, sums)
         return StepOutput(
             loss=loss,

@@ -81,14 +81,7 @@ class ShardedMethods:
             mesh = self.mesh
             grads = [g for _, g in fsdp.local_grads()]
             self.precision.unscale_grads_(grads, [mesh.tp_group, mesh.pp_group, mesh.dp_group])
-        loss, terms = accumulator.finish(self, sums)
-        return StepOutput(
-            loss=loss,
-            num_tokens=weighed.tokens,
-            num_samples=weighed.samples,
-            metrics={**terms, **self.precision.step_metrics()},
-            skipped=self.precision.skip_step,
-        )
+        return self._step_output(accumulator, sums, weighed)
 
     # -- gradients -------------------------------------------------------------------------------
     def grads_for_clipping(self) -> list[Tensor]:
