@@ -62,6 +62,7 @@ __all__ = [
     "interleaved_1f1b",
     "max_in_flight",
     "one_f_one_b",
+    "splits_backward",
     "zero_bubble_1f1b",
     "zero_bubble_h1",
     "zero_bubble_interleaved_1f1b",
@@ -376,6 +377,13 @@ def max_in_flight(actions: list[Action]) -> int:
 
 #: schedules that run backwards as input and weight halves (I and W actions)
 SPLIT_BACKWARD_SCHEDULES = frozenset({"zb_1f1b", "zb_h1", "zb_interleaved_1f1b", "dualpipev"})
+
+
+def splits_backward(schedule: str, pp: int) -> bool:
+    """Whether a pipeline of `pp` stages under `schedule` runs each backward as separate input
+    and weight halves (a split-backward schedule with more than one stage)."""
+    return pp > 1 and schedule in SPLIT_BACKWARD_SCHEDULES
+
 
 #: schedules that run one chunk per rank
 ONE_CHUNK_SCHEDULES = frozenset({"1f1b", "zb_1f1b", "zb_h1"})

@@ -19,9 +19,9 @@ from nanotrain.parallel.pipeline import partition_layers, stage_layers
 from nanotrain.parallel.placement import StagePlacement
 from nanotrain.parallel.schedules import (
     SCHEDULES,
-    SPLIT_BACKWARD_SCHEDULES,
     Action,
     max_in_flight,
+    splits_backward,
 )
 from nanotrain.precision import PRECISIONS as PRECISION_PLUGINS
 from nanotrain.precision import precision_name
@@ -121,7 +121,7 @@ class PlanLayout(MeshLayout):
         step's reduce-scatter: under a schedule that splits backwards (zb_*, DualPipeV) the
         weight halves differentiate the gathered copies after FSDP2's post-backward hook
         (`MegatronStrategy`'s ``keep_gathered_in_backward``, the same rule)."""
-        return self.zero_stage == 3 and self.pp > 1 and self.schedule in SPLIT_BACKWARD_SCHEDULES
+        return self.zero_stage == 3 and splits_backward(self.schedule, self.pp)
 
     def layer_recompute(self, position: int) -> str | None:
         """The recompute mode of the decoder layer at `position` (0-based) within its chunk."""

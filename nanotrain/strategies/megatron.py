@@ -43,7 +43,7 @@ from torch import Tensor
 from nanotrain.parallel.data_parallel import GradBucketSets, backward_order
 from nanotrain.parallel.grads import is_tp_sharded, sequence_parallel_params
 from nanotrain.parallel.mesh import ParallelMesh, validate_layout
-from nanotrain.parallel.schedules import SCHEDULES, SPLIT_BACKWARD_SCHEDULES
+from nanotrain.parallel.schedules import SCHEDULES, splits_backward
 from nanotrain.parallel.zero import ZeroOptimizer
 from nanotrain.precision.master import MasterWeights
 from nanotrain.runtime.profiling import named_range
@@ -334,7 +334,7 @@ class MegatronStrategy(MegatronEnvironment, ShardedMethods, MegatronGradNorms, S
                 reshard_after_forward=self.reshard_after_forward,
                 cpu_offload=self.cpu_offload,
                 sequence_parallel=self.sequence_parallel,
-                keep_gathered_in_backward=self.pp > 1 and self.schedule in SPLIT_BACKWARD_SCHEDULES,
+                keep_gathered_in_backward=splits_backward(self.schedule, self.pp),
             )
             return
         self._grads, self._expert_sets = build_grad_buckets(
