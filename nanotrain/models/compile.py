@@ -26,7 +26,7 @@ from typing import Any
 
 from torch import nn
 
-from nanotrain.parallel.schedules import SPLIT_BACKWARD_SCHEDULES
+from nanotrain.parallel.schedules import splits_backward
 
 CompileOption = bool | dict[str, Any]
 
@@ -53,7 +53,7 @@ def check_compile_options(
             "into pipeline stages that the schedule runs piece by piece; use "
             "compile_layers=True instead (each decoder layer of each stage is compiled)"
         )
-    if (layers or model) and pp_size > 1 and schedule in SPLIT_BACKWARD_SCHEDULES:
+    if (layers or model) and splits_backward(schedule, pp_size):
         raise ValueError(
             f"schedule={schedule!r} splits backwards into an input half and a weight half, but "
             "a compiled layer's backward is one piece that runs once (torch.compile donates "

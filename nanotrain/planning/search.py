@@ -5,7 +5,7 @@ pp among the divisors of what is left (layers that do not split evenly get
 `layout.balanced_pipeline_layout`), virtual_pp 1 or 2 (with 2: interleaved 1F1B and
 DualPipeV); ep among the divisors of dp that divide the
 routed experts; ZeRO 1 and 3 (and 0 / 2 when asked; ZeRO-3 only where dp > 1, since it shards
-over dp, and not with DualPipeV, whose split backwards the strategy refuses under it); micro batch sizes 1, 2, 4; recomputation none, then light, then selective, then
+over dp); micro batch sizes 1, 2, 4; recomputation none, then light, then selective, then
 full (`SEARCH_RECOMPUTE`: each costs more compute than the one before), stopping at the first
 that fits; under ZeRO-3 with pp = 1 each mode also with ``reduce_scatter_every_microbatch``
 (no whole gradients accumulated, at one reduce-scatter per microbatch), and when nothing

@@ -24,10 +24,9 @@ class CallbackHooks:
         # hook -> (callbacks that define it, the instance dicts of those that do not)
         self._by_hook: dict[str, tuple[list[Any], list[dict]]] = {}
 
-    def call(self, callbacks: list[Any], hook: str, *args: Any) -> None:
-        """Call `hook(*args)` on every callback of `callbacks` that defines it (on its class
-        or on the instance), in order. As Lightning iterates the live list, a callback one of
-        these calls appends runs in this call too."""
+    def defining(self, callbacks: list[Any], hook: str) -> list[Any]:
+        """The callbacks of `callbacks` that define `hook` (on their class or on the
+        instance), in order; found again only when the list or an instance's hooks change."""
         ids = list(map(id, callbacks))  # by identity: a callback's own __eq__ is not asked
         if ids != self._seen_ids:
             self._seen, self._seen_ids, self._by_hook = list(callbacks), ids, {}
@@ -46,8 +45,15 @@ class CallbackHooks:
                 elif hasattr(cb, "__dict__"):
                     others.append(vars(cb))
             kept = self._by_hook[hook] = (reached, others)
+        return kept[0]
+
+    def call(self, callbacks: list[Any], hook: str, *args: Any) -> None:
+        """Call `hook(*args)` on every callback of `callbacks` that defines it (on its class
+        or on the instance), in order. As Lightning iterates the live list, a callback one of
+        these calls appends runs in this call too."""
+        reached = self.defining(callbacks, hook)
         known = len(self._seen)
-        for cb in kept[0]:
+        for cb in reached:
             getattr(cb, hook)(*args)
         while len(callbacks) > known:  # appended by one of the calls above
             cb = callbacks[known]

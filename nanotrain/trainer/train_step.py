@@ -43,7 +43,7 @@ from lightning.pytorch.utilities.enums import GradClipAlgorithmType
 
 from nanotrain.strategies.base import MicrobatchHooks, StepOutput
 from nanotrain.trainer.hook_checks import overrides
-from nanotrain.trainer.hook_optimizer import HookOptimizer, needs_closure
+from nanotrain.trainer.hook_optimizer import HookOptimizer
 
 if TYPE_CHECKING:
     from nanotrain.trainer import Trainer
@@ -102,7 +102,7 @@ class TrainStepMethods:
         hooks = window.hooks() if in_loop else None
         with strategy.precision.step_context():  # one cast of each weight for the step
             out = strategy.forward_backward(module, microbatches, first, hooks)
-        if needs_closure(strategy.optimizer):  # LBFGS: its closure runs the step again
+        if self._closure_optimizer:  # LBFGS: its closure runs the step again
             optimizer.rerun = lambda: self._rerun_step(window, microbatches, first, in_loop)
         out.grad_norm = strategy.clip_grad_norm_(None)  # measured before any clipping
         self._norm_is_current = True  # until a hook that may edit the gradients runs
@@ -314,14 +314,21 @@ class TrainStepMethods:
 def _user_defined(obj: Any, hook: str) -> bool:
     """Whether `obj` has its own `hook` written outside nanotrain (which may edit the
     gradients; nanotrain's own hooks only read them)."""
-    if not overrides(obj, hook):
-        return False
-    return not getattr(getattr(obj, hook), "__module__", "").startswith("nanotrain.")
+    return overrides(obj, hook) and not _nanotrain_code(getattr(obj, hook))
+
+
+def _nanotrain_code(function: Any) -> bool:
+    """Whether `function` is nanotrain's own (it only reads gradients, never edits them)."""
+    return getattr(function, "__module__", "").startswith("nanotrain.")
 
 
 def _user_hook_ran(trainer: Trainer, hook: str) -> bool:
-    """Whether `hook` of the module or of a callback is the user's (see `_user_defined`)."""
-    return any(_user_defined(obj, hook) for obj in (trainer.module, *trainer.callbacks))
+    """Whether `hook` of the module or of a callback is the user's (see `_user_defined`); the
+    callbacks that define it come from the Trainer's dispatch table, kept across steps."""
+    if _user_defined(trainer.module, hook):
+        return True
+    defining = trainer._callback_hooks.defining(trainer.callbacks, hook)
+    return any(not _nanotrain_code(getattr(cb, hook)) for cb in defining)
 
 
 def _check_stepped(module: Any, optimizer: HookOptimizer) -> None:

@@ -52,7 +52,7 @@ from nanotrain.trainer.hook_checks import (
     uses_any_hook,
 )
 from nanotrain.trainer.hook_dispatch import CallbackHooks
-from nanotrain.trainer.hook_optimizer import check_closure_optimizer
+from nanotrain.trainer.hook_optimizer import check_closure_optimizer, needs_closure
 from nanotrain.trainer.lightning_args import check_accelerator, setting_names, unknown_setting_error
 from nanotrain.trainer.lightning_tuner import refuse_tuner_callbacks
 from nanotrain.trainer.loaders import (
@@ -144,6 +144,7 @@ class Trainer(
         self._interrupted = False
         self._is_last_batch = False
         self._uses_window_hooks = False  # see hook_checks.WINDOW_HOOKS
+        self._closure_optimizer = False  # the optimizer's step needs a closure (LBFGS)
         self._callback_hooks = CallbackHooks()
         self.progress_bar_metrics: dict[str, torch.Tensor] = {}
         self.training = False
@@ -362,6 +363,7 @@ class Trainer(
             self.strategy.setup_optimizers(module)
             if not self._manual:
                 check_closure_optimizer(self.strategy)
+            self._closure_optimizer = not self._manual and needs_closure(self.strategy.optimizer)
             if self._resume_path is not None:
                 self._resume(self._resume_path)
             self._make_run_dir()
