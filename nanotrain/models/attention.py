@@ -12,6 +12,13 @@ sequence parallelism, else T); H hidden; n and n_kv this rank's query and key/va
 (num_heads / tp, num_kv_heads / tp). Head widths are named after the attributes holding them
 (head_dim; MLA's nope_dim, rope_dim, v_dim, qk_head_dim = nope_dim + rope_dim, and the latent
 ranks q_lora_rank, kv_lora_rank), or d_qk and d_v in `causal_attention`.
+
+Context parallelism (`cp_group`, `nanotrain.parallel.context`): a rank holds T_q = T / cp
+tokens of each sequence (two chunks) and computes their queries; the keys and values of the
+whole sequence (T_k = T) come from an all-gather along the sequence: K and V after RoPE for
+`DenseAttention`, the compressed latent c_KV and the rope key k^R for `MLAttention`
+(kv_lora_rank + rope_dim per token, expanded to per-head keys and values on every rank). The
+model then passes the causal mask by global position, [1, 1, T_q, T_k].
 """
 
 from __future__ import annotations
@@ -34,7 +41,8 @@ from nanotrain.models.layers import (
     tp_size_of,
 )
 from nanotrain.models.recompute import recomputed
-from nanotrain.parallel.collectives import enter_tensor_parallel_region
+from nanotrain.parallel.collectives import enter_tensor_parallel_region, group_size
+from nanotrain.parallel.context import gather_sequence
 from nanotrain.parallel.saved_rebuild import RebuiltSaves
 from nanotrain.parallel.sp_regather import saved_as_shard
 from nanotrain.parallel.tensor import ColumnParallelLinear, RowParallelLinear
@@ -50,7 +58,8 @@ def causal_attention(
     """softmax(scale * q k^T + causal mask) v per head, heads merged into the last dim.
 
     With `mask` (a block-causal [B, 1, T, T] bool, True = may attend, from
-    `nanotrain.models.documents`) it replaces the causal mask; it must keep every diagonal.
+    `nanotrain.models.documents`, or context parallelism's [1, 1, T_q, T_k] by global
+    position) it replaces the causal mask; every query must see at least one key.
 
     On CPU with a value width other than the query/key width (MLA), SDPA has no fused kernel
     and runs its math fallback; this computes the same products by hand (one baddbmm that
@@ -59,11 +68,12 @@ def causal_attention(
     never produces: every row keeps its diagonal. Elsewhere it calls SDPA, whose fused kernels
     do not store the [T, T] probabilities.
 
-    Args: q, k [B, T, heads, d_qk]; v [B, T, heads, d_v] (any strides).
+    Args: q [B, T, heads, d_qk]; k [B, T_k, heads, d_qk]; v [B, T_k, heads, d_v] (any
+        strides; T_k = T unless a mask says otherwise).
     Returns: [B, T, heads * d_v].
     """
     b, t, n, _ = q.shape
-    dv = v.shape[-1]
+    tk, dv = k.shape[1], v.shape[-1]
     if q.device.type != "cpu" or q.shape[-1] == dv:
         y = F.scaled_dot_product_attention(
             q.transpose(1, 2),
@@ -79,14 +89,15 @@ def causal_attention(
     work = q.dtype if q.dtype in (torch.float32, torch.float64) else torch.float32
     with torch.autocast("cpu", enabled=False):
         qh = q.transpose(1, 2).reshape(b * n, t, -1).to(work)  # (B*n, T, d_qk)
-        kh = k.permute(0, 2, 3, 1).reshape(b * n, -1, t).to(work)  # (B*n, d_qk, T)
-        vh = v.transpose(1, 2).reshape(b * n, t, dv).to(work)  # (B*n, T, d_v)
+        kh = k.permute(0, 2, 3, 1).reshape(b * n, -1, tk).to(work)  # (B*n, d_qk, T_k)
+        vh = v.transpose(1, 2).reshape(b * n, tk, dv).to(work)  # (B*n, T_k, d_v)
         if mask is None:
             bias = torch.full((t, t), float("-inf"), dtype=work, device=q.device).triu_(1)
-        else:  # (B, 1, T, T) bool -> one additive (T, T) bias per head of each sample
+        else:  # ([B|1], 1, T, T_k) bool -> one additive (T, T_k) bias per head of each sample
             bias = torch.zeros(mask.shape, dtype=work, device=q.device)
-            bias = bias.masked_fill_(~mask, float("-inf")).expand(b, n, t, t).reshape(b * n, t, t)
-        probs = torch.baddbmm(bias, qh, kh, alpha=scale).softmax(dim=-1)  # (B*n, T, T)
+            bias = bias.masked_fill_(~mask, float("-inf")).expand(b, n, t, tk)
+            bias = bias.reshape(b * n, t, tk)
+        probs = torch.baddbmm(bias, qh, kh, alpha=scale).softmax(dim=-1)  # (B*n, T, T_k)
         y = torch.bmm(probs, vh).view(b, n, t, dv)  # (B, n, T, d_v)
     return y.transpose(1, 2).reshape(b, t, n * dv).to(q.dtype)  # (B, T, n * d_v)
 
@@ -100,6 +111,9 @@ class DenseAttention(nn.Module):
     [B, T / tp, hidden] (this rank's part of the sequence): x is all-gathered along the
     sequence before the projections and o's partial sums are reduce-scattered.
 
+    Under context parallelism (`cp_group`) K and V (after RoPE) are all-gathered along the
+    sequence over the cp ranks, in one collective.
+
     Shapes: x [B, T, hidden] -> [B, T, hidden] (T / tp under sequence parallelism).
     Raises: ValueError when the tp size does not divide num_heads or num_kv_heads.
     """
@@ -111,8 +125,10 @@ class DenseAttention(nn.Module):
         tp_group: Any = None,
         device: Any = None,
         sequence_parallel: bool = False,
+        cp_group: Any = None,
     ):
         super().__init__()
+        self.cp_group = cp_group
         tp = tp_size_of(tp_group)
         self.head_dim = config.head_dim
         self.local_heads = divide_evenly(config.num_heads, tp, "num_heads")
@@ -145,7 +161,11 @@ class DenseAttention(nn.Module):
             v = self.v_proj(x).view(b, t, self.local_kv_heads, self.head_dim)  # (B, T, n_kv, hd)
         q = apply_rope(q, cos, sin, interleaved=False)
         k = apply_rope(k, cos, sin, interleaved=False)
-        # (B, n | n_kv, T, head_dim) for SDPA; enable_gqa shares each kv head across its q group
+        if group_size(self.cp_group) > 1:
+            # the whole sequence's keys and values, one all-gather: (B, T_k, n_kv, 2 * hd)
+            kv = gather_sequence(torch.cat((k, v), dim=-1), self.cp_group)
+            k, v = kv.split(self.head_dim, dim=-1)  # each (B, T_k, n_kv, head_dim)
+        # (B, n | n_kv, T | T_k, head_dim) for SDPA; enable_gqa shares each kv head across its q group
         q, k, v = (z.transpose(1, 2) for z in (q, k, v))
         gqa = self.local_kv_heads != self.local_heads
         # (B, n, T, head_dim): softmax(q k^T / sqrt(head_dim) + causal mask) v per head; the
@@ -179,6 +199,11 @@ class MLAttention(nn.Module):
     strategy sums over tp (they are tp-replicated). Without `q_lora_rank`, `q_proj` reads the
     hidden state and gathers it itself.
 
+    Context parallelism (`cp_group`): the normalized latent RMSNorm(c_KV) and the rope key k^R
+    (after RoPE) are all-gathered along the sequence in one collective (kv_lora_rank +
+    rope_dim per token: 576 for V3, against 2 x 128 heads x 128 = 32768 for full K and V), and
+    `kv_b_proj` expands them to this rank's heads for all T_k keys.
+
     Shapes: x [B, T, hidden] -> [B, T, hidden] (T / tp under sequence parallelism).
     Raises: ValueError when the tp size does not divide num_heads.
     """
@@ -190,8 +215,10 @@ class MLAttention(nn.Module):
         tp_group: Any = None,
         device: Any = None,
         sequence_parallel: bool = False,
+        cp_group: Any = None,
     ):
         super().__init__()
+        self.cp_group = cp_group
         c = config
         tp = tp_size_of(tp_group)
         self.local_heads = divide_evenly(c.num_heads, tp, "num_heads")
@@ -287,14 +314,14 @@ class MLAttention(nn.Module):
         cos: torch.Tensor,
         sin: torch.Tensor,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The up-projections and RoPE: this rank's heads of q, k [B, T, n, qk_head_dim] and
-        v [B, T, n, v_dim] from the latents (without `q_lora_rank`, q_latent is q_proj's
-        output already)."""
+        """The up-projections and RoPE: this rank's heads of q [B, T, n, qk_head_dim], k
+        [B, T_k, n, qk_head_dim] and v [B, T_k, n, v_dim] from the latents (without
+        `q_lora_rank`, q_latent is q_proj's output already); T_k = T, or the whole sequence
+        under context parallelism (c_KV and k^R gathered over the cp ranks)."""
         n = self.local_heads
-        b, t, _ = c_kv.shape  # the whole sequence from here to o_proj
+        b, t, _ = c_kv.shape  # the whole sequence (this rank's chunks under cp) to o_proj
         # q: this rank's heads, each [q^C | q^R]: (B, T, n * qk_head_dim)
         q = q_latent if self.q_lora_rank is None else self.q_b_proj(q_latent)
-        kv = self.kv_b_proj(c_kv)  # (B, T, n * (nope_dim + v_dim))
         q = q.view(b, t, n, self.nope_dim + self.rope_dim)  # (B, T, n, qk_head_dim)
         if self.interleaved and self.nope_dim % 2 == 0:
             # rotate q^R inside the whole head [q^C | q^R]: no split and cat back
@@ -309,10 +336,18 @@ class MLAttention(nn.Module):
             q = torch.cat((q_nope, q_rope), dim=-1)  # (B, T, n, qk_head_dim)
             # k^R, the one rope key every head shares: (B, T, 1, rope_dim)
             k_rope = apply_rope(k_rope.unsqueeze(2), cos, sin, interleaved=self.interleaved)
-        # [k^C | v] per head: (B, T, n, nope_dim + v_dim)
-        kv = kv.view(b, t, n, self.nope_dim + self.v_dim)
-        # k^C (B, T, n, nope_dim) and v (B, T, n, v_dim)
+        if group_size(self.cp_group) > 1:
+            # the whole sequence's latent and rope key, one all-gather:
+            # (B, T_k, kv_lora_rank + rope_dim), then (B, T_k, kv_lora_rank), (B, T_k, 1, rope)
+            latent = gather_sequence(torch.cat((c_kv, k_rope.squeeze(2)), -1), self.cp_group)
+            c_kv, k_rope = latent.split([self.kv_lora_rank, self.rope_dim], dim=-1)
+            k_rope = k_rope.unsqueeze(2)
+        tk = c_kv.shape[1]
+        kv = self.kv_b_proj(c_kv)  # (B, T_k, n * (nope_dim + v_dim))
+        # [k^C | v] per head: (B, T_k, n, nope_dim + v_dim)
+        kv = kv.view(b, tk, n, self.nope_dim + self.v_dim)
+        # k^C (B, T_k, n, nope_dim) and v (B, T_k, n, v_dim)
         k_nope, v = kv.split([self.nope_dim, self.v_dim], dim=-1)
-        # [k^C | k^R] with k^R broadcast to every head: (B, T, n, qk_head_dim)
-        k = torch.cat((k_nope, k_rope.expand(b, t, n, self.rope_dim)), dim=-1)
+        # [k^C | k^R] with k^R broadcast to every head: (B, T_k, n, qk_head_dim)
+        k = torch.cat((k_nope, k_rope.expand(b, tk, n, self.rope_dim)), dim=-1)
         return q, k, v

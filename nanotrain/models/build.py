@@ -34,7 +34,8 @@ def build_model(
         config: DenseConfig or DeepSeekConfig.
         mesh: a ParallelMesh or None (one process); its `tp_group` splits heads and widths,
             its `ep_group` the routed experts of every MoE layer (MTP blocks included), and
-            its `ep_node_groups` (when set) make their dropless dispatch node-limited.
+            its `ep_node_groups` (when set) make their dropless dispatch node-limited, and
+            its `cp_group` (when cp > 1) splits each sequence (context parallelism).
         device: "meta", "cpu", "cuda", ... (None = "cpu").
         generator: optional torch.Generator on `device` for the initialization.
         sequence_parallel: shard activations outside the tensor-parallel matmuls along the
@@ -45,6 +46,7 @@ def build_model(
     """
     tp_group = getattr(mesh, "tp_group", None) if mesh is not None else None
     ep_group = getattr(mesh, "ep_group", None) if mesh is not None else None
+    cp_group = getattr(mesh, "cp_group", None) if mesh is not None else None
     if isinstance(config, DeepSeekConfig):
         cls: type[CausalLM] = DeepSeekV3
     elif isinstance(config, DenseConfig):
@@ -61,6 +63,7 @@ def build_model(
             device="meta",
             sequence_parallel=sequence_parallel,
             ep_group=ep_group,
+            cp_group=cp_group,
         )
     node_groups = getattr(mesh, "ep_node_groups", None) if mesh is not None else None
     if node_groups is not None:

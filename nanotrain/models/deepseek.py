@@ -43,14 +43,16 @@ def make_deepseek_layer(
     device: Any,
     sequence_parallel: bool = False,
     ep_group: Any = None,
+    cp_group: Any = None,
 ) -> DecoderLayer:
     """One DeepSeek decoder layer: MLA + (DeepSeekMoE if `moe` else dense SwiGLU); `ep_group`
-    splits the routed experts of a MoE layer (None: this rank holds them all)."""
+    splits the routed experts of a MoE layer (None: this rank holds them all); `cp_group`
+    holds the other parts of each sequence (context parallelism)."""
     c = config
     kw = {"tp_group": tp_group, "device": device, "sequence_parallel": sequence_parallel}
-    attn = MLAttention(c, **kw)
+    attn = MLAttention(c, cp_group=cp_group, **kw)
     if moe:
-        mlp: nn.Module = DeepSeekMoE(c, ep_group=ep_group, **kw)
+        mlp: nn.Module = DeepSeekMoE(c, ep_group=ep_group, cp_group=cp_group, **kw)
     else:
         mlp = SwiGLU(c.hidden_size, c.intermediate_size, **kw)
     return DecoderLayer(attn, mlp, c.hidden_size, c.rms_norm_eps, device)
@@ -73,6 +75,7 @@ class MTPModule(nn.Module):
         device: Any,
         sequence_parallel: bool = False,
         ep_group: Any = None,
+        cp_group: Any = None,
     ):
         super().__init__()
         c = config
@@ -89,6 +92,7 @@ class MTPModule(nn.Module):
             device=device,
             sequence_parallel=sequence_parallel,
             ep_group=ep_group,
+            cp_group=cp_group,
         )
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps, device=device)
 
@@ -121,6 +125,7 @@ class DeepSeekV3(CausalLM):
         device: Any = None,
         sequence_parallel: bool = False,
         ep_group: Any = None,
+        cp_group: Any = None,
     ):
         if not isinstance(config, DeepSeekConfig):
             raise TypeError(f"DeepSeekV3 needs a DeepSeekConfig, got {type(config).__name__}")
@@ -129,6 +134,7 @@ class DeepSeekV3(CausalLM):
             "device": device,
             "sequence_parallel": sequence_parallel,
             "ep_group": ep_group,
+            "cp_group": cp_group,
         }
         super().__init__(config, **kw)
         self.mtp = nn.ModuleList(MTPModule(config, **kw) for _ in range(config.mtp_depth))
@@ -146,6 +152,7 @@ class DeepSeekV3(CausalLM):
             device=device,
             sequence_parallel=self.sequence_parallel,
             ep_group=self.ep_group,
+            cp_group=self.cp_group,
         )
 
     def mtp_losses(

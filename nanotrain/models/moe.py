@@ -51,6 +51,7 @@ from nanotrain.parallel.collectives import (
     group_size,
     reduce_from_tensor_parallel_region,
 )
+from nanotrain.parallel.context import count_once
 from nanotrain.parallel.expert import (
     expert_counts,
     mark_expert_params,
@@ -192,6 +193,7 @@ def sequence_balance_loss(
     batch: int,
     alpha: float,
     sequence_group: Any = None,
+    context_group: Any = None,
 ) -> torch.Tensor:
     """Sequence-wise balance loss (DeepSeek-V3 eqs. 17-20), averaged over the batch.
 
@@ -204,7 +206,12 @@ def sequence_balance_loss(
         sequence_group: under sequence parallelism, the tensor-parallel group whose ranks hold
             the other T_local-long parts of the same B sequences (T = T_local * group size);
             None when this rank holds whole sequences.
-    Returns: scalar tensor, the same on every rank of `sequence_group`.
+        context_group: under context parallelism, the group whose ranks hold the other
+            chunks of the same B sequences (summed after `sequence_group`). Every rank of it
+            then computes the whole loss but backpropagates only its own tokens' part, while
+            the strategy weighs each rank's copy as separate sequences: the gradient is
+            scaled by the group's size (`nanotrain.parallel.context.count_once`).
+    Returns: scalar tensor, the same on every rank of `sequence_group` and `context_group`.
     """
     n, e = scores.shape
     k = topk_idx.shape[1]
@@ -223,10 +230,11 @@ def sequence_balance_loss(
     # its own tokens, and the router's grad is then summed over tp like any replicated grad.
     # stats: (2, B, E)
     stats = reduce_from_tensor_parallel_region(torch.stack([hits, prob_sum]), sequence_group)
+    stats = reduce_from_tensor_parallel_region(stats, context_group)
     hits, prob_sum = stats.unbind(0)  # each (B, E), over whole sequences
-    t = t_local * group_size(sequence_group)
+    t = t_local * group_size(sequence_group) * group_size(context_group)
     f = hits * (e / (k * t))
-    return alpha * (f * (prob_sum / t)).sum(dim=-1).mean()
+    return count_once(alpha * (f * (prob_sum / t)).sum(dim=-1).mean(), context_group)
 
 
 def expert_capacity(config: Any, num_tokens: int) -> int | None:
@@ -284,12 +292,15 @@ class DeepSeekMoE(nn.Module):
         ep_group: Any = None,
         device: Any = None,
         sequence_parallel: bool = False,
+        cp_group: Any = None,
     ):
         super().__init__()
         c = config
         self.config = c
         # the group holding the rest of each sequence (None: this rank holds whole sequences)
         self.sequence_group = tp_group if sequence_parallel else None
+        # the context-parallel ranks holding the other chunks of each sequence (or None)
+        self.context_group = cp_group
         self.ep_group = ep_group
         # the ep group split by node (`nanotrain.models.build` sets it from the mesh): the
         # dropless dispatch is then node-limited
@@ -363,7 +374,9 @@ class DeepSeekMoE(nn.Module):
                     self.dropped_tokens += keep.numel() - keep.sum()
             if self.config.aux_loss_alpha > 0:
                 alpha = self.config.aux_loss_alpha
-                aux = sequence_balance_loss(scores, topk_idx, b, alpha, self.sequence_group)
+                aux = sequence_balance_loss(
+                    scores, topk_idx, b, alpha, self.sequence_group, self.context_group
+                )
         return y, aux
 
     def _for_dispatch(self, copies: torch.Tensor) -> torch.Tensor:

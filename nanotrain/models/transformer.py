@@ -8,7 +8,10 @@ the per-token rotary tables and the block-causal mask from input_ids.
 
 Shapes: B batch, T sequence, H hidden, V vocabulary (padded to a multiple of tp: the head
 holds V / tp columns per rank). Under sequence parallelism the hidden states between the
-tensor-parallel matmuls are (B, T / tp, H) on each rank.
+tensor-parallel matmuls are (B, T / tp, H) on each rank. Under context parallelism
+(`nanotrain.parallel.context`) a rank holds T / cp tokens of each sequence (two chunks): T
+below is then this rank's part, and the rotary tables and causal mask follow the tokens'
+global positions.
 """
 
 from __future__ import annotations
@@ -31,6 +34,8 @@ from nanotrain.models.recompute import (
     rebuilt_norm_then,
     recomputed,
 )
+from nanotrain.parallel.collectives import group_rank, group_size
+from nanotrain.parallel.context import causal_mask, chunk_positions
 from nanotrain.parallel.cross_entropy import vocab_parallel_cross_entropy
 from nanotrain.parallel.tensor import ColumnParallelLinear, VocabParallelEmbedding, pad_vocab_size
 
@@ -155,6 +160,9 @@ class CausalLM(nn.Module):
             vocab-parallel cross-entropy. T must be divisible by tp.
         ep_group: expert-parallel group splitting the routed experts of MoE layers (None: one
             rank holds them all; dense models ignore it).
+        cp_group: context-parallel group: each rank holds two chunks of every sequence
+            (`nanotrain.parallel.context`) and attention gathers the keys and values of the
+            others (None: this rank holds whole sequences).
     """
 
     def __init__(
@@ -165,11 +173,13 @@ class CausalLM(nn.Module):
         device: Any,
         sequence_parallel: bool = False,
         ep_group: Any = None,
+        cp_group: Any = None,
     ):
         super().__init__()
         self.config = config
         self.tp_group = tp_group
         self.ep_group = ep_group
+        self.cp_group = cp_group
         self.sequence_parallel = sequence_parallel
         c = config
         sp = {"sequence_parallel": sequence_parallel}
@@ -273,6 +283,19 @@ class CausalLM(nn.Module):
         position inside its document, [B, T, rope_dim / 2], and the block-causal mask
         [B, 1, T, T] from input_ids [B, T] (whole on every rank, also under SP).
         """
+        cp = group_size(self.cp_group)
+        if cp > 1:
+            if self.documents is not None and self.documents.mask_attention:
+                raise ValueError(
+                    "document masking (document_mask=True) is not supported with context "
+                    "parallelism (cp > 1); turn one of them off"
+                )
+            # this rank's two chunks: tables at their global positions, mask over all keys
+            t = self.full_seq_len(h) * cp  # the whole sequence
+            positions = chunk_positions(t, cp, group_rank(self.cp_group), h.device)
+            cos, sin = self.rope(t, h.device)  # each (T, rope_dim / 2)
+            # (T / cp, rope_dim / 2) each, and [1, 1, T / cp, T]
+            return cos[positions], sin[positions], causal_mask(positions, t)
         cos, sin = self.rope(self.full_seq_len(h), h.device)  # each (T, rope_dim / 2), all T
         if self.documents is None or not self.documents.mask_attention or input_ids is None:
             return cos, sin, None
@@ -412,6 +435,7 @@ class DenseTransformer(CausalLM):
         device: Any = None,
         sequence_parallel: bool = False,
         ep_group: Any = None,
+        cp_group: Any = None,
     ):
         if not isinstance(config, DenseConfig):
             raise TypeError(f"DenseTransformer needs a DenseConfig, got {type(config).__name__}")
@@ -421,6 +445,7 @@ class DenseTransformer(CausalLM):
             device=device,
             sequence_parallel=sequence_parallel,
             ep_group=ep_group,
+            cp_group=cp_group,
         )
 
     @property
@@ -434,7 +459,7 @@ class DenseTransformer(CausalLM):
             "device": device,
             "sequence_parallel": self.sequence_parallel,
         }
-        attn = DenseAttention(c, **kw)
+        attn = DenseAttention(c, cp_group=self.cp_group, **kw)
         mlp = SwiGLU(c.hidden_size, c.intermediate_size, **kw)
         return DecoderLayer(attn, mlp, c.hidden_size, c.rms_norm_eps, device)
 

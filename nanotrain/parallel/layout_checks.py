@@ -3,7 +3,7 @@ any process group exists; their errors name the offending numbers and the valid 
 
 from __future__ import annotations
 
-__all__ = ["check_sizes", "divisors", "validate_layout"]
+__all__ = ["check_context", "check_sizes", "divisors", "validate_layout"]
 
 
 def divisors(n: int) -> list[int]:
@@ -111,3 +111,19 @@ def validate_layout(
             f"valid pp values: {_fmt(valid)}"
         )
     return dp
+
+
+def check_context(replicas: int, cp: int) -> None:
+    """Context parallelism is carved out of the weight replicas (the data-parallel axis):
+    ``cp`` must be an int >= 1 dividing ``replicas`` (= data-parallel x context-parallel).
+
+    Raises:
+        TypeError: cp is not an int.
+        ValueError: cp < 1 or it does not divide ``replicas``.
+    """
+    check_sizes(cp=cp)
+    if replicas % cp != 0:
+        raise ValueError(
+            f"cp={cp} does not divide the {replicas} weight replicas (data x context "
+            f"parallel ranks); valid cp values: {_fmt(divisors(replicas))}"
+        )

@@ -6,7 +6,16 @@ parallel, then pipeline parallel::
     rank = tp_rank + tp * (dp_rank + dp * pp_rank)
 
 so the ranks of one tensor-parallel group are neighbours (one node, the fastest links).
-Expert parallelism is carved out of the data-parallel axis, expert rank fastest::
+Context parallelism (``cp``) is carved out of the data-parallel axis, context rank fastest,
+so the order of the axes is Megatron-Core's tp-cp-ep-dp-pp::
+
+    dp_rank = cp_rank + cp * data_rank
+
+Context-parallel ranks hold replicas of the weights and different parts of the same
+sequences: the ``dp`` axis is the group of weight replicas (Megatron's "dp x cp" group, over
+which gradients are reduced, ZeRO shards and the grad norm is taken), and the ``dp / cp``
+ranks with the same ``cp_rank`` read different samples (`ParallelMesh.data_rank`). Expert
+parallelism is carved out of the same replica axis, expert rank fastest::
 
     dp_rank = ep_rank + ep * expert_dp_rank
 
@@ -42,7 +51,7 @@ from datetime import timedelta
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
-from nanotrain.parallel.layout_checks import check_sizes, validate_layout
+from nanotrain.parallel.layout_checks import check_context, check_sizes, validate_layout
 from nanotrain.parallel.node_dispatch import NodeGroups, node_split
 from nanotrain.parallel.placement import StagePlacement
 
@@ -59,8 +68,9 @@ __all__ = [
 #: a pipeline channel: (sender, receiver, whether it carries gradients) global ranks
 Channel = tuple[int, int, bool]
 
-#: Mesh axes, in the order their process groups are created (the same on every rank).
-AXES: tuple[str, ...] = ("tp", "pp", "dp", "ep", "expert_dp", "mp")
+#: Mesh axes, in the order their process groups are created (the same on every rank); the
+#: ``cp`` groups are created only when cp > 1 (`ParallelMesh.cp_group` is None otherwise).
+AXES: tuple[str, ...] = ("tp", "pp", "dp", "ep", "expert_dp", "mp", "cp")
 
 
 @dataclass(frozen=True)
@@ -73,11 +83,16 @@ class MeshCoords:
     dp_rank: int
     ep_rank: int
     expert_dp_rank: int
+    cp_rank: int = 0
+    data_rank: int = 0
 
 
 @dataclass(frozen=True)
 class MeshLayout:
     """Axis sizes of a mesh and the pure rank arithmetic on them (no process groups).
+
+    ``dp`` counts the weight replicas (data x context parallel ranks); ``cp`` of them hold
+    parts of the same sequences, so ``dp // cp`` read different samples (`data`).
 
     Raises:
         TypeError, ValueError: as ``validate_layout`` for an inconsistent layout.
@@ -87,9 +102,16 @@ class MeshLayout:
     pp: int = 1
     dp: int = 1
     ep: int = 1
+    cp: int = 1
 
     def __post_init__(self) -> None:
         validate_layout(self.tp * self.pp * self.dp, self.tp, self.pp, self.ep, self.dp)
+        check_context(self.dp, self.cp)
+
+    @property
+    def data(self) -> int:
+        """Ranks reading different samples in one replica group, ``dp // cp``."""
+        return self.dp // self.cp
 
     @property
     def world_size(self) -> int:
@@ -104,7 +126,7 @@ class MeshLayout:
     def size(self, axis: str) -> int:
         """Number of ranks in one group of ``axis`` (one of ``AXES``)."""
         sizes = {"tp": self.tp, "pp": self.pp, "dp": self.dp, "ep": self.ep}
-        sizes.update(expert_dp=self.expert_dp, mp=self.tp * self.pp)
+        sizes.update(expert_dp=self.expert_dp, mp=self.tp * self.pp, cp=self.cp)
         if axis not in sizes:
             raise ValueError(f"unknown mesh axis {axis!r}; choose one of {AXES}")
         return sizes[axis]
@@ -124,7 +146,10 @@ class MeshLayout:
         tp_rank, rest = rank % self.tp, rank // self.tp
         dp_rank, pp_rank = rest % self.dp, rest // self.dp
         ep_rank, expert_dp_rank = dp_rank % self.ep, dp_rank // self.ep
-        return MeshCoords(rank, tp_rank, pp_rank, dp_rank, ep_rank, expert_dp_rank)
+        cp_rank, data_rank = dp_rank % self.cp, dp_rank // self.cp
+        return MeshCoords(
+            rank, tp_rank, pp_rank, dp_rank, ep_rank, expert_dp_rank, cp_rank, data_rank
+        )
 
     def groups(self, axis: str) -> list[list[int]]:
         """Every group of ``axis`` as sorted global ranks, in creation order; they partition
@@ -153,6 +178,14 @@ class MeshLayout:
             ]
         if axis == "mp":
             return [sorted(r(t, d, p) for p in range(pp) for t in range(tp)) for d in range(dp)]
+        if axis == "cp":
+            cp = self.cp
+            return [
+                [r(t, c + cp * x, p) for c in range(cp)]
+                for p in range(pp)
+                for x in range(dp // cp)
+                for t in range(tp)
+            ]
         raise ValueError(f"unknown mesh axis {axis!r}; choose one of {AXES}")
 
     def pipeline_channels(self, v_shape: bool = False) -> list[Channel]:
@@ -197,6 +230,9 @@ class MeshLayout:
             return [r(c.tp_rank, c.ep_rank + ep * y, c.pp_rank) for y in range(self.dp // ep)]
         if axis == "mp":
             return sorted(r(t, c.dp_rank, p) for p in range(self.pp) for t in range(self.tp))
+        if axis == "cp":
+            base = self.cp * c.data_rank
+            return [r(c.tp_rank, base + k, c.pp_rank) for k in range(self.cp)]
         raise ValueError(f"unknown mesh axis {axis!r}; choose one of {AXES}")
 
 
@@ -285,6 +321,7 @@ class ParallelMesh:
         ep: int = 1,
         dp: int | None = None,
         *,
+        cp: int = 1,
         world_size: int | None = None,
         rank: int | None = None,
         timeout: timedelta | None = None,
@@ -302,7 +339,10 @@ class ParallelMesh:
         ``MeshLayout.groups``) and each rank keeps the ones that contain it.
 
         Args:
-            tp, pp, ep, dp: axis sizes (``dp=None``: inferred from the world size).
+            tp, pp, ep, dp: axis sizes (``dp=None``: inferred from the world size); ``dp``
+                counts the weight replicas, context-parallel ranks included.
+            cp: context-parallel size, carved out of ``dp`` (must divide it); its groups are
+                created (after those of every other axis) only when cp > 1.
             world_size, rank: default to ``dist.get_world_size()`` / ``dist.get_rank()``.
             timeout: per-group collective timeout (``None``: torch's default for the backend,
                 which does not inherit the timeout given to ``init_process_group``).
@@ -335,6 +375,7 @@ class ParallelMesh:
             if not initialized:
                 if world_size in (None, 1) and rank in (None, 0):
                     validate_layout(1, tp, pp, ep, dp, **model_dims)
+                    check_context(1, cp)
                     return cls.single()
                 raise RuntimeError(
                     "torch.distributed is not initialised; call init_process_group first, "
@@ -343,7 +384,7 @@ class ParallelMesh:
             world_size = dist.get_world_size() if world_size is None else world_size
             rank = dist.get_rank() if rank is None else rank
         dp = validate_layout(world_size, tp, pp, ep, dp, **model_dims)
-        layout = MeshLayout(tp=tp, pp=pp, dp=dp, ep=ep)
+        layout = MeshLayout(tp=tp, pp=pp, dp=dp, ep=ep, cp=cp)
         coords = layout.coords(rank)  # rejects a rank outside the world before any group
         # every ep group's node split, checked before any group exists
         splits = [] if ranks_per_node is None or ep == 1 else layout.groups("ep")
@@ -364,6 +405,8 @@ class ParallelMesh:
             new_group = functools.partial(dist.new_group, timeout=timeout, backend=backend)
         groups: dict[str, ProcessGroup | None] = {}
         for axis in AXES:
+            if axis == "cp" and cp == 1:
+                continue  # no group: the context-parallel collectives are then no-ops
             for ranks in layout.groups(axis):
                 # Collective over the whole world: every rank creates every group, in order,
                 # even the groups it is not part of.
@@ -420,16 +463,30 @@ class ParallelMesh:
         lambda self: self._groups["expert_dp"], doc="Data-parallel group of expert weights."
     )
     mp_group = property(lambda self: self._groups["mp"], doc="Model-parallel group (tp x pp).")
+    cp_group = property(
+        lambda self: self._groups["cp"],
+        doc="Context-parallel group (parts of the same sequences); None when cp = 1.",
+    )
 
     tp_size = property(lambda self: self.layout.tp, doc="Tensor-parallel size.")
     pp_size = property(lambda self: self.layout.pp, doc="Pipeline-parallel size.")
-    dp_size = property(lambda self: self.layout.dp, doc="Data-parallel size.")
+    dp_size = property(
+        lambda self: self.layout.dp, doc="Weight replicas (data x context parallel ranks)."
+    )
+    cp_size = property(lambda self: self.layout.cp, doc="Context-parallel size.")
+    data_size = property(
+        lambda self: self.layout.data, doc="Ranks reading different samples, dp // cp."
+    )
     ep_size = property(lambda self: self.layout.ep, doc="Expert-parallel size.")
     expert_dp_size = property(lambda self: self.layout.expert_dp, doc="dp // ep.")
 
     tp_rank = property(lambda self: self.coords.tp_rank, doc="Rank in the tp group.")
     pp_rank = property(lambda self: self.coords.pp_rank, doc="Pipeline stage index.")
     dp_rank = property(lambda self: self.coords.dp_rank, doc="Rank in the dp group.")
+    cp_rank = property(lambda self: self.coords.cp_rank, doc="Rank in the cp group.")
+    data_rank = property(
+        lambda self: self.coords.data_rank, doc="Which samples this rank reads, dp_rank // cp."
+    )
     ep_rank = property(lambda self: self.coords.ep_rank, doc="Rank in the ep group.")
     expert_dp_rank = property(
         lambda self: self.coords.expert_dp_rank, doc="Rank in the expert-dp group."
@@ -461,5 +518,6 @@ class ParallelMesh:
         c, lay = self.coords, self.layout
         return (
             f"ParallelMesh(rank={c.rank}/{lay.world_size}, tp={c.tp_rank}/{lay.tp}, "
-            f"pp={c.pp_rank}/{lay.pp}, dp={c.dp_rank}/{lay.dp}, ep={c.ep_rank}/{lay.ep})"
+            f"pp={c.pp_rank}/{lay.pp}, dp={c.dp_rank}/{lay.dp}, ep={c.ep_rank}/{lay.ep}, "
+            f"cp={c.cp_rank}/{lay.cp})"
         )

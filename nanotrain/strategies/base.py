@@ -183,6 +183,14 @@ class Strategy(ABC):
         """Which slice of each global batch this process reads (see `DataShard`)."""
         return DataShard()
 
+    @property
+    def gradient_replicas(self) -> int:
+        """Ranks that each hold a replica of the weights and a distinct part of the global
+        batch, over which `reduce` sums the loss counts and the gradient reduction averages:
+        ``data_shard().count``, times the context-parallel size where ranks hold parts of
+        the same samples (`MegatronStrategy`)."""
+        return self.data_shard().count
+
     def check_step_microbatches(self, num_microbatches: int) -> None:
         """Raise ValueError, at fit start, when this strategy cannot run `num_microbatches`
         microbatches per optimizer step (a pipeline schedule's own rule); any number runs

@@ -1,4 +1,5 @@
-"""MegatronStrategy: tensor (+ sequence), pipeline, expert and data parallelism, ZeRO-1/2/3.
+"""MegatronStrategy: tensor (+ sequence), context, pipeline, expert and data parallelism,
+ZeRO-1/2/3.
 
 It composes the pieces of `nanotrain.parallel`: a `ParallelMesh` of process groups (the model
 is built against it in ``configure_model``), flat gradient buckets reduced while backward runs
@@ -29,6 +30,13 @@ one loss) is summed over every microbatch of every dp rank (one small all-reduce
 backward) and each microbatch's term is weighed by ``count * dp / global_count`` (see
 `weighting.weigh_microbatches`). `StepOutput.loss` is that same global objective and
 `StepOutput.metrics` holds each term's global mean.
+
+Context parallelism (``cp > 1``, `nanotrain.parallel.context`): the ``cp`` ranks of a
+context-parallel group read the same samples and each keeps two chunks of every sequence
+(`context_batch`, applied to every microbatch before anything counts or runs it). They hold
+replicas of the weights: "dp" in the mesh is then the group of dp x cp weight replicas, over
+which the loss counts are summed, the gradients averaged, ZeRO shards and the grad norm is
+taken, exactly as for data-parallel ranks.
 """
 
 from __future__ import annotations
@@ -40,9 +48,10 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from nanotrain.parallel.context import context_batch
 from nanotrain.parallel.data_parallel import GradBucketSets, backward_order
 from nanotrain.parallel.grads import is_tp_sharded, sequence_parallel_params
-from nanotrain.parallel.mesh import ParallelMesh, validate_layout
+from nanotrain.parallel.mesh import ParallelMesh, check_context, validate_layout
 from nanotrain.parallel.schedules import SCHEDULES, splits_backward
 from nanotrain.parallel.zero import ZeroOptimizer
 from nanotrain.precision.master import MasterWeights
@@ -60,7 +69,11 @@ from nanotrain.strategies.megatron_grads import (
     check_built_model,
     expert_param_ids,
 )
-from nanotrain.strategies.megatron_options import check_model_layout, check_options
+from nanotrain.strategies.megatron_options import (
+    check_context_module,
+    check_model_layout,
+    check_options,
+)
 from nanotrain.strategies.megatron_pipeline import (
     PipelineEngine,
 )
@@ -96,7 +109,14 @@ class MegatronStrategy(MegatronEnvironment, ShardedMethods, MegatronGradNorms, S
         pp: pipeline-parallel size (stages; the layers are split over pp × virtual_pp chunks).
         ep: expert-parallel size: the routed experts of every MoE layer are split over ``ep``
             ranks (must divide dp and the model's number of routed experts).
-        dp: data-parallel size; None infers ``world_size // (tp * pp)``.
+        dp: data-parallel size (ranks reading different samples); None infers
+            ``world_size // (tp * pp * cp)``.
+        cp: context-parallel size: each sequence is cut into 2·cp chunks, rank i of a
+            context-parallel group holding chunks i and 2·cp-1-i, and attention all-gathers
+            the keys and values (MLA: its compressed latent) of the others
+            (`nanotrain.parallel.context`). The sequence length must be a multiple of 2·cp
+            (2·cp·tp with sequence parallelism). Not with ZeRO-3, document masking, MTP or
+            capacity-limited MoE layers (refused, see docs/parallelism.md).
         zero_stage: 0 (replicated optimizer), 1 (optimizer state sharded over dp; expert
             state over expert-dp), 2 (also gradients reduce-scattered, each rank keeping
             its shard) or 3 (also parameters: torch's FSDP2 `fully_shard` per decoder layer,
@@ -174,6 +194,7 @@ class MegatronStrategy(MegatronEnvironment, ShardedMethods, MegatronGradNorms, S
         cpu_offload: bool = False,
         reshard_after_forward: bool = True,
         reduce_scatter_every_microbatch: bool = False,
+        cp: int = 1,
     ) -> None:
         super().__init__()
         self.schedule, self.virtual_pp = check_options(
@@ -181,6 +202,7 @@ class MegatronStrategy(MegatronEnvironment, ShardedMethods, MegatronGradNorms, S
             pp=pp,
             ep=ep,
             dp=dp,
+            cp=cp,
             zero_stage=zero_stage,
             bucket_size_mb=bucket_size_mb,
             virtual_pp=virtual_pp,
@@ -201,7 +223,9 @@ class MegatronStrategy(MegatronEnvironment, ShardedMethods, MegatronGradNorms, S
         self.cpu_offload = bool(cpu_offload)
         self.reshard_after_forward = bool(reshard_after_forward)
         self._fsdp: FullyShardedModel | None = None
-        self.tp, self.pp, self.ep, self.dp = tp, pp, ep, dp
+        self.tp, self.pp, self.ep, self.dp, self.cp = tp, pp, ep, dp, cp
+        # the mesh's "dp" axis: weight replicas, context-parallel ranks included
+        self.replicas = None if dp is None else dp * cp
         self.zero_stage = zero_stage
         self.sequence_parallel = bool(sequence_parallel)
         self.bucket_size_mb = bucket_size_mb
@@ -219,12 +243,20 @@ class MegatronStrategy(MegatronEnvironment, ShardedMethods, MegatronGradNorms, S
 
     # -- environment -----------------------------------------------------------------------------
     def validate_world(self, world_size: int) -> int:
-        """Check the layout against ``world_size`` (no process needed); return the dp size.
+        """Check the layout against ``world_size`` (no process needed); return the number of
+        weight replicas (dp x cp: the mesh's "dp" axis).
 
         Raises:
             ValueError: naming the numbers and a valid alternative.
         """
-        return validate_layout(world_size, self.tp, self.pp, self.ep, self.dp)
+        if self.cp > 1 and world_size % (self.tp * self.pp * self.cp) != 0:
+            raise ValueError(
+                f"tp*pp*cp={self.tp}*{self.pp}*{self.cp}={self.tp * self.pp * self.cp} does "
+                f"not divide world_size={world_size}; pick a cp that does"
+            )
+        replicas = validate_layout(world_size, self.tp, self.pp, self.ep, self.replicas)
+        check_context(replicas, self.cp)
+        return replicas
 
     def validate_model(self, config: Any, world_size: int | None = None) -> None:
         """Check the layout against a model config's heads, experts and layers.
@@ -238,7 +270,7 @@ class MegatronStrategy(MegatronEnvironment, ShardedMethods, MegatronGradNorms, S
             tp=self.tp,
             pp=self.pp,
             ep=self.ep,
-            dp=self.dp,
+            dp=self.replicas,
             virtual_pp=self.virtual_pp,
             pipeline_layout=self.pipeline_layout,
             node_limited_dispatch=self.node_limited_dispatch,
@@ -276,8 +308,14 @@ class MegatronStrategy(MegatronEnvironment, ShardedMethods, MegatronGradNorms, S
         return launched_world_size()
 
     def data_shard(self) -> DataShard:
-        """``(dp_rank, dp_size)``: tensor-parallel peers read the same samples."""
-        return DataShard(self.mesh.dp_rank, self.mesh.dp_size)
+        """``(data_rank, dp // cp)``: tensor- and context-parallel peers read the same
+        samples (context-parallel ones then keep different chunks of them)."""
+        return DataShard(self.mesh.data_rank, self.mesh.data_size)
+
+    @property
+    def gradient_replicas(self) -> int:
+        """Weight replicas: the mesh's dp group (data x context parallel ranks)."""
+        return self.mesh.dp_size
 
     @property
     def metric_process_group(self) -> Any:
@@ -322,6 +360,8 @@ class MegatronStrategy(MegatronEnvironment, ShardedMethods, MegatronGradNorms, S
         if config is not None:
             self.validate_model(config)
         super().setup_module(module)
+        if self.cp > 1:
+            check_context_module(module, self.cp, self.tp if self.sequence_parallel else 1)
         params = backward_order(module)
         check_built_model(module, params, self.mesh, self.sequence_parallel)
         precision = self.precision
@@ -382,6 +422,8 @@ class MegatronStrategy(MegatronEnvironment, ShardedMethods, MegatronGradNorms, S
     ) -> StepOutput:
         """Accumulate the gradient of the mean loss over the global batch's tokens; reduce it
         over dp (and tp under SP). `hooks` need `supports_microbatch_hooks`."""
+        if self.cp > 1:  # this rank's two chunks of every sequence
+            microbatches = [context_batch(mb, self.mesh.cp_group) for mb in microbatches]
         if self._fsdp is not None:
             return self._forward_backward_sharded(module, microbatches, batch_idx, hooks)
         grads = self._grads
@@ -455,7 +497,11 @@ class MegatronStrategy(MegatronEnvironment, ShardedMethods, MegatronGradNorms, S
         self, module: NanoModule, batch: Any, batch_idx: int, step_name: str = "validation_step"
     ) -> Any:
         """Forward only: through the pipeline stages under pp > 1 (every stage logs the
-        global values), else `module.<step_name>` ("validation_step" or "test_step")."""
+        global values), else `module.<step_name>` ("validation_step" or "test_step").
+        Under context parallelism each rank runs its chunks of the whole sequences, and the
+        logged means reduce over the dp x cp ranks (`metric_process_group`)."""
+        if self.cp > 1:
+            batch = context_batch(batch, self.mesh.cp_group)
         if self._pipeline is not None:
             run = None if self._fsdp is None else self._fsdp.run
             return self._pipeline.validation_step(
@@ -469,6 +515,11 @@ class MegatronStrategy(MegatronEnvironment, ShardedMethods, MegatronGradNorms, S
     def predict_step(self, module: NanoModule, batch: Any, batch_idx: int) -> Any:
         """`module.predict_step` forward-only; refused under pp > 1, where no stage holds a
         whole model to return predictions from."""
+        if self.cp > 1:
+            raise ValueError(
+                "Trainer.predict is not supported under context parallelism (cp > 1): each "
+                "rank holds only chunks of the sequences; predict with cp=1"
+            )
         if self._pipeline is not None:
             raise ValueError(
                 "Trainer.predict is not supported under pipeline parallelism (pp > 1): no "

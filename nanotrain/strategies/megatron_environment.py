@@ -58,7 +58,8 @@ class MegatronEnvironment:
             self.tp,
             self.pp,
             self.ep,
-            self.dp,
+            self.replicas,
+            cp=self.cp,
             timeout=timeout,
             pipeline_v_shape=v_shape,
             paired_chunks=self.overlap_forward_backward,
@@ -108,7 +109,7 @@ class MegatronEnvironment:
         size = self.ranks_per_node or env_int("LOCAL_WORLD_SIZE") or world
         if self.node_limited_dispatch is None:  # where the ep groups do not split: flat
             dp = self.validate_world(world)
-            layout = MeshLayout(tp=self.tp, pp=self.pp, dp=dp, ep=self.ep)
+            layout = MeshLayout(tp=self.tp, pp=self.pp, dp=dp, ep=self.ep, cp=self.cp)
             try:
                 for ranks in layout.groups("ep"):
                     node_split(ranks, size)

@@ -7,6 +7,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from nanotrain.parallel.context import check_context_length
 from nanotrain.parallel.mesh import check_sizes, validate_layout
 from nanotrain.parallel.pipeline import partition_layers
 from nanotrain.strategies.layout_checks import model_dims
@@ -31,6 +32,7 @@ def check_options(
     cpu_offload: bool,
     reshard_after_forward: bool,
     reduce_scatter_every_microbatch: bool,
+    cp: int = 1,
 ) -> tuple[str, int]:
     """Check `MegatronStrategy`'s arguments (same names and meaning) without a process.
 
@@ -41,7 +43,8 @@ def check_options(
     Raises:
         TypeError, ValueError: naming the invalid value or combination and what to use.
     """
-    check_sizes(tp=tp, pp=pp, ep=ep, dp=dp, virtual_pp=virtual_pp)
+    check_sizes(tp=tp, pp=pp, ep=ep, dp=dp, virtual_pp=virtual_pp, cp=cp)
+    check_context_options(cp, zero_stage, overlap_forward_backward)
     if virtual_pp > 1 and pp == 1:
         raise ValueError(f"virtual_pp={virtual_pp} needs pp > 1; use virtual_pp=1")
     schedule = pick_schedule(schedule, virtual_pp)
@@ -60,10 +63,12 @@ def check_options(
             "node_limited_dispatch=True needs expert parallelism (ep > 1): with ep=1 every "
             "expert is on every rank and no token leaves it; set ep or drop the option"
         )
-    if dp is not None and dp % ep != 0:
+    if dp is not None and (dp * cp) % ep != 0:
+        what = f"dp={dp}" if cp == 1 else f"dp*cp={dp}*{cp}={dp * cp}"
         raise ValueError(
-            f"ep={ep} does not divide dp={dp} (expert parallelism is carved out of data "
-            f"parallelism); pick ep among the divisors of {dp}, or a dp that ep divides"
+            f"ep={ep} does not divide {what} (expert parallelism is carved out of the data "
+            f"(x context) parallel ranks); pick ep among the divisors of {dp * cp}, or a dp "
+            "that ep divides"
         )
     if zero_stage not in (0, 1, 2, 3):
         raise ValueError(f"zero_stage must be 0, 1, 2 or 3, got {zero_stage!r}")
@@ -113,3 +118,58 @@ def check_model_layout(
             f"capacity_factor={config.capacity_factor} (its fixed expert slots go by the "
             "flat dispatch); set capacity_factor=None or node_limited_dispatch=None"
         )
+
+
+def check_context_options(cp: int, zero_stage: int, overlap_forward_backward: bool) -> None:
+    """The options context parallelism (cp > 1) cannot run with, refused at construction.
+
+    Raises:
+        ValueError: naming the combination and what to change.
+    """
+    if cp == 1:
+        return
+    if zero_stage == 3:
+        raise ValueError(
+            f"cp={cp} with zero_stage=3 is not supported (context-parallel ranks are not "
+            "wired into the FSDP2 groups); use zero_stage=1 or 2, which shard over the "
+            "dp x cp ranks, or cp=1"
+        )
+    if overlap_forward_backward:
+        raise ValueError(
+            f"cp={cp} with overlap_forward_backward=True is not supported: the two chunks' "
+            "key/value all-gathers would run side by side on one context-parallel group; "
+            "set overlap_forward_backward=False"
+        )
+
+
+def check_context_module(module: Any, cp: int, tp: int = 1) -> None:
+    """Check a built module for what context parallelism (cp > 1) cannot split: the data's
+    sequence length must be a multiple of 2·cp·tp (tp: the tensor-parallel size under
+    sequence parallelism, else 1); no multi-token prediction (its targets lie beyond a
+    chunk's end), no document masking and no capacity-limited MoE layers (their drops are
+    decided per whole sequence).
+
+    Raises:
+        ValueError: naming the setting and how to change it.
+    """
+    config = getattr(module, "config", None)
+    if getattr(config, "mtp_depth", 0):
+        raise ValueError(
+            f"cp={cp} does not support multi-token prediction yet (mtp_depth="
+            f"{config.mtp_depth}: its targets lie beyond a chunk's end); set "
+            "model_overrides={'mtp_depth': 0} or cp=1"
+        )
+    if getattr(config, "capacity_factor", None) is not None:
+        raise ValueError(
+            f"cp={cp} needs dropless MoE layers, but the model has capacity_factor="
+            f"{config.capacity_factor} (its drops are decided per whole sequence); set "
+            "capacity_factor=None or cp=1"
+        )
+    documents = getattr(module, "documents", None)
+    if documents is not None and getattr(documents, "mask_attention", False):
+        raise ValueError(
+            f"cp={cp} does not support document masking (document_mask=True); turn one of them off"
+        )
+    seq_len = getattr(module, "_seq_len", None)
+    if seq_len is not None:
+        check_context_length(int(seq_len), cp, tp)

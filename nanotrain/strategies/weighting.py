@@ -172,7 +172,10 @@ def weigh_microbatches(
         )
     raw_tokens = [module.count_tokens(mb) for mb in microbatches]
     samples = float(sum(module.count_samples(mb) for mb in microbatches))
-    replicas = strategy.data_shard().count
+    replicas = strategy.gradient_replicas
+    shards = strategy.data_shard().count
+    if replicas != shards:  # context parallelism: replicas // shards ranks share each sample
+        samples = samples * shards / replicas
     if all(map(_on_host, raw + raw_tokens)):
         rows, tokens = _host_rows(module, raw if uses_terms else None, raw_tokens)
         if replicas == 1:  # nothing to reduce: every number is known here

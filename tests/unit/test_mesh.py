@@ -158,8 +158,8 @@ def test_layout_rejects_bad_rank_and_axis() -> None:
     layout = MeshLayout(tp=2)
     with pytest.raises(ValueError, match=r"rank=2 is outside \[0, 2\)"):
         layout.coords(2)
-    with pytest.raises(ValueError, match="unknown mesh axis 'cp'"):
-        layout.groups("cp")
+    with pytest.raises(ValueError, match="unknown mesh axis 'zz'"):
+        layout.groups("zz")
     with pytest.raises(ValueError, match="ep=2 does not divide dp=1"):
         MeshLayout(tp=2, ep=2)
 

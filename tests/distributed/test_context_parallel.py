@@ -1,0 +1,176 @@
+"""Context parallelism (issue 52): every layout with cp > 1 trains, logs and validates as one
+process does.
+
+Data that can tell: samples keep different numbers of labels (the rest -100), so each
+rank's chunks hold different numbers of live tokens and a chunk-local mean would weigh them
+wrongly; the tiny DeepSeek (MLA, MoE with a sizeable sequence-wise balance loss, MTP off:
+refused under cp) and the tiny dense model (GQA). One process with micro batch 2 is the
+reference; ONE 2-rank world runs cp=2 and ONE 4-rank world runs cp=4, cp=2 x tp=2 with
+sequence parallelism, cp=2 x pp=2, cp=2 x ep=2 and cp=2 x dp=2 with ZeRO-1, each for both
+models. Per-step loss and grad norm, every logged `train/*` scalar, `val/loss` over a
+validation set read whole, and the final weights must match.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.utils.data import Dataset
+
+import nanotrain as nt
+from nanotrain.strategies.megatron import MegatronStrategy
+from tests.distributed.spawn import run_world
+
+pytestmark = [pytest.mark.distributed, pytest.mark.numerics]
+
+VOCAB, SEQ, STEPS, LR = 257, 16, 3, 1e-3
+MODELS = {
+    "mla": ("tiny", {"mtp_depth": 0, "aux_loss_alpha": 0.05}),
+    "dense": ("tiny-dense", {}),
+}
+
+
+class MaskedTokens(Dataset):
+    """Random next-token items; sample i keeps its first ``(7 * i + 3) % (SEQ + 1)`` labels."""
+
+    def __init__(self, n: int, seed: int = 0) -> None:
+        g = torch.Generator().manual_seed(seed)
+        self.ids = torch.randint(0, VOCAB, (n, SEQ + 1), generator=g)
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        labels = self.ids[i, 1:].clone()
+        labels[(7 * i + 3) % (SEQ + 1) :] = -100
+        return {"input_ids": self.ids[i, :-1], "labels": labels}
+
+
+class Logged(nt.Callback):
+    """Per step: loss, grad norm and every logged `train/*` scalar."""
+
+    def __init__(self) -> None:
+        self.losses: list[float] = []
+        self.grad_norms: list[float] = []
+        self.scalars: list[dict[str, float]] = []
+
+    def on_train_step_end(self, trainer, module, outputs, batch, batch_idx) -> None:
+        self.losses.append(float(outputs.loss))
+        self.grad_norms.append(float(outputs.grad_norm))
+        metrics = trainer.callback_metrics.items()
+        self.scalars.append({k: float(v) for k, v in metrics if k.startswith("train/")})
+
+
+def _gather_over_stages(strategy: Any, named: dict[str, Any]) -> dict[str, Any]:
+    mesh = getattr(strategy, "mesh", None)
+    if not dist.is_initialized() or mesh is None or mesh.pp_size == 1:
+        return named
+    parts: list[dict] = [{} for _ in range(mesh.pp_size)]
+    dist.all_gather_object(parts, named, group=mesh.pp_group)
+    return {k: v for part in parts for k, v in part.items()}
+
+
+def fit(strategy: Any, model: str, root: str) -> dict[str, Any]:
+    """`STEPS` steps (global batch 4, micro batch 2, seed 3), then validation of 5 samples."""
+    preset, overrides = MODELS[model]
+    logged = Logged()
+    module = nt.LanguageModelModule(
+        preset,
+        vocab_size=VOCAB,
+        lr=LR,
+        warmup_steps=1,
+        eps=1e-6,  # as test_layout_numbers: keeps near-zero gradients' noise from moving weights
+        model_overrides=overrides,
+    )
+    trainer = nt.Trainer(
+        strategy=strategy,
+        max_steps=STEPS,
+        global_batch_size=4,
+        micro_batch_size=2,
+        log_every_n_steps=1,
+        callbacks=[logged],
+        default_root_dir=root,
+        loggers=[],
+        seed=3,
+        enable_progress_bar=False,
+    )
+    trainer.fit(module, train_dataloaders=MaskedTokens(12))
+    params = {n: strategy.full_tensor(n, p.detach()).clone() for n, p in module.named_parameters()}
+    val = trainer.validate(module, dataloaders=MaskedTokens(5, seed=1))[0]["val/loss"]
+    return {
+        "losses": logged.losses,
+        "grad_norms": logged.grad_norms,
+        "scalars": logged.scalars,
+        "params": _gather_over_stages(strategy, params),
+        "val": val,
+    }
+
+
+def assert_same(got: dict, ref: dict, what: str) -> None:
+    """Losses, grad norms, logged scalars and val/loss at rtol 1e-5: under cp the attention
+    sums over the same keys in another order of operations (gathered K/V, an explicit mask
+    instead of the causal kernel), and the loss and gradients are summed over more ranks, which
+    moves fp32 results by reduction-order noise (~1e-7 relative per op). The weights as in
+    test_layout_numbers: all but one element in a thousand (at least 2) within 1e-5 + 1e-4
+    relative, none further than AdamW can move two runs apart (2 · lr · steps), because AdamW
+    turns noise in a ~0 gradient element into a step of up to lr."""
+    torch.testing.assert_close(got["losses"], ref["losses"], rtol=1e-5, atol=0, msg=what)
+    torch.testing.assert_close(got["grad_norms"], ref["grad_norms"], rtol=1e-5, atol=0, msg=what)
+    for step, (mine, theirs) in enumerate(zip(got["scalars"], ref["scalars"], strict=True)):
+        assert mine.keys() == theirs.keys(), f"{what} step {step + 1}"
+        for name, value in theirs.items():
+            assert mine[name] == pytest.approx(value, rel=1e-5, abs=1e-9), (
+                f"{what} step {step + 1}: {name} {mine[name]} vs {value}"
+            )
+    assert got["val"] == pytest.approx(ref["val"], rel=1e-5), what
+    assert got["params"].keys() == ref["params"].keys(), what
+    for name, value in ref["params"].items():
+        mine = got["params"][name][: value.shape[0]]
+        assert mine.shape == value.shape, f"{what}: {name} {mine.shape} vs {value.shape}"
+        diff = (mine - value).abs()
+        off = int((diff > 1e-5 + 1e-4 * value.abs()).sum())
+        assert off <= max(2, value.numel() // 1000), f"{what}: {name}: {off} elements off"
+        assert float(diff.max()) <= 2 * LR * STEPS, f"{what}: {name} by {float(diff.max())}"
+
+
+def _run_layouts(layouts: dict[str, Any], root: str) -> dict[str, dict]:
+    out = {}
+    for i, (name, (make, models)) in enumerate(layouts.items()):
+        for model in models:
+            out[f"{name} {model}"] = fit(make(), model, f"{root}/{i}{model}")
+    return out
+
+
+def _world2(rank: int, world_size: int, root: str) -> dict[str, dict]:
+    both = ("mla", "dense")
+    return _run_layouts({"cp=2": (lambda: MegatronStrategy(cp=2), both)}, root)
+
+
+def _world4(rank: int, world_size: int, root: str) -> dict[str, dict]:
+    both = ("mla", "dense")
+    layouts = {
+        "cp=4": (lambda: MegatronStrategy(cp=4), both),
+        "cp=2 x tp=2 sp": (lambda: MegatronStrategy(cp=2, tp=2, sequence_parallel=True), both),
+        "cp=2 x pp=2": (lambda: MegatronStrategy(cp=2, pp=2), both),
+        "cp=2 x ep=2 x dp=2": (lambda: MegatronStrategy(cp=2, ep=2), ("mla",)),
+        "cp=2 x dp=2 zero1": (lambda: MegatronStrategy(cp=2, zero_stage=1), both),
+    }
+    return _run_layouts(layouts, root)
+
+
+def test_context_parallel_layouts_match_one_process(tmp_path):
+    torch.set_num_threads(1)
+    reference = {
+        model: fit(nt.SingleDeviceStrategy("cpu"), model, str(tmp_path / f"ref{model}"))
+        for model in MODELS
+    }
+    assert reference["mla"]["scalars"][0]["train/aux_loss"] > 1e-3  # the balance term is on
+    for world, fn, count in ((2, _world2, 2), (4, _world4, 9)):
+        results = run_world(fn, world, str(tmp_path / f"w{world}"), timeout=400)
+        for rank, result in enumerate(results):
+            assert len(result) == count
+            for layout, got in result.items():
+                assert_same(got, reference[layout.split()[-1]], f"{layout}, rank {rank}")
