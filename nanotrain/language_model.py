@@ -25,6 +25,7 @@ from nanotrain.models.fp8_saves import check_flag, check_fp8_expert_activations
 from nanotrain.models.recompute import check_full_layers, check_recompute
 from nanotrain.models.transformer import set_recompute
 from nanotrain.module import NanoModule
+from nanotrain.parallel.context import on_whole_sequence
 from nanotrain.parallel.schedules import V_SHAPED_SCHEDULES
 from nanotrain.runtime.optim_kernels import adamw_kernel_kwargs
 
@@ -382,11 +383,18 @@ class LanguageModelModule(NanoModule):
         live = self._labels(batch) != IGNORE_INDEX
         sequences = torch.full((), live.shape[0], dtype=torch.long, device=live.device)
         counts = [live.sum(), sequences]
+        documents = self.documents
+        # under context parallelism the targets come from the whole sequences (each rank
+        # counts those at its own positions)
+        cp_group = getattr(self.mesh, "cp_group", None)
         for k in range(1, self._mtp_depth() + 1):
-            if self.documents is None:
-                target = shift_left(labels, k, IGNORE_INDEX)
-            else:
-                target = self.documents.mtp_targets(batch["input_ids"], labels, k)
+
+            def targets(ids: torch.Tensor, lab: torch.Tensor, k: int = k) -> torch.Tensor:
+                if documents is None:
+                    return shift_left(lab, k, IGNORE_INDEX)
+                return documents.mtp_targets(ids, lab, k)
+
+            target = on_whole_sequence(targets, (batch["input_ids"], labels), cp_group)
             counts.append((target != IGNORE_INDEX).sum())
         return torch.stack(counts)
 

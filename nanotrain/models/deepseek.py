@@ -32,6 +32,7 @@ from nanotrain.models.transformer import (
     ModelOutput,
     total_loss,
 )
+from nanotrain.parallel.context import on_whole_sequence
 from nanotrain.parallel.tensor import ColumnParallelLinear
 
 
@@ -166,13 +167,19 @@ class DeepSeekV3(CausalLM):
         With `documents` the blocks attend within position t's document (as the main stack)
         and, with its `mask_loss`, targets in a later document than t are ignored.
 
+        Under context parallelism (T: this rank's two chunks) the shifted ids and targets are
+        taken from the whole sequences (`on_whole_sequence`), so a chunk's last positions
+        read the tokens that follow it on another rank.
+
         Args: h [B, T, H] ([B, T / tp, H] under sequence parallelism) main-stack output before
         the final norm; input_ids, labels [B, T].
         """
         cos, sin, mask = self.attention_inputs(h, input_ids)  # as the main stack's layers
+        cp = self.cp_group
         losses, aux = [], h.new_zeros((), dtype=torch.float32)
         for k, module in enumerate(self.mtp, start=1):
-            emb_next = self.embed(shift_left(input_ids, k, 0))  # (B, T, H): Emb(token t+k)
+            ids_next = on_whole_sequence(lambda ids, k=k: shift_left(ids, k, 0), (input_ids,), cp)
+            emb_next = self.embed(ids_next)  # (B, T, H): Emb(token t+k)
             h, block_aux = module(h, emb_next, cos, sin, mask)
             target = self.mtp_targets(input_ids, labels, k)  # (B, T): token t+k+1 or -100
             _, loss, _ = self.norm_head_loss(module.norm, h, target)  # logits dropped here
@@ -182,10 +189,16 @@ class DeepSeekV3(CausalLM):
 
     def mtp_targets(self, input_ids: torch.Tensor, labels: torch.Tensor, k: int) -> torch.Tensor:
         """MTP depth k's targets [B, T]: labels [B, T] shifted left by k (-100 in the last k),
-        with cross-document targets ignored under `documents.mask_loss`."""
-        if self.documents is None:
-            return shift_left(labels, k, IGNORE_INDEX)
-        return self.documents.mtp_targets(input_ids, labels, k)
+        with cross-document targets ignored under `documents.mask_loss` (from the whole
+        sequences under context parallelism)."""
+        documents = self.documents
+
+        def targets(ids: torch.Tensor, lab: torch.Tensor) -> torch.Tensor:
+            if documents is None:
+                return shift_left(lab, k, IGNORE_INDEX)
+            return documents.mtp_targets(ids, lab, k)
+
+        return on_whole_sequence(targets, (input_ids, labels), self.cp_group)
 
     def forward(
         self,

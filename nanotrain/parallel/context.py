@@ -42,6 +42,7 @@ __all__ = [
     "context_batch",
     "count_once",
     "gather_sequence",
+    "on_whole_sequence",
     "split_sequence",
 ]
 
@@ -176,3 +177,17 @@ def context_batch(batch: Any, group: ProcessGroup | None) -> Any:
         else value
         for key, value in batch.items()
     }
+
+
+def on_whole_sequence(fn: Any, tensors: tuple[Tensor, ...], group: ProcessGroup | None) -> Tensor:
+    """``fn`` applied to the whole sequences, and this rank's chunks of its result: for what
+    reads beyond a chunk's end, as multi-token prediction's inputs and targets (token t + k
+    at position t) do. tensors: [B, T / cp] each (token ids, labels: no gradient), gathered
+    to [B, T] in global order; fn(*whole) -> [B, T], cut back to [B, T / cp].
+    On ``None`` or a one-rank group: ``fn(*tensors)``."""
+    cp = group_size(group)
+    if cp == 1:
+        return fn(*tensors)
+    with torch.no_grad():
+        whole = [gather_sequence(x, group) for x in tensors]
+    return split_sequence(fn(*whole), cp, group_rank(group))

@@ -115,7 +115,7 @@ class MegatronStrategy(MegatronEnvironment, ShardedMethods, MegatronGradNorms, S
             context-parallel group holding chunks i and 2·cp-1-i, and attention all-gathers
             the keys and values (MLA: its compressed latent) of the others
             (`nanotrain.parallel.context`). The sequence length must be a multiple of 2·cp
-            (2·cp·tp with sequence parallelism). Not with ZeRO-3, document masking, MTP or
+            (2·cp·tp with sequence parallelism). Not with ZeRO-3, document masking or
             capacity-limited MoE layers (refused, see docs/parallelism.md).
         zero_stage: 0 (replicated optimizer), 1 (optimizer state sharded over dp; expert
             state over expert-dp), 2 (also gradients reduce-scattered, each rank keeping
@@ -359,9 +359,12 @@ class MegatronStrategy(MegatronEnvironment, ShardedMethods, MegatronGradNorms, S
         config = getattr(module, "config", None)
         if config is not None:
             self.validate_model(config)
+        sequence_tp = self.tp if self.sequence_parallel else 1
+        if self.cp > 1:  # what is known before the model is built ...
+            check_context_module(module, self.cp, sequence_tp)
         super().setup_module(module)
-        if self.cp > 1:
-            check_context_module(module, self.cp, self.tp if self.sequence_parallel else 1)
+        if self.cp > 1:  # ... and the config and sequence length it was built for
+            check_context_module(module, self.cp, sequence_tp)
         params = backward_order(module)
         check_built_model(module, params, self.mesh, self.sequence_parallel)
         precision = self.precision

@@ -145,20 +145,13 @@ def check_context_options(cp: int, zero_stage: int, overlap_forward_backward: bo
 def check_context_module(module: Any, cp: int, tp: int = 1) -> None:
     """Check a built module for what context parallelism (cp > 1) cannot split: the data's
     sequence length must be a multiple of 2·cp·tp (tp: the tensor-parallel size under
-    sequence parallelism, else 1); no multi-token prediction (its targets lie beyond a
-    chunk's end), no document masking and no capacity-limited MoE layers (their drops are
-    decided per whole sequence).
+    sequence parallelism, else 1); no document masking and no capacity-limited MoE layers
+    (their drops are decided per whole sequence).
 
     Raises:
         ValueError: naming the setting and how to change it.
     """
     config = getattr(module, "config", None)
-    if getattr(config, "mtp_depth", 0):
-        raise ValueError(
-            f"cp={cp} does not support multi-token prediction yet (mtp_depth="
-            f"{config.mtp_depth}: its targets lie beyond a chunk's end); set "
-            "model_overrides={'mtp_depth': 0} or cp=1"
-        )
     if getattr(config, "capacity_factor", None) is not None:
         raise ValueError(
             f"cp={cp} needs dropless MoE layers, but the model has capacity_factor="
@@ -166,7 +159,8 @@ def check_context_module(module: Any, cp: int, tp: int = 1) -> None:
             "capacity_factor=None or cp=1"
         )
     documents = getattr(module, "documents", None)
-    if documents is not None and getattr(documents, "mask_attention", False):
+    hparams = getattr(module, "hparams", {})
+    if hparams.get("document_mask") or getattr(documents, "mask_attention", False):
         raise ValueError(
             f"cp={cp} does not support document masking (document_mask=True); turn one of them off"
         )

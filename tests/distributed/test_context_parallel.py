@@ -3,8 +3,8 @@ process does.
 
 Data that can tell: samples keep different numbers of labels (the rest -100), so each
 rank's chunks hold different numbers of live tokens and a chunk-local mean would weigh them
-wrongly; the tiny DeepSeek (MLA, MoE with a sizeable sequence-wise balance loss, MTP off:
-refused under cp) and the tiny dense model (GQA). One process with micro batch 2 is the
+wrongly; the tiny DeepSeek (MLA, MoE with a sizeable sequence-wise balance loss, MTP whose
+inputs and targets lie beyond a chunk's end) and the tiny dense model (GQA). One process with micro batch 2 is the
 reference; ONE 2-rank world runs cp=2 and ONE 4-rank world runs cp=4, cp=2 x tp=2 with
 sequence parallelism, cp=2 x pp=2, cp=2 x ep=2 and cp=2 x dp=2 with ZeRO-1, each for both
 models. Per-step loss and grad norm, every logged `train/*` scalar, `val/loss` over a
@@ -28,7 +28,7 @@ pytestmark = [pytest.mark.distributed, pytest.mark.numerics]
 
 VOCAB, SEQ, STEPS, LR = 257, 16, 3, 1e-3
 MODELS = {
-    "mla": ("tiny", {"mtp_depth": 0, "aux_loss_alpha": 0.05}),
+    "mla": ("tiny", {"aux_loss_alpha": 0.05}),
     "dense": ("tiny-dense", {}),
 }
 
