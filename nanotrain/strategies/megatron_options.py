@@ -128,12 +128,6 @@ def check_context_options(cp: int, zero_stage: int, overlap_forward_backward: bo
     """
     if cp == 1:
         return
-    if zero_stage == 3:
-        raise ValueError(
-            f"cp={cp} with zero_stage=3 is not supported (context-parallel ranks are not "
-            "wired into the FSDP2 groups); use zero_stage=1 or 2, which shard over the "
-            "dp x cp ranks, or cp=1"
-        )
     if overlap_forward_backward:
         raise ValueError(
             f"cp={cp} with overlap_forward_backward=True is not supported: the two chunks' "

@@ -105,7 +105,7 @@ def test_mesh_orders_tp_then_cp_then_data_and_carves_ep_from_dp_x_cp():
     ("kwargs", "message"),
     [
         (dict(cp=0), "cp must be >= 1"),
-        (dict(cp=2, zero_stage=3), "cp=2 with zero_stage=3 is not supported"),
+        (dict(cp=2, overlap_forward_backward=True, pp=2, virtual_pp=2), "cp=2 with overlap"),
         (dict(cp=2, ep=4, dp=1), r"ep=4 does not divide dp\*cp=1\*2=2"),
     ],
 )
