@@ -4,12 +4,13 @@ process does.
 Data that can tell: samples keep different numbers of labels (the rest -100), so each
 rank's chunks hold different numbers of live tokens and a chunk-local mean would weigh them
 wrongly; the tiny DeepSeek (MLA, MoE with a sizeable sequence-wise balance loss, MTP whose
-inputs and targets lie beyond a chunk's end) and the tiny dense model (GQA). One process with micro batch 2 is the
-reference; ONE 2-rank world runs cp=2 (plus, on one model each: ZeRO-3, recompute "light"
-and "full", bf16-mixed on the dense model against a bf16-mixed reference) and ONE 4-rank world runs cp=4, cp=2 x tp=2 with
-sequence parallelism, cp=2 x pp=2, cp=2 x ep=2 and cp=2 x dp=2 with ZeRO-1, each for both
-models. Per-step loss and grad norm, every logged `train/*` scalar, `val/loss` over a
-validation set read whole, and the final weights must match.
+inputs and targets lie beyond a chunk's end) and the tiny dense model (GQA). One process
+with micro batch 2 is the reference. ONE 2-rank world runs cp=2, and on one model each
+ZeRO-3, recompute "light" and "full", and bf16-mixed (dense, against a bf16-mixed
+reference). ONE 4-rank world runs cp=4, cp=2 x tp=2 with sequence parallelism, cp=2 x pp=2
+(1F1B; zero-bubble 1F1B on MLA, DualPipeV on dense), cp=2 x ep=2 x dp=2 (MLA) and cp=2 x
+dp=2 with ZeRO-1. Per-step loss and grad norm, every logged `train/*` scalar, `val/loss`
+over a validation set read whole, and the final weights must match.
 """
 
 from __future__ import annotations
@@ -85,6 +86,7 @@ def fit(
     root: str,
     validate: bool = True,
     precision: str = "32-true",
+    micro_batch_size: int = 2,
     **module_kwargs: Any,
 ) -> dict[str, Any]:
     """`STEPS` steps (global batch 4, micro batch 2, seed 3), then validation of 5 samples
@@ -104,7 +106,7 @@ def fit(
         strategy=strategy,
         max_steps=STEPS,
         global_batch_size=4,
-        micro_batch_size=2,
+        micro_batch_size=micro_batch_size,
         log_every_n_steps=1,
         callbacks=[logged],
         default_root_dir=root,
@@ -188,8 +190,14 @@ def _world4(rank: int, world_size: int, root: str) -> dict[str, dict]:
         "cp=2 x pp=2": (lambda: MegatronStrategy(cp=2, pp=2), both),
         "cp=2 x ep=2 x dp=2": (lambda: MegatronStrategy(cp=2, ep=2), ("mla",)),
         "cp=2 x dp=2 zero1": (lambda: MegatronStrategy(cp=2, zero_stage=1), both),
+        # backwards split into input and weight halves
+        "cp=2 x pp=2 zb_1f1b": (lambda: MegatronStrategy(cp=2, pp=2, schedule="zb_1f1b"), ("mla",)),
     }
-    return _run_layouts(layouts, root)
+    out = _run_layouts(layouts, root)
+    # DualPipeV needs 2 * pp microbatches per step: micro batch 1
+    v = MegatronStrategy(cp=2, pp=2, schedule="dualpipev", pipeline_layout=[1, 0, 1, 0])
+    out["cp=2 x pp=2 dualpipev dense"] = fit(v, "dense", f"{root}/v", micro_batch_size=1)
+    return out
 
 
 def test_context_parallel_layouts_match_one_process(tmp_path):
@@ -202,7 +210,7 @@ def test_context_parallel_layouts_match_one_process(tmp_path):
     one = nt.SingleDeviceStrategy("cpu")
     reference["dense-bf16"] = fit(one, "dense", bf16_root, True, "bf16-mixed")
     assert reference["mla"]["scalars"][0]["train/aux_loss"] > 1e-3  # the balance term is on
-    for world, fn, count in ((2, _world2, 6), (4, _world4, 9)):
+    for world, fn, count in ((2, _world2, 6), (4, _world4, 11)):
         results = run_world(fn, world, str(tmp_path / f"w{world}"), timeout=400)
         for rank, result in enumerate(results):
             assert len(result) == count
