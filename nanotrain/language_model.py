@@ -544,6 +544,12 @@ class LanguageModelModule(NanoModule):
                 "generate() runs the whole model in one process; under pipeline parallelism "
                 "export the checkpoint and sample with a single-device strategy"
             )
+        if getattr(self.mesh, "cp_size", 1) > 1:
+            raise NotImplementedError(
+                "generate() runs whole sequences; under context parallelism (cp > 1) each "
+                "rank's model holds chunks of them: export the checkpoint and sample with a "
+                "single-device strategy"
+            )
         was_training = self.training
         self.eval()
         ids = input_ids

@@ -12,7 +12,7 @@ from tests.unit.test_language_model import RandomTokens
 
 pytestmark = pytest.mark.distributed
 
-LAYOUTS = {"tp2": dict(tp=2), "zero2 dp2": dict(zero_stage=2)}
+LAYOUTS = {"tp2": dict(tp=2), "zero2 dp2": dict(zero_stage=2), "cp2": dict(cp=2)}
 
 
 class StepLosses(nt.Callback):
