@@ -23,6 +23,12 @@ import torch.distributed as dist
 from torch.utils.data import Dataset
 
 import nanotrain as nt
+from nanotrain.models import presets
+from nanotrain.models.attention import DenseAttention, MLAttention
+from nanotrain.models.layers import rope_cos_sin
+from nanotrain.parallel import ParallelMesh
+from nanotrain.parallel.context import causal_mask, chunk_positions
+from nanotrain.planning.comm_meter import CommMeter
 from nanotrain.strategies.megatron import MegatronStrategy
 from tests.distributed.spawn import run_world
 
@@ -166,8 +172,29 @@ def _run_layouts(layouts: dict[str, Any], root: str) -> dict[str, dict]:
     return out
 
 
+def exchanged_bytes(kind: str) -> tuple[float, float]:
+    """Wire bytes this rank sends on its cp group through one attention layer of the tiny
+    preset (one sequence of SEQ tokens, fp32): (forward, backward)."""
+    mesh = ParallelMesh.build(cp=dist.get_world_size())
+    config = presets.get(MODELS[kind][0])
+    layer = (MLAttention if kind == "mla" else DenseAttention)(config, cp_group=mesh.cp_group)
+    for p in layer.parameters():
+        torch.nn.init.normal_(p, std=0.02)
+    positions = chunk_positions(SEQ, mesh.cp_size, mesh.cp_rank)
+    rope = config.qk_rope_head_dim if kind == "mla" else config.head_dim
+    cos, sin = rope_cos_sin(SEQ, rope, config.rope_theta, config.rope_scaling, "cpu")
+    x = torch.randn(1, SEQ // mesh.cp_size, config.hidden_size)
+    meter = CommMeter({"cp": mesh.cp_group})
+    with meter:
+        y = layer(x, cos[positions], sin[positions], causal_mask(positions, SEQ))
+        forward = meter.bytes["cp"]
+        y.sum().backward()
+    return forward, meter.bytes["cp"] - forward
+
+
 def _world2(rank: int, world_size: int, root: str) -> dict[str, dict]:
     both = ("mla", "dense")
+    exchange = {kind: exchanged_bytes(kind) for kind in both}
     out = _run_layouts({"cp=2": (lambda: MegatronStrategy(cp=2), both)}, root)
     # ZeRO-3 shards over the two cp ranks (validation after fit is left out: a second setup
     # of a ZeRO-3 MoE model re-applies fully_shard, with or without cp)
@@ -179,7 +206,7 @@ def _world2(rank: int, world_size: int, root: str) -> dict[str, dict]:
     out["cp=2 recompute-full dense"] = full
     bf16 = fit(MegatronStrategy(cp=2), "dense", f"{root}/bf", precision="bf16-mixed")
     out["cp=2 bf16-mixed dense-bf16"] = bf16
-    return out
+    return out, exchange
 
 
 def _world4(rank: int, world_size: int, root: str) -> dict[str, dict]:
@@ -212,6 +239,14 @@ def test_context_parallel_layouts_match_one_process(tmp_path):
     assert reference["mla"]["scalars"][0]["train/aux_loss"] > 1e-3  # the balance term is on
     for world, fn, count in ((2, _world2, 6), (4, _world4, 11)):
         results = run_world(fn, world, str(tmp_path / f"w{world}"), timeout=400)
+        if world == 2:
+            # bytes a rank sends (= receives) per layer: the other rank's 8 tokens, fp32, of
+            # MLA's latent + rope key (kv_lora_rank 32 + rope 8) and dense K + V (2 x 2 kv heads
+            # x head_dim 16); the backward's reduce-scatter moves as much
+            for _, exchange in results:
+                assert exchange["mla"] == (8 * (32 + 8) * 4, 8 * (32 + 8) * 4)
+                assert exchange["dense"] == (8 * 2 * 2 * 16 * 4, 8 * 2 * 2 * 16 * 4)
+            results = [result for result, _ in results]
         for rank, result in enumerate(results):
             assert len(result) == count
             for layout, got in result.items():
