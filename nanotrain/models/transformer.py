@@ -35,7 +35,7 @@ from nanotrain.models.recompute import (
     recomputed,
 )
 from nanotrain.parallel.collectives import group_rank, group_size
-from nanotrain.parallel.context import causal_mask, chunk_positions
+from nanotrain.parallel.context import causal_mask, chunk_positions, gather_sequence
 from nanotrain.parallel.cross_entropy import vocab_parallel_cross_entropy
 from nanotrain.parallel.tensor import ColumnParallelLinear, VocabParallelEmbedding, pad_vocab_size
 
@@ -285,17 +285,20 @@ class CausalLM(nn.Module):
         """
         cp = group_size(self.cp_group)
         if cp > 1:
-            if self.documents is not None and self.documents.mask_attention:
-                raise ValueError(
-                    "document masking (document_mask=True) is not supported with context "
-                    "parallelism (cp > 1); turn one of them off"
-                )
             # this rank's two chunks: tables at their global positions, mask over all keys
             t = self.full_seq_len(h) * cp  # the whole sequence
             positions = chunk_positions(t, cp, group_rank(self.cp_group), h.device)
             cos, sin = self.rope(t, h.device)  # each (T, rope_dim / 2)
-            # (T / cp, rope_dim / 2) each, and [1, 1, T / cp, T]
-            return cos[positions], sin[positions], causal_mask(positions, t)
+            if self.documents is None or not self.documents.mask_attention or input_ids is None:
+                # (T / cp, rope_dim / 2) each, and [1, 1, T / cp, T]
+                return cos[positions], sin[positions], causal_mask(positions, t)
+            # packed documents: the layout of the whole sequences (gathered token ids), rows
+            # of this rank's queries: tables (B, T / cp, rope_dim / 2), mask [B, 1, T / cp, T]
+            with torch.no_grad():
+                whole = gather_sequence(input_ids, self.cp_group)  # (B, T)
+            view = DocumentView.of(self.documents, whole)
+            cos, sin = rope_at(cos, sin, view.positions[:, positions])
+            return cos, sin, view.mask[:, :, positions, :]
         cos, sin = self.rope(self.full_seq_len(h), h.device)  # each (T, rope_dim / 2), all T
         if self.documents is None or not self.documents.mask_attention or input_ids is None:
             return cos, sin, None

@@ -115,8 +115,8 @@ class MegatronStrategy(MegatronEnvironment, ShardedMethods, MegatronGradNorms, S
             context-parallel group holding chunks i and 2·cp-1-i, and attention all-gathers
             the keys and values (MLA: its compressed latent) of the others
             (`nanotrain.parallel.context`). The sequence length must be a multiple of 2·cp
-            (2·cp·tp with sequence parallelism). Not with document masking, capacity-limited
-            MoE layers or overlap_forward_backward (refused, see docs/parallelism.md).
+            (2·cp·tp with sequence parallelism). Not with capacity-limited MoE layers or
+            overlap_forward_backward (refused, see docs/parallelism.md).
         zero_stage: 0 (replicated optimizer), 1 (optimizer state sharded over dp; expert
             state over expert-dp), 2 (also gradients reduce-scattered, each rank keeping
             its shard) or 3 (also parameters: torch's FSDP2 `fully_shard` per decoder layer,

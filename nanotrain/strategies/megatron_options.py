@@ -139,8 +139,8 @@ def check_context_options(cp: int, zero_stage: int, overlap_forward_backward: bo
 def check_context_module(module: Any, cp: int, tp: int = 1) -> None:
     """Check a built module for what context parallelism (cp > 1) cannot split: the data's
     sequence length must be a multiple of 2·cp·tp (tp: the tensor-parallel size under
-    sequence parallelism, else 1); no document masking and no capacity-limited MoE layers
-    (their drops are decided per whole sequence).
+    sequence parallelism, else 1); no capacity-limited MoE layers (their drops are decided
+    per whole sequence).
 
     Raises:
         ValueError: naming the setting and how to change it.
@@ -151,12 +151,6 @@ def check_context_module(module: Any, cp: int, tp: int = 1) -> None:
             f"cp={cp} needs dropless MoE layers, but the model has capacity_factor="
             f"{config.capacity_factor} (its drops are decided per whole sequence); set "
             "capacity_factor=None or cp=1"
-        )
-    documents = getattr(module, "documents", None)
-    hparams = getattr(module, "hparams", {})
-    if hparams.get("document_mask") or getattr(documents, "mask_attention", False):
-        raise ValueError(
-            f"cp={cp} does not support document masking (document_mask=True); turn one of them off"
         )
     seq_len = getattr(module, "_seq_len", None)
     if seq_len is not None:

@@ -6,8 +6,8 @@ rank's chunks hold different numbers of live tokens and a chunk-local mean would
 wrongly; the tiny DeepSeek (MLA, MoE with a sizeable sequence-wise balance loss, MTP whose
 inputs and targets lie beyond a chunk's end) and the tiny dense model (GQA). One process
 with micro batch 2 is the reference. ONE 2-rank world runs cp=2, and on one model each
-ZeRO-3, recompute "light" and "full", and bf16-mixed (dense, against a bf16-mixed
-reference). ONE 4-rank world runs cp=4, cp=2 x tp=2 with sequence parallelism, cp=2 x pp=2
+ZeRO-3, recompute "light" and "full", bf16-mixed (dense, against a bf16-mixed reference)
+and packed documents with document masking, eod loss masking and MTP (MLA). ONE 4-rank world runs cp=4, cp=2 x tp=2 with sequence parallelism, cp=2 x pp=2
 (1F1B; zero-bubble 1F1B on MLA, DualPipeV on dense), cp=2 x ep=2 x dp=2 (MLA) and cp=2 x
 dp=2 with ZeRO-1. Per-step loss and grad norm, every logged `train/*` scalar, `val/loss`
 over a validation set read whole, and the final weights must match.
@@ -49,9 +49,12 @@ MODELS = {
 class MaskedTokens(Dataset):
     """Random next-token items; sample i keeps its first ``(7 * i + 3) % (SEQ + 1)`` labels."""
 
-    def __init__(self, n: int, seed: int = 0) -> None:
+    def __init__(self, n: int, seed: int = 0, eod: int | None = None) -> None:
         g = torch.Generator().manual_seed(seed)
-        self.ids = torch.randint(0, VOCAB, (n, SEQ + 1), generator=g)
+        self.ids = torch.randint(1, VOCAB, (n, SEQ + 1), generator=g)
+        if eod is not None:  # two documents' ends per sample, anywhere in the window
+            for i in range(n):
+                self.ids[i, [(5 * i + 2) % (SEQ + 1), (11 * i + 7) % (SEQ + 1)]] = eod
 
     def __len__(self) -> int:
         return len(self.ids)
@@ -93,10 +96,14 @@ def fit(
     validate: bool = True,
     precision: str = "32-true",
     micro_batch_size: int = 2,
+    documents: bool = False,
     **module_kwargs: Any,
 ) -> dict[str, Any]:
     """`STEPS` steps (global batch 4, micro batch 2, seed 3), then validation of 5 samples
-    (`validate`)."""
+    (`validate`); `documents`: packed documents (end id 0) masked in attention and loss."""
+    eod = 0 if documents else None
+    if documents:
+        module_kwargs.update(document_mask=True, eod_mask_loss=True, eod_token_id=0)
     preset, overrides = MODELS[model]
     logged = Logged()
     module = nt.LanguageModelModule(
@@ -121,11 +128,11 @@ def fit(
         enable_progress_bar=False,
         precision=precision,
     )
-    trainer.fit(module, train_dataloaders=MaskedTokens(12))
+    trainer.fit(module, train_dataloaders=MaskedTokens(12, eod=eod))
     params = {n: strategy.full_tensor(n, p.detach()).clone() for n, p in module.named_parameters()}
     val = None
     if validate:
-        val = trainer.validate(module, dataloaders=MaskedTokens(5, seed=1))[0]["val/loss"]
+        val = trainer.validate(module, dataloaders=MaskedTokens(5, seed=1, eod=eod))[0]["val/loss"]
     return {
         "losses": logged.losses,
         "grad_norms": logged.grad_norms,
@@ -160,7 +167,11 @@ def assert_same(got: dict, ref: dict, what: str, rtol: float = 1e-5) -> None:
         assert mine.shape == value.shape, f"{what}: {name} {mine.shape} vs {value.shape}"
         diff = (mine - value).abs()
         off = int((diff > rtol + 1e-4 * value.abs()).sum())
-        assert off <= max(2, value.numel() // 1000), f"{what}: {name}: {off} elements off"
+        # bf16: a regrouped GEMM moves every gradient element by up to 2^-8 of itself, and
+        # AdamW turns that into a different step wherever an element's gradient is small
+        # against its RMS (measured: 4 of 2048 elements of one v_proj): one in a hundred
+        allowed = value.numel() // (1000 if rtol <= 1e-5 else 100)
+        assert off <= max(2, allowed), f"{what}: {name}: {off} elements off"
         assert float(diff.max()) <= 2 * LR * STEPS, f"{what}: {name} by {float(diff.max())}"
 
 
@@ -206,6 +217,8 @@ def _world2(rank: int, world_size: int, root: str) -> dict[str, dict]:
     out["cp=2 recompute-full dense"] = full
     bf16 = fit(MegatronStrategy(cp=2), "dense", f"{root}/bf", precision="bf16-mixed")
     out["cp=2 bf16-mixed dense-bf16"] = bf16
+    # document masking: the block-causal mask and restarting positions of the whole sequences
+    out["cp=2 documents mla-docs"] = fit(MegatronStrategy(cp=2), "mla", f"{root}/d", documents=True)
     return out, exchange
 
 
@@ -236,8 +249,9 @@ def test_context_parallel_layouts_match_one_process(tmp_path):
     bf16_root = str(tmp_path / "refbf16")
     one = nt.SingleDeviceStrategy("cpu")
     reference["dense-bf16"] = fit(one, "dense", bf16_root, True, "bf16-mixed")
+    reference["mla-docs"] = fit(one, "mla", str(tmp_path / "refdocs"), documents=True)
     assert reference["mla"]["scalars"][0]["train/aux_loss"] > 1e-3  # the balance term is on
-    for world, fn, count in ((2, _world2, 6), (4, _world4, 11)):
+    for world, fn, count in ((2, _world2, 7), (4, _world4, 11)):
         results = run_world(fn, world, str(tmp_path / f"w{world}"), timeout=400)
         if world == 2:
             # bytes a rank sends (= receives) per layer: the other rank's 8 tokens, fp32, of

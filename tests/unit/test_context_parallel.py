@@ -126,7 +126,6 @@ def test_context_layout_not_fitting_the_world_fails_before_any_process_group(mon
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
-        (dict(document_mask=True, eod_token_id=0), "does not support document masking"),
         (dict(model_overrides={"capacity_factor": 1.0}), "needs dropless MoE layers"),
     ],
 )
