@@ -108,7 +108,7 @@ class MegatronStrategy(MegatronEnvironment, ShardedMethods, MegatronGradNorms, S
         tp: tensor-parallel size (must divide the world and the attention heads).
         pp: pipeline-parallel size (stages; the layers are split over pp × virtual_pp chunks).
         ep: expert-parallel size: the routed experts of every MoE layer are split over ``ep``
-            ranks (must divide dp and the model's number of routed experts).
+            ranks (must divide dp x cp and the model's number of routed experts).
         dp: data-parallel size (ranks reading different samples); None infers
             ``world_size // (tp * pp * cp)``.
         cp: context-parallel size: each sequence is cut into 2·cp chunks, rank i of a
