@@ -63,7 +63,7 @@ def _config(model: str, overrides: dict[str, Any] | None = None) -> Any:
     return dataclasses.replace(config, **overrides)
 
 
-_LAYOUT_FLAGS = ("tp", "pp", "ep", "dp", "virtual_pp", "sequence_parallel", "schedule",
+_LAYOUT_FLAGS = ("tp", "pp", "ep", "dp", "cp", "virtual_pp", "sequence_parallel", "schedule",
                  "pipeline_layout", "overlap_forward_backward")  # fmt: skip
 
 
@@ -99,6 +99,8 @@ def _parser() -> Any:
          help="sequences per microbatch (searching: 1, 2 and 4)")  # fmt: skip
     for name, what in (("tp", "tensor"), ("pp", "pipeline"), ("ep", "expert"), ("dp", "data")):
         flag(name, type=int | None, default=None, help=f"{what}-parallel size (fixes the layout)")
+    flag("cp", type=int | None, default=None,
+         help="context-parallel size: ranks that share each sequence (fixes the layout)")  # fmt: skip
     flag("virtual_pp", type=int | None, default=None, help="chunks per pipeline rank")
     flag("sequence_parallel", type=bool | None, default=None, help="default: on when tp > 1")
     flag(
@@ -146,7 +148,7 @@ def _check_args(cfg: Any) -> None:
     Raises:
         ValueError: naming the flag and what it takes.
     """
-    for name in ("gpus", "seq_len", "micro_batch_size", "global_batch_size", "top"):
+    for name in ("gpus", "seq_len", "micro_batch_size", "global_batch_size", "top", "cp"):
         value = getattr(cfg, name)
         if value is not None and value < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
@@ -198,11 +200,19 @@ def run_plan(argv: list[str]) -> None:
             "...); the search prices node-limited dispatch wherever an ep group spans nodes"
         )
     if fixed:
-        tp, pp, ep = cfg.tp or 1, cfg.pp or 1, cfg.ep or 1
-        # the strategy's own check of the sizes against the world and the model
-        dp = validate_layout(cfg.gpus, tp, pp, ep, cfg.dp, **model_dims(config))
+        tp, pp, ep, cp = cfg.tp or 1, cfg.pp or 1, cfg.ep or 1, cfg.cp or 1
+        # the strategy's own check of the sizes against the world and the model, with the
+        # cp ranks among the data-parallel ones (experts are drawn from dp x cp)
+        dp_cp = validate_layout(
+            cfg.gpus, tp, pp, ep, None if cfg.dp is None else cfg.dp * cp, **model_dims(config)
+        )
+        if dp_cp % cp:
+            raise ValueError(
+                f"--cp {cp} does not divide the {dp_cp} ranks left by tp * pp on "
+                f"{cfg.gpus} GPUs; pick a cp that does"
+            )
         layout = PlanLayout(
-            tp=tp, pp=pp, ep=ep, dp=dp,
+            tp=tp, pp=pp, ep=ep, dp=dp_cp // cp, cp=cp,
             virtual_pp=cfg.virtual_pp or 1,
             zero_stage=cfg.zero_stage if cfg.zero_stage is not None
             else 3 if cfg.cpu_offload else 0,

@@ -25,6 +25,11 @@ The step-time model is deliberately simple and stated in full (docs/planning.md)
   intra-node bandwidth when all its ranks share a node (by the mesh's own rank placement),
   else at the inter-node one, plus a fixed latency per collective.
 
+Context parallelism (cp > 1) is priced by `nanotrain.planning.context_parallel`: cp folded
+into dp for state, gradients and experts, seq_len / cp tokens per rank for per-token terms,
+the whole sequence's attention FLOPs, the gathered context in the activations, and the K/V
+(MLA: latent) all-gather and reduce-scatter as blocking "cp" traffic.
+
 A layout fits when the largest rank's model state, activation peak and a fixed reserve
 (CUDA context, allocator fragmentation and workspaces: 3 GiB by default) stay within the
 GPU's memory.
@@ -39,8 +44,14 @@ from nanotrain.models.accounting import active_params, total_params
 from nanotrain.parallel.mesh import MeshLayout
 from nanotrain.planning import zero3
 from nanotrain.planning.activations import ActivationEstimate, activation_estimate
-from nanotrain.planning.communication import CommEstimate, comm_estimate
+from nanotrain.planning.communication import CommEstimate, comm_estimate, wire_dtypes
 from nanotrain.planning.communication_tp import is_moe_layer
+from nanotrain.planning.context_parallel import (
+    cp_activation_bytes,
+    cp_link,
+    cp_traffic,
+    fold_cp,
+)
 from nanotrain.planning.gpus import GPUSpec
 from nanotrain.planning.layout import PlanLayout, Workload
 from nanotrain.planning.memory import (
@@ -59,7 +70,7 @@ __all__ = ["Plan", "RankPlan", "plan_layout"]
 
 GiB = 2**30
 #: collectives the step waits for (the data-parallel ones overlap the backward)
-BLOCKING_GROUPS = ("tp", "ep", "ep_inter", "pp", "other")
+BLOCKING_GROUPS = ("tp", "ep", "ep_inter", "pp", "cp", "other")
 #: seconds per collective call (launch + synchronization), intra-node / inter-node
 LATENCY_S = (10e-6, 30e-6)
 
@@ -348,26 +359,34 @@ def plan_layout(
     """
     if not 0 < compute_efficiency <= 1:
         raise ValueError(f"compute_efficiency must be in (0, 1], got {compute_efficiency}")
-    num_micro = workload.num_microbatches(layout)
+    # context parallelism: dp x cp ranks on seq_len / cp tokens each (`fold_cp`); `workload`
+    # keeps the whole sequence for the attention FLOPs
+    given, (layout, local) = layout, fold_cp(layout, workload)
+    num_micro = local.num_microbatches(layout)
     models = rank_models(config, layout)
     device = "cpu" if gpu.name == "cpu" else "cuda"  # which attention kernels save what
     bandwidth = _bandwidths(config, layout, gpu)
+    bandwidth["cp"] = cp_link(given, gpu, LATENCY_S)
     ranks, stage_times = [], []
     for rank in models:
         last = layout.pp == 1 or layout.placement.holds_last(rank.pp_rank)
         stage = stage_flops(config, layout, workload, rank.chunks, last)
         flops = stage[0]
-        comm = comm_estimate(
-            config, layout, workload, rank.pp_rank, ranks_per_node=gpu.gpus_per_node
+        comm = _with_cp(
+            comm_estimate(config, layout, local, rank.pp_rank, ranks_per_node=gpu.gpus_per_node),
+            cp_traffic(config, given, workload, rank.chunks, last, _act_bytes(workload)),
         )
         ranks.append(
             RankPlan(
                 pp_rank=rank.pp_rank,
                 layers=sum(len(c) for c in rank.chunks),
                 params=rank.params,
-                state=state_memory(rank, layout, workload),
-                activations=activation_estimate(
-                    config, layout, workload, rank.pp_rank, device=device
+                state=state_memory(rank, layout, local),
+                activations=_with_cp_activations(
+                    activation_estimate(config, layout, local, rank.pp_rank, device=device),
+                    cp_activation_bytes(
+                        config, given, workload, rank.chunks, last, _act_bytes(workload)
+                    ),
                 ),
                 reserve=reserve_bytes,
                 flops=flops,
@@ -443,7 +462,7 @@ def plan_layout(
     counts = _param_counts(config)
     return Plan(
         model=model_name or type(config).__name__,
-        layout=layout,
+        layout=given,
         workload=workload,
         gpu=gpu,
         ranks=ranks,
@@ -458,6 +477,48 @@ def plan_layout(
         slowest_stage=slowest,
         slowest_comm_s=dict(slowest_comm),
         hidden_comm_s=hidden,
+    )
+
+
+def _act_bytes(workload: Workload) -> int:
+    """Bytes per element of the keys, values and latents cp exchanges: the linear layers'
+    output dtype (`WireDtypes.matmul`)."""
+    return wire_dtypes(workload.precision).matmul
+
+
+def _with_cp(comm: CommEstimate, traffic: tuple[float, int]) -> CommEstimate:
+    """`comm` with the cp group's bytes and calls (`cp_traffic`) added, when there are any."""
+    nbytes, calls = traffic
+    if not calls:
+        return comm
+    return replace(
+        comm,
+        bytes_per_step={**comm.bytes_per_step, "cp": nbytes},
+        calls_per_step={**comm.calls_per_step, "cp": calls},
+        detail={
+            **comm.detail,
+            "cp": f"K/V (MLA: latent) all-gather + reduce-scatter: {calls} calls, "
+            f"{nbytes:.4g} bytes",
+        },
+    )
+
+
+def _with_cp_activations(est: ActivationEstimate, extra: Any) -> ActivationEstimate:
+    """`est` with the gathered context a cp rank holds (`cp_activation_bytes`): its saved
+    bytes for every (microbatch, chunk) in flight at the largest chunk's size, its
+    transient on top of the recomputation transient."""
+    saved = max(extra.per_microbatch_chunk, default=0) * est.in_flight
+    if not saved and not extra.transient:
+        return est
+    return replace(
+        est,
+        per_microbatch_chunk=[
+            a + b for a, b in zip(est.per_microbatch_chunk, extra.per_microbatch_chunk, strict=True)
+        ],
+        saved_peak=est.saved_peak + saved,
+        transient=est.transient + extra.transient,
+        peak=est.peak + saved + extra.transient,
+        detail={**est.detail, "cp_context": sum(extra.per_microbatch_chunk)},
     )
 
 
