@@ -15,6 +15,7 @@ from nanotrain.planning.layout import PlanLayout, Workload
 from nanotrain.planning.plan import Plan, plan_layout, suggest_fp8_saves
 from nanotrain.planning.report import format_plan, format_search, plan_json, search_json
 from nanotrain.planning.search import SEARCH_RECOMPUTE, search_layouts
+from nanotrain.planning.seq_fit import format_seq_fits, seq_len_fits
 from nanotrain.strategies.layout_checks import model_dims
 
 __all__ = ["parse_count", "plan_for_run", "run_plan"]
@@ -231,7 +232,7 @@ def run_plan(argv: list[str]) -> None:
         priced = dict(model_name=cfg.model, compute_efficiency=cfg.compute_efficiency)
         plan = plan_layout(config, layout, workload, gpu, **priced)
         plan = suggest_fp8_saves(plan, config, **priced)
-        print(json.dumps(plan_json(plan), indent=2) if cfg.json else format_plan(plan), end="")
+        _print_plan(plan, config, priced, cfg.json)
         return
     result = search_layouts(
         config, cfg.gpus, gpu, seq_len=cfg.seq_len,
@@ -253,7 +254,25 @@ def run_plan(argv: list[str]) -> None:
     else:
         print(format_search(result, cfg.top), end="")
         if result.fitting:
-            print("\nbest layout:\n" + format_plan(result.fitting[0]), end="")
+            print("\nbest layout:")
+            priced = dict(model_name=cfg.model, compute_efficiency=cfg.compute_efficiency)
+            _print_plan(result.fitting[0], config, priced, False)
+
+
+def _print_plan(plan: Plan, config: Any, priced: dict[str, Any], as_json: bool) -> None:
+    """The plan as text or JSON, with the sequence lengths its layout fits
+    (`nanotrain.planning.seq_fit`; JSON key "seq_len_fits")."""
+    fits = seq_len_fits(config, plan, **priced)
+    if as_json:
+        out = plan_json(plan)
+        out["seq_len_fits"] = [
+            {"seq_len": f.seq_len, "memory": f.memory, "fits": f.fits, "reason": f.reason}
+            for f in fits
+        ]
+        print(json.dumps(out, indent=2))
+        return
+    print(format_plan(plan), end="")
+    print(format_seq_fits(fits, getattr(config, "max_seq_len", None)), end="")
 
 
 def plan_for_run(

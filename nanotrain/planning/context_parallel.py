@@ -22,23 +22,33 @@ How the planner uses it (`nanotrain.planning.plan.plan_layout`):
   reduce-scatter in the backward; blocking, at the cp group's link (`cp_link`).
 * `cp_activation_bytes`: the whole-sequence tensors a cp rank keeps on top of its own
   seq_len / cp tokens (see there).
+* `cp_extra_flops`: compute the runtime does beyond the model's FLOPs: the attention kernel
+  takes an explicit [seq_len / cp, seq_len] mask, so it computes the masked-out half of the
+  scores too, and MLA expands the gathered latent (`kv_b_proj`) for every token of the
+  sequence on every cp rank, not only for its own.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from nanotrain.planning.layout import PlanLayout, Workload
+if TYPE_CHECKING:  # layout.py imports this module for `check_cp_options`
+    from nanotrain.planning.layout import PlanLayout, Workload
 
 __all__ = [
     "CpActivations",
+    "check_cp_model",
+    "check_cp_options",
+    "check_seq_len",
     "cp_activation_bytes",
+    "cp_extra_flops",
     "cp_layer_exchange_bytes",
     "cp_link",
     "cp_traffic",
     "exchange_width",
     "fold_cp",
+    "search_cp_sizes",
 ]
 
 #: recompute modes whose rebuilt forward runs the attention core again (and so gathers again)
@@ -49,18 +59,68 @@ def _is_mla(config: Any) -> bool:
     return hasattr(config, "kv_lora_rank")
 
 
-def check_seq_len(seq_len: int, cp: int) -> None:
-    """Refuse a sequence that does not cut into 2 * cp equal chunks.
+def check_seq_len(seq_len: int, cp: int, sp_tp: int = 1) -> None:
+    """Refuse a sequence that does not cut into 2 * cp equal chunks (each of them split over
+    `sp_tp` ranks: tp under sequence parallelism, else 1), as the strategy does.
 
     Raises:
-        ValueError: cp < 1, or seq_len not a multiple of 2 * cp.
+        ValueError: cp < 1, or seq_len not a multiple of 2 * cp * sp_tp.
     """
     if isinstance(cp, bool) or not isinstance(cp, int) or cp < 1:
         raise ValueError(f"cp must be an int >= 1, got {cp!r}")
-    if cp > 1 and seq_len % (2 * cp):
+    if cp > 1 and seq_len % (2 * cp * sp_tp):
+        what = f"2*cp={2 * cp}" if sp_tp == 1 else f"2*cp*tp={2 * cp * sp_tp} (sequence parallel)"
         raise ValueError(
             f"context parallelism cuts each sequence into 2*cp={2 * cp} chunks: "
-            f"seq_len={seq_len} is not a multiple of it; pick a seq_len that is, or another cp"
+            f"seq_len={seq_len} is not a multiple of {what}; pick a seq_len that is, or "
+            "another cp"
+        )
+
+
+def check_cp_options(cp: int, zero_stage: int, overlap_forward_backward: bool) -> None:
+    """The strategy options cp > 1 does not run with (`MegatronStrategy`'s refusals, same
+    rule): ZeRO-3 and paired chunks side by side.
+
+    Raises:
+        ValueError: naming the combination and what to change.
+    """
+    if cp == 1:
+        return
+    if zero_stage == 3:
+        raise ValueError(
+            f"cp={cp} with zero_stage=3 is not supported (context-parallel ranks are not "
+            "wired into the FSDP2 groups); use zero_stage=1 or 2, which shard over the "
+            "dp x cp ranks, or cp=1"
+        )
+    if overlap_forward_backward:
+        raise ValueError(
+            f"cp={cp} with overlap_forward_backward=True is not supported: the two chunks' "
+            "key/value all-gathers would run side by side on one context-parallel group; "
+            "set overlap_forward_backward=False"
+        )
+
+
+def check_cp_model(config: Any, cp: int) -> None:
+    """The models cp > 1 does not run (`MegatronStrategy`'s refusals, same rule): multi-token
+    prediction (its targets lie beyond a chunk's end) and capacity-limited MoE layers (their
+    drops are decided per whole sequence).
+
+    Raises:
+        ValueError: naming the setting and how to change it.
+    """
+    if cp == 1:
+        return
+    if getattr(config, "mtp_depth", 0):
+        raise ValueError(
+            f"cp={cp} does not support multi-token prediction yet (mtp_depth="
+            f"{config.mtp_depth}: its targets lie beyond a chunk's end); set "
+            "model_overrides={'mtp_depth': 0} or cp=1"
+        )
+    if getattr(config, "capacity_factor", None) is not None:
+        raise ValueError(
+            f"cp={cp} needs dropless MoE layers, but the model has capacity_factor="
+            f"{config.capacity_factor} (its drops are decided per whole sequence); set "
+            "capacity_factor=None or cp=1"
         )
 
 
@@ -95,18 +155,21 @@ def cp_layer_exchange_bytes(
     return received, received
 
 
-def fold_cp(layout: PlanLayout, workload: Workload) -> tuple[PlanLayout, Workload]:
+def fold_cp(config: Any, layout: PlanLayout, workload: Workload) -> tuple[PlanLayout, Workload]:
     """The layout and workload the rest of the planner prices (module docstring): cp folded
     into dp (dp x cp ranks), each sequence's seq_len / cp tokens as a sequence of its own
     (cp times as many of them, so the microbatches per replica and the tokens per step stay).
     Unchanged when cp = 1.
 
     Raises:
-        ValueError: seq_len not a multiple of 2 * cp.
+        ValueError: what the strategy refuses: seq_len not a multiple of 2 * cp (2 * cp * tp
+            under sequence parallelism), a model `check_cp_model` refuses.
     """
     if layout.cp == 1:
         return layout, workload
-    check_seq_len(workload.seq_len, layout.cp)
+    check_cp_model(config, layout.cp)
+    sp_tp = layout.tp if layout.sequence_parallel else 1
+    check_seq_len(workload.seq_len, layout.cp, sp_tp)
     folded = replace(layout, dp=layout.dp * layout.cp, cp=1)
     local = replace(
         workload,
@@ -116,28 +179,16 @@ def fold_cp(layout: PlanLayout, workload: Workload) -> tuple[PlanLayout, Workloa
     return folded, local
 
 
-def _attention_layers(config: Any, chunks: list[list[int]], last: bool) -> list[int]:
-    """Each attention layer's position within its chunk (recompute modes go by position),
-    plus the MTP modules' blocks (position -1: no recompute) on the last stage."""
-    positions = [i for chunk in chunks for i in range(len(chunk))]
-    return positions + ([-1] * getattr(config, "mtp_depth", 0) if last else [])
-
-
-def _mode(layout: PlanLayout, position: int) -> str | None:
-    return None if position < 0 else layout.layer_recompute(position)
-
-
 def cp_traffic(
     config: Any,
     layout: PlanLayout,
     workload: Workload,
     chunks: list[list[int]],
-    last: bool,
     element_bytes: int,
 ) -> tuple[float, int]:
     """(bytes, collective calls) one rank of a pipeline stage exchanges over its cp group per
-    optimizer step: per microbatch and attention layer (`chunks`' decoder layers, plus the
-    MTP blocks when `last`) one all-gather and one reduce-scatter of
+    optimizer step: per microbatch and attention layer (`chunks`' decoder layers; cp runs
+    no MTP modules, `check_cp_model`) one all-gather and one reduce-scatter of
     `cp_layer_exchange_bytes` for micro_batch_size sequences at this tp rank's width, and one
     more all-gather where the layer's recompute mode rebuilds attention (`REGATHER`).
     (0, 0) when cp = 1."""
@@ -146,7 +197,8 @@ def cp_traffic(
     check_seq_len(workload.seq_len, layout.cp)
     per_token = exchange_width(config, layout.tp) * element_bytes
     one = (layout.cp - 1) * (workload.seq_len // layout.cp) * workload.micro_batch_size
-    calls = sum(2 + (_mode(layout, p) in REGATHER) for p in _attention_layers(config, chunks, last))
+    modes = [layout.layer_recompute(i) for chunk in chunks for i in range(len(chunk))]
+    calls = sum(2 + (mode in REGATHER) for mode in modes)
     micro = workload.num_microbatches(layout)
     return float(micro * calls * one * per_token), micro * calls
 
@@ -196,7 +248,6 @@ def cp_activation_bytes(
     layout: PlanLayout,
     workload: Workload,
     chunks: list[list[int]],
-    last: bool,
     element_bytes: int,
 ) -> CpActivations:
     """What the gathered context adds to a rank's activations (`CpActivations`), per layer
@@ -206,21 +257,19 @@ def cp_activation_bytes(
       tokens are saved (`_layer_bytes`);
     * "light" (MLA's up-projections rebuilt): the gathered latent is saved, the expansion
       is rebuilt in backward (transient);
-    * "full" / "selective": nothing is saved; the layer's backward rebuilds both (transient).
+    * "full" / "selective": nothing is saved; the layer's backward rebuilds both (transient);
 
-    The MTP blocks on the last stage count as layers without recomputation.
+    plus, once per chunk (its layers share it, checkpoints keep it as an input), the causal
+    mask by global position, a [seq_len / cp, seq_len] bool tensor.
     """
     if layout.cp == 1:
         return CpActivations([0] * len(chunks), 0)
     gathered, expanded = _layer_bytes(config, layout, workload, element_bytes)
     saved, transient = [], 0
-    for index, chunk in enumerate(chunks):
-        positions = list(range(len(chunk)))
-        if last and index == len(chunks) - 1:
-            positions += [-1] * getattr(config, "mtp_depth", 0)
-        total = 0
-        for p in positions:
-            mode = _mode(layout, p)
+    mask = (workload.seq_len // layout.cp) * workload.seq_len
+    for chunk in chunks:
+        total = mask
+        for mode in layout.chunk_recomputes(chunk):
             if mode is None:
                 total += gathered + expanded
             elif mode == "light" and _is_mla(config):
@@ -239,13 +288,51 @@ def cp_activation_bytes(
 MIN_TOKENS_PER_CP_RANK = 4096
 
 
-def search_cp_sizes(ranks: int, seq_len: int) -> list[int]:
-    """cp sizes a layout search tries for `ranks` data-parallel-or-cp ranks: 1, and every
-    divisor of `ranks` that cuts seq_len into 2 * cp whole chunks while leaving each rank
-    at least `MIN_TOKENS_PER_CP_RANK` tokens."""
+def search_cp_sizes(config: Any, ranks: int, seq_len: int) -> list[int]:
+    """cp sizes a layout search tries for `ranks` data-parallel-or-cp ranks: 1, and, for a
+    model cp runs (`check_cp_model`), every divisor of `ranks` that cuts seq_len into 2 * cp
+    whole chunks while leaving each rank at least `MIN_TOKENS_PER_CP_RANK` tokens."""
+    try:
+        check_cp_model(config, 2)
+    except ValueError:
+        return [1]
     return [
         cp
         for cp in range(1, ranks + 1)
         if ranks % cp == 0
         and (cp == 1 or (seq_len % (2 * cp) == 0 and seq_len // cp >= MIN_TOKENS_PER_CP_RANK))
     ]
+
+
+def cp_extra_flops(
+    config: Any, layout: PlanLayout, workload: Workload, chunks: list[list[int]]
+) -> tuple[float, float]:
+    """(FLOPs, of which plain linear-layer FLOPs) one rank of a stage computes per step beyond
+    its share of the model's FLOPs under cp > 1, per decoder layer of `chunks`:
+
+    * scores and values over the masked-out half of the keys: with a mask the kernel does not
+      skip it, ``6 * heads * (qk_head_dim + v_head_dim) * seq_len / 2`` per token (training);
+    * MLA: `kv_b_proj` on the other ranks' tokens, ``6 * kv_lora_rank * heads * (nope + v)
+      * (cp - 1)`` per token of this rank (a linear layer).
+
+    Both over tp (heads split), times 4/3 where recompute "full" or "selective" runs the
+    attention forward again; "light" runs MLA's up-projections twice more. (0, 0) when cp = 1.
+    """
+    if layout.cp == 1:
+        return 0.0, 0.0
+    c = config
+    mla = _is_mla(c)
+    qk, v = (c.qk_head_dim, c.v_head_dim) if mla else (c.head_dim, c.head_dim)
+    masked = 6.0 * c.num_heads * (qk + v) * workload.seq_len / 2
+    expand = 0.0
+    if mla:
+        expand = 6.0 * c.kv_lora_rank * c.num_heads * (c.qk_nope_head_dim + v) * (layout.cp - 1)
+    total = linear = 0.0
+    for chunk in chunks:
+        for mode in layout.chunk_recomputes(chunk):
+            again = 4 / 3 if mode in REGATHER else 1.0
+            up = 1 + 2 / 3 if mode == "light" else again
+            total += masked * again + expand * up
+            linear += expand * up
+    tokens = workload.tokens_per_step / (layout.dp * layout.cp)  # this rank's tokens
+    return total / layout.tp * tokens, linear / layout.tp * tokens

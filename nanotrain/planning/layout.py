@@ -24,6 +24,7 @@ from nanotrain.parallel.schedules import (
     max_in_flight,
     splits_backward,
 )
+from nanotrain.planning.context_parallel import check_cp_options
 from nanotrain.precision import PRECISIONS as PRECISION_PLUGINS
 from nanotrain.precision import precision_name
 from nanotrain.strategies.megatron_options import check_options
@@ -96,6 +97,7 @@ class PlanLayout(MeshLayout):
         # MeshLayout's check with the cp ranks among the data-parallel ones: experts are
         # drawn from dp x cp, as the runtime draws them
         validate_layout(self.world_size, self.tp, self.pp, self.ep, self.dp * self.cp)
+        check_cp_options(self.cp, self.zero_stage, self.overlap_forward_backward)
         if self.pipeline_layout is not None:
             object.__setattr__(self, "pipeline_layout", tuple(self.pipeline_layout))
         # the strategy's own construction checks (`MegatronStrategy.__init__` runs the same

@@ -27,8 +27,10 @@ The step-time model is deliberately simple and stated in full (docs/planning.md)
 
 Context parallelism (cp > 1) is priced by `nanotrain.planning.context_parallel`: cp folded
 into dp for state, gradients and experts, seq_len / cp tokens per rank for per-token terms,
-the whole sequence's attention FLOPs, the gathered context in the activations, and the K/V
-(MLA: latent) all-gather and reduce-scatter as blocking "cp" traffic.
+the whole sequence's attention FLOPs plus what the runtime computes beyond them (the masked
+half of the scores, MLA's latent expanded for the whole sequence), the gathered context in
+the activations, and the K/V (MLA: latent) all-gather and reduce-scatter as blocking "cp"
+traffic.
 
 A layout fits when the largest rank's model state, activation peak and a fixed reserve
 (CUDA context, allocator fragmentation and workspaces: 3 GiB by default) stay within the
@@ -48,6 +50,7 @@ from nanotrain.planning.communication import CommEstimate, comm_estimate, wire_d
 from nanotrain.planning.communication_tp import is_moe_layer
 from nanotrain.planning.context_parallel import (
     cp_activation_bytes,
+    cp_extra_flops,
     cp_link,
     cp_traffic,
     fold_cp,
@@ -361,7 +364,7 @@ def plan_layout(
         raise ValueError(f"compute_efficiency must be in (0, 1], got {compute_efficiency}")
     # context parallelism: dp x cp ranks on seq_len / cp tokens each (`fold_cp`); `workload`
     # keeps the whole sequence for the attention FLOPs
-    given, (layout, local) = layout, fold_cp(layout, workload)
+    given, (layout, local) = layout, fold_cp(config, layout, workload)
     num_micro = local.num_microbatches(layout)
     models = rank_models(config, layout)
     device = "cpu" if gpu.name == "cpu" else "cuda"  # which attention kernels save what
@@ -371,10 +374,12 @@ def plan_layout(
     for rank in models:
         last = layout.pp == 1 or layout.placement.holds_last(rank.pp_rank)
         stage = stage_flops(config, layout, workload, rank.chunks, last)
+        extra = cp_extra_flops(config, given, workload, rank.chunks)
+        stage = (stage[0] + extra[0], stage[1] + extra[1])
         flops = stage[0]
         comm = _with_cp(
             comm_estimate(config, layout, local, rank.pp_rank, ranks_per_node=gpu.gpus_per_node),
-            cp_traffic(config, given, workload, rank.chunks, last, _act_bytes(workload)),
+            cp_traffic(config, given, workload, rank.chunks, _act_bytes(workload)),
         )
         ranks.append(
             RankPlan(
@@ -384,9 +389,7 @@ def plan_layout(
                 state=state_memory(rank, layout, local),
                 activations=_with_cp_activations(
                     activation_estimate(config, layout, local, rank.pp_rank, device=device),
-                    cp_activation_bytes(
-                        config, given, workload, rank.chunks, last, _act_bytes(workload)
-                    ),
+                    cp_activation_bytes(config, given, workload, rank.chunks, _act_bytes(workload)),
                 ),
                 reserve=reserve_bytes,
                 flops=flops,
