@@ -77,21 +77,15 @@ def check_seq_len(seq_len: int, cp: int, sp_tp: int = 1) -> None:
         )
 
 
-def check_cp_options(cp: int, zero_stage: int, overlap_forward_backward: bool) -> None:
-    """The strategy options cp > 1 does not run with (`MegatronStrategy`'s refusals, same
-    rule): ZeRO-3 and paired chunks side by side.
+def check_cp_options(cp: int, overlap_forward_backward: bool) -> None:
+    """The strategy option cp > 1 does not run with (`MegatronStrategy`'s refusal, same
+    rule): paired chunks side by side.
 
     Raises:
         ValueError: naming the combination and what to change.
     """
     if cp == 1:
         return
-    if zero_stage == 3:
-        raise ValueError(
-            f"cp={cp} with zero_stage=3 is not supported (context-parallel ranks are not "
-            "wired into the FSDP2 groups); use zero_stage=1 or 2, which shard over the "
-            "dp x cp ranks, or cp=1"
-        )
     if overlap_forward_backward:
         raise ValueError(
             f"cp={cp} with overlap_forward_backward=True is not supported: the two chunks' "
@@ -101,21 +95,14 @@ def check_cp_options(cp: int, zero_stage: int, overlap_forward_backward: bool) -
 
 
 def check_cp_model(config: Any, cp: int) -> None:
-    """The models cp > 1 does not run (`MegatronStrategy`'s refusals, same rule): multi-token
-    prediction (its targets lie beyond a chunk's end) and capacity-limited MoE layers (their
-    drops are decided per whole sequence).
+    """The models cp > 1 does not run (`MegatronStrategy`'s refusal, same rule):
+    capacity-limited MoE layers (their drops are decided per whole sequence).
 
     Raises:
         ValueError: naming the setting and how to change it.
     """
     if cp == 1:
         return
-    if getattr(config, "mtp_depth", 0):
-        raise ValueError(
-            f"cp={cp} does not support multi-token prediction yet (mtp_depth="
-            f"{config.mtp_depth}: its targets lie beyond a chunk's end); set "
-            "model_overrides={'mtp_depth': 0} or cp=1"
-        )
     if getattr(config, "capacity_factor", None) is not None:
         raise ValueError(
             f"cp={cp} needs dropless MoE layers, but the model has capacity_factor="
@@ -184,11 +171,12 @@ def cp_traffic(
     layout: PlanLayout,
     workload: Workload,
     chunks: list[list[int]],
+    last: bool,
     element_bytes: int,
 ) -> tuple[float, int]:
     """(bytes, collective calls) one rank of a pipeline stage exchanges over its cp group per
-    optimizer step: per microbatch and attention layer (`chunks`' decoder layers; cp runs
-    no MTP modules, `check_cp_model`) one all-gather and one reduce-scatter of
+    optimizer step: per microbatch and attention layer (`chunks`' decoder layers, and the
+    MTP modules' blocks when the stage is the `last`) one all-gather and one reduce-scatter of
     `cp_layer_exchange_bytes` for micro_batch_size sequences at this tp rank's width, and one
     more all-gather where the layer's recompute mode rebuilds attention (`REGATHER`).
     (0, 0) when cp = 1."""
@@ -197,10 +185,17 @@ def cp_traffic(
     check_seq_len(workload.seq_len, layout.cp)
     per_token = exchange_width(config, layout.tp) * element_bytes
     one = (layout.cp - 1) * (workload.seq_len // layout.cp) * workload.micro_batch_size
-    modes = [layout.layer_recompute(i) for chunk in chunks for i in range(len(chunk))]
+    modes = [mode for chunk in chunks for mode in layout.chunk_recomputes(chunk)]
+    modes += _mtp_modes(config, layout, last)
     calls = sum(2 + (mode in REGATHER) for mode in modes)
     micro = workload.num_microbatches(layout)
     return float(micro * calls * one * per_token), micro * calls
+
+
+def _mtp_modes(config: Any, layout: PlanLayout, last: bool) -> list[str | None]:
+    """The recompute mode of each MTP block on the last stage (the layout's mode: the MTP
+    modules recompute as the layout says, `stage_flops`)."""
+    return [layout.recompute] * getattr(config, "mtp_depth", 0) if last else []
 
 
 def cp_link(layout: PlanLayout, gpu: Any, latency: tuple[float, float]) -> tuple[float, float]:
@@ -248,6 +243,7 @@ def cp_activation_bytes(
     layout: PlanLayout,
     workload: Workload,
     chunks: list[list[int]],
+    last: bool,
     element_bytes: int,
 ) -> CpActivations:
     """What the gathered context adds to a rank's activations (`CpActivations`), per layer
@@ -259,6 +255,8 @@ def cp_activation_bytes(
       is rebuilt in backward (transient);
     * "full" / "selective": nothing is saved; the layer's backward rebuilds both (transient);
 
+    the MTP blocks of the `last` stage count with its last chunk, under the layout's mode;
+
     plus, once per chunk (its layers share it, checkpoints keep it as an input), the causal
     mask by global position, a [seq_len / cp, seq_len] bool tensor.
     """
@@ -267,9 +265,12 @@ def cp_activation_bytes(
     gathered, expanded = _layer_bytes(config, layout, workload, element_bytes)
     saved, transient = [], 0
     mask = (workload.seq_len // layout.cp) * workload.seq_len
-    for chunk in chunks:
+    for index, chunk in enumerate(chunks):
         total = mask
-        for mode in layout.chunk_recomputes(chunk):
+        modes = layout.chunk_recomputes(chunk)
+        if index == len(chunks) - 1:
+            modes += _mtp_modes(config, layout, last)
+        for mode in modes:
             if mode is None:
                 total += gathered + expanded
             elif mode == "light" and _is_mla(config):
@@ -305,7 +306,7 @@ def search_cp_sizes(config: Any, ranks: int, seq_len: int) -> list[int]:
 
 
 def cp_extra_flops(
-    config: Any, layout: PlanLayout, workload: Workload, chunks: list[list[int]]
+    config: Any, layout: PlanLayout, workload: Workload, chunks: list[list[int]], last: bool
 ) -> tuple[float, float]:
     """(FLOPs, of which plain linear-layer FLOPs) one rank of a stage computes per step beyond
     its share of the model's FLOPs under cp > 1, per decoder layer of `chunks`:
@@ -313,7 +314,9 @@ def cp_extra_flops(
     * scores and values over the masked-out half of the keys: with a mask the kernel does not
       skip it, ``6 * heads * (qk_head_dim + v_head_dim) * seq_len / 2`` per token (training);
     * MLA: `kv_b_proj` on the other ranks' tokens, ``6 * kv_lora_rank * heads * (nope + v)
-      * (cp - 1)`` per token of this rank (a linear layer).
+      * (cp - 1)`` per token of this rank (a linear layer);
+
+    and the same for each MTP block when the stage is the `last`.
 
     Both over tp (heads split), times 4/3 where recompute "full" or "selective" runs the
     attention forward again; "light" runs MLA's up-projections twice more. (0, 0) when cp = 1.
@@ -328,11 +331,11 @@ def cp_extra_flops(
     if mla:
         expand = 6.0 * c.kv_lora_rank * c.num_heads * (c.qk_nope_head_dim + v) * (layout.cp - 1)
     total = linear = 0.0
-    for chunk in chunks:
-        for mode in layout.chunk_recomputes(chunk):
-            again = 4 / 3 if mode in REGATHER else 1.0
-            up = 1 + 2 / 3 if mode == "light" else again
-            total += masked * again + expand * up
-            linear += expand * up
+    modes = [mode for chunk in chunks for mode in layout.chunk_recomputes(chunk)]
+    for mode in modes + _mtp_modes(config, layout, last):
+        again = 4 / 3 if mode in REGATHER else 1.0
+        up = 1 + 2 / 3 if mode == "light" else again
+        total += masked * again + expand * up
+        linear += expand * up
     tokens = workload.tokens_per_step / (layout.dp * layout.cp)  # this rank's tokens
     return total / layout.tp * tokens, linear / layout.tp * tokens

@@ -97,7 +97,7 @@ class PlanLayout(MeshLayout):
         # MeshLayout's check with the cp ranks among the data-parallel ones: experts are
         # drawn from dp x cp, as the runtime draws them
         validate_layout(self.world_size, self.tp, self.pp, self.ep, self.dp * self.cp)
-        check_cp_options(self.cp, self.zero_stage, self.overlap_forward_backward)
+        check_cp_options(self.cp, self.overlap_forward_backward)
         if self.pipeline_layout is not None:
             object.__setattr__(self, "pipeline_layout", tuple(self.pipeline_layout))
         # the strategy's own construction checks (`MegatronStrategy.__init__` runs the same
@@ -156,7 +156,8 @@ class PlanLayout(MeshLayout):
         """The `MegatronStrategy` of this layout (not set up: no process group is made)."""
         from nanotrain.strategies.megatron import MegatronStrategy
 
-        zero3: dict[str, Any] = {"cp": self.cp} if self.cp > 1 else {}
+        context = {"cp": self.cp} if self.cp > 1 else {}
+        zero3 = {}
         if self.zero_stage == 3:
             zero3 = dict(
                 cpu_offload=self.cpu_offload,
@@ -164,6 +165,7 @@ class PlanLayout(MeshLayout):
                 reduce_scatter_every_microbatch=self.reduce_scatter_every_microbatch,
             )
         return MegatronStrategy(
+            **context,
             **zero3,
             tp=self.tp,
             pp=self.pp,
@@ -259,6 +261,8 @@ class PlanLayout(MeshLayout):
         None (flat dispatch)."""
         if ranks_per_node is None or self.ep == 1 or self.node_limited_dispatch is False:
             return None
+        if self.cp > 1:  # the ep groups are drawn from dp x cp, as in the folded mesh
+            return replace(self, dp=self.dp * self.cp, cp=1).ep_nodes(config, ranks_per_node)
         if getattr(config, "capacity_factor", None) is not None:
             return None
         try:

@@ -374,12 +374,12 @@ def plan_layout(
     for rank in models:
         last = layout.pp == 1 or layout.placement.holds_last(rank.pp_rank)
         stage = stage_flops(config, layout, workload, rank.chunks, last)
-        extra = cp_extra_flops(config, given, workload, rank.chunks)
+        extra = cp_extra_flops(config, given, workload, rank.chunks, last)
         stage = (stage[0] + extra[0], stage[1] + extra[1])
         flops = stage[0]
         comm = _with_cp(
             comm_estimate(config, layout, local, rank.pp_rank, ranks_per_node=gpu.gpus_per_node),
-            cp_traffic(config, given, workload, rank.chunks, _act_bytes(workload)),
+            cp_traffic(config, given, workload, rank.chunks, last, _act_bytes(workload)),
         )
         ranks.append(
             RankPlan(
@@ -389,7 +389,9 @@ def plan_layout(
                 state=state_memory(rank, layout, local),
                 activations=_with_cp_activations(
                     activation_estimate(config, layout, local, rank.pp_rank, device=device),
-                    cp_activation_bytes(config, given, workload, rank.chunks, _act_bytes(workload)),
+                    cp_activation_bytes(
+                        config, given, workload, rank.chunks, last, _act_bytes(workload)
+                    ),
                 ),
                 reserve=reserve_bytes,
                 flops=flops,

@@ -5,7 +5,7 @@ pp among the divisors of what is left (layers that do not split evenly get
 `layout.balanced_pipeline_layout`), virtual_pp 1 or 2 (with 2: interleaved 1F1B and
 DualPipeV); cp among the divisors of what is left that keep at least 4,096 tokens of each
 sequence per rank (`context_parallel.search_cp_sizes`; only 1 for short sequences and for
-models cp does not run: MTP, capacity factor), not with ZeRO-3; ep
+models cp does not run: capacity factor); ep
 among the divisors of dp x cp that divide the routed experts; ZeRO 1 and 3 (and 0 / 2 when asked; ZeRO-3 only where dp > 1, since it shards
 over dp); micro batch sizes 1, 2, 4; recomputation none, then light, then selective, then
 full (`SEARCH_RECOMPUTE`: each costs more compute than the one before), stopping at the first
@@ -86,8 +86,8 @@ def _for_cp(
             if experts and experts % ep:
                 continue
             for zero in zero_stages:
-                if zero == 3 and (dp * cp == 1 or cp > 1):
-                    continue  # nothing to shard over; ZeRO-3 does not run with cp
+                if zero == 3 and dp * cp == 1:
+                    continue  # nothing to shard over
                 for schedule in _schedules(vpp):
                     yield PlanLayout(
                         tp=tp,

@@ -25,10 +25,9 @@ def _dense():
     return presets.get("tiny-dense")
 
 
-def _mla():
-    # tiny without MTP (cp refuses MTP): 2 layers, 4 heads, kv_lora_rank 32, rope 8, nope 16,
-    # v 16
-    return presets.get("tiny", mtp_depth=0)
+def _mla(mtp_depth=0):
+    # tiny (MTP off unless asked): 2 layers, 4 heads, kv_lora_rank 32, rope 8, nope 16, v 16
+    return presets.get("tiny", mtp_depth=mtp_depth)
 
 
 def test_exchange_bytes_per_layer_by_hand():
@@ -59,16 +58,15 @@ def test_layout_world_describe_and_strategy_fields():
     strategy = SimpleNamespace(tp=2, pp=1, cp=4, dp=None)
     assert PlanLayout.from_strategy(strategy, 16) == PlanLayout(tp=2, dp=2, cp=4)
     assert PlanLayout.from_strategy(SimpleNamespace(tp=2), 8).cp == 1
-    with pytest.raises(ValueError, match="zero_stage=3"):
-        PlanLayout(dp=2, cp=2, zero_stage=3)
+    assert PlanLayout(dp=2, cp=2, zero_stage=3).expert_dp == 4  # FSDP2 over dp x cp
     with pytest.raises(ValueError, match="overlap_forward_backward"):
         PlanLayout(pp=2, virtual_pp=2, dp=1, cp=2, overlap_forward_backward=True)
 
 
 def test_runtime_refusals_are_priced_as_refusals():
     work = Workload(256, 1, 4, "bf16-mixed")
-    with pytest.raises(ValueError, match="multi-token prediction"):
-        plan_layout(presets.get("tiny"), PlanLayout(cp=2), work, H100)
+    with pytest.raises(ValueError, match="dropless"):
+        plan_layout(presets.get("tiny", capacity_factor=1.0), PlanLayout(cp=2), work, H100)
     with pytest.raises(ValueError, match="2\\*cp\\*tp=16"):  # sp splits each chunk over tp
         plan_layout(
             _dense(),
@@ -169,12 +167,14 @@ def test_search_considers_cp_for_long_sequences_only():
     kwargs = dict(global_batch_size=8, micro_batch_sizes=(1,), recompute=(None,))
     long = search_layouts(_dense(), 4, H100, seq_len=8192, **kwargs)
     assert {p.layout.cp for p in long.fitting} == {1, 2}  # 2 leaves 4,096 tokens per rank
-    assert all(p.layout.zero_stage != 3 for p in long.fitting if p.layout.cp > 1)
+    assert any(p.layout.zero_stage == 3 for p in long.fitting if p.layout.cp > 1)
     short = search_layouts(_dense(), 4, H100, seq_len=4096, **kwargs)
     assert {p.layout.cp for p in short.fitting} == {1}
-    # cp does not run multi-token prediction: not even tried (nor listed as rejected)
-    mtp = search_layouts(presets.get("tiny"), 4, H100, seq_len=8192, **kwargs)
-    assert mtp.fitting and {x.layout.cp for x in mtp.fitting + mtp.rejected} == {1}
+    # cp does not run capacity-limited MoE layers: not even tried (nor listed as rejected)
+    capacity = search_layouts(
+        presets.get("tiny", capacity_factor=1.0), 4, H100, seq_len=8192, **kwargs
+    )
+    assert capacity.fitting and {x.layout.cp for x in capacity.fitting + capacity.rejected} == {1}
 
 
 def test_seq_len_fits_lists_each_length_and_the_longest_that_fits():
@@ -201,3 +201,16 @@ def test_plan_cli_prices_cp_and_prints_the_lengths_that_fit(capsys):
     assert "fits up to 131072 tokens" in out
     with pytest.raises(ValueError, match="--cp 3 does not divide"):
         run_plan([*argv, "--global-batch-size", "4", "--cp", "3"])
+
+
+def test_mtp_blocks_gather_on_the_last_stage():
+    # tiny with one MTP block: its attention gathers like a decoder layer's (3 layers' worth)
+    s, cp, batch = 256, 2, 4
+    plan, _, _ = _pair(_mla(mtp_depth=1), cp=cp, seq_len=s, batch=batch)
+    one = (cp - 1) * (s // cp) * (32 + 8) * BF16
+    assert plan.ranks[0].comm.calls_per_step["cp"] == batch * 3 * 2
+    assert plan.ranks[0].comm.bytes_per_step["cp"] == batch * 3 * 2 * one
+    first, last = plan_layout(
+        _mla(1), PlanLayout(pp=2, dp=1, cp=cp), Workload(s, 1, batch), H100
+    ).ranks
+    assert last.comm.calls_per_step["cp"] == 2 * first.comm.calls_per_step["cp"]  # 1 + MTP
