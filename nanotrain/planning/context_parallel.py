@@ -33,6 +33,8 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
+from nanotrain.planning.activation_parts import dtypes_for
+
 if TYPE_CHECKING:  # layout.py imports this module for `check_cp_options`
     from nanotrain.planning.layout import PlanLayout, Workload
 
@@ -46,6 +48,7 @@ __all__ = [
     "cp_layer_exchange_bytes",
     "cp_link",
     "cp_traffic",
+    "exchange_element_bytes",
     "exchange_width",
     "fold_cp",
     "search_cp_sizes",
@@ -123,6 +126,15 @@ def exchange_width(config: Any, tp: int = 1) -> int:
     return 2 * max(config.num_kv_heads // tp, 1) * config.head_dim
 
 
+def exchange_element_bytes(config: Any, precision: str) -> int:
+    """Bytes per element of what cp gathers under a Trainer precision: dense K and V are linear
+    outputs (the autocast dtype); MLA's latent is RMSNorm(c_KV), its fp32 weight times the
+    normalized input, so fp32 under autocast, concatenated with the rope key into one
+    buffer of that dtype."""
+    dt = dtypes_for(precision)
+    return max(dt.param, dt.gemm) if _is_mla(config) else dt.gemm
+
+
 def cp_layer_exchange_bytes(
     config: Any, seq_len: int, cp: int, element_bytes: int
 ) -> tuple[int, int]:
@@ -172,18 +184,20 @@ def cp_traffic(
     workload: Workload,
     chunks: list[list[int]],
     last: bool,
-    element_bytes: int,
 ) -> tuple[float, int]:
     """(bytes, collective calls) one rank of a pipeline stage exchanges over its cp group per
     optimizer step: per microbatch and attention layer (`chunks`' decoder layers, and the
     MTP modules' blocks when the stage is the `last`) one all-gather and one reduce-scatter of
-    `cp_layer_exchange_bytes` for micro_batch_size sequences at this tp rank's width, and one
+    `cp_layer_exchange_bytes` for micro_batch_size sequences at this tp rank's width (in
+    `exchange_element_bytes`), and one
     more all-gather where the layer's recompute mode rebuilds attention (`REGATHER`).
     (0, 0) when cp = 1."""
     if layout.cp == 1:
         return 0.0, 0
     check_seq_len(workload.seq_len, layout.cp)
-    per_token = exchange_width(config, layout.tp) * element_bytes
+    per_token = exchange_width(config, layout.tp) * exchange_element_bytes(
+        config, workload.precision
+    )
     one = (layout.cp - 1) * (workload.seq_len // layout.cp) * workload.micro_batch_size
     modes = [mode for chunk in chunks for mode in layout.chunk_recomputes(chunk)]
     modes += _mtp_modes(config, layout, last)
@@ -222,15 +236,17 @@ class CpActivations:
     transient: int
 
 
-def _layer_bytes(config: Any, layout: PlanLayout, workload: Workload, g: int) -> tuple[int, int]:
+def _layer_bytes(config: Any, layout: PlanLayout, workload: Workload) -> tuple[int, int]:
     """(gathered, expanded) bytes of one layer for the whole microbatch's sequence, beyond
     what the rank's own tokens already count: the gathered buffer (MLA: latent + rope key;
     dense: K and V of the kv heads, which the attention kernel saves as they are) and, for
     MLA, the keys and kv_b output of every head (q_nope / rope concatenated keys, values)
-    the kernel saves for the whole sequence."""
+    the kernel saves for the whole sequence (the linear layers' dtype)."""
     b, s, cp = workload.micro_batch_size, workload.seq_len, layout.cp
     others = b * (s - s // cp)  # tokens of the other cp ranks
-    gathered = others * exchange_width(config, layout.tp) * g
+    width = exchange_width(config, layout.tp)
+    gathered = others * width * exchange_element_bytes(config, workload.precision)
+    g = dtypes_for(workload.precision).gemm
     if not _is_mla(config):
         return gathered, 0
     heads = config.num_heads // layout.tp
@@ -244,7 +260,6 @@ def cp_activation_bytes(
     workload: Workload,
     chunks: list[list[int]],
     last: bool,
-    element_bytes: int,
 ) -> CpActivations:
     """What the gathered context adds to a rank's activations (`CpActivations`), per layer
     by its recompute mode:
@@ -262,7 +277,7 @@ def cp_activation_bytes(
     """
     if layout.cp == 1:
         return CpActivations([0] * len(chunks), 0)
-    gathered, expanded = _layer_bytes(config, layout, workload, element_bytes)
+    gathered, expanded = _layer_bytes(config, layout, workload)
     saved, transient = [], 0
     mask = (workload.seq_len // layout.cp) * workload.seq_len
     for index, chunk in enumerate(chunks):

@@ -46,7 +46,7 @@ from nanotrain.models.accounting import active_params, total_params
 from nanotrain.parallel.mesh import MeshLayout
 from nanotrain.planning import zero3
 from nanotrain.planning.activations import ActivationEstimate, activation_estimate
-from nanotrain.planning.communication import CommEstimate, comm_estimate, wire_dtypes
+from nanotrain.planning.communication import CommEstimate, comm_estimate
 from nanotrain.planning.communication_tp import is_moe_layer
 from nanotrain.planning.context_parallel import (
     cp_activation_bytes,
@@ -379,7 +379,7 @@ def plan_layout(
         flops = stage[0]
         comm = _with_cp(
             comm_estimate(config, layout, local, rank.pp_rank, ranks_per_node=gpu.gpus_per_node),
-            cp_traffic(config, given, workload, rank.chunks, last, _act_bytes(workload)),
+            cp_traffic(config, given, workload, rank.chunks, last),
         )
         ranks.append(
             RankPlan(
@@ -389,9 +389,7 @@ def plan_layout(
                 state=state_memory(rank, layout, local),
                 activations=_with_cp_activations(
                     activation_estimate(config, layout, local, rank.pp_rank, device=device),
-                    cp_activation_bytes(
-                        config, given, workload, rank.chunks, last, _act_bytes(workload)
-                    ),
+                    cp_activation_bytes(config, given, workload, rank.chunks, last),
                 ),
                 reserve=reserve_bytes,
                 flops=flops,
@@ -483,12 +481,6 @@ def plan_layout(
         slowest_comm_s=dict(slowest_comm),
         hidden_comm_s=hidden,
     )
-
-
-def _act_bytes(workload: Workload) -> int:
-    """Bytes per element of the keys, values and latents cp exchanges: the linear layers'
-    output dtype (`WireDtypes.matmul`)."""
-    return wire_dtypes(workload.precision).matmul
 
 
 def _with_cp(comm: CommEstimate, traffic: tuple[float, int]) -> CommEstimate:

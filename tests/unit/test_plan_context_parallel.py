@@ -17,7 +17,8 @@ from nanotrain.planning.search import search_layouts
 from nanotrain.planning.seq_fit import SeqFit, format_seq_fits, seq_len_fits
 
 H100 = gpu_spec("h100")
-BF16 = 2  # the keys, values and latents' bytes under bf16-mixed (the linear layers' output)
+BF16 = 2  # dense K and V under bf16-mixed: linear outputs
+FP32 = 4  # MLA's gathered latent under bf16-mixed: RMSNorm's fp32 weight times its input
 
 
 def _dense():
@@ -105,7 +106,7 @@ def test_mla_activations_add_the_gathered_latent_and_expanded_heads():
     plan, plain, work = _pair(_mla(), cp=cp, seq_len=s)
     local = plan_layout(_mla(), plain, replace(work, seq_len=s // cp), H100)
     others = s - s // cp
-    latent = others * (32 + 8) * BF16
+    latent = others * (32 + 8) * FP32
     # per head the concatenated key (16 + 8), kv_b's output (16 + 16)
     heads = others * 4 * (24 + 16 + 16) * BF16
     got = plan.ranks[0].activations.peak - local.ranks[0].activations.peak
@@ -207,7 +208,7 @@ def test_mtp_blocks_gather_on_the_last_stage():
     # tiny with one MTP block: its attention gathers like a decoder layer's (3 layers' worth)
     s, cp, batch = 256, 2, 4
     plan, _, _ = _pair(_mla(mtp_depth=1), cp=cp, seq_len=s, batch=batch)
-    one = (cp - 1) * (s // cp) * (32 + 8) * BF16
+    one = (cp - 1) * (s // cp) * (32 + 8) * FP32
     assert plan.ranks[0].comm.calls_per_step["cp"] == batch * 3 * 2
     assert plan.ranks[0].comm.bytes_per_step["cp"] == batch * 3 * 2 * one
     first, last = plan_layout(
