@@ -36,10 +36,14 @@ from typing import TYPE_CHECKING, Any
 from nanotrain.planning.activation_parts import dtypes_for
 
 if TYPE_CHECKING:  # layout.py imports this module for `check_cp_options`
+    from nanotrain.planning.activations import ActivationEstimate
+    from nanotrain.planning.communication import CommEstimate
     from nanotrain.planning.layout import PlanLayout, Workload
 
 __all__ = [
     "CpActivations",
+    "add_cp_activations",
+    "add_cp_traffic",
     "check_cp_model",
     "check_cp_options",
     "check_seq_len",
@@ -354,3 +358,39 @@ def cp_extra_flops(
         linear += expand * up
     tokens = workload.tokens_per_step / (layout.dp * layout.cp)  # this rank's tokens
     return total / layout.tp * tokens, linear / layout.tp * tokens
+
+
+def add_cp_traffic(comm: CommEstimate, traffic: tuple[float, int]) -> CommEstimate:
+    """`comm` with the cp group's bytes and calls (`cp_traffic`) added, when there are any."""
+    nbytes, calls = traffic
+    if not calls:
+        return comm
+    return replace(
+        comm,
+        bytes_per_step={**comm.bytes_per_step, "cp": nbytes},
+        calls_per_step={**comm.calls_per_step, "cp": calls},
+        detail={
+            **comm.detail,
+            "cp": f"K/V (MLA: latent) all-gather + reduce-scatter: {calls} calls, "
+            f"{nbytes:.4g} bytes",
+        },
+    )
+
+
+def add_cp_activations(est: ActivationEstimate, extra: CpActivations) -> ActivationEstimate:
+    """`est` with the gathered context a cp rank holds (`cp_activation_bytes`): its saved
+    bytes for every (microbatch, chunk) in flight at the largest chunk's size, its
+    transient on top of the recomputation transient."""
+    saved = max(extra.per_microbatch_chunk, default=0) * est.in_flight
+    if not saved and not extra.transient:
+        return est
+    return replace(
+        est,
+        per_microbatch_chunk=[
+            a + b for a, b in zip(est.per_microbatch_chunk, extra.per_microbatch_chunk, strict=True)
+        ],
+        saved_peak=est.saved_peak + saved,
+        transient=est.transient + extra.transient,
+        peak=est.peak + saved + extra.transient,
+        detail={**est.detail, "cp_context": sum(extra.per_microbatch_chunk)},
+    )

@@ -49,6 +49,8 @@ from nanotrain.planning.activations import ActivationEstimate, activation_estima
 from nanotrain.planning.communication import CommEstimate, comm_estimate
 from nanotrain.planning.communication_tp import is_moe_layer
 from nanotrain.planning.context_parallel import (
+    add_cp_activations,
+    add_cp_traffic,
     cp_activation_bytes,
     cp_extra_flops,
     cp_link,
@@ -377,7 +379,7 @@ def plan_layout(
         extra = cp_extra_flops(config, given, workload, rank.chunks, last)
         stage = (stage[0] + extra[0], stage[1] + extra[1])
         flops = stage[0]
-        comm = _with_cp(
+        comm = add_cp_traffic(
             comm_estimate(config, layout, local, rank.pp_rank, ranks_per_node=gpu.gpus_per_node),
             cp_traffic(config, given, workload, rank.chunks, last),
         )
@@ -387,7 +389,7 @@ def plan_layout(
                 layers=sum(len(c) for c in rank.chunks),
                 params=rank.params,
                 state=state_memory(rank, layout, local),
-                activations=_with_cp_activations(
+                activations=add_cp_activations(
                     activation_estimate(config, layout, local, rank.pp_rank, device=device),
                     cp_activation_bytes(config, given, workload, rank.chunks, last),
                 ),
@@ -480,42 +482,6 @@ def plan_layout(
         slowest_stage=slowest,
         slowest_comm_s=dict(slowest_comm),
         hidden_comm_s=hidden,
-    )
-
-
-def _with_cp(comm: CommEstimate, traffic: tuple[float, int]) -> CommEstimate:
-    """`comm` with the cp group's bytes and calls (`cp_traffic`) added, when there are any."""
-    nbytes, calls = traffic
-    if not calls:
-        return comm
-    return replace(
-        comm,
-        bytes_per_step={**comm.bytes_per_step, "cp": nbytes},
-        calls_per_step={**comm.calls_per_step, "cp": calls},
-        detail={
-            **comm.detail,
-            "cp": f"K/V (MLA: latent) all-gather + reduce-scatter: {calls} calls, "
-            f"{nbytes:.4g} bytes",
-        },
-    )
-
-
-def _with_cp_activations(est: ActivationEstimate, extra: Any) -> ActivationEstimate:
-    """`est` with the gathered context a cp rank holds (`cp_activation_bytes`): its saved
-    bytes for every (microbatch, chunk) in flight at the largest chunk's size, its
-    transient on top of the recomputation transient."""
-    saved = max(extra.per_microbatch_chunk, default=0) * est.in_flight
-    if not saved and not extra.transient:
-        return est
-    return replace(
-        est,
-        per_microbatch_chunk=[
-            a + b for a, b in zip(est.per_microbatch_chunk, extra.per_microbatch_chunk, strict=True)
-        ],
-        saved_peak=est.saved_peak + saved,
-        transient=est.transient + extra.transient,
-        peak=est.peak + saved + extra.transient,
-        detail={**est.detail, "cp_context": sum(extra.per_microbatch_chunk)},
     )
 
 

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import replace
 from types import SimpleNamespace
 
@@ -200,6 +201,10 @@ def test_plan_cli_prices_cp_and_prints_the_lengths_that_fit(capsys):
     assert "layout tp1 cp2 dp2" in out and "on 4 x h100" in out
     assert "cp " in out.split("communication per GPU per step")[1]
     assert "fits up to 131072 tokens" in out
+    run_plan([*argv, "--global-batch-size", "4", "--cp", "2", "--json"])
+    out = json.loads(capsys.readouterr().out)
+    assert out["layout"]["cp"] == 2 and out["layout"]["dp"] == 2
+    assert [f["seq_len"] for f in out["seq_len_fits"]] == [1024, 4096, 32768, 131072]
     with pytest.raises(ValueError, match="--cp 3 does not divide"):
         run_plan([*argv, "--global-batch-size", "4", "--cp", "3"])
 
