@@ -15,6 +15,7 @@ from nanotrain.planning.layout import PlanLayout, Workload
 from nanotrain.planning.plan import Plan, plan_layout, suggest_fp8_saves
 from nanotrain.planning.report import format_plan, format_search, plan_json, search_json
 from nanotrain.planning.search import SEARCH_RECOMPUTE, search_layouts
+from nanotrain.planning.seq_fit import format_seq_fits, seq_len_fits
 from nanotrain.strategies.layout_checks import model_dims
 
 __all__ = ["parse_count", "plan_for_run", "run_plan"]
@@ -63,7 +64,7 @@ def _config(model: str, overrides: dict[str, Any] | None = None) -> Any:
     return dataclasses.replace(config, **overrides)
 
 
-_LAYOUT_FLAGS = ("tp", "pp", "ep", "dp", "virtual_pp", "sequence_parallel", "schedule",
+_LAYOUT_FLAGS = ("tp", "pp", "ep", "dp", "cp", "virtual_pp", "sequence_parallel", "schedule",
                  "pipeline_layout", "overlap_forward_backward")  # fmt: skip
 
 
@@ -99,6 +100,8 @@ def _parser() -> Any:
          help="sequences per microbatch (searching: 1, 2 and 4)")  # fmt: skip
     for name, what in (("tp", "tensor"), ("pp", "pipeline"), ("ep", "expert"), ("dp", "data")):
         flag(name, type=int | None, default=None, help=f"{what}-parallel size (fixes the layout)")
+    flag("cp", type=int | None, default=None,
+         help="context-parallel size: ranks that share each sequence (fixes the layout)")  # fmt: skip
     flag("virtual_pp", type=int | None, default=None, help="chunks per pipeline rank")
     flag("sequence_parallel", type=bool | None, default=None, help="default: on when tp > 1")
     flag(
@@ -146,7 +149,7 @@ def _check_args(cfg: Any) -> None:
     Raises:
         ValueError: naming the flag and what it takes.
     """
-    for name in ("gpus", "seq_len", "micro_batch_size", "global_batch_size", "top"):
+    for name in ("gpus", "seq_len", "micro_batch_size", "global_batch_size", "top", "cp"):
         value = getattr(cfg, name)
         if value is not None and value < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
@@ -198,11 +201,19 @@ def run_plan(argv: list[str]) -> None:
             "...); the search prices node-limited dispatch wherever an ep group spans nodes"
         )
     if fixed:
-        tp, pp, ep = cfg.tp or 1, cfg.pp or 1, cfg.ep or 1
-        # the strategy's own check of the sizes against the world and the model
-        dp = validate_layout(cfg.gpus, tp, pp, ep, cfg.dp, **model_dims(config))
+        tp, pp, ep, cp = cfg.tp or 1, cfg.pp or 1, cfg.ep or 1, cfg.cp or 1
+        # the strategy's own check of the sizes against the world and the model, with the
+        # cp ranks among the data-parallel ones (experts are drawn from dp x cp)
+        dp_cp = validate_layout(
+            cfg.gpus, tp, pp, ep, None if cfg.dp is None else cfg.dp * cp, **model_dims(config)
+        )
+        if dp_cp % cp:
+            raise ValueError(
+                f"--cp {cp} does not divide the {dp_cp} ranks left by tp * pp on "
+                f"{cfg.gpus} GPUs; pick a cp that does"
+            )
         layout = PlanLayout(
-            tp=tp, pp=pp, ep=ep, dp=dp,
+            tp=tp, pp=pp, ep=ep, dp=dp_cp // cp, cp=cp,
             virtual_pp=cfg.virtual_pp or 1,
             zero_stage=cfg.zero_stage if cfg.zero_stage is not None
             else 3 if cfg.cpu_offload else 0,
@@ -221,7 +232,7 @@ def run_plan(argv: list[str]) -> None:
         priced = dict(model_name=cfg.model, compute_efficiency=cfg.compute_efficiency)
         plan = plan_layout(config, layout, workload, gpu, **priced)
         plan = suggest_fp8_saves(plan, config, **priced)
-        print(json.dumps(plan_json(plan), indent=2) if cfg.json else format_plan(plan), end="")
+        _print_plan(plan, config, priced, cfg.json)
         return
     result = search_layouts(
         config, cfg.gpus, gpu, seq_len=cfg.seq_len,
@@ -243,7 +254,25 @@ def run_plan(argv: list[str]) -> None:
     else:
         print(format_search(result, cfg.top), end="")
         if result.fitting:
-            print("\nbest layout:\n" + format_plan(result.fitting[0]), end="")
+            print("\nbest layout:")
+            priced = dict(model_name=cfg.model, compute_efficiency=cfg.compute_efficiency)
+            _print_plan(result.fitting[0], config, priced, False)
+
+
+def _print_plan(plan: Plan, config: Any, priced: dict[str, Any], as_json: bool) -> None:
+    """The plan as text or JSON, with the sequence lengths its layout fits
+    (`nanotrain.planning.seq_fit`; JSON key "seq_len_fits")."""
+    fits = seq_len_fits(config, plan, **priced)
+    if as_json:
+        out = plan_json(plan)
+        out["seq_len_fits"] = [
+            {"seq_len": f.seq_len, "memory": f.memory, "fits": f.fits, "reason": f.reason}
+            for f in fits
+        ]
+        print(json.dumps(out, indent=2))
+        return
+    print(format_plan(plan), end="")
+    print(format_seq_fits(fits, getattr(config, "max_seq_len", None)), end="")
 
 
 def plan_for_run(

@@ -15,6 +15,10 @@
 | `dense-70b`        | dense    | Llama-3.1-70B's shapes (70.6B)                            |
 | `deepseek-v3-671b` | DeepSeek | DeepSeek-V3 (671B total, 37B activated, MTP depth 1)      |
 
+Long-context stages (`long_context_names()`): `dense-8b-32k`, `dense-8b-128k`,
+`dense-70b-32k`, `dense-70b-128k`, `deepseek-v3-671b-32k`, `deepseek-v3-671b-128k`: the same
+shapes with `max_seq_len` 32,768 / 131,072 and YaRN rope scaling (`_long_context`).
+
 `markdown_table()` renders the parameter counts of every preset (used by docs/models.md).
 """
 
@@ -207,9 +211,51 @@ _PRESETS: dict[str, tuple[type[DenseConfig] | type[DeepSeekConfig], dict[str, An
 }
 
 
+def _long_context(base: str, seq_len: int) -> tuple[type, dict[str, Any]]:
+    """Preset `base` for a context-extension stage to `seq_len` tokens with YaRN.
+
+    DeepSeek-V3 (paper section 4.3) extends 4K -> 32K -> 128K with the same YaRN settings in
+    both stages (factor 40 over 4,096 original positions, beta_fast 32, beta_slow 1,
+    mscale = mscale_all_dim = 1.0), so both of its stages keep `_V3_YARN`. The Llama-3.1-shaped
+    dense presets pre-train at 8,192 tokens; Llama 3.1 itself extended with its own "llama3"
+    scaling (factor 8), which nanotrain does not implement: here they use YaRN with factor
+    seq_len / 8,192 and no mscale keys (the temperature 0.1 ln(factor) + 1 then scales
+    cos / sin, as transformers' YaRN does).
+    """
+    cls, values = _PRESETS[base]
+    values = {**values, "max_seq_len": seq_len}
+    if cls is DenseConfig:
+        original = _PRESETS[base][1]["max_seq_len"]
+        values["rope_scaling"] = {
+            "type": "yarn",
+            "factor": seq_len // original,
+            "original_max_position_embeddings": original,
+            "beta_fast": 32,
+            "beta_slow": 1,
+        }
+    else:
+        values["rope_scaling"] = dict(_V3_YARN)
+    return cls, values
+
+
+_LONG_CONTEXT = {
+    f"{base}-{label}": (base, seq_len)
+    for base in ("dense-8b", "dense-70b", "deepseek-v3-671b")
+    for label, seq_len in (("32k", 32768), ("128k", 131072))
+}
+for _name, (_base, _seq) in _LONG_CONTEXT.items():
+    _PRESETS[_name] = _long_context(_base, _seq)
+
+
 def names() -> list[str]:
-    """Every preset name, smallest first."""
+    """Every preset name, smallest first (the long-context stages after their bases)."""
     return list(_PRESETS)
+
+
+def long_context_names() -> list[str]:
+    """The context-extension presets: `<base>-32k` and `<base>-128k` (YaRN, see
+    `_long_context`)."""
+    return list(_LONG_CONTEXT)
 
 
 def get(name: str, **overrides: Any) -> DenseConfig | DeepSeekConfig:
@@ -256,12 +302,35 @@ def markdown_table(seq_len: int = 4096) -> str:
         "|---|---|---|---|---|---|---|---|",
     ]
     for name in names():
+        if name in _LONG_CONTEXT:
+            continue  # the same shapes as their base (`long_context_table`)
         c = get(name)
         family = "DeepSeek" if isinstance(c, DeepSeekConfig) else "dense"
         rows.append(
             f"| `{name}` | {family} | {c.num_layers} | {c.hidden_size} "
             f"| {_human(accounting.total_params(c))} | {_human(accounting.active_params(c))} "
             f"| {_human(accounting.mtp_params(c).total)} "
+            f"| {accounting.flops_per_token(c, seq_len) / 1e9:.3g} G |"
+        )
+    return "\n".join(rows)
+
+
+def long_context_table() -> str:
+    """A Markdown table of the long-context presets: base, context, YaRN settings and
+    training FLOPs per token at their own context (MTP included)."""
+    from nanotrain.models import accounting
+
+    rows = [
+        "| preset | base | max_seq_len | YaRN factor | original positions "
+        "| train FLOPs / token (at max_seq_len) |",
+        "|---|---|---|---|---|---|",
+    ]
+    for name, (base, seq_len) in _LONG_CONTEXT.items():
+        c = get(name)
+        yarn = c.rope_scaling
+        rows.append(
+            f"| `{name}` | `{base}` | {seq_len} | {yarn['factor']} "
+            f"| {yarn['original_max_position_embeddings']} "
             f"| {accounting.flops_per_token(c, seq_len) / 1e9:.3g} G |"
         )
     return "\n".join(rows)

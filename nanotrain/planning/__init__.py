@@ -11,6 +11,7 @@ model on any `MegatronStrategy` layout, and a search over layouts. See docs/plan
 from nanotrain.planning.activations import ActivationEstimate, activation_estimate
 from nanotrain.planning.comm_meter import CommMeter
 from nanotrain.planning.communication import CommEstimate, comm_estimate
+from nanotrain.planning.context_parallel import cp_layer_exchange_bytes
 from nanotrain.planning.gpus import GPUS, GPUSpec, gpu_spec
 from nanotrain.planning.layout import PRECISIONS, PlanLayout, Workload, balanced_pipeline_layout
 from nanotrain.planning.memory import StateMemory, state_memory
@@ -18,6 +19,7 @@ from nanotrain.planning.plan import Plan, RankPlan, plan_layout
 from nanotrain.planning.rank_model import LayoutGroup, RankModel, build_rank_model, rank_models
 from nanotrain.planning.report import format_plan, format_search, plan_json, search_json
 from nanotrain.planning.search import Rejected, SearchResult, search_layouts
+from nanotrain.planning.seq_fit import format_seq_fits, seq_len_fits
 
 __all__ = [
     "GPUS",
@@ -39,13 +41,16 @@ __all__ = [
     "balanced_pipeline_layout",
     "build_rank_model",
     "comm_estimate",
+    "cp_layer_exchange_bytes",
     "format_plan",
     "format_search",
+    "format_seq_fits",
     "gpu_spec",
     "plan_json",
     "plan_layout",
     "rank_models",
     "search_json",
     "search_layouts",
+    "seq_len_fits",
     "state_memory",
 ]

@@ -13,6 +13,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from nanotrain.models.recompute import check_full_layers, check_recompute
+from nanotrain.parallel.layout_checks import validate_layout
 from nanotrain.parallel.mesh import MeshLayout
 from nanotrain.parallel.node_dispatch import node_split
 from nanotrain.parallel.pipeline import partition_layers, stage_layers
@@ -23,6 +24,7 @@ from nanotrain.parallel.schedules import (
     max_in_flight,
     splits_backward,
 )
+from nanotrain.planning.context_parallel import check_cp_options
 from nanotrain.precision import PRECISIONS as PRECISION_PLUGINS
 from nanotrain.precision import precision_name
 from nanotrain.strategies.megatron_options import check_options
@@ -36,12 +38,15 @@ PRECISIONS = tuple(PRECISION_PLUGINS)
 
 @dataclass(frozen=True)
 class PlanLayout(MeshLayout):
-    """A `MegatronStrategy` layout: the mesh (`MeshLayout`: world = tp * pp * dp, ep carved
-    out of dp, checked by the strategy's own `validate_layout`) and the strategy's settings
-    that change memory and time.
+    """A `MegatronStrategy` layout: the mesh (`MeshLayout`: world = tp * cp * pp * dp, ep
+    carved out of dp x cp, checked by the strategy's own `validate_layout`) and the strategy's
+    settings that change memory and time.
 
     Attributes:
-        tp, pp, dp, ep: tensor-, pipeline-, data- and expert-parallel sizes.
+        tp, pp, dp, ep: tensor-, pipeline-, data- and expert-parallel sizes (dp: replicas
+            that train different sequences).
+        cp: context-parallel size: the ranks that share each sequence
+            (`nanotrain.planning.context_parallel`); gradients and ZeRO reduce over dp x cp.
         virtual_pp: model chunks per pipeline rank (interleaved 1F1B when > 1; 2 under
             DualPipeV, whatever is given).
         zero_stage: 0, 1 or 2 (optimizer state, and with 2 the gradients, sharded over dp),
@@ -70,6 +75,7 @@ class PlanLayout(MeshLayout):
     """
 
     virtual_pp: int = 1
+    cp: int = 1
     zero_stage: int = 0
     sequence_parallel: bool = False
     pipeline_layout: tuple[int, ...] | None = None
@@ -86,7 +92,12 @@ class PlanLayout(MeshLayout):
     reduce_scatter_every_microbatch: bool = False
 
     def __post_init__(self) -> None:
-        super().__post_init__()
+        if isinstance(self.cp, bool) or not isinstance(self.cp, int) or self.cp < 1:
+            raise ValueError(f"cp must be an int >= 1, got {self.cp!r}")
+        # MeshLayout's check with the cp ranks among the data-parallel ones: experts are
+        # drawn from dp x cp, as the runtime draws them
+        validate_layout(self.world_size, self.tp, self.pp, self.ep, self.dp * self.cp)
+        check_cp_options(self.cp, self.overlap_forward_backward)
         if self.pipeline_layout is not None:
             object.__setattr__(self, "pipeline_layout", tuple(self.pipeline_layout))
         # the strategy's own construction checks (`MegatronStrategy.__init__` runs the same
@@ -96,7 +107,7 @@ class PlanLayout(MeshLayout):
             tp=self.tp,
             pp=self.pp,
             ep=self.ep,
-            dp=self.dp,
+            dp=self.dp * self.cp,  # ZeRO and experts go over dp x cp
             zero_stage=self.zero_stage,
             bucket_size_mb=self.bucket_size_mb,
             virtual_pp=self.virtual_pp,
@@ -114,6 +125,16 @@ class PlanLayout(MeshLayout):
         # the model's options, not the strategy's (`LanguageModelModule` checks them)
         check_recompute(self.recompute)
         check_full_layers(self.recompute_full_layers, self.recompute)
+
+    @property
+    def world_size(self) -> int:
+        """``tp * cp * pp * dp``."""
+        return self.tp * self.cp * self.pp * self.dp
+
+    @property
+    def expert_dp(self) -> int:
+        """Size of an expert-data-parallel group, ``dp * cp // ep``."""
+        return self.dp * self.cp // self.ep
 
     @property
     def keeps_gathered_in_backward(self) -> bool:
@@ -135,6 +156,7 @@ class PlanLayout(MeshLayout):
         """The `MegatronStrategy` of this layout (not set up: no process group is made)."""
         from nanotrain.strategies.megatron import MegatronStrategy
 
+        context = {"cp": self.cp} if self.cp > 1 else {}
         zero3 = {}
         if self.zero_stage == 3:
             zero3 = dict(
@@ -143,6 +165,7 @@ class PlanLayout(MeshLayout):
                 reduce_scatter_every_microbatch=self.reduce_scatter_every_microbatch,
             )
         return MegatronStrategy(
+            **context,
             **zero3,
             tp=self.tp,
             pp=self.pp,
@@ -172,7 +195,8 @@ class PlanLayout(MeshLayout):
         `world_size` ranks; dp is inferred when the strategy leaves it unset."""
         tp = getattr(strategy, "tp", 1)
         pp = getattr(strategy, "pp", 1)
-        dp = getattr(strategy, "dp", None) or world_size // (tp * pp)
+        cp = getattr(strategy, "cp", 1)
+        dp = getattr(strategy, "dp", None) or world_size // (tp * pp * cp)
         layout = getattr(strategy, "pipeline_layout", None)
         return cls(
             cpu_offload=getattr(strategy, "cpu_offload", False),
@@ -183,6 +207,7 @@ class PlanLayout(MeshLayout):
             tp=tp,
             pp=pp,
             dp=dp,
+            cp=cp,
             ep=getattr(strategy, "ep", 1),
             virtual_pp=getattr(strategy, "virtual_pp", 1),
             zero_stage=getattr(strategy, "zero_stage", 0),
@@ -210,10 +235,12 @@ class PlanLayout(MeshLayout):
         """
         # how the model splits does not depend on the ZeRO stage: checked with a stage the
         # strategy of every version takes (ZeRO-3's refusals are mirrored in __post_init__)
-        split = self
+        # the heads, experts and layers split as without cp (its own rule, seq_len a multiple
+        # of 2 * cp, is the workload's: `context_parallel.check_seq_len`)
+        split = replace(self, dp=self.dp * self.cp, cp=1) if self.cp > 1 else self
         if self.zero_stage == 3:
             split = replace(
-                self,
+                split,
                 zero_stage=2,
                 cpu_offload=False,
                 reshard_after_forward=True,
@@ -234,6 +261,8 @@ class PlanLayout(MeshLayout):
         None (flat dispatch)."""
         if ranks_per_node is None or self.ep == 1 or self.node_limited_dispatch is False:
             return None
+        if self.cp > 1:  # the ep groups are drawn from dp x cp, as in the folded mesh
+            return replace(self, dp=self.dp * self.cp, cp=1).ep_nodes(config, ranks_per_node)
         if getattr(config, "capacity_factor", None) is not None:
             return None
         try:
@@ -274,7 +303,7 @@ class PlanLayout(MeshLayout):
     def describe(self) -> str:
         """Short text, e.g. ``tp1 pp4x2 dualpipev dp8 ep4 zero1 full-recompute overlapped`` (the
         schedule named when it is not the default for its chunks per rank)."""
-        parts = [f"tp{self.tp}"]
+        parts = [f"tp{self.tp}"] + ([f"cp{self.cp}"] if self.cp > 1 else [])
         if self.pp > 1:
             pipe = f"pp{self.pp}"
             if self.virtual_pp > 1:

@@ -25,6 +25,13 @@ The step-time model is deliberately simple and stated in full (docs/planning.md)
   intra-node bandwidth when all its ranks share a node (by the mesh's own rank placement),
   else at the inter-node one, plus a fixed latency per collective.
 
+Context parallelism (cp > 1) is priced by `nanotrain.planning.context_parallel`: cp folded
+into dp for state, gradients and experts, seq_len / cp tokens per rank for per-token terms,
+the whole sequence's attention FLOPs plus what the runtime computes beyond them (the masked
+half of the scores, MLA's latent expanded for the whole sequence), the gathered context in
+the activations, and the K/V (MLA: latent) all-gather and reduce-scatter as blocking "cp"
+traffic.
+
 A layout fits when the largest rank's model state, activation peak and a fixed reserve
 (CUDA context, allocator fragmentation and workspaces: 3 GiB by default) stay within the
 GPU's memory.
@@ -41,6 +48,15 @@ from nanotrain.planning import zero3
 from nanotrain.planning.activations import ActivationEstimate, activation_estimate
 from nanotrain.planning.communication import CommEstimate, comm_estimate
 from nanotrain.planning.communication_tp import is_moe_layer
+from nanotrain.planning.context_parallel import (
+    add_cp_activations,
+    add_cp_traffic,
+    cp_activation_bytes,
+    cp_extra_flops,
+    cp_link,
+    cp_traffic,
+    fold_cp,
+)
 from nanotrain.planning.gpus import GPUSpec
 from nanotrain.planning.layout import PlanLayout, Workload
 from nanotrain.planning.memory import (
@@ -59,7 +75,7 @@ __all__ = ["Plan", "RankPlan", "plan_layout"]
 
 GiB = 2**30
 #: collectives the step waits for (the data-parallel ones overlap the backward)
-BLOCKING_GROUPS = ("tp", "ep", "ep_inter", "pp", "other")
+BLOCKING_GROUPS = ("tp", "ep", "ep_inter", "pp", "cp", "other")
 #: seconds per collective call (launch + synchronization), intra-node / inter-node
 LATENCY_S = (10e-6, 30e-6)
 
@@ -348,26 +364,34 @@ def plan_layout(
     """
     if not 0 < compute_efficiency <= 1:
         raise ValueError(f"compute_efficiency must be in (0, 1], got {compute_efficiency}")
-    num_micro = workload.num_microbatches(layout)
+    # context parallelism: dp x cp ranks on seq_len / cp tokens each (`fold_cp`); `workload`
+    # keeps the whole sequence for the attention FLOPs
+    given, (layout, local) = layout, fold_cp(config, layout, workload)
+    num_micro = local.num_microbatches(layout)
     models = rank_models(config, layout)
     device = "cpu" if gpu.name == "cpu" else "cuda"  # which attention kernels save what
     bandwidth = _bandwidths(config, layout, gpu)
+    bandwidth["cp"] = cp_link(given, gpu, LATENCY_S)
     ranks, stage_times = [], []
     for rank in models:
         last = layout.pp == 1 or layout.placement.holds_last(rank.pp_rank)
         stage = stage_flops(config, layout, workload, rank.chunks, last)
+        extra = cp_extra_flops(config, given, workload, rank.chunks, last)
+        stage = (stage[0] + extra[0], stage[1] + extra[1])
         flops = stage[0]
-        comm = comm_estimate(
-            config, layout, workload, rank.pp_rank, ranks_per_node=gpu.gpus_per_node
+        comm = add_cp_traffic(
+            comm_estimate(config, layout, local, rank.pp_rank, ranks_per_node=gpu.gpus_per_node),
+            cp_traffic(config, given, workload, rank.chunks, last),
         )
         ranks.append(
             RankPlan(
                 pp_rank=rank.pp_rank,
                 layers=sum(len(c) for c in rank.chunks),
                 params=rank.params,
-                state=state_memory(rank, layout, workload),
-                activations=activation_estimate(
-                    config, layout, workload, rank.pp_rank, device=device
+                state=state_memory(rank, layout, local),
+                activations=add_cp_activations(
+                    activation_estimate(config, layout, local, rank.pp_rank, device=device),
+                    cp_activation_bytes(config, given, workload, rank.chunks, last),
                 ),
                 reserve=reserve_bytes,
                 flops=flops,
@@ -443,7 +467,7 @@ def plan_layout(
     counts = _param_counts(config)
     return Plan(
         model=model_name or type(config).__name__,
-        layout=layout,
+        layout=given,
         workload=workload,
         gpu=gpu,
         ranks=ranks,

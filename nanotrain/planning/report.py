@@ -129,6 +129,7 @@ def plan_json(plan: Plan) -> dict[str, Any]:
             "tp": lay.tp,
             "pp": lay.pp,
             "dp": lay.dp,
+            "cp": lay.cp,
             "ep": lay.ep,
             "virtual_pp": lay.virtual_pp,
             "zero_stage": lay.zero_stage,

@@ -3,8 +3,10 @@
 Candidates: tp among the divisors of the world that divide the heads and stay within a node;
 pp among the divisors of what is left (layers that do not split evenly get
 `layout.balanced_pipeline_layout`), virtual_pp 1 or 2 (with 2: interleaved 1F1B and
-DualPipeV); ep among the divisors of dp that divide the
-routed experts; ZeRO 1 and 3 (and 0 / 2 when asked; ZeRO-3 only where dp > 1, since it shards
+DualPipeV); cp among the divisors of what is left that keep at least 4,096 tokens of each
+sequence per rank (`context_parallel.search_cp_sizes`; only 1 for short sequences and for
+models cp does not run: capacity factor); ep
+among the divisors of dp x cp that divide the routed experts; ZeRO 1 and 3 (and 0 / 2 when asked; ZeRO-3 only where dp > 1, since it shards
 over dp); micro batch sizes 1, 2, 4; recomputation none, then light, then selective, then
 full (`SEARCH_RECOMPUTE`: each costs more compute than the one before), stopping at the first
 that fits; under ZeRO-3 with pp = 1 each mode also with ``reduce_scatter_every_microbatch``
@@ -22,6 +24,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from nanotrain.parallel.layout_checks import divisors
+from nanotrain.planning.context_parallel import search_cp_sizes
 from nanotrain.planning.gpus import GPUSpec
 from nanotrain.planning.layout import PlanLayout, Workload, balanced_pipeline_layout
 from nanotrain.planning.plan import Plan, plan_layout
@@ -55,6 +58,7 @@ def _candidates(
     world: int,
     gpu: GPUSpec,
     zero_stages: Sequence[int],
+    seq_len: int = 1,
 ) -> Iterator[PlanLayout]:
     heads = config.num_heads
     experts = getattr(config, "n_routed_experts", 0) or 0
@@ -64,30 +68,39 @@ def _candidates(
         for pp in divisors(world // tp):
             if pp > config.num_layers:
                 continue
-            dp = world // (tp * pp)
-            for vpp in (1, 2) if pp > 1 else (1,):
-                try:
-                    layout = balanced_pipeline_layout(config.num_layers, pp * vpp)
-                except ValueError:
-                    continue
-                for ep in divisors(dp) if experts else [1]:
-                    if experts and experts % ep:
-                        continue
-                    for zero in zero_stages:
-                        if zero == 3 and dp == 1:
-                            continue  # nothing to shard over
-                        for schedule in _schedules(vpp):
-                            yield PlanLayout(
-                                tp=tp,
-                                pp=pp,
-                                dp=dp,
-                                ep=ep,
-                                virtual_pp=vpp,
-                                zero_stage=zero,
-                                sequence_parallel=tp > 1,
-                                pipeline_layout=layout,
-                                schedule=schedule,
-                            )
+            for cp in search_cp_sizes(config, world // (tp * pp), seq_len):
+                yield from _for_cp(config, world, tp, pp, cp, experts, zero_stages)
+
+
+def _for_cp(
+    config: Any, world: int, tp: int, pp: int, cp: int, experts: int, zero_stages: Sequence[int]
+) -> Iterator[PlanLayout]:
+    """The candidates of one (tp, pp, cp): dp the rest of the world, ep from dp x cp."""
+    dp = world // (tp * pp * cp)
+    for vpp in (1, 2) if pp > 1 else (1,):
+        try:
+            layout = balanced_pipeline_layout(config.num_layers, pp * vpp)
+        except ValueError:
+            continue
+        for ep in divisors(dp * cp) if experts else [1]:
+            if experts and experts % ep:
+                continue
+            for zero in zero_stages:
+                if zero == 3 and dp * cp == 1:
+                    continue  # nothing to shard over
+                for schedule in _schedules(vpp):
+                    yield PlanLayout(
+                        tp=tp,
+                        pp=pp,
+                        dp=dp,
+                        cp=cp,
+                        ep=ep,
+                        virtual_pp=vpp,
+                        zero_stage=zero,
+                        sequence_parallel=tp > 1,
+                        pipeline_layout=layout,
+                        schedule=schedule,
+                    )
 
 
 def _schedules(vpp: int) -> list[str | None]:
@@ -134,7 +147,7 @@ def search_layouts(
         raise ValueError("give exactly one of global_batch_size and global_batch_tokens")
     fitting: list[Plan] = []
     rejected: list[Rejected] = []
-    for base in _candidates(config, world_size, gpu, zero_stages):
+    for base in _candidates(config, world_size, gpu, zero_stages, seq_len):
         for micro in micro_batch_sizes:
             # recomputation only trades time for memory: the first mode (in the order given)
             # that fits is the fastest that fits, the heavier ones are not priced; a layout is

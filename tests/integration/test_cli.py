@@ -206,3 +206,22 @@ def test_strategy_alias_fsdp_builds_fsdp_strategy():
     strategy = parser.instantiate(config).strategy
     assert type(strategy) is FSDPStrategy
     assert strategy.zero_stage == 3 and strategy.reshard_after_forward is False
+
+
+def test_context_extension_example_parses_with_cp_and_yarn():
+    # the 4K -> 32K stage: cp set, weights from an exported model folder, YaRN stretching the
+    # 4,096 original positions to the data's sequence length
+    from nanotrain.cli.commands import run_parser
+
+    path = REPO / "examples/configs/context_extension_32k.yaml"
+    config = run_parser("fit").parse_args(["--config", str(path)])
+    assert config.strategy.class_path == "nanotrain.MegatronStrategy"
+    assert config.strategy.init_args.cp == 4
+    module = config.model.init_args
+    yarn = module.model_overrides["rope_scaling"]
+    seq_len = config.data.init_args.seq_len
+    assert module.model_overrides["max_seq_len"] == seq_len == 32768
+    assert (
+        yarn["type"] == "yarn"
+        and yarn["original_max_position_embeddings"] * yarn["factor"] == seq_len
+    )

@@ -160,3 +160,26 @@ def test_invalid_config_raises_with_fix(cls, kwargs, message):
 def test_rope_scaling_must_be_a_dict():
     with pytest.raises(TypeError, match="rope_scaling must be a dict"):
         DenseConfig(rope_scaling="yarn")
+
+
+@pytest.mark.parametrize("name", presets.long_context_names())
+def test_long_context_presets_build_with_yarn_and_the_base_shapes(name):
+    base, label = name.rsplit("-", 1)
+    seq_len = {"32k": 32768, "128k": 131072}[label]
+    config = presets.get(name)
+    assert config.max_seq_len == seq_len
+    yarn = config.rope_scaling
+    assert yarn["type"] == "yarn" and (yarn["beta_fast"], yarn["beta_slow"]) == (32, 1)
+    if base.startswith("deepseek"):
+        # DeepSeek-V3 section 4.3: the same YaRN in both stages (s = 40, over 4K positions)
+        assert yarn["factor"] == 40 and yarn["original_max_position_embeddings"] == 4096
+        assert yarn["mscale"] == yarn["mscale_all_dim"] == 1.0
+    else:  # Llama-3.1-shaped: pre-trained at 8,192 tokens, stretched to seq_len
+        assert yarn["original_max_position_embeddings"] == 8192
+        assert yarn["factor"] == seq_len // 8192
+    assert acc.total_params(config, include_mtp=True) == acc.total_params(
+        presets.get(base), include_mtp=True
+    )
+    if base == "dense-8b":  # one family built on meta (the big ones cost seconds each)
+        assert _count(build_model(config, device="meta")) == acc.total_params(config)
+    assert name not in presets.markdown_table()  # the base's row holds its shapes
