@@ -152,8 +152,8 @@ def main() -> None:
         per_head = v3.num_heads * (v3.qk_nope_head_dim + v3.qk_rope_head_dim + v3.v_head_dim)
         expanded = (cp - 1) * (t // cp) * per_head * ELEM
         print(
-            f"| {cp} | {MODELS['mla']} (K/V after expansion, formula) | {per_head} "
-            f"| {expanded / 2**10:.0f} / {expanded / 2**10:.0f} | {expanded / 2**10:.0f} | - |"
+            f"| {cp} | {MODELS['mla']} (per-head K/V if gathered) | {per_head} "
+            f"| - | {expanded / 2**10:.0f} | - |"
         )
         print(
             f"|   | ratio dense K/V / MLA latent (measured) | "

@@ -34,8 +34,9 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 from nanotrain.planning.activation_parts import dtypes_for
+from nanotrain.strategies.megatron_options import check_context_config
 
-if TYPE_CHECKING:  # layout.py imports this module for `check_cp_options`
+if TYPE_CHECKING:  # layout.py imports this module
     from nanotrain.planning.activations import ActivationEstimate
     from nanotrain.planning.communication import CommEstimate
     from nanotrain.planning.layout import PlanLayout, Workload
@@ -44,8 +45,6 @@ __all__ = [
     "CpActivations",
     "add_cp_activations",
     "add_cp_traffic",
-    "check_cp_model",
-    "check_cp_options",
     "check_seq_len",
     "cp_activation_bytes",
     "cp_extra_flops",
@@ -81,40 +80,6 @@ def check_seq_len(seq_len: int, cp: int, sp_tp: int = 1) -> None:
             f"context parallelism cuts each sequence into 2*cp={2 * cp} chunks: "
             f"seq_len={seq_len} is not a multiple of {what}; pick a seq_len that is, or "
             "another cp"
-        )
-
-
-def check_cp_options(cp: int, overlap_forward_backward: bool) -> None:
-    """The strategy option cp > 1 does not run with (`MegatronStrategy`'s refusal, same
-    rule): paired chunks side by side.
-
-    Raises:
-        ValueError: naming the combination and what to change.
-    """
-    if cp == 1:
-        return
-    if overlap_forward_backward:
-        raise ValueError(
-            f"cp={cp} with overlap_forward_backward=True is not supported: the two chunks' "
-            "key/value all-gathers would run side by side on one context-parallel group; "
-            "set overlap_forward_backward=False"
-        )
-
-
-def check_cp_model(config: Any, cp: int) -> None:
-    """The models cp > 1 does not run (`MegatronStrategy`'s refusal, same rule):
-    capacity-limited MoE layers (their drops are decided per whole sequence).
-
-    Raises:
-        ValueError: naming the setting and how to change it.
-    """
-    if cp == 1:
-        return
-    if getattr(config, "capacity_factor", None) is not None:
-        raise ValueError(
-            f"cp={cp} needs dropless MoE layers, but the model has capacity_factor="
-            f"{config.capacity_factor} (its drops are decided per whole sequence); set "
-            "capacity_factor=None or cp=1"
         )
 
 
@@ -166,11 +131,11 @@ def fold_cp(config: Any, layout: PlanLayout, workload: Workload) -> tuple[PlanLa
 
     Raises:
         ValueError: what the strategy refuses: seq_len not a multiple of 2 * cp (2 * cp * tp
-            under sequence parallelism), a model `check_cp_model` refuses.
+            under sequence parallelism), a model `check_context_config` refuses.
     """
     if layout.cp == 1:
         return layout, workload
-    check_cp_model(config, layout.cp)
+    check_context_config(config, layout.cp)
     sp_tp = layout.tp if layout.sequence_parallel else 1
     check_seq_len(workload.seq_len, layout.cp, sp_tp)
     folded = replace(layout, dp=layout.dp * layout.cp, cp=1)
@@ -310,10 +275,10 @@ MIN_TOKENS_PER_CP_RANK = 4096
 
 def search_cp_sizes(config: Any, ranks: int, seq_len: int) -> list[int]:
     """cp sizes a layout search tries for `ranks` data-parallel-or-cp ranks: 1, and, for a
-    model cp runs (`check_cp_model`), every divisor of `ranks` that cuts seq_len into 2 * cp
+    model cp runs (`check_context_config`), every divisor of `ranks` that cuts seq_len into 2 * cp
     whole chunks while leaving each rank at least `MIN_TOKENS_PER_CP_RANK` tokens."""
     try:
-        check_cp_model(config, 2)
+        check_context_config(config, 2)
     except ValueError:
         return [1]
     return [

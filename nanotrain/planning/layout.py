@@ -24,7 +24,6 @@ from nanotrain.parallel.schedules import (
     max_in_flight,
     splits_backward,
 )
-from nanotrain.planning.context_parallel import check_cp_options
 from nanotrain.precision import PRECISIONS as PRECISION_PLUGINS
 from nanotrain.precision import precision_name
 from nanotrain.strategies.megatron_options import check_options
@@ -97,7 +96,6 @@ class PlanLayout(MeshLayout):
         # MeshLayout's check with the cp ranks among the data-parallel ones: experts are
         # drawn from dp x cp, as the runtime draws them
         validate_layout(self.world_size, self.tp, self.pp, self.ep, self.dp * self.cp)
-        check_cp_options(self.cp, self.overlap_forward_backward)
         if self.pipeline_layout is not None:
             object.__setattr__(self, "pipeline_layout", tuple(self.pipeline_layout))
         # the strategy's own construction checks (`MegatronStrategy.__init__` runs the same
@@ -107,7 +105,8 @@ class PlanLayout(MeshLayout):
             tp=self.tp,
             pp=self.pp,
             ep=self.ep,
-            dp=self.dp * self.cp,  # ZeRO and experts go over dp x cp
+            dp=self.dp,
+            cp=self.cp,  # the strategy's own meaning: ZeRO and experts go over dp x cp
             zero_stage=self.zero_stage,
             bucket_size_mb=self.bucket_size_mb,
             virtual_pp=self.virtual_pp,

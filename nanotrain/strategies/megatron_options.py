@@ -136,6 +136,22 @@ def check_context_options(cp: int, zero_stage: int, overlap_forward_backward: bo
         )
 
 
+def check_context_config(config: Any, cp: int) -> None:
+    """Check a model config for what context parallelism (cp > 1) cannot split: no
+    capacity-limited MoE layers (their drops are decided per whole sequence). The planner
+    runs the same check on the config it prices.
+
+    Raises:
+        ValueError: naming the setting and how to change it.
+    """
+    if cp > 1 and getattr(config, "capacity_factor", None) is not None:
+        raise ValueError(
+            f"cp={cp} needs dropless MoE layers, but the model has capacity_factor="
+            f"{config.capacity_factor} (its drops are decided per whole sequence); set "
+            "capacity_factor=None or cp=1"
+        )
+
+
 def check_context_module(module: Any, cp: int, tp: int = 1) -> None:
     """Check a built module for what context parallelism (cp > 1) cannot split: the data's
     sequence length must be a multiple of 2·cp·tp (tp: the tensor-parallel size under
@@ -145,13 +161,7 @@ def check_context_module(module: Any, cp: int, tp: int = 1) -> None:
     Raises:
         ValueError: naming the setting and how to change it.
     """
-    config = getattr(module, "config", None)
-    if getattr(config, "capacity_factor", None) is not None:
-        raise ValueError(
-            f"cp={cp} needs dropless MoE layers, but the model has capacity_factor="
-            f"{config.capacity_factor} (its drops are decided per whole sequence); set "
-            "capacity_factor=None or cp=1"
-        )
+    check_context_config(getattr(module, "config", None), cp)
     seq_len = getattr(module, "_seq_len", None)
     if seq_len is not None:
         check_context_length(int(seq_len), cp, tp)
