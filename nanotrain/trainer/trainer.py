@@ -273,7 +273,7 @@ class Trainer(
         module.trainer = self
         if datamodule is not None:
             datamodule.trainer = self
-        self._plan_run_dir(ckpt_path)
+        self._plan_run_dir(ckpt_path, stage)
         self._seed()
         set_deterministic(s.deterministic)
         self._book = MetricBook(
@@ -539,10 +539,6 @@ class Trainer(
                     "batch_idx)"
                 )
             self._setup(module, datamodule, "validate", ckpt_path)
-            if ckpt_path is not None and self._resume_path is None:  # "last" found nothing
-                raise FileNotFoundError(
-                    f"ckpt_path={ckpt_path!r}: no checkpoint to validate in {self.run_dir.parent}"
-                )
             self._build_loaders("validate", None, dataloaders)
             if self._val_loader is None:
                 raise ValueError(
