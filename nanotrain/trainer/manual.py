@@ -231,13 +231,13 @@ def manual_step(trainer: Trainer, batch: Any) -> None:
     trainer.step_output = out
     trainer._step_taken = True
     st.steps_in_epoch += 1
+    st.batches_stepped += 1
     st.add_consumed(out.num_samples, out.num_tokens)
     trainer._train_sampler.advance(s.micro_batch_size)
     trainer._publish_step_values()
     trainer._call("on_train_batch_end", outputs, batch, batch_idx)
     # as Lightning's cadence in manual optimization: every log_every_n_steps batches
-    batches = st.epoch * st.steps_per_epoch + st.steps_in_epoch
-    log_step = batches % s.log_every_n_steps == 0 or trainer._done()
+    log_step = st.batches_stepped % s.log_every_n_steps == 0 or trainer._done()
     trainer.is_log_step = log_step
     if log_step:
         trainer._log_train(out)

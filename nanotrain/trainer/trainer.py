@@ -211,8 +211,11 @@ class Trainer(
         validation after it, the end of the epoch it completes, and what `fit` writes after its
         last step) `global_step` already counts that step, so this is `global_step - 1`;
         before a step, before the first one and outside `fit` (validate, test) it is
-        `global_step`. Callbacks that pass `step=` to `log_metrics` use this value."""
-        return self.state.global_step - 1 if self._step_taken else self.state.global_step
+        `global_step`. Callbacks that pass `step=` to `log_metrics` use this value. In
+        manual optimization it counts batches instead (`state.batches_stepped`), as
+        Lightning's rows do there: a batch may take several optimizer steps."""
+        done = self.state.batches_stepped if self._manual else self.state.global_step
+        return done - 1 if self._step_taken else done
 
     @property
     def num_microbatches(self) -> int:

@@ -1,17 +1,26 @@
 """Lightning habits of issue 53 (round two, continued) run side by side under
 `lightning.Trainer` and `nanotrain.Trainer` with the same seed and data: a stage with
 `ckpt_path="last"` and no checkpoint, a module copied or pickled in the middle of a stage
-whose steps have no `batch_idx`."""
+whose steps have no `batch_idx`, the logger rows, learning-rate monitor and progress bar of
+manual optimization with two optimizers."""
 
 from __future__ import annotations
 
 import copy
+import csv
+import io
 import pickle
+import warnings
 
+import lightning.pytorch as pl
 import pytest
 import torch
 import torch.nn.functional as F
+from lightning.pytorch.loggers import CSVLogger
+from torch.utils.data import DataLoader
 
+import nanotrain as nt
+from tests.unit.test_lightning_manual import TinyGAN, data
 from tests.unit.test_lightning_round2_a import Data, Evaluated, NoBatchIdx, _both
 
 NO_LAST = r'\.{stage}\(ckpt_path="last"\) is set, but there is no last checkpoint available'
@@ -70,3 +79,47 @@ def test_a_module_copied_or_pickled_mid_stage_runs_its_own_steps_as_under_lightn
     _, y = Data().train_dataloader().dataset.tensors
     assert ours.copied[0][0] == pytest.approx(float(F.mse_loss(torch.zeros_like(y[:8]), y[:8])))
     assert "training_step" not in vars(ours)
+
+
+def _gan_rows(kind: str, tmp_path, stream: io.StringIO) -> list[dict[str, str]]:
+    """Fit TinyGAN (two optimizers, 4 batches an epoch) for 2 epochs with a CSVLogger and
+    each Trainer's LearningRateMonitor, logging every 2 batches; return the CSV rows."""
+    torch.manual_seed(0)
+    logger = CSVLogger(str(tmp_path / kind), name="csv", version=0)
+    common = dict(
+        logger=logger, enable_checkpointing=False, max_epochs=2, log_every_n_steps=2,
+        default_root_dir=str(tmp_path / kind),
+    )  # fmt: skip
+    if kind == "lightning":
+        trainer = pl.Trainer(
+            accelerator="cpu", devices=1, enable_model_summary=False, num_sanity_val_steps=0,
+            enable_progress_bar=False, callbacks=[pl.callbacks.LearningRateMonitor()], **common,
+        )  # fmt: skip
+    else:
+        callbacks = [nt.callbacks.LearningRateMonitor(), nt.callbacks.ProgressBar("plain", stream)]
+        trainer = nt.Trainer(enable_monitors=False, callbacks=callbacks, **common)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer.fit(TinyGAN(), DataLoader(data(), batch_size=8))
+    assert trainer.global_step == 16  # two optimizer steps a batch, as Lightning counts them
+    with open(logger.log_dir + "/metrics.csv") as f:
+        return list(csv.DictReader(f))
+
+
+def _series(rows: list[dict[str, str]], key: str) -> list[tuple[int, float]]:
+    return [(int(r["step"]), float(r[key])) for r in rows if r.get(key)]
+
+
+def test_two_optimizers_in_manual_mode_log_and_show_progress_as_lightning(tmp_path):
+    stream = io.StringIO()
+    reference = _gan_rows("lightning", tmp_path, io.StringIO())
+    ours = _gan_rows("nanotrain", tmp_path, stream)
+    # Lightning's rows count batches in manual optimization, every 2 batches
+    assert _series(ours, "g_loss") == pytest.approx(_series(reference, "g_loss"), abs=1e-6)
+    for ours_key, lightning_key in (("lr/Adam/group0", "lr-Adam"), ("lr/SGD/group0", "lr-SGD")):
+        assert _series(ours, ours_key) == pytest.approx(_series(reference, lightning_key))
+    # manual schedulers step by epoch: Lightning logs their rates at each epoch's start
+    assert [int(r["step"]) for r in reference if r.get("lr-Adam")] == [0, 4]
+    lines = stream.getvalue().splitlines()
+    steps = [line.split(" | ")[0] for line in lines if line.startswith("step ")]
+    assert steps[-1].startswith("step 16/16") and len(steps) == 4  # every 2 batches, no overshoot
