@@ -2,7 +2,7 @@
 `lightning.Trainer` and `nanotrain.Trainer` with the same seed and data: a stage with
 `ckpt_path="last"` and no checkpoint, a module copied or pickled in the middle of a stage
 whose steps have no `batch_idx`, the logger rows, learning-rate monitor and progress bar of
-manual optimization with two optimizers."""
+manual optimization with two optimizers, a skip request during an LBFGS step."""
 
 from __future__ import annotations
 
@@ -21,7 +21,16 @@ from torch.utils.data import DataLoader
 
 import nanotrain as nt
 from tests.unit.test_lightning_manual import TinyGAN, data
-from tests.unit.test_lightning_round2_a import Data, Evaluated, NoBatchIdx, _both
+from tests.unit.test_lightning_round2_a import (
+    Data,
+    Evaluated,
+    NoBatchIdx,
+    WithLBFGS,
+    _both,
+    _data,
+    _same_weights,
+    _trainer,
+)
 
 NO_LAST = r'\.{stage}\(ckpt_path="last"\) is set, but there is no last checkpoint available'
 
@@ -123,3 +132,41 @@ def test_two_optimizers_in_manual_mode_log_and_show_progress_as_lightning(tmp_pa
     lines = stream.getvalue().splitlines()
     steps = [line.split(" | ")[0] for line in lines if line.startswith("step ")]
     assert steps[-1].startswith("step 16/16") and len(steps) == 4  # every 2 batches, no overshoot
+
+
+class LBFGSSkipsBatch1(WithLBFGS):
+    """LBFGS whose update of batch 1 is left out, the Lightning way: `optimizer_step` runs
+    the closure (forward and backward) but not the optimizer's step."""
+
+    def optimizer_step(self, epoch, batch_idx, optimizer, optimizer_closure=None):
+        if batch_idx == 1:
+            optimizer_closure()
+        else:
+            optimizer.step(closure=optimizer_closure)
+
+
+class SkipBatch1(nt.Callback):
+    """Asks nanotrain to skip the update of batch 1 (as the NaN guard does for a bad step)."""
+
+    def on_before_optimizer_step(self, trainer, module, optimizer):
+        if trainer.state.steps_in_epoch == 1:
+            trainer.request_skip_step()
+
+
+def test_a_skip_request_leaves_an_lbfgs_step_out_as_lightnings_skipped_step(tmp_path):
+    runs = []
+    for kind, module_class, callbacks in (
+        ("lightning", LBFGSSkipsBatch1, []),
+        ("nanotrain", WithLBFGS, [SkipBatch1()]),
+    ):
+        torch.manual_seed(0)
+        module = module_class()
+        trainer = _trainer(kind, tmp_path, callbacks=callbacks, max_epochs=1)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            trainer.fit(module, DataLoader(_data(), batch_size=8))
+        runs.append(module)
+    reference, ours = runs
+    assert len(ours.losses) == len(reference.losses)  # batch 1: one forward, no line search
+    assert ours.losses == pytest.approx(reference.losses, rel=1e-6)
+    _same_weights(reference, ours)
