@@ -69,6 +69,7 @@ from nanotrain.trainer.properties import LightningTrainerProperties
 from nanotrain.trainer.run_setup import RunSetupMethods
 from nanotrain.trainer.state import TrainState
 from nanotrain.trainer.step_signatures import adapt_steps, restore_steps
+from nanotrain.trainer.swa_support import FitLoopView, check_swa
 from nanotrain.trainer.train_step import TrainStepMethods
 from nanotrain.trainer.validation import run_validation
 
@@ -160,6 +161,7 @@ class Trainer(
         self.predicting = False
         # what Lightning's BasePredictionWriter reads of a running predict
         self.predict_loop = PredictRecords()
+        self.fit_loop = FitLoopView(self)  # what Lightning's StochasticWeightAveraging touches
         self._current_fx: str | None = None  # the hook running now (for self.log defaults)
         self._eval_loader: DataLoader | None = None
         self.should_stop = False
@@ -363,6 +365,7 @@ class Trainer(
                 check_manual(self)  # before the strategy parses several optimizers
             check_accumulation_schedule(self)
             check_finetuning(self)
+            check_swa(self)
             self.strategy.setup_optimizers(module)
             if not self._manual:
                 check_closure_optimizer(self.strategy)

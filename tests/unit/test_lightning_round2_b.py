@@ -25,6 +25,7 @@ from tests.unit.test_lightning_round2_a import (
     Data,
     Evaluated,
     NoBatchIdx,
+    Regression,
     WithLBFGS,
     _both,
     _data,
@@ -170,3 +171,49 @@ def test_a_skip_request_leaves_an_lbfgs_step_out_as_lightnings_skipped_step(tmp_
     assert len(ours.losses) == len(reference.losses)  # batch 1: one forward, no line search
     assert ours.losses == pytest.approx(reference.losses, rel=1e-6)
     _same_weights(reference, ours)
+
+
+class WithStepLR(Regression):
+    """Regression with an epoch scheduler, which SWA swaps for its SWALR."""
+
+    def configure_optimizers(self):
+        opt = torch.optim.SGD(self.parameters(), lr=0.05, momentum=0.5)
+        return [opt], [torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)]
+
+
+def test_stochastic_weight_averaging_runs_as_under_lightning(tmp_path):
+    from lightning.pytorch.callbacks import StochasticWeightAveraging
+
+    rates = {}
+
+    class RecordRates(pl.Callback):
+        def on_train_epoch_end(self, trainer, module):
+            rates.setdefault(type(trainer).__module__.split(".")[0], []).append(
+                trainer.optimizers[0].param_groups[0]["lr"]
+            )
+
+    def callbacks():
+        swa = StochasticWeightAveraging(swa_lrs=0.01, swa_epoch_start=2, annealing_epochs=2)
+        return [swa, RecordRates()]
+
+    reference, ours = _both(WithStepLR(), tmp_path, callbacks=callbacks, max_epochs=5, max_steps=-1)
+    _same_weights(reference, ours)  # the average of epochs 2..4 copied into the module
+    assert rates["nanotrain"] == pytest.approx(rates["lightning"])
+    # StepLR halves the rate in epoch 0; from epoch 1 (swa_epoch_start - 1) SWALR anneals it
+    # to swa_lrs over 2 epochs (StepLR would give 0.0125 after epoch 1)
+    assert rates["lightning"] == pytest.approx([0.025, 0.0175, 0.01, 0.01, 0.01])
+
+
+def test_stochastic_weight_averaging_is_refused_with_batchnorm(tmp_path):
+    from lightning.pytorch.callbacks import StochasticWeightAveraging
+
+    class WithNorm(Regression):
+        def __init__(self):
+            super().__init__()
+            self.norm = torch.nn.BatchNorm1d(4)
+
+    trainer = _trainer(
+        "nanotrain", tmp_path, callbacks=[StochasticWeightAveraging(swa_lrs=0.01)], max_epochs=2
+    )
+    with pytest.raises(ValueError, match="BatchNorm.*torch.optim.swa_utils.update_bn"):
+        trainer.fit(WithNorm(), DataLoader(_data(), batch_size=8))
