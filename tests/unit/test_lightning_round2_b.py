@@ -217,3 +217,42 @@ def test_stochastic_weight_averaging_is_refused_with_batchnorm(tmp_path):
     )
     with pytest.raises(ValueError, match="BatchNorm.*torch.optim.swa_utils.update_bn"):
         trainer.fit(WithNorm(), DataLoader(_data(), batch_size=8))
+
+
+def test_a_manual_gan_checkpoint_resumes_across_the_two_trainers(tmp_path):
+    """A Lightning .ckpt of a GAN after one epoch (8 optimizer steps, 4 batches), written by
+    either Trainer and resumed by the other, ends where lightning.Trainer's two epochs do."""
+
+    def lightning_trainer(**args):
+        return pl.Trainer(
+            accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
+            enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
+            default_root_dir=str(tmp_path), **args,
+        )  # fmt: skip
+
+    def nanotrain_trainer(**args):
+        return nt.Trainer(
+            logger=False, enable_checkpointing=False, enable_progress_bar=False,
+            enable_monitors=False, default_root_dir=str(tmp_path / "nt"), **args,
+        )  # fmt: skip
+
+    def loader():
+        return DataLoader(data(), batch_size=8)
+
+    torch.manual_seed(0)
+    start = TinyGAN()
+    whole = copy.deepcopy(start)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        lightning_trainer(max_epochs=2).fit(whole, loader())
+        for writer, reader, name in (
+            (nanotrain_trainer, lightning_trainer, "nt.ckpt"),
+            (lightning_trainer, nanotrain_trainer, "pl.ckpt"),
+        ):
+            first = writer(max_epochs=1)
+            first.fit(copy.deepcopy(start), loader())
+            first.save_checkpoint(str(tmp_path / name))
+            resumed, second = copy.deepcopy(start), reader(max_epochs=2)
+            second.fit(resumed, loader(), ckpt_path=str(tmp_path / name))
+            assert second.global_step == 16, name
+            _same_weights(whole, resumed)
