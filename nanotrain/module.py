@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copyreg
 from pathlib import Path
 from typing import Any
 
@@ -289,7 +290,8 @@ def adopt_lightning_module(module: Any) -> NanoModule:
     The instance's class is swapped for a subclass of (its class, NanoModule): every method
     the user wrote still wins, and `log`, `print`, `optimizers`, `lr_schedulers`,
     `manual_backward` come from NanoModule, which speak to the nanotrain Trainer (and fall back to Lightning's otherwise).
-    A NanoModule is returned unchanged.
+    A NanoModule is returned unchanged. The module pickles and deep-copies as an instance of
+    its own class.
 
     Raises:
         TypeError: `module` is not a LightningModule.
@@ -304,10 +306,37 @@ def adopt_lightning_module(module: Any) -> NanoModule:
     cls = type(module)
     adopted = _ADOPTED.get(cls)
     if adopted is None:
-        adopted = type(cls.__name__, (cls, NanoModule), {"__module__": cls.__module__})
+        adopted = type(
+            cls.__name__,
+            (cls, NanoModule),
+            {"__module__": cls.__module__, "__reduce_ex__": _reduce_as(cls)},
+        )
         _ADOPTED[cls] = adopted
     module.__class__ = adopted
     return module
 
 
 _ADOPTED: dict[type, type] = {}
+
+
+def _reduce_as(original: type) -> Any:
+    """The adopted class's `__reduce_ex__`: pickle and `copy.deepcopy` the module as an
+    instance of `original` (the adopted class is made at run time, so pickle cannot name it),
+    with the same state; a copy is adopted again when a Trainer runs it."""
+
+    def __reduce_ex__(self: Any, protocol: Any) -> Any:
+        reduced = original.__reduce_ex__(self, protocol)
+        if not isinstance(reduced, tuple) or len(reduced) < 2:
+            return reduced
+        args = tuple(original if a is type(self) else a for a in reduced[1])
+        # pickle checks that copyreg.__newobj__ makes the object's own class; this makes
+        # the original class's instance the same way
+        make = _new_instance if reduced[0] is copyreg.__newobj__ else reduced[0]
+        return (make, args, *reduced[2:])
+
+    return __reduce_ex__
+
+
+def _new_instance(cls: type, *args: Any) -> Any:
+    """`cls.__new__(cls, *args)` (copyreg.__newobj__ under a name pickle does not check)."""
+    return cls.__new__(cls, *args)

@@ -29,7 +29,7 @@ def default_callbacks(
       the end, the last 3 kept (with `enable_checkpointing`);
     - `ProgressBar()` (with `enable_progress_bar`);
     - `NaNGuard()`: a step with a non-finite loss or grad norm is skipped (always);
-    - `LearningRateMonitor()`, `ThroughputMonitor()`, `GradNormMonitor()`, `MoELoadMonitor()`
+    - `LearningRateMonitor(logging_interval="step")` (every rate on log steps), `ThroughputMonitor()`, `GradNormMonitor()`, `MoELoadMonitor()`
       (with `enable_monitors`; the last logs nothing for a dense model) and `RunReport()`
       (report.md, report.json and pictures in the run directory at the end of fit).
     """
@@ -43,7 +43,7 @@ def default_callbacks(
     callbacks.append(NaNGuard())
     if enable_monitors:
         callbacks += [
-            LearningRateMonitor(),
+            LearningRateMonitor(logging_interval="step"),
             ThroughputMonitor(),
             GradNormMonitor(),
             MoELoadMonitor(),

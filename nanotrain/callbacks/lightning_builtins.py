@@ -8,7 +8,9 @@ does not have. `LambdaCallback` only forwards hooks and runs as it is;
 Lightning's does (`nanotrain.trainer.predict_records`); `GradientAccumulationScheduler` sets
 `trainer.accumulate_grad_batches` by epoch (`nanotrain.trainer.accumulation_schedule`);
 `BaseFinetuning` and `BackboneFinetuning` edit `trainer.optimizers` (where they cannot give
-Lightning's result they are refused at fit start, `nanotrain.trainer.finetuning_checks`).
+Lightning's result they are refused at fit start, `nanotrain.trainer.finetuning_checks`);
+`StochasticWeightAveraging` swaps `trainer.lr_scheduler_configs[0]` and averages the weights
+per epoch (`nanotrain.trainer.swa_support`, which refuses what it cannot run at fit start).
 Every other one is refused when the Trainer is built, with its counterpart. Each counterpart
 named here exists (tests/unit/test_refusal_names.py reads every refusal message of the
 codebase).
@@ -25,6 +27,7 @@ RUNS_AS_IS = (
     "GradientAccumulationScheduler",
     "BaseFinetuning",
     "BackboneFinetuning",
+    "StochasticWeightAveraging",
 )
 
 _PROGRESS = (
@@ -33,7 +36,8 @@ _PROGRESS = (
 )
 _SUMMARY = "pass Trainer(enable_model_summary=True), which prints Lightning's summary at fit start"
 _AVERAGING = (
-    "no nanotrain counterpart: keep a torch.optim.swa_utils.AveragedModel in your module and "
+    "use lightning.pytorch.callbacks.StochasticWeightAveraging (it runs under "
+    "nanotrain.Trainer), or keep a torch.optim.swa_utils.AveragedModel in your module and "
     "update it in on_train_batch_end"
 )
 
@@ -56,7 +60,6 @@ COUNTERPARTS: dict[str, str] = {
     "RichProgressBar": _PROGRESS,
     "ModelSummary": _SUMMARY,
     "RichModelSummary": _SUMMARY,
-    "StochasticWeightAveraging": _AVERAGING,
     "WeightAveraging": _AVERAGING,
     "EMAWeightAveraging": _AVERAGING,
     "BatchSizeFinder": "no nanotrain counterpart: pass the batch size (docs/planning.md sizes runs)",

@@ -51,13 +51,21 @@ class LearningRateMonitor(Callback):
     (e.g. `{"params": ..., "name": "decay"}`), else by the settings that set them apart
     (`lr/weight_decay=0.0`), else "group<i>" (see `param_group_names`).
 
+    In manual optimization every optimizer is read (with several, each name gets the
+    optimizer's class between: `lr/Adam/group0`, `lr/SGD/group0`, a repeated class numbered
+    `SGD-1` as Lightning numbers it), on the batches Lightning's monitor logs (every
+    log_every_n_steps batches, whatever optimizer steps a batch takes) at the batch's
+    `trainer.logged_step`.
+
     Args:
         log_every_n_steps: cadence; None uses the Trainer's. Lightning's positional
             `logging_interval` ("step", "epoch") is taken here too.
         log_momentum: also log `momentum/<group>` (SGD momentum or Adam's beta1).
         log_weight_decay: also log `weight_decay/<group>`.
-        logging_interval: Lightning's: None or "step" log on the Trainer's log steps,
-            "epoch" once at the start of each training epoch.
+        logging_interval: Lightning's: "step" logs every optimizer on the Trainer's log
+            steps, "epoch" once at the start of each training epoch; None (the default)
+            logs an optimizer whose scheduler steps by epoch at the epoch's start, one whose
+            scheduler steps by step on log steps, and one without a scheduler at both.
 
     Raises:
         ValueError: for a non-positive cadence or another `logging_interval`.
@@ -91,16 +99,48 @@ class LearningRateMonitor(Callback):
         """Log the rates this step will use, on log steps."""
         if self.logging_interval == "epoch":
             return
-        step = trainer.global_step + 1  # the step's number once it completes: the cadence
+        # the step's (manual optimization: the batch's) number once it completes: the cadence
+        manual = getattr(trainer, "_manual", False)
+        step = (trainer.state.batches_stepped if manual else trainer.global_step) + 1
         every = self.log_every_n_steps or trainer.settings.log_every_n_steps
         if step % every == 0:
-            # logged_step: the steps completed before this one, as Lightning's own monitor
-            trainer.log_metrics(self.read(trainer.strategy.optimizer), step=trainer.logged_step)
+            metrics = self._read_all(trainer, "step")
+            if metrics:  # logged_step: the steps completed before this one, as Lightning's
+                trainer.log_metrics(metrics, step=trainer.logged_step)
 
     def on_train_epoch_start(self, trainer: Trainer, module: NanoModule) -> None:
-        """With `logging_interval="epoch"`: log the rates the epoch starts with."""
-        if self.logging_interval == "epoch":
-            trainer.log_metrics(self.read(trainer.strategy.optimizer), step=trainer.logged_step)
+        """Log the rates the epoch starts with: every optimizer's with
+        `logging_interval="epoch"`; with None, as Lightning, those whose scheduler steps by
+        epoch and those without a scheduler."""
+        if self.logging_interval != "step":
+            metrics = self._read_all(trainer, "epoch")
+            if metrics:
+                trainer.log_metrics(metrics, step=trainer.logged_step)
+
+    def _read_all(self, trainer: Trainer, when: str) -> dict[str, float]:
+        """`read` of the Trainer's optimizer, or of each of several (manual optimization),
+        that is due `when` ("step": on log steps, "epoch": at an epoch's start). With
+        `logging_interval` None that is Lightning's rule: an optimizer whose scheduler has
+        the other interval is left out (manual optimization's schedulers count as "epoch",
+        as Lightning's do); one without a scheduler is due at both."""
+        optimizers = trainer.optimizers
+        if self.logging_interval is None:
+            interval = {id(c.scheduler.optimizer): c.interval for c in trainer.lr_scheduler_configs}
+            optimizers = [o for o in optimizers if interval.get(id(o), when) == when]
+        if len(trainer.optimizers) == 1:
+            return self.read(optimizers[0]) if optimizers else {}
+        metrics: dict[str, float] = {}
+        seen: dict[str, int] = {}
+        for optimizer in trainer.optimizers:
+            kind = type(optimizer).__name__
+            label = kind if kind not in seen else f"{kind}-{seen[kind]}"
+            seen[kind] = seen.get(kind, 0) + 1
+            if optimizer not in optimizers:
+                continue
+            for key, value in self.read(optimizer).items():
+                head, _, group = key.partition("/")
+                metrics[f"{head}/{label}/{group}"] = value
+        return metrics
 
     def read(self, optimizer: torch.optim.Optimizer) -> dict[str, float]:
         """The current `lr/<group>` (and momentum / weight decay if asked) of `optimizer`."""

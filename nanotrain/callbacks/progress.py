@@ -23,14 +23,19 @@ def total_steps(trainer: Trainer) -> int | None:
     """The step training will end at, as far as it can be known now (None: unknown).
 
     The smallest of max_steps, max_epochs × steps per epoch and, once tokens were counted,
-    max_tokens ÷ tokens per step so far (rounded up).
+    max_tokens ÷ tokens per step so far (rounded up). In manual optimization, where a batch
+    may take several optimizer steps (a GAN's two), an epoch's steps are its batches times
+    the optimizer steps per batch so far.
     """
     s, st = trainer.settings, trainer.state
     candidates = []
     if s.max_steps is not None:
         candidates.append(s.max_steps)
     if s.max_epochs is not None and st.steps_per_epoch:
-        candidates.append(s.max_epochs * st.steps_per_epoch)
+        per_batch = 1.0
+        if getattr(trainer, "_manual", False) and st.batches_stepped:
+            per_batch = st.global_step / st.batches_stepped
+        candidates.append(math.ceil(s.max_epochs * st.steps_per_epoch * per_batch))
     if s.max_tokens is not None and st.consumed_tokens and st.global_step:
         candidates.append(math.ceil(s.max_tokens * st.global_step / st.consumed_tokens))
     return min(candidates) if candidates else None
@@ -185,7 +190,10 @@ class ProgressBar(Callback):
             # start-up and torch.compile's compilation, and would skew the first rate and ETA
             # (it reads the device, which the first step does anyway: it checks the token ids)
             self._mark = (self.clock(), trainer.global_step, trainer.state.consumed_tokens)
-        is_log_step = trainer.global_step % trainer.settings.log_every_n_steps == 0
+        if getattr(trainer, "_manual", False):  # manual optimization logs by batches
+            is_log_step = trainer.is_log_step
+        else:
+            is_log_step = trainer.global_step % trainer.settings.log_every_n_steps == 0
         if is_log_step:
             self._shown = shown_metrics(trainer)
         if self._active == "rich":

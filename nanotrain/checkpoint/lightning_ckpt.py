@@ -96,6 +96,12 @@ def restore_lightning(trainer: Trainer, checkpoint: dict[str, Any], weights_only
     _restore_position(trainer, checkpoint)
 
 
+def _batches_that_stepped(checkpoint: dict[str, Any], default: int) -> int:
+    """Lightning's count of training batches (`fit_loop.epoch_loop._batches_that_stepped`)."""
+    loop = checkpoint.get("loops", {}).get("fit_loop", {})
+    return int(loop.get("epoch_loop.state_dict", {}).get("_batches_that_stepped", default))
+
+
 def _restore_position(trainer: Trainer, checkpoint: dict[str, Any]) -> None:
     """The TrainState a Lightning checkpoint stands for: `global_step` steps done; at an
     epoch's end (where Lightning's ModelCheckpoint saves by default) the next epoch starts,
@@ -104,7 +110,11 @@ def _restore_position(trainer: Trainer, checkpoint: dict[str, Any]) -> None:
     step = int(checkpoint.get("global_step", 0))
     epoch = int(checkpoint.get("epoch", 0))
     per_epoch = st.steps_per_epoch
-    done = step - epoch * per_epoch
+    # manual optimization: an epoch is its batches, global_step the optimizer steps (a GAN
+    # takes two a batch); Lightning keeps the batches in _batches_that_stepped
+    manual = getattr(trainer, "_manual", False)
+    batches = _batches_that_stepped(checkpoint, step) if manual else step
+    done = batches - epoch * per_epoch
     if done == per_epoch:  # saved at the epoch's end: the next one starts
         epoch, done = epoch + 1, 0
     if not 0 <= done < per_epoch:
@@ -113,10 +123,11 @@ def _restore_position(trainer: Trainer, checkpoint: dict[str, Any]) -> None:
             f"fit this data's {per_epoch} optimizer steps per epoch; resume it with the data "
             "and batch size it was trained with"
         )
-    samples = step * s.global_batch_size
+    samples = batches * s.global_batch_size
     st.load_state_dict(
         {"global_step": step, "epoch": epoch, "steps_in_epoch": done,
-         "consumed_samples": samples, "consumed_tokens": 0}
+         "consumed_samples": samples, "consumed_tokens": 0,
+         "batches_stepped": batches if manual else 0}
     )  # fmt: skip
     sampler = trainer._train_sampler
     if sampler is not None and done:
@@ -180,11 +191,11 @@ def _loops(trainer: Trainer, epoch: int, at_epoch_end: bool) -> dict[str, Any]:
     st = trainer.state
     per_step = trainer.num_microbatches
     done = (st.steps_per_epoch if at_epoch_end else st.steps_in_epoch) * per_step
-    batches = st.global_step * per_step
+    manual = not getattr(trainer.module, "automatic_optimization", True)
+    batches = st.batches_stepped if manual else st.global_step * per_step
     four = ("ready", "started", "processed", "completed")
     steps = _progress(st.global_step, st.global_step, "ready", "completed")
     none = _progress(0, 0, "ready", "completed")
-    manual = not getattr(trainer.module, "automatic_optimization", True)
     started = epoch + 1  # Lightning counts the epoch under way (or just ended) as started
     epochs = {"ready": started, "started": started, "processed": epoch + at_epoch_end,
               "completed": epoch}  # fmt: skip

@@ -550,6 +550,25 @@ class MegatronStrategy(MegatronEnvironment, ShardedMethods, MegatronGradNorms, S
         the precision keeps them, then all-gathers the parameters); else as every strategy."""
         return self._zero if self._zero is not None else super()._updater()
 
+    def average_grads_(self) -> None:
+        """Average every parameter's `.grad` over the data-parallel group, in place (manual
+        optimization's `manual_backward`, which runs only under data parallelism alone: tp,
+        pp, ep and ZeRO are refused at fit start). One flat all-reduce per dtype, as
+        `DDPStrategy.average_grads_`; gradients already equal on every replica stay so."""
+        assert self.module is not None
+        if self.mesh.dp_size == 1:
+            return
+        by_dtype: dict[torch.dtype, list[Tensor]] = {}
+        for p in self.module.parameters():
+            if p.grad is not None:
+                by_dtype.setdefault(p.grad.dtype, []).append(p.grad)
+        for same in by_dtype.values():
+            flat = torch.cat([g.reshape(-1) for g in same])
+            dist.all_reduce(flat, group=self.mesh.dp_group)
+            flat /= self.mesh.dp_size
+            for g, piece in zip(same, flat.split([g.numel() for g in same]), strict=True):
+                g.copy_(piece.view_as(g))
+
     def zero_grad(self) -> None:
         """Zero the gradient buffers (the grads stay views of them); under ZeRO-3 drop the
         gradient shards."""

@@ -334,8 +334,8 @@ class EvaluationMethods:
         ckpt = default_ckpt_path(self, stage, ckpt, given)
         try:
             self._setup(module, datamodule, stage, ckpt)
-            if ckpt is not None:
-                self._resume(self._resume_path or ckpt, weights_only=True)
+            if self._resume_path is not None:  # "last" with none: the weights as they are
+                self._resume(self._resume_path, weights_only=True)
             return run(self, loaders)
         except BaseException as exc:
             if self.module is not None:

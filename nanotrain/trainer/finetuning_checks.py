@@ -28,8 +28,9 @@ def finetuning_refusal(trainer: Any) -> str | None:
             "are left out of the gradient reduction (DistributedDataParallel, and the sharded "
             "optimizers, take the trainable set once), so an unfrozen backbone would train on "
             "each replica's own gradients and the replicas would drift apart; run it on one "
-            "process, or give the optimizer every parameter from the start and set "
-            "requires_grad in your module's on_train_epoch_start"
+            "process (SingleDeviceStrategy), or fine-tune without freezing: give the "
+            "backbone's param group a learning rate of 0 in configure_optimizers and raise it "
+            "in your module's on_train_epoch_start at the epoch you would unfreeze it"
         )
     if strategy.precision.master_weights:
         return (

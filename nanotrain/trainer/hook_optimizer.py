@@ -11,6 +11,7 @@ the update uses.
 
 from __future__ import annotations
 
+import copy
 import inspect
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -23,6 +24,10 @@ if TYPE_CHECKING:
     from nanotrain.strategies.base import Strategy
 
 __all__ = ["HookOptimizer", "needs_closure"]
+
+
+class _SkipUpdate(Exception):
+    """Raised inside a closure-calling optimizer's step when its update is to be skipped."""
 
 
 def needs_closure(optimizer: Any) -> bool:
@@ -122,19 +127,34 @@ class HookOptimizer:
         """As Lightning for an optimizer that calls its closure (LBFGS): every call of the
         closure the optimizer makes is followed by `before_update` (on_before_optimizer_step,
         clipping); the first returns the loss computed before `optimizer_step`, each later one
-        runs the forward and backward again (`rerun`)."""
+        runs the forward and backward again (`rerun`). A skip asked for after any call
+        (`request_skip_step`, the NaN guard) ends the optimizer's step there and puts the
+        parameters and the optimizer's state back as they were before it."""
         self.stepped = True
         calls = 0
+        first_loss: Any = None
 
         def optimizer_closure() -> Any:
-            nonlocal calls
+            nonlocal calls, first_loss
             loss = (closure() if closure is not None else None) if calls == 0 else self.rerun()
+            if calls == 0:
+                first_loss = loss
             calls += 1
-            if self._before_update is not None:
-                self._before_update()
+            if self._before_update is not None and not self._before_update():
+                raise _SkipUpdate
             return loss
 
-        return self._strategy.optimizer_step(skip_if=self.skip_if, closure=optimizer_closure)
+        optimizer = self._strategy.optimizer
+        params = [p for g in optimizer.param_groups for p in g["params"]]
+        saved = [p.detach().clone() for p in params], copy.deepcopy(optimizer.state_dict())
+        try:
+            return self._strategy.optimizer_step(skip_if=self.skip_if, closure=optimizer_closure)
+        except _SkipUpdate:
+            with torch.no_grad():
+                for p, before in zip(params, saved[0], strict=True):
+                    p.copy_(before)
+            optimizer.load_state_dict(saved[1])
+            return first_loss
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Drop the gradients through the strategy (bucketed gradients stay views of their

@@ -9,10 +9,11 @@ schedulers, which only the module steps. `toggle_optimizer` / `untoggle_optimize
 Lightning's own methods, reading `trainer.optimizers`.
 
 Data parallelism: every `manual_backward` averages the gradients over the replicas
-(`DDPStrategy.average_grads_`), as DDP's reducer does during Lightning's backward, so each
-replica updates with the gradient of the global batch's mean loss: the run is the same
-under any number of replicas. Layouts whose strategy owns backward and the update (pipeline
-stages, ZeRO / the distributed optimizer, tensor or expert parallelism: MegatronStrategy),
+(`DDPStrategy.average_grads_`, `MegatronStrategy.average_grads_` over its dp group), as DDP's
+reducer does during Lightning's backward, so each replica updates with the gradient of the
+global batch's mean loss: the run is the same under any number of replicas. Layouts whose
+strategy owns backward and the update (MegatronStrategy's pipeline stages, ZeRO / the
+distributed optimizer, tensor or expert parallelism; FSDPStrategy),
 precisions that keep fp32 master weights or scale the loss, gradient accumulation and the
 Trainer's gradient clipping (both refused by Lightning too) are refused at fit start.
 """
@@ -78,17 +79,21 @@ class ManualOptimizer:
 
 def manual_refusal(trainer: Trainer) -> str | None:
     """Why `trainer` cannot run the manual optimization of its module, or None."""
+    from nanotrain.strategies.megatron import MegatronStrategy
     from nanotrain.strategies.replicated import ReplicatedStrategy
 
     strategy, s = trainer.strategy, trainer.settings
-    if not isinstance(strategy, ReplicatedStrategy):
+    if isinstance(strategy, MegatronStrategy):
+        reason = _megatron_refusal(strategy)
+        if reason is not None:
+            return reason
+    elif not isinstance(strategy, ReplicatedStrategy):
         return (
-            f"{type(strategy).__name__} owns backward and the optimizer update (pipeline "
-            "stages run backward inside the schedule, ZeRO and the distributed optimizer keep "
-            "gradients and optimizer state in shards, tensor and expert parallelism split the "
-            "weights), so training_step cannot call manual_backward and optimizer.step; train "
-            "with SingleDeviceStrategy or DDPStrategy (data parallelism), or return the loss "
-            "from training_step (automatic optimization)"
+            f"{type(strategy).__name__} keeps parameters, gradients and optimizer state in "
+            "shards and runs backward and the update itself, so training_step cannot call "
+            "manual_backward and optimizer.step; train with SingleDeviceStrategy, DDPStrategy "
+            "or MegatronStrategy with data parallelism alone, or return the loss from "
+            "training_step (automatic optimization)"
         )
     if strategy.precision.name not in MANUAL_PRECISIONS:
         return (
@@ -109,6 +114,32 @@ def manual_refusal(trainer: Trainer) -> str | None:
             "opt, gradient_clip_val=..., gradient_clip_algorithm=...) in training_step"
         )
     return None
+
+
+def _megatron_refusal(strategy: Any) -> str | None:
+    """Why MegatronStrategy's layout cannot run manual optimization (None: data parallelism
+    alone, whose replicas hold whole parameters, gradients and optimizer states)."""
+    splits = [
+        (strategy.tp > 1, f"tp={strategy.tp} splits the weights over tensor-parallel ranks"),
+        (strategy.pp > 1, f"pp={strategy.pp} runs backward inside the pipeline schedule"),
+        (strategy.ep > 1, f"ep={strategy.ep} splits the routed experts over ranks"),
+        (
+            strategy.zero_stage > 0,
+            f"zero_stage={strategy.zero_stage} keeps optimizer state (and gradients or "
+            "parameters) in shards that its own update steps",
+        ),
+    ]
+    reasons = [why for applies, why in splits if applies]
+    if not reasons:
+        return None
+    return (
+        f"{type(strategy).__name__} owns backward and the optimizer update here "
+        f"({'; '.join(reasons)}), "
+        "so training_step cannot call manual_backward and optimizer.step; use "
+        "MegatronStrategy(tp=1, pp=1, ep=1, zero_stage=0) (data parallelism alone), "
+        "DDPStrategy or SingleDeviceStrategy, or return the loss from training_step "
+        "(automatic optimization)"
+    )
 
 
 def check_manual(trainer: Trainer) -> None:
@@ -200,13 +231,13 @@ def manual_step(trainer: Trainer, batch: Any) -> None:
     trainer.step_output = out
     trainer._step_taken = True
     st.steps_in_epoch += 1
+    st.batches_stepped += 1
     st.add_consumed(out.num_samples, out.num_tokens)
     trainer._train_sampler.advance(s.micro_batch_size)
     trainer._publish_step_values()
     trainer._call("on_train_batch_end", outputs, batch, batch_idx)
     # as Lightning's cadence in manual optimization: every log_every_n_steps batches
-    batches = st.epoch * st.steps_per_epoch + st.steps_in_epoch
-    log_step = batches % s.log_every_n_steps == 0 or trainer._done()
+    log_step = st.batches_stepped % s.log_every_n_steps == 0 or trainer._done()
     trainer.is_log_step = log_step
     if log_step:
         trainer._log_train(out)

@@ -305,14 +305,18 @@ class LightningTrainerProperties:
     @property
     def lr_scheduler_configs(self) -> list[LRSchedulerConfig]:
         """The LR scheduler with its interval and frequency as Lightning's `LRSchedulerConfig`
-        ([] without one)."""
+        ([] without one). As in Lightning, a callback may replace, add or clear the entry
+        (`StochasticWeightAveraging` swaps in its SWALR): the Trainer then steps that one."""
         setup = self.strategy.optimizer_setup
         if setup is not None and setup.manual_schedulers is not None:  # the module steps them
             return [LRSchedulerConfig(sched) for sched in setup.manual_schedulers]
-        if setup is None or setup.scheduler is None:
+        if setup is None:
             return []
+        configs = SchedulerConfigs(setup)
+        if setup.scheduler is None:
+            return configs
         sched = setup.scheduler
-        return [
+        configs.extend_quietly(
             LRSchedulerConfig(
                 sched.scheduler,
                 interval=sched.interval,
@@ -321,7 +325,8 @@ class LightningTrainerProperties:
                 monitor=sched.monitor,
                 strict=sched.strict,
             )  # fmt: skip
-        ]
+        )
+        return configs
 
     @property
     def precision(self) -> str:
@@ -474,3 +479,47 @@ class LightningTrainerProperties:
         training batch hooks; on_epoch everywhere else."""
         in_step = self._current_fx is None or self._current_fx in _STEP_HOOKS
         return self.training and in_step and not (self.validating or self.testing)
+
+
+class SchedulerConfigs(list):
+    """`trainer.lr_scheduler_configs` in automatic optimization: a list of at most one
+    `LRSchedulerConfig` whose changes (`[0] = ...`, `append`, `clear`) become the scheduler
+    the Trainer steps (`OptimizerSetup.scheduler`), as changing Lightning's list does."""
+
+    def __init__(self, setup: Any) -> None:
+        super().__init__()
+        self._setup = setup
+
+    def extend_quietly(self, config: LRSchedulerConfig) -> None:
+        """Hold `config` without writing it back (it is the setup's own)."""
+        super().append(config)
+
+    def _write_back(self) -> None:
+        from nanotrain.strategies.optimizers import SchedulerConfig
+
+        if len(self) > 1:
+            raise ValueError(
+                "nanotrain trains with one LR scheduler: lr_scheduler_configs can hold one"
+            )
+        if not self:
+            self._setup.scheduler = None
+            return
+        c = self[0]
+        self._setup.scheduler = SchedulerConfig(
+            c.scheduler, interval=c.interval, frequency=c.frequency, monitor=c.monitor,
+            strict=c.strict, reduce_on_plateau=c.reduce_on_plateau,
+        )  # fmt: skip
+
+    def __setitem__(self, index: Any, value: Any) -> None:
+        super().__setitem__(index, value)
+        self._write_back()
+
+    def append(self, value: Any) -> None:
+        """Add a scheduler config (the Trainer steps it)."""
+        super().append(value)
+        self._write_back()
+
+    def clear(self) -> None:
+        """Remove the scheduler (the Trainer steps none)."""
+        super().clear()
+        self._write_back()

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -62,7 +63,7 @@ class RunSetupMethods:
             os.environ["PL_GLOBAL_SEED"] = self._seed_env_before
         self._seed_env_saved = False
 
-    def _plan_run_dir(self, ckpt_path: Any) -> None:
+    def _plan_run_dir(self, ckpt_path: Any, stage: str) -> None:
         # Decide only (nothing is written until the inputs and the checkpoint are validated).
         from nanotrain.checkpoint.resume import plan_on_rank_zero
 
@@ -70,6 +71,16 @@ class RunSetupMethods:
         experiment = Path(s.default_root_dir) / s.name
         plan = plan_on_rank_zero(self.strategy, experiment, s, ckpt_path, self.callbacks)
         self.run_dir, self._resume_path = plan.run_dir, plan.checkpoint
+        if str(ckpt_path) == "last" and plan.checkpoint is None and self.is_global_zero:
+            # as Lightning: not an error (set and forget before the first fit); the stage
+            # runs with the weights the module has
+            warnings.warn(
+                f'.{stage}(ckpt_path="last") is set, but there is no last checkpoint '
+                "available. No checkpoint will be loaded. HINT: Set "
+                "`ModelCheckpoint(..., save_last=True)`.",
+                UserWarning,
+                stacklevel=4,
+            )
 
     def _make_run_dir(self) -> None:
         # Only now, with inputs and the resumed checkpoint validated, is anything written.

@@ -32,6 +32,9 @@ class TrainState:
         consumed_samples: samples of all global batches so far (a property, see below).
         consumed_tokens: tokens of all global batches so far (0 for non-token data).
         skipped_steps: steps whose optimizer update a callback skipped.
+        batches_stepped: training batches run in manual optimization, where a batch may
+            take several optimizer steps (Lightning's `_batches_that_stepped`: the step its
+            logger rows carry there); 0 under automatic optimization.
 
     The step's token and sample totals are device tensors (the strategy counts them with a
     collective), so `add_consumed` only adds them up on the device; `consumed_samples` and
@@ -45,6 +48,7 @@ class TrainState:
     steps_in_epoch: int = 0
     steps_per_epoch: int = 0
     skipped_steps: int = 0
+    batches_stepped: int = 0
     # host totals [samples, tokens] and the device-side sum not yet read into them
     _settled: list[int] = field(default_factory=lambda: [0, 0], repr=False, compare=False)
     _pending: list[torch.Tensor | int] | None = field(default=None, repr=False, compare=False)

@@ -4,13 +4,12 @@ Lightning inspects each step's signature (`is_param_in_hook_signature(step, "bat
 min_args=2)`) and passes `batch_idx` only to a step that takes it: `training_step(self,
 batch)` is a valid Lightning module. The strategies call every step as `step(batch,
 batch_idx)`, so for the length of a stage a step that does not take it is shadowed on the
-instance by a wrapper that leaves the index out (`adapt_steps`; `restore_steps` removes it).
+instance by a `StepWithoutBatchIdx` that leaves the index out (`adapt_steps`;
+`restore_steps` removes it); it survives `copy.deepcopy` and pickling of the module.
 """
 
 from __future__ import annotations
 
-import functools
-from collections.abc import Callable
 from typing import Any
 
 from lightning.pytorch.utilities.signature_utils import is_param_in_hook_signature
@@ -23,24 +22,45 @@ def adapt_steps(module: Any) -> None:
     one that takes it and leaves it out."""
     for name in STEPS:
         step = getattr(module, name, None)
-        if step is None or getattr(step, "drops_batch_idx", False):
+        if step is None or isinstance(step, StepWithoutBatchIdx):
             continue
         if is_param_in_hook_signature(step, "batch_idx", min_args=2):
             continue
-        module.__dict__[name] = _without_batch_idx(step)
+        own = module.__dict__.get(name)  # a step set on the instance itself (rare)
+        module.__dict__[name] = StepWithoutBatchIdx(module, name, own)
 
 
 def restore_steps(module: Any) -> None:
     """Remove the wrappers `adapt_steps` put on `module`."""
     for name in STEPS:
-        if getattr(module.__dict__.get(name), "drops_batch_idx", False):
-            del module.__dict__[name]
+        wrapper = module.__dict__.get(name)
+        if isinstance(wrapper, StepWithoutBatchIdx):
+            if wrapper.own is None:
+                del module.__dict__[name]
+            else:
+                module.__dict__[name] = wrapper.own
 
 
-def _without_batch_idx(step: Callable[..., Any]) -> Callable[..., Any]:
-    @functools.wraps(step)
-    def call(batch: Any, batch_idx: int | None = None, *args: Any, **kwargs: Any) -> Any:
-        return step(batch, *args, **kwargs)
+class StepWithoutBatchIdx:
+    """`module.<name>` called as `step(batch, batch_idx)` with `batch_idx` left out.
 
-    call.drops_batch_idx = True  # type: ignore[attr-defined]
-    return call
+    It keeps the module and the step's name, not a bound method, and resolves the step at
+    each call: `copy.deepcopy(module)` mid-stage gives a copy whose wrapper calls the copy's
+    own step, and the module pickles (both as Lightning's modules do, which have no wrapper).
+
+    Args:
+        module: the module whose step this is.
+        name: "training_step", "validation_step", "test_step" or "predict_step".
+        own: the step when it was set on the instance rather than defined by the class.
+    """
+
+    drops_batch_idx = True
+
+    def __init__(self, module: Any, name: str, own: Any = None) -> None:
+        self.module, self.name, self.own = module, name, own
+
+    def __call__(self, batch: Any, batch_idx: int | None = None, *args: Any, **kwargs: Any) -> Any:
+        """The step on `batch` (and any further arguments), without `batch_idx`."""
+        if self.own is not None:
+            return self.own(batch, *args, **kwargs)
+        return getattr(type(self.module), self.name)(self.module, batch, *args, **kwargs)

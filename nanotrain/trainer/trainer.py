@@ -69,6 +69,7 @@ from nanotrain.trainer.properties import LightningTrainerProperties
 from nanotrain.trainer.run_setup import RunSetupMethods
 from nanotrain.trainer.state import TrainState
 from nanotrain.trainer.step_signatures import adapt_steps, restore_steps
+from nanotrain.trainer.swa_support import FitLoopView, check_swa
 from nanotrain.trainer.train_step import TrainStepMethods
 from nanotrain.trainer.validation import run_validation
 
@@ -160,6 +161,7 @@ class Trainer(
         self.predicting = False
         # what Lightning's BasePredictionWriter reads of a running predict
         self.predict_loop = PredictRecords()
+        self.fit_loop = FitLoopView(self)  # what Lightning's StochasticWeightAveraging touches
         self._current_fx: str | None = None  # the hook running now (for self.log defaults)
         self._eval_loader: DataLoader | None = None
         self.should_stop = False
@@ -211,8 +213,11 @@ class Trainer(
         validation after it, the end of the epoch it completes, and what `fit` writes after its
         last step) `global_step` already counts that step, so this is `global_step - 1`;
         before a step, before the first one and outside `fit` (validate, test) it is
-        `global_step`. Callbacks that pass `step=` to `log_metrics` use this value."""
-        return self.state.global_step - 1 if self._step_taken else self.state.global_step
+        `global_step`. Callbacks that pass `step=` to `log_metrics` use this value. In
+        manual optimization it counts batches instead (`state.batches_stepped`), as
+        Lightning's rows do there: a batch may take several optimizer steps."""
+        done = self.state.batches_stepped if self._manual else self.state.global_step
+        return done - 1 if self._step_taken else done
 
     @property
     def num_microbatches(self) -> int:
@@ -273,7 +278,7 @@ class Trainer(
         module.trainer = self
         if datamodule is not None:
             datamodule.trainer = self
-        self._plan_run_dir(ckpt_path)
+        self._plan_run_dir(ckpt_path, stage)
         self._seed()
         set_deterministic(s.deterministic)
         self._book = MetricBook(
@@ -360,6 +365,7 @@ class Trainer(
                 check_manual(self)  # before the strategy parses several optimizers
             check_accumulation_schedule(self)
             check_finetuning(self)
+            check_swa(self)
             self.strategy.setup_optimizers(module)
             if not self._manual:
                 check_closure_optimizer(self.strategy)
@@ -539,10 +545,6 @@ class Trainer(
                     "batch_idx)"
                 )
             self._setup(module, datamodule, "validate", ckpt_path)
-            if ckpt_path is not None and self._resume_path is None:  # "last" found nothing
-                raise FileNotFoundError(
-                    f"ckpt_path={ckpt_path!r}: no checkpoint to validate in {self.run_dir.parent}"
-                )
             self._build_loaders("validate", None, dataloaders)
             if self._val_loader is None:
                 raise ValueError(

@@ -287,13 +287,6 @@ def test_preemption_signals_are_validated():
         nt.Trainer(max_steps=1, preemption_signals=["SIGNOPE"])
 
 
-def test_validate_with_last_and_no_checkpoint_is_an_error_that_writes_nothing(tmp_path):
-    trainer = make_trainer(tmp_path, 2)
-    with pytest.raises(FileNotFoundError, match="no checkpoint to validate"):
-        trainer.validate(DropoutAdamClassifier(), data(), ckpt_path="last")
-    assert listing(tmp_path) == []
-
-
 class WeightsGoNaNAt(nt.Callback):
     """Turns one weight NaN at the start of step `step` (before its forward), as a blown-up
     update would: that step's loss, and the state at the stop, are then non-finite."""

@@ -86,7 +86,7 @@ def both(tmp_path_factory):
     out = {}
     for name, trainer_class, monitor in (
         ("pl", pl.Trainer, LightningLRMonitor(logging_interval="step")),
-        ("nt", nt.Trainer, LearningRateMonitor()),
+        ("nt", nt.Trainer, LearningRateMonitor(logging_interval="step")),
     ):
         module = copy.deepcopy(original)
         logger = CSVLogger(tmp / name, name="", version="")
@@ -152,7 +152,12 @@ def test_validate_on_a_fresh_trainer_logs_at_step_zero_epoch_zero(tmp_path):
 
 
 def test_callbacks_log_at_the_step_of_their_steps_train_loss(tmp_path):
-    monitors = [LearningRateMonitor(), GradNormMonitor(detail_every_n_steps=2), ThroughputMonitor()]
+    # logging_interval="step": the rates on log steps only (None adds the epoch's start)
+    monitors = [
+        LearningRateMonitor(logging_interval="step"),
+        GradNormMonitor(detail_every_n_steps=2),
+        ThroughputMonitor(),
+    ]
     trainer = make_trainer(tmp_path, max_steps=6, log_every_n_steps=2, callbacks=monitors)
     trainer.fit(Classifier(), BlobsData())
     lines = [json.loads(x) for x in (trainer.run_dir / "metrics.jsonl").read_text().splitlines()]
