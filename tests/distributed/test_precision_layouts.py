@@ -113,10 +113,11 @@ class WithUnusedParameter(nt.LanguageModelModule):
 
 
 # rerun by .ci/run on ATen's default kernels (marker `kernels`), one cell per kind of bound:
-# fp32 order with fp32 weights (ddp 16-mixed: its measured worst, 1.2e-4 on a Xeon's kernels,
-# is the suite's tightest), with bf16 weights (zero1 bf16-true), regrouped fp16 rows under ep
-# (ep2 16-mixed: the bound most sensitive to the kernels, see FP16_TOL) and DualPipeV's split
-# backward in fp8 (the one cell measured to round apart between kernels)
+# fp32 order with fp32 weights (ddp 16-mixed, a loss scale and fp16 casts on top), with bf16
+# weights (zero1 bf16-true), regrouped fp16 rows under ep (ep2 16-mixed: the bound most
+# sensitive to the kernels, see FP16_TOL) and DualPipeV's split backward in fp8 (the one cell
+# measured to round apart between kernels). The other cells' bounds are the same functions of
+# the same arithmetic on other layouts.
 KERNELS = ("ddp 16-mixed", "zero1 bf16-true", "ep2 16-mixed@2^8", "dualpipev fp8-emulated")
 CELLS = {f"{c[0]} {c[1]}": c for c in CASES}
 # the bf16 wire and bucket checks compare with these cells' runs
