@@ -72,6 +72,8 @@ def fit_documents(module: nt.NanoModule, strategy, root: str) -> dict:
         val_check_interval=STEPS,
         callbacks=[recorder],
         default_root_dir=root,
+        enable_checkpointing=False,  # nothing reads a checkpoint: no final save
+        enable_progress_bar=False,
         loggers=[],
         seed=3,
     )

@@ -113,6 +113,8 @@ def fit(
         log_every_n_steps=1,
         callbacks=[MoELoadMonitor(heatmap_every_n_steps=0), logged],
         default_root_dir=root,
+        enable_checkpointing=False,  # nothing reads a checkpoint: no final save
+        enable_progress_bar=False,
         loggers=[],
         seed=3,
     )

@@ -148,6 +148,8 @@ def fit(kind: str, strategy: Any, root: str, roundtrip_at: int | None = None) ->
         gradient_clip_val=0.5,
         callbacks=[recorder],
         default_root_dir=root,
+        enable_checkpointing=False,  # nothing reads a checkpoint: no final save
+        enable_progress_bar=False,
         loggers=[],
         seed=3,
     )

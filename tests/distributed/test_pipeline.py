@@ -52,6 +52,8 @@ def fit_module(module: nt.NanoModule, strategy: Any, root: str, micro_batch_size
         val_check_interval=STEPS,
         callbacks=[recorder],
         default_root_dir=root,
+        enable_checkpointing=False,  # nothing reads a checkpoint: no final save
+        enable_progress_bar=False,
         loggers=[],
         seed=3,
     )

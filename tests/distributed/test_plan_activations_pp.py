@@ -168,6 +168,10 @@ def _measure(rank: int, world_size: int, root: str) -> dict[str, int]:
             micro_batch_size=MICRO,
             precision=precision,
             default_root_dir=f"{root}/{i}",
+            # it counts saved activations only: no final checkpoint, bar or monitors
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_monitors=False,
             loggers=[],
             seed=3,
         )

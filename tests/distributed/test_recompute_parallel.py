@@ -11,10 +11,11 @@ import torch
 
 import nanotrain as nt
 from nanotrain.strategies.megatron import MegatronStrategy
+from tests.distributed.selection import selected
 from tests.distributed.spawn import run_world
 from tests.distributed.test_pipeline import LAYERS, STEPS, _check, fit_module
 
-# layout against one process under numerical bounds: rerun on other CPU kernels by .ci/run
+# layout against one process under numerical bounds (.ci/run reruns the `kernels` subset)
 pytestmark = [pytest.mark.distributed, pytest.mark.numerics]
 
 TP2_SP, DUALPIPEV = dict(tp=2, sequence_parallel=True), dict(pp=2, schedule="dualpipev")
@@ -39,6 +40,14 @@ LAYOUTS = {
 }
 FP8_SAVES = [name for name, (_, options) in LAYOUTS.items() if options is LIGHT_FP8]
 DISPATCH = [name for name, (_, options) in LAYOUTS.items() if options is FP8_DISPATCH]
+# rerun by .ci/run on ATen's default kernels (marker `kernels`): one layout per kind of bound,
+# recompute in fp32 under tp with sp, the fp8 saves and the fp8 dispatch under ep (the other
+# layouts' bounds are the same functions of the same arithmetic)
+KERNELS = {"tp=2 sp full", "ep=2 light fp8", "ep=2 fp8 dispatch"}
+
+
+def _params(names: list[str]) -> list:
+    return [pytest.param(n, marks=[pytest.mark.kernels] if n in KERNELS else []) for n in names]
 
 
 def _module(**options):
@@ -52,16 +61,18 @@ def _module(**options):
     )
 
 
-def _run(rank: int, world_size: int, root: str) -> dict:
-    return {
-        name: fit_module(_module(**options), MegatronStrategy(**kw), f"{root}/{i}")
-        for i, (name, (kw, options)) in enumerate(LAYOUTS.items())
-    }
+def _run(rank: int, world_size: int, root: str, names: list[str]) -> dict:
+    out = {}
+    for i, name in enumerate(names):
+        kw, options = LAYOUTS[name]
+        out[name] = fit_module(_module(**options), MegatronStrategy(**kw), f"{root}/{i}")
+    return out
 
 
 @pytest.fixture(scope="module")
-def world2(tmp_path_factory) -> list[dict]:
-    return run_world(_run, 2, str(tmp_path_factory.mktemp("w2")), timeout=240)
+def world2(request, tmp_path_factory) -> list[dict]:
+    names = selected(request, "layout", LAYOUTS)  # the selected tests' layouts only
+    return run_world(_run, 2, str(tmp_path_factory.mktemp("w2")), names, timeout=240)
 
 
 def _single_process(tmp_path_factory, name: str, **options) -> dict:
@@ -84,13 +95,13 @@ def reference_dispatch(tmp_path_factory) -> dict:
     return _single_process(tmp_path_factory, "ref_dispatch", **FP8_DISPATCH)
 
 
-@pytest.mark.parametrize("layout", [n for n in LAYOUTS if n not in FP8_SAVES + DISPATCH])
+@pytest.mark.parametrize("layout", _params([n for n in LAYOUTS if n not in FP8_SAVES + DISPATCH]))
 def test_recompute_layout_matches_single_process(world2, reference, layout):
     for rank, result in enumerate(world2):
         _check(result[layout], reference, f"{layout}, rank {rank}")
 
 
-@pytest.mark.parametrize("layout", DISPATCH)
+@pytest.mark.parametrize("layout", _params(DISPATCH))
 def test_fp8_dispatch_matches_single_process_with_it(world2, reference_dispatch, reference, layout):
     # the rows are rounded before any expert reads them, on one rank as on the wire; what is
     # left is the experts' GEMM grouping, which may land a row element on another e4m3 number
@@ -140,7 +151,7 @@ def _check_fp8(result: dict, reference: dict, what: str) -> None:
         assert float(diff.max()) <= 2 * LR * STEPS, f"{what}: {name} by {float(diff.max())}"
 
 
-@pytest.mark.parametrize("layout", FP8_SAVES)
+@pytest.mark.parametrize("layout", _params(FP8_SAVES))
 def test_fp8_expert_saves_match_single_process_with_them(world2, reference_fp8, reference, layout):
     for rank, result in enumerate(world2):
         _check_fp8(result[layout], reference_fp8, f"{layout}, rank {rank}")

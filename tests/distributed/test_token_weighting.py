@@ -49,6 +49,8 @@ def fit(strategy: Any, root: str) -> dict[str, list[float]]:
         micro_batch_size=2,
         callbacks=[recorder],
         default_root_dir=root,
+        enable_checkpointing=False,  # nothing reads a checkpoint: no final save
+        enable_progress_bar=False,
         loggers=[],
         seed=5,
     )
