@@ -39,6 +39,7 @@ from nanotrain.models.accounting import active_params, total_params
 from nanotrain.parallel.mesh import MeshLayout
 from nanotrain.planning import zero3
 from nanotrain.planning.activations import ActivationEstimate, activation_estimate
+from nanotrain.planning.calibration import comm_sm_share
 from nanotrain.planning.communication import CommEstimate, comm_estimate
 from nanotrain.planning.communication_tp import is_moe_layer
 from nanotrain.planning.gpus import GPUSpec
@@ -51,9 +52,11 @@ from nanotrain.planning.memory import (
     state_memory,
     zero3_optimizer_pieces,
 )
+from nanotrain.planning.memory_bound import memory_bound_seconds
 from nanotrain.planning.rank_model import config_key, rank_models
-from nanotrain.planning.schedule_time import exposed_all_to_all, schedule_step_time
+from nanotrain.planning.runs_on import refused_on
 from nanotrain.planning.stage_flops import compute_seconds, flop_parts, stage_flops
+from nanotrain.planning.stage_replay import PricedStage, replay_priced
 
 __all__ = ["Plan", "RankPlan", "plan_layout"]
 
@@ -181,38 +184,6 @@ class Plan:
         """Estimated model FLOPs utilization (model FLOPs / (time x world x peak))."""
         peak = self.gpu.flops_for(self.workload.precision)
         return self.flops_per_step / (self.step_time_s * self.layout.world_size * peak)
-
-
-def _overlapped(
-    layout: PlanLayout, num_micro: int, busy: float, weights_t: float, ep_t: float, rounds: int
-) -> tuple[float, float]:
-    """(bubble, exposed expert all-to-all) per step of the pacing stage when paired chunks
-    run side by side: its action lists replayed as `_bubble` does, but with the stage's
-    expert all-to-all time `ep_t` apart from the rest (half in the forwards, half in the
-    input halves, over `rounds` MoE layers per chunk) under the executor's pairing rule
-    (`schedule_step_time`'s ``overlap``)."""
-    forward = weight = weights_t / num_micro
-    input_grad = max((busy - ep_t) / num_micro - forward - weight, 0.0)
-    args = (layout.schedule, num_micro, layout.pp, layout.virtual_pp, forward, input_grad, weight)
-    bare = schedule_step_time(*args, 0.0, True, rounds)
-    bubble = max(bare - num_micro * (forward + input_grad + weight), 0.0)
-    return bubble, exposed_all_to_all(*args, ep_t / num_micro, True, rounds)
-
-
-def _bubble(layout: PlanLayout, num_micro: int, busy: float, weights_t: float) -> float:
-    """The pacing stage's idle time per step under the layout's schedule: its action lists
-    replayed (`schedule_step_time`) with every stage as busy as the pacing one, minus that
-    stage's work. Per microbatch the forward and the weight half each take the weight
-    gradients' time (a third of the training FLOPs without recomputation), the input half
-    the rest of the stage's time (recomputation and blocking communication included)."""
-    if layout.pp == 1:
-        return 0.0
-    forward = weight = weights_t / num_micro
-    input_grad = max(busy / num_micro - forward - weight, 0.0)
-    step = schedule_step_time(
-        layout.schedule, num_micro, layout.pp, layout.virtual_pp, forward, input_grad, weight
-    )
-    return max(step - num_micro * (forward + input_grad + weight), 0.0)
 
 
 _COUNTS: dict[str, tuple[int, int, int]] = {}
@@ -352,7 +323,7 @@ def plan_layout(
     models = rank_models(config, layout)
     device = "cpu" if gpu.name == "cpu" else "cuda"  # which attention kernels save what
     bandwidth = _bandwidths(config, layout, gpu)
-    ranks, stage_times = [], []
+    ranks, stages = [], []
     for rank in models:
         last = layout.pp == 1 or layout.placement.holds_last(rank.pp_rank)
         stage = stage_flops(config, layout, workload, rank.chunks, last)
@@ -375,52 +346,68 @@ def plan_layout(
             )
         )
         compute = compute_seconds(stage, gpu, workload.precision, compute_efficiency)
+        memory_t = memory_bound_seconds(config, layout, workload, rank.chunks, last, gpu)
         comm_t = _comm_time(comm, bandwidth)
         blocking = sum(t for g, t in comm_t.items() if g in BLOCKING_GROUPS)
-        dp = comm_t.get("dp", 0.0) + comm_t.get("expert_dp", 0.0) + comm_t.get("embedding", 0.0)
-        host_step = 0.0
-        if layout.zero_stage == 3:
-            exposed_dp, host_step = _zero3_exposed(
-                rank, layout, workload, comm_t, bandwidth, compute, num_micro
-            )
-        else:
-            gather = min(_gather_time(rank, layout, workload, bandwidth), dp)
-            exposed_dp = max(0.0, dp - gather - compute * 2 / 3) + gather
         # the weight-gradient half of the backward: a third of the training FLOPs without
         # recomputation (forward, input gradient, weight gradient: one each)
         no_recompute = replace(layout, recompute=None, recompute_full_layers=0)
         plain = stage_flops(config, no_recompute, workload, rank.chunks, last)
         weights_t = compute_seconds(plain, gpu, workload.precision, compute_efficiency) / 3
-        hidden, bubble = 0.0, None
-        if layout.overlap_forward_backward and layout.pp > 1:
-            # the pairs hide part of this stage's all-to-all: it paces by what is left
-            ep_t = comm_t.get("ep", 0.0) + comm_t.get("ep_inter", 0.0)
-            moe = sum(is_moe_layer(config, i) for c in rank.chunks for i in c)
-            rounds = max(1, round(moe / layout.virtual_pp))
-            busy = compute + blocking
-            bubble, exposed_ep = _overlapped(layout, num_micro, busy, weights_t, ep_t, rounds)
-            hidden = max(ep_t - exposed_ep, 0.0)
-            blocking -= hidden
-        stage_times.append(
-            (compute + blocking, exposed_dp, compute, blocking, comm_t, weights_t, hidden, bubble,
-             host_step)
+        paired = layout.overlap_forward_backward and layout.pp > 1
+        # while the paired chunks' all-to-alls run beside compute their kernels hold SMs
+        sms_t = compute * comm_sm_share() if paired else 0.0
+        ep_t = comm_t.get("ep", 0.0) + comm_t.get("ep_inter", 0.0) if paired else 0.0
+        moe = sum(is_moe_layer(config, i) for c in rank.chunks for i in c)
+        stages.append(
+            PricedStage(rank, compute, memory_t, sms_t, blocking, ep_t, weights_t, comm_t,
+                   max(1, round(moe / layout.virtual_pp)))
         )  # fmt: skip
-    slowest = max(range(len(stage_times)), key=lambda i: stage_times[i][0])
-    busy, exposed_dp, compute, blocking, slowest_comm, weights_t, hidden, bubble, host_step = (
-        stage_times[slowest]
+    replay, hidden = replay_priced(
+        layout.schedule,
+        layout.pp,
+        layout.virtual_pp,
+        num_micro,
+        stages,
+        layout.overlap_forward_backward and layout.pp > 1,
     )
-    host_step = max(t[8] for t in stage_times)  # every stage waits for the slowest step
-    if bubble is None:
-        bubble = _bubble(layout, num_micro, busy, weights_t)
-    step = busy + bubble + exposed_dp + host_step
+    slowest = max(range(len(stages)), key=lambda i: stages[i].busy)
+    pace = stages[slowest]
+    finish, host_step = [], 0.0
+    for i, st in enumerate(stages):
+        dp = sum(st.comm_t.get(g, 0.0) for g in ("dp", "expert_dp", "embedding"))
+        if layout.zero_stage == 3:
+            exposed, host = _zero3_exposed(
+                st.rank, layout, workload, st.comm_t, bandwidth, st.compute, num_micro
+            )
+            host_step = max(host_step, host)  # every stage waits for the slowest step
+            finish.append(replay.ends[i] + exposed)
+        else:
+            # the buckets' reductions start with the last microbatch's backward
+            # (`data_parallel`: collectives launch on the last microbatch only) and ZeRO's
+            # parameter all-gather follows the optimizer step
+            gather = min(_gather_time(st.rank, layout, workload, bandwidth), dp)
+            reduced = max(replay.ends[i], replay.last_backward[i] + dp - gather)
+            finish.append(reduced + gather)
+    blocking = pace.blocking - hidden
+    busy = pace.compute + pace.memory_t + pace.sms_t + blocking
+    bubble = replay.step - busy
+    if bubble < 0:  # the pacing stage's all-to-all hides less than the replay's share
+        blocking, hidden, bubble = blocking - bubble, hidden + bubble, 0.0
+    exposed_dp = max(finish) - replay.step
+    step = replay.step + exposed_dp + host_step
+    compute = pace.compute
     fits = max(r.memory for r in ranks) <= gpu.memory_bytes
     notes = []
     time_parts = {
         "compute": compute,
+        "memory_bound": pace.memory_t,
         "blocking_comm": blocking,
         "pipeline_bubble": bubble,
         "exposed_dp_comm": exposed_dp,
     }
+    if paired:
+        time_parts["comm_sms"] = pace.sms_t
     if layout.cpu_offload:
         time_parts["host_optimizer"] = host_step
         notes.append(
@@ -429,10 +416,11 @@ def plan_layout(
             f"({host_step:.3f} s at an assumed {zero3.HOST_ADAM_BYTES_PER_S / 1e9:.0f} GB/s "
             "of host memory traffic per GPU)"
         )
-    if layout.overlap_forward_backward:
+    refusal = refused_on(layout, gpu)
+    if refusal:
         notes.append(
-            "overlap_forward_backward runs on CPU (gloo) only for now (a CUDA stream per "
-            "chunk is not built): on GPUs this prices what the pairing would hide"
+            f"does not run on a {gpu.name} yet, priced as it would run: the strategy refuses "
+            f"it there ({refusal})"
         )
     if not fits:
         worst = max(ranks, key=lambda r: r.memory)
@@ -456,7 +444,7 @@ def plan_layout(
         fits=fits,
         notes=notes,
         slowest_stage=slowest,
-        slowest_comm_s=dict(slowest_comm),
+        slowest_comm_s=dict(pace.comm_t),
         hidden_comm_s=hidden,
     )
 
