@@ -7,7 +7,10 @@ The step-time model is deliberately simple and stated in full (docs/planning.md)
   experts', which every tp rank computes for all its tokens unless sequence parallelism
   gives it only its own, dropless: `routed_rows_per_copy`; a capacity factor prices its
   E x C slots) at
-  ``peak_flops * compute_efficiency`` (default 0.5: what well-tuned bf16 training reaches);
+  ``peak_flops * compute_efficiency`` (default `calibration.GEMM_EFFICIENCY`, 0.75: what
+  large GEMMs measure), plus the memory-bound operations at HBM bandwidth
+  (`nanotrain.planning.memory_bound`) and, under paired chunks, the SMs the all-to-all
+  kernels hold (`calibration.COMM_SMS`);
   full recomputation adds one forward of the layers, the head + loss and the MTP modules
   (+1/3 of their FLOPs), selective one forward of each attention block (projections and
   scores: `attention_flops_per_token` / 3), light two forwards of MLA's up-projections
@@ -39,7 +42,7 @@ from nanotrain.models.accounting import active_params, total_params
 from nanotrain.parallel.mesh import MeshLayout
 from nanotrain.planning import zero3
 from nanotrain.planning.activations import ActivationEstimate, activation_estimate
-from nanotrain.planning.calibration import comm_sm_share
+from nanotrain.planning.calibration import GEMM_EFFICIENCY, comm_sm_share
 from nanotrain.planning.communication import CommEstimate, comm_estimate
 from nanotrain.planning.communication_tp import is_moe_layer
 from nanotrain.planning.gpus import GPUSpec
@@ -308,7 +311,7 @@ def plan_layout(
     gpu: GPUSpec,
     *,
     model_name: str | None = None,
-    compute_efficiency: float = 0.5,
+    compute_efficiency: float | None = None,
     reserve_bytes: int = 3 * GiB,
 ) -> Plan:
     """Price `layout` for `config` (see the module docstring).
@@ -317,6 +320,8 @@ def plan_layout(
         ValueError: a layout that does not divide the model or the world, or a global batch
             that does not split into micro_batch_size * dp (the strategy's messages).
     """
+    if compute_efficiency is None:
+        compute_efficiency = GEMM_EFFICIENCY.value
     if not 0 < compute_efficiency <= 1:
         raise ValueError(f"compute_efficiency must be in (0, 1], got {compute_efficiency}")
     num_micro = workload.num_microbatches(layout)
