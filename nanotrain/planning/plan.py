@@ -272,7 +272,8 @@ def _zero3_exposed(rank: Any, layout: PlanLayout, workload: Workload, comm_t: di
     split-backward schedule), which nothing precedes. The one
     reduce-scatter per unit runs in the last microbatch's backward (pp = 1: only what exceeds
     that backward shows; with ``reduce_scatter_every_microbatch`` one in every microbatch's
-    backward) or after the whole schedule (pp > 1: all of it shows). With
+    backward) or after the whole schedule (pp > 1: all of it shows). Gathers and
+    reduce-scatters share the rank's link, so what exceeds the compute shows in any case. With
     cpu_offload the optimizer steps on the host after the backward, at
     `zero3.HOST_ADAM_BYTES_PER_S` (not overlapped)."""
     units = zero3.zero3_units(rank)
@@ -297,6 +298,9 @@ def _zero3_exposed(rank: Any, layout: PlanLayout, workload: Workload, comm_t: di
     gathers = max(traffic - reduces * reduce_t - first, 0.0)
     backward = 0.0 if layout.pp > 1 else compute * 2 / 3 / num_micro  # of one microbatch
     exposed = max(0.0, gathers - compute) + first + reduces * max(0.0, reduce_t - backward)
+    # the gathers and the reduce-scatters share the rank's link: together they hide behind
+    # the compute at most
+    exposed = max(exposed, gathers + reduces * reduce_t + first - compute)
     host = 0.0
     if layout.cpu_offload:
         elements = max(e for e, _ in zero3_optimizer_pieces(rank, layout))

@@ -124,6 +124,16 @@ PUBLISHED_RUNS: tuple[PublishedRun, ...] = (
         ),
     ),
     PublishedRun(
+        name="Llama 3.1 405B, 128 H100 (94 GB), FSDP16 TP8",
+        source="torchtitan docs/performance.md (2024), 405B table: no optimizations row",
+        config=_llama31_405b,
+        gpus=128,
+        gpu=_H100_96GB,
+        layout=PlanLayout(tp=8, dp=16, zero_stage=3, sequence_parallel=True, recompute="full"),
+        workload=Workload(8192, 2, 32, "bf16-mixed"),
+        tokens_per_s=109.0 * 128,
+    ),
+    PublishedRun(
         name="DeepSeek-V3, 2,048 H800, DualPipe PP16 EP64",
         source="DeepSeek-AI 2024, 'DeepSeek-V3 Technical Report', Table 1 and §3.2, §3.3",
         config=lambda: presets.get("deepseek-v3-671b"),

@@ -18,6 +18,8 @@ PUBLISHED = {
     "Llama 3 405B, 8,192 H100, TP8 PP16 DP64": (430.0, "TFLOP/s/GPU", "Llama 3 paper Table 4"),
     "Llama 3 405B, 16,384 H100, TP8 PP16 DP128": (400.0, "TFLOP/s/GPU", "Llama 3 paper Table 4"),
     "Llama 3.1 8B, 8 H100 (96 GB, 500 W), FSDP": (5762.0 * 8, "tokens/s", "torchtitan Table 1"),
+    # 109 tokens/s per GPU (torchtitan docs/performance.md, 2024, 405B on 128 H100)
+    "Llama 3.1 405B, 128 H100 (94 GB), FSDP16 TP8": (109.0 * 128, "tokens/s", "torchtitan"),
     # 180K H800 GPU hours per trillion tokens (DeepSeek-V3 report Table 1), 2,048 GPUs
     "DeepSeek-V3, 2,048 H800, DualPipe PP16 EP64": (3.16e6, "tokens/s", "DeepSeek-V3 Table 1"),
 }

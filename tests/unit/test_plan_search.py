@@ -279,7 +279,7 @@ def test_fp8_precisions_price_only_the_plain_linear_layers_at_the_fp8_peak(preci
 
     c, gpu, s = presets.get("deepseek-100m"), GPUS["h100"], 512
     work = Workload(seq_len=s, micro_batch_size=1, global_batch_size=4, precision=precision)
-    plan = plan_layout(c, PlanLayout(), work, gpu)
+    plan = plan_layout(c, PlanLayout(), work, gpu, compute_efficiency=0.5)
     per_layer, mtp, _ = linear_flops_per_token_parts(c)
     linear = (sum(per_layer) + mtp) * 4 * s
     total = flops_per_token(c, s) * 4 * s
