@@ -15,18 +15,20 @@ The step-time model is deliberately simple and stated in full (docs/planning.md)
   (+1/3 of their FLOPs), selective one forward of each attention block (projections and
   scores: `attention_flops_per_token` / 3), light two forwards of MLA's up-projections
   (`up_projection_flops_per_token`; norms and activations are not counted as FLOPs);
-* pipeline: the slowest stage sets the pace; the bubble is the schedule's action lists
-  replayed (`nanotrain.planning.schedule_time`): for 1F1B / interleaved
-  ``(pp - 1) / (virtual_pp * microbatches)`` of its compute (GPipe's is the same); with
-  split backwards (``zb_1f1b``, ``zb_interleaved_1f1b``, DualPipeV) the weight-gradient third
-  of the compute (without recomputation) leaves it;
+* pipeline: the schedule's action lists replayed with each stage's own durations
+  (`nanotrain.planning.stage_replay`); the bubble is that step less the busiest stage's
+  work: with equal stages, for 1F1B / interleaved ``(pp - 1) / (virtual_pp * microbatches)``
+  of it (GPipe's is the same); with split backwards (``zb_1f1b``, ``zb_interleaved_1f1b``,
+  DualPipeV) the weight-gradient third of the compute (without recomputation) leaves it;
 * communication: tp, sequence-parallel, ep and pp traffic sit on the critical path, except
   the ep all-to-all of chunks paired side by side (``overlap_forward_backward``), replayed
-  under the executor's pairing rule; the data-parallel gradient reduction overlaps the
-  backward pass (2/3 of the compute) and only what exceeds it shows, and ZeRO's parameter
-  all-gather after the optimizer step does not overlap; each group's bytes travel at the
-  intra-node bandwidth when all its ranks share a node (by the mesh's own rank placement),
-  else at the inter-node one, plus a fixed latency per collective.
+  under the executor's pairing rule; the data-parallel gradient reduction starts with each
+  stage's last microbatch's backward (the buckets launch on the last microbatch only) and
+  what outlasts the stage's end shows, and ZeRO's parameter all-gather after the optimizer
+  step does not overlap; each group's bytes travel at the GPU's measured intra-node
+  bandwidth when all its ranks share a node (by the mesh's own rank placement), else at the
+  inter-node one, plus a fixed latency per collective. A layout the strategy refuses on
+  the GPU (`runs_on.refused_on`) is priced as it would run, with a note.
 
 A layout fits when the largest rank's model state, activation peak and a fixed reserve
 (CUDA context, allocator fragmentation and workspaces: 3 GiB by default) stay within the
