@@ -12,6 +12,7 @@ buckets' collectives on the last microbatch only).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -64,6 +65,7 @@ def replay_stages(
     """
     pp, m, v = len(stages), num_microbatches, virtual_pp
     lists = _tasks(schedule, m, pp, v, overlap)
+    marks = _last_backward_tasks(schedule, m, pp, v, overlap)
     costs = []
     for s in stages:
         durations = {"F": s.forward / v, "I": s.input_grad / v, "W": s.weight_grad / v}
@@ -99,9 +101,7 @@ def replay_stages(
                     start = max(start, end)
                 if blocked:
                     break
-                if last_backward[rank] is None and any(
-                    g is not None and not g[0] and g[1] == m - 1 for g in gives
-                ):
+                if at == marks[rank]:
                     last_backward[rank] = start
                 clock = start + seconds(rank, kinds)
                 for g in gives:
@@ -115,6 +115,21 @@ def replay_stages(
             raise ValueError(f"schedule {schedule!r} does not run to its end (pp={pp}, m={m})")
     starts = tuple(free[r] if t is None else t for r, t in enumerate(last_backward))
     return StageReplay(tuple(free), starts)
+
+
+@functools.lru_cache(maxsize=256)
+def _last_backward_tasks(schedule: str, m: int, pp: int, v: int, overlap: bool) -> tuple[int, ...]:
+    """Per rank, the index of its first task holding a backward of the last microbatch
+    (-1 if none)."""
+    out = []
+    for tasks in _tasks(schedule, m, pp, v, overlap):
+        found = -1
+        for i, (_, _, gives) in enumerate(tasks):
+            if any(g is not None and not g[0] and g[1] == m - 1 for g in gives):
+                found = i
+                break
+        out.append(found)
+    return tuple(out)
 
 
 @dataclass(frozen=True)
