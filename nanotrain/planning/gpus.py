@@ -7,7 +7,9 @@ and a run's logged MFU use the same denominator. Memory is what `torch.cuda.get_
 (a little under the marketing figure: an "80 GB" H100 reports about 79.2 GiB). The node is the
 usual one: 8 GPUs joined by NVLink/NVSwitch (intra-node bandwidth: one direction, per GPU) and
 one 400 Gb/s (50 GB/s) InfiniBand NIC per GPU between nodes (the H800 nodes of the DeepSeek-V3
-paper; 200 Gb/s for the A100 generation). A user passes their own with `GPUSpec(...)` or
+paper; 200 Gb/s for the A100 generation); the table's link speeds are what collectives measure
+on those links (`nanotrain.planning.calibration.MEASURED_LINKS`, each with its source), not
+the nominal rates. A user passes their own with `GPUSpec(...)` or
 `--gpu '{"name": ..., ...}'` on the command line.
 """
 
@@ -17,6 +19,7 @@ import json
 import math
 from dataclasses import asdict, dataclass
 
+from nanotrain.planning.calibration import MEASURED_LINKS
 from nanotrain.precision import PRECISIONS as PRECISION_PLUGINS
 
 __all__ = ["GPUS", "GPUSpec", "gpu_spec"]
@@ -38,7 +41,8 @@ class GPUSpec:
         intra_node_bw: bytes/s one GPU sends to the others in its node (NVLink, one way).
         inter_node_bw: bytes/s one GPU sends off its node (its NIC share).
         gpus_per_node: GPUs sharing the fast intra-node links.
-        mem_bw: device memory bandwidth (bytes/s; listed, not used by the step-time model).
+        mem_bw: device memory bandwidth (bytes/s, the datasheet's): the memory-bound
+            operations are priced at `calibration.HBM_EFFICIENCY` of it (0: not priced).
         pcie_bw: bytes/s between the GPU and its host, one direction (ZeRO-3's cpu_offload
             copies): ~80% of the PCIe x16 link's nominal rate (PCI-SIG: 32 GB/s Gen4,
             64 GB/s Gen5), what pinned-memory copies reach.
@@ -138,13 +142,23 @@ def _spec(name: str, compute: str, mem_gib: float, nvlink_gb: float, hbm_tb: flo
     )
 
 
-#: the built-in table (SXM parts; memory as torch reports it; NVLink one direction per GPU)
+def _measured(name: str) -> tuple[float, float]:
+    """(intra, inter) GB/s the collectives reach on `name` (`calibration.MEASURED_LINKS`)."""
+    intra, inter = MEASURED_LINKS[name]
+    return intra.value / _GB, inter.value / _GB
+
+
+#: the built-in table (SXM parts; memory as torch reports it; links: what collectives
+#: measure per GPU, one direction, `calibration.MEASURED_LINKS`, not the nominal rates)
 GPUS: dict[str, GPUSpec] = {
-    "a100": _spec("a100", "a100", 79.2, 300, 2.0, ib_gb=25.0, pcie_gb=25.0),  # PCIe Gen4
-    "h100": _spec("h100", "h100", 79.2, 450, 3.35),
-    "h800": _spec("h800", "h100", 79.2, 200, 3.35),  # H100 compute, NVLink cut to 400 GB/s
-    "h200": _spec("h200", "h100", 139.8, 450, 4.8),
-    "b200": _spec("b200", "b200", 178.4, 900, 8.0),
+    "a100": _spec(
+        "a100", "a100", 79.2, _measured("a100")[0], 2.0, ib_gb=_measured("a100")[1], pcie_gb=25.0
+    ),  # PCIe Gen4  # fmt: skip
+    "h100": _spec("h100", "h100", 79.2, _measured("h100")[0], 3.35, ib_gb=_measured("h100")[1]),
+    # H100 compute, NVLink cut to 400 GB/s nominal (155 GB/s measured all-to-all)
+    "h800": _spec("h800", "h100", 79.2, _measured("h800")[0], 3.35, ib_gb=_measured("h800")[1]),
+    "h200": _spec("h200", "h100", 139.8, _measured("h200")[0], 4.8, ib_gb=_measured("h200")[1]),
+    "b200": _spec("b200", "b200", 178.4, _measured("b200")[0], 8.0, ib_gb=_measured("b200")[1]),
     "cpu": GPUSpec(  # this repository's test machines: for plans of CPU runs
         name="cpu",
         memory_bytes=24 * 2**30,

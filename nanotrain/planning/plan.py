@@ -7,23 +7,28 @@ The step-time model is deliberately simple and stated in full (docs/planning.md)
   experts', which every tp rank computes for all its tokens unless sequence parallelism
   gives it only its own, dropless: `routed_rows_per_copy`; a capacity factor prices its
   E x C slots) at
-  ``peak_flops * compute_efficiency`` (default 0.5: what well-tuned bf16 training reaches);
+  ``peak_flops * compute_efficiency`` (default `calibration.GEMM_EFFICIENCY`, 0.75: what
+  large GEMMs measure), plus the memory-bound operations at HBM bandwidth
+  (`nanotrain.planning.memory_bound`) and, under paired chunks, the SMs the all-to-all
+  kernels hold (`calibration.COMM_SMS`);
   full recomputation adds one forward of the layers, the head + loss and the MTP modules
   (+1/3 of their FLOPs), selective one forward of each attention block (projections and
   scores: `attention_flops_per_token` / 3), light two forwards of MLA's up-projections
   (`up_projection_flops_per_token`; norms and activations are not counted as FLOPs);
-* pipeline: the slowest stage sets the pace; the bubble is the schedule's action lists
-  replayed (`nanotrain.planning.schedule_time`): for 1F1B / interleaved
-  ``(pp - 1) / (virtual_pp * microbatches)`` of its compute (GPipe's is the same); with
-  split backwards (``zb_1f1b``, ``zb_interleaved_1f1b``, DualPipeV) the weight-gradient third
-  of the compute (without recomputation) leaves it;
+* pipeline: the schedule's action lists replayed with each stage's own durations
+  (`nanotrain.planning.stage_replay`); the bubble is that step less the busiest stage's
+  work: with equal stages, for 1F1B / interleaved ``(pp - 1) / (virtual_pp * microbatches)``
+  of it (GPipe's is the same); with split backwards (``zb_1f1b``, ``zb_interleaved_1f1b``,
+  DualPipeV) the weight-gradient third of the compute (without recomputation) leaves it;
 * communication: tp, sequence-parallel, ep and pp traffic sit on the critical path, except
   the ep all-to-all of chunks paired side by side (``overlap_forward_backward``), replayed
-  under the executor's pairing rule; the data-parallel gradient reduction overlaps the
-  backward pass (2/3 of the compute) and only what exceeds it shows, and ZeRO's parameter
-  all-gather after the optimizer step does not overlap; each group's bytes travel at the
-  intra-node bandwidth when all its ranks share a node (by the mesh's own rank placement),
-  else at the inter-node one, plus a fixed latency per collective.
+  under the executor's pairing rule; the data-parallel gradient reduction starts with each
+  stage's last microbatch's backward (the buckets launch on the last microbatch only) and
+  what outlasts the stage's end shows, and ZeRO's parameter all-gather after the optimizer
+  step does not overlap; each group's bytes travel at the GPU's measured intra-node
+  bandwidth when all its ranks share a node (by the mesh's own rank placement), else at the
+  inter-node one, plus a fixed latency per collective. A layout the strategy refuses on
+  the GPU (`runs_on.refused_on`) is priced as it would run, with a note.
 
 Context parallelism (cp > 1) is priced by `nanotrain.planning.context_parallel`: cp folded
 into dp for state, gradients and experts, seq_len / cp tokens per rank for per-token terms,
@@ -46,6 +51,7 @@ from nanotrain.models.accounting import active_params, total_params
 from nanotrain.parallel.mesh import MeshLayout
 from nanotrain.planning import zero3
 from nanotrain.planning.activations import ActivationEstimate, activation_estimate
+from nanotrain.planning.calibration import GEMM_EFFICIENCY, comm_sm_share
 from nanotrain.planning.communication import CommEstimate, comm_estimate
 from nanotrain.planning.communication_tp import is_moe_layer
 from nanotrain.planning.context_parallel import (
@@ -67,9 +73,11 @@ from nanotrain.planning.memory import (
     state_memory,
     zero3_optimizer_pieces,
 )
+from nanotrain.planning.memory_bound import memory_bound_seconds
 from nanotrain.planning.rank_model import config_key, rank_models
-from nanotrain.planning.schedule_time import exposed_all_to_all, schedule_step_time
+from nanotrain.planning.runs_on import refused_on
 from nanotrain.planning.stage_flops import compute_seconds, flop_parts, stage_flops
+from nanotrain.planning.stage_replay import PricedStage, replay_priced
 
 __all__ = ["Plan", "RankPlan", "plan_layout"]
 
@@ -199,38 +207,6 @@ class Plan:
         return self.flops_per_step / (self.step_time_s * self.layout.world_size * peak)
 
 
-def _overlapped(
-    layout: PlanLayout, num_micro: int, busy: float, weights_t: float, ep_t: float, rounds: int
-) -> tuple[float, float]:
-    """(bubble, exposed expert all-to-all) per step of the pacing stage when paired chunks
-    run side by side: its action lists replayed as `_bubble` does, but with the stage's
-    expert all-to-all time `ep_t` apart from the rest (half in the forwards, half in the
-    input halves, over `rounds` MoE layers per chunk) under the executor's pairing rule
-    (`schedule_step_time`'s ``overlap``)."""
-    forward = weight = weights_t / num_micro
-    input_grad = max((busy - ep_t) / num_micro - forward - weight, 0.0)
-    args = (layout.schedule, num_micro, layout.pp, layout.virtual_pp, forward, input_grad, weight)
-    bare = schedule_step_time(*args, 0.0, True, rounds)
-    bubble = max(bare - num_micro * (forward + input_grad + weight), 0.0)
-    return bubble, exposed_all_to_all(*args, ep_t / num_micro, True, rounds)
-
-
-def _bubble(layout: PlanLayout, num_micro: int, busy: float, weights_t: float) -> float:
-    """The pacing stage's idle time per step under the layout's schedule: its action lists
-    replayed (`schedule_step_time`) with every stage as busy as the pacing one, minus that
-    stage's work. Per microbatch the forward and the weight half each take the weight
-    gradients' time (a third of the training FLOPs without recomputation), the input half
-    the rest of the stage's time (recomputation and blocking communication included)."""
-    if layout.pp == 1:
-        return 0.0
-    forward = weight = weights_t / num_micro
-    input_grad = max(busy / num_micro - forward - weight, 0.0)
-    step = schedule_step_time(
-        layout.schedule, num_micro, layout.pp, layout.virtual_pp, forward, input_grad, weight
-    )
-    return max(step - num_micro * (forward + input_grad + weight), 0.0)
-
-
 _COUNTS: dict[str, tuple[int, int, int]] = {}
 
 
@@ -314,7 +290,8 @@ def _zero3_exposed(rank: Any, layout: PlanLayout, workload: Workload, comm_t: di
     split-backward schedule), which nothing precedes. The one
     reduce-scatter per unit runs in the last microbatch's backward (pp = 1: only what exceeds
     that backward shows; with ``reduce_scatter_every_microbatch`` one in every microbatch's
-    backward) or after the whole schedule (pp > 1: all of it shows). With
+    backward) or after the whole schedule (pp > 1: all of it shows). Gathers and
+    reduce-scatters share the rank's link, so what exceeds the compute shows in any case. With
     cpu_offload the optimizer steps on the host after the backward, at
     `zero3.HOST_ADAM_BYTES_PER_S` (not overlapped)."""
     units = zero3.zero3_units(rank)
@@ -339,6 +316,9 @@ def _zero3_exposed(rank: Any, layout: PlanLayout, workload: Workload, comm_t: di
     gathers = max(traffic - reduces * reduce_t - first, 0.0)
     backward = 0.0 if layout.pp > 1 else compute * 2 / 3 / num_micro  # of one microbatch
     exposed = max(0.0, gathers - compute) + first + reduces * max(0.0, reduce_t - backward)
+    # the gathers and the reduce-scatters share the rank's link: together they hide behind
+    # the compute at most
+    exposed = max(exposed, gathers + reduces * reduce_t + first - compute)
     host = 0.0
     if layout.cpu_offload:
         elements = max(e for e, _ in zero3_optimizer_pieces(rank, layout))
@@ -353,7 +333,7 @@ def plan_layout(
     gpu: GPUSpec,
     *,
     model_name: str | None = None,
-    compute_efficiency: float = 0.5,
+    compute_efficiency: float | None = None,
     reserve_bytes: int = 3 * GiB,
 ) -> Plan:
     """Price `layout` for `config` (see the module docstring).
@@ -362,6 +342,8 @@ def plan_layout(
         ValueError: a layout that does not divide the model or the world, or a global batch
             that does not split into micro_batch_size * dp (the strategy's messages).
     """
+    if compute_efficiency is None:
+        compute_efficiency = GEMM_EFFICIENCY.value
     if not 0 < compute_efficiency <= 1:
         raise ValueError(f"compute_efficiency must be in (0, 1], got {compute_efficiency}")
     # context parallelism: dp x cp ranks on seq_len / cp tokens each (`fold_cp`); `workload`
@@ -372,7 +354,7 @@ def plan_layout(
     device = "cpu" if gpu.name == "cpu" else "cuda"  # which attention kernels save what
     bandwidth = _bandwidths(config, layout, gpu)
     bandwidth["cp"] = cp_link(given, gpu, LATENCY_S)
-    ranks, stage_times = [], []
+    ranks, stages = [], []
     for rank in models:
         last = layout.pp == 1 or layout.placement.holds_last(rank.pp_rank)
         stage = stage_flops(config, layout, workload, rank.chunks, last)
@@ -399,52 +381,68 @@ def plan_layout(
             )
         )
         compute = compute_seconds(stage, gpu, workload.precision, compute_efficiency)
+        memory_t = memory_bound_seconds(config, layout, workload, rank.chunks, last, gpu)
         comm_t = _comm_time(comm, bandwidth)
         blocking = sum(t for g, t in comm_t.items() if g in BLOCKING_GROUPS)
-        dp = comm_t.get("dp", 0.0) + comm_t.get("expert_dp", 0.0) + comm_t.get("embedding", 0.0)
-        host_step = 0.0
-        if layout.zero_stage == 3:
-            exposed_dp, host_step = _zero3_exposed(
-                rank, layout, workload, comm_t, bandwidth, compute, num_micro
-            )
-        else:
-            gather = min(_gather_time(rank, layout, workload, bandwidth), dp)
-            exposed_dp = max(0.0, dp - gather - compute * 2 / 3) + gather
         # the weight-gradient half of the backward: a third of the training FLOPs without
         # recomputation (forward, input gradient, weight gradient: one each)
         no_recompute = replace(layout, recompute=None, recompute_full_layers=0)
         plain = stage_flops(config, no_recompute, workload, rank.chunks, last)
         weights_t = compute_seconds(plain, gpu, workload.precision, compute_efficiency) / 3
-        hidden, bubble = 0.0, None
-        if layout.overlap_forward_backward and layout.pp > 1:
-            # the pairs hide part of this stage's all-to-all: it paces by what is left
-            ep_t = comm_t.get("ep", 0.0) + comm_t.get("ep_inter", 0.0)
-            moe = sum(is_moe_layer(config, i) for c in rank.chunks for i in c)
-            rounds = max(1, round(moe / layout.virtual_pp))
-            busy = compute + blocking
-            bubble, exposed_ep = _overlapped(layout, num_micro, busy, weights_t, ep_t, rounds)
-            hidden = max(ep_t - exposed_ep, 0.0)
-            blocking -= hidden
-        stage_times.append(
-            (compute + blocking, exposed_dp, compute, blocking, comm_t, weights_t, hidden, bubble,
-             host_step)
+        paired = layout.overlap_forward_backward and layout.pp > 1
+        # while the paired chunks' all-to-alls run beside compute their kernels hold SMs
+        sms_t = compute * comm_sm_share() if paired else 0.0
+        ep_t = comm_t.get("ep", 0.0) + comm_t.get("ep_inter", 0.0) if paired else 0.0
+        moe = sum(is_moe_layer(config, i) for c in rank.chunks for i in c)
+        stages.append(
+            PricedStage(rank, compute, memory_t, sms_t, blocking, ep_t, weights_t, comm_t,
+                   max(1, round(moe / layout.virtual_pp)))
         )  # fmt: skip
-    slowest = max(range(len(stage_times)), key=lambda i: stage_times[i][0])
-    busy, exposed_dp, compute, blocking, slowest_comm, weights_t, hidden, bubble, host_step = (
-        stage_times[slowest]
+    replay, hidden = replay_priced(
+        layout.schedule,
+        layout.pp,
+        layout.virtual_pp,
+        num_micro,
+        stages,
+        layout.overlap_forward_backward and layout.pp > 1,
     )
-    host_step = max(t[8] for t in stage_times)  # every stage waits for the slowest step
-    if bubble is None:
-        bubble = _bubble(layout, num_micro, busy, weights_t)
-    step = busy + bubble + exposed_dp + host_step
+    slowest = max(range(len(stages)), key=lambda i: stages[i].busy)
+    pace = stages[slowest]
+    finish, host_step = [], 0.0
+    for i, st in enumerate(stages):
+        dp = sum(st.comm_t.get(g, 0.0) for g in ("dp", "expert_dp", "embedding"))
+        if layout.zero_stage == 3:
+            exposed, host = _zero3_exposed(
+                st.rank, layout, workload, st.comm_t, bandwidth, st.compute, num_micro
+            )
+            host_step = max(host_step, host)  # every stage waits for the slowest step
+            finish.append(replay.ends[i] + exposed)
+        else:
+            # the buckets' reductions start with the last microbatch's backward
+            # (`data_parallel`: collectives launch on the last microbatch only) and ZeRO's
+            # parameter all-gather follows the optimizer step
+            gather = min(_gather_time(st.rank, layout, workload, bandwidth), dp)
+            reduced = max(replay.ends[i], replay.last_backward[i] + dp - gather)
+            finish.append(reduced + gather)
+    blocking = pace.blocking - hidden
+    busy = pace.compute + pace.memory_t + pace.sms_t + blocking
+    bubble = replay.step - busy
+    if bubble < 0:  # the pacing stage's all-to-all hides less than the replay's share
+        blocking, hidden, bubble = blocking - bubble, hidden + bubble, 0.0
+    exposed_dp = max(finish) - replay.step
+    step = replay.step + exposed_dp + host_step
+    compute = pace.compute
     fits = max(r.memory for r in ranks) <= gpu.memory_bytes
     notes = []
     time_parts = {
         "compute": compute,
+        "memory_bound": pace.memory_t,
         "blocking_comm": blocking,
         "pipeline_bubble": bubble,
         "exposed_dp_comm": exposed_dp,
     }
+    if paired:
+        time_parts["comm_sms"] = pace.sms_t
     if layout.cpu_offload:
         time_parts["host_optimizer"] = host_step
         notes.append(
@@ -453,10 +451,11 @@ def plan_layout(
             f"({host_step:.3f} s at an assumed {zero3.HOST_ADAM_BYTES_PER_S / 1e9:.0f} GB/s "
             "of host memory traffic per GPU)"
         )
-    if layout.overlap_forward_backward:
+    refusal = refused_on(layout, gpu)
+    if refusal:
         notes.append(
-            "overlap_forward_backward runs on CPU (gloo) only for now (a CUDA stream per "
-            "chunk is not built): on GPUs this prices what the pairing would hide"
+            f"does not run on a {gpu.name} yet, priced as it would run: the strategy refuses "
+            f"it there ({refusal})"
         )
     if not fits:
         worst = max(ranks, key=lambda r: r.memory)
@@ -480,7 +479,7 @@ def plan_layout(
         fits=fits,
         notes=notes,
         slowest_stage=slowest,
-        slowest_comm_s=dict(slowest_comm),
+        slowest_comm_s=dict(pace.comm_t),
         hidden_comm_s=hidden,
     )
 

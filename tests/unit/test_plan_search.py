@@ -8,6 +8,7 @@ from nanotrain.models import presets
 from nanotrain.models.accounting import flops_per_token
 from nanotrain.planning import GPUS, PlanLayout, Workload, gpu_spec, plan_layout, search_layouts
 from nanotrain.planning.plan import _bandwidths
+from nanotrain.planning.stage_replay import StageDurations, replay_stages
 
 
 def test_one_gpu_step_is_its_flops_at_peak_times_efficiency():
@@ -16,8 +17,13 @@ def test_one_gpu_step_is_its_flops_at_peak_times_efficiency():
     plan = plan_layout(config, PlanLayout(), work, GPUS["h100"], compute_efficiency=0.4)
     flops = flops_per_token(config, 1024) * 8 * 1024  # the accounting formula, 6N + attention
     assert plan.flops_per_step == pytest.approx(flops)
-    assert plan.step_time_s == pytest.approx(flops / (989.4e12 * 0.4))
-    assert plan.mfu == pytest.approx(0.4)
+    assert plan.time_parts["compute"] == pytest.approx(flops / (989.4e12 * 0.4))
+    # one GPU: its matmuls and its memory-bound operations, nothing else
+    assert 0 < plan.time_parts["memory_bound"] < plan.time_parts["compute"]
+    assert plan.step_time_s == pytest.approx(
+        plan.time_parts["compute"] + plan.time_parts["memory_bound"]
+    )
+    assert plan.mfu == pytest.approx(0.4 * plan.time_parts["compute"] / plan.step_time_s)
     assert plan.tokens_per_s == pytest.approx(8 * 1024 / plan.step_time_s)
 
 
@@ -99,20 +105,41 @@ def test_tp_splits_every_flop_but_the_routed_experts_it_replicates(tp, sp, capac
 
 @pytest.mark.parametrize("vpp,micro", [(1, 1), (2, 1), (1, 2)])
 def test_pipeline_bubble_is_pp_minus_one_over_vpp_microbatches(vpp, micro):
+    # equal stages: the replay gives the textbook bubble; the plan's parts add up to its step
+    m, busy = 8, 3.0
+    equal = [StageDurations(1.0 / m, 1.0 / m, 1.0 / m)] * 4
+    step = replay_stages("1f1b" if vpp == 1 else "interleaved_1f1b", m, vpp, equal).step
+    assert step - busy == pytest.approx(busy * 3 / (vpp * m))
     config = presets.get("dense-100m")
     layout = PlanLayout(pp=2, dp=4, virtual_pp=vpp)
     work = Workload(seq_len=512, micro_batch_size=micro, global_batch_size=32)
     plan = plan_layout(config, layout, work, GPUS["h100"])
-    m = work.num_microbatches(layout)
-    busy = plan.time_parts["compute"] + plan.time_parts["blocking_comm"]
-    assert plan.time_parts["pipeline_bubble"] == pytest.approx(busy * 1 / (vpp * m))
     assert plan.step_time_s == pytest.approx(sum(plan.time_parts.values()))
+    assert plan.time_parts["pipeline_bubble"] > 0
+
+
+def test_each_stage_replays_with_its_own_durations():
+    # a light first stage and a heavy last one (the head): the step lies between the
+    # heavy stage's own work and the old rule's every-stage-as-busy-as-the-heaviest replay
+    m = 8
+    light, heavy = StageDurations(0.1, 0.1, 0.1), StageDurations(0.2, 0.2, 0.2)
+    own = replay_stages("1f1b", m, 1, [light, heavy])
+    paced = replay_stages("1f1b", m, 1, [heavy, heavy])
+    assert m * 0.6 < own.step < paced.step
+    # the last microbatch's backward starts before each rank ends
+    assert all(b < e for b, e in zip(own.last_backward, own.ends, strict=True))
 
 
 @pytest.mark.parametrize(("recompute", "weight_share"), [(None, 1 / 3), ("full", 1 / 4)])
 def test_split_backwards_take_the_weight_gradient_out_of_the_bubble(recompute, weight_share):
     # the weight half is a third of the training FLOPs (a quarter with full recomputation,
-    # which adds a forward): zb_1f1b's bubble is 1F1B's without it
+    # which adds a forward): zb_1f1b's bubble is 1F1B's without it (equal stages)
+    m, busy = 8, 1.0
+    w = busy * weight_share / m
+    stage = StageDurations(w, busy / m - 2 * w, w)
+    one = replay_stages("1f1b", m, 1, [stage] * 2).step - busy
+    split = replay_stages("zb_1f1b", m, 1, [stage] * 2).step - busy
+    assert split == pytest.approx(one * (busy - busy * weight_share) / busy)
     config = presets.get("dense-100m")
     work = Workload(seq_len=512, micro_batch_size=1, global_batch_size=32)
     plans = {
@@ -122,13 +149,9 @@ def test_split_backwards_take_the_weight_gradient_out_of_the_bubble(recompute, w
         )
         for schedule in ("1f1b", "zb_1f1b")
     }  # fmt: skip
-    one, split = plans["1f1b"].time_parts, plans["zb_1f1b"].time_parts
-    assert split["compute"] == one["compute"] and split["blocking_comm"] == one["blocking_comm"]
-    busy = one["compute"] + one["blocking_comm"]
-    weights = one["compute"] * weight_share
-    assert split["pipeline_bubble"] == pytest.approx(
-        one["pipeline_bubble"] * (busy - weights) / busy
-    )
+    one_p, split_p = plans["1f1b"].time_parts, plans["zb_1f1b"].time_parts
+    assert split_p["compute"] == one_p["compute"]
+    assert split_p["pipeline_bubble"] < one_p["pipeline_bubble"]
     assert plans["zb_1f1b"].step_time_s < plans["1f1b"].step_time_s
 
 
@@ -256,7 +279,7 @@ def test_fp8_precisions_price_only_the_plain_linear_layers_at_the_fp8_peak(preci
 
     c, gpu, s = presets.get("deepseek-100m"), GPUS["h100"], 512
     work = Workload(seq_len=s, micro_batch_size=1, global_batch_size=4, precision=precision)
-    plan = plan_layout(c, PlanLayout(), work, gpu)
+    plan = plan_layout(c, PlanLayout(), work, gpu, compute_efficiency=0.5)
     per_layer, mtp, _ = linear_flops_per_token_parts(c)
     linear = (sum(per_layer) + mtp) * 4 * s
     total = flops_per_token(c, s) * 4 * s

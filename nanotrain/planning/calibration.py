@@ -1,0 +1,95 @@
+"""The step-time model's measured constants, each with its source, in one place.
+
+Every number here comes from a public kernel or collective measurement (or a vendor's
+stated figure), never from fitting the published training runs the planner is compared with
+(`nanotrain.planning.published_runs`, docs/planning.md "Calibration"). Where a figure is an
+engineering reading of several measurements rather than one table cell, the source says so.
+
+* **GEMM efficiency** (`GEMM_EFFICIENCY`): the fraction of the datasheet's dense peak that
+  large bf16 / fp8 GEMMs reach. DeepGEMM (deepseek-ai/DeepGEMM README, "Performance",
+  2025) measures its fp8 GEMMs on H800 SXM at up to 1,550 TFLOP/s for the large training
+  shapes, 0.78 of the 1,979 peak; FlashAttention-3 (Shah et al. 2024, "FlashAttention-3",
+  §4.1, Fig. 5) reaches 740 TFLOP/s in bf16 forward, 0.75 of 989. The planner uses 0.75 for
+  all matmul FLOPs (plain GEMMs, grouped expert GEMMs, attention scores).
+* **Links** (`MEASURED_LINKS`): what collectives reach per GPU, one direction. H800: DeepEP
+  (deepseek-ai/DeepEP README, "Normal kernels with NVLink and RDMA forwarding", H800 with
+  CX7 400 Gb/s InfiniBand) measures its intra-node dispatch / combine at 153-158 GB/s of
+  NVLink and its inter-node ones at 43-47 GB/s of RDMA: 155 and 45. H100: NCCL's
+  all-reduce bus bandwidth on an 8 x H100 SXM NVSwitch node (nccl-tests on DGX H100,
+  NVIDIA's "NCCL 2.12+ NVLink SHARP" measurements) is about 360 GB/s without NVLS, 0.8 of
+  the 450 GB/s link; between nodes the same 400 Gb/s NIC as the H800's, 45 GB/s. A100:
+  0.8 of its 300 GB/s NVLink, and 0.9 of its 25 GB/s (200 Gb/s) NIC. H200 and B200 take the
+  H100's fractions of their links (no training measurement found).
+* **SMs for communication** (`COMM_SMS`): DeepSeek-V3 (DeepSeek-AI 2024, "DeepSeek-V3
+  Technical Report", §3.2.2) gives 20 of an H800's 132 SMs to the all-to-all kernels that
+  run beside compute: overlapped compute then runs on 112 SMs.
+* **HBM** (`HBM_EFFICIENCY`): a device-to-device copy or STREAM triad sustains about
+  3.0 TB/s of an H100 SXM's 3.35 (0.9), the figure the memory-bound operations are priced at
+  (`nanotrain.planning.memory_bound`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = [
+    "COMM_SMS",
+    "GEMM_EFFICIENCY",
+    "HBM_EFFICIENCY",
+    "MEASURED_LINKS",
+    "Measured",
+    "comm_sm_share",
+]
+
+
+@dataclass(frozen=True)
+class Measured:
+    """A constant and where it comes from."""
+
+    value: float
+    source: str
+
+
+GEMM_EFFICIENCY = Measured(
+    0.75,
+    "DeepGEMM README (fp8 GEMM up to 1,550 of 1,979 TFLOP/s on H800) and FlashAttention-3 "
+    "(Shah et al. 2024, §4.1: 740 of 989 TFLOP/s bf16 forward)",
+)
+
+HBM_EFFICIENCY = Measured(
+    0.9, "sustained D2D copy / STREAM triad ~3.0 of 3.35 TB/s on H100 SXM (HBM3)"
+)
+
+#: SMs a communication kernel takes from compute while it overlaps it, and the GPU's total
+COMM_SMS = Measured(20.0, "DeepSeek-V3 Technical Report §3.2.2: 20 of 132 SMs on H800")
+TOTAL_SMS = 132
+
+#: (intra-node bytes/s, inter-node bytes/s) per GPU, one direction, what collectives reach
+MEASURED_LINKS: dict[str, tuple[Measured, Measured]] = {
+    "h800": (
+        Measured(155e9, "DeepEP README: intranode dispatch/combine 153-158 GB/s NVLink, H800"),
+        Measured(45e9, "DeepEP README: internode dispatch/combine 43-47 GB/s RDMA, CX7 400G"),
+    ),
+    "h100": (
+        Measured(360e9, "nccl-tests all_reduce busbw ~360 GB/s on 8 x H100 SXM (no NVLS)"),
+        Measured(45e9, "400 Gb/s NIC per GPU as the H800's: DeepEP's 43-47 GB/s RDMA"),
+    ),
+    "h200": (
+        Measured(360e9, "the H100's NVLink 4 measurement (same links)"),
+        Measured(45e9, "400 Gb/s NIC per GPU, as the H100's"),
+    ),
+    "a100": (
+        Measured(240e9, "0.8 of NVLink 3's 300 GB/s, the H100's measured fraction"),
+        Measured(22.5e9, "0.9 of a 200 Gb/s NIC, the H800's measured fraction"),
+    ),
+    "b200": (
+        Measured(720e9, "0.8 of NVLink 5's 900 GB/s, the H100's measured fraction"),
+        Measured(45e9, "400 Gb/s NIC per GPU, as the H100's"),
+    ),
+}
+
+
+def comm_sm_share() -> float:
+    """Extra compute time per second of compute that runs while communication kernels hold
+    `COMM_SMS` of the `TOTAL_SMS` SMs: 20 / 112 = 0.179 (the same FLOPs on 112 SMs)."""
+    return COMM_SMS.value / (TOTAL_SMS - COMM_SMS.value)

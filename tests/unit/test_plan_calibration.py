@@ -1,0 +1,85 @@
+"""The planner against published large runs (docs/planning.md, "Calibration").
+
+The published figures are typed here with their source, not read from
+`nanotrain.planning.published_runs`, so a drift of either the model or the table fails.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from nanotrain.models import presets
+from nanotrain.planning import GPUS, PlanLayout, Workload, plan_layout, search_layouts
+from nanotrain.planning.calibration import COMM_SMS, GEMM_EFFICIENCY, MEASURED_LINKS
+from nanotrain.planning.published_runs import PUBLISHED_RUNS, memory_ratio, predict
+
+#: run name -> (published throughput, its unit, source)
+PUBLISHED = {
+    "Llama 3 405B, 8,192 H100, TP8 PP16 DP64": (430.0, "TFLOP/s/GPU", "Llama 3 paper Table 4"),
+    "Llama 3 405B, 16,384 H100, TP8 PP16 DP128": (400.0, "TFLOP/s/GPU", "Llama 3 paper Table 4"),
+    "Llama 3.1 8B, 8 H100 (96 GB, 500 W), FSDP": (5762.0 * 8, "tokens/s", "torchtitan Table 1"),
+    # 109 tokens/s per GPU (torchtitan docs/performance.md, 2024, 405B on 128 H100)
+    "Llama 3.1 405B, 128 H100 (94 GB), FSDP16 TP8": (109.0 * 128, "tokens/s", "torchtitan"),
+    # 180K H800 GPU hours per trillion tokens (DeepSeek-V3 report Table 1), 2,048 GPUs
+    "DeepSeek-V3, 2,048 H800, DualPipe PP16 EP64": (3.16e6, "tokens/s", "DeepSeek-V3 Table 1"),
+}
+#: runs outside the bounds: the documented ratio, held within 5% so a change shows
+OUTSIDE = {"Llama 3.1 8B, 8 H100 (96 GB, 500 W), FSDP": 1.89}
+RUNS = {run.name: run for run in PUBLISHED_RUNS}
+
+
+@pytest.mark.parametrize("name", sorted(PUBLISHED))
+def test_each_published_run_is_predicted_within_bounds(name):
+    run = RUNS[name]
+    value, unit, _ = PUBLISHED[name]
+    assert (run.tflops_per_gpu if unit == "TFLOP/s/GPU" else run.tokens_per_s) == (
+        pytest.approx(value, rel=0.01)
+    )
+    plan, ratio = predict(run)
+    if name in OUTSIDE:
+        assert run.outside, "a run outside the bounds says why"
+        assert ratio == pytest.approx(OUTSIDE[name], rel=0.05)
+        return
+    assert 0.75 <= ratio <= 1.25, f"{name}: predicted / published {ratio:.3f}"
+    mem = memory_ratio(run, plan)
+    assert mem is None or 0.85 <= mem <= 1.15
+
+
+def test_runs_the_planner_cannot_price_yet_are_listed_as_pending():
+    pending = [run for run in PUBLISHED_RUNS if run.pending]
+    assert [r.name for r in pending] == [
+        "Llama 3 405B, 16,384 H100, TP8 CP16 PP16 DP8, 131K context"
+    ]
+    with pytest.raises(ValueError, match="context parallelism"):
+        predict(pending[0])
+
+
+def test_the_constants_are_the_measurements_they_cite():
+    assert GEMM_EFFICIENCY.value == 0.75 and "DeepGEMM" in GEMM_EFFICIENCY.source
+    assert COMM_SMS.value == 20 and "DeepSeek-V3" in COMM_SMS.source
+    intra, inter = MEASURED_LINKS["h800"]
+    assert (intra.value, inter.value) == (155e9, 45e9) and "DeepEP" in intra.source
+    assert GPUS["h800"].intra_node_bw == 155e9 and GPUS["h800"].inter_node_bw == 45e9
+
+
+def test_paired_chunks_hold_sms_and_are_priced_with_the_strategys_refusal_on_gpus():
+    config = presets.get("deepseek-100m", num_layers=4)
+    work = Workload(seq_len=256, micro_batch_size=1, global_batch_size=16)
+    layout = PlanLayout(pp=2, dp=2, ep=2, schedule="dualpipev", overlap_forward_backward=True)
+    on_gpu = plan_layout(config, layout, work, GPUS["h800"])
+    note = [n for n in on_gpu.notes if "does not run on a h800" in n]
+    # the strategy's own message (megatron_pipeline.check_pairing_device), not a copy
+    assert note and "overlap_forward_backward runs on CPU (gloo) only" in note[0]
+    assert on_gpu.time_parts["comm_sms"] == pytest.approx(on_gpu.time_parts["compute"] * 20 / 112)
+    assert not [n for n in plan_layout(config, layout, work, GPUS["cpu"]).notes if "run" in n]
+
+
+def test_the_search_offers_no_layout_the_strategy_refuses_on_the_gpu():
+    config = presets.get("deepseek-100m", num_layers=4)
+    result = search_layouts(
+        config, 8, GPUS["h800"], seq_len=256, global_batch_size=16, micro_batch_sizes=(1,),
+        zero_stages=(1,), recompute=(None,),
+    )  # fmt: skip
+    assert result.fitting
+    assert not any(p.layout.overlap_forward_backward for p in result.fitting)
+    assert any(p.layout.schedule == "dualpipev" for p in result.fitting)
