@@ -355,7 +355,14 @@ class MegatronStrategy(MegatronEnvironment, ShardedMethods, MegatronGradNorms, S
     # -- model and optimizer ----------------------------------------------------------------------
     def setup_module(self, module: NanoModule) -> None:
         """Validate the layout against ``module.config`` (if any), build the model, then set up
-        gradient buckets (and, under ZeRO, flat parameters)."""
+        gradient buckets (and, under ZeRO, flat parameters).
+
+        Under ZeRO-3 a module this strategy has already wrapped (a `validate`/`test` after
+        `fit`) is kept as it is: FSDP2 wraps a module once, and its shards are the trained
+        parameters."""
+        if self._fsdp is not None and self._fsdp.module is module:
+            self.module = module
+            return
         config = getattr(module, "config", None)
         if config is not None:
             self.validate_model(config)
