@@ -541,6 +541,15 @@ class MegatronStrategy(MegatronEnvironment, ShardedMethods, MegatronGradNorms, S
                 return self._fsdp.run(module.predict_step, batch, batch_idx)
         return super().predict_step(module, batch, batch_idx)
 
+    def generation_refusal(self) -> str | None:
+        """Under pp > 1 each rank holds some of the layers, under cp > 1 each rank's model
+        runs chunks of every sequence: neither runs a whole-sequence `generate`."""
+        if self.pp > 1:
+            return "pipeline parallelism (pp > 1) splits the model's layers over ranks"
+        if self.cp > 1:
+            return "context parallelism (cp > 1) splits every sequence over ranks"
+        return None
+
     @property
     def supports_microbatch_hooks(self) -> bool:
         """Not under pp > 1 (forward and backward run per model chunk inside the schedule)."""
