@@ -577,13 +577,18 @@ class MegatronStrategy(MegatronEnvironment, ShardedMethods, MegatronGradNorms, S
 
     # -- teardown --------------------------------------------------------------------------------
     def teardown(self) -> None:
-        """Drop hooks and buffers; destroy the groups this strategy created."""
+        """Drop hooks and buffers; destroy the groups this strategy created, unless a
+        distributed ZeRO-3 model still lives on them (kept until the process exits, so that
+        `validate`/`test`/`predict` after `fit` run on the trained shards)."""
         if self._grads is not None:
             self._grads.remove_hooks()
         self._grads = self._zero = self._master_holder = None
         # the ZeRO-3 model stays wrapped: full_tensor still gathers its shards after fit
         self._expert_sets, self._sp_params = [], []
-        if self._owns_process_group and dist.is_initialized():
+        # a distributed ZeRO-3 model's parameters are shards on this group's mesh, and FSDP2
+        # wraps a module once: keep the group (and mesh) for validate/test/predict after fit
+        keeps_shards = self._fsdp is not None and self._fsdp.distributed
+        if self._owns_process_group and dist.is_initialized() and not keeps_shards:
             dist.destroy_process_group()
             self._owns_process_group = False
             self._mesh = None  # its groups died with the process group
