@@ -42,7 +42,8 @@ class TextSampler(Callback):
 
     Raises:
         ValueError: for no prompts, a non-positive cadence or length, a negative temperature,
-            or (at fit start) when no tokenizer can be found.
+            or (at fit start) when no tokenizer can be found or the strategy's layout cannot
+            generate (`Strategy.generation_refusal`: pp > 1 or cp > 1).
         TypeError: (at fit start) when the module has no `generate`.
     """
 
@@ -78,6 +79,13 @@ class TextSampler(Callback):
             raise TypeError(
                 f"TextSampler needs {type(module).__name__}.generate(input_ids, max_new_tokens, "
                 "temperature, generator); implement it or remove the TextSampler callback"
+            )
+        refusal = trainer.strategy.generation_refusal()
+        if refusal is not None:
+            raise ValueError(
+                f"TextSampler cannot sample under {type(trainer.strategy).__name__}: {refusal}; "
+                "remove the TextSampler callback, or export the checkpoint and sample with a "
+                "single-device strategy"
             )
         tokenizer = self.tokenizer or getattr(trainer.datamodule, "tokenizer", None)
         if tokenizer is None:

@@ -254,7 +254,8 @@ def _describe(meta: dict[str, Any]) -> str:
     layout = meta.get("layout")
     if layout is None:
         return f"{meta.get('strategy', '?')} on {meta['world_size']} rank(s)"
-    sizes = ", ".join(f"{k}={layout[k]}" for k in ("tp", "pp", "ep", "dp", "zero_stage"))
+    axes = ("tp", "pp", "ep", "dp", "cp", "zero_stage")
+    sizes = ", ".join(f"{k}={layout.get(k, 1 if k == 'cp' else 0)}" for k in axes)
     return f"{layout.get('strategy')}({sizes})"
 
 

@@ -26,7 +26,7 @@ from nanotrain.checkpoint.collective import (
     exchange,
     raise_first_failure,
 )
-from nanotrain.checkpoint.layout import sharded_layout
+from nanotrain.checkpoint.layout import saved_layout, sharded_layout
 from nanotrain.runtime.run_files import RunFilesError
 
 if TYPE_CHECKING:
@@ -223,9 +223,9 @@ def load_checkpoint(trainer: Trainer, path: Path) -> dict[str, Any]:
 def _load(trainer: Trainer, ckpt: Path) -> dict[str, Any]:
     meta = files.read_meta(ckpt)
     files.check_files(ckpt, meta)
-    saved_layout, layout = meta.get("layout"), sharded_layout(trainer.strategy)
-    if saved_layout is not None or layout is not None:
-        return _load_sharded(trainer, ckpt, meta, saved_layout, layout)
+    saved, layout = saved_layout(meta), sharded_layout(trainer.strategy)
+    if saved is not None or layout is not None:
+        return _load_sharded(trainer, ckpt, meta, saved, layout)
     saved_world = int(meta["world_size"])
     source_rank = trainer.global_rank
     if saved_world != trainer.world_size:

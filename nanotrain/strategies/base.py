@@ -369,6 +369,12 @@ class Strategy(ABC):
             torch._foreach_clamp_min_(grads, -clip_value)
             torch._foreach_clamp_max_(grads, clip_value)
 
+    def generation_refusal(self) -> str | None:
+        """Why a module's whole-sequence `generate` cannot run under this strategy's layout
+        (callbacks that sample, e.g. `TextSampler`, refuse at fit start with it); None: it
+        can."""
+        return None
+
     @property
     def can_skip_on_device(self) -> bool:
         """Whether `optimizer_step(skip_if=...)` can drop an update without a host read: the

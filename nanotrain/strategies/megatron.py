@@ -355,7 +355,14 @@ class MegatronStrategy(MegatronEnvironment, ShardedMethods, MegatronGradNorms, S
     # -- model and optimizer ----------------------------------------------------------------------
     def setup_module(self, module: NanoModule) -> None:
         """Validate the layout against ``module.config`` (if any), build the model, then set up
-        gradient buckets (and, under ZeRO, flat parameters)."""
+        gradient buckets (and, under ZeRO, flat parameters).
+
+        Under ZeRO-3 a module this strategy has already wrapped (a `validate`/`test` after
+        `fit`) is kept as it is: FSDP2 wraps a module once, and its shards are the trained
+        parameters."""
+        if self._fsdp is not None and self._fsdp.module is module:
+            self.module = module
+            return
         config = getattr(module, "config", None)
         if config is not None:
             self.validate_model(config)
@@ -534,6 +541,15 @@ class MegatronStrategy(MegatronEnvironment, ShardedMethods, MegatronGradNorms, S
                 return self._fsdp.run(module.predict_step, batch, batch_idx)
         return super().predict_step(module, batch, batch_idx)
 
+    def generation_refusal(self) -> str | None:
+        """Under pp > 1 each rank holds some of the layers, under cp > 1 each rank's model
+        runs chunks of every sequence: neither runs a whole-sequence `generate`."""
+        if self.pp > 1:
+            return "pipeline parallelism (pp > 1) splits the model's layers over ranks"
+        if self.cp > 1:
+            return "context parallelism (cp > 1) splits every sequence over ranks"
+        return None
+
     @property
     def supports_microbatch_hooks(self) -> bool:
         """Not under pp > 1 (forward and backward run per model chunk inside the schedule)."""
@@ -580,13 +596,18 @@ class MegatronStrategy(MegatronEnvironment, ShardedMethods, MegatronGradNorms, S
 
     # -- teardown --------------------------------------------------------------------------------
     def teardown(self) -> None:
-        """Drop hooks and buffers; destroy the groups this strategy created."""
+        """Drop hooks and buffers; destroy the groups this strategy created, unless a
+        distributed ZeRO-3 model still lives on them (kept until the process exits, so that
+        `validate`/`test`/`predict` after `fit` run on the trained shards)."""
         if self._grads is not None:
             self._grads.remove_hooks()
         self._grads = self._zero = self._master_holder = None
         # the ZeRO-3 model stays wrapped: full_tensor still gathers its shards after fit
         self._expert_sets, self._sp_params = [], []
-        if self._owns_process_group and dist.is_initialized():
+        # a distributed ZeRO-3 model's parameters are shards on this group's mesh, and FSDP2
+        # wraps a module once: keep the group (and mesh) for validate/test/predict after fit
+        keeps_shards = self._fsdp is not None and self._fsdp.distributed
+        if self._owns_process_group and dist.is_initialized() and not keeps_shards:
             dist.destroy_process_group()
             self._owns_process_group = False
             self._mesh = None  # its groups died with the process group

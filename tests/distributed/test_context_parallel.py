@@ -207,9 +207,13 @@ def _world2(rank: int, world_size: int, root: str) -> dict[str, dict]:
     both = ("mla", "dense")
     exchange = {kind: exchanged_bytes(kind) for kind in both}
     out = _run_layouts({"cp=2": (lambda: MegatronStrategy(cp=2), both)}, root)
-    # ZeRO-3 shards over the two cp ranks (validation after fit is left out: a second setup
-    # of a ZeRO-3 MoE model re-applies fully_shard, with or without cp)
-    out["cp=2 zero3 mla"] = fit(MegatronStrategy(cp=2, zero_stage=3), "mla", f"{root}/z3", False)
+    # ZeRO-3 shards over the two cp ranks; validate after fit reuses the wrapped model. The
+    # strategy is told it created the process group, as under torchrun: its teardown after
+    # fit must keep the group the shards live on for the validation
+    zero3 = MegatronStrategy(cp=2, zero_stage=3)
+    zero3._owns_process_group = True
+    out["cp=2 zero3 mla"] = fit(zero3, "mla", f"{root}/z3")
+    assert torch.distributed.is_initialized()
     # recomputation reruns the K/V (latent) all-gather in backward, on every cp rank alike
     light = fit(MegatronStrategy(cp=2), "mla", f"{root}/rl", recompute="light")
     out["cp=2 recompute-light mla"] = light

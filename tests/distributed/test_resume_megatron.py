@@ -3,6 +3,8 @@ is bitwise exact, and another layout resumes too (resharded)."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 import nanotrain as nt
@@ -52,6 +54,11 @@ def _rank(rank: int, world_size: int, root: str) -> dict:
     # was refused; since issue 13 it is resharded (exactness: tests/distributed/test_reshard.py).
     with pytest.warns(UserWarning, match="is resharded for"):
         results["other layout"] = _fit(f"{root}/tp2/split", LAYOUTS["zero2 dp2"], 6, "last")
+    # A cp=2 checkpoint (2 weight replicas, one data rank) under plain dp=2 (two data ranks):
+    # the recorded layout has cp, so it is a layout change, and the data position is global
+    step2 = next(Path(root, "cp2", "split").rglob("step-00000002"))
+    with pytest.warns(UserWarning, match=r"dp=2, cp=2, zero_stage=0\) and is resharded for"):
+        results["cp2 -> dp2"] = _fit(f"{root}/cp2-dp2", {}, 4, ckpt_path=str(step2))
     return results
 
 
@@ -63,3 +70,9 @@ def test_sharded_checkpoints_resume_exactly_under_the_same_layout(tmp_path):
             for step in (3, 4):
                 assert resumed[step] == straight[step], f"{name}: loss of step {step} differs"
         assert sorted(rank_result["other layout"]) == [5, 6]
+        # the same batches as the cp=2 run's steps 3 and 4 (cp sums the same tokens in
+        # another order: fp32 reduction noise, test_context_parallel's bound)
+        cp2, dp2 = rank_result["cp2"]["straight"], rank_result["cp2 -> dp2"]
+        assert sorted(dp2) == [3, 4]
+        for step in (3, 4):
+            assert dp2[step] == pytest.approx(cp2[step], rel=1e-5), f"step {step}"

@@ -181,3 +181,19 @@ def test_sampler_without_tokenizer_or_generate_fails_before_training(tmp_path):
     with pytest.raises(TypeError, match="generate"):
         sampler = TextSampler(["a"], tokenizer=CharTokenizer())
         make_trainer(tmp_path, callbacks=[sampler]).fit(Classifier(), BlobsData())
+
+
+@pytest.mark.parametrize("layout", [dict(cp=2), dict(pp=2)])
+def test_sampler_refuses_layouts_that_cannot_generate_at_fit_start(layout):
+    # the strategy is only asked (no world is formed): cp > 1 and pp > 1 cannot run generate
+    strategy = nt.MegatronStrategy(**layout)
+    trainer = SimpleNamespace(strategy=strategy, datamodule=None)
+    sampler = TextSampler(["a"], tokenizer=CharTokenizer())
+    name = "context" if "cp" in layout else "pipeline"
+    with pytest.raises(
+        ValueError, match=f"TextSampler cannot sample under MegatronStrategy: {name}"
+    ):
+        sampler.on_fit_start(trainer, Counter())
+    # one process and plain Megatron layouts can
+    assert nt.SingleDeviceStrategy("cpu").generation_refusal() is None
+    assert nt.MegatronStrategy(tp=2).generation_refusal() is None
