@@ -24,6 +24,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
 from torch import nn
 
 from nanotrain.parallel.schedules import splits_backward
@@ -89,6 +90,7 @@ def compile_layers(model: nn.Module, **compile_kwargs: Any) -> int:
     """
     from nanotrain.models.transformer import DecoderLayer
 
+    key_inductor_caches_by_cpu_isa(compile_kwargs)
     layers = [m for m in model.modules() if isinstance(m, DecoderLayer)]
     for layer in layers:
         layer.compile(**compile_kwargs)
@@ -104,4 +106,32 @@ def compile_model(model: nn.Module, **compile_kwargs: Any) -> None:
     """
     if hasattr(model, "keep_rope_tables"):
         model.keep_rope_tables()
+    key_inductor_caches_by_cpu_isa(compile_kwargs)
     model.compile(**compile_kwargs)
+
+
+#: the part of `torch.compiler.config.cache_key_tag` that `key_inductor_caches_by_cpu_isa` owns
+CPU_ISA_TAG = "nanotrain-cpu-vec-isa="
+
+
+def key_inductor_caches_by_cpu_isa(compile_kwargs: dict[str, Any]) -> None:
+    """Put the CPU vector ISA inductor generates code for into its on-disk cache keys (for
+    the inductor backend; other backends generate no C++).
+
+    Works around a torch bug (torch 2.13): the FX graph and AOTAutograd cache keys leave out
+    that ISA (chosen by `ATEN_CPU_CAPABILITY`, else the machine's best). A graph cached by a
+    process on AVX512 holds loops that step 16 floats; a later process under
+    `ATEN_CPU_CAPABILITY=avx2` (or on an AVX2-only host sharing the cache directory) loads
+    that source and builds it for 8-float AVX2 vectors, so kernels leave half their outputs
+    unwritten and read past their inputs: NaN or huge losses that vary from run to run.
+    `torch.compiler.config.cache_key_tag` is hashed into both keys; this appends
+    ``nanotrain-cpu-vec-isa=<isa>`` (replacing an earlier one, keeping the user's tag).
+    """
+    if compile_kwargs.get("backend", "inductor") != "inductor":
+        return
+    from torch._inductor.cpu_vec_isa import pick_vec_isa
+
+    parts = [p for p in torch.compiler.config.cache_key_tag.split(";") if p]
+    parts = [p for p in parts if not p.startswith(CPU_ISA_TAG)]
+    parts.append(f"{CPU_ISA_TAG}{pick_vec_isa()}")
+    torch.compiler.config.cache_key_tag = ";".join(parts)

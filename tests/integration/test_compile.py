@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import nanotrain as nt
-from nanotrain.models.compile import check_compile_options
+from nanotrain.models.compile import CPU_ISA_TAG, check_compile_options
 from nanotrain.models.transformer import DecoderLayer
 from tests.distributed.spawn import run_world
 from tests.unit.test_callbacks_moe_load import RandomTokens
@@ -130,6 +130,11 @@ def test_inductor_compiled_model_with_recompute_matches_eager(tmp_path):
     assert got_names == names  # checkpoints stay interchangeable
     assert got == pytest.approx(eager, rel=1e-5)
     assert torch.equal(_loads(eager_module), _loads(module))
+    # a graph cached under another ATEN_CPU_CAPABILITY (or host) is not reused: its ISA is
+    # in inductor's cache keys (tests/unit/test_compile_cache_key.py)
+    from torch._inductor.cpu_vec_isa import pick_vec_isa
+
+    assert f"{CPU_ISA_TAG}{pick_vec_isa()}" in torch.compiler.config.cache_key_tag.split(";")
 
 
 @pytest.mark.parametrize(
