@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -61,6 +62,8 @@ class DDPStrategy(ReplicatedStrategy):
         self.timeout_s = timeout_s
         self._device: torch.device | None = None
         self._owns_process_group = False
+        # the parameters torch's DDP reduces: those trainable when it wrapped the module
+        self._wrapped_ids: set[int] = set()
 
     def setup_environment(self) -> None:
         if join_process_group("DDPStrategy", self.backend, self.timeout_s):
@@ -119,7 +122,21 @@ class DDPStrategy(ReplicatedStrategy):
     def average_grads_(self) -> None:
         """Average every parameter's `.grad` over the replicas (one flat all-reduce per
         dtype), as DDP's reducer does in backward: manual optimization's `manual_backward`."""
-        grads = [p.grad for p in self._all_params if p.grad is not None]
+        self._average_(p.grad for p in self._all_params if p.grad is not None)
+
+    def _finish_grad_sync(self) -> None:
+        """Average the gradients torch's DDP left alone: of parameters made trainable after
+        it wrapped the module (a backbone unfrozen mid-run by Lightning's BaseFinetuning).
+        Every rank runs the same callbacks, so the list (in module order) is the same on all."""
+        super()._finish_grad_sync()
+        if self._main_grads is not None:
+            return  # bf16 main grads: `GradBuckets` reduced them
+        late = [p for p in self._all_params if p.grad is not None]
+        self._average_(p.grad for p in late if id(p) not in self._wrapped_ids)
+
+    def _average_(self, grads: Iterable[Tensor]) -> None:
+        """Average `grads` over the replicas in place, one flat all-reduce per dtype (every
+        rank passes the same list, in the same order)."""
         by_dtype: dict[torch.dtype, list[Tensor]] = {}
         for g in grads:
             by_dtype.setdefault(g.dtype, []).append(g)
@@ -135,6 +152,7 @@ class DDPStrategy(ReplicatedStrategy):
             # low-precision parameters: grads accumulate in fp32 main grads, which
             # `_reduce_main_grads` averages; DDP would reduce the bf16 .grad instead
             return TrainingStepWrapper(module)
+        self._wrapped_ids = {id(p) for p in module.parameters() if p.requires_grad}
         device_ids = [self.root_device.index] if self.root_device.type == "cuda" else None
         ddp = nn.parallel.DistributedDataParallel(
             TrainingStepWrapper(module),
