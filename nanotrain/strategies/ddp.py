@@ -62,8 +62,8 @@ class DDPStrategy(ReplicatedStrategy):
         self.timeout_s = timeout_s
         self._device: torch.device | None = None
         self._owns_process_group = False
-        # the parameters torch's DDP reduces: those trainable when it wrapped the module
-        self._wrapped_ids: set[int] = set()
+        # the parameters torch's DDP leaves alone: those frozen when it wrapped the module
+        self._unwrapped: list[nn.Parameter] = []
 
     def setup_environment(self) -> None:
         if join_process_group("DDPStrategy", self.backend, self.timeout_s):
@@ -131,8 +131,7 @@ class DDPStrategy(ReplicatedStrategy):
         super()._finish_grad_sync()
         if self._main_grads is not None:
             return  # bf16 main grads: `GradBuckets` reduced them
-        late = [p for p in self._all_params if p.grad is not None]
-        self._average_(p.grad for p in late if id(p) not in self._wrapped_ids)
+        self._average_(p.grad for p in self._unwrapped if p.grad is not None)
 
     def _average_(self, grads: Iterable[Tensor]) -> None:
         """Average `grads` over the replicas in place, one flat all-reduce per dtype (every
@@ -152,7 +151,7 @@ class DDPStrategy(ReplicatedStrategy):
             # low-precision parameters: grads accumulate in fp32 main grads, which
             # `_reduce_main_grads` averages; DDP would reduce the bf16 .grad instead
             return TrainingStepWrapper(module)
-        self._wrapped_ids = {id(p) for p in module.parameters() if p.requires_grad}
+        self._unwrapped = [p for p in module.parameters() if not p.requires_grad]
         device_ids = [self.root_device.index] if self.root_device.type == "cuda" else None
         ddp = nn.parallel.DistributedDataParallel(
             TrainingStepWrapper(module),
@@ -208,6 +207,7 @@ class DDPStrategy(ReplicatedStrategy):
         # Free DDP (and its reducer) before the process group goes away: destroying the group
         # under a live DDP model can hang (shared/TESTING.md).
         super().teardown()
+        self._unwrapped = []
         if self._owns_process_group and dist.is_initialized():
             dist.destroy_process_group()
             self._owns_process_group = False
