@@ -33,7 +33,9 @@ class DDPStrategy(ReplicatedStrategy):
     Reads torchrun's environment (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT), or
     uses a process group that is already initialized. Uses NCCL on GPU and gloo on CPU; an
     NCCL group it creates is bound to GPU LOCAL_RANK (`device_id`).
-    Gradients are synchronized only on the last microbatch of each optimizer step.
+    Gradients are synchronized only on the last microbatch of each optimizer step. Parameters
+    frozen when DDP wraps the module and made trainable later (Lightning's `BaseFinetuning`
+    unfreezing a backbone) are averaged after that backward by this strategy, in module order.
 
     With low-precision parameters (bf16-true) torch's DDP is not used: the fp32 main grads live
     in one flat buffer cut into buckets of `bucket_cap_mb` MiB of parameters (`GradBuckets`,
