@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -32,7 +33,9 @@ class DDPStrategy(ReplicatedStrategy):
     Reads torchrun's environment (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT), or
     uses a process group that is already initialized. Uses NCCL on GPU and gloo on CPU; an
     NCCL group it creates is bound to GPU LOCAL_RANK (`device_id`).
-    Gradients are synchronized only on the last microbatch of each optimizer step.
+    Gradients are synchronized only on the last microbatch of each optimizer step. Parameters
+    frozen when DDP wraps the module and made trainable later (Lightning's `BaseFinetuning`
+    unfreezing a backbone) are averaged after that backward by this strategy, in module order.
 
     With low-precision parameters (bf16-true) torch's DDP is not used: the fp32 main grads live
     in one flat buffer cut into buckets of `bucket_cap_mb` MiB of parameters (`GradBuckets`,
@@ -61,6 +64,8 @@ class DDPStrategy(ReplicatedStrategy):
         self.timeout_s = timeout_s
         self._device: torch.device | None = None
         self._owns_process_group = False
+        # the parameters torch's DDP leaves alone: those frozen when it wrapped the module
+        self._unwrapped: list[nn.Parameter] = []
 
     def setup_environment(self) -> None:
         if join_process_group("DDPStrategy", self.backend, self.timeout_s):
@@ -119,7 +124,20 @@ class DDPStrategy(ReplicatedStrategy):
     def average_grads_(self) -> None:
         """Average every parameter's `.grad` over the replicas (one flat all-reduce per
         dtype), as DDP's reducer does in backward: manual optimization's `manual_backward`."""
-        grads = [p.grad for p in self._all_params if p.grad is not None]
+        self._average_(p.grad for p in self._all_params if p.grad is not None)
+
+    def _finish_grad_sync(self) -> None:
+        """Average the gradients torch's DDP left alone: of parameters made trainable after
+        it wrapped the module (a backbone unfrozen mid-run by Lightning's BaseFinetuning).
+        Every rank runs the same callbacks, so the list (in module order) is the same on all."""
+        super()._finish_grad_sync()
+        if self._main_grads is not None:
+            return  # bf16 main grads: `GradBuckets` reduced them
+        self._average_(p.grad for p in self._unwrapped if p.grad is not None)
+
+    def _average_(self, grads: Iterable[Tensor]) -> None:
+        """Average `grads` over the replicas in place, one flat all-reduce per dtype (every
+        rank passes the same list, in the same order)."""
         by_dtype: dict[torch.dtype, list[Tensor]] = {}
         for g in grads:
             by_dtype.setdefault(g.dtype, []).append(g)
@@ -135,6 +153,7 @@ class DDPStrategy(ReplicatedStrategy):
             # low-precision parameters: grads accumulate in fp32 main grads, which
             # `_reduce_main_grads` averages; DDP would reduce the bf16 .grad instead
             return TrainingStepWrapper(module)
+        self._unwrapped = [p for p in module.parameters() if not p.requires_grad]
         device_ids = [self.root_device.index] if self.root_device.type == "cuda" else None
         ddp = nn.parallel.DistributedDataParallel(
             TrainingStepWrapper(module),
@@ -190,6 +209,7 @@ class DDPStrategy(ReplicatedStrategy):
         # Free DDP (and its reducer) before the process group goes away: destroying the group
         # under a live DDP model can hang (shared/TESTING.md).
         super().teardown()
+        self._unwrapped = []
         if self._owns_process_group and dist.is_initialized():
             dist.destroy_process_group()
             self._owns_process_group = False

@@ -46,23 +46,19 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
-from torch import Tensor
 
-from nanotrain.parallel.context import context_batch
 from nanotrain.parallel.data_parallel import GradBucketSets, backward_order
 from nanotrain.parallel.grads import is_tp_sharded, sequence_parallel_params
 from nanotrain.parallel.mesh import ParallelMesh, check_context, validate_layout
 from nanotrain.parallel.schedules import SCHEDULES, splits_backward
 from nanotrain.parallel.zero import ZeroOptimizer
 from nanotrain.precision.master import MasterWeights
-from nanotrain.runtime.profiling import named_range
 from nanotrain.strategies.base import (
-    DataShard,
-    MicrobatchHooks,
-    StepOutput,
     Strategy,
 )
+from nanotrain.strategies.megatron_collectives import MegatronCollectives
 from nanotrain.strategies.megatron_environment import MegatronEnvironment
+from nanotrain.strategies.megatron_evaluation import MegatronEvaluation
 from nanotrain.strategies.megatron_grads import (
     MegatronGradNorms,
     build_grad_buckets,
@@ -78,22 +74,23 @@ from nanotrain.strategies.megatron_pipeline import (
     PipelineEngine,
 )
 from nanotrain.strategies.megatron_sharded import ShardedMethods
+from nanotrain.strategies.megatron_step import MegatronStep
 from nanotrain.strategies.megatron_zero3 import FullyShardedModel
 from nanotrain.strategies.optimizers import OptimizerSetup
-from nanotrain.strategies.rendezvous import (
-    launched_local_rank,
-    launched_rank,
-    launched_world_size,
-)
-from nanotrain.strategies.weighting import LossAccumulator, weigh_microbatches
 
 if TYPE_CHECKING:
     from nanotrain.module import NanoModule
 
-_REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "mean": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}
 
-
-class MegatronStrategy(MegatronEnvironment, ShardedMethods, MegatronGradNorms, Strategy):
+class MegatronStrategy(
+    MegatronEnvironment,
+    MegatronEvaluation,
+    MegatronStep,
+    MegatronCollectives,
+    ShardedMethods,
+    MegatronGradNorms,
+    Strategy,
+):
     """Tensor, sequence, pipeline, expert and data parallelism with optional ZeRO-1/2, on an
     explicit mesh.
 
@@ -295,63 +292,6 @@ class MegatronStrategy(MegatronEnvironment, ShardedMethods, MegatronGradNorms, S
             raise RuntimeError("MegatronStrategy.setup_environment() has not run yet")
         return self._mesh
 
-    @property
-    def global_rank(self) -> int:
-        return launched_rank()
-
-    @property
-    def local_rank(self) -> int:
-        return launched_local_rank()
-
-    @property
-    def world_size(self) -> int:
-        return launched_world_size()
-
-    def data_shard(self) -> DataShard:
-        """``(data_rank, dp // cp)``: tensor- and context-parallel peers read the same
-        samples (context-parallel ones then keep different chunks of them)."""
-        return DataShard(self.mesh.data_rank, self.mesh.data_size)
-
-    @property
-    def gradient_replicas(self) -> int:
-        """Weight replicas: the mesh's dp group (data x context parallel ranks)."""
-        return self.mesh.dp_size
-
-    @property
-    def metric_process_group(self) -> Any:
-        return self.mesh.dp_group
-
-    def barrier(self, name: str | None = None) -> None:
-        if dist.is_initialized():
-            dist.barrier()
-
-    def broadcast_object(self, obj: Any, src: int = 0) -> Any:
-        if not dist.is_initialized():
-            return obj
-        holder = [obj]
-        dist.broadcast_object_list(holder, src=src)
-        return holder[0]
-
-    def gather_from_stages(self, obj: Any) -> list[Any]:
-        """Every pipeline stage's ``obj`` in stage order (an object all-gather over this
-        rank's pipeline group); ``[obj]`` without pipelining."""
-        if self.mesh.pp_size == 1:
-            return [obj]
-        parts: list[Any] = [None] * self.mesh.pp_size
-        dist.all_gather_object(parts, obj, group=self.mesh.pp_group)
-        return parts
-
-    def reduce(self, tensor: Tensor, op: str = "mean") -> Tensor:
-        """Reduce over the data-parallel group (tp peers already hold the same values)."""
-        if op not in _REDUCE_OPS:
-            raise ValueError(f"reduce op must be one of {sorted(_REDUCE_OPS)}, got {op!r}")
-        out = tensor.detach().clone()
-        if self.mesh.dp_size > 1:
-            dist.all_reduce(out, op=_REDUCE_OPS[op], group=self.mesh.dp_group)
-        if op == "mean":
-            out = out / self.mesh.dp_size
-        return out
-
     # -- model and optimizer ----------------------------------------------------------------------
     def setup_module(self, module: NanoModule) -> None:
         """Validate the layout against ``module.config`` (if any), build the model, then set up
@@ -421,178 +361,6 @@ class MegatronStrategy(MegatronEnvironment, ShardedMethods, MegatronGradNorms, S
         elif masters:
             self._master_holder = MasterWeights(setup.optimizer)
         return setup
-
-    # -- one optimizer step ------------------------------------------------------------------------
-    def forward_backward(
-        self,
-        module: NanoModule,
-        microbatches: Sequence[Any],
-        batch_idx: int,
-        hooks: MicrobatchHooks | None = None,
-    ) -> StepOutput:
-        """Accumulate the gradient of the mean loss over the global batch's tokens; reduce it
-        over dp (and tp under SP). `hooks` need `supports_microbatch_hooks`."""
-        if self.cp > 1:  # this rank's two chunks of every sequence
-            microbatches = [context_batch(mb, self.mesh.cp_group) for mb in microbatches]
-        if self._fsdp is not None:
-            return self._forward_backward_sharded(module, microbatches, batch_idx, hooks)
-        grads = self._grads
-        assert grads is not None, "setup_module() must run before forward_backward()"
-        weighed = weigh_microbatches(self, module, microbatches)
-        accumulator = LossAccumulator(weighed)
-        grads.attach()
-        last: tuple[Any, Tensor] | None = None  # the last microbatch's output and objective
-        if self._pipeline is not None:
-            sums = self._pipeline.train_step(
-                module, microbatches, accumulator, batch_idx, grads, self.precision
-            )
-        else:
-            sums, last = self._accumulate(
-                module, microbatches, accumulator, batch_idx, grads, hooks
-            )
-        self._reduce_sequence_parallel_grads()
-        if hooks is not None and last is not None:  # its gradients are reduced by now
-            hooks.after()
-            hooks.end(len(microbatches) - 1, *last)
-        if self.zero_stage == 2:
-            grads.release()
-        if self.precision.uses_loss_scaling:
-            self._unscale_grads()
-        return self._step_output(accumulator, sums, weighed)
-
-    def _step_output(self, accumulator: LossAccumulator, sums: Tensor, weighed: Any) -> StepOutput:
-        """The step's global loss terms (reduced from the accumulator's local `sums`) with its
-        token and sample counts and the precision's metrics."""
-        loss, terms = accumulator.finish(self, sums)
-        return StepOutput(
-            loss=loss,
-            num_tokens=weighed.tokens,
-            num_samples=weighed.samples,
-            metrics={**terms, **self.precision.step_metrics()},
-            skipped=self.precision.skip_step,
-        )
-
-    def _accumulate(
-        self,
-        module: NanoModule,
-        microbatches: Sequence[Any],
-        accumulator: LossAccumulator,
-        batch_idx: int,
-        grads: GradBucketSets,
-        hooks: MicrobatchHooks | None = None,
-    ) -> tuple[Tensor, tuple[Any, Tensor]]:
-        """Forward and backward of each microbatch in turn; dp reduction on the last one.
-        Returns the accumulator's local sums of the (weighed) loss terms, and the last
-        microbatch's `training_step` output and objective (for its end hook)."""
-        num_micro = len(microbatches)
-        for i, microbatch in enumerate(microbatches):
-            grads.set_sync(i == num_micro - 1)
-            if hooks is not None:
-                hooks.start(i, microbatch)
-            with named_range("nanotrain/forward"), self.precision.forward_context():
-                output = module.training_step(microbatch, batch_idx + i)
-            objective = accumulator.objective(i, output)
-            if hooks is not None:
-                hooks.before(i, objective)
-            with named_range("nanotrain/backward"):
-                self.precision.scale_loss(objective).backward()
-            if hooks is not None and i < num_micro - 1:
-                hooks.after()
-                hooks.end(i, output, objective)
-        with named_range("nanotrain/grad_reduction"):
-            grads.finish()
-        return accumulator.sums, (output, objective)
-
-    def validation_step(
-        self, module: NanoModule, batch: Any, batch_idx: int, step_name: str = "validation_step"
-    ) -> Any:
-        """Forward only: through the pipeline stages under pp > 1 (every stage logs the
-        global values), else `module.<step_name>` ("validation_step" or "test_step").
-        Under context parallelism each rank runs its chunks of the whole sequences, and the
-        logged means reduce over the dp x cp ranks (`metric_process_group`)."""
-        if self.cp > 1:
-            batch = context_batch(batch, self.mesh.cp_group)
-        if self._pipeline is not None:
-            run = None if self._fsdp is None else self._fsdp.run
-            return self._pipeline.validation_step(
-                module, batch, batch_idx, self.precision, step_name, run=run
-            )
-        if self._fsdp is not None:
-            with torch.no_grad(), self.precision.forward_context():
-                return self._fsdp.run(getattr(module, step_name), batch, batch_idx)
-        return super().validation_step(module, batch, batch_idx, step_name)
-
-    def predict_step(self, module: NanoModule, batch: Any, batch_idx: int) -> Any:
-        """`module.predict_step` forward-only; refused under pp > 1, where no stage holds a
-        whole model to return predictions from."""
-        if self.cp > 1:
-            raise ValueError(
-                "Trainer.predict is not supported under context parallelism (cp > 1): each "
-                "rank holds only chunks of the sequences; predict with cp=1"
-            )
-        if self._pipeline is not None:
-            raise ValueError(
-                "Trainer.predict is not supported under pipeline parallelism (pp > 1): no "
-                "stage holds the whole model; predict with pp=1 (tp/ep/dp are fine), or export "
-                "the checkpoint with `nanotrain export` and predict from that"
-            )
-        if self._fsdp is not None:
-            with torch.no_grad(), self.precision.forward_context():
-                return self._fsdp.run(module.predict_step, batch, batch_idx)
-        return super().predict_step(module, batch, batch_idx)
-
-    def generation_refusal(self) -> str | None:
-        """Under pp > 1 each rank holds some of the layers, under cp > 1 each rank's model
-        runs chunks of every sequence: neither runs a whole-sequence `generate`."""
-        if self.pp > 1:
-            return "pipeline parallelism (pp > 1) splits the model's layers over ranks"
-        if self.cp > 1:
-            return "context parallelism (cp > 1) splits every sequence over ranks"
-        return None
-
-    @property
-    def supports_microbatch_hooks(self) -> bool:
-        """Not under pp > 1 (forward and backward run per model chunk inside the schedule)."""
-        return self.pp == 1
-
-    @property
-    def supports_backward_hooks(self) -> bool:
-        """Not under pp > 1 nor ZeRO-2/3 (the reduced gradients live in this rank's shards,
-        not whole in `.grad`)."""
-        return self.pp == 1 and self.zero_stage < 2
-
-    def _updater(self) -> Any:
-        """Under ZeRO the sharded optimizer (it updates this rank's shard, on fp32 masters when
-        the precision keeps them, then all-gathers the parameters); else as every strategy."""
-        return self._zero if self._zero is not None else super()._updater()
-
-    def average_grads_(self) -> None:
-        """Average every parameter's `.grad` over the data-parallel group, in place (manual
-        optimization's `manual_backward`, which runs only under data parallelism alone: tp,
-        pp, ep and ZeRO are refused at fit start). One flat all-reduce per dtype, as
-        `DDPStrategy.average_grads_`; gradients already equal on every replica stay so."""
-        assert self.module is not None
-        if self.mesh.dp_size == 1:
-            return
-        by_dtype: dict[torch.dtype, list[Tensor]] = {}
-        for p in self.module.parameters():
-            if p.grad is not None:
-                by_dtype.setdefault(p.grad.dtype, []).append(p.grad)
-        for same in by_dtype.values():
-            flat = torch.cat([g.reshape(-1) for g in same])
-            dist.all_reduce(flat, group=self.mesh.dp_group)
-            flat /= self.mesh.dp_size
-            for g, piece in zip(same, flat.split([g.numel() for g in same]), strict=True):
-                g.copy_(piece.view_as(g))
-
-    def zero_grad(self) -> None:
-        """Zero the gradient buffers (the grads stay views of them); under ZeRO-3 drop the
-        gradient shards."""
-        if self._fsdp is not None:
-            self.optimizer.zero_grad(set_to_none=True)
-            return
-        assert self._grads is not None
-        self._grads.zero_()
 
     # -- teardown --------------------------------------------------------------------------------
     def teardown(self) -> None:

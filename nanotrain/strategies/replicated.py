@@ -78,6 +78,12 @@ class ReplicatedStrategy(Strategy):
     def _reduce_main_grads(self) -> None:
         """Average the fp32 main grads over replicas (nothing for one process)."""
 
+    def _finish_grad_sync(self) -> None:
+        """Complete the gradient averaging after the last microbatch's backward (the fp32 main
+        grads, if any; subclasses add what their wrapper leaves out)."""
+        if self._main_grads is not None:
+            self._reduce_main_grads()
+
     def _found_inf_groups(self) -> list[Any]:
         """Groups over which an fp16 overflow is reduced (every rank that holds gradients)."""
         return []
@@ -116,8 +122,7 @@ class ReplicatedStrategy(Strategy):
             if hooks is not None and i < num_micro - 1:
                 hooks.after()
                 hooks.end(i, output, objective)
-        if self._main_grads is not None:
-            self._reduce_main_grads()
+        self._finish_grad_sync()
         if hooks is not None:  # the last microbatch's: its gradients are reduced by now
             hooks.after()
             hooks.end(num_micro - 1, output, objective)

@@ -3,7 +3,9 @@ under nanotrain.Trainer, and why not elsewhere.
 
 They freeze parameters in `setup`, before `configure_optimizers`, and at an epoch's start
 unfreeze them and add them to `trainer.optimizers[0]` as a new param group. That is
-Lightning's result on one process whose optimizer updates the module's own parameters.
+Lightning's result on one process whose optimizer updates the module's own parameters, and
+under DDPStrategy, which averages the gradients of parameters unfrozen after it wrapped the
+module itself (`DDPStrategy._finish_grad_sync`).
 """
 
 from __future__ import annotations
@@ -19,16 +21,17 @@ def _finetuning_callbacks(trainer: Any) -> list[Any]:
 
 def finetuning_refusal(trainer: Any) -> str | None:
     """Why `trainer` cannot run a `BaseFinetuning` callback with Lightning's result, or None."""
+    from nanotrain.strategies.ddp import DDPStrategy
     from nanotrain.strategies.single_device import SingleDeviceStrategy
 
     strategy = trainer.strategy
-    if not isinstance(strategy, SingleDeviceStrategy):
+    if not isinstance(strategy, (SingleDeviceStrategy, DDPStrategy)):
         return (
             f"under {type(strategy).__name__} the parameters frozen when the module is wrapped "
-            "are left out of the gradient reduction (DistributedDataParallel, and the sharded "
-            "optimizers, take the trainable set once), so an unfrozen backbone would train on "
-            "each replica's own gradients and the replicas would drift apart; run it on one "
-            "process (SingleDeviceStrategy), or fine-tune without freezing: give the "
+            "are left out of the gradient reduction and the sharded optimizer state (the "
+            "trainable set is taken once), so an unfrozen backbone would not train as under "
+            "Lightning; run it under DDPStrategy or on one process (SingleDeviceStrategy), or "
+            "fine-tune without freezing: give the "
             "backbone's param group a learning rate of 0 in configure_optimizers and raise it "
             "in your module's on_train_epoch_start at the epoch you would unfreeze it"
         )

@@ -1,0 +1,107 @@
+"""How `MegatronStrategy` (a mixin) answers the Trainer's questions across ranks: its rank and
+data shard, barriers, object broadcasts and gathers, tensor reductions over the mesh's
+data-parallel group, and manual optimization's gradient average."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from nanotrain.strategies.base import DataShard
+from nanotrain.strategies.rendezvous import (
+    launched_local_rank,
+    launched_rank,
+    launched_world_size,
+)
+
+if TYPE_CHECKING:
+    from nanotrain.parallel.mesh import ParallelMesh
+
+_REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "mean": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}
+
+
+class MegatronCollectives:
+    """Mixin of `MegatronStrategy`; ``self.mesh`` is its `ParallelMesh` (after
+    `setup_environment`)."""
+
+    mesh: ParallelMesh
+    module: Any
+
+    @property
+    def global_rank(self) -> int:
+        return launched_rank()
+
+    @property
+    def local_rank(self) -> int:
+        return launched_local_rank()
+
+    @property
+    def world_size(self) -> int:
+        return launched_world_size()
+
+    def data_shard(self) -> DataShard:
+        """``(data_rank, dp // cp)``: tensor- and context-parallel peers read the same
+        samples (context-parallel ones then keep different chunks of them)."""
+        return DataShard(self.mesh.data_rank, self.mesh.data_size)
+
+    @property
+    def gradient_replicas(self) -> int:
+        """Weight replicas: the mesh's dp group (data x context parallel ranks)."""
+        return self.mesh.dp_size
+
+    @property
+    def metric_process_group(self) -> Any:
+        return self.mesh.dp_group
+
+    def barrier(self, name: str | None = None) -> None:
+        if dist.is_initialized():
+            dist.barrier()
+
+    def broadcast_object(self, obj: Any, src: int = 0) -> Any:
+        if not dist.is_initialized():
+            return obj
+        holder = [obj]
+        dist.broadcast_object_list(holder, src=src)
+        return holder[0]
+
+    def gather_from_stages(self, obj: Any) -> list[Any]:
+        """Every pipeline stage's ``obj`` in stage order (an object all-gather over this
+        rank's pipeline group); ``[obj]`` without pipelining."""
+        if self.mesh.pp_size == 1:
+            return [obj]
+        parts: list[Any] = [None] * self.mesh.pp_size
+        dist.all_gather_object(parts, obj, group=self.mesh.pp_group)
+        return parts
+
+    def reduce(self, tensor: Tensor, op: str = "mean") -> Tensor:
+        """Reduce over the data-parallel group (tp peers already hold the same values)."""
+        if op not in _REDUCE_OPS:
+            raise ValueError(f"reduce op must be one of {sorted(_REDUCE_OPS)}, got {op!r}")
+        out = tensor.detach().clone()
+        if self.mesh.dp_size > 1:
+            dist.all_reduce(out, op=_REDUCE_OPS[op], group=self.mesh.dp_group)
+        if op == "mean":
+            out = out / self.mesh.dp_size
+        return out
+
+    def average_grads_(self) -> None:
+        """Average every parameter's `.grad` over the data-parallel group, in place (manual
+        optimization's `manual_backward`, which runs only under data parallelism alone: tp,
+        pp, ep and ZeRO are refused at fit start). One flat all-reduce per dtype, as
+        `DDPStrategy.average_grads_`; gradients already equal on every replica stay so."""
+        assert self.module is not None
+        if self.mesh.dp_size == 1:
+            return
+        by_dtype: dict[torch.dtype, list[Tensor]] = {}
+        for p in self.module.parameters():
+            if p.grad is not None:
+                by_dtype.setdefault(p.grad.dtype, []).append(p.grad)
+        for same in by_dtype.values():
+            flat = torch.cat([g.reshape(-1) for g in same])
+            dist.all_reduce(flat, group=self.mesh.dp_group)
+            flat /= self.mesh.dp_size
+            for g, piece in zip(same, flat.split([g.numel() for g in same]), strict=True):
+                g.copy_(piece.view_as(g))
