@@ -25,9 +25,11 @@ The step-time model is deliberately simple and stated in full (docs/planning.md)
   intra-node bandwidth when all its ranks share a node (by the mesh's own rank placement),
   else at the inter-node one, plus a fixed latency per collective.
 
-A layout fits when the largest rank's model state, activation peak and a fixed reserve
-(CUDA context, allocator fragmentation and workspaces: 3 GiB by default) stay within the
-GPU's memory.
+A layout fits when the largest rank's model state, activation peak, working memory
+(`nanotrain.planning.working_memory`: the pipeline's held stage outputs and transfer buffers,
+the MoE layers' dispatch and combine tensors, the communication library's buffers and the
+allocator's fragmentation allowance) and a fixed reserve (CUDA context and library
+workspaces: 1 GiB by default) stay within the GPU's memory.
 """
 
 from __future__ import annotations
@@ -54,6 +56,7 @@ from nanotrain.planning.memory import (
 from nanotrain.planning.rank_model import config_key, rank_models
 from nanotrain.planning.schedule_time import exposed_all_to_all, schedule_step_time
 from nanotrain.planning.stage_flops import compute_seconds, flop_parts, stage_flops
+from nanotrain.planning.working_memory import WorkingMemory, with_fragmentation, working_memory
 
 __all__ = ["Plan", "RankPlan", "plan_layout"]
 
@@ -74,9 +77,11 @@ class RankPlan:
         params: trainable parameter elements on one of its ranks.
         state: parameters, gradients, master weights and optimizer state (bytes).
         activations: activation memory (bytes) under the schedule.
-        reserve: fixed bytes for the CUDA context, allocator and workspaces.
+        reserve: fixed bytes for the CUDA context and library workspaces.
         flops: training FLOPs per step on one of its ranks.
         comm: bytes it sends per step, per group.
+        working: held stage outputs, transfer and MoE working tensors, communication
+            buffers and fragmentation (`nanotrain.planning.working_memory`).
     """
 
     pp_rank: int
@@ -87,11 +92,12 @@ class RankPlan:
     reserve: int
     flops: float
     comm: CommEstimate
+    working: WorkingMemory = WorkingMemory()
 
     @property
     def memory(self) -> int:
-        """Peak bytes: model state + activations + reserve."""
-        return self.state.total + self.activations.peak + self.reserve
+        """Peak bytes: model state + activations + working memory + reserve."""
+        return self.state.total + self.activations.peak + self.working.total + self.reserve
 
     def memory_parts(self) -> dict[str, int]:
         """Bytes by kind (for tables and JSON)."""
@@ -102,6 +108,11 @@ class RankPlan:
             "optimizer": self.state.optimizer,
             "gathered": self.state.gathered,
             "activations": self.activations.peak,
+            "pipeline_held": self.working.pipeline_held,
+            "pipeline_buffers": self.working.pipeline_buffers,
+            "moe_working": self.working.moe_working,
+            "comm_buffers": self.working.comm_buffers,
+            "fragmentation": self.working.fragmentation,
             "reserve": self.reserve,
             "total": self.memory,
         }
@@ -338,7 +349,7 @@ def plan_layout(
     *,
     model_name: str | None = None,
     compute_efficiency: float = 0.5,
-    reserve_bytes: int = 3 * GiB,
+    reserve_bytes: int = GiB,
 ) -> Plan:
     """Price `layout` for `config` (see the module docstring).
 
@@ -360,18 +371,21 @@ def plan_layout(
         comm = comm_estimate(
             config, layout, workload, rank.pp_rank, ranks_per_node=gpu.gpus_per_node
         )
+        state = state_memory(rank, layout, workload)
+        acts = activation_estimate(config, layout, workload, rank.pp_rank, device=device)
+        working = working_memory(config, layout, workload, rank.pp_rank, device=device)
+        working = with_fragmentation(working, state.total + acts.peak + working.total)
         ranks.append(
             RankPlan(
                 pp_rank=rank.pp_rank,
                 layers=sum(len(c) for c in rank.chunks),
                 params=rank.params,
-                state=state_memory(rank, layout, workload),
-                activations=activation_estimate(
-                    config, layout, workload, rank.pp_rank, device=device
-                ),
+                state=state,
+                activations=acts,
                 reserve=reserve_bytes,
                 flops=flops,
                 comm=comm,
+                working=working,
             )
         )
         compute = compute_seconds(stage, gpu, workload.precision, compute_efficiency)
