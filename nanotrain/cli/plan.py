@@ -141,6 +141,8 @@ def _parser() -> Any:
          "nanotrain.planning.calibration.GEMM_EFFICIENCY)")  # fmt: skip
     flag("json", action="store_true", help="print JSON")
     flag("top", type=int, default=15, help="layouts to list when searching")
+    flag("workers", type=int, default=1,
+         help="processes a search prices the candidates in (same result as one)")  # fmt: skip
     return p
 
 
@@ -249,6 +251,7 @@ def run_plan(argv: list[str]) -> None:
         fp8_expert_activations=cfg.fp8_expert_activations,
         fp8_dispatch=cfg.fp8_dispatch,
         model_name=cfg.model, compute_efficiency=cfg.compute_efficiency,
+        workers=cfg.workers,
     )  # fmt: skip
     if cfg.json:
         print(search_json(result, cfg.top))

@@ -37,9 +37,11 @@ half of the scores, MLA's latent expanded for the whole sequence), the gathered 
 the activations, and the K/V (MLA: latent) all-gather and reduce-scatter as blocking "cp"
 traffic.
 
-A layout fits when the largest rank's model state, activation peak and a fixed reserve
-(CUDA context, allocator fragmentation and workspaces: 3 GiB by default) stay within the
-GPU's memory.
+A layout fits when the largest rank's model state, activation peak, working memory
+(`nanotrain.planning.working_memory`: the pipeline's held stage outputs and transfer buffers,
+the MoE layers' dispatch and combine tensors, the communication library's buffers and the
+allocator's fragmentation allowance) and a fixed reserve (CUDA context and library
+workspaces: 1 GiB by default) stay within the GPU's memory.
 """
 
 from __future__ import annotations
@@ -78,6 +80,7 @@ from nanotrain.planning.rank_model import config_key, rank_models
 from nanotrain.planning.runs_on import refused_on
 from nanotrain.planning.stage_flops import compute_seconds, flop_parts, stage_flops
 from nanotrain.planning.stage_replay import PricedStage, replay_priced
+from nanotrain.planning.working_memory import WorkingMemory, with_fragmentation, working_memory
 
 __all__ = ["Plan", "RankPlan", "plan_layout"]
 
@@ -98,9 +101,11 @@ class RankPlan:
         params: trainable parameter elements on one of its ranks.
         state: parameters, gradients, master weights and optimizer state (bytes).
         activations: activation memory (bytes) under the schedule.
-        reserve: fixed bytes for the CUDA context, allocator and workspaces.
+        reserve: fixed bytes for the CUDA context and library workspaces.
         flops: training FLOPs per step on one of its ranks.
         comm: bytes it sends per step, per group.
+        working: held stage outputs, transfer and MoE working tensors, communication
+            buffers and fragmentation (`nanotrain.planning.working_memory`).
     """
 
     pp_rank: int
@@ -111,11 +116,12 @@ class RankPlan:
     reserve: int
     flops: float
     comm: CommEstimate
+    working: WorkingMemory = WorkingMemory()
 
     @property
     def memory(self) -> int:
-        """Peak bytes: model state + activations + reserve."""
-        return self.state.total + self.activations.peak + self.reserve
+        """Peak bytes: model state + activations + working memory + reserve."""
+        return self.state.total + self.activations.peak + self.working.total + self.reserve
 
     def memory_parts(self) -> dict[str, int]:
         """Bytes by kind (for tables and JSON)."""
@@ -126,6 +132,11 @@ class RankPlan:
             "optimizer": self.state.optimizer,
             "gathered": self.state.gathered,
             "activations": self.activations.peak,
+            "pipeline_held": self.working.pipeline_held,
+            "pipeline_buffers": self.working.pipeline_buffers,
+            "moe_working": self.working.moe_working,
+            "comm_buffers": self.working.comm_buffers,
+            "fragmentation": self.working.fragmentation,
             "reserve": self.reserve,
             "total": self.memory,
         }
@@ -334,7 +345,7 @@ def plan_layout(
     *,
     model_name: str | None = None,
     compute_efficiency: float | None = None,
-    reserve_bytes: int = 3 * GiB,
+    reserve_bytes: int = GiB,
 ) -> Plan:
     """Price `layout` for `config` (see the module docstring).
 
@@ -365,19 +376,24 @@ def plan_layout(
             comm_estimate(config, layout, local, rank.pp_rank, ranks_per_node=gpu.gpus_per_node),
             cp_traffic(config, given, workload, rank.chunks, last),
         )
+        state = state_memory(rank, layout, local)
+        acts = add_cp_activations(
+            activation_estimate(config, layout, local, rank.pp_rank, device=device),
+            cp_activation_bytes(config, given, workload, rank.chunks, last),
+        )
+        working = working_memory(config, layout, local, rank.pp_rank, device=device)
+        working = with_fragmentation(working, state.total + acts.peak + working.total)
         ranks.append(
             RankPlan(
                 pp_rank=rank.pp_rank,
                 layers=sum(len(c) for c in rank.chunks),
                 params=rank.params,
-                state=state_memory(rank, layout, local),
-                activations=add_cp_activations(
-                    activation_estimate(config, layout, local, rank.pp_rank, device=device),
-                    cp_activation_bytes(config, given, workload, rank.chunks, last),
-                ),
+                state=state,
+                activations=acts,
                 reserve=reserve_bytes,
                 flops=flops,
                 comm=comm,
+                working=working,
             )
         )
         compute = compute_seconds(stage, gpu, workload.precision, compute_efficiency)

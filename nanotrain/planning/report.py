@@ -68,10 +68,12 @@ def format_plan(plan: Plan) -> str:
         f"step), micro batch {w.micro_batch_size}, {w.num_microbatches(lay)} microbatches "
         f"per replica, precision {w.precision}",
         "",
-        "memory per GPU (GiB)"
+        "memory per GPU (GiB; pipe: held stage outputs and transfer buffers, moe: MoE "
+        "dispatch/combine working tensors, comm: NCCL buffers, frag: allocator allowance)"
         + (" (gathered: ZeRO-3's unsharded copies at work)" if zero3 else ""),
         f"{'stage':>5} {'layers':>6} {'params':>9} {'weights':>8} {'grads':>8} {'master':>8} "
-        f"{'optim':>8} {'activ':>8} {'reserve':>8} {'total':>8}",
+        f"{'optim':>8} {'activ':>8} {'pipe':>8} {'moe':>8} {'comm':>8} {'frag':>8} "
+        f"{'reserve':>8} {'total':>8}",
     ]
     for r in plan.ranks:
         m = r.memory_parts()
@@ -79,7 +81,10 @@ def format_plan(plan: Plan) -> str:
             f"{r.pp_rank:>5} {r.layers:>6} {_count(r.params):>9} {_gib(m['params']):>8} "
             f"{_gib(m['grads']):>8} {_gib(m['master_weights']):>8} {_gib(m['optimizer']):>8} "
             + (f"{_gib(m['gathered']):>8} " if zero3 else "")
-            + f"{_gib(m['activations']):>8} {_gib(m['reserve']):>8} {_gib(m['total']):>8}"
+            + f"{_gib(m['activations']):>8} "
+            + f"{_gib(m['pipeline_held'] + m['pipeline_buffers']):>8} {_gib(m['moe_working']):>8} "
+            + f"{_gib(m['comm_buffers']):>8} {_gib(m['fragmentation']):>8} "
+            + f"{_gib(m['reserve']):>8} {_gib(m['total']):>8}"
         )
     big, slow = plan.largest, plan.slowest
     lines += [

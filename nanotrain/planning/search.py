@@ -127,6 +127,7 @@ def search_layouts(
     fp8_expert_activations: bool = False,
     fp8_dispatch: bool = False,
     model_name: str | None = None,
+    workers: int = 1,
     **plan_kwargs: Any,
 ) -> SearchResult:
     """Price every candidate layout (module docstring); return those that fit, fastest first.
@@ -137,6 +138,8 @@ def search_layouts(
 
     The batch is `global_batch_size` sequences, or `global_batch_tokens` tokens rounded per
     layout to the nearest whole number of microbatches on every data-parallel replica.
+    `workers` > 1 prices the candidates in that many forked processes (one intra-op thread
+    each), merged back in candidate order: the same result as one process.
 
     Raises:
         ValueError: world_size < 1, or neither batch size given.
@@ -145,10 +148,47 @@ def search_layouts(
         raise ValueError(f"world_size must be >= 1, got {world_size}")
     if (global_batch_size is None) == (global_batch_tokens is None):
         raise ValueError("give exactly one of global_batch_size and global_batch_tokens")
-    fitting: list[Plan] = []
-    rejected: list[Rejected] = []
+    if workers < 1:
+        raise ValueError(f"workers must be >= 1, got {workers}")
+    args = (config, world_size, gpu, seq_len, global_batch_size, global_batch_tokens, precision,
+            micro_batch_sizes, zero_stages, recompute, cpu_offload, reshard_after_forward,
+            fp8_expert_activations, fp8_dispatch, model_name, plan_kwargs)  # fmt: skip
+    if workers == 1:
+        fitting, rejected = _price(args, 0, 1)
+    else:
+        import multiprocessing
+
+        with multiprocessing.get_context("fork").Pool(workers, _one_thread) as pool:
+            parts = pool.starmap(_price, [(args, i, workers) for i in range(workers)])
+        fitting = sorted((x for f, _ in parts for x in f), key=lambda t: t[0])
+        rejected = sorted((x for _, r in parts for x in r), key=lambda t: t[0])
+    plans = [p for _, p in fitting]
+    plans.sort(key=lambda p: -p.tokens_per_s)
+    return SearchResult(plans, [r for _, r in rejected])
+
+
+def _one_thread() -> None:
+    """A forked worker's first act: one intra-op thread (forked thread pools can deadlock,
+    and two cores are shared by the workers)."""
+    import torch
+
+    torch.set_num_threads(1)
+
+
+def _price(args: tuple, index: int, workers: int) -> tuple[list, list]:
+    """(fitting, rejected) of the candidates ``index, index + workers, ...``, each entry
+    (candidate number, Plan or Rejected), so that the workers' lists merge back in order."""
+    (config, world_size, gpu, seq_len, global_batch_size, global_batch_tokens, precision,
+     micro_batch_sizes, zero_stages, recompute, cpu_offload, reshard_after_forward,
+     fp8_expert_activations, fp8_dispatch, model_name, plan_kwargs) = args  # fmt: skip
+    fitting: list[tuple[int, Plan]] = []
+    rejected: list[tuple[int, Rejected]] = []
+    n = -1
     for base in _candidates(config, world_size, gpu, zero_stages, seq_len):
         for micro in micro_batch_sizes:
+            n += 1
+            if n % workers != index:
+                continue
             # recomputation only trades time for memory: the first mode (in the order given)
             # that fits is the fastest that fits, the heavier ones are not priced; a layout is
             # rejected when even the last mode does not fit
@@ -175,14 +215,13 @@ def search_layouts(
                     break  # the layout itself is invalid: recomputing will not help
                 if plan.fits:
                     _note_rounding(plan, global_batch_tokens)
-                    fitting.append(plan)
+                    fitting.append((n, plan))
                     last = None
                     break
                 last = Rejected(layout, micro, "; ".join(plan.notes))
             if last is not None:
-                rejected.append(last)
-    fitting.sort(key=lambda p: -p.tokens_per_s)
-    return SearchResult(fitting, rejected)
+                rejected.append((n, last))
+    return fitting, rejected
 
 
 def _memory_savers(

@@ -287,3 +287,18 @@ def test_fp8_precisions_price_only_the_plain_linear_layers_at_the_fp8_peak(preci
     expected = (linear / fp8 + (total - linear) / bf16) / 0.5
     assert plan.time_parts["compute"] == pytest.approx(expected)
     assert 0 < linear < total / 2  # most of this MoE model's FLOPs are not plain linears
+
+
+def test_search_in_worker_processes_gives_the_one_process_result():
+    """Two forked workers price alternate candidates; merged back in candidate order, the
+    ranking, the plans and the rejections are those of one process."""
+    config = presets.get("deepseek-100m")
+    kwargs = dict(seq_len=1024, global_batch_size=64, micro_batch_sizes=(1, 2))
+    one = search_layouts(config, 8, GPUS["h100"], **kwargs)
+    two = search_layouts(config, 8, GPUS["h100"], workers=2, **kwargs)
+    assert [(p.layout, p.workload, p.step_time_s, p.largest.memory) for p in two.fitting] == [
+        (p.layout, p.workload, p.step_time_s, p.largest.memory) for p in one.fitting
+    ]
+    assert two.rejected == one.rejected
+    with pytest.raises(ValueError, match="workers"):
+        search_layouts(config, 8, GPUS["h100"], workers=0, **kwargs)
