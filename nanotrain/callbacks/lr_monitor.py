@@ -4,11 +4,11 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+import torch
+
 from nanotrain.callbacks.base import Callback
 
 if TYPE_CHECKING:
-    import torch
-
     from nanotrain.module import NanoModule
     from nanotrain.trainer import Trainer
 
@@ -106,7 +106,7 @@ class LearningRateMonitor(Callback):
         if step % every == 0:
             metrics = self._read_all(trainer, "step")
             if metrics:  # logged_step: the steps completed before this one, as Lightning's
-                trainer.log_metrics(metrics, step=trainer.logged_step)
+                self._publish(trainer, metrics)
 
     def on_train_epoch_start(self, trainer: Trainer, module: NanoModule) -> None:
         """Log the rates the epoch starts with: every optimizer's with
@@ -115,7 +115,14 @@ class LearningRateMonitor(Callback):
         if self.logging_interval != "step":
             metrics = self._read_all(trainer, "epoch")
             if metrics:
-                trainer.log_metrics(metrics, step=trainer.logged_step)
+                self._publish(trainer, metrics)
+
+    @staticmethod
+    def _publish(trainer: Trainer, metrics: dict[str, float]) -> None:
+        """Send the rates to the loggers and, as Lightning's monitor does, into
+        `trainer.callback_metrics` (where a callback or a plateau scheduler may read them)."""
+        trainer.log_metrics(metrics, step=trainer.logged_step)
+        trainer.callback_metrics.update({k: torch.tensor(v) for k, v in metrics.items()})
 
     def _read_all(self, trainer: Trainer, when: str) -> dict[str, float]:
         """`read` of the Trainer's optimizer, or of each of several (manual optimization),

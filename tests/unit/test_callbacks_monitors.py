@@ -276,6 +276,8 @@ def test_learning_rate_logged_is_the_rate_each_step_used(tmp_path):
         [0.08, 0.08, 0.04, 0.04, 0.02]
     )
     assert logged[1]["momentum/group0"] == 0.0  # SGD's default momentum
+    # as Lightning's monitor: the last logged rates are also in callback_metrics
+    assert float(trainer.callback_metrics["lr/group0"]) == pytest.approx(0.02)
 
 
 def test_cpu_memory_reads_the_process_resident_set(tmp_path):
