@@ -87,19 +87,27 @@ def sequence_parallel_params(module: nn.Module) -> list[nn.Parameter]:
     return out
 
 
-def all_reduce_coalesced(tensors: Sequence[Tensor], group: ProcessGroup | None) -> None:
-    """Sum ``tensors`` in place over ``group`` with one collective (flatten, reduce, copy back).
+def all_reduce_coalesced(
+    tensors: Sequence[Tensor], group: ProcessGroup | None, average: bool = False
+) -> None:
+    """Sum (``average``: average) ``tensors`` in place over ``group``, one collective per
+    dtype (flatten, reduce, copy back); every rank passes the same list in the same order.
 
     No-op for an empty list, ``None`` or a group of one.
     """
-    if not tensors or group_size(group) == 1:
+    size = group_size(group)
+    if not tensors or size == 1:
         return
-    flat = torch.cat([t.reshape(-1) for t in tensors])
-    dist.all_reduce(flat, group=group)
-    offset = 0
+    by_dtype: dict[torch.dtype, list[Tensor]] = {}
     for t in tensors:
-        t.copy_(flat[offset : offset + t.numel()].view_as(t))
-        offset += t.numel()
+        by_dtype.setdefault(t.dtype, []).append(t)
+    for same in by_dtype.values():
+        flat = torch.cat([t.reshape(-1) for t in same])
+        dist.all_reduce(flat, group=group)
+        if average:
+            flat /= size
+        for t, piece in zip(same, flat.split([t.numel() for t in same]), strict=True):
+            t.copy_(piece.view_as(t))
 
 
 def reduced_square_norms(

@@ -11,6 +11,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from nanotrain.parallel.data_parallel import FlatLayout, GradBuckets, backward_order
+from nanotrain.parallel.grads import all_reduce_coalesced
 from nanotrain.strategies.base import DataShard
 from nanotrain.strategies.megatron_grads import bucket_numel_for
 from nanotrain.strategies.rendezvous import (
@@ -138,15 +139,7 @@ class DDPStrategy(ReplicatedStrategy):
     def _average_(self, grads: Iterable[Tensor]) -> None:
         """Average `grads` over the replicas in place, one flat all-reduce per dtype (every
         rank passes the same list, in the same order)."""
-        by_dtype: dict[torch.dtype, list[Tensor]] = {}
-        for g in grads:
-            by_dtype.setdefault(g.dtype, []).append(g)
-        for same in by_dtype.values():
-            flat = torch.cat([g.reshape(-1) for g in same])
-            dist.all_reduce(flat, group=dist.group.WORLD)
-            flat /= self.world_size
-            for g, piece in zip(same, flat.split([g.numel() for g in same]), strict=True):
-                g.copy_(piece.view_as(g))
+        all_reduce_coalesced(list(grads), dist.group.WORLD, average=True)
 
     def _wrap(self, module: Any) -> nn.Module:
         if self._main_grads is not None:

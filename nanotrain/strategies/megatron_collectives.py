@@ -6,10 +6,10 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from nanotrain.parallel.grads import all_reduce_coalesced
 from nanotrain.strategies.base import DataShard
 from nanotrain.strategies.rendezvous import (
     launched_local_rank,
@@ -93,15 +93,5 @@ class MegatronCollectives:
         pp, ep and ZeRO are refused at fit start). One flat all-reduce per dtype, as
         `DDPStrategy.average_grads_`; gradients already equal on every replica stay so."""
         assert self.module is not None
-        if self.mesh.dp_size == 1:
-            return
-        by_dtype: dict[torch.dtype, list[Tensor]] = {}
-        for p in self.module.parameters():
-            if p.grad is not None:
-                by_dtype.setdefault(p.grad.dtype, []).append(p.grad)
-        for same in by_dtype.values():
-            flat = torch.cat([g.reshape(-1) for g in same])
-            dist.all_reduce(flat, group=self.mesh.dp_group)
-            flat /= self.mesh.dp_size
-            for g, piece in zip(same, flat.split([g.numel() for g in same]), strict=True):
-                g.copy_(piece.view_as(g))
+        grads = [p.grad for p in self.module.parameters() if p.grad is not None]
+        all_reduce_coalesced(grads, self.mesh.dp_group, average=True)
