@@ -10,7 +10,7 @@ backwards), ep=2 (world 2), ep=2 × expert-dp=2 with ZeRO-1 and interleaved pp=2
 give the same per-step loss and grad norm, the same logged `train/*` and `moe/*` scalars at
 every step, the same weights after the run, and the same `val/loss` on a validation set of
 13 samples read whole, with `limit_val_batches=1` (global batches) and with a fraction.
-The same holds with a capacity factor that drops copies, under micro batch 8, DDP, tp=2
+The same holds with a capacity factor that drops copies, under micro batch 8, tp=2
 with sequence parallelism, pp=2 and ep=2 (the drops are decided per whole sequence).
 """
 
@@ -205,8 +205,11 @@ def test_every_logged_number_is_layout_independent(tmp_path):
 
 
 def _world2_capacity(rank: int, world_size: int, root: str) -> dict[str, dict]:
+    # no DDP here: its ranks run the one-process MoE on their own whole sequences (as ep=2's
+    # data-parallel split and micro batch 8 do), and the dropped copies are summed in the
+    # same collective as the loads (`reduce_load`), which the DDP layout of the world above
+    # checks through every moe/* scalar
     layouts = {
-        "ddp dp=2": nt.strategies.DDPStrategy,
         # each rank holds half of every sequence: the MoE gathers whole sequences to drop
         "tp=2 sp": lambda: MegatronStrategy(tp=2, sequence_parallel=True),
         "pp=2": lambda: MegatronStrategy(pp=2, pipeline_layout=[1, 3]),
@@ -229,6 +232,6 @@ def test_capacity_drops_are_layout_independent(tmp_path):
     mb8 = fit(nt.SingleDeviceStrategy("cpu"), str(tmp_path / "m8"), 8, capacity_factor=0.5)
     assert_same(mb8, reference, "capacity, mb=8")
     for rank, result in enumerate(run_world(_world2_capacity, 2, str(tmp_path), timeout=300)):
-        assert len(result) == 4
+        assert len(result) == 3
         for layout, got in result.items():
             assert_same(got, reference, f"capacity, {layout}, rank {rank}")

@@ -63,11 +63,6 @@ WORLD4 = {
         None,
     ),
     "dense zero3 dp=4": ("tiny-dense", dict(zero_stage=3), None),
-    "dense zero3 pp=2 x dp=2 interleaved": (
-        "tiny-dense",
-        dict(pp=2, virtual_pp=2, pipeline_layout=[1, 0, 1, 0], zero_stage=3),
-        None,
-    ),
     "deepseek zero3 pp=2 x dp=2 gpipe": ("tiny", dict(pp=2, schedule="gpipe", zero_stage=3), None),
     # split backwards: the weight halves differentiate FSDP2's gathered copies, kept until
     # the step's reduce-scatter (weight gradients were lost otherwise: grad norm 40% off)
@@ -94,6 +89,9 @@ WORLD4 = {
         ),
         None,
     ),
+    # interleaved 1F1B under ZeRO-3 runs here only, in bf16-true: its fp32 chunks (a virtual
+    # stage with no layer, FSDP2 units per chunk, the step's reduce-scatter) are the ones
+    # zb_interleaved_1f1b compares at fp32 above; this adds the schedule's unsplit backwards.
     # fp32 shards gathered in bf16: the stages send bf16 activations, not the shards' fp32
     # (a stage whose chunk holds no layer fed fp32 into its bf16 head: a dtype error)
     "dense zero3 pp=2 x dp=2 interleaved bf16-true": (
@@ -361,38 +359,46 @@ RESUMED3 = {
 }
 
 
+# saved at step 2, resumed for steps 3 and 4: step 3's loss reads the restored weights, step
+# 4's the first update from the restored moments and learning-rate schedule
+RESUMED_STEPS = 4
+
+
 def _checkpoint_world(rank: int, world_size: int, root: str) -> dict:
     out: dict = {}
     layout = SAVED3["zero3 dp2"]
-    out["straight"] = tr.fit(f"{root}/z3/straight", MegatronStrategy(**layout), 5)
     tr.fit(f"{root}/z3/split", MegatronStrategy(**layout), 2, save=True)
     for other, target in RESUMED3.items():
         strategy = MegatronStrategy(**target)
-        out[other] = tr.fit(f"{root}/{other}", strategy, 5, ckpt_path=tr.ckpt_of(root, "z3"))
+        out[other] = tr.fit(
+            f"{root}/{other}", strategy, RESUMED_STEPS, ckpt_path=tr.ckpt_of(root, "z3")
+        )
     # saved on one process by the test process, resumed under ZeRO-3
     out["from one"] = tr.fit(
-        f"{root}/from-one", MegatronStrategy(**layout), 5, ckpt_path=tr.ckpt_of(root, "one")
+        f"{root}/from-one",
+        MegatronStrategy(**layout),
+        RESUMED_STEPS,
+        ckpt_path=tr.ckpt_of(root, "one"),
     )
     return out
 
 
 def test_zero3_checkpoint_resumes_under_other_layouts_and_back(tmp_path):
+    # every run continues the one-process run without the break (ZeRO-3 trains as one
+    # process does: test_zero3_two_ranks_match_one_process), to the same bound
     root = str(tmp_path)
-    straight_one = tr.fit(f"{root}/one/straight", nt.SingleDeviceStrategy("cpu"), 5)
+    straight = tr.fit(f"{root}/one/straight", nt.SingleDeviceStrategy("cpu"), RESUMED_STEPS)
     tr.fit(f"{root}/one/split", nt.SingleDeviceStrategy("cpu"), 2, save=True)
     results = run_world(_checkpoint_world, 2, root, timeout=400)
-    straight = results[0]["straight"]
-    runs = {other: results[0][other] for other in RESUMED3}
+    runs = {other: results[0][other] for other in (*RESUMED3, "from one")}
     with pytest.warns(UserWarning, match="is resharded for SingleDeviceStrategy"):
         runs["one process"] = tr.fit(
-            f"{root}/single", nt.SingleDeviceStrategy("cpu"), 5, tr.ckpt_of(root, "z3")
+            f"{root}/single", nt.SingleDeviceStrategy("cpu"), RESUMED_STEPS, tr.ckpt_of(root, "z3")
         )
     for other, losses in runs.items():
-        assert sorted(losses) == [3, 4, 5], other
-        for step in (3, 4, 5):
+        assert sorted(losses) == [3, 4], other
+        for step in (3, 4):
             assert losses[step] == pytest.approx(straight[step], rel=1e-5, abs=0), (other, step)
-    for step in (3, 4, 5):
-        assert results[0]["from one"][step] == pytest.approx(straight_one[step], rel=1e-5)
     # Hugging Face export of the ZeRO-3 checkpoint: the same weights as the one-process export
     hf3 = export_checkpoint(tr.ckpt_of(root, "z3"), tmp_path / "hf3")
     from safetensors.torch import load_file

@@ -87,6 +87,18 @@ def _fit(
     return losses.losses, list(module.model.state_dict()), module
 
 
+_EAGER: dict[str, tuple[list[float], list[str], nt.LanguageModelModule]] = {}
+
+
+def _eager(tmp_path, **model) -> tuple[list[float], list[str], nt.LanguageModelModule]:
+    """The one-process eager run of `model` (`_fit`'s keywords), fitted once per module: it
+    is deterministic (seed 0), and several comparisons below share each model."""
+    key = repr(sorted(model.items()))
+    if key not in _EAGER:
+        _EAGER[key] = _fit(tmp_path, False, **model)
+    return _EAGER[key]
+
+
 def _loads(module: nt.LanguageModelModule) -> torch.Tensor:
     return module.model.layers[-1].mlp.expert_load
 
@@ -125,7 +137,7 @@ def test_inductor_compiled_model_with_recompute_matches_eager(tmp_path):
     # one MoE layer: inductor's C++ build on a cold cache grows with the graph (~90 s of CPU
     # for the two-layer model on a 2-core machine)
     model = ONE_LAYER_MOE
-    eager, names, eager_module = _fit(tmp_path, False, **model)
+    eager, names, eager_module = _eager(tmp_path, **model)
     got, got_names, module = _fit(tmp_path, True, scope="model", recompute="full", **model)
     assert got_names == names  # checkpoints stay interchangeable
     assert got == pytest.approx(eager, rel=1e-5)
@@ -148,7 +160,7 @@ def test_inductor_compiled_model_with_recompute_matches_eager(tmp_path):
     ids=["layers-dense", "layers-moe", "layers-moe-full", "model-moe-selective"],
 )
 def test_aot_compiled_matches_eager(tmp_path, scope, model, recompute):
-    eager, names, eager_module = _fit(tmp_path, False, **model)
+    eager, names, eager_module = _eager(tmp_path, **model)
     got, got_names, module = _fit(tmp_path, AOT_EAGER, scope=scope, recompute=recompute, **model)
     assert got_names == names
     assert got == pytest.approx(eager, rel=1e-5)
@@ -205,7 +217,7 @@ def two_ranks(tmp_path_factory) -> list[dict[str, list[float]]]:
 @pytest.mark.parametrize("case", list(TWO_RANK_CASES))
 def test_two_compiled_ranks_match_eager_single_process(tmp_path, two_ranks, case):
     # the same global batch over 2 ranks: the mean loss per step equals one process's
-    eager = _fit(tmp_path, False, **TWO_RANK_CASES[case][2])[0]
+    eager = _eager(tmp_path, **TWO_RANK_CASES[case][2])[0]
     for ranks_losses in two_ranks:
         assert ranks_losses[case] == pytest.approx(eager, rel=1e-5)
 

@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import subprocess
+import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -169,9 +172,23 @@ def test_gpu_fit_arguments_are_checked(capsys):
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only skip")
-def test_gpu_fit_runs_nanotrain_fit_on_the_cpu_and_keeps_its_logs(tmp_path, capsys):
-    # the user's path itself (the `nanotrain fit` command line the GPU runs use), tiny
+def test_gpu_fit_runs_nanotrain_fit_on_the_cpu_and_keeps_its_logs(tmp_path, capsys, monkeypatch):
+    # the user's path itself (the `nanotrain fit` command line the GPU runs use), tiny. The
+    # command runs in this process, through the entry point `python -m nanotrain` calls: a
+    # fresh interpreter would only repeat the imports (about 10 s of CPU); that the module
+    # launches is test_cli.py's README command, in a real subprocess
+    from nanotrain.cli.entry import main as nanotrain_main
+
+    commands = []
+
+    def run_in_process(command, cwd, capture_output, text):
+        assert command[:3] == [sys.executable, "-m", "nanotrain"], command
+        commands.append(command)
+        return subprocess.CompletedProcess(command, nanotrain_main(command[3:]), "", "")
+
+    monkeypatch.setattr(gpu_fit, "subprocess", SimpleNamespace(run=run_in_process))
     assert gpu_fit.main(["--smoke", "--out", str(tmp_path)]) == 0
+    assert len(commands) == 1
     kept = tmp_path / "tiny-32-true-none"
     report = json.loads((kept / "report.json").read_text())
     assert report["status"] == "finished" and report["training"]["steps"] == 3
