@@ -12,7 +12,13 @@ import pytest
 
 from nanotrain.models import presets
 from nanotrain.planning import GPUS, PlanLayout, Workload, plan_layout, search_layouts
-from nanotrain.planning.calibration import COMM_SMS, GEMM_EFFICIENCY, MEASURED_LINKS
+from nanotrain.planning.calibration import (
+    COMM_SMS,
+    GEMM_EFFICIENCY,
+    GEMM_TILE,
+    MEASURED_LINKS,
+    SMS,
+)
 from nanotrain.planning.published_runs import PUBLISHED_RUNS, memory_ratio, predict
 
 #: run name -> (published throughput, its unit, source)
@@ -78,6 +84,8 @@ def test_a_pending_run_is_refused_with_its_reason():
 def test_the_constants_are_the_measurements_they_cite():
     assert GEMM_EFFICIENCY.value == 0.75 and "DeepGEMM" in GEMM_EFFICIENCY.source
     assert COMM_SMS.value == 20 and "DeepSeek-V3" in COMM_SMS.source
+    assert GEMM_TILE.value == 128 and "CUTLASS" in GEMM_TILE.source
+    assert SMS["h100"].value == 132 and "whitepaper" in SMS["h100"].source
     intra, inter = MEASURED_LINKS["h800"]
     assert (intra.value, inter.value) == (155e9, 45e9) and "DeepEP" in intra.source
     assert GPUS["h800"].intra_node_bw == 155e9 and GPUS["h800"].inter_node_bw == 45e9
