@@ -23,6 +23,14 @@ engineering reading of several measurements rather than one table cell, the sour
 * **SMs for communication** (`COMM_SMS`): DeepSeek-V3 (DeepSeek-AI 2024, "DeepSeek-V3
   Technical Report", §3.2.2) gives 20 of an H800's 132 SMs to the all-to-all kernels that
   run beside compute: overlapped compute then runs on 112 SMs.
+* **GEMM shapes** (`GEMM_TILE`, `SMS`): how a GEMM's shape moves it off the large-shape
+  efficiency, derived from the hardware, not measured per shape (no public table of bf16
+  H100 GEMM throughput by M, N, K was found to cite): the output is cut into 128 x 128 tiles
+  (CUTLASS's Hopper GEMM examples, 48_hopper_warp_specialized_gemm: TileShape 128x128x64),
+  one tile per SM at a time, so a partial tile or a partial last wave of tiles over the SMs
+  (132 on H100 / H800 SXM, NVIDIA's H100 whitepaper) idles the rest; and a GEMM whose bytes
+  (2 (MK + KN + MN) in bf16) take longer at HBM speed than its FLOPs at the large-shape
+  efficiency is priced at HBM speed. `nanotrain.planning.gemm_shapes` applies it.
 * **HBM** (`HBM_EFFICIENCY`): a device-to-device copy or STREAM triad sustains about
   3.0 TB/s of an H100 SXM's 3.35 (0.9), the figure the memory-bound operations are priced at
   (`nanotrain.planning.memory_bound`).
@@ -35,6 +43,8 @@ from dataclasses import dataclass
 __all__ = [
     "COMM_SMS",
     "GEMM_EFFICIENCY",
+    "GEMM_TILE",
+    "SMS",
     "HBM_EFFICIENCY",
     "MEASURED_LINKS",
     "Measured",
@@ -55,6 +65,18 @@ GEMM_EFFICIENCY = Measured(
     "DeepGEMM README (fp8 GEMM up to 1,550 of 1,979 TFLOP/s on H800) and FlashAttention-3 "
     "(Shah et al. 2024, §4.1: 740 of 989 TFLOP/s bf16 forward)",
 )
+
+#: the output tile one SM computes at a time (rows = columns)
+GEMM_TILE = Measured(128, "CUTLASS 48_hopper_warp_specialized_gemm: TileShape 128x128x64")
+
+#: streaming multiprocessors per GPU (the GEMM's tiles run one wave of SMS at a time)
+SMS: dict[str, Measured] = {
+    "h100": Measured(132, "NVIDIA H100 Tensor Core GPU Architecture whitepaper: 132 SMs (SXM5)"),
+    "h800": Measured(132, "the H100 SXM5's die and SM count (DeepSeek-V3 §3.2.2: 132 SMs)"),
+    "h200": Measured(132, "the H100 SXM5's die and SM count"),
+    "a100": Measured(108, "NVIDIA A100 Tensor Core GPU Architecture whitepaper: 108 SMs"),
+    "b200": Measured(148, "NVIDIA Blackwell datasheet: 148 SMs"),
+}
 
 HBM_EFFICIENCY = Measured(
     0.9, "sustained D2D copy / STREAM triad ~3.0 of 3.35 TB/s on H100 SXM (HBM3)"

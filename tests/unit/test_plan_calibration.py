@@ -6,17 +6,30 @@ The published figures are typed here with their source, not read from
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from nanotrain.models import presets
 from nanotrain.planning import GPUS, PlanLayout, Workload, plan_layout, search_layouts
-from nanotrain.planning.calibration import COMM_SMS, GEMM_EFFICIENCY, MEASURED_LINKS
+from nanotrain.planning.calibration import (
+    COMM_SMS,
+    GEMM_EFFICIENCY,
+    GEMM_TILE,
+    MEASURED_LINKS,
+    SMS,
+)
 from nanotrain.planning.published_runs import PUBLISHED_RUNS, memory_ratio, predict
 
 #: run name -> (published throughput, its unit, source)
 PUBLISHED = {
     "Llama 3 405B, 8,192 H100, TP8 PP16 DP64": (430.0, "TFLOP/s/GPU", "Llama 3 paper Table 4"),
     "Llama 3 405B, 16,384 H100, TP8 PP16 DP128": (400.0, "TFLOP/s/GPU", "Llama 3 paper Table 4"),
+    "Llama 3 405B, 16,384 H100, TP8 CP16 PP16 DP8, 131K context": (
+        380.0,
+        "TFLOP/s/GPU",
+        "Llama 3 paper Table 4",
+    ),  # fmt: skip
     "Llama 3.1 8B, 8 H100 (96 GB, 500 W), FSDP": (5762.0 * 8, "tokens/s", "torchtitan Table 1"),
     # 109 tokens/s per GPU (torchtitan docs/performance.md, 2024, 405B on 128 H100)
     "Llama 3.1 405B, 128 H100 (94 GB), FSDP16 TP8": (109.0 * 128, "tokens/s", "torchtitan"),
@@ -24,7 +37,10 @@ PUBLISHED = {
     "DeepSeek-V3, 2,048 H800, DualPipe PP16 EP64": (3.16e6, "tokens/s", "DeepSeek-V3 Table 1"),
 }
 #: runs outside the bounds: the documented ratio, held within 5% so a change shows
-OUTSIDE = {"Llama 3.1 8B, 8 H100 (96 GB, 500 W), FSDP": 1.89}
+OUTSIDE = {
+    "Llama 3.1 8B, 8 H100 (96 GB, 500 W), FSDP": 1.89,
+    "Llama 3 405B, 16,384 H100, TP8 CP16 PP16 DP8, 131K context": 0.61,
+}
 RUNS = {run.name: run for run in PUBLISHED_RUNS}
 
 
@@ -45,18 +61,31 @@ def test_each_published_run_is_predicted_within_bounds(name):
     assert mem is None or 0.85 <= mem <= 1.15
 
 
-def test_runs_the_planner_cannot_price_yet_are_listed_as_pending():
-    pending = [run for run in PUBLISHED_RUNS if run.pending]
-    assert [r.name for r in pending] == [
-        "Llama 3 405B, 16,384 H100, TP8 CP16 PP16 DP8, 131K context"
-    ]
-    with pytest.raises(ValueError, match="context parallelism"):
-        predict(pending[0])
+def test_the_long_context_run_is_priced_with_its_published_cp_layout():
+    run = RUNS["Llama 3 405B, 16,384 H100, TP8 CP16 PP16 DP8, 131K context"]
+    # Table 4: TP 8, CP 16, PP 16, DP 8; 131,072 tokens; 16 sequences per replica
+    lay = run.layout
+    assert (lay.tp, lay.cp, lay.pp, lay.dp) == (8, 16, 16, 8) and lay.world_size == run.gpus
+    assert run.workload.seq_len == 131072 and run.workload.global_batch_size == 16 * 8
+    plan, _ = predict(run)
+    assert plan.fits
+    # the cp ring's K/V all-gathers and reduce-scatters are priced, blocking
+    assert plan.slowest_comm_s["cp"] > 0
+    assert plan.time_parts["blocking_comm"] >= plan.slowest_comm_s["cp"]
+
+
+def test_a_pending_run_is_refused_with_its_reason():
+    assert not [run.name for run in PUBLISHED_RUNS if run.pending]
+    pending = replace(PUBLISHED_RUNS[0], pending="its schedule is not priced yet")
+    with pytest.raises(ValueError, match="not priced yet"):
+        predict(pending)
 
 
 def test_the_constants_are_the_measurements_they_cite():
     assert GEMM_EFFICIENCY.value == 0.75 and "DeepGEMM" in GEMM_EFFICIENCY.source
     assert COMM_SMS.value == 20 and "DeepSeek-V3" in COMM_SMS.source
+    assert GEMM_TILE.value == 128 and "CUTLASS" in GEMM_TILE.source
+    assert SMS["h100"].value == 132 and "whitepaper" in SMS["h100"].source
     intra, inter = MEASURED_LINKS["h800"]
     assert (intra.value, inter.value) == (155e9, 45e9) and "DeepEP" in intra.source
     assert GPUS["h800"].intra_node_bw == 155e9 and GPUS["h800"].inter_node_bw == 45e9
