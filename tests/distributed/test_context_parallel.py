@@ -6,8 +6,8 @@ rank's chunks hold different numbers of live tokens and a chunk-local mean would
 wrongly; the tiny DeepSeek (MLA, MoE with a sizeable sequence-wise balance loss, MTP whose
 inputs and targets lie beyond a chunk's end) and the tiny dense model (GQA). One process
 with micro batch 2 is the reference. ONE 2-rank world runs cp=2, and on one model each
-ZeRO-3, recompute "light" and "full", bf16-mixed (dense, against a bf16-mixed reference)
-and packed documents with document masking, eod loss masking and MTP (MLA). ONE 4-rank world runs cp=4, cp=2 x tp=2 with sequence parallelism, cp=2 x pp=2
+ZeRO-3, recompute "light" and "full", bf16-mixed, 16-mixed and fp8-emulated (dense, each
+against a reference in the same precision) and packed documents with document masking, eod loss masking and MTP (MLA). ONE 4-rank world runs cp=4, cp=2 x tp=2 with sequence parallelism, cp=2 x pp=2
 (zero-bubble 1F1B on MLA, DualPipeV on dense), cp=2 x ep=2 x dp=2 (MLA) and cp=2 x
 dp=2 with ZeRO-1 (dense). Per-step loss and grad norm, every logged `train/*` scalar, `val/loss`
 over a validation set read whole, and the final weights must match.
@@ -40,6 +40,11 @@ VOCAB, SEQ, STEPS, LR = 257, 16, 3, 1e-3
 # (2^-8), as for the regrouped rows of test_precision_layouts, whose bound this is (measured on
 # the dense model: 2.9e-4 worst grad norm); a lost gradient term moves the loss by >1e-2
 BF16_TOL = 1e-3
+# fp16 (unit roundoff 2^-11) regroups the same rows: bf16's bound holds with margin; fp8
+# (emulated e4m3, unit roundoff 2^-4) scales each tensor by the amax of what the rank holds, as
+# test_precision_layouts' ep/DualPipeV fp8 cells do, and takes their bound (measured worst:
+# fp16 1.3e-4, fp8 2.8e-3 under ATEN_CPU_CAPABILITY avx512 and avx2, 2.2e-3 under default)
+LOW_PRECISION_TOL = {"dense-bf16": BF16_TOL, "dense-fp16": BF16_TOL, "dense-fp8": 5e-3}
 MODELS = {
     "mla": ("tiny", {"aux_loss_alpha": 0.05}),
     "dense": ("tiny-dense", {}),
@@ -221,6 +226,14 @@ def _world2(rank: int, world_size: int, root: str) -> dict[str, dict]:
     out["cp=2 recompute-full dense"] = full
     bf16 = fit(MegatronStrategy(cp=2), "dense", f"{root}/bf", precision="bf16-mixed")
     out["cp=2 bf16-mixed dense-bf16"] = bf16
+    # the other precision plugins: fp16 with its loss scaler, and fp8 (emulated) whose
+    # per-tensor scales see a rank's chunks
+    out["cp=2 16-mixed dense-fp16"] = fit(
+        MegatronStrategy(cp=2), "dense", f"{root}/f16", precision="16-mixed"
+    )
+    out["cp=2 fp8-emulated dense-fp8"] = fit(
+        MegatronStrategy(cp=2), "dense", f"{root}/f8", precision="fp8-emulated"
+    )
     # document masking: the block-causal mask and restarting positions of the whole sequences
     out["cp=2 documents mla-docs"] = fit(MegatronStrategy(cp=2), "mla", f"{root}/d", documents=True)
     return out, exchange
@@ -256,9 +269,11 @@ def test_context_parallel_layouts_match_one_process(tmp_path):
     bf16_root = str(tmp_path / "refbf16")
     one = nt.SingleDeviceStrategy("cpu")
     reference["dense-bf16"] = fit(one, "dense", bf16_root, True, "bf16-mixed")
+    reference["dense-fp16"] = fit(one, "dense", str(tmp_path / "ref16"), True, "16-mixed")
+    reference["dense-fp8"] = fit(one, "dense", str(tmp_path / "ref8"), True, "fp8-emulated")
     reference["mla-docs"] = fit(one, "mla", str(tmp_path / "refdocs"), documents=True)
     assert reference["mla"]["scalars"][0]["train/aux_loss"] > 1e-3  # the balance term is on
-    for world, fn, count in ((2, _world2, 7), (4, _world4, 8)):
+    for world, fn, count in ((2, _world2, 9), (4, _world4, 8)):
         results = run_world(fn, world, str(tmp_path / f"w{world}"), timeout=400)
         if world == 2:
             # bytes a rank sends (= receives) per layer: the other rank's 8 tokens, fp32, of
@@ -272,5 +287,5 @@ def test_context_parallel_layouts_match_one_process(tmp_path):
             assert len(result) == count
             for layout, got in result.items():
                 model = layout.split()[-1]
-                rtol = BF16_TOL if model == "dense-bf16" else 1e-5
+                rtol = LOW_PRECISION_TOL.get(model, 1e-5)
                 assert_same(got, reference[model], f"{layout}, rank {rank}", rtol)
