@@ -120,7 +120,7 @@ PUBLISHED_RUNS: tuple[PublishedRun, ...] = (
             "predicted 0.61x: 16 microbatches on 16 stages x 2 chunks leave a 15/32 bubble "
             "in this planner (5.6 of 18 s), and full recompute adds a third to the compute; "
             "the paper states neither its interleaving depth nor its recomputation (with 4 "
-            "chunks per rank the ratio is 0.72, but stage 1 then needs 90.6 GiB)"
+            "chunks per rank the ratio is 0.72, but stage 1 then needs 95.5 GiB)"
         ),
     ),
     PublishedRun(
@@ -140,7 +140,7 @@ PUBLISHED_RUNS: tuple[PublishedRun, ...] = (
             "PyTorch at 500 W. Eager RMSNorm and SwiGLU passes, FlashAttention-2 and GEMM "
             "shapes, counted from op lists (docs/planning.md), bring it to 1.39-1.45; the "
             "rest (the power cap, launch gaps) has no measurement to derive from; memory "
-            "1.21x, the planner's activations under torchtitan's layer-wise checkpointing"
+            "1.25x, the planner's activations under torchtitan's layer-wise checkpointing"
         ),
     ),
     PublishedRun(
