@@ -337,6 +337,50 @@ def _zero3_exposed(rank: Any, layout: PlanLayout, workload: Workload, comm_t: di
     return exposed, host
 
 
+def _memory_terms(
+    config: Any,
+    given: PlanLayout,
+    layout: PlanLayout,
+    local: Workload,
+    workload: Workload,
+    rank: Any,
+    last: bool,
+    device: str,
+) -> tuple[Any, Any, Any]:
+    """(state, activations, working memory) of one pipeline rank: `given` is the layout as
+    asked, `layout` / `local` its cp-folded form (`fold_cp`)."""
+    state = state_memory(rank, layout, local)
+    acts = add_cp_activations(
+        activation_estimate(config, layout, local, rank.pp_rank, device=device),
+        cp_activation_bytes(config, given, workload, rank.chunks, last),
+    )
+    working = working_memory(config, layout, local, rank.pp_rank, device=device)
+    working = with_fragmentation(working, state.total + acts.peak + working.total)
+    return state, acts, working
+
+
+def peak_memory(
+    config: Any, layout: PlanLayout, workload: Workload, gpu: GPUSpec, *, reserve_bytes: int = GiB
+) -> int:
+    """The largest rank's bytes `plan_layout` would give (`Plan.largest.memory`), without
+    pricing any time: a search checks with it which recomputation mode fits first.
+
+    Raises:
+        ValueError: as `plan_layout` may (call it for the exact message).
+    """
+    given, (layout, local) = layout, fold_cp(config, layout, workload)
+    local.num_microbatches(layout)  # the same batch check as plan_layout
+    device = "cpu" if gpu.name == "cpu" else "cuda"
+    peak = 0
+    for rank in rank_models(config, layout):
+        last = layout.pp == 1 or layout.placement.holds_last(rank.pp_rank)
+        state, acts, working = _memory_terms(
+            config, given, layout, local, workload, rank, last, device
+        )
+        peak = max(peak, state.total + acts.peak + working.total + reserve_bytes)
+    return peak
+
+
 def plan_layout(
     config: Any,
     layout: PlanLayout,
@@ -376,13 +420,9 @@ def plan_layout(
             comm_estimate(config, layout, local, rank.pp_rank, ranks_per_node=gpu.gpus_per_node),
             cp_traffic(config, given, workload, rank.chunks, last),
         )
-        state = state_memory(rank, layout, local)
-        acts = add_cp_activations(
-            activation_estimate(config, layout, local, rank.pp_rank, device=device),
-            cp_activation_bytes(config, given, workload, rank.chunks, last),
+        state, acts, working = _memory_terms(
+            config, given, layout, local, workload, rank, last, device
         )
-        working = working_memory(config, layout, local, rank.pp_rank, device=device)
-        working = with_fragmentation(working, state.total + acts.peak + working.total)
         ranks.append(
             RankPlan(
                 pp_rank=rank.pp_rank,

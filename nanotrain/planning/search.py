@@ -27,7 +27,7 @@ from nanotrain.parallel.layout_checks import divisors
 from nanotrain.planning.context_parallel import search_cp_sizes
 from nanotrain.planning.gpus import GPUSpec
 from nanotrain.planning.layout import PlanLayout, Workload, balanced_pipeline_layout
-from nanotrain.planning.plan import Plan, plan_layout
+from nanotrain.planning.plan import GiB, Plan, peak_memory, plan_layout
 
 __all__ = ["Rejected", "SearchResult", "search_layouts"]
 
@@ -193,7 +193,8 @@ def _price(args: tuple, index: int, workers: int) -> tuple[list, list]:
             # that fits is the fastest that fits, the heavier ones are not priced; a layout is
             # rejected when even the last mode does not fit
             last: Rejected | None = None
-            for offload, every, mode in _memory_savers(base, recompute, cpu_offload):
+            savers = _memory_savers(base, recompute, cpu_offload)
+            for i, (offload, every, mode) in enumerate(savers):
                 layout = base.replace(
                     recompute=mode,
                     fp8_expert_activations=fp8_expert_activations,
@@ -207,6 +208,12 @@ def _price(args: tuple, index: int, workers: int) -> tuple[list, list]:
                     if batch is None:
                         batch = _rounded_batch(layout, micro, global_batch_tokens / seq_len)
                     workload = Workload(seq_len, micro, batch, precision)
+                    # memory first: a mode that does not fit (but the last, whose plan gives
+                    # the rejection) is not priced; an error is left to plan_layout's message
+                    if i < len(savers) - 1 and _over_memory(
+                        config, layout, workload, gpu, plan_kwargs
+                    ):
+                        continue
                     plan = plan_layout(
                         config, layout, workload, gpu, model_name=model_name, **plan_kwargs
                     )
@@ -222,6 +229,18 @@ def _price(args: tuple, index: int, workers: int) -> tuple[list, list]:
             if last is not None:
                 rejected.append((n, last))
     return fitting, rejected
+
+
+def _over_memory(
+    config: Any, layout: PlanLayout, workload: Workload, gpu: GPUSpec, plan_kwargs: dict
+) -> bool:
+    """Whether `layout`'s largest rank surely needs more than the GPU (`peak_memory`, the
+    bytes `plan_layout` counts); False when it raises, so that `plan_layout` gives the error."""
+    reserve = plan_kwargs.get("reserve_bytes", GiB)
+    try:
+        return peak_memory(config, layout, workload, gpu, reserve_bytes=reserve) > gpu.memory_bytes
+    except ValueError:
+        return False
 
 
 def _memory_savers(
