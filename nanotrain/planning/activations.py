@@ -11,6 +11,7 @@ backpropagated, taken here from the code's own schedule (`PlanLayout.schedule_ac
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -25,7 +26,7 @@ from nanotrain.planning.activation_layers import (
     mtp_block,
     saves_rope_tables,
 )
-from nanotrain.planning.layout import PlanLayout, Workload
+from nanotrain.planning.layout import PlanLayout, Workload, pipeline_actions
 from nanotrain.planning.rank_model import config_key
 
 __all__ = ["ActivationEstimate", "activation_estimate", "layer_activation_bytes"]
@@ -214,10 +215,20 @@ def _schedule_peak(
     microbatch before the next: one microbatch through the whole model."""
     if layout.pp == 1:
         return sum(per_chunk)
-    live = peak = 0
-    for action in layout.schedule_actions(num_microbatches, pp_rank):
-        live += per_chunk[action.chunk] * (
-            1 if action.kind == "F" else -int(action.frees_activations)
-        )
-        peak = max(peak, live)
-    return peak
+    counts = _live_counts(layout.schedule, num_microbatches, layout.pp, pp_rank, layout.virtual_pp)
+    # the same walk, summed per distinct count of live forwards per chunk (exact)
+    return max(sum(n * b for n, b in zip(c, per_chunk, strict=False)) for c in counts)
+
+
+@functools.lru_cache(maxsize=4096)
+def _live_counts(
+    schedule: str | None, m: int, pp: int, pp_rank: int, v: int
+) -> tuple[tuple[int, ...], ...]:
+    """Every distinct (live forwards of chunk 0, of chunk 1, ...) the rank's actions pass
+    through, the empty start included: the peak of any per-chunk bytes is at one of them."""
+    live = [0] * v
+    seen = {tuple(live)}
+    for action in pipeline_actions(schedule, m, pp, pp_rank, v):
+        live[action.chunk] += 1 if action.kind == "F" else -int(action.frees_activations)
+        seen.add(tuple(live))
+    return tuple(sorted(seen))

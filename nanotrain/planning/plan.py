@@ -46,6 +46,7 @@ workspaces: 1 GiB by default) stay within the GPU's memory.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -79,7 +80,12 @@ from nanotrain.planning.memory_bound import memory_bound_seconds
 from nanotrain.planning.rank_model import config_key, rank_models
 from nanotrain.planning.runs_on import refused_on
 from nanotrain.planning.stage_flops import compute_seconds, flop_parts, stage_flops
-from nanotrain.planning.stage_replay import PricedStage, replay_priced
+from nanotrain.planning.stage_replay import (
+    PricedStage,
+    StageDurations,
+    replay_priced,
+    replay_stages,
+)
 from nanotrain.planning.working_memory import WorkingMemory, with_fragmentation, working_memory
 
 __all__ = ["Plan", "RankPlan", "plan_layout"]
@@ -337,6 +343,83 @@ def _zero3_exposed(rank: Any, layout: PlanLayout, workload: Workload, comm_t: di
     return exposed, host
 
 
+def _memory_terms(
+    config: Any,
+    given: PlanLayout,
+    layout: PlanLayout,
+    local: Workload,
+    workload: Workload,
+    rank: Any,
+    last: bool,
+    device: str,
+) -> tuple[Any, Any, Any]:
+    """(state, activations, working memory) of one pipeline rank: `given` is the layout as
+    asked, `layout` / `local` its cp-folded form (`fold_cp`)."""
+    state = state_memory(rank, layout, local)
+    acts = add_cp_activations(
+        activation_estimate(config, layout, local, rank.pp_rank, device=device),
+        cp_activation_bytes(config, given, workload, rank.chunks, last),
+    )
+    working = working_memory(config, layout, local, rank.pp_rank, device=device)
+    working = with_fragmentation(working, state.total + acts.peak + working.total)
+    return state, acts, working
+
+
+def memory_check(
+    config: Any, layout: PlanLayout, workload: Workload, gpu: GPUSpec, *, reserve_bytes: int = GiB
+) -> tuple[int, str | None]:
+    """The largest rank's bytes `plan_layout` would give (`Plan.largest.memory`) and, when
+    they do not fit and `layout` does not offload, the plan's notes joined (a search's
+    rejection reason; None otherwise), without pricing any time: a search checks with it
+    which recomputation mode fits first.
+
+    Raises:
+        ValueError: as `plan_layout` may (call it for the exact message).
+    """
+    given, (layout, local) = layout, fold_cp(config, layout, workload)
+    m = local.num_microbatches(layout)  # the same batch check as plan_layout
+    if layout.pp > 1:  # and the same schedule check as its replay
+        _schedule_runs(layout.schedule, m, layout.pp, layout.virtual_pp,
+                       layout.overlap_forward_backward)  # fmt: skip
+    device = "cpu" if gpu.name == "cpu" else "cuda"
+    peak, worst = 0, 0
+    for rank in rank_models(config, layout):
+        last = layout.pp == 1 or layout.placement.holds_last(rank.pp_rank)
+        state, acts, working = _memory_terms(
+            config, given, layout, local, workload, rank, last, device
+        )
+        memory = state.total + acts.peak + working.total + reserve_bytes
+        if memory > peak:  # the first largest, as max() in plan_layout
+            peak, worst = memory, rank.pp_rank
+    if peak <= gpu.memory_bytes or layout.cpu_offload:  # offload's note prices its host step
+        return peak, None
+    return peak, "; ".join([*_refusal_notes(layout, gpu), _over_memory_note(worst, peak, gpu)])
+
+
+@functools.lru_cache(maxsize=1024)
+def _schedule_runs(schedule: str, m: int, pp: int, v: int, overlap: bool) -> None:
+    """Raise `replay_stages`'s ValueError when the schedule cannot run these sizes (whether
+    it runs does not depend on the durations)."""
+    replay_stages(schedule, m, v, [StageDurations(1.0, 1.0, 1.0)] * pp, overlap)
+
+
+def _refusal_notes(layout: PlanLayout, gpu: GPUSpec) -> list[str]:
+    refusal = refused_on(layout, gpu)
+    if not refusal:
+        return []
+    return [
+        f"does not run on a {gpu.name} yet, priced as it would run: the strategy refuses "
+        f"it there ({refusal})"
+    ]
+
+
+def _over_memory_note(pp_rank: int, memory: int, gpu: GPUSpec) -> str:
+    return (
+        f"pipeline stage {pp_rank} needs {memory / GiB:.2f} GiB per GPU, more "
+        f"than the {gpu.memory_bytes / GiB:.2f} GiB of a {gpu.name}"
+    )
+
+
 def plan_layout(
     config: Any,
     layout: PlanLayout,
@@ -376,13 +459,9 @@ def plan_layout(
             comm_estimate(config, layout, local, rank.pp_rank, ranks_per_node=gpu.gpus_per_node),
             cp_traffic(config, given, workload, rank.chunks, last),
         )
-        state = state_memory(rank, layout, local)
-        acts = add_cp_activations(
-            activation_estimate(config, layout, local, rank.pp_rank, device=device),
-            cp_activation_bytes(config, given, workload, rank.chunks, last),
+        state, acts, working = _memory_terms(
+            config, given, layout, local, workload, rank, last, device
         )
-        working = working_memory(config, layout, local, rank.pp_rank, device=device)
-        working = with_fragmentation(working, state.total + acts.peak + working.total)
         ranks.append(
             RankPlan(
                 pp_rank=rank.pp_rank,
@@ -467,18 +546,10 @@ def plan_layout(
             f"({host_step:.3f} s at an assumed {zero3.HOST_ADAM_BYTES_PER_S / 1e9:.0f} GB/s "
             "of host memory traffic per GPU)"
         )
-    refusal = refused_on(layout, gpu)
-    if refusal:
-        notes.append(
-            f"does not run on a {gpu.name} yet, priced as it would run: the strategy refuses "
-            f"it there ({refusal})"
-        )
+    notes.extend(_refusal_notes(layout, gpu))
     if not fits:
         worst = max(ranks, key=lambda r: r.memory)
-        notes.append(
-            f"pipeline stage {worst.pp_rank} needs {worst.memory / GiB:.2f} GiB per GPU, more "
-            f"than the {gpu.memory_bytes / GiB:.2f} GiB of a {gpu.name}"
-        )
+        notes.append(_over_memory_note(worst.pp_rank, worst.memory, gpu))
     counts = _param_counts(config)
     return Plan(
         model=model_name or type(config).__name__,

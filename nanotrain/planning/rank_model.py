@@ -143,7 +143,7 @@ def _full_model(config: Any, tp: int, ep: int, sequence_parallel: bool) -> nn.Mo
     `PipelineStage` only picks modules of it, so every pipeline rank can share one build."""
     key = (config_key(config), tp, ep, sequence_parallel)
     if key not in _FULL:
-        if len(_FULL) > 32:
+        if len(_FULL) > 256:
             _FULL.clear()
         mesh = _Mesh(LayoutGroup(tp) if tp > 1 else None, LayoutGroup(ep) if ep > 1 else None, 1, 0)
         _FULL[key] = build_model(
@@ -204,7 +204,7 @@ def rank_models(config: Any, layout: PlanLayout) -> list[RankModel]:
     for r in range(layout.pp):
         key = (config_key(config), shape, r)
         if key not in _CACHE:
-            if len(_CACHE) > 256:
+            if len(_CACHE) > 4096:
                 _CACHE.clear()
             _CACHE[key] = _rank_model(config, shape, r)
         out.append(_CACHE[key])

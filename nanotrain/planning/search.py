@@ -27,7 +27,7 @@ from nanotrain.parallel.layout_checks import divisors
 from nanotrain.planning.context_parallel import search_cp_sizes
 from nanotrain.planning.gpus import GPUSpec
 from nanotrain.planning.layout import PlanLayout, Workload, balanced_pipeline_layout
-from nanotrain.planning.plan import Plan, plan_layout
+from nanotrain.planning.plan import GiB, Plan, memory_check, plan_layout
 
 __all__ = ["Rejected", "SearchResult", "search_layouts"]
 
@@ -193,7 +193,8 @@ def _price(args: tuple, index: int, workers: int) -> tuple[list, list]:
             # that fits is the fastest that fits, the heavier ones are not priced; a layout is
             # rejected when even the last mode does not fit
             last: Rejected | None = None
-            for offload, every, mode in _memory_savers(base, recompute, cpu_offload):
+            savers = _memory_savers(base, recompute, cpu_offload)
+            for i, (offload, every, mode) in enumerate(savers):
                 layout = base.replace(
                     recompute=mode,
                     fp8_expert_activations=fp8_expert_activations,
@@ -207,6 +208,14 @@ def _price(args: tuple, index: int, workers: int) -> tuple[list, list]:
                     if batch is None:
                         batch = _rounded_batch(layout, micro, global_batch_tokens / seq_len)
                     workload = Workload(seq_len, micro, batch, precision)
+                    # memory first: only the first mode that fits is priced in time; a
+                    # layout no mode fits is rejected with the last one's reason
+                    over = _over_memory(config, layout, workload, gpu, plan_kwargs)
+                    if over is not None and i < len(savers) - 1:
+                        continue
+                    if over:
+                        last = Rejected(layout, micro, over)
+                        break
                     plan = plan_layout(
                         config, layout, workload, gpu, model_name=model_name, **plan_kwargs
                     )
@@ -222,6 +231,25 @@ def _price(args: tuple, index: int, workers: int) -> tuple[list, list]:
             if last is not None:
                 rejected.append((n, last))
     return fitting, rejected
+
+
+def _over_memory(
+    config: Any, layout: PlanLayout, workload: Workload, gpu: GPUSpec, plan_kwargs: dict
+) -> str | None:
+    """None when `layout` may fit (`memory_check`, the bytes `plan_layout` counts) or raises
+    (`plan_layout` then gives the error); else the reason `plan_layout` would give, or ""
+    under cpu_offload (whose reason prices its host step: `plan_layout` gives it)."""
+    reserve = plan_kwargs.get("reserve_bytes", GiB)
+    efficiency = plan_kwargs.get("compute_efficiency")
+    if efficiency is not None and not 0 < efficiency <= 1:
+        return None  # plan_layout's error
+    try:
+        peak, reason = memory_check(config, layout, workload, gpu, reserve_bytes=reserve)
+    except ValueError:
+        return None
+    if peak <= gpu.memory_bytes:
+        return None
+    return reason or ""
 
 
 def _memory_savers(

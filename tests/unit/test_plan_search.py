@@ -8,6 +8,7 @@ from nanotrain.models import presets
 from nanotrain.models.accounting import flops_per_token
 from nanotrain.planning import GPUS, PlanLayout, Workload, gpu_spec, plan_layout, search_layouts
 from nanotrain.planning.plan import _bandwidths
+from nanotrain.planning.search import SEARCH_RECOMPUTE
 from nanotrain.planning.stage_replay import StageDurations, replay_stages
 
 
@@ -302,3 +303,58 @@ def test_search_in_worker_processes_gives_the_one_process_result():
     assert two.rejected == one.rejected
     with pytest.raises(ValueError, match="workers"):
         search_layouts(config, 8, GPUS["h100"], workers=0, **kwargs)
+
+
+def _every_mode_priced(config, world, gpu, **kwargs):
+    """The search written straightforwardly: every candidate, micro batch and memory saver
+    priced in full by `plan_layout` until one fits (no memory-first shortcut)."""
+    from nanotrain.planning import search as search_mod
+
+    fitting, rejected = [], []
+    for base in search_mod._candidates(config, world, gpu, (1, 3), kwargs["seq_len"]):
+        for micro in (1, 2):
+            last = None
+            for offload, every, mode in search_mod._memory_savers(base, SEARCH_RECOMPUTE, None):
+                layout = base.replace(
+                    recompute=mode, cpu_offload=offload, reduce_scatter_every_microbatch=every
+                )
+                workload = Workload(kwargs["seq_len"], micro, kwargs["global_batch_size"])
+                try:
+                    plan = plan_layout(config, layout, workload, gpu)
+                except ValueError as err:
+                    last = (layout, micro, str(err))
+                    break
+                if plan.fits:
+                    fitting.append(plan)
+                    last = None
+                    break
+                last = (layout, micro, "; ".join(plan.notes))
+            if last is not None:
+                rejected.append(last)
+    fitting.sort(key=lambda p: -p.tokens_per_s)
+    return fitting, rejected
+
+
+def test_memory_first_search_gives_the_plans_and_rejections_of_pricing_every_mode():
+    """On a GPU that only some recomputation modes fit, pricing memory first (and the time
+    of the first mode that fits only) keeps every plan, its rank and every rejection."""
+    config = presets.get("deepseek-100m")
+    kwargs = dict(seq_len=1024, global_batch_size=64)
+    needs = sorted(
+        p.largest.memory
+        for p in search_layouts(config, 8, GPUS["h100"], micro_batch_sizes=(1, 2), **kwargs).fitting
+    )
+    mid = gpu_spec(
+        f'{{"name": "mid", "memory_bytes": {needs[len(needs) // 3]}, '
+        '"peak_flops": {"bf16": 1e15}, "intra_node_bw": 4.5e11, "inter_node_bw": 5e10}'
+    )
+    fast = search_layouts(config, 8, mid, micro_batch_sizes=(1, 2), **kwargs)
+    fitting, rejected = _every_mode_priced(config, 8, mid, **kwargs)
+    # the memory-first path was taken: some plans fit only with recomputation
+    assert any(p.layout.recompute is not None for p in fitting)
+    assert rejected
+    key = [(p.layout, p.workload, p.step_time_s, p.largest.memory, p.notes) for p in fitting]
+    assert [
+        (p.layout, p.workload, p.step_time_s, p.largest.memory, p.notes) for p in fast.fitting
+    ] == key
+    assert [(r.layout, r.micro_batch_size, r.reason) for r in fast.rejected] == rejected
