@@ -130,7 +130,7 @@ def test_megatron_4d_example_on_four_ranks_pp2_ep2_zero1(tmp_path):
     report = json.loads((tmp_path / "runs/megatron_4d/version_0/report.json").read_text())
     assert report["strategy"]["layout"] == {
         "strategy": "MegatronStrategy", "world_size": 4,
-        "tp": 1, "pp": 2, "ep": 2, "dp": 2, "zero_stage": 1,
+        "tp": 1, "pp": 2, "ep": 2, "dp": 2, "cp": 1, "zero_stage": 1,
     }  # fmt: skip
     assert report["training"]["steps"] == 2 and report["training"]["tokens"] == 2 * 8 * 16
     assert report["checkpoints"]["last"].endswith("step-00000002")
