@@ -310,8 +310,9 @@ def test_zero3_fp8_emulated_matches_one_process(world2, references):
     bf16)."""
     reference, bf16 = references["tiny-dense@fp8-emulated"], references["tiny-dense@bf16-mixed"]
     u = 2.0**-8
-    # the step-1 bounds tell fp8 from plain bf16 autocast
-    assert abs(bf16["grad_norms"][0] / reference["grad_norms"][0] - 1) > 1e-4 * 10
+    # the step-1 bounds tell fp8 from plain bf16 autocast: bf16's grad norm is 1.45e-3 away
+    # under ATen's AVX512/AVX2 kernels and 9.3e-4 under its default ones, over 5x the 1e-4
+    assert abs(bf16["grad_norms"][0] / reference["grad_norms"][0] - 1) > 1e-4 * 5
     for rank, result in enumerate(world2):
         r, msg = result["dense zero3 dp=2 fp8-emulated"], f"fp8-emulated, rank {rank}"
         assert len(r["losses"]) == len(reference["losses"]) == tm.STEPS, msg
