@@ -23,6 +23,7 @@ step.
 from __future__ import annotations
 
 import functools
+from typing import Any
 
 from nanotrain.parallel.placement import StagePlacement
 from nanotrain.parallel.schedule_runner import pairs_with
@@ -160,18 +161,41 @@ def _unit_step_time(
                 cost[kinds] = _side_by_side(*parts)
         return cost[kinds]
 
+    free, _ = replay_tasks(schedule, m, lists, lambda rank, kinds: seconds(kinds))
+    return max(free)
+
+
+def replay_tasks(
+    schedule: str,
+    m: int,
+    lists: tuple[tuple[Task, ...], ...],
+    seconds: Any,
+    marks: tuple[int, ...] | None = None,
+) -> tuple[list[float], list[float | None]]:
+    """Run every rank's tasks (`_tasks`) in order, each starting when its rank is free and
+    everything it needs has ended; ``seconds(rank, kinds)`` is a task's duration.
+
+    Returns:
+        (each rank's end, and the start of its task number ``marks[rank]``, None where it
+        has none or no `marks` are given).
+
+    Raises:
+        ValueError: the tasks wait on each other and never run to their end.
+    """
+    pp = len(lists)
     done: dict[Need, float] = {}  # (forward?, microbatch, stage) -> its end
     free = [0.0] * pp
     position = [0] * pp
+    marked: list[float | None] = [None] * pp
     remaining = sum(len(tasks) for tasks in lists)
     ended = done.get
     while remaining:
         progressed = False
         for rank, tasks in enumerate(lists):
             at, clock = position[rank], free[rank]
+            mark = -1 if marks is None else marks[rank]
             while at < len(tasks):
                 kinds, needs, gives = tasks[at]
-                # a task starts when the rank is free and everything it needs has ended
                 start, blocked = clock, False
                 for need in needs:
                     if need is None:
@@ -183,7 +207,9 @@ def _unit_step_time(
                     start = max(start, end)
                 if blocked:
                     break
-                clock = start + seconds(kinds)
+                if at == mark:
+                    marked[rank] = start
+                clock = start + seconds(rank, kinds)
                 for g in gives:
                     if g is not None:
                         done[g] = clock
@@ -193,7 +219,7 @@ def _unit_step_time(
             position[rank], free[rank] = at, clock
         if not progressed:
             raise ValueError(f"schedule {schedule!r} does not run to its end (pp={pp}, m={m})")
-    return max(free)
+    return free, marked
 
 
 #: per task: (action kinds, what each waits for from another stage, what each gives)

@@ -16,7 +16,7 @@ import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from nanotrain.planning.schedule_time import _segments, _side_by_side, _tasks
+from nanotrain.planning.schedule_time import _segments, _side_by_side, _tasks, replay_tasks
 
 __all__ = ["StageDurations", "StageReplay", "replay_stages"]
 
@@ -80,39 +80,7 @@ def replay_stages(
             cache[kinds] = sum(x for _, x in parts[0]) if single else _side_by_side(*parts)
         return cache[kinds]
 
-    done: dict[tuple[bool, int, int], float] = {}
-    free, position = [0.0] * pp, [0] * pp
-    last_backward: list[float | None] = [None] * pp
-    remaining = sum(len(t) for t in lists)
-    while remaining:
-        progressed = False
-        for rank, tasks in enumerate(lists):
-            at, clock = position[rank], free[rank]
-            while at < len(tasks):
-                kinds, needs, gives = tasks[at]
-                start, blocked = clock, False
-                for need in needs:
-                    if need is None:
-                        continue
-                    end = done.get(need)
-                    if end is None:
-                        blocked = True
-                        break
-                    start = max(start, end)
-                if blocked:
-                    break
-                if at == marks[rank]:
-                    last_backward[rank] = start
-                clock = start + seconds(rank, kinds)
-                for g in gives:
-                    if g is not None:
-                        done[g] = clock
-                at += 1
-            remaining -= at - position[rank]
-            progressed = progressed or at > position[rank]
-            position[rank], free[rank] = at, clock
-        if not progressed:
-            raise ValueError(f"schedule {schedule!r} does not run to its end (pp={pp}, m={m})")
+    free, last_backward = replay_tasks(schedule, m, lists, seconds, marks)
     starts = tuple(free[r] if t is None else t for r, t in enumerate(last_backward))
     return StageReplay(tuple(free), starts)
 
