@@ -264,8 +264,10 @@ def test_schedule_peak_matches_a_pipeline_step(measured, name):
         assert working.pipeline_held == held, (rank, working.pipeline_held, held)
         if "paired" in name:
             # the paired backward frees its saved tensors (on another thread) while the
-            # forward saves its own: the sequential walk is an upper bound there
-            assert saved <= estimate.saved_peak, (rank, estimate.saved_peak, saved)
+            # forward saves its own: the sequential walk is an upper bound there, up to the
+            # loss terms' few bytes the estimate leaves out (12 bytes over on one CI machine)
+            bound = estimate.saved_peak * (1 + rel)
+            assert saved <= bound, (rank, estimate.saved_peak, saved)
             continue
         assert estimate.saved_peak == pytest.approx(saved, rel=rel), (
             rank,
