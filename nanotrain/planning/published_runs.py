@@ -3,10 +3,11 @@ stated), and the planner's prediction of each: the calibration table of docs/pla
 
 Each run is priced as its layout (`plan_layout` of a fixed layout, no search) with the
 planner's measured constants (`nanotrain.planning.calibration`): nothing here is fitted to
-the runs. Throughput is compared as model TFLOP/s per GPU (the MFU numerator the papers
-state) or tokens/s; a published TFLOP/s figure is turned into tokens/s with this planner's
-FLOPs per token (6 N plus causal attention, `accounting.flops_per_token_parts`), which is
-how those papers count them too.
+the runs. Throughput is compared as tokens/s. A published "model TFLOP/s per GPU" is turned
+into tokens/s with the FLOPs per token of the MFU convention it was counted in
+(`published_flops_per_token`: attention over the full sequence x sequence square), not with
+this planner's causal count (`accounting.flops_per_token`, which halves the attention
+scores because causal kernels skip the masked half).
 """
 
 from __future__ import annotations
@@ -16,11 +17,19 @@ from dataclasses import dataclass
 from typing import Any
 
 from nanotrain.models import presets
+from nanotrain.models.accounting import flops_per_token
 from nanotrain.planning.gpus import GPUS, GPUSpec
 from nanotrain.planning.layout import PlanLayout, Workload
 from nanotrain.planning.plan import Plan, plan_layout
 
-__all__ = ["PUBLISHED_RUNS", "PublishedRun", "memory_ratio", "predict"]
+__all__ = [
+    "PUBLISHED_RUNS",
+    "PublishedRun",
+    "memory_ratio",
+    "predict",
+    "published_flops_per_token",
+    "published_tokens_per_s",
+]
 
 GiB = 2**30
 
@@ -48,8 +57,10 @@ _H100_96GB = GPUSpec(
 class PublishedRun:
     """One published run: its `source` (paper / report, table or section), the model, the
     layout and batch as published, and what it measured: `tflops_per_gpu` (model TFLOP/s
-    per GPU) or `tokens_per_s` (whole run), and `memory_gib` where stated. `pending`: why
-    the planner cannot price it yet (None when it can)."""
+    per GPU, FLOPs counted as `published_flops_per_token` counts them) or `tokens_per_s`
+    (whole run), and `memory_gib` where stated. `pending`: why the planner cannot price it
+    yet (None when it can); `outside`: why its prediction is outside the calibration bounds
+    (None when inside)."""
 
     name: str
     source: str
@@ -116,12 +127,6 @@ PUBLISHED_RUNS: tuple[PublishedRun, ...] = (
         # Table 4: 16 sequences of 131,072 tokens per data-parallel replica, 16M tokens
         workload=Workload(131072, 1, 16 * 8, "bf16-true"),
         tflops_per_gpu=380.0,
-        outside=(
-            "predicted 0.61x: 16 microbatches on 16 stages x 2 chunks leave a 15/32 bubble "
-            "in this planner (5.6 of 18 s), and full recompute adds a third to the compute; "
-            "the paper states neither its interleaving depth nor its recomputation (with 4 "
-            "chunks per rank the ratio is 0.72, but stage 1 then needs 95.5 GiB)"
-        ),
     ),
     PublishedRun(
         name="Llama 3.1 8B, 8 H100 (96 GB, 500 W), FSDP",
@@ -178,8 +183,40 @@ PUBLISHED_RUNS: tuple[PublishedRun, ...] = (
 )
 
 
+def published_flops_per_token(config: Any, seq_len: int) -> float:
+    """Training FLOPs per token as published model-TFLOP/s and MFU figures count them:
+    6 N + 12 L H Q T (PaLM, Chowdhery et al. 2022, Appendix B), with N the parameters a
+    token computes with (the input embedding excluded, the output head included) and the
+    attention scores and values over the full T x T square, causal masking not discounted.
+
+    Sources: Meta's public training code for Llama 3, torchtitan, computes its MFU so:
+    `get_num_flop_per_token` (torchtitan/utils.py, 2024: `6 * num_params + 12 * l * h * q *
+    t`, "we follow the convention and do not account for sparsity in causal attention"), fed
+    `get_num_params(model, exclude_embedding=True)` in its train.py; its current
+    `quadratic_attention_flops_per_token` (torchtitan/models/utils.py) keeps that
+    convention. Megatron-LM's `num_floating_point_operations` (megatron/training/training.py,
+    after Narayanan et al. 2021's appendix on floating-point operations) counted the same
+    full square (its `seq_length / hidden_size` term) until March 2025 (commit 8873b55,
+    "Fixes in number of floating-point operation estimates", which halved it). The Llama 3
+    paper does not state its formula. N here leaves out the RMSNorm weights, which
+    torchtitan's count includes: 4.1M of Llama 3 405B's 404B, 1e-5 of the FLOPs.
+
+    Raises: ValueError if seq_len < 1.
+    """
+    return flops_per_token(config, seq_len, causal=False)
+
+
+def published_tokens_per_s(run: PublishedRun) -> float:
+    """The whole run's published throughput in tokens/s: `tokens_per_s`, or
+    `tflops_per_gpu` x GPUs over `published_flops_per_token` at the run's sequence length."""
+    if run.tokens_per_s is not None:
+        return run.tokens_per_s
+    flops = published_flops_per_token(run.config(), run.workload.seq_len)
+    return run.tflops_per_gpu * 1e12 * run.gpus / flops
+
+
 def predict(run: PublishedRun, compute_efficiency: float | None = None) -> tuple[Plan, float]:
-    """(the plan of `run`'s layout, predicted / published throughput); `compute_efficiency`
+    """(the plan of `run`'s layout, predicted / published tokens/s); `compute_efficiency`
     as `plan_layout`'s (default: the measured `calibration.GEMM_EFFICIENCY`).
 
     Raises:
@@ -191,10 +228,7 @@ def predict(run: PublishedRun, compute_efficiency: float | None = None) -> tuple
     plan = plan_layout(
         config, run.layout, run.workload, run.gpu, compute_efficiency=compute_efficiency
     )
-    if run.tflops_per_gpu is not None:
-        predicted = plan.flops_per_step / plan.step_time_s / run.gpus / 1e12
-        return plan, predicted / run.tflops_per_gpu
-    return plan, plan.tokens_per_s / run.tokens_per_s
+    return plan, plan.tokens_per_s / published_tokens_per_s(run)
 
 
 def memory_ratio(run: PublishedRun, plan: Plan) -> float | None:
