@@ -186,10 +186,12 @@ PUBLISHED_RUNS: tuple[PublishedRun, ...] = (
 def published_flops_per_token(config: Any, seq_len: int) -> float:
     """Training FLOPs per token as published model-TFLOP/s and MFU figures count them:
     6 N + 12 L H Q T (PaLM, Chowdhery et al. 2022, Appendix B), with N the parameters a
-    token computes with (the input embedding excluded, the output head included) and the
-    attention scores and values over the full T x T square, causal masking not discounted.
+    token computes with (here as torchtitan counts them: all but the input embedding, so the
+    output head counts) and the attention scores and values over the full T x T square,
+    causal masking not discounted.
 
-    Sources: Meta's public training code for Llama 3, torchtitan, computes its MFU so:
+    Sources: Meta's public PyTorch training code for Llama 3 models, torchtitan, computes
+    its MFU so:
     `get_num_flop_per_token` (torchtitan/utils.py, 2024: `6 * num_params + 12 * l * h * q *
     t`, "we follow the convention and do not account for sparsity in causal attention"), fed
     `get_num_params(model, exclude_embedding=True)` in its train.py; its current
