@@ -53,6 +53,16 @@ _H100_96GB = GPUSpec(
 )
 
 
+#: where the Megatron-Core rows come from: NVIDIA-NeMo/Megatron-Bridge's performance summary
+#: (docs/performance-summary.md, now docs/performance-summary-archive.md; published at
+#: docs.nvidia.com/nemo/megatron-bridge/latest/performance-summary-archive.html), and the
+#: recipe that ran it
+_MBRIDGE = (
+    "NVIDIA Megatron-Bridge performance summary, NeMo {} row (tokens/s/GPU); recipe "
+    "scripts/performance/{} at commit {}"
+)
+
+
 @dataclass(frozen=True)
 class PublishedRun:
     """One published run: its `source` (paper / report, table or section), the model, the
@@ -179,6 +189,85 @@ PUBLISHED_RUNS: tuple[PublishedRun, ...] = (
         workload=Workload(4096, 1, 15360, "transformer-engine"),
         # 180K H800 GPU hours per trillion tokens on 2,048 GPUs
         tokens_per_s=1e12 / (180e3 * 3600) * 2048,
+    ),
+    # NVIDIA Megatron-Core (Megatron-Bridge) performance recipes on DGX-H100 (80 GB), fp8
+    # per-tensor current scaling for every layer's linears ("transformer-engine" here); the
+    # layouts and batches are the recipes' (scripts/performance at the commits cited)
+    PublishedRun(
+        name="Llama 3 70B, 64 H100, Megatron-Core TP4 PP8x5 DP2, fp8",
+        source=_MBRIDGE.format(
+            "25.11, DGX-H100: LLAMA3_70B",
+            "configs/llama/llama3_workload_base_configs.py",
+            "5776a6d9",
+        ),
+        config=lambda: presets.get("dense-70b"),
+        gpus=64,
+        gpu=GPUS["h100"],
+        # distributed optimizer (ZeRO-1), sequence parallel with tp, no recomputation
+        layout=PlanLayout(tp=4, pp=8, dp=2, virtual_pp=5, zero_stage=1, sequence_parallel=True),
+        workload=Workload(8192, 1, 128, "transformer-engine"),
+        tokens_per_s=1602.0 * 64,
+    ),
+    PublishedRun(
+        name="Llama 3.1 405B, 1,024 H100, Megatron-Core TP8 CP2 PP8x8 DP8, fp8",
+        source=_MBRIDGE.format(
+            "25.11, DGX-H100: LLAMA3.1_405B",
+            "configs/llama/llama31_workload_base_configs.py",
+            "5776a6d9",
+        ),
+        config=_llama31_405b,
+        gpus=1024,
+        gpu=GPUS["h100"],
+        # account_for_embedding / _loss_in_pipeline_split: 126 layers + embedding + loss over
+        # 64 virtual stages of 2, the first and the last with one layer
+        layout=PlanLayout(
+            tp=8,
+            cp=2,
+            pp=8,
+            dp=8,
+            virtual_pp=8,
+            zero_stage=1,
+            sequence_parallel=True,
+            pipeline_layout=(1, *([2] * 62), 1),
+        ),  # fmt: skip
+        workload=Workload(8192, 1, 512, "transformer-engine"),
+        tokens_per_s=292.0 * 1024,
+    ),
+    PublishedRun(
+        name="DeepSeek-V3, 1,024 H100, Megatron-Core TP2 PP8x4 EP64, fp8",
+        source=_MBRIDGE.format(
+            "25.09, DGX-H100: DeepSeekV3 (dropless)",
+            "run_script.py and configs/deepseek/deepseek_v3_llm_pretrain.yaml",
+            "fa0315ae",
+        ),
+        config=lambda: presets.get("deepseek-v3-671b"),
+        gpus=1024,
+        gpu=GPUS["h100"],
+        # pipeline layout "Et|(tt|)*30mL": 1 layer, 30 x 2, then MTP and loss alone; the
+        # recipe recomputes mla_up_proj (and the 3 dense layers' MLPs): "light" here, the
+        # mode that recomputes MLA's up-projections (it also rebuilds norms and SwiGLU)
+        layout=PlanLayout(
+            tp=2,
+            pp=8,
+            dp=64,
+            ep=64,
+            virtual_pp=4,
+            zero_stage=1,
+            sequence_parallel=True,
+            pipeline_layout=(1, *([2] * 30), 0),
+            recompute="light",
+        ),  # fmt: skip
+        workload=Workload(4096, 1, 8192, "transformer-engine"),
+        tokens_per_s=1297.0 * 1024,
+        outside=(
+            "predicted 0.75 (just under): 16.4 of the 33.7 s step are expert all-to-alls, "
+            "blocking here; the run overlaps them with another microbatch's compute "
+            "(overlap_moe_expert_parallel_comm, delayed weight gradients), which this "
+            "strategy runs only with tp = 1, two chunks per rank and on CPU. The run's grouped "
+            "expert GEMMs are fp8; here the routed experts run in bf16 under transformer-engine "
+            "(about 2.6 s of the slowest stage's 12.5 s of compute: at fp8 the ratio would "
+            "be about 0.81)"
+        ),
     ),
 )
 

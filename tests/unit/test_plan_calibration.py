@@ -40,10 +40,28 @@ PUBLISHED = {
     "Llama 3.1 405B, 128 H100 (94 GB), FSDP16 TP8": (109.0 * 128, "tokens/s", "torchtitan"),
     # 180K H800 GPU hours per trillion tokens (DeepSeek-V3 report Table 1), 2,048 GPUs
     "DeepSeek-V3, 2,048 H800, DualPipe PP16 EP64": (3.16e6, "tokens/s", "DeepSeek-V3 Table 1"),
+    # NVIDIA Megatron-Bridge performance summary (docs/performance-summary-archive.md),
+    # DGX-H100 pre-training tables, Tokens / sec / GPU column, times the GPUs
+    "Llama 3 70B, 64 H100, Megatron-Core TP4 PP8x5 DP2, fp8": (
+        1602.0 * 64,
+        "tokens/s",
+        "Megatron-Bridge 25.11 DGX-H100 LLAMA3_70B FP8-CS: 64 GPUs, GBS 128, TP4 PP8 VP5",
+    ),
+    "Llama 3.1 405B, 1,024 H100, Megatron-Core TP8 CP2 PP8x8 DP8, fp8": (
+        292.0 * 1024,
+        "tokens/s",
+        "Megatron-Bridge 25.11 DGX-H100 LLAMA3.1_405B FP8-CS: 1024 GPUs, GBS 512, TP8 PP8 CP2 VP8",
+    ),
+    "DeepSeek-V3, 1,024 H100, Megatron-Core TP2 PP8x4 EP64, fp8": (
+        1297.0 * 1024,
+        "tokens/s",
+        "Megatron-Bridge 25.09 DGX-H100 DeepSeekV3 (dropless): GBS 8192, TP2 PP8 VP4 EP64",
+    ),
 }
 #: runs outside the bounds: the documented ratio, held within 5% so a change shows
 OUTSIDE = {
     "Llama 3.1 8B, 8 H100 (96 GB, 500 W), FSDP": 1.89,
+    "DeepSeek-V3, 1,024 H100, Megatron-Core TP2 PP8x4 EP64, fp8": 0.75,
 }
 RUNS = {run.name: run for run in PUBLISHED_RUNS}
 
@@ -105,6 +123,37 @@ def test_the_long_context_run_is_priced_with_its_published_cp_layout():
     # the cp ring's K/V all-gathers and reduce-scatters are priced, blocking
     assert plan.slowest_comm_s["cp"] > 0
     assert plan.time_parts["blocking_comm"] >= plan.slowest_comm_s["cp"]
+
+
+#: Megatron-Bridge's stated layouts (tp, cp, pp, virtual pp, ep, GBS, sequence) and its
+#: "Model TFLOP / sec / GPU" beside the tokens/s (same tables as PUBLISHED)
+MEGATRON_ROWS = {
+    "Llama 3 70B, 64 H100, Megatron-Core TP4 PP8x5 DP2, fp8": ((4, 1, 8, 5, 1, 128, 8192), 719.0),
+    "Llama 3.1 405B, 1,024 H100, Megatron-Core TP8 CP2 PP8x8 DP8, fp8": (
+        (8, 2, 8, 8, 1, 512, 8192),
+        737.0,
+    ),
+    "DeepSeek-V3, 1,024 H100, Megatron-Core TP2 PP8x4 EP64, fp8": (
+        (2, 1, 8, 4, 64, 8192, 4096),
+        338.0,
+    ),
+}
+
+
+@pytest.mark.parametrize("name", sorted(MEGATRON_ROWS))
+def test_the_megatron_rows_are_priced_as_published_with_megatrons_flops_per_token(name):
+    run = RUNS[name]
+    (tp, cp, pp, vp, ep, gbs, seq), tflops = MEGATRON_ROWS[name]
+    lay, work = run.layout, run.workload
+    assert (lay.tp, lay.cp, lay.pp, lay.virtual_pp, lay.ep) == (tp, cp, pp, vp, ep)
+    assert lay.world_size == run.gpus and lay.zero_stage == 1 and lay.sequence_parallel
+    assert (work.global_batch_size, work.seq_len, work.micro_batch_size) == (gbs, seq, 1)
+    assert work.precision == "transformer-engine"
+    # the published TFLOP/s over the published tokens/s is Megatron's FLOPs per token: the
+    # planner's model (shapes, MTP, causal attention) counts the same within 0.5%
+    plan, _ = predict(run)
+    published = tflops * 1e12 * run.gpus / run.tokens_per_s
+    assert plan.flops_per_step / work.tokens_per_step == pytest.approx(published, rel=0.005)
 
 
 def test_a_pending_run_is_refused_with_its_reason():
