@@ -66,6 +66,7 @@ from nanotrain.planning.context_parallel import (
     fold_cp,
 )
 from nanotrain.planning.gpus import GPUSpec
+from nanotrain.planning.kernels import attention_kernel_seconds
 from nanotrain.planning.layout import PlanLayout, Workload
 from nanotrain.planning.memory import (
     StateMemory,
@@ -372,6 +373,10 @@ def plan_layout(
             )
         )
         compute = compute_seconds(stage, gpu, workload.precision, compute_efficiency)
+        # SDPA's FlashAttention-2 where the run does not use FlashAttention-3's kernels
+        compute += attention_kernel_seconds(
+            config, layout, workload, rank.chunks, gpu, compute_efficiency
+        )
         memory_t = memory_bound_seconds(config, layout, workload, rank.chunks, last, gpu)
         comm_t = _comm_time(comm, bandwidth)
         blocking = sum(t for g, t in comm_t.items() if g in BLOCKING_GROUPS)
