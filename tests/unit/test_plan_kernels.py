@@ -7,6 +7,7 @@ The byte counts are derived here from the op lists, independently of
 
 from __future__ import annotations
 
+import json
 from dataclasses import replace
 
 import pytest
@@ -121,3 +122,21 @@ def test_sdpa_runs_the_attention_core_at_flashattention2_speed():
 def test_an_unknown_kernel_set_is_refused_with_the_known_ones():
     with pytest.raises(ValueError, match="kernels must be one of.*'compiled'.*'eager'"):
         Workload(512, kernels="triton")
+
+
+def test_plan_cli_prices_the_kernels_given_for_one_layout(capsys):
+    from nanotrain.cli.plan import run_plan
+
+    argv = ["--model", "tiny-dense", "--gpus", "2", "--gpu", "h100", "--seq-len", "1024",
+            "--global-batch-size", "4", "--dp", "2", "--json"]  # fmt: skip
+    steps = {}
+    for kernels in ("fused", "eager"):
+        run_plan([*argv, "--kernels", kernels])
+        out = json.loads(capsys.readouterr().out)
+        assert out["workload"]["kernels"] == kernels
+        steps[kernels] = out["step_time_s"]
+    assert steps["eager"] > steps["fused"]
+    run_plan([*argv[:-1], "--kernels", "compiled"])
+    assert "precision bf16-mixed, compiled kernels" in capsys.readouterr().out
+    with pytest.raises(ValueError, match="--kernels eager prices one layout"):
+        run_plan([*argv[:-3], "--kernels", "eager"])
