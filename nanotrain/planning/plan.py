@@ -8,8 +8,10 @@ The step-time model is deliberately simple and stated in full (docs/planning.md)
   gives it only its own, dropless: `routed_rows_per_copy`; a capacity factor prices its
   E x C slots) at
   ``peak_flops * compute_efficiency`` (default `calibration.GEMM_EFFICIENCY`, 0.75: what
-  large GEMMs measure), plus the memory-bound operations at HBM bandwidth
-  (`nanotrain.planning.memory_bound`) and, under paired chunks, the SMs the all-to-all
+  large GEMMs measure; attention on FlashAttention-2 slower where `Workload.kernels` says the
+  run uses PyTorch's SDPA: `nanotrain.planning.kernels`), plus the memory-bound operations at
+  HBM bandwidth (`nanotrain.planning.memory_bound`; eager or fused, as `Workload.kernels`
+  says) and, under paired chunks, the SMs the all-to-all
   kernels hold (`calibration.COMM_SMS`);
   full recomputation adds one forward of the layers, the head + loss and the MTP modules
   (+1/3 of their FLOPs), selective one forward of each attention block (projections and

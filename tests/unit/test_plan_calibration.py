@@ -45,8 +45,8 @@ PUBLISHED = {
 }
 #: runs outside the bounds: the documented ratio, held within 5% so a change shows
 OUTSIDE = {
-    "Llama 3.1 8B, 8 H100 (96 GB, 500 W), FSDP": 1.45,
-    "Llama 3.1 8B, 8 H100 (96 GB, 500 W), FSDP + torch.compile": 1.49,
+    "Llama 3.1 8B, 8 H100 (96 GB, 500 W), FSDP": 1.51,
+    "Llama 3.1 8B, 8 H100 (96 GB, 500 W), FSDP + torch.compile": 1.56,
     "Llama 3.1 405B, 128 H100 (94 GB), FSDP16 TP8": 1.61,
     "Llama 3 405B, 16,384 H100, TP8 CP16 PP16 DP8, 131K context": 0.61,
 }
@@ -55,6 +55,8 @@ PUBLISHED_MEMORY = {
     "Llama 3.1 8B, 8 H100 (96 GB, 500 W), FSDP": 82.4,
     "Llama 3.1 8B, 8 H100 (96 GB, 500 W), FSDP + torch.compile": 77.0,
 }
+#: runs whose memory is outside the bounds: the documented ratio, held within 2%
+MEMORY_OUTSIDE = {"Llama 3.1 8B, 8 H100 (96 GB, 500 W), FSDP + torch.compile": 1.15}
 RUNS = {run.name: run for run in PUBLISHED_RUNS}
 
 
@@ -68,7 +70,11 @@ def test_each_published_run_is_predicted_within_bounds(name):
     assert run.memory_gib == PUBLISHED_MEMORY.get(name)
     plan, ratio = predict(run)
     mem = memory_ratio(run, plan)
-    assert mem is None or 0.85 <= mem <= 1.15, f"{name}: memory predicted / published {mem:.3f}"
+    if name in MEMORY_OUTSIDE:
+        assert "memory" in run.outside, "a run outside the memory bound says why"
+        assert mem == pytest.approx(MEMORY_OUTSIDE[name], rel=0.02)
+    else:
+        assert mem is None or 0.85 <= mem <= 1.15, f"{name}: memory predicted / published {mem:.3f}"
     if name in OUTSIDE:
         assert run.outside, "a run outside the bounds says why"
         assert ratio == pytest.approx(OUTSIDE[name], rel=0.05)
