@@ -45,9 +45,9 @@ SwiGLU      forward: silu 2a, product 3a; backward: product 6a,   28 (fused 8a)
 ==========  ====================================================  ================
 
 Under "full" recomputation the forward's bytes come again (36 per norm element, and 5a per
-SwiGLU element, which the fused pricing does not count); RoPE, the residual adds and the
-loss keep their fused bytes (torchtitan's complex fp32 RoPE moves about 40 bytes per
-element against the 4a priced).
+SwiGLU element, which the fused pricing does not count); the routed experts' scaled product
+is priced as a SwiGLU. RoPE, the residual adds and the loss keep their fused bytes
+(torchtitan's complex fp32 RoPE moves about 40 bytes per element against the 4a priced).
 """
 
 from __future__ import annotations
