@@ -96,6 +96,10 @@ def _parser() -> Any:
     flag("global_batch_size", type=int | None, default=None,
          help="sequences per step (instead of --global-batch-tokens)")  # fmt: skip
     flag("precision", type=str, default="bf16-mixed", help="a Trainer precision name")
+    flag("kernels", type=str, default="fused",
+         help="fused|compiled|eager: fused norms and FlashAttention-3 (default), "
+         "torch.compile around SDPA (FlashAttention-2), or eager PyTorch ops and SDPA; "
+         "prices one layout")  # fmt: skip
     flag("micro_batch_size", type=int | None, default=None,
          help="sequences per microbatch (searching: 1, 2 and 4)")  # fmt: skip
     for name, what in (("tp", "tensor"), ("pp", "pipeline"), ("ep", "expert"), ("dp", "data")):
@@ -168,7 +172,7 @@ def _check_args(cfg: Any) -> None:
         raise ValueError(
             f"--recompute must be none, light, selective or full, got {cfg.recompute!r}"
         )
-    Workload(cfg.seq_len, 1, 1, cfg.precision)  # the precision name
+    Workload(cfg.seq_len, 1, 1, cfg.precision, kernels=cfg.kernels)  # the names
 
 
 def _batch(cfg: Any, per_step: int) -> int:
@@ -203,6 +207,11 @@ def run_plan(argv: list[str]) -> None:
             "--node_limited_dispatch prices one layout: give its sizes too (--tp, --pp, --ep, "
             "...); the search prices node-limited dispatch wherever an ep group spans nodes"
         )
+    if cfg.kernels != "fused" and not fixed:
+        raise ValueError(
+            f"--kernels {cfg.kernels} prices one layout: give its sizes too (--tp, --pp, "
+            "--dp, ...); the search prices fused kernels"
+        )
     if fixed:
         tp, pp, ep, cp = cfg.tp or 1, cfg.pp or 1, cfg.ep or 1, cfg.cp or 1
         # the strategy's own check of the sizes against the world and the model, with the
@@ -231,7 +240,13 @@ def run_plan(argv: list[str]) -> None:
             fp8_dispatch=cfg.fp8_dispatch,
         )  # fmt: skip
         micro = cfg.micro_batch_size or 1
-        workload = Workload(cfg.seq_len, micro, _batch(cfg, micro * layout.dp), cfg.precision)
+        workload = Workload(
+            cfg.seq_len,
+            micro,
+            _batch(cfg, micro * layout.dp),
+            cfg.precision,
+            kernels=cfg.kernels,
+        )
         priced = dict(model_name=cfg.model, compute_efficiency=cfg.compute_efficiency)
         plan = plan_layout(config, layout, workload, gpu, **priced)
         plan = suggest_fp8_saves(plan, config, **priced)

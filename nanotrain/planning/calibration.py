@@ -31,6 +31,18 @@ engineering reading of several measurements rather than one table cell, the sour
   (132 on H100 / H800 SXM, NVIDIA's H100 whitepaper) idles the rest; and a GEMM whose bytes
   (2 (MK + KN + MN) in bf16) take longer at HBM speed than its FLOPs at the large-shape
   efficiency is priced at HBM speed. `nanotrain.planning.gemm_shapes` applies it.
+* **Attention kernels** (`FA2_SLOWDOWN`): the planner prices attention's score and value
+  matmuls at `GEMM_EFFICIENCY`, FlashAttention-3's class. PyTorch's
+  `scaled_dot_product_attention` runs FlashAttention-2 on H100 by default (its backend
+  priority puts flash first; cuDNN's kernel is opt-in: meta-pytorch/tritonbench issue #41,
+  2024-11). FlashAttention-3 (Shah et al. 2024, §4.1, Fig. 5 and 6, H100 SXM5, bf16, head
+  dim 128, 8K tokens) measures FlashAttention-2 at 333 TFLOP/s against its own 602 in the
+  causal forward and at 318 against 559 in the backward: a run on SDPA takes 1.81x the
+  forward and 1.76x the backward time of the attention core (`nanotrain.planning.kernels`).
+* **Eager elementwise ops** (`nanotrain.planning.memory_bound`): bytes counted from the op
+  lists of RMSNorm in fp32 and `silu(gate) * up` as eager PyTorch runs them (one kernel per
+  op, each reading its inputs and writing its output; autograd's formulas for backward), at
+  the same HBM speed; no constant is fitted.
 * **HBM** (`HBM_EFFICIENCY`): a device-to-device copy or STREAM triad sustains about
   3.0 TB/s of an H100 SXM's 3.35 (0.9), the figure the memory-bound operations are priced at
   (`nanotrain.planning.memory_bound`).
@@ -42,6 +54,7 @@ from dataclasses import dataclass
 
 __all__ = [
     "COMM_SMS",
+    "FA2_SLOWDOWN",
     "GEMM_EFFICIENCY",
     "GEMM_TILE",
     "SMS",
@@ -80,6 +93,12 @@ SMS: dict[str, Measured] = {
 
 HBM_EFFICIENCY = Measured(
     0.9, "sustained D2D copy / STREAM triad ~3.0 of 3.35 TB/s on H100 SXM (HBM3)"
+)
+
+#: FlashAttention-2's time over FlashAttention-3's for the same attention: (forward, backward)
+FA2_SLOWDOWN = (
+    Measured(602 / 333, "FlashAttention-3 paper Fig. 5: causal fwd, hdim 128, 8K, H100 SXM5"),
+    Measured(559 / 318, "FlashAttention-3 paper Fig. 6: backward, hdim 128, 8K, H100 SXM5"),
 )
 
 #: SMs a communication kernel takes from compute while it overlaps it, and the GPU's total

@@ -29,10 +29,27 @@ from nanotrain.precision import precision_name
 from nanotrain.strategies.megatron_options import check_options
 from nanotrain.strategies.megatron_pipeline import pick_schedule
 
-__all__ = ["PRECISIONS", "PlanLayout", "Workload", "balanced_pipeline_layout", "pipeline_actions"]
+__all__ = [
+    "KERNELS",
+    "PRECISIONS",
+    "PlanLayout",
+    "Workload",
+    "balanced_pipeline_layout",
+    "pipeline_actions",
+]
 
 #: precision names the planner prices: the Trainer's `precision=` strings
 PRECISIONS = tuple(PRECISION_PLUGINS)
+
+#: the kernels a run computes with: name -> (elementwise ops, attention kernel).
+#: "fused": norms, SwiGLU and RoPE at a fused kernel's bytes, attention at FlashAttention-3's
+#: speed; "compiled": `torch.compile`d blocks (fused elementwise ops) around PyTorch's SDPA
+#: (FlashAttention-2); "eager": eager PyTorch ops (`nanotrain.planning.memory_bound`) and SDPA
+KERNELS: dict[str, tuple[str, str]] = {
+    "fused": ("fused", "fa3"),
+    "compiled": ("fused", "fa2"),
+    "eager": ("eager", "fa2"),
+}
 
 
 @dataclass(frozen=True)
@@ -353,6 +370,8 @@ class Workload:
         precision: a `PRECISIONS` name, an alias the Trainer takes ("bf16", 32) or a
             precision plugin object (kept as its name).
         optimizer_states: fp32 tensors of optimizer state per parameter (AdamW: 2 moments).
+        kernels: which kernels the step runs, a `KERNELS` name ("fused", "compiled",
+            "eager"): how the memory-bound operations and attention are priced.
     """
 
     seq_len: int
@@ -360,12 +379,15 @@ class Workload:
     global_batch_size: int = 1
     precision: str = "bf16-mixed"
     optimizer_states: int = 2
+    kernels: str = "fused"
 
     def __post_init__(self) -> None:
         for name in ("seq_len", "micro_batch_size", "global_batch_size"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+        if self.kernels not in KERNELS:
+            raise ValueError(f"kernels must be one of {sorted(KERNELS)}, got {self.kernels!r}")
         # aliases ("bf16", 32) and plugin objects as the Trainer takes them
         object.__setattr__(self, "precision", precision_name(self.precision))
 

@@ -23,6 +23,31 @@ permute+unpermute  8 h a per routed copy                        copies
 softmax (loss)     4 V/tp fp32 per token (last stage)           N
 fp8 cast           2 (a + 1) per linear-input element           N
 =================  ===========================================  ==========
+
+Under `Workload(kernels="eager")` RMSNorm and SwiGLU are priced as eager PyTorch runs them
+(`nanotrain.models.layers.RMSNorm`, `silu(gate) * up`; torchtitan's are the same ops), one
+kernel per op, each reading its inputs and writing its output (a [tokens, 1] statistic
+counted as nothing), backward by autograd's formulas; per element of the normalized /
+activated tensor, with fp32 = 4 bytes:
+
+==========  ====================================================  ================
+operation   ops                                                   bytes (a = 2)
+==========  ====================================================  ================
+RMSNorm     forward: float() a+4, pow 8, mean 4, x*rsqrt 8,       36 (fused 2a)
+            .to(a) 4+a, weight* 2a
+            backward: weight* 6a (input grad 2a, weight grad 3a   84 (fused 3a)
+            + its sum a), .to a+4, x*rsqrt 24 (grad 8, the
+            statistic's grad 12 + its sum 4), mean 4, pow 20
+            (2x 8, times grad 12), the two grads summed 12,
+            float() 4+a
+SwiGLU      forward: silu 2a, product 3a; backward: product 6a,   28 (fused 8a)
+            silu_backward 3a
+==========  ====================================================  ================
+
+Under "full" recomputation the forward's bytes come again (36 per norm element, and 5a per
+SwiGLU element, which the fused pricing does not count); the routed experts' scaled product
+is priced as a SwiGLU. RoPE, the residual adds and the loss keep their fused bytes
+(torchtitan's complex fp32 RoPE moves about 40 bytes per element against the 4a priced).
 """
 
 from __future__ import annotations
@@ -32,10 +57,22 @@ from typing import Any
 from nanotrain.planning.calibration import HBM_EFFICIENCY
 from nanotrain.planning.communication_tp import is_moe_layer
 from nanotrain.planning.gpus import GPUSpec, peak_column
-from nanotrain.planning.layout import PlanLayout, Workload
+from nanotrain.planning.layout import KERNELS, PlanLayout, Workload
 from nanotrain.planning.stage_flops import routed_rows_per_copy
 
-__all__ = ["memory_bound_bytes", "memory_bound_seconds"]
+__all__ = ["EAGER_NORM_BYTES", "EAGER_SWIGLU_BYTES", "memory_bound_bytes", "memory_bound_seconds"]
+
+
+def _eager_norm_bytes(a: float) -> tuple[float, float]:
+    """(forward, backward) bytes per element of an eager fp32 RMSNorm of an `a`-byte input."""
+    forward = (a + 4) + 8 + 4 + 8 + (4 + a) + 2 * a
+    backward = 6 * a + (a + 4) + 24 + 4 + 20 + 12 + (4 + a)
+    return forward, backward
+
+
+#: (forward, backward) bytes per element of eager RMSNorm and SwiGLU on bf16 activations
+EAGER_NORM_BYTES = _eager_norm_bytes(2.0)
+EAGER_SWIGLU_BYTES = (5 * 2.0, 9 * 2.0)
 
 
 def _layer_bytes(config: Any, layout: PlanLayout, workload: Workload, layer: int,
@@ -55,20 +92,27 @@ def _layer_bytes(config: Any, layout: PlanLayout, workload: Workload, layer: int
         kv = c.num_kv_heads or c.num_heads
         rope = (c.num_heads + kv) / tp * d
         linear_in = h + c.num_heads / tp * d
-    norm = 5 * h * a + (2 * h * a if mode == "full" else 0.0)
+    eager = KERNELS[workload.kernels][0] == "eager"
+    recomputed = mode == "full"
+    if eager:
+        forward, backward = _eager_norm_bytes(a)
+        norm = h * (forward * (1 + recomputed) + backward)
+        swiglu = EAGER_SWIGLU_BYTES[0] * (1 + recomputed) + EAGER_SWIGLU_BYTES[1]
+    else:
+        norm, swiglu = 5 * h * a + (2 * h * a if recomputed else 0.0), 8 * a
     out = residual * (norms * norm + 2 * 6 * h * a) + 4 * rope * a
     if is_moe_layer(c, layer):
         copies = c.num_experts_per_tok * routed_rows_per_copy(c, layout, workload)
         width = c.moe_intermediate_size
-        out += copies * (8 * h * a + 8 * width * a)
+        out += copies * (8 * h * a + swiglu * width)
         shared = c.n_shared_experts * width / tp
-        out += 8 * shared * a
+        out += swiglu * shared
         linear_in += h + shared
         if layout.fp8_dispatch or layout.fp8_expert_activations or fp8:
             out += copies * 2 * (a + 1) * (h + width)
     else:
         width = c.intermediate_size / tp
-        out += 8 * width * a
+        out += swiglu * width
         linear_in += h + width
     if fp8:
         out += 2 * (a + 1) * linear_in

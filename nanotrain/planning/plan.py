@@ -8,8 +8,10 @@ The step-time model is deliberately simple and stated in full (docs/planning.md)
   gives it only its own, dropless: `routed_rows_per_copy`; a capacity factor prices its
   E x C slots) at
   ``peak_flops * compute_efficiency`` (default `calibration.GEMM_EFFICIENCY`, 0.75: what
-  large GEMMs measure), plus the memory-bound operations at HBM bandwidth
-  (`nanotrain.planning.memory_bound`) and, under paired chunks, the SMs the all-to-all
+  large GEMMs measure; attention on FlashAttention-2 slower where `Workload.kernels` says the
+  run uses PyTorch's SDPA: `nanotrain.planning.kernels`), plus the memory-bound operations at
+  HBM bandwidth (`nanotrain.planning.memory_bound`; eager or fused, as `Workload.kernels`
+  says) and, under paired chunks, the SMs the all-to-all
   kernels hold (`calibration.COMM_SMS`);
   full recomputation adds one forward of the layers, the head + loss and the MTP modules
   (+1/3 of their FLOPs), selective one forward of each attention block (projections and
@@ -66,6 +68,7 @@ from nanotrain.planning.context_parallel import (
     fold_cp,
 )
 from nanotrain.planning.gpus import GPUSpec
+from nanotrain.planning.kernels import attention_kernel_seconds
 from nanotrain.planning.layout import PlanLayout, Workload
 from nanotrain.planning.memory import (
     StateMemory,
@@ -372,6 +375,10 @@ def plan_layout(
             )
         )
         compute = compute_seconds(stage, gpu, workload.precision, compute_efficiency)
+        # SDPA's FlashAttention-2 where the run does not use FlashAttention-3's kernels
+        compute += attention_kernel_seconds(
+            config, layout, workload, rank.chunks, gpu, compute_efficiency
+        )
         memory_t = memory_bound_seconds(config, layout, workload, rank.chunks, last, gpu)
         comm_t = _comm_time(comm, bandwidth)
         blocking = sum(t for g, t in comm_t.items() if g in BLOCKING_GROUPS)

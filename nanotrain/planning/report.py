@@ -66,7 +66,8 @@ def format_plan(plan: Plan) -> str:
         f"({_gib(plan.gpu.memory_bytes)} GiB); schedule {lay.schedule if lay.pp > 1 else '-'}",
         f"batch {w.global_batch_size} x {w.seq_len} tokens ({_count(w.tokens_per_step)} per "
         f"step), micro batch {w.micro_batch_size}, {w.num_microbatches(lay)} microbatches "
-        f"per replica, precision {w.precision}",
+        f"per replica, precision {w.precision}"
+        + (f", {w.kernels} kernels" if w.kernels != "fused" else ""),
         "",
         "memory per GPU (GiB; pipe: held stage outputs and transfer buffers, moe: MoE "
         "dispatch/combine working tensors, comm: NCCL buffers, frag: allocator allowance)"
@@ -152,6 +153,7 @@ def plan_json(plan: Plan) -> dict[str, Any]:
             "micro_batch_size": w.micro_batch_size,
             "global_batch_size": w.global_batch_size,
             "precision": w.precision,
+            "kernels": w.kernels,
             "num_microbatches": w.num_microbatches(lay),
             "tokens_per_step": w.tokens_per_step,
         },  # fmt: skip
