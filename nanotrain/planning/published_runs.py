@@ -245,7 +245,16 @@ PUBLISHED_RUNS: tuple[PublishedRun, ...] = (
         gpu=GPUS["h100"],
         # pipeline layout "Et|(tt|)*30mL": 1 layer, 30 x 2, then MTP and loss alone; the
         # recipe recomputes mla_up_proj (and the 3 dense layers' MLPs): "light" here, the
-        # mode that recomputes MLA's up-projections (it also rebuilds norms and SwiGLU)
+        # mode that recomputes MLA's up-projections (it also rebuilds norms and SwiGLU).
+        # fp8 expert GEMMs: the recipe's DeepSeekModelProvider sets moe_grouped_gemm=True
+        # with the Transformer Engine layer spec (TEGroupedMLP, TE grouped linears) and its
+        # fp8 precision config (bf16_with_fp8_current_scaling_mixed, first/last layers not
+        # kept in bf16) runs them under TE's fp8 autocast; nanotrain's experts stay bf16,
+        # so the plan carries the option's "does not run yet" note. Not priced: the
+        # recipe's overlap_moe_expert_parallel_comm (with delay_wgrad_compute), which hides
+        # expert all-to-alls behind another microbatch's compute under interleaved 1F1B;
+        # the strategy refuses paired chunks with tp > 1 or four chunks per rank, so the
+        # planner prices these all-to-alls as blocking (16.4 of the 31.0 s step)
         layout=PlanLayout(
             tp=2,
             pp=8,
@@ -256,18 +265,10 @@ PUBLISHED_RUNS: tuple[PublishedRun, ...] = (
             sequence_parallel=True,
             pipeline_layout=(1, *([2] * 30), 0),
             recompute="light",
+            fp8_expert_gemms=True,
         ),  # fmt: skip
         workload=Workload(4096, 1, 8192, "transformer-engine"),
         tokens_per_s=1297.0 * 1024,
-        outside=(
-            "predicted 0.75 (just under): 16.4 of the 33.7 s step are expert all-to-alls, "
-            "blocking here; the run overlaps them with another microbatch's compute "
-            "(overlap_moe_expert_parallel_comm, delayed weight gradients), which this "
-            "strategy runs only with tp = 1, two chunks per rank and on CPU. The run's grouped "
-            "expert GEMMs are fp8; here the routed experts run in bf16 under transformer-engine "
-            "(about 2.6 s of the slowest stage's 12.5 s of compute: at fp8 the ratio would "
-            "be about 0.81)"
-        ),
     ),
 )
 
