@@ -174,6 +174,9 @@ PUBLISHED_RUNS: tuple[PublishedRun, ...] = (
         config=lambda: presets.get("deepseek-v3-671b"),
         gpus=2048,
         gpu=GPUS["h800"],
+        # §3.3.1: every GEMM in fp8 (forward, input and weight gradients) but those of the
+        # embedding, the head, the MoE gating and attention, so the routed experts' too
+        # (`fp8_expert_gemms`: priced, not run here, like the paired chunks on GPUs)
         layout=PlanLayout(
             pp=16,
             dp=128,
@@ -184,6 +187,7 @@ PUBLISHED_RUNS: tuple[PublishedRun, ...] = (
             overlap_forward_backward=True,
             fp8_expert_activations=True,
             fp8_dispatch=True,
+            fp8_expert_gemms=True,
             pipeline_layout=(1, *([2] * 30), 0),
         ),  # fmt: skip
         workload=Workload(4096, 1, 15360, "transformer-engine"),
