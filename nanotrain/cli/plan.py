@@ -140,6 +140,10 @@ def _parser() -> Any:
          help="the routed experts keep their rows and SwiGLU inputs in fp8 for backward")  # fmt: skip
     flag("fp8_dispatch", type=bool, default=False,
          help="the routed copies cross the ep group in fp8 with tile scales")  # fmt: skip
+    flag("fp8_expert_gemms", type=bool, default=False,
+         help="price the routed experts' GEMMs at the fp8 peak of an fp8 precision, as "
+         "Megatron-Core's grouped GEMMs run them (a fixed layout; nanotrain does not run "
+         "this yet: the plan says so in a note)")  # fmt: skip
     flag("compute_efficiency", type=float, default=None,
          help="fraction of peak FLOP/s the matmuls reach (default: the measured 0.75 of "
          "nanotrain.planning.calibration.GEMM_EFFICIENCY)")  # fmt: skip
@@ -202,6 +206,12 @@ def run_plan(argv: list[str]) -> None:
             "--reduce_scatter_every_microbatch prices one layout: give its sizes too (--tp, "
             "--pp, --dp, ...); the search tries it for ZeRO-3 where nothing else fits"
         )
+    if cfg.fp8_expert_gemms and not fixed:
+        raise ValueError(
+            "--fp8_expert_gemms prices one layout: give its sizes too (--tp, --pp, --ep, ...); "
+            "the search does not offer it (no nanotrain precision runs the routed experts' "
+            "GEMMs in fp8 yet)"
+        )
     if cfg.node_limited_dispatch is not None and not fixed:
         raise ValueError(
             "--node_limited_dispatch prices one layout: give its sizes too (--tp, --pp, --ep, "
@@ -238,6 +248,7 @@ def run_plan(argv: list[str]) -> None:
             node_limited_dispatch=cfg.node_limited_dispatch,
             fp8_expert_activations=cfg.fp8_expert_activations,
             fp8_dispatch=cfg.fp8_dispatch,
+            fp8_expert_gemms=cfg.fp8_expert_gemms,
         )  # fmt: skip
         micro = cfg.micro_batch_size or 1
         workload = Workload(

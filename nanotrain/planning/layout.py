@@ -88,6 +88,10 @@ class PlanLayout(MeshLayout):
             for backward (`LanguageModelModule(fp8_expert_activations=)`).
         fp8_dispatch: the routed copies cross the ep group in fp8 with tile scales
             (`LanguageModelModule(fp8_dispatch=)`; "fp8-emulated" does so anyway).
+        fp8_expert_gemms: price the routed experts' grouped GEMMs at the fp8 peak of an fp8
+            precision, as Megatron-Core's Transformer Engine grouped GEMMs run them. No
+            nanotrain precision runs them so yet (`Precision.fp8_grouped_experts`): a plan
+            with it says so in a note, and the search never sets it.
     """
 
     virtual_pp: int = 1
@@ -103,6 +107,7 @@ class PlanLayout(MeshLayout):
     node_limited_dispatch: bool | None = None
     fp8_expert_activations: bool = False
     fp8_dispatch: bool = False
+    fp8_expert_gemms: bool = False
     cpu_offload: bool = False
     reshard_after_forward: bool = True
     reduce_scatter_every_microbatch: bool = False
@@ -348,6 +353,8 @@ class PlanLayout(MeshLayout):
             parts.append("fp8-expert-acts")
         if self.fp8_dispatch and self.ep > 1:
             parts.append("fp8-dispatch")
+        if self.fp8_expert_gemms:
+            parts.append("fp8-expert-gemms")
         if self.overlap_forward_backward:
             parts.append("overlapped")
         if self.node_limited_dispatch is False and self.ep > 1:

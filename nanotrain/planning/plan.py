@@ -8,10 +8,12 @@ The step-time model is deliberately simple and stated in full (docs/planning.md)
   gives it only its own, dropless: `routed_rows_per_copy`; a capacity factor prices its
   E x C slots) at
   ``peak_flops * compute_efficiency`` (default `calibration.GEMM_EFFICIENCY`, 0.75: what
-  large GEMMs measure; attention on FlashAttention-2 slower where `Workload.kernels` says the
-  run uses PyTorch's SDPA: `nanotrain.planning.kernels`), plus the memory-bound operations at
-  HBM bandwidth (`nanotrain.planning.memory_bound`; eager or fused, as `Workload.kernels`
-  says) and, under paired chunks, the SMs the all-to-all
+  large GEMMs measure; under an fp8 precision the plain linear layers, and with
+  ``fp8_expert_gemms`` the routed experts, at the fp8 peak, the rest at the bf16 one;
+  attention on FlashAttention-2 slower where `Workload.kernels` says the run uses PyTorch's
+  SDPA: `nanotrain.planning.kernels`), plus the memory-bound operations at HBM bandwidth
+  (`nanotrain.planning.memory_bound`; eager or fused, as `Workload.kernels` says) and,
+  under paired chunks, the SMs the all-to-all
   kernels hold (`calibration.COMM_SMS`);
   full recomputation adds one forward of the layers, the head + loss and the MTP modules
   (+1/3 of their FLOPs), selective one forward of each attention block (projections and
@@ -30,7 +32,8 @@ The step-time model is deliberately simple and stated in full (docs/planning.md)
   step does not overlap; each group's bytes travel at the GPU's measured intra-node
   bandwidth when all its ranks share a node (by the mesh's own rank placement), else at the
   inter-node one, plus a fixed latency per collective. A layout the strategy refuses on
-  the GPU (`runs_on.refused_on`) is priced as it would run, with a note.
+  the GPU (`runs_on.refused_on`), or an option no precision plugin runs yet
+  (`runs_on.not_run_yet`: ``fp8_expert_gemms``), is priced as it would run, with a note.
 
 Context parallelism (cp > 1) is priced by `nanotrain.planning.context_parallel`: cp folded
 into dp for state, gradients and experts, seq_len / cp tokens per rank for per-token terms,
@@ -67,7 +70,7 @@ from nanotrain.planning.context_parallel import (
     cp_traffic,
     fold_cp,
 )
-from nanotrain.planning.gpus import GPUSpec
+from nanotrain.planning.gpus import GPUSpec, peak_column
 from nanotrain.planning.kernels import attention_kernel_seconds
 from nanotrain.planning.layout import PlanLayout, Workload
 from nanotrain.planning.memory import (
@@ -76,7 +79,7 @@ from nanotrain.planning.memory import (
 )
 from nanotrain.planning.memory_bound import memory_bound_seconds
 from nanotrain.planning.rank_model import config_key, rank_models
-from nanotrain.planning.runs_on import refused_on
+from nanotrain.planning.runs_on import not_run_yet, refused_on
 from nanotrain.planning.stage_flops import compute_seconds, flop_parts, stage_flops
 from nanotrain.planning.stage_replay import (
     PricedStage,
@@ -275,6 +278,7 @@ def memory_check(
     Raises:
         ValueError: as `plan_layout` may (call it for the exact message).
     """
+    _check_fp8_expert_gemms(layout, workload.precision)
     given, (layout, local) = layout, fold_cp(config, layout, workload)
     m = local.num_microbatches(layout)  # the same batch check as plan_layout
     if layout.pp > 1:  # and the same schedule check as its replay
@@ -292,7 +296,8 @@ def memory_check(
             peak, worst = memory, rank.pp_rank
     if peak <= gpu.memory_bytes or layout.cpu_offload:  # offload's note prices its host step
         return peak, None
-    return peak, "; ".join([*_refusal_notes(layout, gpu), _over_memory_note(worst, peak, gpu)])
+    notes = _refusal_notes(layout, gpu, workload.precision)
+    return peak, "; ".join([*notes, _over_memory_note(worst, peak, gpu)])
 
 
 @functools.lru_cache(maxsize=1024)
@@ -302,14 +307,29 @@ def _schedule_runs(schedule: str, m: int, pp: int, v: int, overlap: bool) -> Non
     replay_stages(schedule, m, v, [StageDurations(1.0, 1.0, 1.0)] * pp, overlap)
 
 
-def _refusal_notes(layout: PlanLayout, gpu: GPUSpec) -> list[str]:
+def _refusal_notes(layout: PlanLayout, gpu: GPUSpec, precision: str) -> list[str]:
+    notes = []
     refusal = refused_on(layout, gpu)
-    if not refusal:
-        return []
-    return [
-        f"does not run on a {gpu.name} yet, priced as it would run: the strategy refuses "
-        f"it there ({refusal})"
-    ]
+    if refusal:
+        notes.append(
+            f"does not run on a {gpu.name} yet, priced as it would run: the strategy refuses "
+            f"it there ({refusal})"
+        )
+    unrun = not_run_yet(layout, precision)
+    if unrun:
+        notes.append(f"does not run in nanotrain yet, priced as it would run: {unrun}")
+    return notes
+
+
+def _check_fp8_expert_gemms(layout: PlanLayout, precision: str) -> None:
+    """Refuse ``fp8_expert_gemms`` under a precision without fp8 GEMMs (nothing to price
+    them at)."""
+    if layout.fp8_expert_gemms and peak_column(precision) != "fp8":
+        raise ValueError(
+            f"fp8_expert_gemms=True prices the routed experts' GEMMs at the fp8 peak, but "
+            f"precision {precision!r} runs its matmuls at {peak_column(precision)}; use an fp8 "
+            "precision ('transformer-engine' or 'torchao-float8') or fp8_expert_gemms=False"
+        )
 
 
 def _over_memory_note(pp_rank: int, memory: int, gpu: GPUSpec) -> str:
@@ -333,12 +353,14 @@ def plan_layout(
 
     Raises:
         ValueError: a layout that does not divide the model or the world, or a global batch
-            that does not split into micro_batch_size * dp (the strategy's messages).
+            that does not split into micro_batch_size * dp (the strategy's messages);
+            ``fp8_expert_gemms`` under a precision without fp8 GEMMs.
     """
     if compute_efficiency is None:
         compute_efficiency = GEMM_EFFICIENCY.value
     if not 0 < compute_efficiency <= 1:
         raise ValueError(f"compute_efficiency must be in (0, 1], got {compute_efficiency}")
+    _check_fp8_expert_gemms(layout, workload.precision)
     # context parallelism: dp x cp ranks on seq_len / cp tokens each (`fold_cp`); `workload`
     # keeps the whole sequence for the attention FLOPs
     given, (layout, local) = layout, fold_cp(config, layout, workload)
@@ -449,7 +471,7 @@ def plan_layout(
             f"({host_step:.3f} s at an assumed {zero3.HOST_ADAM_BYTES_PER_S / 1e9:.0f} GB/s "
             "of host memory traffic per GPU)"
         )
-    notes.extend(_refusal_notes(layout, gpu))
+    notes.extend(_refusal_notes(layout, gpu, workload.precision))
     if not fits:
         worst = max(ranks, key=lambda r: r.memory)
         notes.append(_over_memory_note(worst.pp_rank, worst.memory, gpu))

@@ -207,6 +207,9 @@ PUBLISHED_RUNS: tuple[PublishedRun, ...] = (
         config=lambda: presets.get("deepseek-v3-671b"),
         gpus=2048,
         gpu=GPUS["h800"],
+        # §3.3.1: every GEMM in fp8 (forward, input and weight gradients) but those of the
+        # embedding, the head, the MoE gating and attention, so the routed experts' too
+        # (`fp8_expert_gemms`: priced, not run here, like the paired chunks on GPUs)
         layout=PlanLayout(
             pp=16,
             dp=128,
@@ -217,6 +220,7 @@ PUBLISHED_RUNS: tuple[PublishedRun, ...] = (
             overlap_forward_backward=True,
             fp8_expert_activations=True,
             fp8_dispatch=True,
+            fp8_expert_gemms=True,
             pipeline_layout=(1, *([2] * 30), 0),
         ),  # fmt: skip
         workload=Workload(4096, 1, 15360, "transformer-engine"),
@@ -278,7 +282,16 @@ PUBLISHED_RUNS: tuple[PublishedRun, ...] = (
         gpu=GPUS["h100"],
         # pipeline layout "Et|(tt|)*30mL": 1 layer, 30 x 2, then MTP and loss alone; the
         # recipe recomputes mla_up_proj (and the 3 dense layers' MLPs): "light" here, the
-        # mode that recomputes MLA's up-projections (it also rebuilds norms and SwiGLU)
+        # mode that recomputes MLA's up-projections (it also rebuilds norms and SwiGLU).
+        # fp8 expert GEMMs: the recipe's DeepSeekModelProvider sets moe_grouped_gemm=True
+        # with the Transformer Engine layer spec (TEGroupedMLP, TE grouped linears) and its
+        # fp8 precision config (bf16_with_fp8_current_scaling_mixed, first/last layers not
+        # kept in bf16) runs them under TE's fp8 autocast; nanotrain's experts stay bf16,
+        # so the plan carries the option's "does not run yet" note. Not priced: the
+        # recipe's overlap_moe_expert_parallel_comm (with delay_wgrad_compute), which hides
+        # expert all-to-alls behind another microbatch's compute under interleaved 1F1B;
+        # the strategy refuses paired chunks with tp > 1 or four chunks per rank, so the
+        # planner prices these all-to-alls as blocking (16.4 of the 31.0 s step)
         layout=PlanLayout(
             tp=2,
             pp=8,
@@ -289,18 +302,10 @@ PUBLISHED_RUNS: tuple[PublishedRun, ...] = (
             sequence_parallel=True,
             pipeline_layout=(1, *([2] * 30), 0),
             recompute="light",
+            fp8_expert_gemms=True,
         ),  # fmt: skip
         workload=Workload(4096, 1, 8192, "transformer-engine"),
         tokens_per_s=1297.0 * 1024,
-        outside=(
-            "predicted 0.75 (just under): 16.4 of the 33.7 s step are expert all-to-alls, "
-            "blocking here; the run overlaps them with another microbatch's compute "
-            "(overlap_moe_expert_parallel_comm, delayed weight gradients), which this "
-            "strategy runs only with tp = 1, two chunks per rank and on CPU. The run's grouped "
-            "expert GEMMs are fp8; here the routed experts run in bf16 under transformer-engine "
-            "(about 2.6 s of the slowest stage's 12.5 s of compute: at fp8 the ratio would "
-            "be about 0.81)"
-        ),
     ),
 )
 

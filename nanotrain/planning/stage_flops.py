@@ -23,8 +23,9 @@ __all__ = ["compute_seconds", "flop_parts", "routed_rows_per_copy", "stage_flops
 def stage_flops(config: Any, layout: PlanLayout, workload: Workload, chunks: list[list[int]],
                  last: bool) -> tuple[float, float]:  # fmt: skip
     """Training FLOPs per step on one rank of the stage holding `chunks` (recompute included),
-    and the part of them in plain linear layers (`linear_flops_per_token_parts`: what an fp8
-    precision runs in fp8)."""
+    and the part of them an fp8 precision runs in fp8: the plain linear layers
+    (`linear_flops_per_token_parts`), plus the routed experts' GEMMs with
+    `layout.fp8_expert_gemms`."""
     parts, (linear_parts, mtp_linear, projections) = flop_parts(config, workload.seq_len)
     attention = attention_flops_per_token(config, workload.seq_len)
     up = up_projection_flops_per_token(config)
@@ -61,17 +62,21 @@ def stage_flops(config: Any, layout: PlanLayout, workload: Workload, chunks: lis
     routed += mtp_routed
     split = layers + extras - routed  # tensor parallelism divides all of this
     tokens = workload.tokens_per_step / layout.dp  # each dp replica sees its share
-    total = (split / layout.tp + routed * routed_rows_per_copy(config, layout, workload)) * tokens
-    return total, (linear + extras_linear) / layout.tp * tokens
+    routed_rows = routed * routed_rows_per_copy(config, layout, workload)
+    total = (split / layout.tp + routed_rows) * tokens
+    low = (linear + extras_linear) / layout.tp * tokens
+    if layout.fp8_expert_gemms:  # priced, not run yet: `PlanLayout.fp8_expert_gemms`
+        low += routed_rows * tokens
+    return total, low
 
 
 def compute_seconds(
     flops: tuple[float, float], gpu: GPUSpec, precision: str, efficiency: float
 ) -> float:
-    """Seconds for a stage's (FLOPs, FLOPs in plain linear layers) at `efficiency` of the
-    peak: under an fp8 precision the linear layers at the fp8 peak and the rest (attention
-    scores, routed experts, router, head) at the bf16 one, as the plugins run them; else all
-    at the precision's peak."""
+    """Seconds for a stage's (FLOPs, FLOPs an fp8 precision runs in fp8: `stage_flops`) at
+    `efficiency` of the peak: under an fp8 precision the fp8 part at the fp8 peak and the rest
+    (attention scores, router, head, and the routed experts unless `fp8_expert_gemms`) at the
+    bf16 one, as the plugins run them; else all at the precision's peak."""
     total, linear = flops
     peak = gpu.flops_for(precision)
     if peak_column(precision) != "fp8":

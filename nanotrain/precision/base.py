@@ -53,6 +53,10 @@ class Precision:
     autocast_dtype: torch.dtype | None = None
     #: what the policy's "low" layers run in (for the report)
     low_precision_format: str | None = None
+    #: whether the routed experts' grouped GEMMs (`GroupedExperts`) run as fp8 GEMMs; no
+    #: plugin does yet: Transformer Engine's and torchao's fp8 swap plain linear layers only,
+    #: the experts stay in bf16 autocast (the planner's `fp8_expert_gemms` note reads this)
+    fp8_grouped_experts: bool = False
 
     def __init__(
         self, policy: PrecisionPolicy | None = None, reduce_dtype: torch.dtype = torch.float32
