@@ -8,11 +8,15 @@ The step-time model is deliberately simple and stated in full (docs/planning.md)
   gives it only its own, dropless: `routed_rows_per_copy`; a capacity factor prices its
   E x C slots) at
   ``peak_flops * compute_efficiency`` (default `calibration.GEMM_EFFICIENCY`, 0.75: what
-  large GEMMs measure; attention on FlashAttention-2 slower where `Workload.kernels` says the
-  run uses PyTorch's SDPA: `nanotrain.planning.kernels`), plus the memory-bound operations at
+  large GEMMs measure), the plain linears and the routed experts times their shapes' factor
+  (`gemm_shapes.stage_shape_factors`: partial tiles and waves, the HBM roofline), attention
+  on FlashAttention-2 slower where `Workload.kernels` says the
+  run uses PyTorch's SDPA (`nanotrain.planning.kernels`), plus the memory-bound operations at
   HBM bandwidth (`nanotrain.planning.memory_bound`; eager or fused, as `Workload.kernels`
-  says) and, under paired chunks, the SMs the all-to-all
-  kernels hold (`calibration.COMM_SMS`);
+  says) and the SMs communication kernels hold while they run beside compute
+  (`calibration.comm_sm_seconds`: the paired chunks' hidden all-to-alls, the data-parallel
+  reductions beside each stage's last backward, ZeRO-3's prefetched gathers and
+  reduce-scatters; blocking collectives take none);
   full recomputation adds one forward of the layers, the head + loss and the MTP modules
   (+1/3 of their FLOPs), selective one forward of each attention block (projections and
   scores: `attention_flops_per_token` / 3), light two forwards of MLA's up-projections
