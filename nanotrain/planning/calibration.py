@@ -9,8 +9,9 @@ engineering reading of several measurements rather than one table cell, the sour
   large bf16 / fp8 GEMMs reach. DeepGEMM (deepseek-ai/DeepGEMM README, "Performance",
   2025) measures its fp8 GEMMs on H800 SXM at up to 1,550 TFLOP/s for the large training
   shapes, 0.78 of the 1,979 peak; FlashAttention-3 (Shah et al. 2024, "FlashAttention-3",
-  §4.1, Fig. 5) reaches 740 TFLOP/s in bf16 forward, 0.75 of 989. The planner uses 0.75 for
-  all matmul FLOPs (plain GEMMs, grouped expert GEMMs, attention scores).
+  §4.1, Fig. 5) reaches 740 TFLOP/s in bf16 forward, 0.75 of 989. The planner uses 0.75 as
+  the large-shape figure: the attention scores run at it, the plain linears and the grouped
+  expert GEMMs at it times their shapes' factor (GEMM shapes below).
 * **Links** (`MEASURED_LINKS`): what collectives reach per GPU, one direction. H800: DeepEP
   (deepseek-ai/DeepEP README, "Normal kernels with NVLink and RDMA forwarding", H800 with
   CX7 400 Gb/s InfiniBand) measures its intra-node dispatch / combine at 153-158 GB/s of
