@@ -9,8 +9,9 @@ engineering reading of several measurements rather than one table cell, the sour
   large bf16 / fp8 GEMMs reach. DeepGEMM (deepseek-ai/DeepGEMM README, "Performance",
   2025) measures its fp8 GEMMs on H800 SXM at up to 1,550 TFLOP/s for the large training
   shapes, 0.78 of the 1,979 peak; FlashAttention-3 (Shah et al. 2024, "FlashAttention-3",
-  §4.1, Fig. 5) reaches 740 TFLOP/s in bf16 forward, 0.75 of 989. The planner uses 0.75 for
-  all matmul FLOPs (plain GEMMs, grouped expert GEMMs, attention scores).
+  §4.1, Fig. 5) reaches 740 TFLOP/s in bf16 forward, 0.75 of 989. The planner uses 0.75 as
+  the large-shape figure: the attention scores run at it, the plain linears and the grouped
+  expert GEMMs at it times their shapes' factor (GEMM shapes below).
 * **Links** (`MEASURED_LINKS`): what collectives reach per GPU, one direction. H800: DeepEP
   (deepseek-ai/DeepEP README, "Normal kernels with NVLink and RDMA forwarding", H800 with
   CX7 400 Gb/s InfiniBand) measures its intra-node dispatch / combine at 153-158 GB/s of
@@ -22,7 +23,13 @@ engineering reading of several measurements rather than one table cell, the sour
   H100's fractions of their links (no training measurement found).
 * **SMs for communication** (`COMM_SMS`): DeepSeek-V3 (DeepSeek-AI 2024, "DeepSeek-V3
   Technical Report", §3.2.2) gives 20 of an H800's 132 SMs to the all-to-all kernels that
-  run beside compute: overlapped compute then runs on 112 SMs.
+  run beside compute. NCCL's own collectives take one SM per channel (CTA), a count NCCL
+  picks per topology and call (bounded by ``NCCL_MIN_CTAS`` / ``NCCL_MAX_CTAS``, formerly
+  ``NCCL_MIN_NCHANNELS`` / ``NCCL_MAX_NCHANNELS``); no public measurement of how many a
+  training run's all-gathers, reduce-scatters and all-reduces hold on H100 / H800 was found,
+  so DeepSeek's 20 is used for every collective the code runs beside compute (ZeRO-3's
+  prefetched gathers and reduce-scatters, the data-parallel buckets' reductions, the paired
+  chunks' all-to-alls). `comm_sm_seconds` prices it (one formula for all of them).
 * **GEMM shapes** (`GEMM_TILE`, `SMS`): how a GEMM's shape moves it off the large-shape
   efficiency, derived from the hardware, not measured per shape (no public table of bf16
   H100 GEMM throughput by M, N, K was found to cite): the output is cut into 128 x 128 tiles
@@ -30,7 +37,10 @@ engineering reading of several measurements rather than one table cell, the sour
   one tile per SM at a time, so a partial tile or a partial last wave of tiles over the SMs
   (132 on H100 / H800 SXM, NVIDIA's H100 whitepaper) idles the rest; and a GEMM whose bytes
   (2 (MK + KN + MN) in bf16) take longer at HBM speed than its FLOPs at the large-shape
-  efficiency is priced at HBM speed. `nanotrain.planning.gemm_shapes` applies it.
+  efficiency is priced at HBM speed. `nanotrain.planning.gemm_shapes` derives it and
+  `plan_layout` applies it to the plain linear layers and the routed experts' grouped GEMMs
+  (the large-shape 0.75 times each stage's factor); the attention scores and the head keep
+  the large-shape figure.
 * **Attention kernels** (`FA2_SLOWDOWN`): the planner prices attention's score and value
   matmuls at `GEMM_EFFICIENCY`, FlashAttention-3's class. PyTorch's
   `scaled_dot_product_attention` runs FlashAttention-2 on H100 by default (its backend
@@ -61,7 +71,8 @@ __all__ = [
     "HBM_EFFICIENCY",
     "MEASURED_LINKS",
     "Measured",
-    "comm_sm_share",
+    "comm_sm_seconds",
+    "gpu_sms",
 ]
 
 
@@ -101,9 +112,8 @@ FA2_SLOWDOWN = (
     Measured(559 / 318, "FlashAttention-3 paper Fig. 6: backward, hdim 128, 8K, H100 SXM5"),
 )
 
-#: SMs a communication kernel takes from compute while it overlaps it, and the GPU's total
+#: SMs a communication kernel takes from compute while it overlaps it
 COMM_SMS = Measured(20.0, "DeepSeek-V3 Technical Report §3.2.2: 20 of 132 SMs on H800")
-TOTAL_SMS = 132
 
 #: (intra-node bytes/s, inter-node bytes/s) per GPU, one direction, what collectives reach
 MEASURED_LINKS: dict[str, tuple[Measured, Measured]] = {
@@ -130,7 +140,31 @@ MEASURED_LINKS: dict[str, tuple[Measured, Measured]] = {
 }
 
 
-def comm_sm_share() -> float:
-    """Extra compute time per second of compute that runs while communication kernels hold
-    `COMM_SMS` of the `TOTAL_SMS` SMs: 20 / 112 = 0.179 (the same FLOPs on 112 SMs)."""
-    return COMM_SMS.value / (TOTAL_SMS - COMM_SMS.value)
+def comm_sm_seconds(comm_s: float, compute_s: float, sms: float) -> float:
+    """Extra seconds `compute_s` seconds of compute take when communication kernels holding
+    `COMM_SMS` of the GPU's `sms` SMs run beside it for `comm_s` seconds, both starting
+    together (k = `COMM_SMS`, S = `sms`).
+
+    While both run the compute goes at (S - k) / S of its speed. If the communication ends
+    first, in its `comm_s` seconds the compute does ``comm_s (S - k) / S`` seconds of work
+    and finishes ``comm_s k / S`` late; if the compute ends first, all of it runs slowed and
+    takes ``compute_s S / (S - k)``, ``compute_s k / (S - k)`` more. The smaller of the two
+    is the one that happens: ``min(comm_s k / S, compute_s k / (S - k))``. 0 when either is 0.
+
+    Raises:
+        ValueError: `sms` not above `COMM_SMS`, or a negative duration.
+    """
+    k = COMM_SMS.value
+    if sms <= k:
+        raise ValueError(f"a GPU needs more than the {k:g} SMs communication takes, got {sms}")
+    if comm_s < 0 or compute_s < 0:
+        raise ValueError(f"durations must be >= 0, got comm {comm_s}, compute {compute_s}")
+    return min(comm_s * k / sms, compute_s * k / (sms - k))
+
+
+def gpu_sms(gpu_name: str) -> int | None:
+    """The SM count of the GPU family `gpu_name` names ("h100", "h100-96gb": `SMS`), None
+    for a device without one (the CPU, a spec of an unknown family): no shape term and no
+    SMs taken by communication are priced there."""
+    family = gpu_name.split("-")[0]
+    return int(SMS[family].value) if family in SMS else None

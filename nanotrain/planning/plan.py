@@ -9,12 +9,16 @@ The step-time model is deliberately simple and stated in full (docs/planning.md)
   E x C slots) at
   ``peak_flops * compute_efficiency`` (default `calibration.GEMM_EFFICIENCY`, 0.75: what
   large GEMMs measure; under an fp8 precision the plain linear layers, and with
-  ``fp8_expert_gemms`` the routed experts, at the fp8 peak, the rest at the bf16 one;
-  attention on FlashAttention-2 slower where `Workload.kernels` says the run uses PyTorch's
-  SDPA: `nanotrain.planning.kernels`), plus the memory-bound operations at HBM bandwidth
-  (`nanotrain.planning.memory_bound`; eager or fused, as `Workload.kernels` says) and,
-  under paired chunks, the SMs the all-to-all
-  kernels hold (`calibration.COMM_SMS`);
+  ``fp8_expert_gemms`` the routed experts, at the fp8 peak, the rest at the bf16 one), the
+  plain linears and the routed experts times their shapes' factor
+  (`gemm_shapes.stage_shape_factors`: partial tiles and waves, the HBM roofline), attention
+  on FlashAttention-2 slower where `Workload.kernels` says the
+  run uses PyTorch's SDPA (`nanotrain.planning.kernels`), plus the memory-bound operations at
+  HBM bandwidth (`nanotrain.planning.memory_bound`; eager or fused, as `Workload.kernels`
+  says) and the SMs communication kernels hold while they run beside compute
+  (`calibration.comm_sm_seconds`: the paired chunks' hidden all-to-alls, the data-parallel
+  reductions beside each stage's last backward, ZeRO-3's prefetched gathers and
+  reduce-scatters; blocking collectives take none);
   full recomputation adds one forward of the layers, the head + loss and the MTP modules
   (+1/3 of their FLOPs), selective one forward of each attention block (projections and
   scores: `attention_flops_per_token` / 3), light two forwards of MLA's up-projections
@@ -58,7 +62,7 @@ from typing import Any
 from nanotrain.models.accounting import active_params, total_params
 from nanotrain.planning import zero3
 from nanotrain.planning.activations import ActivationEstimate, activation_estimate
-from nanotrain.planning.calibration import GEMM_EFFICIENCY, comm_sm_share
+from nanotrain.planning.calibration import GEMM_EFFICIENCY, comm_sm_seconds, gpu_sms
 from nanotrain.planning.communication import CommEstimate, comm_estimate
 from nanotrain.planning.communication_tp import is_moe_layer
 from nanotrain.planning.context_parallel import (
@@ -70,6 +74,7 @@ from nanotrain.planning.context_parallel import (
     cp_traffic,
     fold_cp,
 )
+from nanotrain.planning.gemm_shapes import stage_shape_factors
 from nanotrain.planning.gpus import GPUSpec, peak_column
 from nanotrain.planning.kernels import attention_kernel_seconds
 from nanotrain.planning.layout import PlanLayout, Workload
@@ -374,7 +379,8 @@ def plan_layout(
         last = layout.pp == 1 or layout.placement.holds_last(rank.pp_rank)
         stage = stage_flops(config, layout, workload, rank.chunks, last)
         extra = cp_extra_flops(config, given, workload, rank.chunks, last)
-        stage = (stage[0] + extra[0], stage[1] + extra[1])
+        stage = (stage[0] + extra[0], stage[1] + extra[1], stage[2])
+        shapes = stage_shape_factors(config, layout, local, rank.chunks, last, gpu)
         flops = stage[0]
         comm = add_cp_traffic(
             comm_estimate(config, layout, local, rank.pp_rank, ranks_per_node=gpu.gpus_per_node),
@@ -396,7 +402,9 @@ def plan_layout(
                 working=working,
             )
         )
-        compute = compute_seconds(stage, gpu, workload.precision, compute_efficiency)
+        compute = compute_seconds(
+            stage, gpu, workload.precision, compute_efficiency, shapes, layout.fp8_expert_gemms
+        )
         # SDPA's FlashAttention-2 where the run does not use FlashAttention-3's kernels
         compute += attention_kernel_seconds(
             config, layout, workload, rank.chunks, gpu, compute_efficiency
@@ -408,49 +416,69 @@ def plan_layout(
         # recomputation (forward, input gradient, weight gradient: one each)
         no_recompute = replace(layout, recompute=None, recompute_full_layers=0)
         plain = stage_flops(config, no_recompute, workload, rank.chunks, last)
-        weights_t = compute_seconds(plain, gpu, workload.precision, compute_efficiency) / 3
+        weights_t = (
+            compute_seconds(
+                plain, gpu, workload.precision, compute_efficiency, shapes, layout.fp8_expert_gemms
+            )
+            / 3
+        )
         paired = layout.overlap_forward_backward and layout.pp > 1
-        # while the paired chunks' all-to-alls run beside compute their kernels hold SMs
-        sms_t = compute * comm_sm_share() if paired else 0.0
         ep_t = comm_t.get("ep", 0.0) + comm_t.get("ep_inter", 0.0) if paired else 0.0
         moe = sum(is_moe_layer(config, i) for c in rank.chunks for i in c)
         stages.append(
-            PricedStage(rank, compute, memory_t, sms_t, blocking, ep_t, weights_t, comm_t,
+            PricedStage(rank, compute, memory_t, 0.0, blocking, ep_t, weights_t, comm_t,
                    max(1, round(moe / layout.virtual_pp)))
         )  # fmt: skip
+    sms = gpu_sms(gpu.name)  # None: no SMs to take (CPU), nothing charged
     replay, hidden = replay_priced(
-        layout.schedule,
-        layout.pp,
-        layout.virtual_pp,
-        num_micro,
-        stages,
-        layout.overlap_forward_backward and layout.pp > 1,
+        layout.schedule, layout.pp, layout.virtual_pp, num_micro, stages, paired
     )
+    if paired and sms and hidden > 0:
+        # while the paired chunks' all-to-alls run beside compute their kernels hold SMs:
+        # each stage's hidden seconds (the pacing stage's exposure taken for all) slow its
+        # compute; replayed again with that time in each stage's work
+        exposed_a2a = stages[max(range(len(stages)), key=lambda i: stages[i].busy)].ep_t - hidden
+        stages = [
+            replace(st, sms_t=comm_sm_seconds(max(st.ep_t - exposed_a2a, 0.0), st.compute, sms))
+            for st in stages
+        ]
+        replay, hidden = replay_priced(
+            layout.schedule, layout.pp, layout.virtual_pp, num_micro, stages, paired
+        )
     slowest = max(range(len(stages)), key=lambda i: stages[i].busy)
     pace = stages[slowest]
-    finish, host_step = [], 0.0
+    finish, tail_sms, host_step = [], [], 0.0
     for i, st in enumerate(stages):
         dp = sum(st.comm_t.get(g, 0.0) for g in ("dp", "expert_dp", "embedding"))
         if layout.zero_stage == 3:
-            exposed, host = _zero3_exposed(
-                st.rank, layout, workload, st.comm_t, bandwidth, st.compute, num_micro
+            # the prefetched gathers and the reduce-scatters run beside the compute, their
+            # kernels holding SMs (`_zero3_exposed`)
+            exposed, host, extra = _zero3_exposed(
+                st.rank, layout, workload, st.comm_t, bandwidth, st.compute, num_micro, sms
             )
             host_step = max(host_step, host)  # every stage waits for the slowest step
-            finish.append(replay.ends[i] + exposed)
+            finish.append(replay.ends[i] + extra + exposed)
         else:
             # the buckets' reductions start with the last microbatch's backward
-            # (`data_parallel`: collectives launch on the last microbatch only) and ZeRO's
-            # parameter all-gather follows the optimizer step
+            # (`data_parallel`: collectives launch on the last microbatch only) and run
+            # beside what the stage has left, their kernels holding SMs; ZeRO's parameter
+            # all-gather follows the optimizer step
             gather = min(_gather_time(st.rank, layout, workload, bandwidth), dp)
-            reduced = max(replay.ends[i], replay.last_backward[i] + dp - gather)
+            left = replay.ends[i] - replay.last_backward[i]
+            extra = comm_sm_seconds(dp - gather, left, sms) if sms else 0.0
+            reduced = max(replay.ends[i] + extra, replay.last_backward[i] + dp - gather)
             finish.append(reduced + gather)
+        tail_sms.append(extra)
     blocking = pace.blocking - hidden
     busy = pace.compute + pace.memory_t + pace.sms_t + blocking
     bubble = replay.step - busy
     if bubble < 0:  # the pacing stage's all-to-all hides less than the replay's share
         blocking, hidden, bubble = blocking - bubble, hidden + bubble, 0.0
     exposed_dp = max(finish) - replay.step
-    step = replay.step + exposed_dp + host_step
+    # the last stage to finish: its SMs lost beside the data-parallel traffic, reported apart
+    last_sms = min(tail_sms[max(range(len(finish)), key=lambda i: finish[i])], max(exposed_dp, 0))
+    exposed_dp -= last_sms
+    step = replay.step + exposed_dp + last_sms + host_step
     compute = pace.compute
     fits = max(r.memory for r in ranks) <= gpu.memory_bytes
     notes = []
@@ -461,8 +489,8 @@ def plan_layout(
         "pipeline_bubble": bubble,
         "exposed_dp_comm": exposed_dp,
     }
-    if paired:
-        time_parts["comm_sms"] = pace.sms_t
+    if paired or pace.sms_t + last_sms > 0:
+        time_parts["comm_sms"] = pace.sms_t + last_sms
     if layout.cpu_offload:
         time_parts["host_optimizer"] = host_step
         notes.append(

@@ -21,11 +21,11 @@ __all__ = ["compute_seconds", "flop_parts", "routed_rows_per_copy", "stage_flops
 
 
 def stage_flops(config: Any, layout: PlanLayout, workload: Workload, chunks: list[list[int]],
-                 last: bool) -> tuple[float, float]:  # fmt: skip
+                 last: bool) -> tuple[float, float, float]:  # fmt: skip
     """Training FLOPs per step on one rank of the stage holding `chunks` (recompute included),
-    and the part of them an fp8 precision runs in fp8: the plain linear layers
-    (`linear_flops_per_token_parts`), plus the routed experts' GEMMs with
-    `layout.fp8_expert_gemms`."""
+    the part of them in plain linear layers (`linear_flops_per_token_parts`: what an fp8
+    precision runs in fp8) and the part in the routed experts (in fp8 too with
+    `layout.fp8_expert_gemms`: `compute_seconds`'s `fp8_expert_gemms`)."""
     parts, (linear_parts, mtp_linear, projections) = flop_parts(config, workload.seq_len)
     attention = attention_flops_per_token(config, workload.seq_len)
     up = up_projection_flops_per_token(config)
@@ -62,27 +62,36 @@ def stage_flops(config: Any, layout: PlanLayout, workload: Workload, chunks: lis
     routed += mtp_routed
     split = layers + extras - routed  # tensor parallelism divides all of this
     tokens = workload.tokens_per_step / layout.dp  # each dp replica sees its share
-    routed_rows = routed * routed_rows_per_copy(config, layout, workload)
-    total = (split / layout.tp + routed_rows) * tokens
-    low = (linear + extras_linear) / layout.tp * tokens
-    if layout.fp8_expert_gemms:  # priced, not run yet: `PlanLayout.fp8_expert_gemms`
-        low += routed_rows * tokens
-    return total, low
+    routed_rank = routed * routed_rows_per_copy(config, layout, workload) * tokens
+    total = split / layout.tp * tokens + routed_rank
+    return total, (linear + extras_linear) / layout.tp * tokens, routed_rank
 
 
 def compute_seconds(
-    flops: tuple[float, float], gpu: GPUSpec, precision: str, efficiency: float
+    flops: tuple[float, ...],
+    gpu: GPUSpec,
+    precision: str,
+    efficiency: float,
+    shape_factors: tuple[float, float] = (1.0, 1.0),
+    fp8_expert_gemms: bool = False,
 ) -> float:
-    """Seconds for a stage's (FLOPs, FLOPs an fp8 precision runs in fp8: `stage_flops`) at
-    `efficiency` of the peak: under an fp8 precision the fp8 part at the fp8 peak and the rest
-    (attention scores, router, head, and the routed experts unless `fp8_expert_gemms`) at the
-    bf16 one, as the plugins run them; else all at the precision's peak."""
-    total, linear = flops
+    """Seconds for a stage's (FLOPs, FLOPs in plain linear layers[, FLOPs in routed
+    experts]) at `efficiency` of the peak: under an fp8 precision the linear layers at the
+    fp8 peak, the routed experts too with `fp8_expert_gemms` (priced, not run yet:
+    `PlanLayout.fp8_expert_gemms`), and the rest (attention scores, router, head) at the bf16
+    one, as the plugins run them; else all at the precision's peak. `shape_factors` (plain
+    linears, routed experts: `gemm_shapes.stage_shape_factors`) scale the efficiency of
+    those GEMMs for their shapes."""
+    total, linear = flops[0], flops[1]
+    routed = flops[2] if len(flops) > 2 else 0.0
+    f_linear, f_routed = shape_factors
     peak = gpu.flops_for(precision)
-    if peak_column(precision) != "fp8":
-        return total / (peak * efficiency)
-    rest_peak = gpu.column_flops("bf16")
-    return (linear / peak + (total - linear) / rest_peak) / efficiency
+    rest_peak = gpu.column_flops("bf16") if peak_column(precision) == "fp8" else peak
+    routed_peak = peak if fp8_expert_gemms else rest_peak
+    rest = total - linear - routed
+    return (linear / (peak * f_linear) + routed / (routed_peak * f_routed) + rest / rest_peak) / (
+        efficiency
+    )
 
 
 def routed_rows_per_copy(config: Any, layout: PlanLayout, workload: Workload) -> float:

@@ -9,6 +9,7 @@ from typing import Any
 
 from nanotrain.parallel.mesh import MeshLayout
 from nanotrain.planning import zero3
+from nanotrain.planning.calibration import comm_sm_seconds
 from nanotrain.planning.communication import CommEstimate
 from nanotrain.planning.gpus import GPUSpec
 from nanotrain.planning.layout import PlanLayout, Workload
@@ -82,8 +83,9 @@ def _gather_time(rank: Any, layout: PlanLayout, workload: Workload,
 
 def _zero3_exposed(rank: Any, layout: PlanLayout, workload: Workload, comm_t: dict[str, float],
                    bandwidth: dict[str, tuple[float, float]], compute: float,
-                   num_micro: int) -> tuple[float, float]:  # fmt: skip
-    """(exposed data-parallel seconds, host optimizer seconds) per step under ZeRO-3.
+                   num_micro: int, sms: int | None = None) -> tuple[float, float, float]:  # fmt: skip
+    """(exposed data-parallel seconds, host optimizer seconds, seconds the compute loses to
+    the SMs the collectives hold beside it) per step under ZeRO-3.
 
     FSDP2 prefetches the next unit's all-gather (and, with cpu_offload, its host copy) while
     one computes, so the gathers show only where they exceed the compute, plus the root
@@ -94,7 +96,12 @@ def _zero3_exposed(rank: Any, layout: PlanLayout, workload: Workload, comm_t: di
     backward) or after the whole schedule (pp > 1: all of it shows). Gathers and
     reduce-scatters share the rank's link, so what exceeds the compute shows in any case. With
     cpu_offload the optimizer steps on the host after the backward, at
-    `zero3.HOST_ADAM_BYTES_PER_S` (not overlapped)."""
+    `zero3.HOST_ADAM_BYTES_PER_S` (not overlapped).
+
+    The gathers and the reduce-scatters that run beside the compute (all but the root's
+    first gathers, and with pp > 1 the reduce-scatters after the schedule) hold
+    `calibration.COMM_SMS` of the GPU's `sms` SMs (`calibration.comm_sm_seconds`; nothing
+    when `sms` is None): the compute, longer by that, hides more of them."""
     units = zero3.zero3_units(rank)
     gather = element_size(gather_dtype(workload.precision))
     reduce_t = first = 0.0
@@ -115,6 +122,9 @@ def _zero3_exposed(rank: Any, layout: PlanLayout, workload: Workload, comm_t: di
     traffic = sum(comm_t.get(g, 0.0) for g in ("dp", "expert_dp", "embedding", "host"))
     reduces = num_micro if layout.reduce_scatter_every_microbatch else 1
     gathers = max(traffic - reduces * reduce_t - first, 0.0)
+    beside = gathers + (reduces * reduce_t if layout.pp == 1 else 0.0)
+    sms_t = comm_sm_seconds(beside, compute, sms) if sms else 0.0
+    compute += sms_t
     backward = 0.0 if layout.pp > 1 else compute * 2 / 3 / num_micro  # of one microbatch
     exposed = max(0.0, gathers - compute) + first + reduces * max(0.0, reduce_t - backward)
     # the gathers and the reduce-scatters share the rank's link: together they hide behind
@@ -124,4 +134,4 @@ def _zero3_exposed(rank: Any, layout: PlanLayout, workload: Workload, comm_t: di
     if layout.cpu_offload:
         elements = max(e for e, _ in zero3_optimizer_pieces(rank, layout))
         host = elements * zero3.ADAM_BYTES_PER_ELEMENT / zero3.HOST_ADAM_BYTES_PER_S
-    return exposed, host
+    return exposed, host, sms_t

@@ -69,7 +69,7 @@ PUBLISHED = {
 OUTSIDE = {
     "Llama 3.1 8B, 8 H100 (96 GB, 500 W), FSDP": 1.51,
     "Llama 3.1 8B, 8 H100 (96 GB, 500 W), FSDP + torch.compile": 1.56,
-    "Llama 3.1 405B, 128 H100 (94 GB), FSDP16 TP8": 1.61,
+    "Llama 3.1 405B, 128 H100 (94 GB), FSDP16 TP8": 1.42,
 }
 #: run name -> published peak memory per GPU, GiB (torchtitan Table 1: "Memory(GiB)")
 PUBLISHED_MEMORY = {
@@ -229,7 +229,14 @@ def test_paired_chunks_hold_sms_and_are_priced_with_the_strategys_refusal_on_gpu
     note = [n for n in on_gpu.notes if "does not run on a h800" in n]
     # the strategy's own message (megatron_pipeline.check_pairing_device), not a copy
     assert note and "overlap_forward_backward runs on CPU (gloo) only" in note[0]
-    assert on_gpu.time_parts["comm_sms"] == pytest.approx(on_gpu.time_parts["compute"] * 20 / 112)
+    # the all-to-all seconds hidden beside compute ran with 20 of 132 SMs taken (the charge
+    # comes from the replay at full speed, so the re-replayed hidden seconds bound it within
+    # 10%), plus 20/132 of the data-parallel reductions beside the last backward at most
+    hidden = on_gpu.hidden_comm_s
+    dp = sum(on_gpu.slowest_comm_s.get(g, 0.0) for g in ("dp", "expert_dp", "embedding"))
+    sms = on_gpu.time_parts["comm_sms"]
+    assert 0.9 * hidden * 20 / 132 <= sms <= 1.1 * (hidden + dp) * 20 / 132
+    assert sms < on_gpu.time_parts["compute"] * 20 / 112  # not the whole compute slowed
     assert not [n for n in plan_layout(config, layout, work, GPUS["cpu"]).notes if "run" in n]
 
 

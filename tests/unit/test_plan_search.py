@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from nanotrain.models import presets
@@ -11,11 +13,17 @@ from nanotrain.planning.plan import _bandwidths
 from nanotrain.planning.search import SEARCH_RECOMPUTE
 from nanotrain.planning.stage_replay import StageDurations, replay_stages
 
+#: an H100 of no known SM count (`calibration.gpu_sms` is None for its family): its matmuls at
+#: the flat large-shape efficiency, no shape term, no SMs held by communication; the FLOP
+#: accounting below is checked against it (tests/unit/test_plan_shape_and_sms.py prices
+#: the shapes)
+FLAT = dataclasses.replace(GPUS["h100"], name="flat")
+
 
 def test_one_gpu_step_is_its_flops_at_peak_times_efficiency():
     config = presets.get("deepseek-100m")
     work = Workload(seq_len=1024, micro_batch_size=2, global_batch_size=8, precision="bf16-true")
-    plan = plan_layout(config, PlanLayout(), work, GPUS["h100"], compute_efficiency=0.4)
+    plan = plan_layout(config, PlanLayout(), work, FLAT, compute_efficiency=0.4)
     flops = flops_per_token(config, 1024) * 8 * 1024  # the accounting formula, 6N + attention
     assert plan.flops_per_step == pytest.approx(flops)
     assert plan.time_parts["compute"] == pytest.approx(flops / (989.4e12 * 0.4))
@@ -45,8 +53,8 @@ def test_selective_recompute_adds_a_forward_of_each_attention_block():
     config = presets.get("dense-100m")
     s = 512
     work = Workload(seq_len=s, micro_batch_size=1, global_batch_size=4)
-    none = plan_layout(config, PlanLayout(), work, GPUS["h100"])
-    sel = plan_layout(config, PlanLayout(recompute="selective"), work, GPUS["h100"])
+    none = plan_layout(config, PlanLayout(), work, FLAT)
+    sel = plan_layout(config, PlanLayout(recompute="selective"), work, FLAT)
     h, n, kv, d = config.hidden_size, config.num_heads, config.num_kv_heads, config.head_dim
     attention_fwd = 2 * (2 * h * n * d + 2 * h * kv * d) + 2 * n * 2 * d * s / 2
     total = flops_per_token(config, s)
@@ -61,8 +69,8 @@ def test_light_recompute_adds_two_forwards_of_the_mla_up_projections():
     c = presets.get("deepseek-100m")
     s = 512
     work = Workload(seq_len=s, micro_batch_size=1, global_batch_size=4)
-    none = plan_layout(c, PlanLayout(), work, GPUS["h100"])
-    light = plan_layout(c, PlanLayout(recompute="light"), work, GPUS["h100"])
+    none = plan_layout(c, PlanLayout(), work, FLAT)
+    light = plan_layout(c, PlanLayout(recompute="light"), work, FLAT)
     up = c.q_lora_rank * c.num_heads * c.qk_head_dim
     up += c.kv_lora_rank * c.num_heads * (c.qk_nope_head_dim + c.v_head_dim)
     total = flops_per_token(c, s)
@@ -70,8 +78,8 @@ def test_light_recompute_adds_two_forwards_of_the_mla_up_projections():
     assert light.time_parts["compute"] / none.time_parts["compute"] == pytest.approx(expected)
     assert light.largest.activations.peak < none.largest.activations.peak
     dense = presets.get("dense-100m")
-    plain = plan_layout(dense, PlanLayout(), work, GPUS["h100"]).time_parts["compute"]
-    assert plan_layout(dense, PlanLayout(recompute="light"), work, GPUS["h100"]).time_parts[
+    plain = plan_layout(dense, PlanLayout(), work, FLAT).time_parts["compute"]
+    assert plan_layout(dense, PlanLayout(recompute="light"), work, FLAT).time_parts[
         "compute"
     ] == pytest.approx(plain)
 
@@ -94,7 +102,7 @@ def test_tp_splits_every_flop_but_the_routed_experts_it_replicates(tp, sp, capac
     s, tokens = 1024, 8 * 1024
     work = Workload(seq_len=s, micro_batch_size=1, global_batch_size=8, precision="bf16-true")
     layout = PlanLayout(tp=tp, sequence_parallel=sp)
-    plan = plan_layout(config, layout, work, GPUS["h100"], compute_efficiency=0.4)
+    plan = plan_layout(config, layout, work, FLAT, compute_efficiency=0.4)
     moe_layers = config.num_layers - config.first_k_dense_replace
     h, inter, k = config.hidden_size, config.moe_intermediate_size, config.num_experts_per_tok
     routed = 6 * k * 3 * h * inter * moe_layers
@@ -252,8 +260,8 @@ def test_the_first_layers_of_a_chunk_recomputed_fully_are_priced_layer_by_layer(
     dense = presets.get("dense-100m")
     s = 512
     work = Workload(seq_len=s, micro_batch_size=1, global_batch_size=4)
-    none = plan_layout(dense, PlanLayout(), work, GPUS["h100"]).time_parts["compute"]
-    two = plan_layout(dense, PlanLayout(recompute_full_layers=2), work, GPUS["h100"])
+    none = plan_layout(dense, PlanLayout(), work, FLAT).time_parts["compute"]
+    two = plan_layout(dense, PlanLayout(recompute_full_layers=2), work, FLAT)
     layer = flops_per_token_parts(dense, s).layers[0]
     expected = (flops_per_token(dense, s) + 2 * layer / 3) / flops_per_token(dense, s)
     assert two.time_parts["compute"] / none == pytest.approx(expected)
@@ -278,7 +286,7 @@ def test_fp8_precisions_price_only_the_plain_linear_layers_at_the_fp8_peak(preci
     its parts."""
     from nanotrain.models.accounting import linear_flops_per_token_parts
 
-    c, gpu, s = presets.get("deepseek-100m"), GPUS["h100"], 512
+    c, gpu, s = presets.get("deepseek-100m"), FLAT, 512
     work = Workload(seq_len=s, micro_batch_size=1, global_batch_size=4, precision=precision)
     plan = plan_layout(c, PlanLayout(), work, gpu, compute_efficiency=0.5)
     per_layer, mtp, _ = linear_flops_per_token_parts(c)
