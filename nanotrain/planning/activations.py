@@ -215,8 +215,10 @@ def _schedule_peak(
     microbatch before the next: one microbatch through the whole model."""
     if layout.pp == 1:
         return sum(per_chunk)
-    counts = _live_counts(layout.schedule, num_microbatches, layout.pp, pp_rank, layout.virtual_pp)
-    # the same walk, summed per distinct count of live forwards per chunk (exact)
+    shape = (layout.schedule, num_microbatches, layout.pp, pp_rank, layout.virtual_pp)
+    # the same walk, summed per distinct count of live forwards per chunk (exact); with no
+    # negative bytes only the counts that no other count reaches in every chunk can peak
+    counts = _top_counts(*shape) if min(per_chunk, default=0) >= 0 else _live_counts(*shape)
     return max(sum(n * b for n, b in zip(c, per_chunk, strict=False)) for c in counts)
 
 
@@ -232,3 +234,17 @@ def _live_counts(
         live[action.chunk] += 1 if action.kind == "F" else -int(action.frees_activations)
         seen.add(tuple(live))
     return tuple(sorted(seen))
+
+
+@functools.lru_cache(maxsize=4096)
+def _top_counts(
+    schedule: str | None, m: int, pp: int, pp_rank: int, v: int
+) -> tuple[tuple[int, ...], ...]:
+    """`_live_counts` less every count that another reaches or passes in every chunk (with
+    bytes >= 0 per chunk such a count never holds more than that other one)."""
+    counts = _live_counts(schedule, m, pp, pp_rank, v)
+    return tuple(
+        c
+        for c in counts
+        if not any(o != c and all(x >= y for x, y in zip(o, c, strict=True)) for o in counts)
+    )

@@ -113,10 +113,12 @@ def optimizer_pieces(
     never optimized. Counted for all ranks of a bucket at once (the same numbers as
     `FlatLayout.pieces`, without listing the pieces of 2,048 ranks one by one).
     """
-    key = (id(rank), layout.dp, layout.ep, element_size, layout.bucket_size_mb)
+    # the owned slices depend only on the parameters' sizes: ranks of equal sizes share them
+    key = (rank.sizes_id, layout.dp, layout.expert_dp, layout.ep, element_size,
+           layout.bucket_size_mb)  # fmt: skip
     cached = _PIECES.get(key)
-    if cached is not None and cached[0] is rank:
-        return cached[1]
+    if cached is not None:
+        return cached
     numel = bucket_numel_for(element_size, layout.bucket_size_mb)
     elements = torch.zeros(layout.dp, dtype=torch.int64)
     tensors = torch.zeros(layout.dp, dtype=torch.int64)
@@ -129,11 +131,25 @@ def optimizer_pieces(
     out = list(zip(elements.tolist(), tensors.tolist(), strict=True))
     if len(_PIECES) > 4096:
         _PIECES.clear()
-    _PIECES[key] = (rank, out)
+    _PIECES[key] = out
     return out
 
 
-_PIECES: dict[tuple, tuple[RankModel, list[tuple[int, int]]]] = {}
+_PIECES: dict[tuple, list[tuple[int, int]]] = {}
+_MOST: dict[tuple, tuple[int, int]] = {}
+
+
+def _most_pieces(rank: RankModel, layout: PlanLayout, element_size: int) -> tuple[int, int]:
+    """``max(optimizer_pieces(...))``, the data-parallel rank with the most optimizer state,
+    kept per shape (a search asks it for every layout of up to 2,048 ranks)."""
+    key = (rank.sizes_id, layout.dp, layout.expert_dp, layout.ep, element_size,
+           layout.bucket_size_mb)  # fmt: skip
+    most = _MOST.get(key)
+    if most is None:
+        if len(_MOST) > 4096:
+            _MOST.clear()
+        most = _MOST[key] = max(optimizer_pieces(rank, layout, element_size))
+    return most
 
 
 def _owned_counts(flat: FlatLayout) -> tuple[torch.Tensor, torch.Tensor]:
@@ -229,7 +245,7 @@ def state_memory(rank: RankModel, layout: PlanLayout, workload: Workload) -> Sta
     flat = dense_flat + expert_flat
     buffers = rank.buffer_bytes  # router bias (fp32), load counters (int64), in their dtypes
     if layout.zero_stage > 0:
-        elements, tensors = max(optimizer_pieces(rank, layout, size))
+        elements, tensors = _most_pieces(rank, layout, size)
         params = flat * size
     else:
         elements, tensors = rank.params, len(rank.dense) + len(rank.experts)

@@ -28,6 +28,7 @@ from typing import Any
 from nanotrain.parallel.placement import StagePlacement
 from nanotrain.parallel.schedule_runner import pairs_with
 from nanotrain.parallel.schedules import SCHEDULES
+from nanotrain.planning.layout import pipeline_actions
 
 __all__ = ["exposed_all_to_all", "schedule_step_time"]
 
@@ -182,44 +183,67 @@ def replay_tasks(
     Raises:
         ValueError: the tasks wait on each other and never run to their end.
     """
+    order, slots = _run_order(schedule, m, lists)
+    done = [0.0] * slots  # per slot (forward?, microbatch, stage): its end
+    free = [0.0] * len(lists)
+    marked: list[float | None] = [None] * len(lists)
+    for rank, at, kinds, needs, gives in order:
+        start = free[rank]
+        for need in needs:
+            start = max(start, done[need])
+        if marks is not None and at == marks[rank]:
+            marked[rank] = start
+        clock = free[rank] = start + seconds(rank, kinds)
+        for g in gives:
+            done[g] = clock
+    return free, marked
+
+
+#: `_run_order` per task lists object (the lists `_tasks` caches), with the lists kept
+_ORDERS: dict[int, tuple[Any, tuple[tuple, int]]] = {}
+
+
+def _run_order(
+    schedule: str, m: int, lists: tuple[tuple[Task, ...], ...]
+) -> tuple[tuple[tuple[int, int, tuple[str, ...], tuple[int, ...], tuple[int, ...]], ...], int]:
+    """The order `replay_tasks` runs the tasks in, and how many things they give: each task
+    as (rank, its index there, kinds, slots of what it needs, slots of what it gives). The
+    rounds go over the ranks in turn, each running its tasks until one waits on something
+    not given yet; which task waits does not depend on the durations, so one walk per task
+    lists serves every replay of them, with the same operations in the same order.
+
+    Raises:
+        ValueError: the tasks wait on each other and never run to their end.
+    """
+    hit = _ORDERS.get(id(lists))
+    if hit is not None and hit[0] is lists:
+        return hit[1]
+    slot: dict[Need, int] = {}
     pp = len(lists)
-    done: dict[Need, float] = {}  # (forward?, microbatch, stage) -> its end
-    free = [0.0] * pp
     position = [0] * pp
-    marked: list[float | None] = [None] * pp
+    order = []
     remaining = sum(len(tasks) for tasks in lists)
-    ended = done.get
     while remaining:
         progressed = False
         for rank, tasks in enumerate(lists):
-            at, clock = position[rank], free[rank]
-            mark = -1 if marks is None else marks[rank]
+            at = position[rank]
             while at < len(tasks):
                 kinds, needs, gives = tasks[at]
-                start, blocked = clock, False
-                for need in needs:
-                    if need is None:
-                        continue
-                    end = ended(need)
-                    if end is None:
-                        blocked = True
-                        break
-                    start = max(start, end)
-                if blocked:
+                if any(need is not None and need not in slot for need in needs):
                     break
-                if at == mark:
-                    marked[rank] = start
-                clock = start + seconds(rank, kinds)
-                for g in gives:
-                    if g is not None:
-                        done[g] = clock
+                given = tuple(slot.setdefault(g, len(slot)) for g in gives if g is not None)
+                order.append((rank, at, kinds, tuple(slot[n] for n in needs if n is not None),
+                              given))  # fmt: skip
                 at += 1
             remaining -= at - position[rank]
             progressed = progressed or at > position[rank]
-            position[rank], free[rank] = at, clock
+            position[rank] = at
         if not progressed:
             raise ValueError(f"schedule {schedule!r} does not run to its end (pp={pp}, m={m})")
-    return free, marked
+    if len(_ORDERS) > 256:
+        _ORDERS.clear()
+    _ORDERS[id(lists)] = (lists, (tuple(order), len(slot)))
+    return tuple(order), len(slot)
 
 
 #: per task: (action kinds, what each waits for from another stage, what each gives)
@@ -236,22 +260,23 @@ def _tasks(schedule: str, m: int, pp: int, v: int, overlap: bool) -> tuple[tuple
     last_stage = placement.num_virtual - 1
     out = []
     for rank in range(pp):
-        actions = SCHEDULES[schedule](m, pp, rank, v)
-        rows, i = [], 0
-        while i < len(actions):
-            group = actions[i : i + 2] if overlap and i + 1 < len(actions) else actions[i : i + 1]
-            if len(group) == 2 and not pairs_with(*group):
-                group = group[:1]
+        actions = pipeline_actions(schedule, m, pp, rank, v)  # SCHEDULES[schedule]'s, cached
+        stage_of = [placement.stage(rank, c) for c in range(v)]
+        rows, i, n = [], 0, len(actions)
+        while i < n:
+            group = (actions[i],)
+            if overlap and i + 1 < n and pairs_with(actions[i], actions[i + 1]):
+                group = (actions[i], actions[i + 1])
             kinds, needs, gives = [], [], []
             for a in group:
-                stage = placement.stage(rank, a.chunk)
-                kinds.append(a.kind)
-                if a.kind == "F":
-                    needs.append(None if stage == 0 else (True, a.microbatch, stage - 1))
-                    gives.append((True, a.microbatch, stage))
+                stage, kind, mb = stage_of[a.chunk], a.kind, a.microbatch
+                kinds.append(kind)
+                if kind == "F":
+                    needs.append(None if stage == 0 else (True, mb, stage - 1))
+                    gives.append((True, mb, stage))
                 elif a.sends_input_grad:
-                    needs.append(None if stage == last_stage else (False, a.microbatch, stage + 1))
-                    gives.append((False, a.microbatch, stage))
+                    needs.append(None if stage == last_stage else (False, mb, stage + 1))
+                    gives.append((False, mb, stage))
                 else:
                     needs.append(None)
                     gives.append(None)
