@@ -152,28 +152,42 @@ def _most_pieces(rank: RankModel, layout: PlanLayout, element_size: int) -> tupl
     return most
 
 
+#: (bucket, rank) entries `_owned_counts` holds at once
+_BLOCK_ENTRIES = 2**20
+
+
 def _owned_counts(flat: FlatLayout) -> tuple[torch.Tensor, torch.Tensor]:
     """(elements, parameter pieces) inside each rank's owned slices of `flat`, ``[dp]`` each.
-    Counted with numpy (a search calls this for thousands of layouts, each with up to
-    thousands of ranks: torch's per-call overhead and its thread pool dominated it)."""
+    Counted with numpy for many buckets at once (a search calls this for thousands of
+    layouts, each with up to thousands of ranks and buckets)."""
+    numels = [p.numel() for p in flat.params]
     ranks = np.arange(flat.dp_size, dtype=np.int64)
     elements = np.zeros(flat.dp_size, dtype=np.int64)
     pieces = np.zeros(flat.dp_size, dtype=np.int64)
-    for bucket in flat.buckets:
-        idx = [i for i in bucket.param_indices if flat.params[i].numel() > 0]
-        if not idx:
-            continue
-        starts = np.array([flat.offsets[i] for i in idx], dtype=np.int64)
-        ends = starts + np.array([flat.params[i].numel() for i in idx], dtype=np.int64)
-        width = (bucket.end - bucket.start) // flat.dp_size
-        lo = bucket.start + ranks * width  # Bucket.owned of every rank
+    # the non-empty parameters, in flat order (contiguous: each starts where the last ends,
+    # or at its bucket's padded start), and per bucket holding one: start, width, real end
+    nonempty = [i for i, n in enumerate(numels) if n > 0]
+    starts = np.array([flat.offsets[i] for i in nonempty], dtype=np.int64)
+    ends = starts + np.array([numels[i] for i in nonempty], dtype=np.int64)
+    rows = [
+        (b.start, (b.end - b.start) // flat.dp_size, max(flat.offsets[i] + numels[i] for i in idx))
+        for b in flat.buckets
+        if (idx := [i for i in b.param_indices if numels[i] > 0])
+    ]
+    if not rows:
+        return torch.from_numpy(elements), torch.from_numpy(pieces)
+    table = np.array(rows, dtype=np.int64)
+    step = max(1, _BLOCK_ENTRIES // flat.dp_size)  # buckets per block
+    for b in range(0, len(table), step):
+        start, width, real_end = (table[b : b + step, k : k + 1] for k in range(3))
+        lo = start + ranks * width  # Bucket.owned of every rank, [buckets, dp]
         hi = lo + width
-        real_end = int(ends[-1])  # parameters are contiguous; padding follows them
-        elements += np.clip(np.minimum(hi, real_end) - lo, 0, None)
-        # pieces: parameters starting before hi and ending after lo
+        elements += np.clip(np.minimum(hi, real_end) - lo, 0, None).sum(axis=0)
+        # pieces: parameters starting before hi and ending after lo; a bucket's slices lie
+        # inside it, so the other buckets' parameters cancel in the difference
         before_hi = np.searchsorted(starts, hi, side="left")
         ended = np.searchsorted(ends, lo, side="right")
-        pieces += np.clip(before_hi - ended, 0, None)
+        pieces += np.clip(before_hi - ended, 0, None).sum(axis=0)
     return torch.from_numpy(elements), torch.from_numpy(pieces)
 
 

@@ -183,34 +183,41 @@ def replay_tasks(
     Raises:
         ValueError: the tasks wait on each other and never run to their end.
     """
-    order, slots = _run_order(schedule, m, lists)
+    order, slots, kinds_of = _run_order(schedule, m, lists)
     done = [0.0] * slots  # per slot (forward?, microbatch, stage): its end
     free = [0.0] * len(lists)
     marked: list[float | None] = [None] * len(lists)
-    for rank, at, kinds, needs, gives in order:
+    durations: list[list[float | None]] = [[None] * len(kinds_of) for _ in lists]
+    for rank, at, kind, needs, gives in order:
         start = free[rank]
         for need in needs:
             start = max(start, done[need])
         if marks is not None and at == marks[rank]:
             marked[rank] = start
-        clock = free[rank] = start + seconds(rank, kinds)
+        took = durations[rank][kind]
+        if took is None:
+            took = durations[rank][kind] = seconds(rank, kinds_of[kind])
+        clock = free[rank] = start + took
         for g in gives:
             done[g] = clock
     return free, marked
 
 
 #: `_run_order` per task lists object (the lists `_tasks` caches), with the lists kept
-_ORDERS: dict[int, tuple[Any, tuple[tuple, int]]] = {}
+_ORDERS: dict[int, tuple[Any, tuple]] = {}
+#: one task in run order: (rank, its index there, its kinds' index, slots it needs, gives)
+_Step = tuple[int, int, int, tuple[int, ...], tuple[int, ...]]
 
 
 def _run_order(
     schedule: str, m: int, lists: tuple[tuple[Task, ...], ...]
-) -> tuple[tuple[tuple[int, int, tuple[str, ...], tuple[int, ...], tuple[int, ...]], ...], int]:
-    """The order `replay_tasks` runs the tasks in, and how many things they give: each task
-    as (rank, its index there, kinds, slots of what it needs, slots of what it gives). The
-    rounds go over the ranks in turn, each running its tasks until one waits on something
-    not given yet; which task waits does not depend on the durations, so one walk per task
-    lists serves every replay of them, with the same operations in the same order.
+) -> tuple[tuple[_Step, ...], int, tuple[tuple[str, ...], ...]]:
+    """An order `replay_tasks` can run the tasks in: each after its rank's previous task and
+    after every task giving what it needs (each thing given once, so any such order gives
+    every start and end the same operations on the same numbers). Returns (the tasks, each
+    as (rank, its index there, its kinds' index, slots of what it needs, slots of what it
+    gives); how many slots; the kinds by index). Which task waits does not depend on the
+    durations, so one order per task lists serves every replay of them.
 
     Raises:
         ValueError: the tasks wait on each other and never run to their end.
@@ -218,10 +225,57 @@ def _run_order(
     hit = _ORDERS.get(id(lists))
     if hit is not None and hit[0] is lists:
         return hit[1]
+    pp = len(lists)
     slot: dict[Need, int] = {}
+    kinds_index: dict[tuple[str, ...], int] = {}
+    position = [0] * pp
+    waiting: dict[Need, list[int]] = {}  # what a blocked rank waits for
+    ready = list(range(pp - 1, -1, -1))  # ranks to run on (a stack: rank 0 first)
+    order: list[_Step] = []
+    while ready:
+        rank = ready.pop()
+        tasks, at = lists[rank], position[rank]
+        while at < len(tasks):
+            kinds, needs, gives = tasks[at]
+            missing = next((n for n in needs if n is not None and n not in slot), None)
+            if missing is not None:
+                waiting.setdefault(missing, []).append(rank)
+                break
+            given = []
+            for g in gives:
+                if g is not None:
+                    if g in slot:  # given twice: the order would matter, walk in rounds
+                        return _cache_order(lists, _rounds_order(schedule, m, lists))
+                    given.append(slot.setdefault(g, len(slot)))
+                    ready.extend(waiting.pop(g, ()))
+            kind = kinds_index.setdefault(kinds, len(kinds_index))
+            order.append((rank, at, kind, tuple(slot[n] for n in needs if n is not None),
+                          tuple(given)))  # fmt: skip
+            at += 1
+        position[rank] = at
+    if any(position[r] < len(tasks) for r, tasks in enumerate(lists)):
+        raise ValueError(f"schedule {schedule!r} does not run to its end (pp={pp}, m={m})")
+    return _cache_order(lists, (tuple(order), len(slot), tuple(kinds_index)))
+
+
+def _cache_order(lists: tuple, found: tuple) -> tuple:
+    if len(_ORDERS) > 256:
+        _ORDERS.clear()
+    _ORDERS[id(lists)] = (lists, found)
+    return found
+
+
+def _rounds_order(
+    schedule: str, m: int, lists: tuple[tuple[Task, ...], ...]
+) -> tuple[tuple[_Step, ...], int, tuple[tuple[str, ...], ...]]:
+    """`_run_order` in the order of rounds over the ranks in turn, each running its tasks
+    until one waits on something not given yet (what the replay did before it kept an
+    order; needed only where something is given twice, which no schedule does)."""
+    slot: dict[Need, int] = {}
+    kinds_index: dict[tuple[str, ...], int] = {}
     pp = len(lists)
     position = [0] * pp
-    order = []
+    order: list[_Step] = []
     remaining = sum(len(tasks) for tasks in lists)
     while remaining:
         progressed = False
@@ -232,7 +286,8 @@ def _run_order(
                 if any(need is not None and need not in slot for need in needs):
                     break
                 given = tuple(slot.setdefault(g, len(slot)) for g in gives if g is not None)
-                order.append((rank, at, kinds, tuple(slot[n] for n in needs if n is not None),
+                kind = kinds_index.setdefault(kinds, len(kinds_index))
+                order.append((rank, at, kind, tuple(slot[n] for n in needs if n is not None),
                               given))  # fmt: skip
                 at += 1
             remaining -= at - position[rank]
@@ -240,10 +295,7 @@ def _run_order(
             position[rank] = at
         if not progressed:
             raise ValueError(f"schedule {schedule!r} does not run to its end (pp={pp}, m={m})")
-    if len(_ORDERS) > 256:
-        _ORDERS.clear()
-    _ORDERS[id(lists)] = (lists, (tuple(order), len(slot)))
-    return tuple(order), len(slot)
+    return tuple(order), len(slot), tuple(kinds_index)
 
 
 #: per task: (action kinds, what each waits for from another stage, what each gives)
