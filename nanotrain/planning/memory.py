@@ -122,9 +122,11 @@ def optimizer_pieces(
     numel = bucket_numel_for(element_size, layout.bucket_size_mb)
     elements = torch.zeros(layout.dp, dtype=torch.int64)
     tensors = torch.zeros(layout.dp, dtype=torch.int64)
-    for params, size in ((rank.dense, layout.dp), (rank.experts, layout.expert_dp)):
+    parts = ((rank.dense, rank.sizes_id[0], layout.dp),
+             (rank.experts, rank.sizes_id[1], layout.expert_dp))  # fmt: skip
+    for params, sizes_id, size in parts:
         if params:
-            e, t = _owned_counts(FlatLayout(params, size, numel))
+            e, t = _part_counts(params, sizes_id, size, numel)
             # data-parallel rank d is rank d % size of its (expert-)data-parallel group
             index = torch.arange(layout.dp) % size
             elements, tensors = elements + e[index], tensors + t[index]
@@ -152,6 +154,21 @@ def _most_pieces(rank: RankModel, layout: PlanLayout, element_size: int) -> tupl
     return most
 
 
+def _part_counts(
+    params: list[torch.Tensor], sizes_id: int, size: int, numel: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`_owned_counts` of ``FlatLayout(params, size, numel)``, kept per sizes (the dense
+    and the expert parameters of many ranks are the same sizes)."""
+    key = (sizes_id, size, numel)
+    hit = _COUNTS.get(key)
+    if hit is None:
+        if len(_COUNTS) > 4096:
+            _COUNTS.clear()
+        hit = _COUNTS[key] = _owned_counts(FlatLayout(params, size, numel))
+    return hit
+
+
+_COUNTS: dict[tuple[int, int, int], tuple[torch.Tensor, torch.Tensor]] = {}
 #: (bucket, rank) entries `_owned_counts` holds at once
 _BLOCK_ENTRIES = 2**20
 

@@ -68,9 +68,9 @@ class RankModel:
         buffers: elements of its buffers (router bias and load counters, RoPE caches).
         buffer_bytes: their bytes, each in its own dtype.
         module: the meta-device model (a `PipelineStage` under pp > 1).
-        sizes_id: the same number for ranks whose dense and expert parameters have the same
+        sizes_id: (dense, experts): the same number for lists of parameters with the same
             elements, in order: all the flat buffers and ZeRO's owned slices depend on
-            (such ranks share `flat_numels` and `memory.optimizer_pieces`).
+            (ranks share `flat_numels` and `memory.optimizer_pieces` through it).
     """
 
     pp_rank: int
@@ -81,15 +81,10 @@ class RankModel:
     buffer_bytes: int
     module: nn.Module
     _units: list[Any] = field(default_factory=list, compare=False, repr=False)  # ZeRO-3's
-    sizes_id: int = field(init=False, compare=False, repr=False)
+    sizes_id: tuple[int, int] = field(init=False, compare=False, repr=False)
 
     def __post_init__(self) -> None:
-        numels = (tuple(p.numel() for p in self.dense), tuple(p.numel() for p in self.experts))
-        if numels not in _SIZES:
-            if len(_SIZES) > 65536:
-                _SIZES.clear()  # the counter goes on: no id is given twice
-            _SIZES[numels] = next(_SIZE_IDS)
-        object.__setattr__(self, "sizes_id", _SIZES[numels])
+        object.__setattr__(self, "sizes_id", (_sizes_id(self.dense), _sizes_id(self.experts)))
 
     @property
     def dense_params(self) -> int:
@@ -110,22 +105,38 @@ class RankModel:
         """Elements of the dense and expert flat buffers the strategy allocates for gradients
         (and ZeRO for parameters): buckets of `layout.bucket_size_mb` MiB of parameters of
         `element_size` bytes, each padded to a multiple of dp (dense) or dp / ep (experts)."""
-        key = (self.sizes_id, layout.dp, layout.expert_dp, element_size, layout.bucket_size_mb)
-        if key not in _FLAT:
-            if len(_FLAT) > 16384:
-                _FLAT.clear()
-            numel = bucket_numel_for(element_size, layout.bucket_size_mb)
-            dense = FlatLayout(self.dense, layout.dp, numel).numel if self.dense else 0
-            experts = FlatLayout(self.experts, layout.expert_dp, numel).numel if self.experts else 0
-            _FLAT[key] = (dense, experts)
-        return _FLAT[key]
+        numel = bucket_numel_for(element_size, layout.bucket_size_mb)
+        dense = _flat_numel(self.dense, self.sizes_id[0], layout.dp, numel)
+        return dense, _flat_numel(self.experts, self.sizes_id[1], layout.expert_dp, numel)
 
 
-#: `RankModel.sizes_id` per (dense, expert) parameter elements; the ids never repeat
-_SIZES: dict[tuple[tuple[int, ...], tuple[int, ...]], int] = {}
+def _flat_numel(params: list[torch.Tensor], sizes_id: int, size: int, bucket: int) -> int:
+    """``FlatLayout(params, size, bucket).numel`` (0 without parameters), kept per sizes."""
+    if not params:
+        return 0
+    key = (sizes_id, size, bucket)
+    if key not in _FLAT:
+        if len(_FLAT) > 16384:
+            _FLAT.clear()
+        _FLAT[key] = FlatLayout(params, size, bucket).numel
+    return _FLAT[key]
+
+
+def _sizes_id(params: list[torch.Tensor]) -> int:
+    """The same number for parameter lists of the same elements, in order."""
+    numels = tuple(p.numel() for p in params)
+    if numels not in _SIZES:
+        if len(_SIZES) > 65536:
+            _SIZES.clear()  # the counter goes on: no id is given twice
+        _SIZES[numels] = next(_SIZE_IDS)
+    return _SIZES[numels]
+
+
+#: `_sizes_id` per parameter elements; the ids never repeat
+_SIZES: dict[tuple[int, ...], int] = {}
 _SIZE_IDS = itertools.count()
-#: `RankModel.flat_numels` per (sizes_id, dp, expert_dp, element size, bucket MiB)
-_FLAT: dict[tuple[int, int, int, int, float], tuple[int, int]] = {}
+#: `_flat_numel` per (sizes id, group size, bucket elements)
+_FLAT: dict[tuple[int, int, int], int] = {}
 
 
 def build_rank_model(config: Any, layout: PlanLayout, pp_rank: int = 0) -> nn.Module:

@@ -99,3 +99,28 @@ def test_rank_models_hold_what_their_modules_list(model, layout):
         assert rank.buffers == sum(b.numel() for b in buffers)
         assert rank.buffer_bytes == sum(b.numel() * b.element_size() for b in buffers)
     assert any(rank.experts for rank in rank_models(config, layout)) == model.startswith("deep")
+
+
+@pytest.mark.parametrize(
+    "layout",
+    [
+        PlanLayout(tp=2, dp=2, ep=2, sequence_parallel=True),
+        PlanLayout(tp=2, pp=2, dp=2, ep=2, sequence_parallel=True),
+        PlanLayout(tp=2, pp=2, dp=2, virtual_pp=2, schedule="dualpipev", sequence_parallel=True),
+    ],
+)
+def test_sequence_parallel_numels_are_those_of_each_stage_module(layout):
+    """The tp-replicated parameters a stage sums over tp, taken from its whole model's list,
+    are those `sequence_parallel_params` finds in the stage's own module (a tied embedding,
+    MTP and routed experts included)."""
+    from nanotrain.parallel.grads import sequence_parallel_params
+    from nanotrain.planning import rank_models
+    from nanotrain.planning.communication_tp import _sp_param_numels
+
+    config = presets.get("deepseek-100m", tie_word_embeddings=True)
+    for rank in rank_models(config, layout):
+        experts = {id(p) for p in rank.experts}
+        params = sequence_parallel_params(rank.module)
+        dense = sum(p.numel() for p in params if id(p) not in experts)
+        assert dense > 0
+        assert _sp_param_numels(rank) == (dense, sum(p.numel() for p in params) - dense)
