@@ -15,6 +15,12 @@ fits, the same again with ``cpu_offload`` (it frees the GPU of the shards and op
 state, at the price of PCIe copies and a host optimizer step); sequence parallelism on whenever tp > 1 (it only
 saves memory, at the same traffic). Each is checked by the strategy's own rules; a layout the
 strategy refuses, or that does not fit in memory, is listed with the reason.
+
+Memory is checked before time (`plan.memory_check`): only the first mode that fits is priced
+in full, and a mode whose largest rank's model state and reserve alone exceed the GPU
+(`plan.memory_floor`, which activations and working memory only raise) is not checked at
+all; the last mode is always checked, for the rejection's figures. The result is the one of
+pricing every mode in full (tests/unit/test_plan_search.py).
 """
 
 from __future__ import annotations
