@@ -3,12 +3,17 @@ docs/planning.md's worked example), on a seeded sample of the candidate layouts 
 
     python benchmarks/plan_search.py            # 40 of the 430 candidates
     python benchmarks/plan_search.py --all      # every candidate (the full search)
+    python benchmarks/plan_search.py --all --out result.txt   # and the whole result
 
 Prints the process CPU seconds, the wall seconds and how many layouts fit / were rejected.
+`--out FILE` writes every plan that fits (ranked) and every rejection, each as its full
+`repr` on one line, and prints the file's SHA-256: two versions of the planner give the
+same search exactly when their files compare equal.
 """
 
 from __future__ import annotations
 
+import hashlib
 import random
 import sys
 import time
@@ -31,6 +36,12 @@ def main() -> None:
     cpu, wall = time.process_time() - cpu, time.time() - wall
     print(f"cpu {cpu:.1f} s, wall {wall:.1f} s, {len(result.fitting)} fit, "
           f"{len(result.rejected)} rejected")  # fmt: skip
+    if "--out" in sys.argv:
+        lines = [repr(p) for p in result.fitting] + ["---"] + [repr(r) for r in result.rejected]
+        text = "\n".join(lines) + "\n"
+        with open(sys.argv[sys.argv.index("--out") + 1], "w") as f:
+            f.write(text)
+        print(f"sha256 {hashlib.sha256(text.encode()).hexdigest()}")
 
 
 if __name__ == "__main__":

@@ -3,12 +3,20 @@ any process group exists; their errors name the offending numbers and the valid 
 
 from __future__ import annotations
 
+import functools
+
 __all__ = ["check_context", "check_sizes", "divisors", "validate_layout"]
 
 
 def divisors(n: int) -> list[int]:
     """The divisors of n >= 1, ascending."""
-    return [d for d in range(1, n + 1) if n % d == 0]
+    return list(_divisors(n))
+
+
+@functools.lru_cache(maxsize=1024)
+def _divisors(n: int) -> tuple[int, ...]:
+    # every layout check lists them (a planner's search checks thousands of layouts)
+    return tuple(d for d in range(1, n + 1) if n % d == 0)
 
 
 def _fmt(values: list[int]) -> str:

@@ -156,8 +156,12 @@ class _TensorParallelModule(nn.Module):
 def _init_linear_like_torch(
     layer: _TensorParallelModule, in_features: int, out_features: int
 ) -> None:
-    """Initialise like ``nn.Linear.reset_parameters`` on the full weight, then keep a slice."""
+    """Initialise like ``nn.Linear.reset_parameters`` on the full weight, then keep a slice
+    (nothing on the meta device: no values to set, and `build_model` initialises after it
+    materialises; the planner builds hundreds of meta models, where this took half)."""
     w = layer.weight
+    if w.is_meta:
+        return
     full_w = torch.empty(out_features, in_features, device=w.device, dtype=w.dtype)
     # kaiming_uniform_(a=sqrt(5)) is U(-1/sqrt(in), 1/sqrt(in)): the nn.Linear default.
     nn.init.kaiming_uniform_(full_w, a=math.sqrt(5))

@@ -119,14 +119,16 @@ def _chunk(
     rope_dim = getattr(config, "qk_rope_head_dim", None) or getattr(config, "head_dim", 0)
     if first:
         embedding(led, d, "embedding")
-    per_kind: dict[tuple[bool, str | None], tuple[Ledger, int]] = {}
+    # layers of one kind save the same: each kind's bytes times its layers (the parts in
+    # the order the layers first give them, as layer by layer)
+    kinds: dict[tuple[bool, str | None], int] = {}
     for i, mode in zip(layers, modes, strict=True):
-        moe = bool(getattr(config, "is_moe_layer", lambda _: False)(i))
-        if (moe, mode) not in per_kind:
-            per_kind[moe, mode] = decoder_layer(config, moe, d, dt, ep, mode)
-        part_bytes, rebuilt = per_kind[moe, mode]
+        kind = (bool(getattr(config, "is_moe_layer", lambda _: False)(i)), mode)
+        kinds[kind] = kinds.get(kind, 0) + 1
+    for (moe, mode), count in kinds.items():
+        part_bytes, rebuilt = _layer(config, moe, d, dt, precision, fp8_experts, ep, mode)
         for part, nbytes in part_bytes.items():
-            led.add(part, nbytes)
+            led.add(part, count * int(nbytes))
         transient = max(transient, rebuilt)
     if layers and any(saves_rope_tables(config, dt, mode) for mode in modes):
         led.add("rope", 2 * d.s * (rope_dim // 2) * F32)  # the chunk's cos / sin tables
@@ -138,6 +140,30 @@ def _chunk(
         _CACHE.clear()
     _CACHE[key] = (led, transient)
     return led, transient
+
+
+def _layer(
+    config: Any,
+    moe: bool,
+    d: Dims,
+    dt: Any,
+    precision: str,
+    fp8_experts: bool,
+    ep: int,
+    mode: str | None,
+) -> tuple[Ledger, int]:
+    """`decoder_layer` (`dt`: the dtypes of `precision` and `fp8_experts`), kept per shape:
+    the chunks of a search's layouts hold the same few kinds of layers."""
+    key = (config_key(config), moe, d, precision, fp8_experts, ep, mode)
+    hit = _LAYERS.get(key)
+    if hit is None:
+        if len(_LAYERS) > 16384:
+            _LAYERS.clear()
+        hit = _LAYERS[key] = decoder_layer(config, moe, d, dt, ep, mode)
+    return hit
+
+
+_LAYERS: dict[tuple, tuple[Ledger, int]] = {}
 
 
 def activation_estimate(
@@ -215,8 +241,10 @@ def _schedule_peak(
     microbatch before the next: one microbatch through the whole model."""
     if layout.pp == 1:
         return sum(per_chunk)
-    counts = _live_counts(layout.schedule, num_microbatches, layout.pp, pp_rank, layout.virtual_pp)
-    # the same walk, summed per distinct count of live forwards per chunk (exact)
+    shape = (layout.schedule, num_microbatches, layout.pp, pp_rank, layout.virtual_pp)
+    # the same walk, summed per distinct count of live forwards per chunk (exact); with no
+    # negative bytes only the counts that no other count reaches in every chunk can peak
+    counts = _top_counts(*shape) if min(per_chunk, default=0) >= 0 else _live_counts(*shape)
     return max(sum(n * b for n, b in zip(c, per_chunk, strict=False)) for c in counts)
 
 
@@ -232,3 +260,17 @@ def _live_counts(
         live[action.chunk] += 1 if action.kind == "F" else -int(action.frees_activations)
         seen.add(tuple(live))
     return tuple(sorted(seen))
+
+
+@functools.lru_cache(maxsize=4096)
+def _top_counts(
+    schedule: str | None, m: int, pp: int, pp_rank: int, v: int
+) -> tuple[tuple[int, ...], ...]:
+    """`_live_counts` less every count that another reaches or passes in every chunk (with
+    bytes >= 0 per chunk such a count never holds more than that other one)."""
+    counts = _live_counts(schedule, m, pp, pp_rank, v)
+    return tuple(
+        c
+        for c in counts
+        if not any(o != c and all(x >= y for x, y in zip(o, c, strict=True)) for o in counts)
+    )

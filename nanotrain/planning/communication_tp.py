@@ -217,10 +217,13 @@ def _sp_param_numels(rank: RankModel) -> tuple[int, int]:
     cached = _SP_NUMELS.get(id(rank))
     if cached is not None and cached[0] is rank:  # a search asks once per layout and stage
         return cached[1]
-    expert_ids = {id(p) for p in rank.experts}
-    params = sequence_parallel_params(rank.module)
-    dense = sum(p.numel() for p in params if id(p) not in expert_ids)
-    out = dense, sum(p.numel() for p in params if id(p) in expert_ids)
+    # a pipeline stage's modules are its whole model's: its replicated parameters are the
+    # whole model's among its own (listed once per whole model, not per stage)
+    replicated = _replicated_ids(getattr(rank.module, "full", rank.module))
+    out = (
+        sum(p.numel() for p in rank.dense if id(p) in replicated),
+        sum(p.numel() for p in rank.experts if id(p) in replicated),
+    )
     if len(_SP_NUMELS) > 4096:
         _SP_NUMELS.clear()
     _SP_NUMELS[id(rank)] = (rank, out)
@@ -228,3 +231,16 @@ def _sp_param_numels(rank: RankModel) -> tuple[int, int]:
 
 
 _SP_NUMELS: dict[int, tuple[RankModel, tuple[int, int]]] = {}
+
+
+def _replicated_ids(module: Any) -> set[int]:
+    """``id`` of each parameter of `sequence_parallel_params(module)`, kept per module."""
+    hit = _SP_IDS.get(id(module))
+    if hit is None or hit[0] is not module:
+        if len(_SP_IDS) > 256:
+            _SP_IDS.clear()
+        hit = _SP_IDS[id(module)] = (module, {id(p) for p in sequence_parallel_params(module)})
+    return hit[1]
+
+
+_SP_IDS: dict[int, tuple[Any, set[int]]] = {}

@@ -301,14 +301,11 @@ class PlanLayout(MeshLayout):
 
     def stage_chunks(self, config: Any, pp_rank: int) -> list[list[int]]:
         """Layer indices of each chunk pipeline rank `pp_rank` holds (the strategy's split)."""
-        return stage_layers(
-            config.num_layers,
-            self.pp,
-            pp_rank,
-            self.virtual_pp,
-            self.pipeline_layout,
-            self.placement.v_shape,
+        v_shape = self.placement.v_shape
+        chunks = _stage_chunks(
+            config.num_layers, self.pp, pp_rank, self.virtual_pp, self.pipeline_layout, v_shape
         )
+        return [list(c) for c in chunks]
 
     def schedule_actions(self, num_microbatches: int, pp_rank: int) -> tuple[Action, ...]:
         """The schedule's forward/backward actions on pipeline rank `pp_rank` (the code's own
@@ -465,3 +462,17 @@ def _in_flight(
     return max_in_flight(
         list(pipeline_actions(schedule, num_microbatches, pp, pp_rank, virtual_pp))
     )
+
+
+@functools.lru_cache(maxsize=65536)
+def _stage_chunks(
+    num_layers: int,
+    pp: int,
+    pp_rank: int,
+    virtual_pp: int,
+    pipeline_layout: tuple[int, ...] | None,
+    v_shape: bool,
+) -> tuple[tuple[int, ...], ...]:
+    """`stage_layers`, once per shape (a search asks for each rank's chunks many times)."""
+    chunks = stage_layers(num_layers, pp, pp_rank, virtual_pp, pipeline_layout, v_shape)
+    return tuple(tuple(c) for c in chunks)

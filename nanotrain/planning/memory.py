@@ -113,51 +113,98 @@ def optimizer_pieces(
     never optimized. Counted for all ranks of a bucket at once (the same numbers as
     `FlatLayout.pieces`, without listing the pieces of 2,048 ranks one by one).
     """
-    key = (id(rank), layout.dp, layout.ep, element_size, layout.bucket_size_mb)
+    # the owned slices depend only on the parameters' sizes: ranks of equal sizes share them
+    key = (rank.sizes_id, layout.dp, layout.expert_dp, layout.ep, element_size,
+           layout.bucket_size_mb)  # fmt: skip
     cached = _PIECES.get(key)
-    if cached is not None and cached[0] is rank:
-        return cached[1]
+    if cached is not None:
+        return cached
     numel = bucket_numel_for(element_size, layout.bucket_size_mb)
     elements = torch.zeros(layout.dp, dtype=torch.int64)
     tensors = torch.zeros(layout.dp, dtype=torch.int64)
-    for params, size in ((rank.dense, layout.dp), (rank.experts, layout.expert_dp)):
+    parts = ((rank.dense, rank.sizes_id[0], layout.dp),
+             (rank.experts, rank.sizes_id[1], layout.expert_dp))  # fmt: skip
+    for params, sizes_id, size in parts:
         if params:
-            e, t = _owned_counts(FlatLayout(params, size, numel))
+            e, t = _part_counts(params, sizes_id, size, numel)
             # data-parallel rank d is rank d % size of its (expert-)data-parallel group
             index = torch.arange(layout.dp) % size
             elements, tensors = elements + e[index], tensors + t[index]
     out = list(zip(elements.tolist(), tensors.tolist(), strict=True))
     if len(_PIECES) > 4096:
         _PIECES.clear()
-    _PIECES[key] = (rank, out)
+    _PIECES[key] = out
     return out
 
 
-_PIECES: dict[tuple, tuple[RankModel, list[tuple[int, int]]]] = {}
+_PIECES: dict[tuple, list[tuple[int, int]]] = {}
+_MOST: dict[tuple, tuple[int, int]] = {}
+
+
+def _most_pieces(rank: RankModel, layout: PlanLayout, element_size: int) -> tuple[int, int]:
+    """``max(optimizer_pieces(...))``, the data-parallel rank with the most optimizer state,
+    kept per shape (a search asks it for every layout of up to 2,048 ranks)."""
+    key = (rank.sizes_id, layout.dp, layout.expert_dp, layout.ep, element_size,
+           layout.bucket_size_mb)  # fmt: skip
+    most = _MOST.get(key)
+    if most is None:
+        if len(_MOST) > 4096:
+            _MOST.clear()
+        most = _MOST[key] = max(optimizer_pieces(rank, layout, element_size))
+    return most
+
+
+def _part_counts(
+    params: list[torch.Tensor], sizes_id: int, size: int, numel: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`_owned_counts` of ``FlatLayout(params, size, numel)``, kept per sizes (the dense
+    and the expert parameters of many ranks are the same sizes)."""
+    key = (sizes_id, size, numel)
+    hit = _COUNTS.get(key)
+    if hit is None:
+        if len(_COUNTS) > 4096:
+            _COUNTS.clear()
+        hit = _COUNTS[key] = _owned_counts(FlatLayout(params, size, numel))
+    return hit
+
+
+_COUNTS: dict[tuple[int, int, int], tuple[torch.Tensor, torch.Tensor]] = {}
+#: (bucket, rank) entries `_owned_counts` holds at once
+_BLOCK_ENTRIES = 2**20
 
 
 def _owned_counts(flat: FlatLayout) -> tuple[torch.Tensor, torch.Tensor]:
     """(elements, parameter pieces) inside each rank's owned slices of `flat`, ``[dp]`` each.
-    Counted with numpy (a search calls this for thousands of layouts, each with up to
-    thousands of ranks: torch's per-call overhead and its thread pool dominated it)."""
+    Counted with numpy for many buckets at once (a search calls this for thousands of
+    layouts, each with up to thousands of ranks and buckets)."""
+    numels = [p.numel() for p in flat.params]
     ranks = np.arange(flat.dp_size, dtype=np.int64)
     elements = np.zeros(flat.dp_size, dtype=np.int64)
     pieces = np.zeros(flat.dp_size, dtype=np.int64)
-    for bucket in flat.buckets:
-        idx = [i for i in bucket.param_indices if flat.params[i].numel() > 0]
-        if not idx:
-            continue
-        starts = np.array([flat.offsets[i] for i in idx], dtype=np.int64)
-        ends = starts + np.array([flat.params[i].numel() for i in idx], dtype=np.int64)
-        width = (bucket.end - bucket.start) // flat.dp_size
-        lo = bucket.start + ranks * width  # Bucket.owned of every rank
+    # the non-empty parameters, in flat order (contiguous: each starts where the last ends,
+    # or at its bucket's padded start), and per bucket holding one: start, width, real end
+    nonempty = [i for i, n in enumerate(numels) if n > 0]
+    starts = np.array([flat.offsets[i] for i in nonempty], dtype=np.int64)
+    ends = starts + np.array([numels[i] for i in nonempty], dtype=np.int64)
+    rows = [
+        (b.start, (b.end - b.start) // flat.dp_size, max(flat.offsets[i] + numels[i] for i in idx))
+        for b in flat.buckets
+        if (idx := [i for i in b.param_indices if numels[i] > 0])
+    ]
+    if not rows:
+        return torch.from_numpy(elements), torch.from_numpy(pieces)
+    table = np.array(rows, dtype=np.int64)
+    step = max(1, _BLOCK_ENTRIES // flat.dp_size)  # buckets per block
+    for b in range(0, len(table), step):
+        start, width, real_end = (table[b : b + step, k : k + 1] for k in range(3))
+        lo = start + ranks * width  # Bucket.owned of every rank, [buckets, dp]
         hi = lo + width
-        real_end = int(ends[-1])  # parameters are contiguous; padding follows them
-        elements += np.clip(np.minimum(hi, real_end) - lo, 0, None)
-        # pieces: parameters starting before hi and ending after lo
+        elements += np.clip(np.minimum(hi, real_end) - lo, 0, None).sum(axis=0)
+        # pieces: parameters starting before hi and ending after lo; a bucket's slices lie
+        # inside it, so the other buckets' parameters cancel in the difference
         before_hi = np.searchsorted(starts, hi, side="left")
         ended = np.searchsorted(ends, lo, side="right")
-        pieces += np.clip(before_hi - ended, 0, None)
+        pieces += np.clip(before_hi - ended, 0, None).sum(axis=0)
     return torch.from_numpy(elements), torch.from_numpy(pieces)
 
 
@@ -229,7 +276,7 @@ def state_memory(rank: RankModel, layout: PlanLayout, workload: Workload) -> Sta
     flat = dense_flat + expert_flat
     buffers = rank.buffer_bytes  # router bias (fp32), load counters (int64), in their dtypes
     if layout.zero_stage > 0:
-        elements, tensors = max(optimizer_pieces(rank, layout, size))
+        elements, tensors = _most_pieces(rank, layout, size)
         params = flat * size
     else:
         elements, tensors = rank.params, len(rank.dense) + len(rank.experts)

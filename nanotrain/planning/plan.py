@@ -88,9 +88,8 @@ from nanotrain.planning.runs_on import not_run_yet, refused_on
 from nanotrain.planning.stage_flops import compute_seconds, flop_parts, stage_flops
 from nanotrain.planning.stage_replay import (
     PricedStage,
-    StageDurations,
     replay_priced,
-    replay_stages,
+    schedule_runs,
 )
 from nanotrain.planning.step_comm import (
     LATENCY_S,
@@ -261,15 +260,27 @@ def _memory_terms(
     device: str,
 ) -> tuple[Any, Any, Any]:
     """(state, activations, working memory) of one pipeline rank: `given` is the layout as
-    asked, `layout` / `local` its cp-folded form (`fold_cp`)."""
-    state = state_memory(rank, layout, local)
+    asked, `layout` / `local` its cp-folded form (`fold_cp`). The last few are kept: a
+    search checks a layout's memory (`memory_check`) and then prices the same layout."""
+    key = (config_key(config), given, workload, rank.pp_rank, last, device)
+    hit = _TERMS.get(key)
+    if hit is not None and hit[0] is rank:
+        return hit[1]
+    state = _state(rank, layout, local)
     acts = add_cp_activations(
         activation_estimate(config, layout, local, rank.pp_rank, device=device),
         cp_activation_bytes(config, given, workload, rank.chunks, last),
     )
     working = working_memory(config, layout, local, rank.pp_rank, device=device)
     working = with_fragmentation(working, state.total + acts.peak + working.total)
+    if len(_TERMS) > 256:
+        _TERMS.clear()
+    _TERMS[key] = (rank, (state, acts, working))
     return state, acts, working
+
+
+#: `_memory_terms` of the last layouts, per (config, layout, workload, pp rank, last, device)
+_TERMS: dict[tuple, tuple[Any, tuple[Any, Any, Any]]] = {}
 
 
 def memory_check(
@@ -305,11 +316,48 @@ def memory_check(
     return peak, "; ".join([*notes, _over_memory_note(worst, peak, gpu)])
 
 
+def memory_floor(
+    config: Any, layout: PlanLayout, workload: Workload, *, reserve_bytes: int = GiB
+) -> int:
+    """The largest rank's model state plus the reserve: a lower bound of `memory_check`'s
+    peak (activations and working memory add bytes, never take any) that costs no
+    activation or working-memory term and does not depend on the recomputation mode. A
+    search drops with it the modes that cannot fit.
+
+    Raises:
+        ValueError: where `memory_check` raises before its per-rank terms.
+    """
+    _, (layout, local) = layout, fold_cp(config, layout, workload)
+    m = local.num_microbatches(layout)
+    if layout.pp > 1:
+        _schedule_runs(layout.schedule, m, layout.pp, layout.virtual_pp,
+                       layout.overlap_forward_backward)  # fmt: skip
+    states = [_state(rank, layout, local).total for rank in rank_models(config, layout)]
+    return max(states) + reserve_bytes
+
+
+def _state(rank: Any, layout: PlanLayout, local: Workload) -> StateMemory:
+    """`state_memory`, kept for the last layouts (`memory_floor` and `memory_check` ask for
+    the same ones)."""
+    key = (id(rank), layout, local)
+    hit = _STATES.get(key)
+    if hit is not None and hit[0] is rank:
+        return hit[1]
+    state = state_memory(rank, layout, local)
+    if len(_STATES) > 1024:
+        _STATES.clear()
+    _STATES[key] = (rank, state)
+    return state
+
+
+_STATES: dict[tuple, tuple[Any, StateMemory]] = {}
+
+
 @functools.lru_cache(maxsize=1024)
 def _schedule_runs(schedule: str, m: int, pp: int, v: int, overlap: bool) -> None:
     """Raise `replay_stages`'s ValueError when the schedule cannot run these sizes (whether
-    it runs does not depend on the durations)."""
-    replay_stages(schedule, m, v, [StageDurations(1.0, 1.0, 1.0)] * pp, overlap)
+    it runs does not depend on the durations: the order its tasks run in says)."""
+    schedule_runs(schedule, m, pp, v, overlap)
 
 
 def _refusal_notes(layout: PlanLayout, gpu: GPUSpec, precision: str) -> list[str]:
@@ -375,6 +423,7 @@ def plan_layout(
     bandwidth = _bandwidths(config, layout, gpu)
     bandwidth["cp"] = cp_link(given, gpu, LATENCY_S)
     ranks, stages = [], []
+    no_recompute = replace(layout, recompute=None, recompute_full_layers=0)
     for rank in models:
         last = layout.pp == 1 or layout.placement.holds_last(rank.pp_rank)
         stage = stage_flops(config, layout, workload, rank.chunks, last)
@@ -414,7 +463,6 @@ def plan_layout(
         blocking = sum(t for g, t in comm_t.items() if g in BLOCKING_GROUPS)
         # the weight-gradient half of the backward: a third of the training FLOPs without
         # recomputation (forward, input gradient, weight gradient: one each)
-        no_recompute = replace(layout, recompute=None, recompute_full_layers=0)
         plain = stage_flops(config, no_recompute, workload, rank.chunks, last)
         weights_t = (
             compute_seconds(

@@ -13,6 +13,7 @@ slices), so one build per pipeline rank covers the whole world.
 from __future__ import annotations
 
 import copy
+import itertools
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -21,9 +22,10 @@ from torch import nn
 
 from nanotrain.models.build import build_model
 from nanotrain.models.stages import PipelineStage
-from nanotrain.parallel.data_parallel import FlatLayout, backward_order
+from nanotrain.parallel.data_parallel import FlatLayout
+from nanotrain.parallel.expert import is_expert_param
 from nanotrain.planning.layout import PlanLayout
-from nanotrain.strategies.megatron_grads import bucket_numel_for, expert_param_ids
+from nanotrain.strategies.megatron_grads import bucket_numel_for
 
 __all__ = ["LayoutGroup", "RankModel", "build_rank_model", "rank_models"]
 
@@ -66,6 +68,9 @@ class RankModel:
         buffers: elements of its buffers (router bias and load counters, RoPE caches).
         buffer_bytes: their bytes, each in its own dtype.
         module: the meta-device model (a `PipelineStage` under pp > 1).
+        sizes_id: (dense, experts): the same number for lists of parameters with the same
+            elements, in order: all the flat buffers and ZeRO's owned slices depend on
+            (ranks share `flat_numels` and `memory.optimizer_pieces` through it).
     """
 
     pp_rank: int
@@ -75,10 +80,11 @@ class RankModel:
     buffers: int
     buffer_bytes: int
     module: nn.Module
-    _flat: dict[tuple[int, int, int, float], tuple[int, int]] = field(
-        default_factory=dict, compare=False, repr=False
-    )
     _units: list[Any] = field(default_factory=list, compare=False, repr=False)  # ZeRO-3's
+    sizes_id: tuple[int, int] = field(init=False, compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "sizes_id", (_sizes_id(self.dense), _sizes_id(self.experts)))
 
     @property
     def dense_params(self) -> int:
@@ -99,13 +105,38 @@ class RankModel:
         """Elements of the dense and expert flat buffers the strategy allocates for gradients
         (and ZeRO for parameters): buckets of `layout.bucket_size_mb` MiB of parameters of
         `element_size` bytes, each padded to a multiple of dp (dense) or dp / ep (experts)."""
-        key = (layout.dp, layout.expert_dp, element_size, layout.bucket_size_mb)
-        if key not in self._flat:
-            numel = bucket_numel_for(element_size, layout.bucket_size_mb)
-            dense = FlatLayout(self.dense, layout.dp, numel).numel if self.dense else 0
-            experts = FlatLayout(self.experts, layout.expert_dp, numel).numel if self.experts else 0
-            self._flat[key] = (dense, experts)
-        return self._flat[key]
+        numel = bucket_numel_for(element_size, layout.bucket_size_mb)
+        dense = _flat_numel(self.dense, self.sizes_id[0], layout.dp, numel)
+        return dense, _flat_numel(self.experts, self.sizes_id[1], layout.expert_dp, numel)
+
+
+def _flat_numel(params: list[torch.Tensor], sizes_id: int, size: int, bucket: int) -> int:
+    """``FlatLayout(params, size, bucket).numel`` (0 without parameters), kept per sizes."""
+    if not params:
+        return 0
+    key = (sizes_id, size, bucket)
+    if key not in _FLAT:
+        if len(_FLAT) > 16384:
+            _FLAT.clear()
+        _FLAT[key] = FlatLayout(params, size, bucket).numel
+    return _FLAT[key]
+
+
+def _sizes_id(params: list[torch.Tensor]) -> int:
+    """The same number for parameter lists of the same elements, in order."""
+    numels = tuple(p.numel() for p in params)
+    if numels not in _SIZES:
+        if len(_SIZES) > 65536:
+            _SIZES.clear()  # the counter goes on: no id is given twice
+        _SIZES[numels] = next(_SIZE_IDS)
+    return _SIZES[numels]
+
+
+#: `_sizes_id` per parameter elements; the ids never repeat
+_SIZES: dict[tuple[int, ...], int] = {}
+_SIZE_IDS = itertools.count()
+#: `_flat_numel` per (sizes id, group size, bucket elements)
+_FLAT: dict[tuple[int, int, int], int] = {}
 
 
 def build_rank_model(config: Any, layout: PlanLayout, pp_rank: int = 0) -> nn.Module:
@@ -154,25 +185,63 @@ def _full_model(config: Any, tp: int, ep: int, sequence_parallel: bool) -> nn.Mo
 
 def _rank_model(config: Any, layout: PlanLayout, pp_rank: int) -> RankModel:
     module = build_rank_model(config, layout, pp_rank)
-    params = backward_order(module)  # trainable, deduplicated, in gradient-buffer order
-    expert_ids = expert_param_ids(module)
+    # `backward_order(module)` and `expert_param_ids(module)`, from the modules' cached lists
+    params, buffers = _members(module)
+    params = [p for p in reversed(params) if p.requires_grad]
+    expert_ids = {id(p) for p in params if is_expert_param(p)}
     if layout.pp > 1:
         chunks = layout.stage_chunks(config, pp_rank)
     else:
         chunks = [list(range(config.num_layers))]
+    dense = [p for p in params if id(p) not in expert_ids]
+    experts = [p for p in params if id(p) in expert_ids]
     return RankModel(
         pp_rank=pp_rank,
         chunks=chunks,
-        dense=[p for p in params if id(p) not in expert_ids],
-        experts=[p for p in params if id(p) in expert_ids],
-        buffers=sum(b.numel() for b in module.buffers()),
-        buffer_bytes=sum(b.numel() * b.element_size() for b in module.buffers()),
+        dense=dense,
+        experts=experts,
+        buffers=sum(b.numel() for b in buffers),
+        buffer_bytes=sum(b.numel() * b.element_size() for b in buffers),
         module=module,
     )
 
 
+#: per module object: (the module, its parameters, its buffers) as `module.parameters()` and
+#: `module.buffers()` list them
+_MEMBERS: dict[int, tuple[nn.Module, list[torch.Tensor], list[torch.Tensor]]] = {}
+
+
+def _members(module: nn.Module) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """(parameters, buffers) of `module` in the order `module.parameters()` and
+    `module.buffers()` give them (its own, then each child's in registration order, each
+    tensor at its first place), made once per module object: a search builds thousands of
+    pipeline stages from the modules of the same few whole models, and walking every
+    stage's module tree anew dominated it."""
+    hit = _MEMBERS.get(id(module))
+    if hit is not None and hit[0] is module:
+        return hit[1], hit[2]
+    params = list(module.parameters(recurse=False))
+    buffers = list(module.buffers(recurse=False))
+    for child in module.children():
+        child_params, child_buffers = _members(child)
+        params.extend(child_params)
+        buffers.extend(child_buffers)
+    params, buffers = _unique(params), _unique(buffers)
+    if len(_MEMBERS) > 262144:
+        _MEMBERS.clear()
+    _MEMBERS[id(module)] = (module, params, buffers)
+    return params, buffers
+
+
+def _unique(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """`tensors` with each object only at its first place (as `nn.Module` lists members)."""
+    seen: set[int] = set()
+    return [t for t in tensors if not (id(t) in seen or seen.add(id(t)))]
+
+
 _CACHE: dict[tuple[str, PlanLayout, int], RankModel] = {}
 _VALID: set[tuple[str, PlanLayout]] = set()  # (config, layout) pairs already validated
+_BY_LAYOUT: dict[tuple[str, PlanLayout], list[RankModel]] = {}  # rank_models' answers
 
 
 def rank_models(config: Any, layout: PlanLayout) -> list[RankModel]:
@@ -182,6 +251,9 @@ def rank_models(config: Any, layout: PlanLayout) -> list[RankModel]:
         ValueError: when the layout does not fit the model (`PlanLayout.validate`).
     """
     checked = (config_key(config), layout)
+    built = _BY_LAYOUT.get(checked)
+    if built is not None:
+        return list(built)
     if checked not in _VALID:
         layout.validate(config)
         if len(_VALID) > 4096:
@@ -208,4 +280,7 @@ def rank_models(config: Any, layout: PlanLayout) -> list[RankModel]:
                 _CACHE.clear()
             _CACHE[key] = _rank_model(config, shape, r)
         out.append(_CACHE[key])
-    return out
+    if len(_BY_LAYOUT) > 16384:
+        _BY_LAYOUT.clear()
+    _BY_LAYOUT[checked] = out
+    return list(out)

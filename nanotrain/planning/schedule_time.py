@@ -28,6 +28,7 @@ from typing import Any
 from nanotrain.parallel.placement import StagePlacement
 from nanotrain.parallel.schedule_runner import pairs_with
 from nanotrain.parallel.schedules import SCHEDULES
+from nanotrain.planning.layout import pipeline_actions
 
 __all__ = ["exposed_all_to_all", "schedule_step_time"]
 
@@ -182,44 +183,119 @@ def replay_tasks(
     Raises:
         ValueError: the tasks wait on each other and never run to their end.
     """
+    order, slots, kinds_of = _run_order(schedule, m, lists)
+    done = [0.0] * slots  # per slot (forward?, microbatch, stage): its end
+    free = [0.0] * len(lists)
+    marked: list[float | None] = [None] * len(lists)
+    durations: list[list[float | None]] = [[None] * len(kinds_of) for _ in lists]
+    for rank, at, kind, needs, gives in order:
+        start = free[rank]
+        for need in needs:
+            start = max(start, done[need])
+        if marks is not None and at == marks[rank]:
+            marked[rank] = start
+        took = durations[rank][kind]
+        if took is None:
+            took = durations[rank][kind] = seconds(rank, kinds_of[kind])
+        clock = free[rank] = start + took
+        for g in gives:
+            done[g] = clock
+    return free, marked
+
+
+#: `_run_order` per task lists object (the lists `_tasks` caches), with the lists kept
+_ORDERS: dict[int, tuple[Any, tuple]] = {}
+#: one task in run order: (rank, its index there, its kinds' index, slots it needs, gives)
+_Step = tuple[int, int, int, tuple[int, ...], tuple[int, ...]]
+
+
+def _run_order(
+    schedule: str, m: int, lists: tuple[tuple[Task, ...], ...]
+) -> tuple[tuple[_Step, ...], int, tuple[tuple[str, ...], ...]]:
+    """An order `replay_tasks` can run the tasks in: each after its rank's previous task and
+    after every task giving what it needs (each thing given once, so any such order gives
+    every start and end the same operations on the same numbers). Returns (the tasks, each
+    as (rank, its index there, its kinds' index, slots of what it needs, slots of what it
+    gives); how many slots; the kinds by index). Which task waits does not depend on the
+    durations, so one order per task lists serves every replay of them.
+
+    Raises:
+        ValueError: the tasks wait on each other and never run to their end.
+    """
+    hit = _ORDERS.get(id(lists))
+    if hit is not None and hit[0] is lists:
+        return hit[1]
     pp = len(lists)
-    done: dict[Need, float] = {}  # (forward?, microbatch, stage) -> its end
-    free = [0.0] * pp
+    slot: dict[Need, int] = {}
+    kinds_index: dict[tuple[str, ...], int] = {}
     position = [0] * pp
-    marked: list[float | None] = [None] * pp
+    waiting: dict[Need, list[int]] = {}  # what a blocked rank waits for
+    ready = list(range(pp - 1, -1, -1))  # ranks to run on (a stack: rank 0 first)
+    order: list[_Step] = []
+    while ready:
+        rank = ready.pop()
+        tasks, at = lists[rank], position[rank]
+        while at < len(tasks):
+            kinds, needs, gives = tasks[at]
+            missing = next((n for n in needs if n is not None and n not in slot), None)
+            if missing is not None:
+                waiting.setdefault(missing, []).append(rank)
+                break
+            given = []
+            for g in gives:
+                if g is not None:
+                    if g in slot:  # given twice: the order would matter, walk in rounds
+                        return _cache_order(lists, _rounds_order(schedule, m, lists))
+                    given.append(slot.setdefault(g, len(slot)))
+                    ready.extend(waiting.pop(g, ()))
+            kind = kinds_index.setdefault(kinds, len(kinds_index))
+            order.append((rank, at, kind, tuple(slot[n] for n in needs if n is not None),
+                          tuple(given)))  # fmt: skip
+            at += 1
+        position[rank] = at
+    if any(position[r] < len(tasks) for r, tasks in enumerate(lists)):
+        raise ValueError(f"schedule {schedule!r} does not run to its end (pp={pp}, m={m})")
+    return _cache_order(lists, (tuple(order), len(slot), tuple(kinds_index)))
+
+
+def _cache_order(lists: tuple, found: tuple) -> tuple:
+    if len(_ORDERS) > 256:
+        _ORDERS.clear()
+    _ORDERS[id(lists)] = (lists, found)
+    return found
+
+
+def _rounds_order(
+    schedule: str, m: int, lists: tuple[tuple[Task, ...], ...]
+) -> tuple[tuple[_Step, ...], int, tuple[tuple[str, ...], ...]]:
+    """`_run_order` in the order of rounds over the ranks in turn, each running its tasks
+    until one waits on something not given yet (what the replay did before it kept an
+    order; needed only where something is given twice, which no schedule does)."""
+    slot: dict[Need, int] = {}
+    kinds_index: dict[tuple[str, ...], int] = {}
+    pp = len(lists)
+    position = [0] * pp
+    order: list[_Step] = []
     remaining = sum(len(tasks) for tasks in lists)
-    ended = done.get
     while remaining:
         progressed = False
         for rank, tasks in enumerate(lists):
-            at, clock = position[rank], free[rank]
-            mark = -1 if marks is None else marks[rank]
+            at = position[rank]
             while at < len(tasks):
                 kinds, needs, gives = tasks[at]
-                start, blocked = clock, False
-                for need in needs:
-                    if need is None:
-                        continue
-                    end = ended(need)
-                    if end is None:
-                        blocked = True
-                        break
-                    start = max(start, end)
-                if blocked:
+                if any(need is not None and need not in slot for need in needs):
                     break
-                if at == mark:
-                    marked[rank] = start
-                clock = start + seconds(rank, kinds)
-                for g in gives:
-                    if g is not None:
-                        done[g] = clock
+                given = tuple(slot.setdefault(g, len(slot)) for g in gives if g is not None)
+                kind = kinds_index.setdefault(kinds, len(kinds_index))
+                order.append((rank, at, kind, tuple(slot[n] for n in needs if n is not None),
+                              given))  # fmt: skip
                 at += 1
             remaining -= at - position[rank]
             progressed = progressed or at > position[rank]
-            position[rank], free[rank] = at, clock
+            position[rank] = at
         if not progressed:
             raise ValueError(f"schedule {schedule!r} does not run to its end (pp={pp}, m={m})")
-    return free, marked
+    return tuple(order), len(slot), tuple(kinds_index)
 
 
 #: per task: (action kinds, what each waits for from another stage, what each gives)
@@ -236,22 +312,23 @@ def _tasks(schedule: str, m: int, pp: int, v: int, overlap: bool) -> tuple[tuple
     last_stage = placement.num_virtual - 1
     out = []
     for rank in range(pp):
-        actions = SCHEDULES[schedule](m, pp, rank, v)
-        rows, i = [], 0
-        while i < len(actions):
-            group = actions[i : i + 2] if overlap and i + 1 < len(actions) else actions[i : i + 1]
-            if len(group) == 2 and not pairs_with(*group):
-                group = group[:1]
+        actions = pipeline_actions(schedule, m, pp, rank, v)  # SCHEDULES[schedule]'s, cached
+        stage_of = [placement.stage(rank, c) for c in range(v)]
+        rows, i, n = [], 0, len(actions)
+        while i < n:
+            group = (actions[i],)
+            if overlap and i + 1 < n and pairs_with(actions[i], actions[i + 1]):
+                group = (actions[i], actions[i + 1])
             kinds, needs, gives = [], [], []
             for a in group:
-                stage = placement.stage(rank, a.chunk)
-                kinds.append(a.kind)
-                if a.kind == "F":
-                    needs.append(None if stage == 0 else (True, a.microbatch, stage - 1))
-                    gives.append((True, a.microbatch, stage))
+                stage, kind, mb = stage_of[a.chunk], a.kind, a.microbatch
+                kinds.append(kind)
+                if kind == "F":
+                    needs.append(None if stage == 0 else (True, mb, stage - 1))
+                    gives.append((True, mb, stage))
                 elif a.sends_input_grad:
-                    needs.append(None if stage == last_stage else (False, a.microbatch, stage + 1))
-                    gives.append((False, a.microbatch, stage))
+                    needs.append(None if stage == last_stage else (False, mb, stage + 1))
+                    gives.append((False, mb, stage))
                 else:
                     needs.append(None)
                     gives.append(None)

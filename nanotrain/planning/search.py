@@ -15,10 +15,17 @@ fits, the same again with ``cpu_offload`` (it frees the GPU of the shards and op
 state, at the price of PCIe copies and a host optimizer step); sequence parallelism on whenever tp > 1 (it only
 saves memory, at the same traffic). Each is checked by the strategy's own rules; a layout the
 strategy refuses, or that does not fit in memory, is listed with the reason.
+
+Memory is checked before time (`plan.memory_check`): only the first mode that fits is priced
+in full, and a mode whose largest rank's model state and reserve alone exceed the GPU
+(`plan.memory_floor`, which activations and working memory only raise) is not checked at
+all; the last mode is always checked, for the rejection's figures. The result is the one of
+pricing every mode in full (tests/unit/test_plan_search.py).
 """
 
 from __future__ import annotations
 
+import gc
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -27,7 +34,7 @@ from nanotrain.parallel.layout_checks import divisors
 from nanotrain.planning.context_parallel import search_cp_sizes
 from nanotrain.planning.gpus import GPUSpec
 from nanotrain.planning.layout import PlanLayout, Workload, balanced_pipeline_layout
-from nanotrain.planning.plan import GiB, Plan, memory_check, plan_layout
+from nanotrain.planning.plan import GiB, Plan, memory_check, memory_floor, plan_layout
 
 __all__ = ["Rejected", "SearchResult", "search_layouts"]
 
@@ -177,7 +184,22 @@ def _one_thread() -> None:
 
 def _price(args: tuple, index: int, workers: int) -> tuple[list, list]:
     """(fitting, rejected) of the candidates ``index, index + workers, ...``, each entry
-    (candidate number, Plan or Rejected), so that the workers' lists merge back in order."""
+    (candidate number, Plan or Rejected), so that the workers' lists merge back in order.
+
+    Python's cyclic garbage collector is paused meanwhile: the search makes millions of
+    small tuples beside a large heap of meta-device models and caches, and the collector's
+    passes over that heap took a sixth of it (the search makes no cycle that must go)."""
+    paused = gc.isenabled()
+    gc.disable()
+    try:
+        return _price_all(args, index, workers)
+    finally:
+        if paused:
+            gc.enable()
+
+
+def _price_all(args: tuple, index: int, workers: int) -> tuple[list, list]:
+    """`_price` with the collector as it is."""
     (config, world_size, gpu, seq_len, global_batch_size, global_batch_tokens, precision,
      micro_batch_sizes, zero_stages, recompute, cpu_offload, reshard_after_forward,
      fp8_expert_activations, fp8_dispatch, model_name, plan_kwargs) = args  # fmt: skip
@@ -189,48 +211,131 @@ def _price(args: tuple, index: int, workers: int) -> tuple[list, list]:
             n += 1
             if n % workers != index:
                 continue
-            # recomputation only trades time for memory: the first mode (in the order given)
-            # that fits is the fastest that fits, the heavier ones are not priced; a layout is
-            # rejected when even the last mode does not fit
-            last: Rejected | None = None
-            savers = _memory_savers(base, recompute, cpu_offload)
-            for i, (offload, every, mode) in enumerate(savers):
-                layout = base.replace(
-                    recompute=mode,
-                    fp8_expert_activations=fp8_expert_activations,
-                    fp8_dispatch=fp8_dispatch,
-                    cpu_offload=offload,
-                    reduce_scatter_every_microbatch=every,
-                    reshard_after_forward=reshard_after_forward or base.zero_stage != 3,
-                )
-                try:
-                    batch = global_batch_size
-                    if batch is None:
-                        batch = _rounded_batch(layout, micro, global_batch_tokens / seq_len)
-                    workload = Workload(seq_len, micro, batch, precision)
-                    # memory first: only the first mode that fits is priced in time; a
-                    # layout no mode fits is rejected with the last one's reason
-                    over = _over_memory(config, layout, workload, gpu, plan_kwargs)
-                    if over is not None and i < len(savers) - 1:
-                        continue
-                    if over:
-                        last = Rejected(layout, micro, over)
-                        break
-                    plan = plan_layout(
-                        config, layout, workload, gpu, model_name=model_name, **plan_kwargs
-                    )
-                except ValueError as err:
-                    last = Rejected(layout, micro, str(err))
-                    break  # the layout itself is invalid: recomputing will not help
-                if plan.fits:
-                    _note_rounding(plan, global_batch_tokens)
-                    fitting.append((n, plan))
-                    last = None
-                    break
-                last = Rejected(layout, micro, "; ".join(plan.notes))
+            one = _Candidate(
+                config, base, micro, _memory_savers(base, recompute, cpu_offload), seq_len,
+                global_batch_size, global_batch_tokens, precision, gpu, model_name,
+                plan_kwargs, fp8_expert_activations, fp8_dispatch, reshard_after_forward,
+            )  # fmt: skip
+            # the modes whose model state alone overflows the GPU are over memory whatever
+            # their activations: not checked one by one (if a check then raises, the
+            # candidate is tried again mode by mode, to give the same error at the same mode)
+            over, tries = _state_overflows(one)
+            plan, last, exact = _first_fit(one, tries, assume_over=over)
+            if not exact:
+                plan, last, _ = _first_fit(one, tries, assume_over=frozenset())
+            if plan is not None:
+                fitting.append((n, plan))
             if last is not None:
                 rejected.append((n, last))
     return fitting, rejected
+
+
+@dataclass(frozen=True)
+class _Candidate:
+    """One candidate layout and micro batch size, with what the search prices it for."""
+
+    config: Any
+    base: PlanLayout
+    micro: int
+    savers: list[tuple[bool, bool, str | None]]  # `_memory_savers`
+    seq_len: int
+    global_batch_size: int | None
+    global_batch_tokens: int | None
+    precision: str
+    gpu: GPUSpec
+    model_name: str | None
+    plan_kwargs: dict
+    fp8_expert_activations: bool
+    fp8_dispatch: bool
+    reshard_after_forward: bool
+
+    def layouts(self) -> Iterator[tuple[int, PlanLayout, Workload | None, ValueError | None]]:
+        """Per memory saver, in order: (its index, its layout, its workload, or None and the
+        ValueError making the workload raised)."""
+        base = self.base
+        for i, (offload, every, mode) in enumerate(self.savers):
+            layout = base.replace(
+                recompute=mode,
+                fp8_expert_activations=self.fp8_expert_activations,
+                fp8_dispatch=self.fp8_dispatch,
+                cpu_offload=offload,
+                reduce_scatter_every_microbatch=every,
+                reshard_after_forward=self.reshard_after_forward or base.zero_stage != 3,
+            )
+            try:
+                batch = self.global_batch_size
+                if batch is None:
+                    sequences = self.global_batch_tokens / self.seq_len
+                    batch = _rounded_batch(layout, self.micro, sequences)
+                yield i, layout, Workload(self.seq_len, self.micro, batch, self.precision), None
+            except ValueError as err:
+                yield i, layout, None, err
+
+
+def _state_overflows(one: _Candidate) -> tuple[frozenset[int], list | None]:
+    """Indices of the memory savers (all but the last) whose largest rank's model state and
+    reserve alone exceed the GPU (`memory_floor`), and `_Candidate.layouts` as a list; no
+    index where a check raises or the plan's arguments are invalid (the savers are then
+    checked one by one), and None for the list where making a layout raised."""
+    efficiency = one.plan_kwargs.get("compute_efficiency")
+    checked = efficiency is None or 0 < efficiency <= 1
+    reserve = one.plan_kwargs.get("reserve_bytes", GiB)
+    over, tries = set(), []
+    try:
+        for i, layout, workload, err in one.layouts():
+            tries.append((i, layout, workload, err))
+            checked = checked and err is None
+            if checked and i < len(one.savers) - 1:
+                floor = memory_floor(one.config, layout, workload, reserve_bytes=reserve)
+                if floor > one.gpu.memory_bytes:
+                    over.add(i)
+    except ValueError:
+        return frozenset(), None
+    return (frozenset(over) if checked else frozenset()), tries
+
+
+def _first_fit(
+    one: _Candidate, tries: list | None, assume_over: frozenset[int]
+) -> tuple[Plan | None, Rejected | None, bool]:
+    """The candidate's first memory saver that fits, priced; or its rejection (the last
+    saver's memory, or the error of the first that raises). `tries`: `one.layouts()` as a
+    list, or None to make them one by one; `assume_over`: savers known not to fit
+    (`_state_overflows`), not checked.
+
+    Returns:
+        (the plan or None, the rejection or None, whether the answer is exact: False when a
+        check raised after some savers were assumed over memory, since the first of those
+        would have raised it).
+    """
+    # recomputation only trades time for memory: the first mode (in the order given) that
+    # fits is the fastest that fits, the heavier ones are not priced; a layout is rejected
+    # when even the last mode does not fit
+    last: Rejected | None = None
+    for i, layout, workload, err in one.layouts() if tries is None else tries:
+        if i in assume_over:
+            continue
+        try:
+            if err is not None:
+                raise err
+            # memory first: only the first mode that fits is priced in time; a layout no
+            # mode fits is rejected with the last one's reason
+            over = _over_memory(one.config, layout, workload, one.gpu, one.plan_kwargs)
+            if over is not None and i < len(one.savers) - 1:
+                continue
+            if over:
+                return None, Rejected(layout, one.micro, over), True
+            plan = plan_layout(
+                one.config, layout, workload, one.gpu, model_name=one.model_name,
+                **one.plan_kwargs,
+            )  # fmt: skip
+        except ValueError as error:
+            # the layout itself is invalid: recomputing will not help
+            return None, Rejected(layout, one.micro, str(error)), not assume_over
+        if plan.fits:
+            _note_rounding(plan, one.global_batch_tokens)
+            return plan, None, True
+        last = Rejected(layout, one.micro, "; ".join(plan.notes))
+    return None, last, True
 
 
 def _over_memory(

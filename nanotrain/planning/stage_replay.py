@@ -16,9 +16,15 @@ import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from nanotrain.planning.schedule_time import _segments, _side_by_side, _tasks, replay_tasks
+from nanotrain.planning.schedule_time import (
+    _run_order,
+    _segments,
+    _side_by_side,
+    _tasks,
+    replay_tasks,
+)
 
-__all__ = ["StageDurations", "StageReplay", "replay_stages"]
+__all__ = ["StageDurations", "StageReplay", "replay_stages", "schedule_runs"]
 
 
 @dataclass(frozen=True)
@@ -83,6 +89,16 @@ def replay_stages(
     free, last_backward = replay_tasks(schedule, m, lists, seconds, marks)
     starts = tuple(free[r] if t is None else t for r, t in enumerate(last_backward))
     return StageReplay(tuple(free), starts)
+
+
+def schedule_runs(schedule: str, m: int, pp: int, v: int, overlap: bool = False) -> None:
+    """Raise what `replay_stages` raises for these sizes, without replaying any durations.
+
+    Raises:
+        ValueError: the schedule refuses the sizes, or its tasks never run to their end.
+    """
+    lists = _tasks(schedule, m, pp, v, overlap)
+    _run_order(schedule, m, lists)
 
 
 @functools.lru_cache(maxsize=256)

@@ -18,7 +18,7 @@ import torch
 from nanotrain.models import presets
 from nanotrain.models.accounting import active_params, main_params, mtp_params, total_params
 from nanotrain.parallel.data_parallel import FlatLayout
-from nanotrain.planning import PlanLayout, Workload, rank_models
+from nanotrain.planning import PlanLayout, Workload, memory, rank_models
 from nanotrain.planning.gpus import GPUS, gpu_spec
 from nanotrain.planning.layout import balanced_pipeline_layout
 from nanotrain.planning.memory import _owned_counts, state_memory
@@ -104,7 +104,9 @@ def test_deepseek_v3_671b_totals_and_paper_layout():
     )
 
 
-def test_zero_owned_counts_equal_flat_layout_pieces():
+@pytest.mark.parametrize("block", [2**20, 5])  # all buckets at once, or a few at a time
+def test_zero_owned_counts_equal_flat_layout_pieces(block, monkeypatch):
+    monkeypatch.setattr(memory, "_BLOCK_ENTRIES", block)
     rng = random.Random(0)
     for _ in range(200):
         params = [torch.empty(rng.choice([0, 1, 3, 64, 513]), device="meta")
