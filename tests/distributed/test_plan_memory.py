@@ -90,6 +90,12 @@ def _bytes(tensors: Any) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
 
 
+def _global_batch(kwargs: dict) -> int:
+    """The fewest microbatches of 2 a step of the layout takes (one per dp rank of the world
+    of 4, pp of them through a pipeline): what a rank allocates does not depend on them."""
+    return 2 * 4 // kwargs.get("tp", 1)
+
+
 def _run(rank: int, world_size: int, root: str) -> dict:
     out = {}
     for i, (name, (preset, overrides, kwargs, precision)) in enumerate(LAYOUTS.items()):
@@ -99,11 +105,15 @@ def _run(rank: int, world_size: int, root: str) -> dict:
             strategy=strategy,
             precision=precision,
             max_steps=1,
-            global_batch_size=8,
+            global_batch_size=_global_batch(kwargs),
             micro_batch_size=2,
             default_root_dir=f"{root}/{i}",
             loggers=[],
             callbacks=[snapshot := Snapshot()],
+            # it reads what the step holds and sends: no final checkpoint, bar or monitors
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_monitors=False,
             seed=0,
         )
         trainer.fit(module, train_dataloaders=Tokens())
@@ -116,7 +126,12 @@ def _plan_inputs(name: str) -> tuple[Any, PlanLayout, Workload]:
     preset, overrides, kwargs, precision = LAYOUTS[name]
     config = presets.get(preset, vocab_size=VOCAB, **overrides)
     layout = PlanLayout.from_strategy(MegatronStrategy(**kwargs), world_size=4)
-    workload = Workload(seq_len=SEQ, micro_batch_size=2, global_batch_size=8, precision=precision)
+    workload = Workload(
+        seq_len=SEQ,
+        micro_batch_size=2,
+        global_batch_size=_global_batch(kwargs),
+        precision=precision,
+    )
     return config, layout, workload
 
 
