@@ -13,14 +13,16 @@ not part of the comparison.
 The same runs measure what the schedule runner holds beside autograd's saved tensors: after
 every forward, the distinct storages of the held stage outputs and received inputs
 (`_Run.held`) that no saved tensor shares, whose highest sum `working_memory`'s
-`pipeline_held` predicts to the byte. With paired chunks the measured saved peak depends on how the two
-threads interleave; the planner's (the pair's forward walked before its backward) bounds it.
+`pipeline_held` predicts to the byte. With paired chunks the measured saved peak depends on
+how the two threads interleave; the planner's (the pair's forward walked before its backward)
+bounds it.
 
 What one process cannot show is pinned here: the schedules' walks, the chunks of a pipeline
 rank, the tp / SP / ep splits and how recompute modes and precisions meet them; each layer's
-bytes per recompute mode and precision without parallelism are tests/unit/test_plan_activations.py's.
-Each layout pins a term the others do not (the comments at `LAYOUTS` say which); a schedule at a
-second recompute mode or precision is kept only where that mode meets the schedule in a new way.
+bytes per recompute mode and precision without parallelism are those of
+tests/unit/test_plan_activations.py. Each layout pins a term the others do not (the comments
+at `LAYOUTS` say which); a schedule at a second recompute mode or precision is kept only where
+that mode meets the schedule in a new way.
 """
 
 from __future__ import annotations
@@ -136,8 +138,10 @@ def _watch_held(tracker: HeldBytes):
 LAYOUTS = {
     # GPipe's walk (every microbatch's forward before any backward) on deepseek's chunks: the
     # embedding on rank 0, the MoE layers, head and MTP on rank 1 (dense pipeline chunks:
-    # "dense interleaved bf16-true selective")
-    "deepseek gpipe": ("tiny", dict(pp=2, schedule="gpipe"), None),
+    # "dense interleaved bf16-true selective"); full recompute there: each layer keeps its
+    # input, the head and MTP on the last stage theirs, few bytes, so that the 0.2% tolerance
+    # leaves them no room (without recompute they are within it)
+    "deepseek gpipe full recompute": ("tiny", dict(pp=2, schedule="gpipe"), "full"),
     # interleaved 1F1B's walk over two chunks per rank
     "deepseek interleaved": ("tiny", dict(pp=2, virtual_pp=2), None),
     # split backwards hold a microbatch's activations until its weight half
@@ -161,9 +165,7 @@ LAYOUTS = {
     # 1F1B's walk, autocast's weight copies made once per step beside the microbatches in
     # flight
     "deepseek 1f1b bf16-mixed": ("tiny", dict(pp=2), None, "bf16-mixed"),
-    # each chunk's first layer recomputes fully, the other one light; full recompute's
-    # layer term on pipeline chunks (1F1B's walk at "full" alone adds no term: its layers'
-    # and heads' bytes are the unit test's, the walk is the line above's)
+    # each chunk's first layer recomputes fully, the other one light
     "deepseek 1f1b light, first layer of a chunk full": ("tiny", dict(pp=2), "light"),
     # tp without SP: MLA's heads and the MLPs split by tp, the residual stream and routing whole
     "deepseek tp2": ("tiny", dict(tp=2), None),
@@ -178,6 +180,8 @@ LAYOUTS = {
         "selective",
         "bf16-mixed",
     ),
+    # full recompute under SP: each layer keeps its input shard, the head its input shard and
+    # the labels
     "dense tp2 sp bf16-true full recompute": (
         "tiny-dense",
         dict(tp=2, sequence_parallel=True),
@@ -191,7 +195,9 @@ LAYOUTS = {
         "light",
         "bf16-mixed",
     ),
+    # "light" without SP: norms rebuilt from whole-sequence inputs, GQA's heads split by tp
     "dense tp2 bf16-true light": ("tiny-dense", dict(tp=2), "light", "bf16-true"),
+    # ep: each rank's experts keep the copies it receives (real routing, planned balanced)
     "deepseek ep2 (real routing, predicted balanced)": ("tiny", dict(dp=2, ep=2), None),
     # nodes of one rank: node-limited dispatch keeps what the flat one keeps
     "deepseek ep2 node-limited (real routing, predicted balanced)": (
@@ -202,6 +208,7 @@ LAYOUTS = {
     # a capacity: whole sequences gathered over tp, E x B x C slots; fp32 SP attention
     # (the inputs of MLA saved as shards, no recompute) with it
     "deepseek tp2 sp capacity": ("tiny", dict(tp=2, sequence_parallel=True), None),
+    # a capacity under ep: the slots of this rank's E / ep experts for the ep ranks' sequences
     "deepseek ep2 capacity": ("tiny", dict(dp=2, ep=2), None),
 }
 

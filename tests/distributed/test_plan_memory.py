@@ -25,16 +25,20 @@ pytestmark = pytest.mark.distributed
 
 VOCAB, SEQ = 97, 16
 
-# name -> (preset, model overrides, MegatronStrategy kwargs, precision)
+# name -> (preset, model overrides, MegatronStrategy kwargs, precision). What each pins:
 LAYOUTS: dict[str, tuple[str, dict, dict, str]] = {
+    # tp-sharded parameters, ZeRO-1's optimizer pieces over dp=2 at fp32
     "deepseek tp=2 zero1": ("tiny", {}, dict(tp=2, zero_stage=1), "32-true"),
+    # each ep rank's experts, ZeRO-2's owned gradient shard, fp32 masters of the owned pieces
     "deepseek ep=2 zero2 bf16-true": ("tiny", {}, dict(ep=2, zero_stage=2), "bf16-true"),
+    # two interleaved chunks per rank in ZeRO's padded flat buffers
     "deepseek pp=2 vpp=2 zero1": (
         "tiny",
         {"num_layers": 4},
         dict(pp=2, virtual_pp=2, zero_stage=1),
         "32-true",
     ),
+    # an uneven pipeline over tp, the whole optimizer state and fp32 masters of every param
     "dense pp=2 uneven, tp=2, no zero, bf16-true": (
         "tiny-dense",
         {"num_layers": 3},

@@ -39,22 +39,32 @@ VOCAB, SEQ, MICRO = 97, 16, 2
 # 6 routed experts: 3 per ep=2 rank, split 2 + 1 over expert-dp=2 (uneven shards, so the
 # test tells which expert-dp rank each data-parallel rank is); vocab 97 splits unevenly
 SIX_EXPERTS = dict(n_routed_experts=6, n_group=2, topk_group=1)
-# name -> (preset, model overrides, MegatronStrategy kwargs, precision)
+# name -> (preset, model overrides, MegatronStrategy kwargs, precision). What each pins:
 LAYOUTS: dict[str, tuple[str, dict, dict, str]] = {
-    "dense dp=4 cpu_offload": ("tiny-dense", {}, dict(zero_stage=3, cpu_offload=True), "32-true"),
+    # DTensor tp shards under FSDP2, gathers in bf16, fp32 reduce-scatters and shards
     "dense tp=2 sp x dp=2 bf16-true": (
         "tiny-dense",
         {},
         dict(tp=2, sequence_parallel=True, zero_stage=3),
         "bf16-true",
     ),
+    # expert-dp units beside dp=4 ones (the dense part's uneven shards over 4 ranks), a
+    # reduce-scatter on every microbatch
     "deepseek ep=2 x dp=4, reduce-scatter every microbatch": (
         "tiny",
         SIX_EXPERTS,
         dict(ep=2, zero_stage=3, reduce_scatter_every_microbatch=True),
         "32-true",
     ),
-    "dense pp=2 x dp=2": ("tiny-dense", {"num_layers": 4}, dict(pp=2, zero_stage=3), "32-true"),
+    # each stage's own units under 1F1B, nothing left gathered; cpu_offload: the shards,
+    # their grads and the optimizer state on the host, the plan's host bytes (a pipeline
+    # stage's shards on the device: the zb_1f1b layout)
+    "dense pp=2 x dp=2 cpu_offload": (
+        "tiny-dense",
+        {"num_layers": 4},
+        dict(pp=2, zero_stage=3, cpu_offload=True),
+        "32-true",
+    ),
     # a split-backward schedule: every unit keeps its gathered parameters from its backward
     # until the step's reduce-scatter
     "dense pp=2 x dp=2 zb_1f1b": (
