@@ -1,9 +1,9 @@
 """The activation planner's schedule peak against a real pipeline step.
 
-One forked gloo world of 2 ranks trains one step (4 microbatches of 2 x 64 tokens) per layout:
-GPipe, 1F1B, interleaved 1F1B (virtual_pp=2), 1F1B with split backwards and DualPipeV at
-pp=2, with and without recomputation, and
-tp=2 with and without sequence parallelism. During the step every tensor autograd saves for
+One forked gloo world of 2 ranks trains one step per layout (microbatches of 2 x 64 tokens):
+four microbatches through pp=2 (more than the stages: GPipe holds all four, 1F1B two), two
+per rank without a pipeline (one microbatch's activations, freed before the next: the second
+shows that none outlives its backward). During the step every tensor autograd saves for
 backward is wrapped in a holder that counts its storage (once, parameters excluded) while
 autograd keeps it; the highest count is the measured peak of live saved activations, which
 `activation_estimate(...).saved_peak` predicts to 0.2% (2% under ep with real routing). The
@@ -13,8 +13,16 @@ not part of the comparison.
 The same runs measure what the schedule runner holds beside autograd's saved tensors: after
 every forward, the distinct storages of the held stage outputs and received inputs
 (`_Run.held`) that no saved tensor shares, whose highest sum `working_memory`'s
-`pipeline_held` predicts to the byte. With paired chunks the measured saved peak depends on how the two
-threads interleave; the planner's (the pair's forward walked before its backward) bounds it.
+`pipeline_held` predicts to the byte. With paired chunks the measured saved peak depends on
+how the two threads interleave; the planner's (the pair's forward walked before its backward)
+bounds it.
+
+What one process cannot show is pinned here: the schedules' walks, the chunks of a pipeline
+rank, the tp / SP / ep splits and how recompute modes and precisions meet them; each layer's
+bytes per recompute mode and precision without parallelism are those of
+tests/unit/test_plan_activations.py. Each layout pins a term the others do not (the comments
+at `LAYOUTS` say which); a schedule at a second recompute mode or precision is kept only where
+that mode meets the schedule in a new way.
 """
 
 from __future__ import annotations
@@ -126,13 +134,16 @@ def _watch_held(tracker: HeldBytes):
     return original
 
 
-# name -> (preset, strategy kwargs, recompute[, precision])
+# name -> (preset, strategy kwargs, recompute[, precision]). What each layout pins:
 LAYOUTS = {
-    "dense gpipe": ("tiny-dense", dict(pp=2, schedule="gpipe"), None),
-    "deepseek gpipe": ("tiny", dict(pp=2, schedule="gpipe"), None),
-    "deepseek 1f1b": ("tiny", dict(pp=2, schedule="1f1b"), None),
+    # GPipe's walk (every microbatch's forward before any backward) on deepseek's chunks: the
+    # embedding on rank 0, the MoE layers, head and MTP on rank 1 (dense pipeline chunks:
+    # "dense interleaved bf16-true selective"); full recompute there: each layer keeps its
+    # input, the head and MTP on the last stage theirs, few bytes, so that the 0.2% tolerance
+    # leaves them no room (without recompute they are within it)
+    "deepseek gpipe full recompute": ("tiny", dict(pp=2, schedule="gpipe"), "full"),
+    # interleaved 1F1B's walk over two chunks per rank
     "deepseek interleaved": ("tiny", dict(pp=2, virtual_pp=2), None),
-    "deepseek 1f1b full recompute": ("tiny", dict(pp=2), "full"),
     # split backwards hold a microbatch's activations until its weight half
     "deepseek zb_1f1b": ("tiny", dict(pp=2, schedule="zb_1f1b"), None),
     # a V: rank 0 holds the first and last stage (embedding, head, MTP), both chunks' peaks
@@ -143,18 +154,34 @@ LAYOUTS = {
         dict(pp=2, schedule="dualpipev", overlap_forward_backward=True),
         None,
     ),
-    "dense interleaved selective": ("tiny-dense", dict(pp=2, virtual_pp=2), "selective"),
+    # selective recompute on interleaved dense chunks (the attention input kept, the core
+    # dropped), bf16-true's received inputs held beside their chunk's fp32 norm copy
+    "dense interleaved bf16-true selective": (
+        "tiny-dense",
+        dict(pp=2, virtual_pp=2),
+        "selective",
+        "bf16-true",
+    ),
+    # 1F1B's walk, autocast's weight copies made once per step beside the microbatches in
+    # flight
+    "deepseek 1f1b bf16-mixed": ("tiny", dict(pp=2), None, "bf16-mixed"),
+    # each chunk's first layer recomputes fully, the other one light
+    "deepseek 1f1b light, first layer of a chunk full": ("tiny", dict(pp=2), "light"),
+    # tp without SP: MLA's heads and the MLPs split by tp, the residual stream and routing whole
     "deepseek tp2": ("tiny", dict(tp=2), None),
-    "deepseek tp2 sp": ("tiny", dict(tp=2, sequence_parallel=True), None),
+    # dense SP: GQA's and the MLP's inputs saved as shards
     "dense tp2 sp": ("tiny-dense", dict(tp=2, sequence_parallel=True), None),
     # gathered inputs kept as shards: through autocast's casts, and beside recomputed blocks
-    # (which keep theirs whole until their backward)
+    # (which keep theirs whole until their backward); dropless SP routing of 1/tp of the
+    # tokens (selective leaves the MoE as it is)
     "deepseek tp2 sp bf16-mixed selective": (
         "tiny",
         dict(tp=2, sequence_parallel=True),
         "selective",
         "bf16-mixed",
     ),
+    # full recompute under SP: each layer keeps its input shard, the head its input shard and
+    # the labels
     "dense tp2 sp bf16-true full recompute": (
         "tiny-dense",
         dict(tp=2, sequence_parallel=True),
@@ -168,9 +195,9 @@ LAYOUTS = {
         "light",
         "bf16-mixed",
     ),
+    # "light" without SP: norms rebuilt from whole-sequence inputs, GQA's heads split by tp
     "dense tp2 bf16-true light": ("tiny-dense", dict(tp=2), "light", "bf16-true"),
-    # each chunk's first layer recomputes fully, the other one light
-    "deepseek 1f1b light, first layer of a chunk full": ("tiny", dict(pp=2), "light"),
+    # ep: each rank's experts keep the copies it receives (real routing, planned balanced)
     "deepseek ep2 (real routing, predicted balanced)": ("tiny", dict(dp=2, ep=2), None),
     # nodes of one rank: node-limited dispatch keeps what the flat one keeps
     "deepseek ep2 node-limited (real routing, predicted balanced)": (
@@ -178,10 +205,11 @@ LAYOUTS = {
         dict(dp=2, ep=2, ranks_per_node=1),
         None,
     ),
+    # a capacity: whole sequences gathered over tp, E x B x C slots; fp32 SP attention
+    # (the inputs of MLA saved as shards, no recompute) with it
     "deepseek tp2 sp capacity": ("tiny", dict(tp=2, sequence_parallel=True), None),
+    # a capacity under ep: the slots of this rank's E / ep experts for the ep ranks' sequences
     "deepseek ep2 capacity": ("tiny", dict(dp=2, ep=2), None),
-    "deepseek 1f1b bf16-mixed": ("tiny", dict(pp=2), None, "bf16-mixed"),
-    "dense interleaved bf16-true": ("tiny-dense", dict(pp=2, virtual_pp=2), None, "bf16-true"),
 }
 
 
@@ -194,6 +222,13 @@ FULL_LAYERS = {name: 1 for name in LAYOUTS if "first layer of a chunk full" in n
 def _unpack_layout(name: str) -> tuple[str, dict, str | None, str]:
     preset, kwargs, recompute, *precision = LAYOUTS[name]
     return preset, kwargs, recompute, precision[0] if precision else "32-true"
+
+
+def _global_batch(kwargs: dict) -> int:
+    """GLOBAL (4 microbatches) through a pipeline, else 2 microbatches per rank."""
+    if kwargs.get("pp", 1) > 1:
+        return GLOBAL
+    return 2 * MICRO * kwargs.get("dp", 2 // kwargs.get("tp", 1))
 
 
 def _measure(rank: int, world_size: int, root: str) -> dict[str, tuple[int, int]]:
@@ -210,7 +245,7 @@ def _measure(rank: int, world_size: int, root: str) -> dict[str, tuple[int, int]
         trainer = nt.Trainer(
             strategy=MegatronStrategy(**kwargs),
             max_steps=1,
-            global_batch_size=GLOBAL,
+            global_batch_size=_global_batch(kwargs),
             micro_batch_size=MICRO,
             precision=precision,
             default_root_dir=f"{root}/{i}",
@@ -252,7 +287,7 @@ def test_schedule_peak_matches_a_pipeline_step(measured, name):
     layout = PlanLayout(
         recompute=recompute, recompute_full_layers=full_layers, **{"dp": 1, **kwargs}
     )
-    workload = Workload(SEQ, MICRO, GLOBAL, precision=precision)
+    workload = Workload(SEQ, MICRO, _global_batch(kwargs), precision=precision)
     for rank, peaks in enumerate(measured):
         pp_rank = rank if layout.pp > 1 else 0
         estimate = activation_estimate(config, layout, workload, pp_rank, device="cpu")

@@ -1,16 +1,24 @@
 """The planner's communication bytes equal what a real training step sends, group by group.
 
-Forked gloo worlds train the tiny presets for two steps under many `MegatronStrategy` layouts;
-a `CommMeter` counts every collective of the second step by process group, and
+Forked gloo worlds train the tiny presets for one step of two microbatches per rank (a
+per-microbatch term still differs from a per-step one) under many `MegatronStrategy` layouts;
+a `CommMeter` counts every collective of that step by process group (what the fit sets up
+before it is not counted: the model and groups are built at fit start, outside the step), and
 `comm_estimate` of the same config, layout and batch must equal the count on every group
 (tp, pp, ep, dp, expert-dp, embedding, and the bookkeeping reductions it files under
 "other", by the group they travel on).
 
+Each layout pins terms no other layout of the file pins (the comments at `WORLD2` and
+`WORLD4` say which): a layout whose terms others hold too is folded into them (a recompute
+mode's layout holds the terms of the same layout without it, SP's regathers aside; a 16-bit
+one those of its fp32 twin, with the dtypes told apart).
+
 Routing: the router is replaced by a balanced one (token t's k-th copy goes to expert
 ``(t * K + k) % E``), the routing the planner assumes, so the expert-parallel bytes are
 exact too; under node-limited dispatch by one that also reaches the planner's average of
-nodes per token (`group_pairs_select`). Independent checks that do not trust the planner's own arithmetic follow the
-world tests: the meter's ring model on known tensors, and textbook formulas for tp and dp.
+nodes per token (`group_pairs_select`). Independent checks that do not trust the planner's
+own arithmetic follow the world tests: the meter's ring model on known tensors, and textbook
+formulas for tp and dp.
 """
 
 from __future__ import annotations
@@ -56,21 +64,22 @@ def group_pairs_select(self: TopKRouter, choice: torch.Tensor) -> torch.Tensor:
     return pairs[t % len(pairs)] * size + ((t // len(pairs)) % size)[:, None]
 
 
-class MeterSecondStep(nt.Callback):
-    """Counts the collectives of the second training step only (the first builds lazily)."""
+class MeterStep(nt.Callback):
+    """Counts the collectives of the training step only (not the fit's set-up around it)."""
 
     def __init__(self, meter: CommMeter) -> None:
         self.meter = meter
 
     def on_train_step_start(self, trainer, module, batch, batch_idx) -> None:
-        self.meter.counting = trainer.global_step == 1
+        self.meter.counting = True
 
     def on_train_step_end(self, trainer, module, outputs, batch, batch_idx) -> None:
         self.meter.counting = False
 
 
 def measure(kind: str, strategy_kwargs: dict, extra: dict, root: str) -> dict[str, Any]:
-    """Train 2 steps; return this rank's bytes per group and the planner's estimate."""
+    """Train 1 step (by default 2 microbatches per rank); return this rank's bytes per group
+    and the planner's estimate."""
     strategy = MegatronStrategy(**strategy_kwargs)
     strategy.setup_environment()
     meter = CommMeter.for_strategy(strategy)
@@ -84,15 +93,15 @@ def measure(kind: str, strategy_kwargs: dict, extra: dict, root: str) -> dict[st
         fp8_dispatch=extra.get("fp8_dispatch", False),
     )
     precision = extra.get("precision", "32-true")
-    micro, batch = extra.get("batch", (MICRO, GLOBAL))
+    micro, batch = extra.get("batch", (MICRO, 2 * MICRO * strategy.mesh.dp_size))
     TopKRouter.select = extra.get("select", balanced_select)  # the next layout gets its own
     trainer = nt.Trainer(
         strategy=strategy,
-        max_steps=2,
+        max_steps=1,
         global_batch_size=batch,
         micro_batch_size=micro,
         precision=precision,
-        callbacks=[MeterSecondStep(meter)],
+        callbacks=[MeterStep(meter)],
         default_root_dir=root,
         loggers=[],
         enable_checkpointing=False,
@@ -138,45 +147,64 @@ def _run(rank: int, world_size: int, root: str, layouts: dict) -> dict:
     }
 
 
-# name -> (preset, MegatronStrategy kwargs, extra: recompute / precision / model overrides)
+# name -> (preset, MegatronStrategy kwargs, extra: recompute / precision / model overrides /
+# (micro, global) batch). What each layout pins (tp: `communication_tp`'s collectives):
 WORLD2 = {
-    "dense tp=2": ("tiny-dense", dict(tp=2), {}),
-    "deepseek tp=2": ("tiny", dict(tp=2), {}),
-    "dense tp=2 sp": ("tiny-dense", dict(tp=2, sequence_parallel=True), {}),
-    "deepseek tp=2 sp": ("tiny", dict(tp=2, sequence_parallel=True), {}),
-    "dense tp=2 full recompute": ("tiny-dense", dict(tp=2), {"recompute": "full"}),
-    "deepseek tp=2 sp full recompute": (
+    # dense tp without SP: the embedding's, attention's and MLP's all-reduces, the head's and
+    # the vocab-parallel loss's, and (full recompute) every forward one rerun but the layer's
+    # trailing MLP output (nothing saved after it) and the head's and loss's rerun; the plain
+    # layout's terms are all here (dense SP: "dense tp=2 sp bf16-mixed")
+    "dense tp=2 full recompute": ("tiny-dense", dict(tp=2), FULL),
+    # MLA's latents, the shared experts and the MTP block over tp without SP, 16-bit wires
+    # (activations, linear outputs and the embedding's parameters' dtype all 2 bytes), the
+    # tp-replicated routed experts; selective reruns no MLA collective without SP (its attention
+    # output is the trailing one). Its fp32 twin's terms only differ by the dtype, which the
+    # fp32 layouts pin
+    "deepseek tp=2 bf16-true selective recompute": (
+        "tiny",
+        dict(tp=2),
+        {**BF16_TRUE, "recompute": "selective"},
+    ),
+    # dense SP: all-gathers / reduce-scatters, the backward regathers of inputs saved as
+    # shards, the norm weights' grads summed over tp once per step; fp32 inputs entering the
+    # region beside bf16 linear outputs (autocast); the fp32 wires of dense SP are the same
+    # collectives ("deepseek tp=2 x pp=2 sp" has them at fp32)
+    "dense tp=2 sp bf16-mixed": ("tiny-dense", dict(tp=2, sequence_parallel=True), BF16_MIXED),
+    # MoE under SP with a capacity: the whole sequences and their routing gathered over tp,
+    # the balance loss's statistics and the MoE loads summed over tp; full recompute: every
+    # forward collective rerun (the MoE layer's balance loss keeps its trailing one), the regathers
+    # dropped, the heads' and MTP's rerun. Holds every term of the same layout without
+    # recompute but the regathers (pinned by "deepseek tp=2 x pp=2 sp"), and those of dropless
+    # SP with full recompute (also pinned with ep by "deepseek tp=2 x ep=2 sp zero1 full
+    # recompute")
+    "deepseek tp=2 sp capacity full recompute": (
         "tiny",
         dict(tp=2, sequence_parallel=True),
-        {"recompute": "full"},
+        {**CAPACITY, **FULL},
     ),
-    "deepseek tp=2 selective recompute": ("tiny", dict(tp=2), {"recompute": "selective"}),
+    # dp: ZeRO-0's all-reduce over dp and expert-dp (no all-gather), ZeRO-1's all-reduce and
+    # all-gather, ZeRO-2's reduce-scatter in fp32 and all-gather of bf16 parameters (bf16-true
+    # tells the two dtypes apart; fp32 ZeRO-2 is "deepseek ep=2 x dp=4 zero2")
     "deepseek dp=2": ("tiny", dict(), {}),
     "deepseek dp=2 zero1": ("tiny", dict(zero_stage=1), {}),
-    "deepseek dp=2 zero2": ("tiny", dict(zero_stage=2), {}),
+    "deepseek dp=2 zero2 bf16-true": ("tiny", dict(zero_stage=2), BF16_TRUE),
+    # pp: 1F1B's sends, the shared (MTP) embedding's grad summed by the two ends, the pipeline
+    # loss terms; interleaved: every chunk's boundary crossings, no shared embedding
     "deepseek pp=2 1f1b": ("tiny", dict(pp=2), {}),
     "dense pp=2 x virtual 2": (
         "tiny-dense",
         dict(pp=2, virtual_pp=2),
         {"overrides": {"num_layers": 4}},
     ),
-    "deepseek ep=2 (dp=2)": ("tiny", dict(ep=2), {}),
-    "deepseek ep=2 full recompute": ("tiny", dict(ep=2), {"recompute": "full"}),
-    # a capacity: fixed E x B x C slots, no split exchange; under SP the whole sequences and
-    # their routing are gathered over tp
-    "deepseek ep=2 capacity": ("tiny", dict(ep=2), CAPACITY),
+    # ep dropless: split sizes, dispatch (bf16 under autocast) with gate weights, combine,
+    # each again in backward, the forward ones rerun under full recompute (it holds every
+    # term of the layout without recompute; fp32 wires: "deepseek ep=2 x dp=4 zero2")
+    "deepseek ep=2 bf16-mixed full recompute": ("tiny", dict(ep=2), {**BF16_MIXED, **FULL}),
+    # a capacity: fixed E x B x C slots, no split exchange, rerun under full recompute (holds
+    # every term of the layout without recompute)
     "deepseek ep=2 capacity full recompute": ("tiny", dict(ep=2), {**CAPACITY, **FULL}),
-    "deepseek tp=2 sp capacity": ("tiny", dict(tp=2, sequence_parallel=True), CAPACITY),
-    "deepseek tp=2 sp capacity full recompute": (
-        "tiny",
-        dict(tp=2, sequence_parallel=True),
-        {**CAPACITY, **FULL},
-    ),
-    # 16-bit wires: linear outputs and the expert dispatch in bf16 under autocast (fp32
-    # dispatch where an emulated format quantizes the experts' inputs), everything bf16 under
-    # bf16-true
-    "dense tp=2 sp bf16-mixed": ("tiny-dense", dict(tp=2, sequence_parallel=True), BF16_MIXED),
-    "deepseek ep=2 bf16-mixed": ("tiny", dict(ep=2), BF16_MIXED),
+    # fp8 rows with their tile scales out (an emulated format quantizes the experts' fp32
+    # inputs), fp32 gradients back; bf16 linear outputs
     "deepseek ep=2 fp8-emulated": ("tiny", dict(ep=2), {"precision": "fp8-emulated"}),
     # fp8 rows out under bf16 autocast, the copies' gradients back in bf16
     "deepseek ep=2 bf16-mixed fp8 dispatch": (
@@ -184,12 +212,15 @@ WORLD2 = {
         dict(ep=2),
         {**BF16_MIXED, "fp8_dispatch": True},
     ),
-    "deepseek tp=2 bf16-true": ("tiny", dict(tp=2), BF16_TRUE),
-    "deepseek dp=2 zero2 bf16-true": ("tiny", dict(zero_stage=2), BF16_TRUE),
 }
 WORLD4 = {
+    # tp x pp: SP on pipeline ranks (MLA's and the MoE's regathers without recompute, the
+    # balance statistics, the head and MTP on the last stage), sends of [b, s / tp, h]
     "deepseek tp=2 x pp=2 sp": ("tiny", dict(tp=2, pp=2, sequence_parallel=True), {}),
-    "deepseek ep=2 x dp=4 zero2": ("tiny", dict(ep=2, zero_stage=2), {}),
+    # expert-dp of 2 beside dp of 4, ZeRO-2 at fp32, the grad-norm squares over ep; fp32
+    # dropless dispatch (one microbatch per rank: the dp terms are per step, and ep's
+    # per-microbatch count is pinned by the world of 2)
+    "deepseek ep=2 x dp=4 zero2": ("tiny", dict(ep=2, zero_stage=2), {"batch": (MICRO, 8)}),
     # nodes of 2 ranks: the rail between them and the hop inside; 48 tokens per microbatch,
     # a multiple of the 6 pairs of the tiny model's 4 expert groups
     "deepseek ep=4 node-limited": (
@@ -197,10 +228,12 @@ WORLD4 = {
         dict(ep=4, ranks_per_node=2, node_limited_dispatch=True),
         {"select": group_pairs_select, "batch": (3, 12)},
     ),
+    # tp x ep: dropless SP dispatches 1/tp of the tokens, ZeRO-1 over dp, full recompute's
+    # reruns of the split exchange and the all-to-alls at fp32
     "deepseek tp=2 x ep=2 sp zero1 full recompute": (
         "tiny",
         dict(tp=2, ep=2, sequence_parallel=True, zero_stage=1),
-        {"recompute": "full"},
+        FULL,
     ),
 }
 

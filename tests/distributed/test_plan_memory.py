@@ -25,16 +25,20 @@ pytestmark = pytest.mark.distributed
 
 VOCAB, SEQ = 97, 16
 
-# name -> (preset, model overrides, MegatronStrategy kwargs, precision)
+# name -> (preset, model overrides, MegatronStrategy kwargs, precision). What each pins:
 LAYOUTS: dict[str, tuple[str, dict, dict, str]] = {
+    # tp-sharded parameters, ZeRO-1's optimizer pieces over dp=2 at fp32
     "deepseek tp=2 zero1": ("tiny", {}, dict(tp=2, zero_stage=1), "32-true"),
+    # each ep rank's experts, ZeRO-2's owned gradient shard, fp32 masters of the owned pieces
     "deepseek ep=2 zero2 bf16-true": ("tiny", {}, dict(ep=2, zero_stage=2), "bf16-true"),
+    # two interleaved chunks per rank in ZeRO's padded flat buffers
     "deepseek pp=2 vpp=2 zero1": (
         "tiny",
         {"num_layers": 4},
         dict(pp=2, virtual_pp=2, zero_stage=1),
         "32-true",
     ),
+    # an uneven pipeline over tp, the whole optimizer state and fp32 masters of every param
     "dense pp=2 uneven, tp=2, no zero, bf16-true": (
         "tiny-dense",
         {"num_layers": 3},
@@ -90,6 +94,12 @@ def _bytes(tensors: Any) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
 
 
+def _global_batch(kwargs: dict) -> int:
+    """The fewest microbatches of 2 a step of the layout takes (one per dp rank of the world
+    of 4, pp of them through a pipeline): what a rank allocates does not depend on them."""
+    return 2 * 4 // kwargs.get("tp", 1)
+
+
 def _run(rank: int, world_size: int, root: str) -> dict:
     out = {}
     for i, (name, (preset, overrides, kwargs, precision)) in enumerate(LAYOUTS.items()):
@@ -99,11 +109,15 @@ def _run(rank: int, world_size: int, root: str) -> dict:
             strategy=strategy,
             precision=precision,
             max_steps=1,
-            global_batch_size=8,
+            global_batch_size=_global_batch(kwargs),
             micro_batch_size=2,
             default_root_dir=f"{root}/{i}",
             loggers=[],
             callbacks=[snapshot := Snapshot()],
+            # it reads what the step holds and sends: no final checkpoint, bar or monitors
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_monitors=False,
             seed=0,
         )
         trainer.fit(module, train_dataloaders=Tokens())
@@ -116,7 +130,12 @@ def _plan_inputs(name: str) -> tuple[Any, PlanLayout, Workload]:
     preset, overrides, kwargs, precision = LAYOUTS[name]
     config = presets.get(preset, vocab_size=VOCAB, **overrides)
     layout = PlanLayout.from_strategy(MegatronStrategy(**kwargs), world_size=4)
-    workload = Workload(seq_len=SEQ, micro_batch_size=2, global_batch_size=8, precision=precision)
+    workload = Workload(
+        seq_len=SEQ,
+        micro_batch_size=2,
+        global_batch_size=_global_batch(kwargs),
+        precision=precision,
+    )
     return config, layout, workload
 
 

@@ -1,13 +1,14 @@
 """The planner's ZeRO-3 figures equal what `MegatronStrategy(zero_stage=3)` (FSDP2) really
 allocates and sends on every rank.
 
-Each layout trains one step of two microbatches (four at dp=2) on a forked world of 4. Every
-rank reports the bytes of the storages behind its parameter shards (after the step), its
-gradient shards (before the optimizer step, once reduced), its optimizer state and buffers,
-the gathered copies a split-backward schedule leaves until the reduce-scatter, and the wire
-bytes and calls of FSDP2's all-gathers and reduce-scatters on dp and expert-dp (a
-`CommMeter` from the first forward to the optimizer step). The planner, which never ran the
-model, must give the same numbers, byte for byte.
+Each layout trains one step of two microbatches per rank on a forked world of 4 (two tell
+the gathers of every microbatch from the reduce-scatter of the last one). Every rank reports
+the bytes of the storages behind its parameter shards (after the step), its gradient shards
+(before the optimizer step, once reduced), its optimizer state and buffers, the gathered
+copies a split-backward schedule leaves until the reduce-scatter, and the wire bytes and calls
+of FSDP2's all-gathers and reduce-scatters on dp and expert-dp (a `CommMeter` from the first
+forward to the optimizer step). The planner, which never ran the model, must give the same
+numbers, byte for byte.
 """
 
 from __future__ import annotations
@@ -33,27 +34,37 @@ from tests.distributed.spawn import run_world
 
 pytestmark = pytest.mark.distributed
 
-VOCAB, SEQ, MICRO, GLOBAL = 97, 16, 2, 16  # 2 microbatches at dp=4, 4 at dp=2
+VOCAB, SEQ, MICRO = 97, 16, 2
 
 # 6 routed experts: 3 per ep=2 rank, split 2 + 1 over expert-dp=2 (uneven shards, so the
 # test tells which expert-dp rank each data-parallel rank is); vocab 97 splits unevenly
 SIX_EXPERTS = dict(n_routed_experts=6, n_group=2, topk_group=1)
-# name -> (preset, model overrides, MegatronStrategy kwargs, precision)
+# name -> (preset, model overrides, MegatronStrategy kwargs, precision). What each pins:
 LAYOUTS: dict[str, tuple[str, dict, dict, str]] = {
-    "dense dp=4 cpu_offload": ("tiny-dense", {}, dict(zero_stage=3, cpu_offload=True), "32-true"),
+    # DTensor tp shards under FSDP2, gathers in bf16, fp32 reduce-scatters and shards
     "dense tp=2 sp x dp=2 bf16-true": (
         "tiny-dense",
         {},
         dict(tp=2, sequence_parallel=True, zero_stage=3),
         "bf16-true",
     ),
+    # expert-dp units beside dp=4 ones (the dense part's uneven shards over 4 ranks), a
+    # reduce-scatter on every microbatch
     "deepseek ep=2 x dp=4, reduce-scatter every microbatch": (
         "tiny",
         SIX_EXPERTS,
         dict(ep=2, zero_stage=3, reduce_scatter_every_microbatch=True),
         "32-true",
     ),
-    "dense pp=2 x dp=2": ("tiny-dense", {"num_layers": 4}, dict(pp=2, zero_stage=3), "32-true"),
+    # each stage's own units under 1F1B, nothing left gathered; cpu_offload: the shards,
+    # their grads and the optimizer state on the host, the plan's host bytes (a pipeline
+    # stage's shards on the device: the zb_1f1b layout)
+    "dense pp=2 x dp=2 cpu_offload": (
+        "tiny-dense",
+        {"num_layers": 4},
+        dict(pp=2, zero_stage=3, cpu_offload=True),
+        "32-true",
+    ),
     # a split-backward schedule: every unit keeps its gathered parameters from its backward
     # until the step's reduce-scatter
     "dense pp=2 x dp=2 zb_1f1b": (
@@ -153,6 +164,11 @@ class Snapshot(nt.Callback):
         )
 
 
+def _global_batch(kwargs: dict) -> int:
+    """Two microbatches on each of the layout's dp ranks (the world of 4 over tp and pp)."""
+    return 2 * MICRO * 4 // (kwargs.get("tp", 1) * kwargs.get("pp", 1))
+
+
 def _run(rank: int, world_size: int, root: str) -> dict:
     out = {}
     for i, (name, (preset, overrides, kwargs, precision)) in enumerate(LAYOUTS.items()):
@@ -161,11 +177,15 @@ def _run(rank: int, world_size: int, root: str) -> dict:
             strategy=MegatronStrategy(**kwargs),
             precision=precision,
             max_steps=1,
-            global_batch_size=GLOBAL,
+            global_batch_size=_global_batch(kwargs),
             micro_batch_size=MICRO,
             default_root_dir=f"{root}/{i}",
             loggers=[],
             callbacks=[snapshot := Snapshot()],
+            # it reads what the step holds and sends: no final checkpoint, bar or monitors
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_monitors=False,
             seed=0,
         )
         trainer.fit(module, train_dataloaders=Tokens())
@@ -177,7 +197,7 @@ def _plan_inputs(name: str) -> tuple[Any, PlanLayout, Workload]:
     preset, overrides, kwargs, precision = LAYOUTS[name]
     config = presets.get(preset, vocab_size=VOCAB, **overrides)
     layout = PlanLayout.from_strategy(MegatronStrategy(**kwargs), world_size=4)
-    workload = Workload(SEQ, MICRO, GLOBAL, precision)
+    workload = Workload(SEQ, MICRO, _global_batch(kwargs), precision)
     return config, layout, workload
 
 
