@@ -1,8 +1,9 @@
 """Every user error of the `nanotrain` command is one line on stderr (rank 0 only) with exit
 code 2; `--debug` / NANOTRAIN_DEBUG=1 give the traceback. The cases run in-process through
 the command's entry point (a process each would only repeat the imports); those that need
-two ranks run it on forked gloo worlds, and the one that needs torchrun's own agent store runs
-under torchrun inside the SLURM recipe."""
+two ranks run it on forked gloo worlds. A bug in user code on one rank under torchrun, inside
+the SLURM recipe (`slurm_recipe`), is part of tests/integration/test_torchrun_restart.py's
+torchrun job (a job of its own would only add three fresh interpreters)."""
 
 from __future__ import annotations
 
@@ -11,8 +12,6 @@ import io
 import json
 import os
 import shlex
-import subprocess
-import sys
 import traceback
 from pathlib import Path
 
@@ -109,34 +108,9 @@ def slurm_recipe(tmp: Path, launch: list[str]) -> list[str]:
     return ["bash", str(script)]
 
 
-def start_recipe(launch: list[str], tmp: Path) -> subprocess.Popen:
-    environment = {**os.environ, "NANOTRAIN_CACHE": str(tmp / "cache"), "OMP_NUM_THREADS": "1"}
-    environment.update(PYTHONPATH=str(REPO), SLURM_JOB_ID="4242", SLURM_SUBMIT_DIR=str(tmp),
-                       PATH=f"{tmp / 'bin'}:{os.environ['PATH']}")  # fmt: skip
-    return subprocess.Popen(
-        slurm_recipe(tmp, launch), cwd=REPO, env=environment, text=True,
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-    )  # fmt: skip
-
-
-TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--standalone",
-            "-m", "nanotrain"]  # fmt: skip
 RANK_ONE_FAILS = ["fit", "--model", "tests.integration.test_cli_errors.FailsOnRankOne",
                   "--data", "nanotrain.testing.BlobsData", "--strategy", "ddp",
                   "--trainer.max_steps", "1"]  # fmt: skip
-
-
-@pytest.fixture(scope="module")
-def torchrun_run(data) -> subprocess.CompletedProcess:
-    """The error found by rank 1 alone (rank 0 meanwhile waits in a collective), launched by
-    torchrun inside docs/checkpointing.md's SLURM recipe: the case that needs torchrun's own
-    agent store to agree on which rank prints, and its own report of the failed workers."""
-    tmp = data["tmp"] / "slurm"
-    tmp.mkdir()
-    args = [*RANK_ONE_FAILS, "--trainer.default_root_dir", str(tmp / "runs")]
-    proc = start_recipe([*TORCHRUN, *args], tmp)
-    out, err = proc.communicate(timeout=600)
-    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
 
 
 def _command_on_rank(rank: int, world_size: int, argv: list[str], env: dict[str, str]) -> tuple:
@@ -252,22 +226,6 @@ def test_a_data_error_of_rank_zero_is_one_line_and_its_waiting_peer_stays_quiet(
     assert code1 == 1 and err1 == ""
     record = json.loads((data["tmp"] / "exit-data.json").read_text())
     assert record["reason"] == "user_error" and "/nonexistent" in record["message"]
-
-
-def test_a_bug_in_user_code_on_rank_one_alone_keeps_its_traceback(torchrun_run):
-    output = torchrun_run.stdout + torchrun_run.stderr
-    # the planted error is raised in the user's own `setup`: as under Lightning it is a bug to
-    # find there, so it keeps its traceback down to that frame instead of the one-line form
-    assert _error_lines(output) == [], output[-3000:]
-    assert output.count('raise ValueError("rank 1 found a shard it cannot read') == 1, output[
-        -3000:
-    ]
-    assert "ValueError: rank 1 found a shard it cannot read (planted by the test)" in output
-    # the SLURM recipe reads "crashed" from the exit record and requeues only "preempted"
-    job = Path(torchrun_run.args[1]).parent
-    record = json.loads((job / "exit-4242.json").read_text())
-    assert record["reason"] == "crashed" and "planted by the test" in record["message"]
-    assert not (job / "scontrol.log").exists()
 
 
 def test_debug_gives_every_rank_its_own_traceback(rank_runs):

@@ -50,8 +50,11 @@ def test_ctrl_c_ends_workers_worlds_and_subprocesses_and_prints_the_failures(tmp
     notes = tmp_path / "pids"
     notes.touch()
     env = dict(os.environ, NANOTRAIN_INTERRUPT_PIDS=str(notes), PYTHONPATH=str(ROOT))
+    # without the third-party plugins the held tests do not use (hypothesis, pytest-benchmark,
+    # anyio: none handles signals), which the controller and its worker would each import
+    plugins = ["-p", "no:hypothesispytest", "-p", "no:benchmark", "-p", "no:anyio"]
     run = subprocess.Popen(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-n", "1"]
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *plugins, "-n", "1"]
         + ["tests/integration/interrupt_case.py"],
         cwd=ROOT,
         env=env,

@@ -4,9 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -15,22 +12,19 @@ import torch
 from nanotrain.cli import env_report, main
 from nanotrain.cli.env_report import collect_environment, format_environment
 
-REPO = Path(__file__).resolve().parents[2]
 
-
-def test_env_json_on_this_machine_reports_no_gpu_gloo_and_threads():
-    environment = {**os.environ, "OMP_NUM_THREADS": "1"}
-    environment.pop("LOCAL_WORLD_SIZE", None)
-    result = subprocess.run(
-        [sys.executable, "-m", "nanotrain", "env", "--json"],
-        cwd=REPO,
-        env=environment,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert result.returncode == 0, result.stderr
-    env = json.loads(result.stdout)
+def test_env_json_on_this_machine_reports_no_gpu_gloo_and_threads(capsys, monkeypatch):
+    # in-process through the command's entry point: `python -m nanotrain` is the same entry
+    # (every subprocess test goes through it), a fresh interpreter would only repeat the imports
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # what OMP_NUM_THREADS=1 gives a fresh process
+    try:
+        assert main(["env", "--json"]) == 0
+    finally:
+        torch.set_num_threads(threads)
+    env = json.loads(capsys.readouterr().out)
     assert env["gpus"] == [] and env["cuda"] == {"available": False, "device_count": 0}
     assert env["gloo"] == {"available": True}
     assert env["defaults"] == {
