@@ -38,6 +38,14 @@ LAYOUTS = {
     "ep=2 fp8 dispatch": (dict(ep=2), FP8_DISPATCH),
     "pp=2 dualpipev fp8 dispatch": (DUALPIPEV, FP8_DISPATCH),
 }
+# Under tp each rank runs every layer on every microbatch: these layouts (recompute in fp32)
+# train the preset's own 2 layers (one dense, one MoE: each kind of layer once; more layers
+# repeat the same recomputation) in 2 microbatches of 4, against one process doing the same
+# (`reference_short`). The pipelines keep `LAYERS` (a layer on every stage and chunk) and
+# microbatches of 2 (at least 2 · pp of them), as do the fp8 layouts, whose bounds were
+# measured on that model.
+SHORT = {"tp=2 sp full", "tp=2 selective", "tp=2 sp light"}
+SHORT_LAYERS, SHORT_MICRO = 2, 4
 FP8_SAVES = [name for name, (_, options) in LAYOUTS.items() if options is LIGHT_FP8]
 DISPATCH = [name for name, (_, options) in LAYOUTS.items() if options is FP8_DISPATCH]
 # rerun by .ci/run on ATen's default kernels (marker `kernels`): one layout per kind of bound,
@@ -50,22 +58,30 @@ def _params(names: list[str]) -> list:
     return [pytest.param(n, marks=[pytest.mark.kernels] if n in KERNELS else []) for n in names]
 
 
-def _module(**options):
+def _module(layers: int = LAYERS, **options):
     return nt.LanguageModelModule(
         "tiny",
         vocab_size=257,
         lr=3e-3,
         warmup_steps=2,
-        model_overrides={"num_layers": LAYERS},
+        model_overrides={"num_layers": layers},
         **options,
     )
+
+
+def _fit(name: str | None, strategy, root: str, **options) -> dict:
+    """`fit_module` on `_module(**options)`: the short model in microbatches of 4 for the
+    `SHORT` layouts (and their reference, `name` None), `LAYERS` layers in 2s otherwise."""
+    short = name is None or name in SHORT
+    layers, micro = (SHORT_LAYERS, SHORT_MICRO) if short else (LAYERS, 2)
+    return fit_module(_module(layers, **options), strategy, root, micro_batch_size=micro)
 
 
 def _run(rank: int, world_size: int, root: str, names: list[str]) -> dict:
     out = {}
     for i, name in enumerate(names):
         kw, options = LAYOUTS[name]
-        out[name] = fit_module(_module(**options), MegatronStrategy(**kw), f"{root}/{i}")
+        out[name] = _fit(name, MegatronStrategy(**kw), f"{root}/{i}", **options)
     return out
 
 
@@ -86,6 +102,13 @@ def reference(tmp_path_factory) -> dict:
 
 
 @pytest.fixture(scope="module")
+def reference_short(tmp_path_factory) -> dict:
+    """One process as the `SHORT` layouts run: 2 layers, microbatches of 4."""
+    root = str(tmp_path_factory.mktemp("ref_short"))
+    return _fit(None, nt.SingleDeviceStrategy("cpu"), root)
+
+
+@pytest.fixture(scope="module")
 def reference_fp8(tmp_path_factory) -> dict:
     return _single_process(tmp_path_factory, "ref_fp8", **LIGHT_FP8)
 
@@ -96,7 +119,8 @@ def reference_dispatch(tmp_path_factory) -> dict:
 
 
 @pytest.mark.parametrize("layout", _params([n for n in LAYOUTS if n not in FP8_SAVES + DISPATCH]))
-def test_recompute_layout_matches_single_process(world2, reference, layout):
+def test_recompute_layout_matches_single_process(request, world2, layout):
+    reference = request.getfixturevalue("reference_short" if layout in SHORT else "reference")
     for rank, result in enumerate(world2):
         _check(result[layout], reference, f"{layout}, rank {rank}")
 
