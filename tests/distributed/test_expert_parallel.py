@@ -2,7 +2,7 @@
 
 Three forked gloo worlds (2, 4 and 8 ranks) train the tiny DeepSeek preset (8 routed experts;
 every layer an MoE layer so that pp=2 has MoE layers on both stages, MTP on the last) under
-ep=2, ep=4, ep=2 x dp=2 (ZeRO-1 and ZeRO-2), ep=2 x pp=2, ep=2 x tp=2 (without sequence
+ep=2, ep=4 (node-limited dispatch), ep=2 x dp=2 (ZeRO-1 and ZeRO-2), ep=2 x pp=2, ep=2 x tp=2 (without sequence
 parallelism, and with it under node-limited dispatch) and tp=2 x pp=2 x ep=2 x dp=2 with ZeRO-2. Every layout is checked against the
 single-process reference with the same seed, data and global batch: per-step losses and grad
 norms, the first step's per-parameter grad norms, validation loss, the final parameters
@@ -68,7 +68,8 @@ def fit(strategy: Any, root: str) -> dict:
 # name -> MegatronStrategy kwargs
 WORLD2 = {"ep=2": dict(ep=2)}
 WORLD4 = {
-    "ep=4": dict(ep=4),
+    # ep=4 (2 experts a rank) under node-limited dispatch below; the flat dispatch's all-to-all
+    # is the same call for any ep group ("ep=2" and the ep=2 layouts here)
     # dp=4 -> expert-dp groups of 2: expert state and (ZeRO-2) grads sharded over them
     "ep=2 x dp=2 zero1": dict(ep=2, zero_stage=1),
     # nodes of one rank: node-limited dispatch over rails of 2 (flat ZeRO-2 and pp x ep: WORLD8)

@@ -1,7 +1,7 @@
 """Activation recomputation under tp=2 and pp=2 (1F1B, interleaved, DualPipeV) matches one process
 without recomputation, step for step (losses, grad norms, final parameters). So do the routed
 experts' fp8 options against one process with the same option: their saves in fp8
-(`fp8_expert_activations`) under ep=2, tp=2 with sp and DualPipeV, and their dispatch in fp8
+(`fp8_expert_activations`) under ep=2 and DualPipeV, and their dispatch in fp8
 (`fp8_dispatch`) under ep=2 (on the wire) and DualPipeV (no ep: rounded as the wire would)."""
 
 from __future__ import annotations
@@ -31,9 +31,11 @@ LAYOUTS = {
     # weight half unpacks what the input half already rebuilt
     "tp=2 sp light": (TP2_SP, {"recompute": "light"}),
     "pp=2 dualpipev light": (DUALPIPEV, {"recompute": "light"}),
-    # the rows and SwiGLU inputs kept in fp8: the same rounding wherever the experts run
+    # the rows and SwiGLU inputs kept in fp8: the same rounding wherever the experts run.
+    # The fp8 tiles are cut inside the experts (`GroupedExperts`), from whichever rows reach
+    # them, with no tp code: ep's dispatched rows and DualPipeV's split backward here; tp=2
+    # with sp (a sequence shard's rows, light recompute) is "tp=2 sp light" above, in fp32
     "ep=2 light fp8": (dict(ep=2), LIGHT_FP8),
-    "tp=2 sp light fp8": (TP2_SP, LIGHT_FP8),
     "pp=2 dualpipev light fp8": (DUALPIPEV, LIGHT_FP8),
     "ep=2 fp8 dispatch": (dict(ep=2), FP8_DISPATCH),
     "pp=2 dualpipev fp8 dispatch": (DUALPIPEV, FP8_DISPATCH),

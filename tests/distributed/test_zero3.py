@@ -74,15 +74,11 @@ WORLD4 = {
         dict(pp=2, schedule="gpipe", zero_stage=3),
         None,
     ),
-    # split backwards: the weight halves differentiate FSDP2's gathered copies, kept until
-    # the step's reduce-scatter (weight gradients were lost otherwise: grad norm 40% off)
-    "dense zero3 pp=2 x dp=2 zb_1f1b": (
-        "tiny-dense",
-        dict(pp=2, schedule="zb_1f1b", zero_stage=3),
-        None,
-    ),
-    # (zb_h1 runs here no more: ZeRO-3 takes the same split-backward path under it as under
-    # zb_1f1b above, `splits_backward`; its schedule order is test_pipeline's)
+    # split backwards (zb_interleaved_1f1b and DualPipeV below): the weight halves
+    # differentiate FSDP2's gathered copies, kept until the step's reduce-scatter (weight
+    # gradients were lost otherwise: grad norm 40% off). ZeRO-3 tells schedules apart only by
+    # whether they split backwards (`splits_backward`): zb_1f1b and zb_h1 take the same path
+    # as these two (their schedule orders are test_pipeline's)
     # DualPipeV needs 2·pp microbatches per rank: the global batch in microbatches of 1
     "deepseek zero3 pp=2 x dp=2 dualpipev": (
         "tiny:mb1",
