@@ -2,8 +2,9 @@
 
 Three forked gloo worlds (2, 4 and 8 ranks) train the tiny DeepSeek preset (8 routed experts;
 every layer an MoE layer so that pp=2 has MoE layers on both stages, MTP on the last) under
-ep=2, ep=4 (node-limited dispatch), ep=2 x dp=2 (ZeRO-1 and ZeRO-2), ep=2 x pp=2, ep=2 x tp=2 (without sequence
-parallelism, and with it under node-limited dispatch) and tp=2 x pp=2 x ep=2 x dp=2 with ZeRO-2. Every layout is checked against the
+ep=2, ep=4 (node-limited dispatch), ep=2 x dp=2 (ZeRO-1 and ZeRO-2), ep=2 x pp=2, ep=2 x tp=2
+(without sequence parallelism, and with it under node-limited dispatch) and
+tp=2 x pp=2 x ep=2 x dp=2 with ZeRO-2. Every layout is checked against the
 single-process reference with the same seed, data and global batch: per-step losses and grad
 norms, the first step's per-parameter grad norms, validation loss, the final parameters
 gathered over tp, ep and pp, and the aux-loss-free router biases (bitwise: they move by
