@@ -5,11 +5,12 @@ Data that can tell: samples keep different numbers of labels (the rest -100), so
 rank's chunks hold different numbers of live tokens and a chunk-local mean would weigh them
 wrongly; the tiny DeepSeek (MLA, MoE with a sizeable sequence-wise balance loss, MTP whose
 inputs and targets lie beyond a chunk's end) and the tiny dense model (GQA). One process
-with micro batch 2 is the reference. ONE 2-rank world runs cp=2, and on one model each
+with micro batch 2 is the reference. ONE 2-rank world runs cp=2 with, on one model each,
 ZeRO-3, recompute "light" and "full", bf16-mixed, 16-mixed and fp8-emulated (dense, each
-against a reference in the same precision) and packed documents with document masking, eod loss masking and MTP (MLA). ONE 4-rank world runs cp=4, cp=2 x tp=2 with sequence parallelism, cp=2 x pp=2
-(zero-bubble 1F1B on MLA, DualPipeV on dense), cp=2 x ep=2 x dp=2 (MLA) and cp=2 x
-dp=2 with ZeRO-1 (dense). Per-step loss and grad norm, every logged `train/*` scalar, `val/loss`
+against a reference in the same precision) and packed documents with document masking, eod
+loss masking and MTP (MLA). ONE 4-rank world runs cp=4 (MLA), cp=2 x tp=2 with sequence
+parallelism, cp=2 x pp=2 (zero-bubble 1F1B on MLA, DualPipeV on dense), cp=2 x ep=2 x dp=2
+(MLA) and cp=2 x dp=2 with ZeRO-1 (dense). Per-step loss and grad norm, every logged `train/*` scalar, `val/loss`
 over a validation set read whole, and the final weights must match.
 """
 
@@ -34,7 +35,10 @@ from tests.distributed.spawn import run_world
 
 pytestmark = [pytest.mark.distributed, pytest.mark.numerics]
 
-VOCAB, SEQ, STEPS, LR = 257, 16, 3, 1e-3
+# 2 steps: step 2's loss reads the first update, the final weights the second, which reads
+# AdamW's moments and the MoE biases that step 1 left; a third step would run the same code
+# again. The measured figures below are worsts over 3 steps (steps 1-2 are the same numbers).
+VOCAB, SEQ, STEPS, LR = 257, 16, 2, 1e-3
 # bf16-mixed under cp regroups the GEMMs' rows (a rank multiplies its chunks' queries by all
 # keys, its projections run on T / cp rows): each output moves by up to bf16's unit roundoff
 # (2^-8), as for the regrouped rows of test_precision_layouts, whose bound this is (measured on
@@ -211,13 +215,19 @@ def exchanged_bytes(kind: str) -> tuple[float, float]:
 def _world2(rank: int, world_size: int, root: str) -> dict[str, dict]:
     both = ("mla", "dense")
     exchange = {kind: exchanged_bytes(kind) for kind in both}
-    out = _run_layouts({"cp=2": (lambda: MegatronStrategy(cp=2), both)}, root)
+    # plain cp=2 is no run of its own: each model runs cp=2 below under options that change
+    # no number, against the plain reference at the plain bound (MLA: recompute "light",
+    # whose forward is the plain one; dense: ZeRO-3, whose model and backward are, and
+    # recompute "full"); MLA's plain backward under cp=2 runs with packed documents below
+    out = {}
     # ZeRO-3 shards over the two cp ranks; validate after fit reuses the wrapped model. The
     # strategy is told it created the process group, as under torchrun: its teardown after
     # fit must keep the group the shards live on for the validation
     zero3 = MegatronStrategy(cp=2, zero_stage=3)
     zero3._owns_process_group = True
-    out["cp=2 zero3 mla"] = fit(zero3, "mla", f"{root}/z3")
+    # the dense model: FSDP2's units and their gather and reduce-scatter over dp x cp do not
+    # depend on the attention (MLA under cp: the layouts above and below)
+    out["cp=2 zero3 dense"] = fit(zero3, "dense", f"{root}/z3")
     assert torch.distributed.is_initialized()
     # recomputation reruns the K/V (latent) all-gather in backward, on every cp rank alike
     light = fit(MegatronStrategy(cp=2), "mla", f"{root}/rl", recompute="light")
@@ -242,7 +252,9 @@ def _world2(rank: int, world_size: int, root: str) -> dict[str, dict]:
 def _world4(rank: int, world_size: int, root: str) -> dict[str, dict]:
     both = ("mla", "dense")
     layouts = {
-        "cp=4": (lambda: MegatronStrategy(cp=4), both),
+        # one model: four chunks per sequence change the positions and the masks, not the
+        # attention's K/V exchange (the dense one: cp=2, cp=2 x tp=2 and the pp layouts)
+        "cp=4": (lambda: MegatronStrategy(cp=4), ("mla",)),
         "cp=2 x tp=2 sp": (lambda: MegatronStrategy(cp=2, tp=2, sequence_parallel=True), both),
         "cp=2 x ep=2 x dp=2": (lambda: MegatronStrategy(cp=2, ep=2), ("mla",)),
         # the step's reduction over dp x cp does not depend on the attention: one model (MLA
@@ -273,7 +285,7 @@ def test_context_parallel_layouts_match_one_process(tmp_path):
     reference["dense-fp8"] = fit(one, "dense", str(tmp_path / "ref8"), True, "fp8-emulated")
     reference["mla-docs"] = fit(one, "mla", str(tmp_path / "refdocs"), documents=True)
     assert reference["mla"]["scalars"][0]["train/aux_loss"] > 1e-3  # the balance term is on
-    for world, fn, count in ((2, _world2, 9), (4, _world4, 8)):
+    for world, fn, count in ((2, _world2, 7), (4, _world4, 7)):
         results = run_world(fn, world, str(tmp_path / f"w{world}"), timeout=400)
         if world == 2:
             # bytes a rank sends (= receives) per layer: the other rank's 8 tokens, fp32, of

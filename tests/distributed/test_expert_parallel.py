@@ -2,8 +2,9 @@
 
 Three forked gloo worlds (2, 4 and 8 ranks) train the tiny DeepSeek preset (8 routed experts;
 every layer an MoE layer so that pp=2 has MoE layers on both stages, MTP on the last) under
-ep=2, ep=4, ep=2 x dp=2 (ZeRO-1 and ZeRO-2), ep=2 x pp=2, ep=2 x tp=2 (with and without sequence
-parallelism) and tp=2 x pp=2 x ep=2 x dp=2 with ZeRO-2. Every layout is checked against the
+ep=2, ep=4 (node-limited dispatch), ep=2 x dp=2 (ZeRO-1 and ZeRO-2), ep=2 x pp=2, ep=2 x tp=2
+(without sequence parallelism, and with it under node-limited dispatch) and
+tp=2 x pp=2 x ep=2 x dp=2 with ZeRO-2. Every layout is checked against the
 single-process reference with the same seed, data and global batch: per-step losses and grad
 norms, the first step's per-parameter grad norms, validation loss, the final parameters
 gathered over tp, ep and pp, and the aux-loss-free router biases (bitwise: they move by
@@ -68,14 +69,17 @@ def fit(strategy: Any, root: str) -> dict:
 # name -> MegatronStrategy kwargs
 WORLD2 = {"ep=2": dict(ep=2)}
 WORLD4 = {
-    "ep=4": dict(ep=4),
+    # ep=4 (2 experts a rank) under node-limited dispatch below; the flat dispatch's all-to-all
+    # is the same call for any ep group ("ep=2" and the ep=2 layouts here)
     # dp=4 -> expert-dp groups of 2: expert state and (ZeRO-2) grads sharded over them
     "ep=2 x dp=2 zero1": dict(ep=2, zero_stage=1),
     # nodes of one rank: node-limited dispatch over rails of 2 (flat ZeRO-2 and pp x ep: WORLD8)
     "ep=2 x dp=2 zero2 node-limited": dict(ep=2, zero_stage=2, ranks_per_node=1),
     "ep=2 x pp=2 node-limited": dict(ep=2, pp=2, ranks_per_node=1),
     "ep=2 x tp=2": dict(ep=2, tp=2),
-    "ep=2 x tp=2 sequence parallel": dict(ep=2, tp=2, sequence_parallel=True),
+    # ep x tp with sequence parallelism: "ep=2 x tp=2 sp node-limited" below (each tp rank
+    # routes its own part of the sequence; the dispatch after routing is the flat one of
+    # "ep=2 x tp=2" or the node-limited one, both checked)
     # node-limited dispatch, nodes of 2 ranks: rail and intra-node groups; under tp=2 the ep
     # ranks (0, 2) sit on two nodes, one each
     "ep=4 node-limited": dict(ep=4, ranks_per_node=2, node_limited_dispatch=True),
@@ -130,10 +134,11 @@ def _fit_steps(root: str, max_steps: int, ckpt_path: str | None = None) -> tuple
 
 
 def _resume(root: str) -> dict:
-    """4 steps straight vs 2 steps, save, resume for 2 more; and the saved checkpoint."""
-    straight, _ = _fit_steps(f"{root}/straight", 4)
-    _, checkpoints = _fit_steps(f"{root}/split", 2)
-    resumed, _ = _fit_steps(f"{root}/split", 4, ckpt_path="last")
+    """4 steps straight, saving at step 2, vs a run resumed from that checkpoint for steps 3
+    and 4 (as after a preemption); and the saved checkpoint."""
+    straight, checkpoints = _fit_steps(f"{root}/straight", 4)
+    saved = f"{checkpoints}/step-00000002"
+    resumed, _ = _fit_steps(f"{root}/resumed", 4, ckpt_path=saved)
     return {"straight": straight, "resumed": resumed, "dir": checkpoints}
 
 
@@ -146,7 +151,8 @@ def reference(tmp_path_factory) -> dict:
 
 
 @pytest.fixture(scope="module")
-def worlds(tmp_path_factory) -> dict[str, list[dict]]:
+def worlds(reference, tmp_path_factory) -> dict[str, list[dict]]:
+    # after `reference`: the ranks fork with the trainer's modules imported
     root = tmp_path_factory.mktemp("ep")
     out: dict[str, list[dict]] = {}
     for size, layouts, timeout in ((2, WORLD2, 120), (4, WORLD4, 300), (8, WORLD8, 300)):
