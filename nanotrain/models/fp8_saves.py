@@ -37,12 +37,21 @@ __all__ = [
     "keep_in_fp8_like",
 ]
 
-_local = threading.local()
+
+class _Local(threading.local):
+    """Per thread: the open regions, innermost last. Made on each thread's first access, so
+    code that reads them never creates them: a compiled forward would otherwise trace that
+    creation, and its guard (no regions yet) fail on the next call, compiling the whole
+    model a second time."""
+
+    def __init__(self) -> None:
+        self.regions: list[Fp8Saves] = []
+
+
+_local = _Local()
 
 
 def _regions() -> list[Fp8Saves]:
-    if not hasattr(_local, "regions"):
-        _local.regions = []
     return _local.regions
 
 

@@ -29,12 +29,21 @@ from torch import Tensor
 
 __all__ = ["PassedOn", "RebuiltSaves", "cast_in_region", "open_saved_hooks"]
 
-_local = threading.local()
+
+class _Local(threading.local):
+    """Per thread: the open regions, innermost last. Made on each thread's first access, so
+    code that reads them never creates them: a compiled forward would otherwise trace that
+    creation, and its guard (no regions yet) fail on the next call, compiling the whole
+    model a second time."""
+
+    def __init__(self) -> None:
+        self.regions: list[RebuiltSaves] = []
+
+
+_local = _Local()
 
 
 def _regions() -> list[RebuiltSaves]:
-    if not hasattr(_local, "regions"):
-        _local.regions = []
     return _local.regions
 
 
