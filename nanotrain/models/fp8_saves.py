@@ -19,14 +19,13 @@ too (`LanguageModelModule` refuses the combination).
 
 from __future__ import annotations
 
-import threading
 from typing import Any
 
 import torch
 from torch import Tensor
 
 from nanotrain.parallel.fp8_wire import fp8_row_bytes, pack_fp8_rows, unpack_fp8_rows
-from nanotrain.parallel.saved_rebuild import PassedOn, open_saved_hooks
+from nanotrain.parallel.saved_rebuild import PassedOn, PerThreadRegions, open_saved_hooks
 
 __all__ = [
     "Fp8Saves",
@@ -38,17 +37,7 @@ __all__ = [
 ]
 
 
-class _Local(threading.local):
-    """Per thread: the open regions, innermost last. Made on each thread's first access, so
-    code that reads them never creates them: a compiled forward would otherwise trace that
-    creation, and its guard (no regions yet) fail on the next call, compiling the whole
-    model a second time."""
-
-    def __init__(self) -> None:
-        self.regions: list[Fp8Saves] = []
-
-
-_local = _Local()
+_local = PerThreadRegions()  # the open `Fp8Saves` regions
 
 
 def _regions() -> list[Fp8Saves]:

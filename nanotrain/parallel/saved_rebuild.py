@@ -27,20 +27,20 @@ from typing import Any
 import torch
 from torch import Tensor
 
-__all__ = ["PassedOn", "RebuiltSaves", "cast_in_region", "open_saved_hooks"]
+__all__ = ["PassedOn", "PerThreadRegions", "RebuiltSaves", "cast_in_region", "open_saved_hooks"]
 
 
-class _Local(threading.local):
-    """Per thread: the open regions, innermost last. Made on each thread's first access, so
-    code that reads them never creates them: a compiled forward would otherwise trace that
-    creation, and its guard (no regions yet) fail on the next call, compiling the whole
-    model a second time."""
+class PerThreadRegions(threading.local):
+    """Per thread: a stack of open regions (`regions`, innermost last). Made on each thread's
+    first access, so code that reads them never creates them: a compiled forward would
+    otherwise trace that creation, and its guard (no regions yet) fail on the next call,
+    compiling the whole model a second time."""
 
     def __init__(self) -> None:
-        self.regions: list[RebuiltSaves] = []
+        self.regions: list[Any] = []
 
 
-_local = _Local()
+_local = PerThreadRegions()
 
 
 def _regions() -> list[RebuiltSaves]:

@@ -26,6 +26,7 @@ from nanotrain.planning.activation_layers import (
     mtp_block,
     saves_rope_tables,
 )
+from nanotrain.planning.kept import kept
 from nanotrain.planning.layout import PlanLayout, Workload, pipeline_actions
 from nanotrain.planning.rank_model import config_key
 
@@ -155,12 +156,7 @@ def _layer(
     """`decoder_layer` (`dt`: the dtypes of `precision` and `fp8_experts`), kept per shape:
     the chunks of a search's layouts hold the same few kinds of layers."""
     key = (config_key(config), moe, d, precision, fp8_experts, ep, mode)
-    hit = _LAYERS.get(key)
-    if hit is None:
-        if len(_LAYERS) > 16384:
-            _LAYERS.clear()
-        hit = _LAYERS[key] = decoder_layer(config, moe, d, dt, ep, mode)
-    return hit
+    return kept(_LAYERS, key, lambda: decoder_layer(config, moe, d, dt, ep, mode), 16384)
 
 
 _LAYERS: dict[tuple, tuple[Ledger, int]] = {}

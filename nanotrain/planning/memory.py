@@ -41,6 +41,7 @@ import torch
 
 from nanotrain.parallel.data_parallel import FlatLayout
 from nanotrain.planning import zero3
+from nanotrain.planning.kept import kept
 from nanotrain.planning.layout import PlanLayout, Workload
 from nanotrain.planning.rank_model import RankModel
 from nanotrain.precision import PRECISIONS as PRECISION_PLUGINS
@@ -146,12 +147,7 @@ def _most_pieces(rank: RankModel, layout: PlanLayout, element_size: int) -> tupl
     kept per shape (a search asks it for every layout of up to 2,048 ranks)."""
     key = (rank.sizes_id, layout.dp, layout.expert_dp, layout.ep, element_size,
            layout.bucket_size_mb)  # fmt: skip
-    most = _MOST.get(key)
-    if most is None:
-        if len(_MOST) > 4096:
-            _MOST.clear()
-        most = _MOST[key] = max(optimizer_pieces(rank, layout, element_size))
-    return most
+    return kept(_MOST, key, lambda: max(optimizer_pieces(rank, layout, element_size)))
 
 
 def _part_counts(
@@ -159,13 +155,9 @@ def _part_counts(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`_owned_counts` of ``FlatLayout(params, size, numel)``, kept per sizes (the dense
     and the expert parameters of many ranks are the same sizes)."""
-    key = (sizes_id, size, numel)
-    hit = _COUNTS.get(key)
-    if hit is None:
-        if len(_COUNTS) > 4096:
-            _COUNTS.clear()
-        hit = _COUNTS[key] = _owned_counts(FlatLayout(params, size, numel))
-    return hit
+    return kept(
+        _COUNTS, (sizes_id, size, numel), lambda: _owned_counts(FlatLayout(params, size, numel))
+    )
 
 
 _COUNTS: dict[tuple[int, int, int], tuple[torch.Tensor, torch.Tensor]] = {}
