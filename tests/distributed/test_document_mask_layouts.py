@@ -97,8 +97,9 @@ LAYOUTS = {
     "deepseek pp=2 1f1b (MTP on the last stage)": ("tiny", dict(pp=2)),
     "deepseek pp=2 dualpipev": ("tiny", dict(pp=2, schedule="dualpipev")),
     "deepseek ep=2": ("tiny", dict(ep=2)),
+    # the dense attention's mask: "dense tp=2 sp"; the documents' positions and labels across
+    # pipeline stages: the deepseek pp=2 layouts (no dense pp=2: the same stage hand-off)
     "dense tp=2 sp": ("tiny-dense", dict(tp=2, sequence_parallel=True)),
-    "dense pp=2": ("tiny-dense", dict(pp=2)),
 }
 
 

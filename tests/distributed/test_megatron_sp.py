@@ -1,7 +1,7 @@
 """Sequence parallelism through the real models, and how much tensor parallelism communicates.
 
-1. MegatronStrategy with ``sequence_parallel=True`` (tp=2, tp=2 x dp=2, ZeRO-1/2 with tp=2)
-   trains the ``tiny`` DeepSeek preset (MLA + MoE + MTP) and ``tiny-dense`` for 5 steps exactly
+1. MegatronStrategy with ``sequence_parallel=True`` (tp=2 x dp=2 with ZeRO-1 or ZeRO-2)
+   trains the ``tiny`` DeepSeek preset (MLA + MoE + MTP) and ``tiny-dense`` for 3 steps exactly
    like one process: losses, grad norms (global and per parameter), gathered parameters (via
    the helpers of ``test_megatron``) and the aux-loss-free router biases.
 2. One forward of a sharded model equals the unsharded model's: logits, loss, the (tiny)
@@ -33,14 +33,15 @@ from tests.distributed.test_megatron import LM_VOCAB, assert_matches, fit
 pytestmark = pytest.mark.distributed
 
 SP = {"sequence_parallel": True}
-# name -> (model kind, MegatronStrategy kwargs)
-WORLD2 = {
-    "deepseek tp=2 sp": ("tiny", dict(tp=2, **SP)),
-    "dense tp=2 sp": ("tiny-dense", dict(tp=2, **SP)),
-}
+# name -> (model kind, MegatronStrategy kwargs). No training layout on 2 ranks: tp=2 with sp
+# alone is a part of each layout below (the partial grads and the expert loads summed over tp,
+# then over dp), and dp=1 with sp trains like one process in test_layout_numbers ("tp=2 sp",
+# the MoE preset) and test_document_mask_layouts (both presets); the 2-rank world runs the
+# model checks
+WORLD2: dict = {}
+# sequence parallelism next to a dp axis, through ZeRO's reduce-scatter of the dp grads; the
+# plain dp all-reduce under tp=2 is test_megatron's "tp=2 x dp=2" (both presets)
 WORLD4 = {
-    "deepseek tp=2 x dp=2 sp": ("tiny", dict(tp=2, dp=2, **SP)),
-    "dense tp=2 x dp=2 sp": ("tiny-dense", dict(tp=2, dp=2, **SP)),
     "deepseek zero2 tp=2 x dp=2 sp": ("tiny", dict(tp=2, zero_stage=2, **SP)),
     "dense zero1 tp=2 x dp=2 sp": ("tiny-dense", dict(tp=2, zero_stage=1, **SP)),
 }
@@ -218,13 +219,6 @@ def test_reference_router_biases_moved(references):
     # otherwise comparing them below would prove nothing
     biases = references["tiny"]["biases"]
     assert biases and all(b.abs().sum() > 0 for b in biases.values())
-
-
-@pytest.mark.parametrize("layout", list(WORLD2))
-def test_sequence_parallel_tp2_matches_single_process(world2, references, layout):
-    kind = WORLD2[layout][0]
-    for rank, result in enumerate(world2):
-        _assert_layout(result[layout], references[kind], f"{layout}, rank {rank}")
 
 
 @pytest.mark.parametrize("layout", list(WORLD4))

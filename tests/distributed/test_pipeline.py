@@ -89,10 +89,8 @@ def fit(kind: str, strategy: Any, root: str, micro_batch_size: int = 2) -> dict:
 WORLD2 = {
     "dense pp=2 gpipe": ("tiny-dense", dict(pp=2, schedule="gpipe")),
     "deepseek pp=2 1f1b (MoE on both stages, MTP last)": ("tiny", dict(pp=2)),
-    "deepseek pp=2 x virtual 2 layout 1,1,1,1": (
-        "tiny",
-        dict(pp=2, virtual_pp=2, pipeline_layout=[1, 1, 1, 1]),
-    ),
+    # interleaved 1F1B on pp=2 with the MoE preset: WORLD4's "pp=2 x virtual 2 x dp=2" runs
+    # the same schedule on each of its two pipelines (and an empty chunk)
     # split backwards (input half, then weight half; ZB-H1 runs rank 1's a microbatch late),
     # MTP on the last stage, uneven stages
     "deepseek pp=2 zb_h1 layout 1,3": (
@@ -112,7 +110,8 @@ WORLD2 = {
     ),
 }
 WORLD4 = {
-    "dense pp=4 1f1b": ("tiny-dense", dict(pp=4, schedule="1f1b")),
+    # pp=4's middle stages (receiving and sending both ways): the interleaved and DualPipeV
+    # layouts below; plain 1F1B: WORLD2's pp=2 layout
     # 8 virtual stages for 4 layers: every rank holds one layer and one pass-through chunk
     "dense pp=4 x virtual 2 interleaved": (
         "tiny-dense",
