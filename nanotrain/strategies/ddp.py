@@ -15,10 +15,8 @@ from nanotrain.parallel.grads import all_reduce_coalesced
 from nanotrain.strategies.base import DataShard
 from nanotrain.strategies.megatron_grads import bucket_numel_for
 from nanotrain.strategies.rendezvous import (
+    LaunchedRanks,
     join_process_group,
-    launched_local_rank,
-    launched_rank,
-    launched_world_size,
     process_device,
 )
 from nanotrain.strategies.replicated import ReplicatedStrategy, TrainingStepWrapper
@@ -28,7 +26,7 @@ _NEVER = 2**31 - 1
 _REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "mean": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}
 
 
-class DDPStrategy(ReplicatedStrategy):
+class DDPStrategy(LaunchedRanks, ReplicatedStrategy):
     """One model replica per process; gradients averaged across processes by DDP.
 
     Reads torchrun's environment (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT), or
@@ -78,18 +76,6 @@ class DDPStrategy(ReplicatedStrategy):
         if self._device is None:
             raise RuntimeError("DDPStrategy.setup_environment() has not run yet")
         return self._device
-
-    @property
-    def global_rank(self) -> int:
-        return launched_rank()
-
-    @property
-    def local_rank(self) -> int:
-        return launched_local_rank()
-
-    @property
-    def world_size(self) -> int:
-        return launched_world_size()
 
     def data_shard(self) -> DataShard:
         return DataShard(self.global_rank, self.world_size)

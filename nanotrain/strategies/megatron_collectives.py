@@ -12,9 +12,7 @@ from torch import Tensor
 from nanotrain.parallel.grads import all_reduce_coalesced
 from nanotrain.strategies.base import DataShard
 from nanotrain.strategies.rendezvous import (
-    launched_local_rank,
-    launched_rank,
-    launched_world_size,
+    LaunchedRanks,
 )
 
 if TYPE_CHECKING:
@@ -23,24 +21,12 @@ if TYPE_CHECKING:
 _REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "mean": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}
 
 
-class MegatronCollectives:
+class MegatronCollectives(LaunchedRanks):
     """Mixin of `MegatronStrategy`; ``self.mesh`` is its `ParallelMesh` (after
     `setup_environment`)."""
 
     mesh: ParallelMesh
     module: Any
-
-    @property
-    def global_rank(self) -> int:
-        return launched_rank()
-
-    @property
-    def local_rank(self) -> int:
-        return launched_local_rank()
-
-    @property
-    def world_size(self) -> int:
-        return launched_world_size()
 
     def data_shard(self) -> DataShard:
         """``(data_rank, dp // cp)``: tensor- and context-parallel peers read the same

@@ -24,6 +24,7 @@ import torch.distributed as dist
 
 __all__ = [
     "DEFAULT_TIMEOUT_S",
+    "LaunchedRanks",
     "default_group_timeout_s",
     "env_int",
     "init_process_group",
@@ -101,6 +102,23 @@ def launched_local_rank() -> int:
 def launched_world_size() -> int:
     """Processes in the job: the default group's size, else WORLD_SIZE, else 1."""
     return dist.get_world_size() if dist.is_initialized() else (env_int("WORLD_SIZE") or 1)
+
+
+class LaunchedRanks:
+    """Mixin for a strategy whose ranks are the launcher's processes: `global_rank`,
+    `local_rank` and `world_size` from the default group or torchrun's environment."""
+
+    @property
+    def global_rank(self) -> int:
+        return launched_rank()
+
+    @property
+    def local_rank(self) -> int:
+        return launched_local_rank()
+
+    @property
+    def world_size(self) -> int:
+        return launched_world_size()
 
 
 def join_process_group(who: str, backend: str | None, timeout_s: float) -> bool:
