@@ -68,22 +68,21 @@ def stage_flops(config: Any, layout: PlanLayout, workload: Workload, chunks: lis
 
 
 def compute_seconds(
-    flops: tuple[float, ...],
+    flops: tuple[float, float, float],
     gpu: GPUSpec,
     precision: str,
     efficiency: float,
     shape_factors: tuple[float, float] = (1.0, 1.0),
     fp8_expert_gemms: bool = False,
 ) -> float:
-    """Seconds for a stage's (FLOPs, FLOPs in plain linear layers[, FLOPs in routed
-    experts]) at `efficiency` of the peak: under an fp8 precision the linear layers at the
-    fp8 peak, the routed experts too with `fp8_expert_gemms` (priced, not run yet:
+    """Seconds for a stage's (FLOPs, FLOPs in plain linear layers, FLOPs in routed experts:
+    `stage_flops`) at `efficiency` of the peak: under an fp8 precision the linear layers at
+    the fp8 peak, the routed experts too with `fp8_expert_gemms` (priced, not run yet:
     `PlanLayout.fp8_expert_gemms`), and the rest (attention scores, router, head) at the bf16
     one, as the plugins run them; else all at the precision's peak. `shape_factors` (plain
     linears, routed experts: `gemm_shapes.stage_shape_factors`) scale the efficiency of
     those GEMMs for their shapes."""
-    total, linear = flops[0], flops[1]
-    routed = flops[2] if len(flops) > 2 else 0.0
+    total, linear, routed = flops
     f_linear, f_routed = shape_factors
     peak = gpu.flops_for(precision)
     rest_peak = gpu.column_flops("bf16") if peak_column(precision) == "fp8" else peak
