@@ -26,7 +26,6 @@ import multiprocessing as mp
 import os
 import pickle
 import signal
-import socket
 import time
 import traceback
 from collections.abc import Callable
@@ -41,25 +40,35 @@ import torch.nn.parallel.distributed  # noqa: F401  (same reason)
 
 from tests.process_tree import die_with_parent
 
-__all__ = ["RankError", "run_world", "free_port"]
+__all__ = ["RankError", "run_world"]
 
 
 class RankError(AssertionError):
     """A rank raised, died or timed out; the message holds that rank's traceback."""
 
 
-def free_port() -> int:
-    """A TCP port that was free a moment ago on localhost (for the rendezvous store)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def _rendezvous_store(rank: int, world_size: int, port: Any, ready: Any, timeout: timedelta):
+    """The world's TCPStore. Rank 0 serves it on a port the OS picks while binding (port 0) and
+    publishes that port through the shared `port` value; the others wait for it and connect. A
+    port chosen before the fork could be taken by anything else on the machine (another xdist
+    worker's gloo connections use ephemeral ports) before rank 0 binds it: EADDRINUSE."""
+    if rank == 0:
+        store = dist.TCPStore(
+            "127.0.0.1", 0, world_size, is_master=True, timeout=timeout, wait_for_workers=False
+        )
+        port.value = store.port
+        ready.set()
+        return store
+    if not ready.wait(timeout.total_seconds()):
+        raise TimeoutError(f"rank 0 served no rendezvous store within {timeout}")
+    return dist.TCPStore("127.0.0.1", port.value, world_size, is_master=False, timeout=timeout)
 
 
 def _rank_main(
     fn: Callable[..., Any],
     rank: int,
     world_size: int,
-    port: int,
+    rendezvous: tuple[Any, Any],
     pg_timeout: float,
     conn: Connection,
     args: tuple,
@@ -71,12 +80,13 @@ def _rank_main(
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     die_with_parent(parent_pid)  # a parent killed outright (xdist gives up on a worker)
     try:
+        timeout = timedelta(seconds=pg_timeout)
         dist.init_process_group(
             "gloo",
-            init_method=f"tcp://127.0.0.1:{port}",
+            store=_rendezvous_store(rank, world_size, *rendezvous, timeout),
             rank=rank,
             world_size=world_size,
-            timeout=timedelta(seconds=pg_timeout),
+            timeout=timeout,
         )
         result = fn(rank, world_size, *args)
         payload = pickle.dumps(("ok", result))
@@ -107,8 +117,8 @@ def run_world(
 ) -> list[Any]:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` forked gloo ranks.
 
-    Each rank sets ``torch.set_num_threads(1)``, joins a gloo process group (localhost, a free
-    port, collective timeout ``pg_timeout`` seconds), calls ``fn`` and sends its return value
+    Each rank sets ``torch.set_num_threads(1)``, joins a gloo process group (localhost, a
+    store on a port rank 0 binds, collective timeout ``pg_timeout`` seconds), calls ``fn`` and sends its return value
     (must be picklable) back. The process group is destroyed after ``fn`` returns.
 
     Returns:
@@ -120,7 +130,7 @@ def run_world(
             seconds pass; every remaining rank is killed first.
     """
     ctx = mp.get_context("fork")
-    port = free_port()
+    rendezvous = (ctx.Value("i", 0), ctx.Event())  # rank 0's store port, and "it is set"
     procs, readers = [], {}
     # The children inherit every object of this process (torch, pytest, earlier tests): frozen,
     # their collector never walks them nor writes to their pages (a quarter of a world's CPU).
@@ -130,7 +140,7 @@ def run_world(
             reader, writer = ctx.Pipe(duplex=False)
             proc = ctx.Process(
                 target=_rank_main,
-                args=(fn, rank, world_size, port, pg_timeout, writer, args, os.getpid()),
+                args=(fn, rank, world_size, rendezvous, pg_timeout, writer, args, os.getpid()),
                 name=f"nanotrain-rank{rank}",
                 daemon=True,  # if the test process itself dies, the ranks die with it
             )

@@ -21,7 +21,6 @@ import torch
 import torch.distributed as dist
 
 from nanotrain.strategies.rendezvous import init_process_group
-from tests.distributed.spawn import free_port
 
 pytestmark = pytest.mark.distributed
 
@@ -55,8 +54,9 @@ def _attempt(attempt: int, port: int, late: float) -> list[int | None]:
 
 
 def test_a_restarted_worker_group_rejoins_the_agents_shared_store():
-    port = free_port()
-    agent_store = dist.TCPStore("127.0.0.1", port, is_master=True, multi_tenant=True)
+    # port 0: the OS picks a free port as the store binds it (no window for another process)
+    agent_store = dist.TCPStore("127.0.0.1", 0, is_master=True, multi_tenant=True)
+    port = agent_store.port
     assert _attempt(0, port, late=0.0) == [0, 0]
     assert _attempt(1, port, late=3.0) == [0, 0]
     del agent_store
