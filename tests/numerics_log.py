@@ -77,8 +77,10 @@ def _tensor_numbers(actual, expected, rtol, atol) -> tuple[float, float] | None:
 
 def install(path: str) -> None:
     """Wrap ``torch.testing.assert_close`` and ``pytest.approx``'s scalar ``==`` to log to path."""
-    import _pytest.python_api as api
+    import pytest
 
+    # the class of a scalar approx (pytest moved it between private modules in 9.2)
+    approx_scalar = type(pytest.approx(0.0))
     original_close = torch.testing.assert_close
     only_log = os.environ.get("NANOTRAIN_NUMERICS_LOG_ONLY") == "1"
 
@@ -94,7 +96,7 @@ def install(path: str) -> None:
 
     torch.testing.assert_close = assert_close
 
-    original_eq = api.ApproxScalar.__eq__
+    original_eq = approx_scalar.__eq__
 
     def approx_eq(self, actual) -> bool:
         try:
@@ -110,7 +112,7 @@ def install(path: str) -> None:
             pass
         return True if only_log else original_eq(self, actual)
 
-    api.ApproxScalar.__eq__ = approx_eq
+    approx_scalar.__eq__ = approx_eq
 
 
 def summarize(files: list[str]) -> dict[tuple[str, str], dict[str, dict]]:

@@ -10,9 +10,17 @@ from torch._inductor.cpu_vec_isa import pick_vec_isa
 
 from nanotrain.models.compile import CPU_ISA_TAG, key_inductor_caches_by_cpu_isa
 
+# torch's own config patch, not monkeypatch: pytest 9.2's monkeypatch undoes an attribute
+# missing from a module's __dict__ (a ConfigModule keeps its entries elsewhere) by deleting it,
+# which removes the entry from torch.compiler.config for every later test in the process
+
 
 def test_inductor_cache_keys_name_the_cpu_isa_and_keep_the_users_tag(monkeypatch):
-    monkeypatch.setattr(torch.compiler.config, "cache_key_tag", "users-tag")
+    with torch.compiler.config.patch(cache_key_tag="users-tag"):
+        _isa_tags(monkeypatch)
+
+
+def _isa_tags(monkeypatch):
     tags = {}
     for capability in ("default", "avx2", "default"):
         monkeypatch.setenv("ATEN_CPU_CAPABILITY", capability)
@@ -26,7 +34,7 @@ def test_inductor_cache_keys_name_the_cpu_isa_and_keep_the_users_tag(monkeypatch
     assert tags["default"] != tags["avx2"]
 
 
-def test_backends_without_cpp_code_leave_the_cache_tag_alone(monkeypatch):
-    monkeypatch.setattr(torch.compiler.config, "cache_key_tag", "users-tag")
-    key_inductor_caches_by_cpu_isa({"backend": "aot_eager"})
-    assert torch.compiler.config.cache_key_tag == "users-tag"
+def test_backends_without_cpp_code_leave_the_cache_tag_alone():
+    with torch.compiler.config.patch(cache_key_tag="users-tag"):
+        key_inductor_caches_by_cpu_isa({"backend": "aot_eager"})
+        assert torch.compiler.config.cache_key_tag == "users-tag"

@@ -20,6 +20,7 @@ from lightning.pytorch.loggers import CSVLogger
 from torch.utils.data import DataLoader
 
 import nanotrain as nt
+from tests.nested_approx import nested_approx
 from tests.unit.test_lightning_manual import TinyGAN, data
 from tests.unit.test_lightning_round2_a import (
     Data,
@@ -51,7 +52,7 @@ def test_a_stage_with_ckpt_path_last_and_no_checkpoint_warns_and_uses_the_weight
 
     _both(Evaluated(), tmp_path, run=run)  # each stage on the module's own weights
     for stage in ("validate", "test"):
-        assert results["nanotrain"][stage] == pytest.approx(results["lightning"][stage], abs=1e-6)
+        assert results["nanotrain"][stage] == nested_approx(results["lightning"][stage], abs=1e-6)
     assert torch.allclose(
         torch.cat(results["nanotrain"]["predict"]), torch.cat(results["lightning"]["predict"]),
         atol=1e-6,
@@ -85,7 +86,7 @@ class CopiesItself(NoBatchIdx):
 def test_a_module_copied_or_pickled_mid_stage_runs_its_own_steps_as_under_lightning(tmp_path):
     reference, ours = _both(CopiesItself(), tmp_path)
     assert len(ours.copied) == len(reference.copied) == 4
-    assert ours.copied == pytest.approx(reference.copied, abs=1e-6)
+    assert ours.copied == nested_approx(reference.copied, abs=1e-6)
     _, y = Data().train_dataloader().dataset.tensors
     assert ours.copied[0][0] == pytest.approx(float(F.mse_loss(torch.zeros_like(y[:8]), y[:8])))
     assert "training_step" not in vars(ours)
@@ -125,9 +126,9 @@ def test_two_optimizers_in_manual_mode_log_and_show_progress_as_lightning(tmp_pa
     reference = _gan_rows("lightning", tmp_path, io.StringIO())
     ours = _gan_rows("nanotrain", tmp_path, stream)
     # Lightning's rows count batches in manual optimization, every 2 batches
-    assert _series(ours, "g_loss") == pytest.approx(_series(reference, "g_loss"), abs=1e-6)
+    assert _series(ours, "g_loss") == nested_approx(_series(reference, "g_loss"), abs=1e-6)
     for ours_key, lightning_key in (("lr/Adam/group0", "lr-Adam"), ("lr/SGD/group0", "lr-SGD")):
-        assert _series(ours, ours_key) == pytest.approx(_series(reference, lightning_key))
+        assert _series(ours, ours_key) == nested_approx(_series(reference, lightning_key))
     # manual schedulers step by epoch: Lightning logs their rates at each epoch's start
     assert [int(r["step"]) for r in reference if r.get("lr-Adam")] == [0, 4]
     lines = stream.getvalue().splitlines()
