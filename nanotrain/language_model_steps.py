@@ -11,10 +11,8 @@ from typing import Any
 import torch
 
 from nanotrain.loss_terms import LossTerms
-from nanotrain.models.documents import shift_left
+from nanotrain.models.documents import IGNORE_INDEX, shift_left
 from nanotrain.parallel.context import on_whole_sequence
-
-IGNORE_INDEX = -100
 
 
 class LanguageModelSteps:
