@@ -2,11 +2,12 @@
 
 One concern per file:
 
-- `trainer.py`: `Trainer`, the loop over epochs and optimizer steps (fit, validate, test,
-  predict entry points);
+- `trainer.py`: `Trainer`: its construction and state, hook dispatch, the `fit` entry point;
+- `epoch_loop.py`: the loop over epochs and optimizer steps, and when it stops;
+- `stage_lifecycle.py`: what every stage does at its start (setup hooks, loaders) and end;
 - `train_step.py`: one optimizer step's hook sequence and bookkeeping;
-- `validation.py` / `evaluation.py`: the validation pass, and test / predict with the end of
-  an epoch's logging;
+- `validation.py` / `evaluation.py`: `validate` and the validation pass, and test / predict
+  with the end of an epoch's logging;
 - `config.py`: `TrainerConfig`, the Trainer's validated numbers;
 - `state.py`: `TrainState`, the counters saved in every checkpoint;
 - `loaders.py`: a user's DataLoader re-batched into microbatches in resumable order;

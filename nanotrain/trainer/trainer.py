@@ -1,8 +1,12 @@
 """Trainer: one fixed loop for every strategy, emitting Lightning-named hook events.
 
-The loop over epochs and steps is here; one optimizer step's hooks and bookkeeping are in
-`nanotrain.trainer.train_step`, validation in `nanotrain.trainer.validation`, test/predict in
-`nanotrain.trainer.evaluation`, checkpoint methods in `nanotrain.trainer.checkpoint_methods`.
+Here: the Trainer's construction and the state it keeps, what modules and callbacks read of
+it, hook dispatch, `fit` and `log_metrics`. The loop over epochs is in
+`nanotrain.trainer.epoch_loop`, one optimizer step's hooks and bookkeeping in
+`nanotrain.trainer.train_step`, a stage's setup and teardown in
+`nanotrain.trainer.stage_lifecycle`, `validate` and the validation pass in
+`nanotrain.trainer.validation`, test/predict in `nanotrain.trainer.evaluation`, checkpoint
+methods in `nanotrain.trainer.checkpoint_methods`.
 
 The loop never asks how the job is parallelized: the strategy answers every layout question
 (`data_shard`, `reduce`, `clip_grad_norm_`, state dicts).
@@ -14,7 +18,6 @@ import copy
 from pathlib import Path
 from typing import Any
 
-import lightning.pytorch as pl
 import torch
 from lightning.pytorch.utilities.model_summary import summarize
 from torch.utils.data import DataLoader
@@ -23,60 +26,42 @@ from nanotrain.callbacks.base import Callback
 from nanotrain.callbacks.checkpoint import ModelCheckpoint
 from nanotrain.callbacks.defaults import with_defaults
 from nanotrain.callbacks.timer import Timer
-from nanotrain.module import NanoModule, adopt_lightning_module
+from nanotrain.module import NanoModule
 from nanotrain.precision import Precision, resolve_precision
 from nanotrain.runtime.collective_errors import explain_timeout
 from nanotrain.runtime.exit_codes import EXIT_PREEMPTED
-from nanotrain.runtime.rng import set_deterministic
 from nanotrain.strategies import Strategy, resolve_strategy
 from nanotrain.strategies.base import StepOutput
-from nanotrain.trainer.accumulation_schedule import (
-    check_accumulation_schedule,
-    load_sampler_state,
-)
-from nanotrain.trainer.call_forms import (
-    check_weights_only,
-    data_arguments,
-    default_ckpt_path,
-    stage_module,
-)
+from nanotrain.trainer.accumulation_schedule import check_accumulation_schedule
+from nanotrain.trainer.call_forms import check_weights_only, data_arguments
 from nanotrain.trainer.checkpoint_methods import CheckpointMethods
 from nanotrain.trainer.config import TrainerConfig
-from nanotrain.trainer.evaluation import EvaluationMethods, finish_epoch, print_results
+from nanotrain.trainer.epoch_loop import EpochLoopMethods
+from nanotrain.trainer.evaluation import EvaluationMethods, finish_epoch
 from nanotrain.trainer.finetuning_checks import check_finetuning
-from nanotrain.trainer.hook_checks import (
-    WINDOW_HOOKS,
-    check_datamodule_hooks,
-    check_hooks,
-    overrides,
-    uses_any_hook,
-)
 from nanotrain.trainer.hook_dispatch import CallbackHooks
 from nanotrain.trainer.hook_optimizer import check_closure_optimizer, needs_closure
-from nanotrain.trainer.lightning_args import check_accelerator, setting_names, unknown_setting_error
-from nanotrain.trainer.lightning_tuner import refuse_tuner_callbacks
-from nanotrain.trainer.loaders import (
-    build_loaders,
-    draw_as_lightning,
-    limited_steps,
-)
-from nanotrain.trainer.loggers import LoggerGroup, user_loggers
-from nanotrain.trainer.manual import ManualMethods, check_manual, manual_step
+from nanotrain.trainer.lightning_args import setting_names, unknown_setting_error
+from nanotrain.trainer.loggers import user_loggers
+from nanotrain.trainer.manual import ManualMethods, check_manual
 from nanotrain.trainer.metric_book import MetricBook, to_float
 from nanotrain.trainer.predict_records import PredictRecords
 from nanotrain.trainer.preemption import PreemptionWatch, stop_if_preempted
 from nanotrain.trainer.properties import LightningTrainerProperties
 from nanotrain.trainer.run_setup import RunSetupMethods
+from nanotrain.trainer.stage_lifecycle import StageLifecycleMethods
 from nanotrain.trainer.state import TrainState
-from nanotrain.trainer.step_signatures import adapt_steps, restore_steps
 from nanotrain.trainer.swa_support import FitLoopView, check_swa
 from nanotrain.trainer.train_step import TrainStepMethods
-from nanotrain.trainer.validation import run_validation
+from nanotrain.trainer.validation import ValidationMethods
 
 
 class Trainer(
     LightningTrainerProperties,
+    StageLifecycleMethods,
+    EpochLoopMethods,
     TrainStepMethods,
+    ValidationMethods,
     EvaluationMethods,
     CheckpointMethods,
     RunSetupMethods,
@@ -251,75 +236,6 @@ class Trainer(
         finally:
             self._current_fx = previous
 
-    # -- setup shared by fit and validate --------------------------------------------------
-    def _setup(self, module: NanoModule, datamodule: Any, stage: str, ckpt_path: Any) -> None:
-        module = adopt_lightning_module(module)
-        s = self.settings
-        self.strategy.setup_environment()
-        check_accelerator(
-            s.accelerator, self.strategy.root_device.type, type(self.strategy).__name__
-        )
-        if stage == "fit" and s.max_tokens is not None:
-            if type(module).count_tokens is NanoModule.count_tokens:
-                raise ValueError(
-                    "max_tokens needs the module to count tokens: override "
-                    f"{type(module).__name__}.count_tokens(batch), or use max_steps/max_epochs"
-                )
-        self.module, self.datamodule = module, datamodule
-        adapt_steps(module)  # steps without batch_idx, as Lightning calls them (until teardown)
-        self._interrupted = False
-        # as Lightning: every stage (a second fit too) starts with no metrics
-        self.callback_metrics, self.logged_metrics, self.progress_bar_metrics = {}, {}, {}
-        # a Lightning hook this Trainer would not call is an error now, not a different run
-        check_hooks(module, self.callbacks, self.strategy)
-        refuse_tuner_callbacks(self.callbacks)
-        check_datamodule_hooks(datamodule)
-        self._uses_window_hooks = uses_any_hook(module, self.callbacks, WINDOW_HOOKS)
-        module.trainer = self
-        if datamodule is not None:
-            datamodule.trainer = self
-        self._plan_run_dir(ckpt_path, stage)
-        self._seed()
-        set_deterministic(s.deterministic)
-        self._book = MetricBook(
-            lambda: self.strategy.root_device, self.strategy.metric_process_group
-        )
-        # as Lightning: the datamodule's prepare_data, then the module's, on local rank 0
-        module_prepares = overrides(module, "prepare_data")
-        if datamodule is not None or module_prepares:
-            if self.strategy.local_rank == 0:
-                if datamodule is not None:
-                    datamodule.prepare_data()
-                if module_prepares:
-                    module.prepare_data()
-            self.strategy.barrier()
-        if datamodule is not None:
-            datamodule.setup(stage)
-        # Lightning's order: the setup hooks, then configure_model
-        self._call("setup", stage)
-        self.strategy.setup_module(module)
-
-    def _build_loaders(self, stage: str, train_loader: Any, val_loader: Any) -> None:
-        from nanotrain.data.sampler import ResumableBatchList
-
-        loaders = build_loaders(self, stage, train_loader, val_loader)
-        self._train_loader, self._train_sampler, self._val_loader = loaders
-        if stage == "fit":
-            self.strategy.check_step_microbatches(self.num_microbatches)
-            sampler = self._train_sampler
-            if isinstance(sampler, ResumableBatchList):  # counted in the DataLoader's batches
-                steps = len(sampler) // self.num_microbatches
-            else:
-                samples_per_step = self.settings.micro_batch_size * self.num_microbatches
-                steps = len(sampler) // samples_per_step
-            self.state.steps_per_epoch = limited_steps(
-                self.settings.limit_train_batches, steps, self.num_microbatches
-            )
-
-    def _load_sampler_state(self, data_state: dict[str, Any]) -> None:
-        """Load the training sampler's checkpointed state (see `load_sampler_state`)."""
-        load_sampler_state(self, data_state)
-
     # -- fit -----------------------------------------------------------------------------------
     def fit(
         self,
@@ -423,70 +339,6 @@ class Trainer(
                 self._preemption.uninstall()
             self._teardown("fit")
 
-    def _done(self) -> bool:
-        s, st = self.settings, self.state
-        return (
-            self.should_stop
-            or (s.max_steps is not None and st.global_step >= s.max_steps)
-            or (s.max_tokens is not None and st.consumed_tokens >= s.max_tokens)
-            or (s.max_epochs is not None and st.epoch >= s.max_epochs)
-        )
-
-    def _train_loop(self) -> None:
-        st = self.state
-        if st.steps_per_epoch == 0:
-            raise ValueError("the training data does not fill one global batch")
-        while not self._done():
-            if st.steps_in_epoch == 0:
-                self._reload_if_due()
-            if st.steps_in_epoch < st.steps_per_epoch:
-                if st.steps_in_epoch == 0:
-                    self._train_sampler.set_epoch(st.epoch)
-                self._call("on_train_epoch_start")
-                if st.steps_in_epoch == 0:  # a resumed epoch made its draw before the save
-                    draw_as_lightning(self._train_loader)
-                batches = iter(self._train_loader)
-                ran_out = False  # a stream (IterableDataset) ended: so does its epoch
-                while st.steps_in_epoch < st.steps_per_epoch and not self._done():
-                    try:
-                        micro = [
-                            self.strategy.batch_to_device(next(batches))
-                            for _ in range(self.num_microbatches)
-                        ]
-                    except StopIteration:
-                        ran_out = True
-                        self._step_scheduler("epoch", st.epoch)  # as Lightning: at its end
-                        break
-                    if self._manual:  # the module steps its optimizers itself
-                        manual_step(self, micro[0])
-                    else:
-                        self._train_step(micro)
-                    stop_if_preempted(self, self._preemption)
-                if st.steps_in_epoch < st.steps_per_epoch and not ran_out:
-                    break  # stopped mid-epoch
-            else:  # resumed at an epoch's end, which runs again: its records are its last step's
-                self._step_taken = True
-            n_val = self.settings.check_val_every_n_epoch
-            # as Lightning: an int val_check_interval replaces the epoch-end validation
-            at_epoch_end = n_val and self.settings.val_check_interval is None
-            if self._val_loader is not None and at_epoch_end and (st.epoch + 1) % n_val == 0:
-                if self._last_val_step != st.global_step:  # as Lightning: before the hook
-                    self._run_validation()
-            finish_epoch(self, "on_train_epoch_end")
-            self._step_scheduler("epoch", st.epoch, plateau=True)  # as Lightning: after the hooks
-            st.epoch += 1
-            st.steps_in_epoch = 0
-            self._step_taken = False  # the next epoch starts: see `logged_step`
-
-    def _reload_if_due(self) -> None:
-        """As Lightning's `reload_dataloaders_every_n_epochs`: at the start of every n-th
-        epoch since the last build, ask the sources for the training and validation
-        DataLoaders again (the module's or datamodule's `*_dataloader()`)."""
-        every = self.settings.reload_dataloaders_every_n_epochs
-        if every and self.state.epoch - self._last_reload_epoch >= every:
-            self._build_loaders("fit", *self._fit_sources)
-            self._last_reload_epoch = self.state.epoch
-
     def log_metrics(self, metrics: dict[str, Any], step: int | None = None) -> None:
         """Write scalars to the loggers (rank 0) and remember them in `callback_metrics`.
         Call on every rank; only rank 0 writes.
@@ -508,79 +360,6 @@ class Trainer(
                 values.setdefault("epoch", self.current_epoch)
                 step = self.logged_step
         self.loggers.log_metrics(values, step)
-
-    # -- validation -----------------------------------------------------------------------------
-    def _run_validation(self, lightning_has_it: bool = True) -> dict[str, float]:
-        """One validation pass; `lightning_has_it`=False for nanotrain's own extra passes
-        (validate_at_start, the final one of fit), which leave the global RNG untouched."""
-        return run_validation(self, lightning_has_it)
-
-    def validate(
-        self,
-        model: NanoModule | None = None,
-        dataloaders: Any = None,
-        ckpt_path: str | Path | None = None,
-        verbose: bool = True,
-        datamodule: Any = None,
-        weights_only: bool | None = None,
-    ) -> list[dict[str, float]]:
-        """Run one pass over the validation data; returns `[metrics]` (Lightning's shape: one
-        dict per dataloader) with the epoch values logged, reduced over the ranks, and with
-        `verbose` prints them on rank 0 as Lightning's results table. Lightning's signature
-        and defaults: without `model`, the module of the last stage, and after a fit
-        `ckpt_path` "best" (`nanotrain.trainer.call_forms`).
-
-        Raises:
-            ValueError: the module has no `validation_step` (as Lightning), or no
-                validation data.
-        """
-        check_weights_only(weights_only)
-        datamodule, dataloaders = data_arguments("validate", datamodule, dataloaders)
-        module, given = stage_module(self, model, "validate")
-        ckpt_path = default_ckpt_path(self, "validate", ckpt_path, given)
-        try:
-            if type(module).validation_step is pl.LightningModule.validation_step:
-                raise ValueError(
-                    f"Trainer.validate needs {type(module).__name__}.validation_step(batch, "
-                    "batch_idx)"
-                )
-            self._setup(module, datamodule, "validate", ckpt_path)
-            self._build_loaders("validate", None, dataloaders)
-            if self._val_loader is None:
-                raise ValueError(
-                    "validate needs validation data: dataloaders=..., a datamodule with "
-                    f"val_dataloader() or val_dataloader() on {type(module).__name__}"
-                )
-            if self._resume_path is not None:
-                self._resume(self._resume_path, weights_only=True)
-            self._make_run_dir()
-            metrics = self._run_validation()
-            if verbose:
-                print_results(self, metrics, "validate")
-            return [metrics]
-        except BaseException as exc:
-            if self.module is not None:
-                self._call("on_exception", exc)
-            raise
-        finally:
-            self._teardown("validate")
-
-    def _your_loggers(self) -> LoggerGroup:
-        """The Lightning loggers you passed, on the rank that writes (none elsewhere)."""
-        return LoggerGroup(self._user_loggers if self.is_global_zero else [])
-
-    def _teardown(self, stage: str) -> None:
-        self._restore_global_seed()  # first: whatever fails below, the next stage starts clean
-        if self.datamodule is not None:  # as Lightning: the datamodule's, then the hooks'
-            self.datamodule.teardown(stage)
-        if self.module is not None:
-            restore_steps(self.module)
-            self._call("teardown", stage)
-        self.loggers.finalize()
-        self.loggers = self._your_loggers()  # as Lightning: yours stay readable
-        self._step_taken = False  # validate/test after fit log at global_step, as Lightning
-        self._train_loader = self._val_loader = None
-        self.strategy.teardown()
 
 
 def _before_savers(callbacks: list[Any]) -> int:
