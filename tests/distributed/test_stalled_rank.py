@@ -3,6 +3,7 @@ strategy's timeout, with an error naming the collective and the process group.""
 
 from __future__ import annotations
 
+import multiprocessing as mp
 import time
 
 import pytest
@@ -18,18 +19,24 @@ pytestmark = pytest.mark.distributed
 
 
 class StallAt(nt.Callback):
-    """Rank 1 sleeps `seconds` at the start of step `step` (alive, but not in the collective)."""
+    """Rank 1 stays out of step `step` (alive, but not in the collective) until `released` is
+    set, at most `seconds`."""
 
-    def __init__(self, step: int, seconds: float) -> None:
-        self.step, self.seconds = step, seconds
+    def __init__(self, step: int, released, seconds: float) -> None:
+        self.step, self.released, self.seconds = step, released, seconds
 
     def on_train_step_start(self, trainer, module, batch, batch_idx) -> None:
         if trainer.global_step + 1 == self.step and trainer.global_rank == 1:
-            time.sleep(self.seconds)
+            self.released.wait(self.seconds)
 
 
-def _stall(rank: int, world_size: int, kind: str) -> dict:
-    settings = dict(max_steps=4, loggers=[], seed=0, callbacks=[StallAt(2, 5.0)])
+def _stall(rank: int, world_size: int, kind: str, waited) -> dict:
+    # rank 1 stalls until rank 0's collective has given up (`waited`), not a fixed time: rank 0
+    # sees a peer absent for its whole timeout however slow the machine, and neither rank
+    # idles after that (a fixed 5 s stall made each case last 5 s; the 30 s cap is for a run
+    # in which rank 0 never times out, which the test then reports)
+    stall = StallAt(2, waited, 30.0)
+    settings = dict(max_steps=4, loggers=[], seed=0, callbacks=[stall])
     if kind == "ddp":
         trainer = nt.Trainer(
             strategy=nt.DDPStrategy(timeout_s=2),
@@ -49,6 +56,9 @@ def _stall(rank: int, world_size: int, kind: str) -> dict:
         return {"error": None}
     except BaseException as exc:  # noqa: BLE001 - reported to the test
         return {"type": type(exc).__name__, "error": str(exc), "seconds": time.monotonic() - start}
+    finally:
+        if rank == 0:
+            waited.set()
 
 
 @pytest.mark.parametrize(
@@ -57,7 +67,8 @@ def _stall(rank: int, world_size: int, kind: str) -> dict:
 )
 def test_a_stalled_rank_ends_the_job_with_the_collective_and_group_named(tmp_path, kind, group):
     torch.manual_seed(0)
-    waiting = run_world(_stall, 2, kind, timeout=60, pg_timeout=2)[0]
+    waited = mp.get_context("fork").Event()  # the ranks are forked: they share it
+    waiting = run_world(_stall, 2, kind, waited, timeout=60, pg_timeout=2)[0]
     assert waiting["type"] == CollectiveTimeoutError.__name__, waiting
     assert f"collective all_reduce over {group}" in waiting["error"]
     assert "timed out after 2 s (the strategy's timeout_s)" in waiting["error"]
