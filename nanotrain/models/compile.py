@@ -11,7 +11,8 @@ are unchanged.
 * `compile_model` (`LanguageModelModule(compile_model=True)`): the whole forward (embedding,
   every layer, final norm, head and loss; MTP too) is one graph, so inductor also fuses across
   layer boundaries, plans one set of buffers for the whole step and compiles the loss's
-  softmax. Not for a model split into pipeline stages (the schedule calls the stages piece by
+  softmax. An MoE layer under recompute "full" runs eagerly between graphs: its checkpointed
+  region updates the load counter, which dynamo does not trace inside a checkpoint. Not for a model split into pipeline stages (the schedule calls the stages piece by
   piece): there, use `compile_layers`.
 * CUDA graphs (`compile_model={"mode": "reduce-overhead"}`): the compiled graphs are captured
   once and replayed, so a host-bound step (many small kernels: MoE routing, dispatch) costs

@@ -75,9 +75,10 @@ def recomputed(fn: Callable[..., Any], *args: Any) -> Any:
     if not torch.is_grad_enabled():
         return fn(*args)
     if torch.compiler.is_compiling():
-        # torch.compile turns the region into a graph whose backward recomputes only pure ops
-        # (a buffer update such as the MoE load count happens once, in forward), and it takes
-        # no context_fn but its own selective-recompute modes
+        # torch.compile turns the region into a graph whose backward recomputes it, and it
+        # takes no context_fn but its own selective-recompute modes. A region that updates a
+        # buffer (an MoE layer's load count under "full") is not traced: dynamo breaks the
+        # graph around it and runs it eagerly, through the branch below
         return checkpoint(fn, *args, use_reentrant=False)
     return checkpoint(_without_cast_cache(fn), *args, use_reentrant=False, context_fn=_contexts)
 

@@ -143,18 +143,23 @@ def test_a_deepseek_layer_and_the_whole_model_trace_as_one_graph():
 
 
 def test_inductor_compiled_model_with_recompute_matches_eager(tmp_path):
-    # inductor's code for the whole model and a checkpointed region inside the graph (the MoE
-    # load counter, updated in the recomputed layer, counts each token once). Compiled
+    # inductor's code for the whole model with a checkpointed region inside the graph: the
+    # dense layer under full recompute is one graph. (A MoE layer under full recompute is
+    # not: torch 2.13's dynamo does not trace a checkpointed region that updates a buffer,
+    # the load counter, and runs that layer eagerly, see docs/performance.md; MoE layers
+    # compiled with and without recompute are the aot_eager cases below.) Compiled
     # validation, with a last batch of another shape, runs under aot_eager below (ep=2): with
     # inductor it would double this test's time on a cold cache.
-    # one MoE layer: inductor's C++ build on a cold cache grows with the graph (~90 s of CPU
-    # for the two-layer model on a 2-core machine)
-    model = ONE_LAYER_MOE
-    eager, names, eager_module = _eager(tmp_path, **model)
+    # one layer: inductor's C++ build on a cold cache grows with the graph (~90 s of CPU for
+    # a two-layer MoE model on a 2-core machine)
+    model = ONE_LAYER_DENSE
+    eager, names, _ = _eager(tmp_path, **model)
+    torch._dynamo.utils.counters.clear()  # graphs other tests of this process compiled
     got, got_names, module = _fit(tmp_path, True, scope="model", recompute="full", **model)
     assert got_names == names  # checkpoints stay interchangeable
     assert got == pytest.approx(eager, rel=1e-5)
-    assert torch.equal(_loads(eager_module), _loads(module))
+    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    assert graphs == 1, f"{graphs} graphs: the checkpointed layer broke the graph"
     # a graph cached under another ATEN_CPU_CAPABILITY (or host) is not reused: its ISA is
     # in inductor's cache keys (tests/unit/test_compile_cache_key.py)
     from torch._inductor.cpu_vec_isa import pick_vec_isa
