@@ -118,8 +118,9 @@ def run_world(
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` forked gloo ranks.
 
     Each rank sets ``torch.set_num_threads(1)``, joins a gloo process group (localhost, a
-    store on a port rank 0 binds, collective timeout ``pg_timeout`` seconds), calls ``fn`` and sends its return value
-    (must be picklable) back. The process group is destroyed after ``fn`` returns.
+    store on a port rank 0 binds, collective timeout ``pg_timeout`` seconds), calls ``fn``
+    and sends its return value (must be picklable) back. The process group is destroyed
+    after ``fn`` returns.
 
     Returns:
         The ranks' return values, indexed by rank.
