@@ -16,20 +16,16 @@ from nanotrain.models.compile import CPU_ISA_TAG, key_inductor_caches_by_cpu_isa
 
 
 def test_inductor_cache_keys_name_the_cpu_isa_and_keep_the_users_tag(monkeypatch):
-    with torch.compiler.config.patch(cache_key_tag="users-tag"):
-        _isa_tags(monkeypatch)
-
-
-def _isa_tags(monkeypatch):
     tags = {}
-    for capability in ("default", "avx2", "default"):
-        monkeypatch.setenv("ATEN_CPU_CAPABILITY", capability)
-        key_inductor_caches_by_cpu_isa({})  # the inductor backend (torch.compile's default)
-        tag = torch.compiler.config.cache_key_tag
-        # the ISA torch's code generator picks under this capability, once, after the user's tag
-        assert tag == f"users-tag;{CPU_ISA_TAG}{pick_vec_isa()}"
-        tags.setdefault(capability, tag)
-        assert tag == tags[capability]  # switching back gives the first key again
+    with torch.compiler.config.patch(cache_key_tag="users-tag"):
+        for capability in ("default", "avx2", "default"):
+            monkeypatch.setenv("ATEN_CPU_CAPABILITY", capability)
+            key_inductor_caches_by_cpu_isa({})  # the inductor backend (torch.compile's default)
+            tag = torch.compiler.config.cache_key_tag
+            # the ISA the code generator picks under this capability, once, after the user's tag
+            assert tag == f"users-tag;{CPU_ISA_TAG}{pick_vec_isa()}"
+            tags.setdefault(capability, tag)
+            assert tag == tags[capability]  # switching back gives the first key again
     # "default" generates scalar code, avx2 8-lane vectors: different cache entries
     assert tags["default"] != tags["avx2"]
 
